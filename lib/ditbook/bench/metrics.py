@@ -1,0 +1,175 @@
+"""Image quality against a reference: PSNR in floating point, SSIM, and corruption checks.
+
+PSNR is computed on float images in [0, 1] (a uint8 difference wraps around and makes garbage
+look fine). SSIM comes from scikit-image. PSNR alone misses NaNs, blank images and one bad
+tile, so every comparison checks those too.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+PSNR_CAP = 100.0  # identical images: reported as this value rather than infinity
+
+
+def _as_float(img) -> np.ndarray:
+    arr = np.asarray(img)
+    if arr.dtype == np.uint8:
+        return arr.astype(np.float64) / 255.0
+    return arr.astype(np.float64)
+
+
+def psnr(image, reference) -> float:
+    """Peak signal-to-noise ratio in dB for float images in [0, 1]; NaN if either holds NaN/Inf."""
+    a, b = _as_float(image), _as_float(reference)
+    if a.shape != b.shape:
+        raise ValueError(f"shapes differ: {a.shape} vs {b.shape}")
+    if not (np.isfinite(a).all() and np.isfinite(b).all()):
+        return float("nan")
+    mse = float(np.mean((a - b) ** 2))
+    if mse == 0.0:
+        return PSNR_CAP
+    return min(PSNR_CAP, 10.0 * math.log10(1.0 / mse))
+
+
+def ssim(image, reference) -> float:
+    """Structural similarity (scikit-image), data range 1, over colour channels."""
+    from skimage.metrics import structural_similarity
+
+    a, b = _as_float(image), _as_float(reference)
+    if not (np.isfinite(a).all() and np.isfinite(b).all()):
+        return float("nan")
+    win = min(7, a.shape[0], a.shape[1])
+    if win % 2 == 0:
+        win -= 1
+    return float(structural_similarity(a, b, data_range=1.0, channel_axis=-1 if a.ndim == 3 else None,
+                                       win_size=max(win, 3)))
+
+
+def tile_psnrs(image, reference, tiles: int = 4) -> np.ndarray:
+    """PSNR of each cell of a ``tiles`` x ``tiles`` grid (catches one corrupted region)."""
+    a, b = _as_float(image), _as_float(reference)
+    h, w = a.shape[:2]
+    out = np.empty((tiles, tiles))
+    for i in range(tiles):
+        for j in range(tiles):
+            ys = slice(i * h // tiles, (i + 1) * h // tiles)
+            xs = slice(j * w // tiles, (j + 1) * w // tiles)
+            out[i, j] = psnr(a[ys, xs], b[ys, xs])
+    return out
+
+
+@dataclass
+class QualityReport:
+    """One image against its reference."""
+
+    psnr: float
+    ssim: float
+    max_abs: float
+    worst_tile_psnr: float
+    finite: bool
+    blank: bool
+    passed: bool
+    reasons: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        for k in ("psnr", "ssim", "max_abs", "worst_tile_psnr"):
+            v = d[k]
+            d[k] = None if v is None or not math.isfinite(v) else round(float(v), 5)
+        return d
+
+
+@dataclass
+class Gates:
+    psnr: float = 30.0
+    ssim: float = 0.90
+    # a tile may fall this far below the whole-image threshold before the image fails
+    tile_margin_db: float = 10.0
+
+    @classmethod
+    def from_dict(cls, d: dict | None, **defaults) -> "Gates":
+        base = cls(**defaults)
+        for k, v in (d or {}).items():
+            if hasattr(base, k):
+                setattr(base, k, float(v))
+        return base
+
+
+def is_blank(image, tol: float = 1e-3) -> bool:
+    a = _as_float(image)
+    return bool(np.isfinite(a).all() and float(a.std()) < tol)
+
+
+def compare(image, reference, gates: Gates | None = None) -> QualityReport:
+    """Every check of an image against its reference, with the gate verdict and its reasons."""
+    gates = gates or Gates()
+    a, b = _as_float(image), _as_float(reference)
+    finite = bool(np.isfinite(a).all())
+    blank = is_blank(a) and not is_blank(b)
+    p = psnr(a, b)
+    s = ssim(a, b) if finite else float("nan")
+    max_abs = float(np.max(np.abs(a - b))) if finite else float("nan")
+    worst = float(np.nanmin(tile_psnrs(a, b))) if finite else float("nan")
+    reasons = []
+    if not finite:
+        reasons.append("image holds NaN or Inf")
+    if blank:
+        reasons.append("image is blank where the reference is not")
+    if finite and not p > gates.psnr:
+        reasons.append(f"PSNR {p:.2f} dB is not above {gates.psnr} dB")
+    if finite and not s > gates.ssim:
+        reasons.append(f"SSIM {s:.4f} is not above {gates.ssim}")
+    if finite and not worst > gates.psnr - gates.tile_margin_db:
+        reasons.append(f"worst tile PSNR {worst:.2f} dB is below {gates.psnr - gates.tile_margin_db} dB "
+                       f"(localized corruption)")
+    return QualityReport(psnr=p, ssim=s, max_abs=max_abs, worst_tile_psnr=worst, finite=finite,
+                         blank=blank, passed=not reasons, reasons=reasons)
+
+
+@dataclass
+class SetQuality:
+    """Many images against their references: the worst case decides."""
+
+    n: int
+    psnr_mean: float
+    psnr_min: float
+    ssim_mean: float
+    ssim_min: float
+    max_abs: float
+    worst_tile_psnr: float
+    passed: bool
+    reasons: list[str]
+    per_image: dict[str, dict]
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        for k in ("psnr_mean", "psnr_min", "ssim_mean", "ssim_min", "max_abs", "worst_tile_psnr"):
+            v = d[k]
+            d[k] = None if v is None or not math.isfinite(v) else round(float(v), 5)
+        return d
+
+
+def compare_sets(images: dict, references: dict, gates: Gates | None = None) -> SetQuality:
+    """Compare images to references by key; keys missing on either side fail the set."""
+    gates = gates or Gates()
+    missing = sorted(set(references) ^ set(images))
+    reports = {k: compare(images[k], references[k], gates) for k in sorted(references) if k in images}
+    vals = list(reports.values())
+    reasons = [f"{k}: {r}" for k, rep in reports.items() for r in rep.reasons]
+    if missing:
+        reasons.append(f"images missing for keys {missing}")
+    def agg(fn, attr):
+        xs = [getattr(r, attr) for r in vals]
+        return float(fn(xs)) if xs else float("nan")
+    return SetQuality(
+        n=len(vals),
+        psnr_mean=agg(np.mean, "psnr"), psnr_min=agg(np.min, "psnr"),
+        ssim_mean=agg(np.mean, "ssim"), ssim_min=agg(np.min, "ssim"),
+        max_abs=agg(np.max, "max_abs"), worst_tile_psnr=agg(np.min, "worst_tile_psnr"),
+        passed=bool(vals) and not reasons, reasons=reasons,
+        per_image={k: r.to_dict() for k, r in reports.items()},
+    )

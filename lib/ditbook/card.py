@@ -1,0 +1,370 @@
+"""Model cards: the schema, ``${VAR}`` expansion, and the gate check.
+
+A card is a YAML file that names a model on local disk and the classes that run it. The gate
+check refuses to go on while anything is missing or wrong, with one message listing every
+problem and the card field to fill; it never guesses a default path or class.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import importlib
+import importlib.util
+import json
+import os
+import re
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+_ENV_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+KNOWN_TOP_LEVEL = {
+    "name", "path", "pipeline", "transformer", "generation", "runtime",
+    "cache", "parallel", "benchmark", "inspect", "approved_plan", "notes",
+}
+KNOWN_GENERATION = {
+    "prompts", "negative_prompt", "seeds", "height", "width", "steps",
+    "guidance_scale", "true_cfg_scale", "extra", "holdout_seeds", "holdout_prompts",
+}
+OVERRIDE_SHORTHANDS = {"device": "runtime.device", "dtype": "runtime.dtype", "steps": "generation.steps",
+                      "height": "generation.height", "width": "generation.width", "seeds": "generation.seeds",
+                      "prompts": "generation.prompts"}
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class CardError(ValueError):
+    """The card file cannot be read or does not follow the schema."""
+
+
+class GateError(CardError):
+    """The gate check failed; ``problems`` lists each missing or wrong item."""
+
+    def __init__(self, card_path: str | Path, problems: list[str]):
+        self.card_path = str(card_path)
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(
+            f"model card {self.card_path} did not pass the gate check "
+            f"({len(self.problems)} problem{'s' if len(self.problems) != 1 else ''}):\n{lines}"
+        )
+
+
+@dataclass
+class ClassSpec:
+    """Where a class comes from: ``source`` is ``diffusers``, a module path, or a .py file."""
+
+    cls: str | None
+    source: str | None
+    subfolder: str | None = None
+
+    def to_dict(self) -> dict:
+        d = {"class": self.cls, "source": self.source}
+        if self.subfolder is not None:
+            d["subfolder"] = self.subfolder
+        return d
+
+
+@dataclass
+class Generation:
+    prompts: list[str] = field(default_factory=list)
+    negative_prompt: str | None = None
+    seeds: list[int] = field(default_factory=lambda: [0])
+    height: int = 64
+    width: int = 64
+    steps: int = 8
+    guidance_scale: float | None = None
+    true_cfg_scale: float | None = None
+    extra: dict = field(default_factory=dict)
+    holdout_seeds: list[int] = field(default_factory=list)
+    holdout_prompts: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ModelCard:
+    """A parsed model card. ``raw`` keeps the expanded YAML mapping as written."""
+
+    name: str
+    path: Path | None
+    pipeline: ClassSpec
+    transformer: ClassSpec
+    generation: Generation
+    runtime: dict
+    cache: dict
+    parallel: dict
+    benchmark: dict
+    inspect: dict
+    approved_plan: str | None
+    card_path: Path
+    raw: dict
+
+    @property
+    def card_dir(self) -> Path:
+        return self.card_path.parent
+
+    def resolve_source(self, source: str) -> str:
+        """A file source relative to the card's folder becomes absolute; modules stay as they are."""
+        if _is_file_source(source):
+            p = Path(source).expanduser()
+            return str(p if p.is_absolute() else (self.card_dir / p).resolve())
+        return source
+
+    def to_dict(self) -> dict:
+        d = copy.deepcopy(self.raw)
+        d["path"] = str(self.path) if self.path else None
+        d["card_path"] = str(self.card_path)
+        return d
+
+    def content_hash(self) -> str:
+        """Hash of what the card asks for, without the approval itself."""
+        d = copy.deepcopy(self.raw)
+        d.pop("approved_plan", None)
+        blob = json.dumps(d, sort_keys=True, default=str).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def with_overrides(self, overrides: dict[str, Any]) -> "ModelCard":
+        """A copy with dotted ``key=value`` overrides applied (``generation.steps=4``)."""
+        raw = copy.deepcopy(self.raw)
+        for key, value in overrides.items():
+            key = OVERRIDE_SHORTHANDS.get(key, key)
+            node = raw
+            parts = key.split(".")
+            for part in parts[:-1]:
+                node = node.setdefault(part, {})
+                if not isinstance(node, dict):
+                    raise CardError(f"override {key!r}: {part!r} is not a mapping in the card")
+            node[parts[-1]] = value
+        return _from_mapping(raw, self.card_path)
+
+
+def _is_file_source(source: str) -> bool:
+    return source.endswith(".py") or "/" in source or os.sep in source
+
+
+def expand_env(value: Any, missing: list[str] | None = None) -> Any:
+    """Expand ``${VAR}`` in every string of a YAML tree; unknown variables are recorded."""
+    if isinstance(value, str):
+        def sub(m: re.Match) -> str:
+            var = m.group(1)
+            if var not in os.environ:
+                if missing is not None:
+                    missing.append(var)
+                return m.group(0)
+            return os.environ[var]
+        return _ENV_RE.sub(sub, value)
+    if isinstance(value, list):
+        return [expand_env(v, missing) for v in value]
+    if isinstance(value, dict):
+        return {k: expand_env(v, missing) for k, v in value.items()}
+    return value
+
+
+def read_card_mapping(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise CardError(f"model card not found: {path} (pass the path of a models/<name>.yaml file)")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise CardError(f"model card {path} is not valid YAML: {exc}") from exc
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise CardError(f"model card {path} must be a YAML mapping at the top level, got {type(data).__name__}")
+    return data
+
+
+def load_card(path: str | Path, overrides: dict[str, Any] | None = None) -> ModelCard:
+    """Read and expand a card. Schema errors raise ``CardError``; run ``gate_check`` for the gate."""
+    path = Path(path).resolve()
+    data = read_card_mapping(path)
+    card = _from_mapping(data, path)
+    return card.with_overrides(overrides) if overrides else card
+
+
+def _spec(data: dict, key: str) -> ClassSpec:
+    section = data.get(key) or {}
+    if not isinstance(section, dict):
+        return ClassSpec(None, None)
+    return ClassSpec(section.get("class"), section.get("source"), section.get("subfolder"))
+
+
+def _from_mapping(data: dict, card_path: Path) -> ModelCard:
+    raw = expand_env(copy.deepcopy(data))
+    gen_raw = raw.get("generation") or {}
+    if not isinstance(gen_raw, dict):
+        raise CardError(f"{card_path}: 'generation' must be a mapping")
+    unknown = set(gen_raw) - KNOWN_GENERATION
+    if unknown:
+        raise CardError(
+            f"{card_path}: unknown generation field(s) {sorted(unknown)}; "
+            f"put other pipeline arguments under generation.extra"
+        )
+    gen = Generation(**{k: v for k, v in gen_raw.items() if v is not None or k == "negative_prompt"})
+    if isinstance(gen.prompts, str):
+        gen.prompts = [gen.prompts]
+    if isinstance(gen.seeds, int):
+        gen.seeds = [gen.seeds]
+    path_value = raw.get("path")
+    path = None
+    if isinstance(path_value, str) and path_value and not _ENV_RE.search(path_value):
+        p = Path(path_value).expanduser()
+        path = p if p.is_absolute() else (card_path.parent / p).resolve()
+    name = raw.get("name") or card_path.stem
+    return ModelCard(
+        name=str(name),
+        path=path,
+        pipeline=_spec(raw, "pipeline"),
+        transformer=_spec(raw, "transformer"),
+        generation=gen,
+        runtime=dict(raw.get("runtime") or {}),
+        cache=dict(raw.get("cache") or {}),
+        parallel=dict(raw.get("parallel") or {}),
+        benchmark=dict(raw.get("benchmark") or {}),
+        inspect=dict(raw.get("inspect") or {}),
+        approved_plan=raw.get("approved_plan"),
+        card_path=card_path,
+        raw=raw,
+    )
+
+
+def import_class(source: str, cls_name: str):
+    """Import ``cls_name`` from a diffusers module, any module path, or a .py file."""
+    if _is_file_source(source):
+        file = Path(source)
+        mod_name = f"ditbook_user_{file.stem}_{hashlib.sha1(str(file).encode()).hexdigest()[:8]}"
+        if mod_name in sys.modules:
+            module = sys.modules[mod_name]
+        else:
+            spec = importlib.util.spec_from_file_location(mod_name, file)
+            if spec is None or spec.loader is None:
+                raise ImportError(f"cannot import a module from {file}")
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[mod_name] = module
+            # sibling files of third-party code import each other by plain name
+            sys.path.insert(0, str(file.parent))
+            try:
+                spec.loader.exec_module(module)
+            except BaseException:
+                sys.modules.pop(mod_name, None)
+                raise
+            finally:
+                if sys.path and sys.path[0] == str(file.parent):
+                    sys.path.pop(0)
+    else:
+        module = importlib.import_module(source)
+    try:
+        return getattr(module, cls_name)
+    except AttributeError:
+        raise ImportError(f"{source} has no class {cls_name!r}") from None
+
+
+def gate_problems(path: str | Path, overrides: dict[str, Any] | None = None) -> tuple[ModelCard | None, list[str]]:
+    """Every problem that stops a run, each naming the card field to fill. Runs no model code
+    beyond importing the named classes."""
+    problems: list[str] = []
+    try:
+        data = read_card_mapping(path)
+    except CardError as exc:
+        return None, [str(exc)]
+    missing_vars: list[str] = []
+    expand_env(data, missing_vars)
+    for var in sorted(set(missing_vars)):
+        problems.append(f"environment variable ${{{var}}} used in the card is not set (export {var}=...)")
+    try:
+        card = load_card(path, overrides)
+    except CardError as exc:
+        return None, problems + [str(exc)]
+
+    unknown = set(card.raw) - KNOWN_TOP_LEVEL
+    if unknown:
+        problems.append(f"unknown top-level field(s) {sorted(unknown)}; known: {sorted(KNOWN_TOP_LEVEL)}")
+    path_value = card.raw.get("path")
+    if not path_value:
+        problems.append("path: missing — set 'path' to the local folder of the model (absolute, ${VAR}, or relative to the card)")
+    elif card.path is not None and not card.path.exists():
+        problems.append(f"path: {card.path} does not exist — fix 'path' or create the model folder")
+    elif card.path is not None and not card.path.is_dir():
+        problems.append(f"path: {card.path} is not a folder — 'path' must name the saved pipeline's folder")
+
+    for key in ("pipeline", "transformer"):
+        section = card.raw.get(key)
+        spec = getattr(card, key)
+        if not isinstance(section, dict):
+            problems.append(f"{key}: missing — add '{key}: {{class: ..., source: ...}}'")
+            continue
+        if not spec.cls:
+            problems.append(f"{key}.class: missing — name the {key} class (e.g. {'FluxPipeline' if key == 'pipeline' else 'FluxTransformer2DModel'})")
+        if not spec.source:
+            problems.append(f"{key}.source: missing — 'diffusers', a module path, or the .py file that defines {spec.cls or 'the class'}")
+        if not (spec.cls and spec.source):
+            continue
+        source = card.resolve_source(spec.source)
+        if _is_file_source(spec.source) and not Path(source).is_file():
+            problems.append(f"{key}.source: file {source} does not exist")
+            continue
+        try:
+            import_class(source, spec.cls)
+        except ModuleNotFoundError as exc:
+            problems.append(f"{key}.source: module {spec.source!r} cannot be imported ({exc})")
+        except ImportError as exc:
+            problems.append(f"{key}.class: {exc}")
+        except Exception as exc:  # the user's file raised while importing
+            problems.append(f"{key}.source: importing {source} raised {type(exc).__name__}: {exc}")
+
+    gen = card.generation
+    if not gen.prompts:
+        problems.append("generation.prompts: missing — list at least one prompt")
+    if not gen.seeds or not all(isinstance(s, int) for s in gen.seeds):
+        problems.append("generation.seeds: must be a non-empty list of integers")
+    for dim in ("height", "width", "steps"):
+        v = getattr(gen, dim)
+        if not isinstance(v, int) or v <= 0:
+            problems.append(f"generation.{dim}: must be a positive integer, got {v!r}")
+    dev = str(card.runtime.get("device", "auto"))
+    if dev not in DEVICES and not dev.startswith("cuda:"):
+        problems.append(f"runtime.device: {dev!r} is not one of {DEVICES}")
+    dt = str(card.runtime.get("dtype", "auto"))
+    if dt not in DTYPES:
+        problems.append(f"runtime.dtype: {dt!r} is not one of {DTYPES}")
+    return card, problems
+
+
+def gate_check(path: str | Path, overrides: dict[str, Any] | None = None) -> ModelCard:
+    """Load a card and raise ``GateError`` listing every problem, or return the card."""
+    card, problems = gate_problems(path, overrides)
+    if problems or card is None:
+        raise GateError(path, problems)
+    return card
+
+
+def write_card(path: str | Path, data: dict) -> Path:
+    """Write a card mapping back to YAML (used by the intake form and ``ditbook approve``)."""
+    path = Path(path)
+    path.write_text(yaml.safe_dump(data, sort_keys=False, allow_unicode=True))
+    return path
+
+
+def set_card_field(path: str | Path, key: str, value: Any) -> None:
+    """Set one top-level field in a card file, keeping the rest of the file's text as written."""
+    path = Path(path)
+    text = path.read_text()
+    line = f"{key}: {json.dumps(value) if not isinstance(value, str) else value}"
+    pattern = re.compile(rf"^{re.escape(key)}:.*$", re.MULTILINE)
+    if pattern.search(text):
+        text = pattern.sub(line, text)
+    else:
+        text = text.rstrip("\n") + "\n" + line + "\n"
+    path.write_text(text)
+
+
+__all__ = [
+    "CardError", "GateError", "ClassSpec", "Generation", "ModelCard",
+    "load_card", "gate_check", "gate_problems", "import_class", "expand_env",
+    "write_card", "set_card_field", "asdict",
+]

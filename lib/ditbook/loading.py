@@ -1,0 +1,125 @@
+"""Loading a model named by a card: local files only, offline, device and dtype chosen for you.
+
+The transformer class named by the card is loaded first and handed to the pipeline class, so a
+third-party transformer defined in a user's file works with a diffusers-style pipeline folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .card import ModelCard, import_class
+
+
+def set_offline() -> None:
+    """ditbook never reaches a model hub: every load is from local disk."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("DIFFUSERS_OFFLINE", "1")
+
+
+set_offline()
+
+
+class ModelFolderError(FileNotFoundError):
+    """The model folder is missing or lacks a component the pipeline needs."""
+
+
+@dataclass
+class Placement:
+    device: str
+    dtype: str
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, self.dtype)
+
+    def to_dict(self) -> dict:
+        return {"device": self.device, "dtype": self.dtype}
+
+
+def choose_placement(card: ModelCard | None = None, device: str | None = None, dtype: str | None = None) -> Placement:
+    """CUDA with bf16 when present, else CPU fp32; the card's ``runtime`` and explicit
+    arguments override (arguments win)."""
+    import torch
+
+    runtime = card.runtime if card is not None else {}
+    dev = device or runtime.get("device") or "auto"
+    dt = dtype or runtime.get("dtype") or "auto"
+    if dev == "auto":
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if dev.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(f"runtime.device is {dev!r} but torch sees no CUDA device")
+    if dt == "auto":
+        dt = "bfloat16" if dev.startswith("cuda") else "float32"
+    return Placement(dev, dt)
+
+
+def check_model_folder(path: Path) -> dict:
+    """Read ``model_index.json`` and check that every listed component folder is there."""
+    if path is None or not Path(path).is_dir():
+        raise ModelFolderError(f"model folder {path} does not exist (card field 'path')")
+    index_file = Path(path) / "model_index.json"
+    if not index_file.is_file():
+        raise ModelFolderError(
+            f"model folder {path} has no model_index.json — save the pipeline there with "
+            f"pipeline.save_pretrained({str(path)!r})"
+        )
+    index = json.loads(index_file.read_text())
+    missing = []
+    for name, value in index.items():
+        if name.startswith("_") or not isinstance(value, list) or value[0] is None:
+            continue
+        sub = Path(path) / name
+        if not sub.is_dir() or not any(sub.iterdir()):
+            missing.append(name)
+    if missing:
+        raise ModelFolderError(
+            f"model folder {path} is partial: component folder(s) {', '.join(missing)} "
+            f"listed in model_index.json are missing or empty"
+        )
+    return index
+
+
+def load_transformer(card: ModelCard, placement: Placement | None = None, **kwargs: Any):
+    placement = placement or choose_placement(card)
+    cls = import_class(card.resolve_source(card.transformer.source), card.transformer.cls)
+    sub = card.transformer.subfolder or "transformer"
+    if not (Path(card.path) / sub).is_dir():
+        raise ModelFolderError(f"model folder {card.path} has no '{sub}' folder for the transformer (card field transformer.subfolder)")
+    return cls.from_pretrained(
+        str(card.path), subfolder=sub, torch_dtype=placement.torch_dtype, local_files_only=True, **kwargs
+    )
+
+
+def load_pipeline(card: ModelCard, placement: Placement | None = None, *, transformer=None, progress: bool = False):
+    """Load the pipeline of a card from its local folder onto the chosen device."""
+    placement = placement or choose_placement(card)
+    check_model_folder(card.path)
+    pipe_cls = import_class(card.resolve_source(card.pipeline.source), card.pipeline.cls)
+    if transformer is None:
+        transformer = load_transformer(card, placement)
+    pipe = pipe_cls.from_pretrained(
+        str(card.path), transformer=transformer, torch_dtype=placement.torch_dtype, local_files_only=True
+    )
+    pipe.to(placement.device)
+    if hasattr(pipe, "set_progress_bar_config"):
+        pipe.set_progress_bar_config(disable=not progress)
+    return pipe
+
+
+def build_meta_transformer(card: ModelCard):
+    """The transformer from its config only, on the meta device: no weights are read."""
+    import torch
+
+    cls = import_class(card.resolve_source(card.transformer.source), card.transformer.cls)
+    sub = card.transformer.subfolder or "transformer"
+    config = cls.load_config(str(card.path), subfolder=sub, local_files_only=True)
+    with torch.device("meta"):
+        return cls.from_config(config)

@@ -1,0 +1,229 @@
+"""Executing the stage notebooks with papermill, in order, into one run folder.
+
+Stages are discovered from ``notebooks/NN_<stage>.ipynb``: a later stage joins by adding a
+notebook. A failing stage keeps its executed notebook (with the error), marks ``run.json``
+failed with the failing cell, and leaves the earlier stages' results in place.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from .card import GateError, ModelCard, gate_check
+from .runs import RunError, RunFolder
+
+PACKAGE_ROOT = Path(__file__).resolve().parent
+REPO_ROOT = PACKAGE_ROOT.parent.parent
+_STAGE_RE = re.compile(r"^(\d+)_([a-z0-9_]+)\.ipynb$")
+
+
+def notebooks_dir() -> Path:
+    env = os.environ.get("DITBOOK_NOTEBOOKS")
+    return Path(env) if env else REPO_ROOT / "notebooks"
+
+
+def outputs_dir() -> Path:
+    env = os.environ.get("DITBOOK_OUTPUTS")
+    return Path(env) if env else REPO_ROOT / "outputs"
+
+
+@dataclass
+class Stage:
+    order: int
+    name: str
+    notebook: Path
+
+
+def discover_stages(folder: Path | None = None) -> list[Stage]:
+    folder = Path(folder or notebooks_dir())
+    stages = []
+    for p in sorted(folder.glob("*.ipynb")):
+        m = _STAGE_RE.match(p.name)
+        if m:
+            stages.append(Stage(int(m.group(1)), m.group(2), p))
+    stages.sort(key=lambda s: s.order)
+    return stages
+
+
+def select_stages(names: list[str] | None, folder: Path | None = None) -> list[Stage]:
+    stages = discover_stages(folder)
+    if not names:
+        return stages
+    by_name = {s.name: s for s in stages}
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        raise RunError(f"unknown stage(s) {unknown}; stages in {folder or notebooks_dir()}: {list(by_name)}")
+    return [s for s in stages if s.name in names]
+
+
+@dataclass
+class StageOutcome:
+    stage: str
+    status: str  # passed | failed | skipped
+    seconds: float = 0.0
+    error: str | None = None
+    failing_cell: str | None = None
+
+    def to_dict(self) -> dict:
+        return self.__dict__.copy()
+
+
+@dataclass
+class RunOutcome:
+    run: RunFolder
+    stages: list[StageOutcome] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(s.status != "failed" for s in self.stages)
+
+    @property
+    def failure(self) -> StageOutcome | None:
+        return next((s for s in self.stages if s.status == "failed"), None)
+
+
+def _failure_details(exc: BaseException) -> tuple[str, str | None]:
+    """The error line and the failing cell's source, from a papermill execution error."""
+    ename = getattr(exc, "ename", None)
+    if ename:
+        evalue = getattr(exc, "evalue", "")
+        cell = getattr(exc, "source", None)
+        exec_count = getattr(exc, "exec_count", None)
+        label = f"cell [{exec_count}]" if exec_count else "cell"
+        return f"{ename}: {evalue}", f"{label}:\n{cell}" if cell else None
+    return f"{type(exc).__name__}: {exc}", None
+
+
+def execute_stage(stage: Stage, run: RunFolder, card: ModelCard, overrides: dict, *,
+                  kernel_name: str | None = None, log: Callable[[str], None] = print) -> StageOutcome:
+    import papermill as pm
+
+    out_nb = run.path / stage.notebook.name
+    run.update_stage(stage.name, status="running", notebook=out_nb.name, started=time.time())
+    start = time.perf_counter()
+    try:
+        pm.execute_notebook(
+            str(stage.notebook), str(out_nb),
+            parameters={"CARD": str(card.card_path), "RUN_DIR": str(run.path), "OVERRIDES": overrides,
+                        "INTERACTIVE": False},
+            kernel_name=kernel_name, cwd=str(run.path), progress_bar=False, log_output=False,
+            request_save_on_cell_execute=True,
+        )
+    except Exception as exc:  # papermill raises PapermillExecutionError; anything else is recorded too
+        seconds = time.perf_counter() - start
+        error, cell = _failure_details(exc)
+        run.update_stage(stage.name, status="failed", seconds=round(seconds, 2), error=error, failing_cell=cell,
+                         traceback=traceback.format_exception_only(type(exc), exc)[-1].strip())
+        return StageOutcome(stage.name, "failed", seconds, error, cell)
+    seconds = time.perf_counter() - start
+    run.update_stage(stage.name, status="passed", seconds=round(seconds, 2), error=None, failing_cell=None)
+    return StageOutcome(stage.name, "passed", seconds)
+
+
+def run_stages(run: RunFolder, card: ModelCard, stages: list[Stage], overrides: dict, *,
+               kernel_name: str | None = None, log: Callable[[str], None] = print) -> RunOutcome:
+    outcome = RunOutcome(run)
+    run.set_status("running")
+    for stage in stages:
+        log(f"[{stage.order:02d} {stage.name}] running ...")
+        res = execute_stage(stage, run, card, overrides, kernel_name=kernel_name, log=log)
+        outcome.stages.append(res)
+        if res.status == "failed":
+            log(f"[{stage.order:02d} {stage.name}] FAILED after {res.seconds:.1f}s: {res.error}")
+            if res.failing_cell:
+                log("  failing " + res.failing_cell.replace("\n", "\n    "))
+            log(f"  executed notebook kept at {run.path / stage.notebook.name}")
+            run.set_status("failed")
+            return outcome
+        log(f"[{stage.order:02d} {stage.name}] passed in {res.seconds:.1f}s")
+    meta = run.read_meta()
+    all_stage_names = [s.name for s in discover_stages(stages[0].notebook.parent)] if stages else []
+    done = {k for k, v in meta.get("stages", {}).items() if v.get("status") == "passed"}
+    run.set_status("finished" if set(all_stage_names) <= done else "partial")
+    return outcome
+
+
+def start_run(card_path: str | Path, *, stages: list[str] | None = None, overrides: dict | None = None,
+              run_id: str | None = None, outputs_root: Path | None = None, kernel_name: str | None = None,
+              log: Callable[[str], None] = print) -> RunOutcome:
+    """Gate-check the card, create a new run folder, and execute the chosen stages."""
+    overrides = dict(overrides or {})
+    card = gate_check(card_path, overrides)
+    chosen = select_stages(stages)
+    if not chosen:
+        raise RunError(f"no stage notebooks found in {notebooks_dir()}")
+    run = RunFolder.create(card, outputs_root or outputs_dir(), run_id, overrides)
+    meta = run.read_meta()
+    meta["requested_stages"] = [s.name for s in chosen]
+    run.write_meta(meta)
+    log(f"run folder: {run.path}")
+    return run_stages(run, card, chosen, overrides, kernel_name=kernel_name, log=log)
+
+
+def resume_run(run_dir: str | Path, *, kernel_name: str | None = None, log: Callable[[str], None] = print) -> RunOutcome:
+    """Continue a run from its first unfinished stage, if its card is unchanged."""
+    run = RunFolder(run_dir)
+    meta = run.read_meta()
+    if meta.get("status") == "finished":
+        raise RunError(f"{run.path} is finished; a finished run is never overwritten — start a new run")
+    overrides = meta.get("overrides") or {}
+    card = gate_check(meta["card_path"], overrides)
+    if card.content_hash() != meta.get("card_hash"):
+        raise RunError(
+            f"card {meta['card_path']} changed since {run.path} started (hash {meta.get('card_hash')} -> "
+            f"{card.content_hash()}); a resumed run must use the same card — start a new run instead"
+        )
+    stages = discover_stages()
+    done = {k for k, v in meta.get("stages", {}).items() if v.get("status") == "passed"}
+    requested = meta.get("requested_stages") or [s.name for s in stages]
+    todo = [s for s in stages if s.name in requested and s.name not in done]
+    if not todo:
+        raise RunError(f"{run.path}: every requested stage already passed")
+    log(f"resuming {run.path} at stage '{todo[0].name}'")
+    return run_stages(run, card, todo, overrides, kernel_name=kernel_name, log=log)
+
+
+@dataclass
+class BatchRow:
+    model: str
+    card: str
+    passed: list[str]
+    failure: str | None
+    run_dir: str | None
+
+
+def run_batch(card_paths: list[str | Path], *, stages: list[str] | None = None, overrides: dict | None = None,
+              outputs_root: Path | None = None, kernel_name: str | None = None,
+              log: Callable[[str], None] = print) -> list[BatchRow]:
+    """Run several models one after another, going on past failures."""
+    rows = []
+    for path in card_paths:
+        log(f"=== {path}")
+        try:
+            outcome = start_run(path, stages=stages, overrides=overrides, outputs_root=outputs_root,
+                                kernel_name=kernel_name, log=log)
+        except (GateError, RunError, OSError) as exc:
+            log(str(exc))
+            rows.append(BatchRow(Path(path).stem, str(path), [], str(exc).splitlines()[0], None))
+            continue
+        fail = outcome.failure
+        rows.append(BatchRow(
+            outcome.run.read_meta().get("model", Path(path).stem), str(path),
+            [s.stage for s in outcome.stages if s.status == "passed"],
+            f"{fail.stage}: {fail.error}" if fail else None, str(outcome.run.path),
+        ))
+    return rows
+
+
+def format_batch_table(rows: list[BatchRow]) -> str:
+    head = ["model", "stages passed", "failure"]
+    body = [[r.model, ",".join(r.passed) or "-", (r.failure or "-")[:100]] for r in rows]
+    widths = [max(len(x) for x in col) for col in zip(head, *body)]
+    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths))  # noqa: E731
+    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(b) for b in body])

@@ -1,0 +1,71 @@
+"""What a stage notebook opens first: its card, its run folder, its own output folder.
+
+A notebook's parameters cell sets ``CARD``, ``RUN_DIR``, ``OVERRIDES`` and ``INTERACTIVE``;
+``open_stage`` turns them into a ``StageContext``. Run interactively without ``RUN_DIR``, it
+starts a fresh run folder so nothing earlier is overwritten.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from .card import ModelCard, gate_check
+from .loading import Placement, choose_placement
+from .runs import RunError, RunFolder
+
+
+class ApprovalError(RuntimeError):
+    """A stage after inspection was asked to run without an approved, current plan."""
+
+
+@dataclass
+class StageContext:
+    card: ModelCard
+    run: RunFolder
+    stage: str
+    placement: Placement
+    overrides: dict
+
+    @property
+    def dir(self) -> Path:
+        return self.run.stage_dir(self.stage)
+
+    def results(self, stage: str) -> dict:
+        return self.run.read_results(stage)
+
+    def write_results(self, results: dict) -> Path:
+        return self.run.write_results(self.stage, results)
+
+    def load_pipeline(self, **kwargs):
+        from .loading import load_pipeline
+
+        return load_pipeline(self.card, self.placement, **kwargs)
+
+    def baseline(self) -> dict:
+        """The intake stage's baseline images, key -> float array."""
+        from .render import load_images
+
+        res = self.run.read_results("intake")
+        return load_images(self.run.stage_dir("intake"), res["images"])
+
+    def require_approved_plan(self) -> dict:
+        """The approved integration plan, or ``ApprovalError`` naming the command to approve."""
+        from .arch.plan import check_approval
+
+        return check_approval(self.card, self.run)
+
+
+def open_stage(card_path: str, run_dir: str | None, stage: str, overrides: dict | None = None,
+               outputs_root: str | Path | None = None) -> StageContext:
+    overrides = dict(overrides or {})
+    card = gate_check(card_path, overrides)
+    if run_dir:
+        run = RunFolder(run_dir)
+        if not run.exists():
+            raise RunError(f"RUN_DIR {run_dir} is not a run folder")
+    else:
+        from .runner import outputs_dir
+
+        run = RunFolder.create(card, outputs_root or outputs_dir(), overrides=overrides)
+    return StageContext(card=card, run=run, stage=stage, placement=choose_placement(card), overrides=overrides)
