@@ -30,6 +30,7 @@ class CallConvention:
     input_shapes: dict[str, list[int]] = field(default_factory=dict)
     output_shapes: list[list[int]] = field(default_factory=list)
     calls_per_forward: int = 0
+    varying_arguments: list[str] = field(default_factory=list)  # names passed to some blocks only, or a new value per block
 
 
 @dataclass
@@ -44,6 +45,10 @@ class BlockList:
     call: CallConvention | None = None
     forward_pattern: str | None = None  # cache-dit ForwardPattern name, e.g. "Pattern_0"
     pattern_reason: str = ""
+    compatible_patterns: list[str] = field(default_factory=list)  # every pattern cache-dit could run it with
+    pattern_source: str = "static"  # "static" (signature only) or "traced" (a real call)
+    cache_dit_pattern: str | None = None  # what cache-dit's registered adapter declares for this list
+    diffusers_hook_metadata: bool = False  # the block class is in diffusers' TransformerBlockRegistry
 
     @classmethod
     def from_dict(cls, d: dict) -> "BlockList":
@@ -65,6 +70,10 @@ class AttentionFacts:
     image_seq_len: int | None = None
     rope: bool = False
     processor_classes: list[str] = field(default_factory=list)
+    attention_modules: int = 0  # attention modules found inside the blocks
+    cross_attention_len: int | None = None  # key length of cross attention (traced)
+    sdpa_calls: int = 0  # scaled_dot_product_attention calls per transformer forward (traced)
+    native_gqa: bool = False  # keys/values reach attention with fewer heads than queries (traced)
 
 
 @dataclass
@@ -73,6 +82,8 @@ class CfgFacts:
     style: str = "unknown"  # "none", "separate" (two calls), "batched" (batch of two), "distilled"
     batch_per_call: int | None = None
     steps_traced: int | None = None
+    transformer_calls: int | None = None
+    cache_dit_separate_cfg: bool | None = None  # cache-dit's own has_separate_cfg answer for the pipeline
 
 
 @dataclass
@@ -84,6 +95,11 @@ class SupportFacts:
     diffusers_tp_plan: bool = False
     diffusers_hook_blocks: dict[str, bool] = field(default_factory=dict)  # block class -> registered
     notes: list[str] = field(default_factory=list)
+    cache_dit_blocks: list[str] = field(default_factory=list)  # block-list paths cache-dit's adapter names
+    cache_dit_patterns: list[str] = field(default_factory=list)  # its ForwardPattern per list, same order
+    cache_dit_patch_functor: str | None = None
+    cache_dit_separate_cfg: bool | None = None
+    agreement: list[str] = field(default_factory=list)  # how ditbook's findings compare with cache-dit's
 
 
 @dataclass
@@ -100,6 +116,9 @@ class ArchReport:
     support: SupportFacts = field(default_factory=SupportFacts)
     traced: bool = False
     notes: list[str] = field(default_factory=list)
+    modulation_reason: str = ""
+    loop_work_conditional: list[str] = field(default_factory=list)  # loop work present in the code but off in this run
+    source_files: list[str] = field(default_factory=list)  # files defining the transformer (for the code surface)
 
     def to_dict(self) -> dict:
         return asdict(self)
