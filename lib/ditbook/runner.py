@@ -208,7 +208,11 @@ def run_batch(card_paths: list[str | Path], *, stages: list[str] | None = None, 
         try:
             outcome = start_run(path, stages=stages, overrides=overrides, outputs_root=outputs_root,
                                 kernel_name=kernel_name, log=log)
-        except (GateError, RunError, OSError) as exc:
+        except GateError as exc:
+            log(str(exc))
+            rows.append(BatchRow(Path(path).stem, str(path), [], "gate: " + "; ".join(exc.problems), None))
+            continue
+        except (RunError, OSError) as exc:
             log(str(exc))
             rows.append(BatchRow(Path(path).stem, str(path), [], str(exc).splitlines()[0], None))
             continue

@@ -1,0 +1,62 @@
+"""Stage 01, intake: the environment, the model loaded offline, baseline images per prompt x seed."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from .display import Table, image_grid, save_figure
+from .env import environment_rows
+from .render import render_all, save_renders
+from .stage import StageContext
+
+
+@dataclass
+class IntakeResult:
+    images: list[dict]
+    load_seconds: float
+    render_seconds: float
+    placement: dict
+    grid: str
+    pipeline_components: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def environment_table() -> Table:
+    return Table(environment_rows(), ["item", "value"], "environment")
+
+
+def components(pipe) -> dict:
+    """Component name -> class name, with parameter counts for modules."""
+    out = {}
+    for name, comp in getattr(pipe, "components", {}).items():
+        if comp is None:
+            continue
+        label = type(comp).__name__
+        if hasattr(comp, "parameters"):
+            label += f" ({sum(p.numel() for p in comp.parameters()) / 1e6:.2f} M params)"
+        out[name] = label
+    return out
+
+
+def run_intake(ctx: StageContext, progress=None) -> tuple[IntakeResult, object]:
+    """Load the model and render the baseline; writes ``intake/results.json``. Returns the
+    result and the loaded pipeline."""
+    start = time.perf_counter()
+    pipe = ctx.load_pipeline()
+    load_seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    renders = render_all(pipe, ctx.card, progress=progress)
+    render_seconds = time.perf_counter() - start
+    rows = save_renders(renders, ctx.dir / "images")
+    fig = image_grid([r.image for r in renders], [f"{r.key}: {r.prompt[:40]}" for r in renders])
+    grid = save_figure(fig, ctx.dir / "baseline_grid.png")
+    result = IntakeResult(
+        images=rows, load_seconds=round(load_seconds, 3), render_seconds=round(render_seconds, 3),
+        placement=ctx.placement.to_dict(), grid=str(grid.relative_to(ctx.dir)),
+        pipeline_components=components(pipe),
+    )
+    ctx.write_results(result.to_dict())
+    return result, pipe

@@ -1,0 +1,123 @@
+"""The papermill runner: success, a failing stage, no overwrite, resume, and a batch that goes on."""
+
+import json
+from pathlib import Path
+
+import nbformat as nbf
+import pytest
+
+from ditbook.cli import main
+from ditbook.runner import discover_stages, format_batch_table, resume_run, run_batch, start_run
+from ditbook.runs import RunError, RunFolder
+
+pytestmark = pytest.mark.slow
+
+
+def _notebook(path: Path, body: str) -> None:
+    nb = nbf.v4.new_notebook()
+    params = nbf.v4.new_code_cell('CARD = ""\nRUN_DIR = ""\nOVERRIDES = {}\nINTERACTIVE = False')
+    params.metadata["tags"] = ["parameters"]
+    nb.cells = [params, nbf.v4.new_code_cell(body)]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbf.write(nb, path)
+
+
+@pytest.fixture
+def stages_dir(tmp_path, monkeypatch):
+    d = tmp_path / "notebooks"
+    d.mkdir()
+    _notebook(d / "01_first.ipynb", """
+import json, pathlib
+out = pathlib.Path(RUN_DIR) / "first"
+out.mkdir(exist_ok=True)
+(out / "image.txt").write_text("baseline")
+(out / "results.json").write_text(json.dumps({"ok": True}))
+""")
+    _notebook(d / "02_second.ipynb", """
+import os, pathlib
+x = 1
+if pathlib.Path(os.environ["DITBOOK_TEST_FLAG"]).exists():
+    raise ValueError("second stage broke on purpose")
+(pathlib.Path(RUN_DIR) / "second.txt").write_text("done")
+""")
+    (d / "notes.ipynb").write_text("{}")  # not a stage: no NN_ prefix
+    flag = tmp_path / "fail.flag"
+    monkeypatch.setenv("DITBOOK_NOTEBOOKS", str(d))
+    monkeypatch.setenv("DITBOOK_TEST_FLAG", str(flag))
+    monkeypatch.setenv("DITBOOK_OUTPUTS", str(tmp_path / "outputs"))
+    return d, flag
+
+
+@pytest.fixture
+def card_path(tmp_path, good_card_text):
+    p = tmp_path / "demo.yaml"
+    p.write_text(good_card_text)
+    return p
+
+
+def test_discovers_stages_in_order(stages_dir):
+    assert [s.name for s in discover_stages()] == ["first", "second"]
+
+
+def test_success_and_no_overwrite(stages_dir, card_path, tmp_path):
+    lines = []
+    outcome = start_run(card_path, run_id="r1", log=lines.append)
+    assert outcome.ok and [s.status for s in outcome.stages] == ["passed", "passed"]
+    meta = outcome.run.read_meta()
+    assert meta["status"] == "finished"
+    assert meta["card_hash"] and meta["environment"]["versions"]["torch"]
+    assert all(v["seconds"] > 0 for v in meta["stages"].values())
+    assert (outcome.run.path / "01_first.ipynb").is_file()
+    assert any("passed in" in l for l in lines)
+    with pytest.raises(RunError, match="never overwritten"):
+        start_run(card_path, run_id="r1", log=lines.append)
+    with pytest.raises(RunError, match="finished"):
+        resume_run(outcome.run.path, log=lines.append)
+
+
+def test_failing_stage_then_resume(stages_dir, card_path, capsys):
+    _, flag = stages_dir
+    flag.write_text("x")
+    code = main(["run", str(card_path), "--run-id", "r2"])
+    assert code != 0
+    out = capsys.readouterr().out
+    assert "second stage broke on purpose" in out
+    run = RunFolder(Path(stages_dir[0]).parent / "outputs" / "demo" / "r2")
+    meta = run.read_meta()
+    assert meta["status"] == "failed"
+    st = meta["stages"]["second"]
+    assert st["status"] == "failed" and "ValueError" in st["error"]
+    assert "raise ValueError" in st["failing_cell"]
+    # the earlier stage's outputs stay, and the failed notebook is kept with its error
+    assert (run.path / "first" / "image.txt").read_text() == "baseline"
+    assert "second stage broke on purpose" in (run.path / "02_second.ipynb").read_text()
+    # resume continues at the failed stage only
+    flag.unlink()
+    outcome = resume_run(run.path, log=lambda s: None)
+    assert [s.stage for s in outcome.stages] == ["second"] and outcome.ok
+    assert run.read_meta()["status"] == "finished"
+
+
+def test_resume_refuses_changed_card(stages_dir, card_path):
+    _, flag = stages_dir
+    flag.write_text("x")
+    outcome = start_run(card_path, run_id="r3", log=lambda s: None)
+    assert not outcome.ok
+    card_path.write_text(card_path.read_text().replace("steps: 2", "steps: 3"))
+    with pytest.raises(RunError, match="changed"):
+        resume_run(outcome.run.path, log=lambda s: None)
+
+
+def test_batch_goes_on_past_failures(stages_dir, card_path, tmp_path):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text(card_path.read_text().replace("  class: FluxTransformer2DModel\n", "").replace("name: demo", "name: broken"))
+    rows = run_batch([broken, card_path], stages=["first"], log=lambda s: None)
+    assert rows[0].failure and "transformer.class" in rows[0].failure
+    assert rows[1].failure is None and rows[1].passed == ["first"]
+    table = format_batch_table(rows)
+    assert "broken" in table and "first" in table
+
+
+def test_unknown_stage_rejected(stages_dir, card_path):
+    with pytest.raises(RunError, match="unknown stage"):
+        start_run(card_path, stages=["nope"], log=lambda s: None)
