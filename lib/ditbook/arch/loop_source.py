@@ -1,0 +1,232 @@
+"""Reading the transformer's block loops from its source: what happens between block calls.
+
+A cache wrapper replaces a whole ``for block in self.<list>:`` loop by one call that runs the
+blocks itself, so anything else the loop body does (controlnet residuals, skip connections,
+per-index embeddings, bookkeeping) is silently dropped unless a patch functor moves it into
+the blocks. This module finds the loops with ``ast`` and lists the other statements.
+
+Rules (documented in the plan, tested in tests/test_arch.py):
+
+* a loop is a ``for`` whose iterable mentions ``self.<path>`` of a block list (directly, via
+  ``enumerate``/``zip``/``range(len(...))``), in ``forward`` or a method it calls by name;
+* a statement that calls the loop variable (``block(...)``), or hands it to
+  ``self._gradient_checkpointing_func`` / ``checkpoint``, is the block call; an ``if`` whose
+  branches only hold block calls (the gradient-checkpointing switch) counts as one;
+* every other statement is loop work. It is *conditional* when it sits under an ``if`` that
+  tests a forward argument against ``None`` (``if controlnet_block_samples is not None``): off
+  unless the caller passes that argument. It is *active* otherwise, including under tests on
+  the loop index (``if layer > n // 2``): those run on some iterations of every call;
+* block-call arguments that use the loop index or names assigned inside the loop body are
+  per-index terms (active).
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+from dataclasses import dataclass, field
+
+
+@dataclass
+class LoopWork:
+    block_list: str
+    line: int  # line number in the source file
+    code: str
+    kind: str  # "residual", "skip_connection", "per_index_argument", "state", "other"
+    active: bool  # False: only when an optional forward argument is given
+    condition: str = ""
+
+    def describe(self) -> str:
+        cond = f" [only when {self.condition}]" if not self.active and self.condition else ""
+        return f"{self.block_list}: line {self.line}: {self.kind}: {self.code}{cond}"
+
+
+@dataclass
+class LoopSource:
+    loops: dict[str, int] = field(default_factory=dict)  # block list path -> line of its loop
+    work: list[LoopWork] = field(default_factory=list)
+    file: str | None = None
+    error: str | None = None
+
+    @property
+    def active(self) -> list[LoopWork]:
+        return [w for w in self.work if w.active]
+
+    @property
+    def conditional(self) -> list[LoopWork]:
+        return [w for w in self.work if not w.active]
+
+
+def _attr_path(node: ast.AST) -> str | None:
+    """``self.a.b`` -> ``a.b``; ``self.a[0]`` -> ``a.0``."""
+    parts = []
+    while True:
+        if isinstance(node, ast.Attribute):
+            parts.append(node.attr)
+            node = node.value
+        elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+            parts.append(str(node.slice.value))
+            node = node.value
+        else:
+            break
+    if isinstance(node, ast.Name) and node.id == "self" and parts:
+        return ".".join(reversed(parts))
+    return None
+
+
+def _names(node: ast.AST) -> set[str]:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+
+
+def _loop_vars(target: ast.AST) -> set[str]:
+    return _names(target)
+
+
+def _calls_block(node: ast.AST, block_vars: set[str]) -> bool:
+    for n in ast.walk(node):
+        if isinstance(n, ast.Call):
+            if isinstance(n.func, ast.Name) and n.func.id in block_vars:
+                return True
+            if any(isinstance(a, ast.Name) and a.id in block_vars for a in n.args) and (
+                "checkpoint" in ast.unparse(n.func)
+            ):
+                return True
+    return False
+
+
+def _only_block_calls(stmts: list[ast.stmt], block_vars: set[str]) -> bool:
+    return bool(stmts) and all(_calls_block(s, block_vars) or isinstance(s, ast.Pass) for s in stmts)
+
+
+def _kind(code: str, targets: set[str]) -> str:
+    low = code.lower()
+    if "skip" in low:
+        return "skip_connection"
+    if "controlnet" in low or "control" in low or "residual" in low:
+        return "residual"
+    if any(t in ("hidden_states", "encoder_hidden_states", "x", "h", "img", "txt") for t in targets):
+        return "residual"
+    if ".append(" in code or ".pop(" in code:
+        return "state"
+    return "other"
+
+
+class _LoopReader:
+    def __init__(self, lines_offset: int, forward_args: set[str], path: str, index_vars: set[str], block_vars: set[str]):
+        self.offset = lines_offset
+        self.forward_args = forward_args
+        self.path = path
+        self.index_vars = index_vars
+        self.block_vars = block_vars
+        self.local_names: set[str] = set()
+        self.work: list[LoopWork] = []
+
+    def _condition(self, test: ast.AST) -> tuple[bool, str]:
+        """(active, text): inactive when it only tests optional forward arguments for None."""
+        text = ast.unparse(test)
+        # ``arg is not None`` alone or as one term of an ``and``: off unless the caller passes ``arg``
+        terms = test.values if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And) else [test]
+        for t in terms:
+            if (isinstance(t, ast.Compare) and len(t.ops) == 1 and isinstance(t.ops[0], ast.IsNot)
+                    and isinstance(t.comparators[0], ast.Constant) and t.comparators[0].value is None
+                    and isinstance(t.left, ast.Name) and t.left.id in self.forward_args):
+                return False, text
+        return True, text
+
+    def read(self, stmts: list[ast.stmt], active: bool = True, condition: str = "") -> None:
+        for s in stmts:
+            if isinstance(s, ast.If):
+                both = s.body + s.orelse
+                if _only_block_calls(s.body, self.block_vars) and (not s.orelse or _only_block_calls(s.orelse, self.block_vars)):
+                    for b in both:
+                        self._block_call(b, active, condition)
+                    continue
+                if any(_calls_block(b, self.block_vars) for b in both):
+                    # an index-dependent choice of how to call the block: read both branches
+                    sub_active, text = self._condition(s.test)
+                    self.read(s.body, active and sub_active, condition or ("" if sub_active else text))
+                    self.read(s.orelse, active, condition)
+                    continue
+                sub_active, text = self._condition(s.test)
+                self._add(s, active and sub_active, condition or ("" if sub_active else text))
+                continue
+            if _calls_block(s, self.block_vars):
+                self._block_call(s, active, condition)
+                continue
+            self._add(s, active, condition)
+
+    def _block_call(self, stmt: ast.stmt, active: bool, condition: str) -> None:
+        for call in (n for n in ast.walk(stmt) if isinstance(n, ast.Call)):
+            if not (isinstance(call.func, ast.Name) and call.func.id in self.block_vars):
+                continue
+            for arg in list(call.args) + [k.value for k in call.keywords]:
+                used = _names(arg)
+                if used & (self.index_vars | self.local_names) and not isinstance(arg, ast.Name) or (
+                        isinstance(arg, ast.Name) and arg.id in self.local_names):
+                    self.work.append(LoopWork(self.path, self.offset + arg.lineno, ast.unparse(arg),
+                                              "skip_connection" if "skip" in ast.unparse(arg).lower() else "per_index_argument",
+                                              active, condition))
+
+    def _add(self, stmt: ast.stmt, active: bool, condition: str) -> None:
+        code = ast.unparse(stmt).splitlines()[0]
+        targets: set[str] = set()
+        for n in ast.walk(stmt):
+            if isinstance(n, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+                for t in (n.targets if isinstance(n, ast.Assign) else [n.target]):
+                    targets |= _names(t)
+        self.local_names |= targets
+        value = getattr(stmt, "value", None)
+        if active and isinstance(stmt, ast.Assign) and value is not None:
+            # ``flag = ... if arg is not None and ... else ...``: conditional on ``arg``
+            test = value.test if isinstance(value, ast.IfExp) else value
+            sub_active, text = self._condition(test)
+            if not sub_active:
+                active, condition = False, text
+        self.work.append(LoopWork(self.path, self.offset + stmt.lineno, code, _kind(ast.unparse(stmt), targets),
+                                  active, condition))
+
+
+def read_loops(module, block_paths: list[str]) -> LoopSource:
+    """Find the loops over ``block_paths`` in ``type(module).forward`` and list their extra work."""
+    cls = type(module)
+    try:
+        src, start = inspect.getsourcelines(cls.forward)
+        file = inspect.getsourcefile(cls.forward)
+    except (OSError, TypeError) as exc:
+        return LoopSource(error=f"source of {cls.__name__}.forward is not available: {exc}")
+    tree = ast.parse(textwrap.dedent("".join(src)))
+    fn = tree.body[0]
+    args = {a.arg for a in fn.args.args + fn.args.kwonlyargs} - {"self"}
+    out = LoopSource(file=file)
+    for node in ast.walk(fn):
+        if not isinstance(node, ast.For):
+            continue
+        paths = {p for p in (_attr_path(n) for n in ast.walk(node.iter)) if p}
+        hit = [p for p in block_paths if p in paths]
+        if not hit:
+            continue
+        path = hit[0]
+        out.loops[path] = start - 1 + node.lineno
+        loop_vars = _loop_vars(node.target)
+        iter_text = ast.unparse(node.iter)
+        if iter_text.startswith("enumerate(") and isinstance(node.target, ast.Tuple) and len(node.target.elts) == 2:
+            index_vars, block_vars = _names(node.target.elts[0]), _names(node.target.elts[1])
+        elif iter_text.startswith("range("):
+            index_vars, block_vars = loop_vars, set()
+            # ``for i in range(len(self.blocks)): self.blocks[i](...)``: the call is a subscript
+            block_vars = {f"__sub_{path}"}
+        else:
+            index_vars, block_vars = set(), loop_vars
+        reader = _LoopReader(start - 1, args, path, index_vars, block_vars)
+        if not block_vars or block_vars == {f"__sub_{path}"}:
+            # index loops: a statement calling self.<path>[i] is the block call
+            reader.block_vars = set()
+            for s in node.body:
+                if any(isinstance(n, ast.Call) and _attr_path(getattr(n.func, "value", n.func)) == path for n in ast.walk(s)):
+                    continue
+                reader._add(s, True, "")
+        else:
+            reader.read(node.body)
+        out.work.extend(reader.work)
+    return out

@@ -1,0 +1,261 @@
+"""Static inspection: facts read from the module tree and the source, no weights, no forward.
+
+Works on a transformer built on the meta device, so a full-size config can be inspected in
+seconds. Rules (each one a small function below):
+
+* attention module: has query/key projections (``to_q``/``to_k``, ``q_proj``/``k_proj``,
+  ``wq``/``wk``, ``query``/``key``) or one fused projection (``to_qkv``, ``qkv``, ``qkv_proj``,
+  ``wqkv``), or is a ``torch.nn.MultiheadAttention``;
+* block list: an ``nn.ModuleList`` (not inside another block list) whose every element holds an
+  attention module below it; other lists (projections, norms, attention's ``to_out``) are
+  recorded as "not blocks";
+* heads / kv heads / head dim: the attention's ``heads``/``num_heads``/``n_heads`` and
+  ``kv_heads``/``num_kv_heads``/``n_kv_heads``/``num_key_value_heads`` and ``head_dim``/
+  ``dim_head`` attributes; missing ones from the projections' output widths;
+* joint attention: added text projections (``add_k_proj``/``added_kv_proj_dim``) or a fused
+  single stream (confirmed by the trace); cross attention: ``is_cross_attention`` or a key
+  projection whose input width differs from the query's;
+* RoPE: a submodule class or a block parameter whose name mentions rope/rotary/freqs;
+* modulation: per block when a block holds a Linear under a ``norm``/``ada``/``mod`` path
+  that widens to 2x or more of its input (an adaLN projection); shared when blocks only hold
+  a learned table (``scale_shift_table``) and the transformer computes the modulation once.
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .loop_source import read_loops
+from .patterns import diffusers_block_metadata, forward_params, match_pattern, static_output_roles
+from .report import ArchReport, AttentionFacts, BlockList, CallConvention
+
+QK_NAMES = (("to_q", "to_k", "to_v"), ("q_proj", "k_proj", "v_proj"), ("wq", "wk", "wv"), ("query", "key", "value"))
+FUSED_NAMES = ("to_qkv", "qkv", "qkv_proj", "wqkv", "Wqkv")
+HEAD_ATTRS = ("heads", "num_heads", "n_heads", "num_attention_heads")
+KV_HEAD_ATTRS = ("kv_heads", "num_kv_heads", "n_kv_heads", "num_key_value_heads")
+HEAD_DIM_ATTRS = ("head_dim", "dim_head", "attention_head_dim")
+
+
+def _linear_out(m) -> int | None:
+    return getattr(m, "out_features", None)
+
+
+def _linear_in(m) -> int | None:
+    return getattr(m, "in_features", None)
+
+
+def projections(m: nn.Module) -> dict:
+    """q/k/v (or fused) projection layers of an attention module, {} when it is none."""
+    for q, k, v in QK_NAMES:
+        if isinstance(getattr(m, q, None), nn.Module) and isinstance(getattr(m, k, None), nn.Module):
+            return {"q": getattr(m, q), "k": getattr(m, k), "v": getattr(m, v, None)}
+    for name in FUSED_NAMES:
+        if isinstance(getattr(m, name, None), nn.Linear):
+            return {"qkv": getattr(m, name)}
+    return {}
+
+
+def is_attention(m: nn.Module) -> bool:
+    return isinstance(m, nn.MultiheadAttention) or bool(projections(m))
+
+
+def attention_modules(m: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(n, s) for n, s in m.named_modules() if n and is_attention(s)]
+
+
+def is_block(m: nn.Module) -> bool:
+    return not is_attention(m) and bool(attention_modules(m))
+
+
+def param_count(m: nn.Module) -> int:
+    return sum(p.numel() for p in m.parameters())
+
+
+def _first_attr(m, names):
+    for n in names:
+        v = getattr(m, n, None)
+        if isinstance(v, int) and not isinstance(v, bool):
+            return v
+    return None
+
+
+def attention_shape(attn: nn.Module) -> dict:
+    """heads, kv heads, head dim, fused, joint/cross flags of one attention module."""
+    if isinstance(attn, nn.MultiheadAttention):
+        heads = attn.num_heads
+        return {"heads": heads, "kv_heads": heads, "head_dim": attn.head_dim, "fused": attn._qkv_same_embed_dim,
+                "joint": False, "cross": not attn._qkv_same_embed_dim}
+    proj = projections(attn)
+    heads = _first_attr(attn, HEAD_ATTRS)
+    kv_heads = _first_attr(attn, KV_HEAD_ATTRS)
+    head_dim = _first_attr(attn, HEAD_DIM_ATTRS)
+    fused = "qkv" in proj or bool(getattr(attn, "fused_projections", False))
+    q_out = _linear_out(proj.get("q")) if "q" in proj else None
+    k_out = _linear_out(proj.get("k")) if "k" in proj else None
+    if head_dim is None and heads and q_out:
+        head_dim = q_out // heads
+    if heads is None and head_dim and q_out:
+        heads = q_out // head_dim
+    if kv_heads is None and head_dim and k_out:
+        kv_heads = k_out // head_dim
+    if kv_heads is None and "qkv" in proj and heads and head_dim:
+        rest = _linear_out(proj["qkv"]) - heads * head_dim
+        kv_heads = rest // (2 * head_dim) if rest > 0 else heads
+    joint = any(isinstance(getattr(attn, n, None), nn.Module) for n in ("add_k_proj", "add_kv_proj")) or (
+        getattr(attn, "added_kv_proj_dim", None) is not None)
+    cross = bool(getattr(attn, "is_cross_attention", False))
+    if not cross and "q" in proj and "k" in proj and _linear_in(proj["q"]) and _linear_in(proj["k"]):
+        cross = _linear_in(proj["q"]) != _linear_in(proj["k"])
+    return {"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "fused": fused, "joint": joint, "cross": cross}
+
+
+def find_block_lists(module: nn.Module) -> tuple[list[tuple[str, nn.ModuleList]], list[str]]:
+    """(block lists, descriptions of the other ModuleLists), outermost first."""
+    blocks: list[tuple[str, nn.ModuleList]] = []
+    others: list[str] = []
+    taken: list[str] = []
+    for name, m in module.named_modules():
+        if not isinstance(m, nn.ModuleList) or not name:
+            continue
+        if any(name == t or name.startswith(t + ".") for t in taken):
+            continue
+        children = list(m)
+        if children and all(is_block(c) for c in children):
+            blocks.append((name, m))
+            taken.append(name)
+        else:
+            kinds = sorted({type(c).__name__ for c in children})
+            others.append(f"{name} ({len(children)} x {'/'.join(kinds) or 'empty'}): no attention inside, not blocks")
+    return blocks, others
+
+
+def _rope(module: nn.Module, block_lists) -> bool:
+    for _, m in module.named_modules():
+        n = type(m).__name__.lower()
+        if "rope" in n or "rotary" in n:
+            return True
+    for _, lst in block_lists:
+        for p in forward_params(lst[0]):
+            if any(k in p.lower() for k in ("rotary", "rope", "freqs")):
+                return True
+    return False
+
+
+def modulation(module: nn.Module, block_lists) -> tuple[str, str]:
+    if not block_lists:
+        return "unknown", "no block lists"
+    per_block, tables = [], []
+    for path, lst in block_lists:
+        block = lst[0]
+        for n, m in block.named_modules():
+            low = n.lower()
+            if isinstance(m, nn.Linear) and any(k in low for k in ("norm", "ada", "mod")) and m.out_features >= 2 * m.in_features:
+                per_block.append(f"{path}[0].{n} (Linear {m.in_features}->{m.out_features})")
+                break
+        for n, _ in block.named_parameters():
+            if "scale_shift" in n or "modulation" in n.split(".")[-1]:
+                tables.append(f"{path}[0].{n}")
+                break
+    if per_block:
+        return "per_block", "adaLN projection in every block: " + "; ".join(per_block)
+    if tables:
+        return "shared", "modulation computed once by the transformer; blocks only add a learned table: " + "; ".join(tables)
+    return "none", "no adaLN projection or modulation table found in the blocks"
+
+
+def source_files(module: nn.Module) -> list[str]:
+    files = []
+    for cls in type(module).__mro__:
+        if cls in (nn.Module, object) or cls.__module__.startswith(("torch.", "diffusers.models.modeling_utils",
+                                                                      "diffusers.configuration_utils", "diffusers.loaders")):
+            continue
+        try:
+            f = inspect.getsourcefile(cls)
+        except TypeError:
+            continue
+        if f and f not in files and Path(f).suffix == ".py":
+            files.append(f)
+    return files[:1]
+
+
+def inspect_transformer(module: nn.Module, pipeline_class: str | None = None, support: bool = True) -> ArchReport:
+    """Static facts of a transformer: works on the meta device (reads no weights, runs no forward)."""
+    total = param_count(module)
+    lists, others = find_block_lists(module)
+    block_lists: list[BlockList] = []
+    for path, lst in lists:
+        block = lst[0]
+        classes = sorted({type(b).__name__ for b in lst})
+        roles = static_output_roles(block)
+        params = forward_params(block)
+        match = match_pattern(block, roles, receives_encoder=("encoder_hidden_states" in params) or None)
+        block_lists.append(BlockList(
+            path=path,
+            length=len(lst),
+            block_class="/".join(classes),
+            param_share=round(param_count(lst) / total, 4) if total else 0.0,
+            signature=params,
+            call=CallConvention(outputs=len(roles) if roles else 0, output_roles=list(roles or [])),
+            forward_pattern=match.pattern,
+            pattern_reason=match.reason,
+            compatible_patterns=match.compatible,
+            pattern_source="static",
+            diffusers_hook_metadata=diffusers_block_metadata(type(block)) is not None,
+        ))
+
+    attention = AttentionFacts()
+    main = max(lists, key=lambda pl: param_count(pl[1]), default=None)
+    shapes = []
+    for path, lst in lists:
+        for _, a in attention_modules(lst[0]):
+            shapes.append(attention_shape(a))
+    attention.attention_modules = sum(len(attention_modules(lst[0])) * len(lst) for _, lst in lists)
+    if main is not None:
+        first = attention_modules(main[1][0])
+        if first:
+            s = attention_shape(first[0][1])
+            attention.heads, attention.kv_heads, attention.head_dim = s["heads"], s["kv_heads"], s["head_dim"]
+            if s["heads"] and s["kv_heads"]:
+                attention.gqa_ratio = round(s["heads"] / s["kv_heads"], 3)
+    attention.fused_qkv = any(s["fused"] for s in shapes)
+    if any(s["joint"] for s in shapes):
+        attention.kind = "joint"
+    elif any(s["cross"] for s in shapes):
+        attention.kind = "cross"
+    elif shapes:
+        attention.kind = "self"
+    attention.rope = _rope(module, lists)
+    attention.processor_classes = sorted({type(getattr(a, "processor")).__name__ for _, lst in lists
+                                          for _, a in attention_modules(lst[0]) if getattr(a, "processor", None) is not None})
+
+    mod, mod_reason = modulation(module, lists)
+    report = ArchReport(
+        transformer_class=type(module).__name__,
+        pipeline_class=pipeline_class,
+        param_count=int(total),
+        block_lists=block_lists,
+        attention=attention,
+        modulation=mod,
+        modulation_reason=mod_reason,
+        source_files=source_files(module),
+        notes=[f"other ModuleList {o}" for o in others],
+    )
+    loops = read_loops(module, [b.path for b in block_lists])
+    if loops.error:
+        report.notes.append(loops.error)
+    for path in (b.path for b in block_lists):
+        if path not in loops.loops and not loops.error:
+            report.notes.append(f"no loop over self.{path} found in {report.transformer_class}.forward; "
+                                f"the blocks are called elsewhere (check before caching)")
+    report.loop_extra_work_reasons = [w.describe() for w in loops.active]
+    report.loop_work_conditional = [w.describe() for w in loops.conditional]
+    report.loop_extra_work = bool(loops.active)
+    if support:
+        from .support import support_facts
+
+        report.support = support_facts(module, pipeline_class, report)
+    return report
