@@ -542,6 +542,7 @@ def benchmark(pipe, configs: list[Config], render: Callable[[str, int], np.ndarr
 
     if not cases:
         raise ValueError("benchmark needs at least one (key, prompt, seed) case")
+    per_config_log = progress is None  # a progress wrapper reports each configuration itself
     progress = progress or (lambda it: it)
     log = log or (lambda msg: None)
     gates_for = gates_for or (lambda cfg: Gates.from_dict(cfg.gates))
@@ -591,7 +592,8 @@ def benchmark(pipe, configs: list[Config], render: Callable[[str, int], np.ndarr
 
     results = []
     for cfg in progress(configs):
-        log(f"benchmark: {cfg.name} ({cfg.family})")
+        if per_config_log:
+            log(f"benchmark: {cfg.name} ({cfg.family})")
         res = measure(cfg)
         if res.timing is not None:
             bt, ct = baseline.timing, res.timing

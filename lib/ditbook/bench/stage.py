@@ -1,0 +1,174 @@
+"""The benchmark stage's steps, each one call from ``notebooks/05_benchmark.ipynb``.
+
+``benchmark/results.json`` holds (scalars and relative paths only):
+
+- ``device``, ``warmup``, ``repeats``, ``cases``: how it was measured;
+- ``flops``: FLOPs per transformer call and per step (``FlopEstimate.to_dict``);
+- ``baseline`` and ``configs``: per configuration its timing (end to end and per part: median,
+  min, max, n), ``speedup`` and ``part_speedups`` against the same-process baseline,
+  ``memory_ratio``, ``efficiency`` (achieved TFLOP/s, share of peak), ``psnr_min``, ``ssim_min``,
+  ``worst_tile_psnr``, ``passed``, ``reasons``, ``error``;
+- ``baseline_drift`` (baseline re-timed at the end / at the start) and ``noise_floor`` (the
+  baseline rendered twice);
+- ``intake_agreement``: the baseline rendered here against the intake stage's stored images;
+- ``recorded``: ``{"cache": rows, "parallel": rows}`` — figures of the earlier stages;
+- ``inputs``: which earlier results existed; ``residual_changes``: ``{name: [per step]}``;
+- ``images``: ``{config: [{key, png, npy}]}``; ``plots``: ``{name: path}``; ``sheets``: paths
+  (every path relative to the ``benchmark/`` folder);
+- ``summary`` (rows of :func:`~ditbook.bench.summary.summary_rows`) and ``recommendation``.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from .inputs import StageInputs, cache_rows, parallel_rows, residual_series
+from .metrics import Gates, compare_sets
+from .summary import gates_for_family, recommend, summary_rows
+from .timing import BenchmarkReport, Config, benchmark
+
+STAGE = "benchmark"
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_") or "config"
+
+
+def gate_overrides(card) -> dict:
+    """Per-family gates from the card: ``benchmark.gates: {cache: {psnr: 30, ssim: 0.9}, parallel:
+    {...}}``; a flat ``cache.gates: {psnr, ssim}`` counts for the cache family."""
+    out = dict(card.benchmark.get("gates") or {})
+    flat = card.cache.get("gates")
+    if isinstance(flat, dict) and "cache" not in out:
+        out["cache"] = flat
+    return out
+
+
+def measure(ctx, pipe, configs: list[Config], *, warmup: int = 1, repeats: int = 3,
+            peak_tflops: float | None = None, max_cases: int | None = None,
+            progress: Callable | None = None, log: Callable[[str], None] = print) -> BenchmarkReport:
+    """Render the card's prompts x seeds with the baseline and each configuration, timing each."""
+    from ..render import call_kwargs, cases, make_generator, to_image
+
+    todo = cases(ctx.card)
+    if max_cases:
+        todo = todo[:max_cases]
+    kwargs = call_kwargs(pipe, ctx.card)
+
+    def render(prompt: str, seed: int) -> np.ndarray:
+        return to_image(pipe(prompt=prompt, generator=make_generator(seed), **kwargs))
+
+    gate_map = gate_overrides(ctx.card)
+
+    def gates_for(cfg: Config) -> Gates:
+        if cfg.gates:
+            return Gates.from_dict(cfg.gates)
+        return gates_for_family(cfg.family, gate_map)
+
+    return benchmark(pipe, configs, render, todo, warmup=warmup, repeats=repeats, peak_tflops=peak_tflops,
+                     steps=ctx.card.generation.steps, gates_for=gates_for, progress=progress, log=log)
+
+
+def measure_residuals(ctx, pipe, configs: list[Config] | None = None) -> dict[str, list[float]]:
+    """Residual change per step at the first block, for the baseline (and each configuration)."""
+    from ..render import call_kwargs, cases, make_generator
+    from .residuals import residual_changes
+
+    key, prompt, seed = cases(ctx.card)[0]
+    kwargs = call_kwargs(pipe, ctx.card)
+    call = lambda: pipe(prompt=prompt, generator=make_generator(seed), **kwargs)  # noqa: E731
+    out = {"baseline": residual_changes(pipe, call)["changes"]}
+    for cfg in configs or []:
+        undo = cfg.apply(pipe)
+        try:
+            out[cfg.name] = residual_changes(pipe, call)["changes"]
+        finally:
+            if undo is not None:
+                undo()
+    return out
+
+
+def save(ctx, report: BenchmarkReport, inputs: StageInputs,
+         residuals: dict[str, list[float]] | None = None) -> dict:
+    """Write images and ``benchmark/results.json``; returns the results mapping."""
+    from ..render import Render, save_renders
+
+    stage_dir = ctx.run.stage_dir(STAGE)
+    images: dict[str, list[dict]] = {}
+    for res in report.all():
+        if not res.images:
+            continue
+        renders = [Render(prompt="", seed=0, image=img, seconds=0.0, key=k) for k, img in res.images.items()]
+        rows = save_renders(renders, stage_dir / "images" / _slug(res.name))
+        images[res.name] = [{"key": r["key"], "png": f"images/{r['png']}", "npy": f"images/{r['npy']}"} for r in rows]
+    results = report.to_dict()
+    results["cases"] = sorted(report.baseline.images)
+    results["inputs"] = inputs.to_dict()
+    intake = inputs.get("intake")
+    if intake and intake.get("images"):
+        from ..render import load_images
+
+        stored = load_images(ctx.run.stage_dir("intake"), intake["images"])
+        stored = {k: v for k, v in stored.items() if k in report.baseline.images}
+        if stored:
+            agree = compare_sets(report.baseline.images, stored, Gates()).to_dict()
+            results["intake_agreement"] = {k: agree[k] for k in ("psnr_min", "ssim_min", "max_abs", "passed")}
+    results["recorded"] = {"cache": cache_rows(inputs.get("cache")), "parallel": parallel_rows(inputs.get("parallel"))}
+    series = dict(residual_series(inputs.get("cache")))
+    series.update(residuals or {})
+    results["residual_changes"] = series
+    results["images"] = images
+    results["summary"] = summary_rows(results)
+    results["recommendation"] = recommend(results["summary"], gate_overrides(ctx.card)).to_dict()
+    ctx.run.write_results(STAGE, results)
+    return results
+
+
+def make_figures(run, results: dict | None = None) -> dict:
+    """Plots and contact sheets from ``benchmark/results.json`` and the stored images; updates
+    ``plots`` and ``sheets`` in the results. Rebuildable at any time (``ditbook report``)."""
+    from .plots import contact_sheet, plot_residuals, plot_scaling, plot_tradeoff
+
+    results = results if results is not None else run.read_results(STAGE)
+    d = run.stage_dir(STAGE)
+    rows = results.get("summary") or summary_rows(results)
+    plots = {}
+    cache_gate = gates_for_family("cache")
+    plots["tradeoff_psnr"] = plot_tradeoff(rows, "psnr_min", d / "plots" / "tradeoff_psnr.png", cache_gate.psnr)
+    plots["tradeoff_ssim"] = plot_tradeoff(rows, "ssim_min", d / "plots" / "tradeoff_ssim.png", cache_gate.ssim)
+    if results.get("residual_changes"):
+        plots["residuals"] = plot_residuals(results["residual_changes"], d / "plots" / "residuals.png")
+    par = [r for r in rows if str(r.get("family", "")).endswith("parallel")]
+    if par:
+        plots["scaling"] = plot_scaling(par, d / "plots" / "scaling.png")
+    sheets = []
+    images = results.get("images") or {}
+    base_rows = {r["key"]: r for r in images.get("baseline", [])}
+    for key, brow in base_rows.items():
+        base = np.load(d / brow["npy"])
+        imgs, quality = {}, {}
+        for name, rows_ in images.items():
+            if name == "baseline":
+                continue
+            row = next((r for r in rows_ if r["key"] == key), None)
+            if row is None:
+                continue
+            imgs[name] = np.load(d / row["npy"])
+        # per-image quality, recomputed from the stored arrays
+        from .metrics import compare
+
+        for name, img in imgs.items():
+            q = compare(img, base, Gates())
+            quality[name] = {"psnr": q.psnr, "ssim": q.ssim}
+        sheets.append(contact_sheet(key, base, imgs, d / "sheets" / f"{_slug(key)}.png", quality))
+    results["plots"] = {k: str(Path(p).relative_to(d)) for k, p in plots.items()}
+    results["sheets"] = [str(Path(p).relative_to(d)) for p in sheets]
+    run.write_results(STAGE, results)
+    return results
+
+
+__all__ = ["STAGE", "measure", "measure_residuals", "save", "make_figures"]
