@@ -1,0 +1,50 @@
+"""``ditbook report RUN_DIR`` and ``ditbook compare RUN_A RUN_B``."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def cmd_report(args) -> int:
+    from ..runs import RunFolder
+    from .report import rebuild
+
+    run = RunFolder(args.run_dir)
+    if not run.exists():
+        print(f"ditbook report: {args.run_dir} is not a run folder (no run.json)", file=sys.stderr)
+        return 2
+    md, html = rebuild(run.path, figures=not args.no_figures)
+    print(f"result: {md}")
+    print(f"report: {html}")
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from ..runs import RunFolder
+    from .compare_runs import compare_runs
+
+    for d in (args.run_a, args.run_b):
+        if not RunFolder(d).exists():
+            print(f"ditbook compare: {d} is not a run folder (no run.json)", file=sys.stderr)
+            return 2
+    cmp = compare_runs(args.run_a, args.run_b, outputs=args.outputs)
+    if args.json:
+        print(json.dumps(cmp.to_dict(), indent=2))
+    else:
+        print(cmp.format(), end="")
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("report", help="rebuild result.md and report.html of a run folder")
+    p.add_argument("run_dir")
+    p.add_argument("--no-figures", action="store_true", help="keep the existing plots and contact sheets")
+    p.set_defaults(func=cmd_report)
+
+    p = subparsers.add_parser("compare", help="metric deltas and notebook diffs between two runs of a model")
+    p.add_argument("run_a")
+    p.add_argument("run_b")
+    p.add_argument("--outputs", action="store_true", help="diff cell outputs too (left out by default)")
+    p.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    p.set_defaults(func=cmd_compare)
