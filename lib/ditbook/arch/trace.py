@@ -1,0 +1,354 @@
+"""The traced pass: a real short generation with hooks on every block and on the transformer.
+
+What the hooks record on the first transformer call (the later ones are only counted):
+
+* per block call: which parameters arrived positionally and which as keywords, the tensors'
+  shapes, the outputs (matched to the image / text stream by shape, then by closeness);
+* stream continuity inside a list: block i+1 must receive block i's output (the same tensor or
+  equal values); anything else means the loop changed it in between;
+* non-stream arguments that are passed to some blocks only, or that take a new value per block,
+  and arguments that are an earlier block's output (skip connections);
+* masks in block arguments, in attention-kwargs dicts and at ``scaled_dot_product_attention``
+  (wrapped for the run only, restored after), with query/key head counts and lengths;
+* per pipeline: transformer calls, the scheduler's ``step`` calls (wrapped on the instance),
+  the batch of each call: separate CFG (2 calls per step), batched (batch 2), distilled (a
+  ``guidance`` argument) or none.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .patterns import E, H, match_pattern, signature_params
+from .report import ArchReport, CallConvention
+
+
+def _shape(v) -> list[int] | None:
+    return list(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def _same(a, b) -> bool:
+    """Identical object, or tensors (or tuples of them) with equal values."""
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)) and len(a) == len(b):
+        return all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys():
+        return all(_same(a[k], b[k]) for k in a)
+    return a == b if isinstance(a, (int, float, str, bool, type(None))) else False
+
+
+class _Call:
+    def __init__(self, path: str, index: int, bound: dict, positional: list[str], keywords: list[str]):
+        self.path, self.index, self.bound = path, index, bound
+        self.positional, self.keywords = positional, keywords
+        self.outputs: list = []
+
+
+class Tracer:
+    """Hooks on a transformer; use as a context manager around the run."""
+
+    def __init__(self, transformer: nn.Module, block_paths: list[str]):
+        self.transformer = transformer
+        self.paths = block_paths
+        self.handles: list = []
+        self.forwards = 0
+        self.batches: list[int] = []
+        self.guidance = False
+        self.transformer_masks: set[str] = set()
+        self.calls: list[_Call] = []  # first forward only
+        self._pending: dict[int, _Call] = {}
+        self.sdpa: list[dict] = []  # first forward only
+        self.steps = 0
+
+    # -- hooks ----------------------------------------------------------------------------
+    def _t_pre(self, module, args, kwargs):
+        self.forwards += 1
+        params = signature_params(module.forward)
+        bound = {p.name: a for p, a in zip(params, args)}
+        bound.update(kwargs)
+        hs = bound.get(H, args[0] if args else None)
+        if isinstance(hs, torch.Tensor):
+            self.batches.append(int(hs.shape[0]))
+        if isinstance(bound.get("guidance"), torch.Tensor):
+            self.guidance = True
+        for k, v in bound.items():
+            if "mask" in k and isinstance(v, torch.Tensor):
+                self.transformer_masks.add(k)
+            if isinstance(v, dict):
+                for kk, vv in v.items():
+                    if "mask" in kk and isinstance(vv, torch.Tensor):
+                        self.transformer_masks.add(f"{k}['{kk}']")
+
+    def _b_pre(self, path, index):
+        def hook(module, args, kwargs):
+            if self.forwards != 1:
+                return
+            params = signature_params(module.forward)
+            positional = [p.name for p in params[: len(args)]]
+            bound = dict(zip(positional, args))
+            bound.update(kwargs)
+            call = _Call(path, index, bound, positional, list(kwargs))
+            self._pending[id(module)] = call
+            self.calls.append(call)
+        return hook
+
+    def _b_post(self, module, args, kwargs, output):
+        call = self._pending.pop(id(module), None)
+        if call is not None:
+            call.outputs = list(output) if isinstance(output, (tuple, list)) else [output]
+
+    def _sdpa(self, original):
+        def wrapped(query, key, value, attn_mask=None, *a, **kw):
+            if self.forwards == 1:
+                self.sdpa.append({"q": list(query.shape), "k": list(key.shape), "mask": attn_mask is not None,
+                                  "enable_gqa": bool(kw.get("enable_gqa", False))})
+            return original(query, key, value, attn_mask, *a, **kw)
+        return wrapped
+
+    def __enter__(self):
+        self.handles.append(self.transformer.register_forward_pre_hook(self._t_pre, with_kwargs=True))
+        for path in self.paths:
+            for i, block in enumerate(self.transformer.get_submodule(path)):
+                self.handles.append(block.register_forward_pre_hook(self._b_pre(path, i), with_kwargs=True))
+                self.handles.append(block.register_forward_hook(self._b_post, with_kwargs=True))
+        self._orig_sdpa = torch.nn.functional.scaled_dot_product_attention
+        torch.nn.functional.scaled_dot_product_attention = self._sdpa(self._orig_sdpa)
+        return self
+
+    def __exit__(self, *exc):
+        torch.nn.functional.scaled_dot_product_attention = self._orig_sdpa
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+        return False
+
+
+def _streams(call: _Call):
+    """(image-stream input, text-stream input) of a block call."""
+    h = call.bound.get(H)
+    if h is None and call.positional:
+        h = call.bound[call.positional[0]]
+    e = call.bound.get(E)
+    return h, (e if isinstance(e, torch.Tensor) else None)
+
+
+def _roles(call: _Call) -> list[str]:
+    h, e = _streams(call)
+    roles = []
+    for out in call.outputs:
+        if not isinstance(out, torch.Tensor) or not isinstance(h, torch.Tensor):
+            roles.append("other")
+            continue
+        fits_h = out.shape == h.shape
+        fits_e = e is not None and out.shape == e.shape
+        if fits_h and fits_e:  # same shapes: the closer input wins
+            dh = (out.float() - h.float()).abs().mean().item()
+            de = (out.float() - e.float()).abs().mean().item()
+            roles.append(H if dh <= de else E)
+        elif fits_h:
+            roles.append(H)
+        elif fits_e:
+            roles.append(E)
+        else:
+            roles.append("other")
+    if roles.count(H) > 1 and len(roles) == 2 and E not in roles:
+        roles = [H, "other"]
+    return roles
+
+
+def _out(call: _Call, role: str):
+    for r, o in zip(_roles(call), call.outputs):
+        if r == role:
+            return o
+    return None
+
+
+def _describe_value(v) -> str:
+    return f"tensor{_shape(v)}" if isinstance(v, torch.Tensor) else type(v).__name__
+
+
+def analyse_calls(tracer: Tracer, transformer: nn.Module, report: ArchReport) -> None:
+    """Fill the report's block lists, loop work and attention facts from the recorded calls."""
+    outputs_seen: dict[int, tuple[str, int]] = {}
+    for call in tracer.calls:
+        for o in call.outputs:
+            if isinstance(o, torch.Tensor):
+                outputs_seen.setdefault(id(o), (call.path, call.index))
+    reasons: list[str] = []
+    masks: set[str] = {f"transformer.{m}" for m in tracer.transformer_masks}
+    for b in report.block_lists:
+        calls = [c for c in tracer.calls if c.path == b.path]
+        if not calls:
+            b.pattern_reason += "; the traced run never called these blocks"
+            continue
+        first = calls[0]
+        roles = _roles(first)
+        h, e = _streams(first)
+        varying: list[str] = []
+        names_all = set().union(*(set(c.bound) for c in calls))
+        for name in sorted(names_all - {H, E}):
+            present = [c.index for c in calls if name in c.bound]
+            if len(present) != len(calls):
+                varying.append(name)
+                reasons.append(f"{b.path}: argument '{name}' is passed to blocks {present} only (per-index term)")
+                continue
+            vals = [c.bound[name] for c in calls]
+            if not all(_same(vals[0], v) for v in vals[1:]):
+                varying.append(name)
+                reasons.append(f"{b.path}: argument '{name}' takes a new value per block (per-index term)")
+        for c in calls:
+            for name, v in c.bound.items():
+                if "mask" in name and isinstance(v, torch.Tensor):
+                    masks.add(f"{b.path}.{name}")
+                if isinstance(v, dict):
+                    masks.update(f"{b.path}.{name}['{k}']" for k, vv in v.items()
+                                 if "mask" in k and isinstance(vv, torch.Tensor))
+                if name not in (H, E) and isinstance(v, torch.Tensor) and id(v) in outputs_seen:
+                    src = outputs_seen[id(v)]
+                    if src != (c.path, c.index - 1):
+                        reasons.append(f"{b.path}[{c.index}]: argument '{name}' is the output of {src[0]}[{src[1]}] "
+                                       f"(skip connection)")
+        for prev, nxt in zip(calls, calls[1:]):
+            if nxt.index != prev.index + 1:
+                continue
+            nh, ne = _streams(nxt)
+            ph_out = _out(prev, H)
+            if ph_out is not None and nh is not None and not _same(ph_out, nh):
+                diff = (nh.float() - ph_out.float()).abs().max().item() if nh.shape == ph_out.shape else float("nan")
+                reasons.append(f"{b.path}: hidden_states changed between block {prev.index} and {nxt.index} "
+                               f"(max |diff| {diff:.3g}): the loop does work between the calls")
+            pe_out = _out(prev, E) if E in _roles(prev) else _streams(prev)[1]
+            if pe_out is not None and ne is not None and not _same(pe_out, ne):
+                reasons.append(f"{b.path}: encoder_hidden_states changed between block {prev.index} and {nxt.index}")
+        block = transformer.get_submodule(b.path)[0]
+        match = match_pattern(block, roles, receives_encoder=e is not None)
+        b.forward_pattern, b.compatible_patterns, b.pattern_reason = match.pattern, match.compatible, match.reason
+        b.pattern_source = "traced"
+        b.call = CallConvention(
+            positional=list(first.positional), keywords=list(first.keywords), outputs=len(first.outputs),
+            output_roles=roles,
+            input_shapes={k: _shape(v) for k, v in first.bound.items() if isinstance(v, torch.Tensor)},
+            output_shapes=[_shape(o) or [] for o in first.outputs], calls_per_forward=len(calls),
+            varying_arguments=varying)
+        if b is report.block_lists[0]:
+            if isinstance(h, torch.Tensor) and h.ndim == 3:
+                report.attention.image_seq_len = int(h.shape[1])
+            if e is not None and e.ndim == 3:
+                report.attention.text_seq_len = int(e.shape[1])
+    report.loop_extra_work_reasons = _dedupe(reasons + report.loop_extra_work_reasons)
+    report.loop_extra_work = bool(report.loop_extra_work_reasons)
+    att = report.attention
+    att.sdpa_calls = len(tracer.sdpa)
+    if tracer.sdpa:
+        if any(s["mask"] for s in tracer.sdpa):
+            masks.add("scaled_dot_product_attention.attn_mask")
+        q, k = tracer.sdpa[0]["q"], tracer.sdpa[0]["k"]
+        if len(q) == 4 and len(k) == 4:
+            att.native_gqa = any(s["k"][1] < s["q"][1] or s["enable_gqa"] for s in tracer.sdpa)
+            if att.native_gqa:
+                att.kv_heads = min(s["k"][1] for s in tracer.sdpa)
+                att.heads = max(s["q"][1] for s in tracer.sdpa)
+            lens = {(s["q"][2], s["k"][2]) for s in tracer.sdpa}
+            img, txt = att.image_seq_len, att.text_seq_len
+            cross = [lk for lq, lk in lens if lq != lk]
+            if cross:
+                att.cross_attention_len = cross[0]
+            if img and txt and any(lq == lk == img + txt for lq, lk in lens):
+                att.kind = "joint"
+            elif cross and att.kind != "joint":
+                att.kind = "cross"
+        if att.heads and att.kv_heads:
+            att.gqa_ratio = round(att.heads / att.kv_heads, 3)
+    att.masks = sorted(masks)
+
+
+def _dedupe(items: list[str]) -> list[str]:
+    seen, out = set(), []
+    for i in items:
+        if i not in seen:
+            seen.add(i)
+            out.append(i)
+    return out
+
+
+def trace_calls(transformer: nn.Module, run: Callable[[], Any], report: ArchReport | None = None,
+                scheduler=None) -> ArchReport:
+    """Run ``run()`` with hooks on ``transformer`` and fold what it saw into ``report``
+    (a static report is made when none is given). ``scheduler``: its ``step`` calls are counted."""
+    if report is None:
+        from .static import inspect_transformer
+
+        report = inspect_transformer(transformer)
+    tracer = Tracer(transformer, [b.path for b in report.block_lists])
+    original_step = None
+    if scheduler is not None:
+        original_step = scheduler.step
+
+        def counting_step(*a, **kw):
+            tracer.steps += 1
+            return original_step(*a, **kw)
+
+        scheduler.step = counting_step  # on this instance only; removed below
+    try:
+        with tracer, torch.no_grad():
+            run()
+    finally:
+        if scheduler is not None and "step" in vars(scheduler):
+            del scheduler.step
+    analyse_calls(tracer, transformer, report)
+    cfg = report.cfg
+    cfg.transformer_calls = tracer.forwards
+    cfg.batch_per_call = max(tracer.batches) if tracer.batches else None
+    if scheduler is not None and tracer.steps:
+        cfg.steps_traced = tracer.steps
+        cfg.calls_per_step = round(tracer.forwards / tracer.steps, 3)
+        if cfg.calls_per_step >= 2:
+            cfg.style = "separate"
+        elif cfg.batch_per_call and cfg.batch_per_call >= 2:
+            cfg.style = "batched"
+        elif tracer.guidance:
+            cfg.style = "distilled"
+        else:
+            cfg.style = "none"
+    report.traced = True
+    tracer.calls.clear()
+    return report
+
+
+def trace_pipeline(pipe, card, steps: int = 2, size: int | None = None, report: ArchReport | None = None) -> ArchReport:
+    """Static inspection plus a real ``steps``-step generation at ``size`` (default: the card's
+    size) with the card's first prompt and seed and its guidance settings."""
+    from ..render import render_one
+
+    if report is None:
+        from .static import inspect_transformer
+
+        report = inspect_transformer(pipe.transformer, type(pipe).__name__)
+    gen = card.generation
+    overrides: dict = {"num_inference_steps": int(steps)}
+    if size:
+        overrides.update(height=int(size), width=int(size))
+    prompt = gen.prompts[0] if gen.prompts else "a photo"
+    seed = gen.seeds[0] if gen.seeds else 0
+    report = trace_calls(pipe.transformer, lambda: render_one(pipe, card, prompt, seed, **overrides),
+                         report=report, scheduler=getattr(pipe, "scheduler", None))
+    report.cfg.cache_dit_separate_cfg = cache_dit_separate_cfg(pipe)
+    return report
+
+
+def cache_dit_separate_cfg(pipe) -> bool | None:
+    try:
+        from cache_dit.caching.block_adapters import BlockAdapterRegister
+    except Exception:
+        return None
+    try:
+        return bool(BlockAdapterRegister.has_separate_cfg(pipe))
+    except Exception:
+        return None
