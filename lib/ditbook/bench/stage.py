@@ -38,6 +38,17 @@ def _slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_") or "config"
 
 
+def resolve_knobs(card, warmup=None, repeats=None, peak_tflops=None, max_cases=None) -> dict:
+    """The notebook's knobs, falling back to the card's ``benchmark`` section, then defaults:
+    ``warmup`` 1, ``repeats`` 3, ``peak_tflops`` None (known devices fill it in), ``max_cases`` all,
+    ``configs`` (diffusers hook specs) none."""
+    b = card.benchmark
+    pick = lambda v, key, default: v if v is not None else b.get(key, default)  # noqa: E731
+    return {"warmup": int(pick(warmup, "warmup", 1)), "repeats": int(pick(repeats, "repeats", 3)),
+            "peak_tflops": pick(peak_tflops, "peak_tflops", None), "max_cases": pick(max_cases, "max_cases", None),
+            "configs": list(b.get("configs") or [])}
+
+
 def gate_overrides(card) -> dict:
     """Per-family gates from the card: ``benchmark.gates: {cache: {psnr: 30, ssim: 0.9}, parallel:
     {...}}``; a flat ``cache.gates: {psnr, ssim}`` counts for the cache family."""
@@ -171,4 +182,4 @@ def make_figures(run, results: dict | None = None) -> dict:
     return results
 
 
-__all__ = ["STAGE", "measure", "measure_residuals", "save", "make_figures"]
+__all__ = ["STAGE", "resolve_knobs", "gate_overrides", "measure", "measure_residuals", "save", "make_figures"]
