@@ -1,0 +1,78 @@
+"""The inspect stage in two calls: ``run_inspection`` (static + traced + code surface + plan)
+and ``save_inspection`` (the stage's files in the run folder). The notebook, the CLI and the
+tests all go through here."""
+
+from __future__ import annotations
+
+import inspect as _inspect
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from .code_surface import CodeSurface, code_surface
+from .plan import build_plan, write_plan
+from .report import ArchReport
+
+
+@dataclass
+class Inspection:
+    report: ArchReport
+    surface: CodeSurface
+    plan: dict
+
+    def to_dict(self) -> dict:
+        return {"report": self.report.to_dict(), "code_surface": self.surface.to_dict(), "plan": self.plan}
+
+
+def source_paths(pipe) -> list[str]:
+    """The pipeline's and the transformer's source files."""
+    paths = []
+    for obj in (pipe, getattr(pipe, "transformer", None)):
+        if obj is None:
+            continue
+        try:
+            paths.append(_inspect.getsourcefile(type(obj)))
+        except TypeError:
+            pass
+    return [p for p in paths if p]
+
+
+def inspect_knobs(card, steps: int | None = None, size: int | None = None) -> tuple[int, int | None]:
+    """Trace steps and size: arguments, else the card's ``inspect`` section, else 2 steps at the card's size."""
+    steps = steps or int(card.inspect.get("trace_steps", 2))
+    size = size or card.inspect.get("trace_size")
+    return steps, (int(size) if size else None)
+
+
+def run_inspection(pipe, card, steps: int | None = None, size: int | None = None) -> Inspection:
+    from .static import inspect_transformer
+    from .trace import trace_pipeline
+
+    steps, size = inspect_knobs(card, steps, size)
+    report = inspect_transformer(pipe.transformer, type(pipe).__name__)
+    report = trace_pipeline(pipe, card, steps=steps, size=size, report=report)
+    surface = code_surface(source_paths(pipe), report)
+    plan = build_plan(report, surface, card)
+    return Inspection(report, surface, plan)
+
+
+def save_inspection(folder: str | Path, result: Inspection) -> dict:
+    """Write arch.json, code_surface.json, plan.json, plan.md; return the results.json mapping."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    result.report.save(folder / "arch.json")
+    (folder / "code_surface.json").write_text(json.dumps(result.surface.to_dict(), indent=2) + "\n")
+    write_plan(folder, result.plan)
+    r = result.report
+    return {
+        "plan_hash": result.plan["hash"],
+        "arch": "arch.json", "plan": "plan.json", "plan_md": "plan.md", "code_surface": "code_surface.json",
+        "transformer_class": r.transformer_class,
+        "block_lists": [b.path for b in r.block_lists],
+        "forward_patterns": [b.forward_pattern for b in r.block_lists],
+        "loop_extra_work": r.loop_extra_work,
+        "cfg_style": r.cfg.style,
+        "heads": r.attention.heads, "kv_heads": r.attention.kv_heads,
+        "risks": [x["id"] for x in result.plan["risks"]],
+        "port_estimate_lines": result.surface.port_estimate_lines,
+    }
