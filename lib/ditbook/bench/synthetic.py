@@ -1,0 +1,207 @@
+"""A synthetic run folder for tests and for previewing the report without a model.
+
+``FakePipeline`` has the method names the harness wraps (``encode_prompt``, ``transformer``,
+``vae.decode``) and renders a seed- and prompt-dependent image in milliseconds;
+``make_synthetic_run`` measures it with the real harness and writes a run folder with run.json,
+intake and benchmark results, images, an executed notebook holding an image output, and
+optionally a failed stage.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+from .timing import Config
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+class _Block(_torch().nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.lin = _torch().nn.Linear(dim, dim)
+
+    def forward(self, hidden_states):
+        return hidden_states + 0.1 * _torch().tanh(self.lin(hidden_states))
+
+
+class FakeTransformer(_torch().nn.Module):
+    def __init__(self, dim: int = 16, blocks: int = 2):
+        super().__init__()
+        self.blocks = _torch().nn.ModuleList([_Block(dim) for _ in range(blocks)])
+        self.proj = _torch().nn.Linear(dim, dim)
+
+    def forward(self, hidden_states, timestep=None):
+        for b in self.blocks:
+            hidden_states = b(hidden_states)
+        return self.proj(hidden_states)
+
+
+class FakeVAE:
+    def decode(self, latents):
+        torch = _torch()
+        x = latents[..., :3].reshape(1, 8, 8, 3)
+        return torch.sigmoid(x)
+
+
+class FakePipeline:
+    """``noise`` perturbs each step (a stand-in for an approximate acceleration)."""
+
+    def __init__(self, seed: int = 0):
+        torch = _torch()
+        torch.manual_seed(seed)
+        self.transformer = FakeTransformer()
+        self.vae = FakeVAE()
+        self.noise = 0.0
+        self.device = "cpu"
+
+    def encode_prompt(self, prompt: str):
+        torch = _torch()
+        g = torch.Generator().manual_seed(sum(map(ord, prompt)))
+        return torch.randn(1, 64, 16, generator=g) * 0.5
+
+    def __call__(self, prompt: str, generator=None, num_inference_steps: int = 3, output_type: str = "np"):
+        torch = _torch()
+        emb = self.encode_prompt(prompt)
+        x = torch.randn(1, 64, 16, generator=generator) + emb
+        for _ in range(num_inference_steps):
+            x = x - 0.2 * self.transformer(x, timestep=None)
+            if self.noise:
+                x = x + self.noise * torch.randn(x.shape, generator=generator)
+        img = self.vae.decode(x)
+        return SimpleNamespace(images=img.detach().numpy())
+
+
+def noise_config(name: str, noise: float, family: str = "cache/fake") -> Config:
+    def apply(pipe):
+        old = pipe.noise
+        pipe.noise = noise
+
+        def undo():
+            pipe.noise = old
+
+        return undo
+
+    return Config(name, family, apply, {"noise": noise})
+
+
+def failing_config(name: str = "raises") -> Config:
+    def apply(pipe):
+        raise RuntimeError("this configuration does not apply to the model")
+
+    return Config(name, "cache/fake", apply)
+
+
+CARD = """name: synthetic
+path: {path}
+pipeline: {{class: FakePipeline, source: ditbook.bench.synthetic}}
+transformer: {{class: FakeTransformer, source: ditbook.bench.synthetic}}
+generation:
+  prompts: ["a red circle", "a blue square"]
+  seeds: [0]
+  height: 8
+  width: 8
+  steps: 3
+"""
+
+
+def png_b64(img: np.ndarray) -> str:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray((np.clip(img, 0, 1) * 255).astype(np.uint8)).save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def executed_notebook(path: Path, title: str, image: np.ndarray, error: str | None = None) -> Path:
+    """A small executed notebook with markdown, a stream, an image output (and an error)."""
+    import nbformat
+    from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
+
+    cells = [new_markdown_cell(f"# {title}\nA synthetic stage."),
+             new_code_cell("print('hello')", execution_count=1,
+                           outputs=[new_output("stream", name="stdout", text="hello\n")]),
+             new_code_cell("show(image)", execution_count=2,
+                           outputs=[new_output("display_data", data={"image/png": png_b64(image),
+                                                                      "text/plain": "<image>"})])]
+    if error:
+        cells.append(new_code_cell("fail()", execution_count=3, outputs=[
+            new_output("error", ename="RuntimeError", evalue=error, traceback=[f"RuntimeError: {error}"])]))
+    nb = new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "display_name": "Python 3"}})
+    nbformat.write(nb, str(path))
+    return path
+
+
+def make_synthetic_run(root: str | Path, *, failed_stage: str | None = None, benchmark: bool = True,
+                       repeats: int = 2, parallel: bool = True) -> Path:
+    """Write a run folder under ``root`` and return its path."""
+    from ..card import load_card
+    from ..env import environment
+    from ..render import render_all, save_renders
+    from ..runs import RunFolder
+    from .inputs import read_inputs
+    from .stage import make_figures, measure, save
+
+    root = Path(root)
+    model = root / "model"
+    model.mkdir(parents=True, exist_ok=True)
+    card_path = root / "synthetic.yaml"
+    card_path.write_text(CARD.format(path=model))
+    card = load_card(card_path)
+    run_path = root / "outputs" / "synthetic" / ("failed" if failed_stage else "ok")
+    run_path.mkdir(parents=True)
+    run = RunFolder(run_path)
+    stages = {"intake": {"status": "passed", "seconds": 1.0, "notebook": "01_intake.ipynb"}}
+    if failed_stage:
+        stages[failed_stage] = {"status": "failed", "seconds": 0.5, "notebook": f"03_{failed_stage}.ipynb",
+                                "error": "RuntimeError: adapter returned the wrong stream",
+                                "failing_cell": "cell [4]:\nadapter = build_cache_adapter(pipe, report)"}
+    run.write_meta({"model": "synthetic", "run_id": run_path.name, "created": "2025-01-01T00:00:00",
+                    "card_path": str(card_path), "card": card.to_dict(), "card_hash": card.content_hash(),
+                    "overrides": {"generation.steps": 3}, "environment": environment(),
+                    "status": "failed" if failed_stage else "finished", "stages": stages})
+    pipe = FakePipeline()
+    renders = render_all(pipe, card)
+    run.write_results("intake", {"images": save_renders(renders, run.stage_dir("intake") / "images"),
+                                 "placement": {"device": "cpu", "dtype": "float32"}})
+    run.write_results("cache", {"tuned": [{"name": "recorded-dbcache", "family": "cache/dbcache", "speedup": 1.6,
+                                           "psnr_min": 33.0, "ssim_min": 0.95, "passed": True}],
+                                "residual_changes": {"calibration": [0.3, 0.2, 0.1]}})
+    if parallel:
+        run.write_results("parallel", {"baseline_seconds": 2.0, "plans": [
+            {"name": "ulysses", "nproc": 2, "seconds": 1.2, "psnr_min": 48.0, "ssim_min": 0.999, "passed": True},
+            {"name": "ulysses", "nproc": 4, "seconds": 0.8, "psnr_min": 47.0, "ssim_min": 0.999, "passed": True},
+            {"name": "ulysses+dbcache", "nproc": 2, "seconds": 0.9, "psnr_min": 32.0, "ssim_min": 0.93,
+             "passed": True, "cache": "recorded-dbcache"}]})
+    executed_notebook(run_path / "01_intake.ipynb", "01 Intake", renders[0].image)
+    if failed_stage:
+        executed_notebook(run_path / f"03_{failed_stage}.ipynb", f"03 {failed_stage}", renders[0].image,
+                          error="adapter returned the wrong stream")
+    if benchmark:
+        ctx = SimpleNamespace(card=card, run=run)
+        configs = [noise_config("gentle", 0.0005), noise_config("rough", 0.3), failing_config()]
+        report = measure(ctx, pipe, configs, warmup=1, repeats=repeats)
+        from .stage import measure_residuals
+
+        results = save(ctx, report, read_inputs(run), measure_residuals(ctx, pipe))
+        make_figures(run, results)
+        stages["benchmark"] = {"status": "passed", "seconds": 1.0, "notebook": "05_benchmark.ipynb"}
+        meta = run.read_meta()
+        meta["stages"] = stages
+        run.write_meta(meta)
+        executed_notebook(run_path / "05_benchmark.ipynb", "05 Benchmark", renders[-1].image)
+    return run_path
+
+
+__all__ = ["FakePipeline", "FakeTransformer", "noise_config", "failing_config", "make_synthetic_run",
+           "executed_notebook", "json"]
