@@ -1,0 +1,394 @@
+"""The automatic cache adapter: from the inspection report to a cache-dit ``BlockAdapter``.
+
+``build_cache_adapter(pipe, report)`` decides, per block list of the report, the cache-dit
+``ForwardPattern`` and whether the loop must be folded into the blocks (blocks called with
+keyword names cache-dit cannot route, or a loop that does extra work per block: see
+``loopfold``). It then *generates the adapter as a Python module* (the same text that the stage
+writes to ``cache/adapter_<model>.py`` for upstreaming) and imports it, so the adapter that runs
+is the adapter that is shipped.
+
+Where cache-dit has its own registration for the pipeline (``cache_dit.BlockAdapterRegister``),
+that one is used for cache-dit strategies (``prefer_registered``) and ``info.differences`` says
+where ours differs. ``register_diffusers_blocks`` registers the block classes with diffusers'
+``TransformerBlockRegistry`` so FirstBlockCache / MagCache find their outputs on unknown models.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import sys
+import textwrap
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..arch.report import ArchReport
+from .loopfold import FoldError, LoopFold, fold_source, plan_fold
+
+# (hidden_states index, encoder_hidden_states index) in a block's returned tuple
+PATTERN_OUTPUT_INDEX = {
+    "Pattern_0": (0, 1), "Pattern_1": (1, 0), "Pattern_2": (0, None),
+    "Pattern_3": (0, None), "Pattern_4": (0, 1), "Pattern_5": (1, 0),
+}
+STANDARD_INPUTS = {"hidden_states", "encoder_hidden_states"}
+
+
+@dataclass
+class BlockListPlan:
+    path: str
+    length: int
+    block_class: str  # class the cache runs (the loop-body class when folded)
+    pattern: str
+    folded: bool = False
+    fold: dict | None = None
+    reason: str = ""
+
+
+@dataclass
+class AdapterInfo:
+    model: str
+    transformer_class: str
+    pipeline_class: str
+    block_lists: list[BlockListPlan] = field(default_factory=list)
+    has_separate_cfg: bool = False
+    patch_functor: str | None = None
+    functor_reasons: list[str] = field(default_factory=list)
+    cache_dit_registered: str | None = None  # cache-dit's adapter name, when it has one
+    used: str = "ditbook"  # which adapter the cache-dit strategies use: "ditbook" or "cache-dit"
+    differences: list[str] = field(default_factory=list)
+    diffusers_hooks: dict = field(default_factory=dict)  # block class -> registered / reason
+    module_name: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _get(obj, path: str):
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _pattern_from_report(bl) -> str | None:
+    if bl.forward_pattern:
+        return bl.forward_pattern
+    call = bl.call
+    if call is None or not call.output_roles:
+        return None
+    roles = list(call.output_roles)
+    takes_enc = "encoder_hidden_states" in (call.positional + call.keywords + bl.signature)
+    if roles == ["hidden_states", "encoder_hidden_states"]:
+        return "Pattern_0" if takes_enc else "Pattern_4"
+    if roles == ["encoder_hidden_states", "hidden_states"]:
+        return "Pattern_1" if takes_enc else "Pattern_5"
+    if roles == ["hidden_states"]:
+        return "Pattern_2" if takes_enc else "Pattern_3"
+    return None
+
+
+def needs_fold(report: ArchReport, bl, fold: LoopFold | None) -> list[str]:
+    """Why the loop over ``bl`` must be folded into its blocks (empty: it need not)."""
+    reasons = []
+    if fold is not None and fold.extra_statements:
+        reasons.append(f"the loop over {bl.path} does {fold.extra_statements} statement(s) of extra work per block")
+    if report.loop_extra_work and fold is not None and fold.extra_statements:
+        reasons += [f"inspection: {r}" for r in report.loop_extra_work_reasons]
+    kws = set(fold.call_keywords if fold else (bl.call.keywords if bl.call else []))
+    pos = fold is None or not fold.keyword_call
+    if kws and not pos and not ({"hidden_states"} <= kws):
+        reasons.append(f"blocks of {bl.path} are called with keywords {sorted(kws)}, "
+                       f"which cache-dit's cached blocks cannot route to hidden_states/encoder_hidden_states")
+    return reasons
+
+
+def generate_adapter_source(pipe, report: ArchReport, model: str, *, force_fold: bool | None = None,
+                            pattern_overrides: dict | None = None) -> tuple[str, AdapterInfo]:
+    """The adapter module's source text and what it decided. ``force_fold`` True/False
+    overrides the automatic decision; ``pattern_overrides`` ({path: pattern}) exists to build
+    deliberately wrong adapters in tests."""
+    transformer = pipe.transformer
+    tcls = type(transformer)
+    info = AdapterInfo(model=model, transformer_class=tcls.__name__, pipeline_class=type(pipe).__name__,
+                       has_separate_cfg=report.cfg.style == "separate")
+    folds: list[LoopFold] = []
+    plans: list[BlockListPlan] = []
+    for bl in report.block_lists:
+        try:
+            fold = plan_fold(tcls, bl.path)
+            fold_problem = ""
+        except FoldError as exc:
+            fold, fold_problem = None, str(exc)
+        reasons = needs_fold(report, bl, fold)
+        if report.loop_extra_work and fold is None:
+            reasons.append(f"inspection reports loop work but the loop cannot be folded: {fold_problem}")
+        do_fold = bool(reasons) if force_fold is None else force_fold
+        if do_fold and fold is None:
+            raise FoldError(f"{bl.path}: {fold_problem}")
+        if do_fold:
+            folds.append(fold)
+            plans.append(BlockListPlan(bl.path, len(_get(transformer, bl.path)),
+                                       f"{tcls.__name__}_{bl.path.replace('.', '_')}_LoopBody", fold.pattern,
+                                       True, fold.to_dict(), "; ".join(reasons) or "forced"))
+            info.functor_reasons += reasons
+        else:
+            pattern = _pattern_from_report(bl)
+            if pattern is None:
+                raise ValueError(f"the report has no forward pattern for {bl.path} "
+                                 f"(inspection stage: BlockList.forward_pattern)")
+            plans.append(BlockListPlan(bl.path, len(_get(transformer, bl.path)), bl.block_class, pattern,
+                                       reason=bl.pattern_reason or "from the inspection report"))
+    for p in plans:
+        if pattern_overrides and p.path in pattern_overrides:
+            p.pattern = pattern_overrides[p.path]
+            p.reason = "overridden (deliberately)"
+    info.block_lists = plans
+    functor = f"{tcls.__name__}PatchFunctor" if folds else None
+    info.patch_functor = functor
+    info.module_name = f"adapter_{model}".replace("-", "_").replace(".", "_")
+    src = _module_source(pipe, info, folds, tcls, functor)
+    return src, info
+
+
+def _module_source(pipe, info: AdapterInfo, folds, tcls, functor: str | None) -> str:
+    from .. import __version__ as ditbook_version
+
+    lists = [(p.path, p.pattern) for p in info.block_lists]
+    meta = {p.block_class: PATTERN_OUTPUT_INDEX[p.pattern] for p in info.block_lists}
+    head = textwrap.dedent(f'''\
+        """cache-dit adapter for {info.transformer_class} ({info.pipeline_class}), generated by ditbook {ditbook_version}.
+
+        Made from the inspection report of model {info.model!r}; ready to contribute to cache-dit.
+
+            import {info.module_name} as adapter
+            adapter.register()                       # cache_dit.enable_cache(pipe, ...) now knows it
+            cache_dit.enable_cache(adapter.block_adapter(pipe), cache_config=DBCacheConfig(...))
+            ...
+            cache_dit.disable_cache(pipe); adapter.unpatch(pipe.transformer)
+
+        Block lists and forward patterns: {lists}.
+        Patch functor: {functor or "none (blocks are called the way cache-dit calls them, and the loop does no extra work)"}.
+        """
+
+        import sys
+        import types
+
+        import torch
+        from cache_dit import BlockAdapter, BlockAdapterRegister, ForwardPattern, PatchFunctor
+
+        PIPELINE_CLASS = {info.pipeline_class!r}
+        TRANSFORMER_CLASS = {info.transformer_class!r}
+        BLOCK_LISTS = {lists!r}  # (attribute path, cache-dit ForwardPattern)
+        HAS_SEPARATE_CFG = {info.has_separate_cfg!r}  # CFG runs as a second transformer call per step
+        # for diffusers' hooks: block class -> (hidden_states index, encoder_hidden_states index) of its output
+        DIFFUSERS_BLOCK_OUTPUTS = {meta!r}
+        ''')
+    body = fold_source(tcls, folds, functor) if folds else textwrap.dedent('''
+        def _get(obj, path):
+            for part in path.split("."):
+                obj = getattr(obj, part)
+            return obj
+
+
+        def unpatch(transformer):
+            """Nothing to undo: this adapter has no patch functor."""
+            return transformer
+        ''')
+    tail = textwrap.dedent(f'''
+
+        def block_adapter(pipe, **kwargs):
+            """The cache-dit BlockAdapter for this pipeline (applies the patch functor, if any)."""
+            transformer = pipe.transformer
+            return BlockAdapter(
+                pipe=pipe,
+                transformer=transformer,
+                blocks=[_get(transformer, path) for path, _ in BLOCK_LISTS],
+                forward_pattern=[getattr(ForwardPattern, pattern) for _, pattern in BLOCK_LISTS],
+                patch_functor={f"{functor}()" if functor else "None"},
+                has_separate_cfg=HAS_SEPARATE_CFG,
+                check_forward_pattern=True,
+                **kwargs,
+            )
+
+
+        def register():
+            """Register with cache-dit so that cache_dit.enable_cache(pipe) finds this adapter."""
+            BlockAdapterRegister.register(PIPELINE_CLASS)(block_adapter)
+        ''')
+    return head + body + tail
+
+
+def import_adapter_module(source: str, path: str | Path | None = None, name: str = "adapter"):
+    """Import generated adapter source (written to ``path`` when given) as a fresh module."""
+    digest = hashlib.sha1(source.encode()).hexdigest()[:10]
+    mod_name = f"ditbook_generated_{name}_{digest}"
+    if mod_name in sys.modules:
+        return sys.modules[mod_name]
+    if path is None:
+        import tempfile
+
+        path = Path(tempfile.mkdtemp(prefix="ditbook_adapter_")) / f"{name}.py"
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(mod_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+class CacheAdapter:
+    """The adapter of one pipeline instance: block lists, patterns, the patch functor."""
+
+    def __init__(self, pipe, report: ArchReport, info: AdapterInfo, module, source: str):
+        self.pipe = pipe
+        self.report = report
+        self.info = info
+        self.module = module
+        self.source = source
+
+    # --- the patch functor -------------------------------------------------------------
+    def patch(self):
+        """Fold the loop into the blocks of this transformer instance (no-op without functor)."""
+        if self.info.patch_functor:
+            getattr(self.module, self.info.patch_functor)().apply(self.pipe.transformer)
+        return self
+
+    def unpatch(self):
+        self.module.unpatch(self.pipe.transformer)
+        return self
+
+    @contextlib.contextmanager
+    def patched(self):
+        self.patch()
+        try:
+            yield self
+        finally:
+            self.unpatch()
+
+    # --- what the cache runs -----------------------------------------------------------
+    def block_lists(self) -> list[tuple[str, object, str]]:
+        """(path, ModuleList, pattern) as the transformer holds them now."""
+        return [(p.path, _get(self.pipe.transformer, p.path), p.pattern) for p in self.info.block_lists]
+
+    def original_blocks(self) -> list:
+        """Every original block module (inside loop-body wrappers when folded)."""
+        out = []
+        for _, blocks, _ in self.block_lists():
+            out += [getattr(b, "inner", b) if self.info.patch_functor and type(b).__name__.endswith("_LoopBody") else b
+                    for b in blocks]
+        return out
+
+    def block_adapter(self, **kwargs):
+        """A fresh cache-dit BlockAdapter: cache-dit's registered one when ``info.used`` says
+        so, else ours (which applies our patch functor)."""
+        if self.info.used == "cache-dit":
+            import cache_dit
+
+            return cache_dit.BlockAdapterRegister.get_adapter(self.pipe, **kwargs)
+        return self.module.block_adapter(self.pipe, **kwargs)
+
+    def register_diffusers_blocks(self) -> dict:
+        """Register the block classes in diffusers' TransformerBlockRegistry (class-keyed, at
+        run time) so FirstBlockCache / MagCache read their outputs; keeps existing entries."""
+        from diffusers.hooks._helpers import TransformerBlockMetadata, TransformerBlockRegistry
+
+        status = {}
+        for path, blocks, pattern in self.block_lists():
+            cls = type(blocks[0])
+            TransformerBlockRegistry._register()
+            if cls in TransformerBlockRegistry._registry:
+                status[cls.__name__] = "registered by diffusers"
+                continue
+            hs, ehs = PATTERN_OUTPUT_INDEX[pattern]
+            TransformerBlockRegistry.register(cls, TransformerBlockMetadata(
+                return_hidden_states_index=hs, return_encoder_hidden_states_index=ehs))
+            status[cls.__name__] = f"registered by ditbook ({pattern})"
+        self.info.diffusers_hooks = status
+        return status
+
+    @contextlib.contextmanager
+    def diffusers_identifiers(self, *modules):
+        """diffusers' block hooks look for top-level children named like ``blocks`` /
+        ``transformer_blocks``; this adds our block lists' names while a hook is applied."""
+        import unittest.mock
+
+        extra = tuple(p for p, _, _ in self.block_lists() if "." not in p)
+        with contextlib.ExitStack() as stack:
+            for mod in modules:
+                for attr in ("_ALL_TRANSFORMER_BLOCK_IDENTIFIERS",):
+                    if hasattr(mod, attr):
+                        stack.enter_context(unittest.mock.patch.object(
+                            mod, attr, tuple(dict.fromkeys(getattr(mod, attr) + extra))))
+            yield
+
+    def top_level_lists_only(self) -> bool:
+        return all("." not in p.path for p in self.info.block_lists)
+
+
+def cache_dit_registered(pipe) -> str | None:
+    import cache_dit
+
+    reg = cache_dit.BlockAdapterRegister
+    name = type(pipe).__name__
+    for prefix in reg._adapters:
+        if name.startswith(prefix):
+            return prefix
+    return None
+
+
+def compare_with_registered(pipe, info: AdapterInfo) -> list[str]:
+    """Where our block lists / patterns / CFG flag differ from cache-dit's registration."""
+    import cache_dit
+
+    try:
+        theirs = cache_dit.BlockAdapterRegister.get_adapter(pipe, skip_post_init=True)
+    except Exception as exc:  # their factory may assert on a class it does not expect
+        return [f"cache-dit's registered adapter could not be built: {type(exc).__name__}: {exc}"]
+    if theirs is None:
+        return []
+    names = theirs.blocks_name
+    if isinstance(names, str):
+        names = [names]
+    blocks = theirs.blocks if isinstance(theirs.blocks, list) else [theirs.blocks]
+    pats = theirs.forward_pattern if isinstance(theirs.forward_pattern, list) else [theirs.forward_pattern]
+    if names is None:
+        names = []
+        for b in blocks:
+            for attr, val in vars(pipe.transformer).get("_modules", {}).items():
+                if val is b:
+                    names.append(attr)
+    theirs_lists = [(n, p.name) for n, p in zip(names, pats)]
+    ours = [(p.path, p.pattern) for p in info.block_lists]
+    diffs = []
+    dummy = theirs.dummy_blocks_names or []
+    if dummy:
+        diffs.append(f"cache-dit runs {dummy} inside its first list (dummy blocks, one cache context); "
+                     f"ditbook caches each block list with its own context")
+    if theirs_lists != ours:
+        diffs.append(f"block lists/patterns: cache-dit {theirs_lists}, ditbook {ours}")
+    if bool(theirs.has_separate_cfg) != info.has_separate_cfg:
+        diffs.append(f"has_separate_cfg: cache-dit {theirs.has_separate_cfg}, ditbook {info.has_separate_cfg}")
+    if theirs.patch_functor is not None and not info.patch_functor:
+        diffs.append(f"cache-dit applies {type(theirs.patch_functor).__name__}; ditbook needs no functor")
+    if info.patch_functor and theirs.patch_functor is None:
+        diffs.append(f"ditbook folds the loop ({info.patch_functor}); cache-dit has no functor")
+    return diffs
+
+
+def build_cache_adapter(pipe, report: ArchReport, model: str | None = None, *, write_to: str | Path | None = None,
+                        prefer_registered: bool = True, force_fold: bool | None = None,
+                        pattern_overrides: dict | None = None) -> CacheAdapter:
+    """Generate, import and return the adapter of ``pipe`` (see the module docstring)."""
+    model = model or type(pipe.transformer).__name__
+    source, info = generate_adapter_source(pipe, report, model, force_fold=force_fold,
+                                           pattern_overrides=pattern_overrides)
+    path = Path(write_to) / f"{info.module_name}.py" if write_to else None
+    module = import_adapter_module(source, path, info.module_name)
+    info.cache_dit_registered = cache_dit_registered(pipe)
+    if info.cache_dit_registered:
+        info.differences = compare_with_registered(pipe, info)
+        if prefer_registered and pattern_overrides is None and force_fold is None:
+            info.used = "cache-dit"
+    return CacheAdapter(pipe, report, info, module, source)

@@ -1,0 +1,79 @@
+"""Counting real block (and attention) evaluations, per instance.
+
+A strategy's savings are measured, not inferred from its config: each original block's and
+attention module's ``forward`` is wrapped on the instance (before a strategy is applied), so a
+block skipped by any cache — cache-dit's cached blocks, a diffusers hook, a step-level skip —
+is simply not counted. ``calls`` records, per transformer call, how many blocks really ran.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+class EvalCounter:
+    def __init__(self, transformer: torch.nn.Module, blocks: list[torch.nn.Module]):
+        self.transformer = transformer
+        self.blocks = list(blocks)
+        self.attentions = [m for b in self.blocks for name, m in b.named_modules()
+                           if name and name.split(".")[-1].startswith("attn") and any(True for _ in m.parameters())
+                           and not any(n.split(".")[-1].startswith("attn") for n in name.split(".")[:-1])]
+        self.block_evals = 0
+        self.attention_evals = 0
+        self.calls: list[int] = []  # blocks run per transformer call
+        self._wrapped: list[torch.nn.Module] = []
+        for b in self.blocks:
+            self._wrap(b, "block_evals")
+        for a in self.attentions:
+            self._wrap(a, "attention_evals")
+        self._hooks = [transformer.register_forward_pre_hook(self._on_call)]
+
+    def _wrap(self, module, counter: str):
+        original = type(module).forward.__get__(module) if "forward" not in module.__dict__ else module.__dict__["forward"]
+
+        @functools.wraps(original)
+        def counted(*args, **kwargs):
+            setattr(self, counter, getattr(self, counter) + 1)
+            if counter == "block_evals" and self.calls:
+                self.calls[-1] += 1
+            return original(*args, **kwargs)
+
+        counted._ditbook_counter = True
+        module._ditbook_saved_forward = module.__dict__.get("forward")
+        module.forward = counted
+        self._wrapped.append(module)
+
+    def _on_call(self, module, args):
+        self.calls.append(0)
+
+    def reset(self):
+        self.block_evals = self.attention_evals = 0
+        self.calls = []
+
+    def snapshot(self) -> dict:
+        return {"block_evals": self.block_evals, "attention_evals": self.attention_evals,
+                "transformer_calls": len(self.calls), "calls": list(self.calls)}
+
+    def remove(self):
+        for h in self._hooks:
+            h.remove()
+        for m in self._wrapped:
+            saved = m.__dict__.pop("_ditbook_saved_forward", None)
+            if getattr(m.__dict__.get("forward"), "_ditbook_counter", False):
+                del m.forward
+                if saved is not None:
+                    m.forward = saved
+        self._wrapped = []
+
+
+def savings(run: dict, baseline: dict) -> dict:
+    """Skipped fractions and cached steps of a counted run against the uncached count."""
+    full = max(baseline["calls"]) if baseline["calls"] else 0
+    cached_steps = sum(1 for c in run["calls"] if c < full)
+    blocks = 1.0 - run["block_evals"] / baseline["block_evals"] if baseline["block_evals"] else 0.0
+    attn = 1.0 - run["attention_evals"] / baseline["attention_evals"] if baseline["attention_evals"] else 0.0
+    return {"skipped_fraction": round(blocks, 5), "attention_skipped_fraction": round(attn, 5),
+            "cached_steps": cached_steps, "transformer_calls": run["transformer_calls"],
+            "block_evals": run["block_evals"], "baseline_block_evals": baseline["block_evals"]}

@@ -1,0 +1,309 @@
+"""Folding a transformer's block loop into its blocks, as generated source code.
+
+cache-dit's cached blocks (and diffusers' block hooks) run a block list themselves: the
+transformer's ``for block in self.blocks: ...`` loop then sees one unified module, so any work
+the loop does besides calling the block (a gate, a skip connection, a re-scale, a controlnet
+residual) would run once instead of once per block, and blocks called with keyword names other
+than ``hidden_states`` / ``encoder_hidden_states`` cannot be routed at all.
+
+``plan_fold`` reads the transformer's ``forward`` with ``ast`` (no model-specific knowledge),
+finds the loop over each block list, and ``fold_source`` writes:
+
+* one ``<Block>LoopBody`` module class per list: ``forward(hidden_states,
+  encoder_hidden_states=None, **loop_inputs)`` runs the *whole original loop body* for one block
+  (the block call and the extra work), with ``self`` of the transformer bound to the owner and
+  the loop index bound to the block's position; it returns ``(hidden_states,
+  encoder_hidden_states)`` (cache-dit ``Pattern_0``) or ``hidden_states`` (``Pattern_3``);
+* a rewritten transformer ``forward`` whose loop only calls ``block(hidden_states=...,
+  encoder_hidden_states=..., <every outer name the body reads>=...)``;
+* a cache-dit ``PatchFunctor`` that installs both on one transformer *instance* (block list
+  entries replaced in place, ``forward`` bound on the instance) and an ``unpatch`` that undoes it.
+
+Written by hand because no library folds loop work into blocks; the rewrite is plain ``ast``.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import inspect
+import textwrap
+from dataclasses import asdict, dataclass, field
+
+
+class FoldError(ValueError):
+    """The loop cannot be folded automatically (the reason says why)."""
+
+
+@dataclass
+class LoopFold:
+    """What the loop over one block list does, read from the forward's source."""
+
+    path: str  # block list attribute, e.g. "blocks"
+    block_var: str  # loop variable bound to the block
+    index_var: str | None  # loop index from enumerate(...), if any
+    carried: list[str]  # loop-carried names: [hidden stream, encoder stream?]
+    inputs: list[str]  # outer names the body reads (passed as keywords)
+    extra_statements: int  # statements in the body besides the block call
+    keyword_call: bool  # the block is called with keyword arguments
+    call_keywords: list[str] = field(default_factory=list)
+    body_source: str = ""
+
+    @property
+    def pattern(self) -> str:
+        return "Pattern_0" if len(self.carried) == 2 else "Pattern_3"
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["pattern"] = self.pattern
+        d.pop("body_source")
+        return d
+
+
+def _forward_function(cls) -> tuple[ast.FunctionDef, str]:
+    fn = inspect.unwrap(cls.forward)
+    src = textwrap.dedent(inspect.getsource(fn))
+    tree = ast.parse(src)
+    node = tree.body[0]
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        raise FoldError(f"{cls.__name__}.forward is not a plain function")
+    return node, src
+
+
+def _names(node: ast.AST, ctx) -> list[str]:
+    out = []
+    for n in ast.walk(node):
+        if isinstance(n, ast.Name) and isinstance(n.ctx, ctx) and n.id not in out:
+            out.append(n.id)
+    return out
+
+
+def _loop_list(loop: ast.For) -> tuple[str | None, str | None, str | None]:
+    """(path, block_var, index_var) when the loop iterates ``self.X`` or ``enumerate(self.X)``."""
+    it, target = loop.iter, loop.target
+    if isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "enumerate" and it.args:
+        inner = it.args[0]
+        if isinstance(target, ast.Tuple) and len(target.elts) == 2 and all(isinstance(e, ast.Name) for e in target.elts):
+            path = _self_attr(inner)
+            return path, target.elts[1].id, target.elts[0].id
+        return None, None, None
+    path = _self_attr(it)
+    if path and isinstance(target, ast.Name):
+        return path, target.id, None
+    return None, None, None
+
+
+def _self_attr(node: ast.AST) -> str | None:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name) and node.id == "self" and parts:
+        return ".".join(reversed(parts))
+    return None
+
+
+def _block_calls(body: list[ast.stmt], block_var: str) -> list[ast.Call]:
+    calls = []
+    for stmt in body:
+        for n in ast.walk(stmt):
+            if isinstance(n, ast.Call):
+                if isinstance(n.func, ast.Name) and n.func.id == block_var:
+                    calls.append(n)
+                elif any(isinstance(a, ast.Name) and a.id == block_var for a in n.args):
+                    calls.append(n)  # e.g. self._gradient_checkpointing_func(block, ...)
+    return calls
+
+
+def _is_checkpoint_branch(stmt: ast.stmt) -> bool:
+    return isinstance(stmt, ast.If) and "gradient_checkpointing" in ast.unparse(stmt.test)
+
+
+def plan_fold(cls, path: str) -> LoopFold:
+    """Read the loop over ``self.<path>`` in ``cls.forward``."""
+    fn, _ = _forward_function(cls)
+    loops = [n for n in ast.walk(fn) if isinstance(n, ast.For) and _loop_list(n)[0] == path]
+    if not loops:
+        raise FoldError(f"{cls.__name__}.forward has no loop 'for ... in self.{path}' "
+                        f"(or enumerate(self.{path})) to fold")
+    if len(loops) > 1:
+        raise FoldError(f"{cls.__name__}.forward loops over self.{path} {len(loops)} times")
+    loop = loops[0]
+    _, block_var, index_var = _loop_list(loop)
+    if loop.orelse or any(isinstance(n, (ast.Break, ast.Continue, ast.Return, ast.Yield)) for s in loop.body
+                          for n in ast.walk(s)):
+            raise FoldError(f"the loop over self.{path} uses break/continue/return/else")
+    calls = [c for c in _block_calls(loop.body, block_var) if isinstance(c.func, ast.Name)]
+    if not calls:
+        raise FoldError(f"the loop over self.{path} never calls {block_var}(...)")
+    call = calls[-1]
+    # names defined outside the loop body: parameters and assignments elsewhere in forward
+    params = [a.arg for a in fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs]
+    if fn.args.vararg:
+        params.append(fn.args.vararg.arg)
+    if fn.args.kwarg:
+        params.append(fn.args.kwarg.arg)
+    body_ids = {id(n) for s in loop.body for n in ast.walk(s)}
+    outer_stores = set(params)
+    for n in ast.walk(fn):
+        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store) and id(n) not in body_ids:
+            outer_stores.add(n.id)
+    loaded, stored = [], []
+    for s in loop.body:
+        for n in _names(s, ast.Load):
+            if n not in loaded:
+                loaded.append(n)
+        for n in _names(s, ast.Store):
+            if n not in stored:
+                stored.append(n)
+    loop_vars = {block_var, index_var}
+    carried_set = [n for n in stored if n in outer_stores and n in loaded and n not in loop_vars]
+    # order the carried names as the block call passes them
+    call_order = [a.id for a in call.args if isinstance(a, ast.Name)]
+    call_order += [k.value.id for k in call.keywords if isinstance(k.value, ast.Name)]
+    carried = [n for n in call_order if n in carried_set] + [n for n in carried_set if n not in call_order]
+    if not 1 <= len(carried) <= 2:
+        raise FoldError(f"the loop over self.{path} carries {len(carried)} names {carried}; "
+                        f"one (hidden states) or two (hidden, encoder) can be folded")
+    inputs = [n for n in loaded if n in outer_stores and n not in carried and n not in loop_vars and n != "self"]
+    extra = [s for s in loop.body if not _is_checkpoint_branch(s) and not (
+        isinstance(s, (ast.Assign, ast.Expr)) and any(c is call for c in ast.walk(s)))]
+    body_src = "\n".join(ast.unparse(s) for s in loop.body)
+    return LoopFold(path=path, block_var=block_var, index_var=index_var, carried=carried, inputs=inputs,
+                    extra_statements=len(extra), keyword_call=bool(call.keywords) and not call.args,
+                    call_keywords=[k.arg for k in call.keywords if k.arg], body_source=body_src)
+
+
+class _RenameSelf(ast.NodeTransformer):
+    def visit_Name(self, node):
+        if node.id == "self":
+            return ast.copy_location(ast.Name(id="owner", ctx=node.ctx), node)
+        return node
+
+
+def _class_name(cls, path: str) -> str:
+    return f"{cls.__name__}_{path.replace('.', '_')}_LoopBody"
+
+
+def _body_function_source(fold: LoopFold) -> str:
+    body = ast.parse(fold.body_source).body
+    body = [_RenameSelf().visit(s) for s in body]
+    args = ", ".join(["owner", "index", "block", *fold.carried] + [f"{n}=None" for n in fold.inputs[:0]])
+    kw = "".join(f", {n}=None" for n in fold.inputs)
+    lines = [f"def loop_body({args}, *{kw}):"]
+    if fold.index_var:
+        lines.append(f"    {fold.index_var} = index")
+    if fold.block_var != "block":
+        lines.append(f"    {fold.block_var} = block")
+    lines += [textwrap.indent(ast.unparse(s), "    ") for s in body]
+    lines.append(f"    return {', '.join(fold.carried)}")
+    return "\n".join(lines) + "\n"
+
+
+def _rewritten_forward_source(cls, folds: list[LoopFold]) -> str:
+    fn, _ = _forward_function(cls)
+    fn.decorator_list = []
+    by_path = {f.path: f for f in folds}
+    for loop in [n for n in ast.walk(fn) if isinstance(n, ast.For)]:
+        path, block_var, _ = _loop_list(loop)
+        if path not in by_path:
+            continue
+        fold = by_path[path]
+        names = ["hidden_states", "encoder_hidden_states"][: len(fold.carried)]
+        kws = [f"{role}={var}" for role, var in zip(names, fold.carried)] + [f"{n}={n}" for n in fold.inputs]
+        target = ", ".join(fold.carried)
+        loop.body = ast.parse(f"{target} = {block_var}({', '.join(kws)})").body
+    fn.name = "forward"
+    return ast.unparse(ast.fix_missing_locations(fn)) + "\n"
+
+
+def fold_source(cls, folds: list[LoopFold], functor_name: str) -> str:
+    """Source text (a module fragment) defining the loop-body classes, the patch functor and
+    ``unpatch``. It needs ``torch``, ``types``, ``sys`` and cache-dit's ``PatchFunctor``."""
+    out = []
+    mod = cls.__module__
+    out.append(f"MODEL_MODULE = {mod!r}  # the module that defines {cls.__name__}; its globals run the code below\n")
+    out.append(f"FORWARD_SOURCE = {_rewritten_forward_source(cls, folds)!r}\n")
+    for fold in folds:
+        cname = _class_name(cls, fold.path)
+        body_src = _body_function_source(fold)
+        ret_doc = "(hidden_states, encoder_hidden_states)" if len(fold.carried) == 2 else "hidden_states"
+        enc_arg = ", encoder_hidden_states=None" if len(fold.carried) == 2 else ""
+        enc_pass = ", encoder_hidden_states" if len(fold.carried) == 2 else ""
+        out.append(textwrap.dedent(f'''
+            class {cname}(torch.nn.Module):
+                """One block of ``{fold.path}`` together with the loop's work for it.
+
+                Loop body (from {cls.__name__}.forward), run per block:
+            {textwrap.indent(fold.body_source, "        ")}
+                Returns {ret_doc} ({fold.pattern}).
+                """
+
+                BODY_SOURCE = {body_src!r}
+                _body = None
+
+                def __init__(self, block, index, owner):
+                    super().__init__()
+                    self.inner = block  # not named "block": cache-dit would inspect it instead of this wrapper
+                    self.index = index
+                    object.__setattr__(self, "_owner", owner)  # not a submodule: no cycle
+
+                def forward(self, hidden_states{enc_arg}, **loop_inputs):
+                    cls = type(self)
+                    if cls._body is None:
+                        cls._body = _compile(cls.BODY_SOURCE, "loop_body")
+                    return cls._body(self._owner, self.index, self.inner, hidden_states{enc_pass}, **loop_inputs)
+            '''))
+    paths = [f.path for f in folds]
+    classes = [_class_name(cls, f.path) for f in folds]
+    out.append(textwrap.dedent(f'''
+        FOLDED = {dict(zip(paths, classes))!r}  # block list -> loop-body class name
+
+
+        def _compile(source, name):
+            namespace = dict(sys.modules[MODEL_MODULE].__dict__)
+            exec(compile(source, f"<folded {{name}} of {cls.__name__}>", "exec"), namespace)
+            return namespace[name]
+
+
+        def _get(obj, path):
+            for part in path.split("."):
+                obj = getattr(obj, part)
+            return obj
+
+
+        class {functor_name}(PatchFunctor):
+            """Folds the per-block loop work of {cls.__name__} into its blocks, per instance."""
+
+            @classmethod
+            def is_from_diffusers(cls, transformer):
+                return True  # generated for this class; it needs no diffusers check
+
+            def _apply(self, transformer, *args, **kwargs):
+                if getattr(transformer, "_ditbook_folded", False):
+                    return transformer
+                for path, cname in FOLDED.items():
+                    blocks = _get(transformer, path)
+                    body_cls = globals()[cname]
+                    for i in range(len(blocks)):
+                        blocks[i] = body_cls(blocks[i], i, transformer)
+                transformer.forward = types.MethodType(_compile(FORWARD_SOURCE, "forward"), transformer)
+                transformer._ditbook_folded = True
+                transformer._is_patched = True
+                return transformer
+
+
+        def unpatch(transformer):
+            """Undo {functor_name} on one transformer instance."""
+            if not getattr(transformer, "_ditbook_folded", False):
+                return transformer
+            for path in FOLDED:
+                blocks = _get(transformer, path)
+                for i in range(len(blocks)):
+                    blocks[i] = blocks[i].inner
+            transformer.__dict__.pop("forward", None)
+            del transformer._ditbook_folded
+            transformer.__dict__.pop("_is_patched", None)
+            return transformer
+        '''))
+    return "\n".join(out)

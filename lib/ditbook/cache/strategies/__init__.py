@@ -1,0 +1,74 @@
+"""Cache strategies, one file each, registered by name.
+
+Every strategy is a class with a config dataclass (``Config``), a ``family``, and
+``apply(pipe, adapter, config) -> undo`` (a callable that removes it again); ``grid(adapter,
+steps)`` lists the configs the tuner tries, ``disabled(adapter, steps)`` a config whose threshold
+turns caching off (used to check that the adapter alone reproduces the baseline), and
+``applicable(adapter)`` says why a strategy cannot run on a model (``None`` when it can). There
+are no model-name lists: applicability follows from the adapter's facts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Callable, ClassVar
+
+REGISTRY: dict[str, type["Strategy"]] = {}
+
+
+def register(cls):
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+class Strategy:
+    name: ClassVar[str]
+    family: ClassVar[str]
+    Config: ClassVar[type]
+
+    @classmethod
+    def config(cls, **values):
+        names = {f.name for f in fields(cls.Config)}
+        return cls.Config(**{k: v for k, v in values.items() if k in names})
+
+    @classmethod
+    def config_dict(cls, config) -> dict:
+        return asdict(config)
+
+    @classmethod
+    def applicable(cls, adapter) -> str | None:
+        return None
+
+    @classmethod
+    def apply(cls, pipe, adapter, config) -> Callable[[], None]:
+        raise NotImplementedError
+
+    @classmethod
+    def grid(cls, adapter, steps: int) -> list:
+        return [cls.Config()]
+
+    @classmethod
+    def disabled(cls, adapter, steps: int):
+        return None
+
+
+def get(name: str) -> type[Strategy]:
+    _load()
+    if name not in REGISTRY:
+        raise KeyError(f"unknown cache strategy {name!r}; known: {sorted(REGISTRY)}")
+    return REGISTRY[name]
+
+
+def names() -> list[str]:
+    _load()
+    return list(REGISTRY)
+
+
+def _load():
+    from . import (dbcache, dbcache_taylorseer, diffusers_fastercache, diffusers_fbc, diffusers_magcache,  # noqa: F401
+                   diffusers_pab, diffusers_taylorseer, scm, teacache_fitted)
+
+
+@dataclass
+class _Empty:
+    pass

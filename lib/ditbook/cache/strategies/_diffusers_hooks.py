@@ -1,0 +1,101 @@
+"""What diffusers' cache hooks need on any model, shared by the diffusers_* strategies:
+block classes registered (``adapter.register_diffusers_blocks``), our block-list names known to
+the hook while it is applied, the current timestep for hooks that skip by timestep, and removal
+through the hook registry (the same calls as diffusers' ``CacheMixin.disable_cache``)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def timestep_callback(pipe, transformer):
+    """A callable returning the current timestep on a 0-1000 scale, read from the
+    transformer's own ``timestep`` argument (works for pipelines that keep no attribute)."""
+    state = {"t": 1000.0}
+
+    def pre_hook(module, args, kwargs):
+        t = kwargs.get("timestep", None)
+        if t is None and args and len(args) > 1 and torch.is_tensor(args[1]):
+            t = args[1]
+        if torch.is_tensor(t):
+            v = float(t.flatten()[0])
+            state["t"] = v * 1000.0 if v <= 1.0 else v
+
+    handle = transformer.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    return (lambda: state["t"]), handle
+
+
+def refresh_registry(transformer):
+    """diffusers caches the list of child hook registries on the transformer's registry the
+    first time a cache context is set; hooks added to blocks later would never get a context.
+    Drop that cache after hooks are added or removed."""
+    from diffusers.hooks import HookRegistry
+
+    for module in transformer.modules():
+        registry = getattr(module, "_diffusers_hook", None)
+        if isinstance(registry, HookRegistry):
+            registry._child_registries_cache = None
+
+
+def remove_hooks(transformer, *names):
+    from diffusers.hooks import HookRegistry
+
+    registry = HookRegistry.check_if_exists_or_initialize(transformer)
+    for name in names:
+        registry.remove_hook(name, recurse=True)
+    refresh_registry(transformer)
+
+
+def attention_lists(adapter) -> list[str]:
+    """Regex identifiers of our block lists' attention modules (diffusers matches names)."""
+    import re
+
+    return [f"^{re.escape(p.path)}.*attn" for p in adapter.info.block_lists]
+
+
+def has_diffusers_attention(adapter) -> str | None:
+    from diffusers.hooks._common import _ATTENTION_CLASSES
+
+    for _, blocks, _ in adapter.block_lists():
+        if any(isinstance(m, _ATTENTION_CLASSES) for m in blocks[0].modules()):
+            return None
+    return "no diffusers Attention modules in the blocks (the attention hooks match only those)"
+
+
+def needs_top_level(adapter) -> str | None:
+    if not adapter.top_level_lists_only():
+        return "block lists are not direct children of the transformer (diffusers' block hooks look only there)"
+    return None
+
+
+def ensure_context(transformer):
+    """Pipelines outside diffusers do not wrap their transformer call in
+    ``transformer.cache_context(...)``; set a default context for that call when none is set.
+    Returns an undo callable."""
+    from diffusers.hooks import HookRegistry
+    from diffusers.hooks.hooks import CacheContext, StateManager, _set_cache_context
+
+    def managers():
+        for module in transformer.modules():
+            registry = getattr(module, "_diffusers_hook", None)
+            if isinstance(registry, HookRegistry):
+                for hook in registry.hooks.values():
+                    for attr in vars(hook).values():
+                        if isinstance(attr, StateManager):
+                            yield attr
+
+    state = {"set": False}
+
+    def pre(module, args, kwargs):
+        state["set"] = any(m._context is None for m in managers())
+        if state["set"]:
+            _set_cache_context(transformer, CacheContext("ditbook"))
+
+    def post(module, args, kwargs, output):
+        if state["set"]:
+            _set_cache_context(transformer, None)
+            state["set"] = False
+
+    handles = [transformer.register_forward_pre_hook(pre, with_kwargs=True),
+               transformer.register_forward_hook(post, with_kwargs=True)]
+    return lambda: [h.remove() for h in handles]

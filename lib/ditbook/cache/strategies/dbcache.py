@@ -1,0 +1,71 @@
+"""cache-dit DBCache: the first ``Fn`` blocks always run; when their residual changed less than
+``threshold`` since the last computed step, the middle blocks are replaced by their cached
+residual and the last ``Bn`` blocks run again."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import Strategy, register
+
+
+@dataclass
+class DBCacheSettings:
+    Fn: int = 1
+    Bn: int = 0
+    threshold: float = 0.08
+    max_warmup_steps: int = 1
+    max_continuous_cached_steps: int = -1
+
+
+def enable_dbcache(pipe, adapter, cache_config_kwargs: dict, calibrator=None):
+    """Enable cache-dit on ``pipe`` through ``adapter``; returns the undo callable."""
+    import cache_dit
+
+    block_adapter = adapter.block_adapter()
+    cache_dit.enable_cache(block_adapter, cache_config=cache_dit.DBCacheConfig(**cache_config_kwargs),
+                           calibrator_config=calibrator)
+
+    def undo():
+        cache_dit.disable_cache(block_adapter)
+        adapter.unpatch()
+
+    return undo
+
+
+def min_list_length(adapter) -> int:
+    return min(p.length for p in adapter.info.block_lists)
+
+
+@register
+class DBCache(Strategy):
+    name = "dbcache"
+    family = "cache-dit DBCache"
+    Config = DBCacheSettings
+
+    @classmethod
+    def cache_kwargs(cls, c, steps=None) -> dict:
+        return dict(Fn_compute_blocks=c.Fn, Bn_compute_blocks=c.Bn, residual_diff_threshold=c.threshold,
+                    max_warmup_steps=c.max_warmup_steps, max_continuous_cached_steps=c.max_continuous_cached_steps,
+                    num_inference_steps=steps)
+
+    @classmethod
+    def applicable(cls, adapter):
+        if not adapter.info.block_lists:
+            return "no block lists"
+        return None
+
+    @classmethod
+    def apply(cls, pipe, adapter, config, steps=None):
+        return enable_dbcache(pipe, adapter, cls.cache_kwargs(config, steps))
+
+    @classmethod
+    def grid(cls, adapter, steps):
+        n = min_list_length(adapter)
+        fns = sorted({f for f in (1, 2, 4, 8) if f < n} or {min(1, n)})
+        return [DBCacheSettings(Fn=f, Bn=0, threshold=t, max_warmup_steps=1)
+                for f in fns for t in (0.04, 0.08, 0.12, 0.16, 0.24, 0.32, 0.48)]
+
+    @classmethod
+    def disabled(cls, adapter, steps):
+        return DBCacheSettings(Fn=1, Bn=0, threshold=0.0, max_warmup_steps=steps)

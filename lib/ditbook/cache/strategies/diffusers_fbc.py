@@ -1,0 +1,55 @@
+"""diffusers FirstBlockCache: block 0 always runs; when its residual changed less than
+``threshold`` the other blocks return the cached residual (``diffusers.hooks``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import Strategy, register
+from ._diffusers_hooks import ensure_context, refresh_registry, needs_top_level, remove_hooks
+
+
+@dataclass
+class FirstBlockCacheSettings:
+    threshold: float = 0.05
+
+
+@register
+class DiffusersFirstBlockCache(Strategy):
+    name = "diffusers_fbc"
+    family = "diffusers FirstBlockCache"
+    Config = FirstBlockCacheSettings
+
+    @classmethod
+    def applicable(cls, adapter):
+        if sum(p.length for p in adapter.info.block_lists) < 2:
+            return "needs at least two blocks"
+        return needs_top_level(adapter)
+
+    @classmethod
+    def apply(cls, pipe, adapter, config, steps=None):
+        from diffusers.hooks import FirstBlockCacheConfig, apply_first_block_cache
+        from diffusers.hooks import first_block_cache as fbc
+
+        adapter.patch()
+        adapter.register_diffusers_blocks()
+        with adapter.diffusers_identifiers(fbc):
+            apply_first_block_cache(pipe.transformer, FirstBlockCacheConfig(threshold=config.threshold))
+            refresh_registry(pipe.transformer)
+            context_undo = ensure_context(pipe.transformer)
+
+        def undo():
+
+            context_undo()
+            remove_hooks(pipe.transformer, fbc._FBC_LEADER_BLOCK_HOOK, fbc._FBC_BLOCK_HOOK)
+            adapter.unpatch()
+
+        return undo
+
+    @classmethod
+    def grid(cls, adapter, steps):
+        return [FirstBlockCacheSettings(t) for t in (0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.45)]
+
+    @classmethod
+    def disabled(cls, adapter, steps):
+        return FirstBlockCacheSettings(threshold=0.0)

@@ -1,0 +1,95 @@
+"""diffusers MagCache: skips blocks while the accumulated magnitude-ratio error stays under
+``threshold``. Its magnitude ratios are calibrated on this model first (MagCache's own
+``calibrate=True`` mode), never taken from another model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from . import Strategy, register
+from ._diffusers_hooks import ensure_context, refresh_registry, needs_top_level, remove_hooks
+
+
+@dataclass
+class MagCacheSettings:
+    threshold: float = 0.06
+    max_skip_steps: int = 3
+    retention_ratio: float = 0.2
+    mag_ratios: list = field(default_factory=list)  # filled by calibration when empty
+
+
+def _apply(pipe, adapter, cfg_obj):
+    from diffusers.hooks import apply_mag_cache
+    from diffusers.hooks import mag_cache as mc
+
+    adapter.patch()
+    adapter.register_diffusers_blocks()
+    with adapter.diffusers_identifiers(mc):
+        apply_mag_cache(pipe.transformer, cfg_obj)
+        refresh_registry(pipe.transformer)
+        context_undo = ensure_context(pipe.transformer)
+
+    def undo():
+
+        context_undo()
+        remove_hooks(pipe.transformer, mc._MAG_CACHE_LEADER_BLOCK_HOOK, mc._MAG_CACHE_BLOCK_HOOK)
+        adapter.unpatch()
+
+    return undo
+
+
+@register
+class DiffusersMagCache(Strategy):
+    name = "diffusers_magcache"
+    family = "diffusers MagCache"
+    Config = MagCacheSettings
+    calibrate_call = None  # set by the stage: a callable that runs the pipeline once
+
+    @classmethod
+    def applicable(cls, adapter):
+        if adapter.info.has_separate_cfg:
+            return "MagCache expects one transformer call per step"
+        return needs_top_level(adapter)
+
+    @classmethod
+    def calibrate(cls, pipe, adapter, steps, run_once) -> list[float]:
+        """Run once in MagCache's calibration mode and return this model's magnitude ratios
+        (read per hook instance, before MagCache resets them at the end of the run)."""
+        from diffusers.hooks import MagCacheConfig
+        from diffusers.hooks import mag_cache as mc
+
+        ratios: list[float] = []
+        undo = _apply(pipe, adapter, MagCacheConfig(num_inference_steps=steps, calibrate=True))
+        try:
+            for m in pipe.transformer.modules():
+                reg = getattr(m, "_diffusers_hook", None)
+                for hook in (reg.hooks.values() if reg is not None else []):
+                    if hasattr(hook, "_perform_calibration_step"):
+                        original = hook._perform_calibration_step
+
+                        def record(state, residual, _original=original):
+                            _original(state, residual)
+                            ratios.append(float(state.calibration_ratios[-1]))
+
+                        hook._perform_calibration_step = record
+            run_once()
+        finally:
+            undo()
+        return ratios[:steps]
+
+    @classmethod
+    def apply(cls, pipe, adapter, config, steps=None):
+        from diffusers.hooks import MagCacheConfig
+
+        ratios = list(config.mag_ratios) or [1.0] * (steps or 2)
+        return _apply(pipe, adapter, MagCacheConfig(threshold=config.threshold, max_skip_steps=config.max_skip_steps,
+                                                    retention_ratio=config.retention_ratio,
+                                                    num_inference_steps=steps, mag_ratios=ratios))
+
+    @classmethod
+    def grid(cls, adapter, steps):
+        return [MagCacheSettings(threshold=t, max_skip_steps=k) for t in (0.02, 0.06, 0.12, 0.24) for k in (2, 4)]
+
+    @classmethod
+    def disabled(cls, adapter, steps):
+        return MagCacheSettings(threshold=0.0, max_skip_steps=0)

@@ -1,0 +1,134 @@
+"""Verification of a cache strategy against baseline images, with counted savings.
+
+``evaluate`` applies one strategy configuration, renders the cases, removes it again, and
+returns a ``StrategyResult``: the quality of the set (``bench.metrics.compare_sets``: PSNR in
+float, SSIM, max abs, NaN/Inf/blank, worst tile), the fraction of block (and attention)
+evaluations really skipped against the uncached count, and cached steps. ``noise_floor``
+measures what is achievable at all: the baseline re-run, and against another attention backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from ..bench.metrics import Gates, compare_sets
+from ..render import render_all
+from . import strategies
+from .counting import EvalCounter, savings
+
+
+@dataclass
+class StrategyResult:
+    name: str
+    family: str
+    config: dict
+    quality: dict | None
+    skipped_fraction: float
+    attention_skipped_fraction: float
+    cached_steps: int
+    passed: bool
+    split: str = "calibration"
+    seconds: float = 0.0
+    error: str | None = None
+    counts: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def render_set(pipe, card, prompts, seeds, **overrides) -> dict:
+    return {r.key: r.image for r in render_all(pipe, card, prompts=prompts, seeds=seeds, **overrides)}
+
+
+def counted_render(pipe, card, adapter, prompts, seeds, **overrides) -> tuple[dict, dict]:
+    """Render with every original block and attention module counted."""
+    counter = EvalCounter(pipe.transformer, adapter.original_blocks())
+    try:
+        images = render_set(pipe, card, prompts, seeds, **overrides)
+        return images, counter.snapshot()
+    finally:
+        counter.remove()
+
+
+def evaluate(pipe, card, adapter, name: str, config, references: dict, baseline_counts: dict,
+             gates: Gates, prompts, seeds, split: str = "calibration", keep_images: dict | None = None) -> StrategyResult:
+    strat = strategies.get(name)
+    steps = card.generation.steps
+    counter = EvalCounter(pipe.transformer, adapter.original_blocks())
+    start = time.perf_counter()
+    undo = None
+    try:
+        undo = strat.apply(pipe, adapter, config, steps=steps)
+        images = render_set(pipe, card, prompts, seeds)
+        counts = counter.snapshot()
+    except Exception as exc:  # a strategy that cannot run on this model is reported, not hidden
+        return StrategyResult(name, strat.family, strat.config_dict(config), None, 0.0, 0.0, 0, False, split,
+                              time.perf_counter() - start,
+                              f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}")
+    finally:
+        if undo is not None:
+            with contextlib.suppress(Exception):
+                undo()
+        counter.remove()
+    q = compare_sets(images, references, gates)
+    s = savings(counts, baseline_counts)
+    if keep_images is not None:
+        keep_images.update(images)
+    return StrategyResult(name, strat.family, strat.config_dict(config), q.to_dict(), s["skipped_fraction"],
+                          s["attention_skipped_fraction"], s["cached_steps"], bool(q.passed), split,
+                          round(time.perf_counter() - start, 3),
+                          counts={k: v for k, v in s.items() if k not in ("skipped_fraction", "cached_steps")})
+
+
+def max_abs(images: dict, references: dict) -> float:
+    return float(max(np.max(np.abs(np.asarray(images[k], np.float64) - np.asarray(references[k], np.float64)))
+                     for k in references))
+
+
+def other_backend_render(pipe, card, prompts, seeds, backend: str = "_native_math") -> tuple[dict | None, str]:
+    """Render under another diffusers attention backend (math SDPA by default)."""
+    try:
+        from diffusers.models.attention_dispatch import attention_backend
+    except ImportError as exc:
+        return None, f"diffusers has no attention_backend context: {exc}"
+    try:
+        with attention_backend(backend):
+            return render_set(pipe, card, prompts, seeds), backend
+    except Exception as exc:
+        return None, f"{backend}: {type(exc).__name__}: {exc}"
+
+
+def noise_floor(pipe, card, adapter, intake: dict, gates: Gates) -> tuple[dict, dict, dict]:
+    """(noise-floor summary, re-rendered baseline images, their block counts)."""
+    gen = card.generation
+    rerun, counts = counted_render(pipe, card, adapter, gen.prompts, gen.seeds)
+    out = {"rerun_vs_intake": compare_sets(rerun, intake, gates).to_dict(),
+           "rerun_max_abs": max_abs(rerun, intake)}
+    other, backend = other_backend_render(pipe, card, gen.prompts, gen.seeds)
+    out["other_backend"] = backend
+    if other is not None:
+        out["backend_vs_rerun"] = compare_sets(other, rerun, gates).to_dict()
+        out["backend_max_abs"] = max_abs(other, rerun)
+    return out, rerun, counts
+
+
+def disabled_check(pipe, card, adapter, name: str, references: dict, baseline_counts: dict, gates: Gates,
+                   prompts, seeds, tolerance: float = 1e-5) -> dict:
+    """The strategy with caching turned off by its threshold must reproduce the baseline."""
+    strat = strategies.get(name)
+    cfg = strat.disabled(adapter, card.generation.steps)
+    if cfg is None:
+        return {"name": name, "checked": False}
+    images: dict = {}
+    res = evaluate(pipe, card, adapter, name, cfg, references, baseline_counts, gates, prompts, seeds,
+                   split="disabled", keep_images=images)
+    if res.error:
+        return {"name": name, "checked": True, "reproduces": False, "error": res.error.splitlines()[0]}
+    diff = max_abs(images, references)
+    return {"name": name, "checked": True, "max_abs": diff, "reproduces": diff <= tolerance,
+            "skipped_fraction": res.skipped_fraction}
