@@ -1,0 +1,121 @@
+"""Plots, difference maps, the summary/readout logic, stage inputs, and the headless explorer."""
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from ditbook.bench.inputs import cache_rows, parallel_rows, residual_series
+from ditbook.bench.plots import contact_sheet, diff_map, pareto_frontier, plot_residuals, plot_scaling, plot_tradeoff
+from ditbook.bench.summary import recommend
+from ditbook.widgets import ExplorerData, explorer_state
+
+
+def test_pareto_frontier_keeps_only_undominated_points():
+    pts = [(1.0, 100.0), (1.5, 40.0), (1.4, 35.0), (2.0, 32.0), (2.0, 20.0)]
+    assert pareto_frontier(pts) == [0, 1, 3]
+
+
+def test_diff_map_is_black_for_equal_and_marks_nan():
+    a = np.random.default_rng(0).random((8, 8, 3)).astype(np.float32)
+    assert diff_map(a, a).max() == 0
+    b = a.copy()
+    b[0, 0, 0] = np.nan
+    b[4, 4] += 0.2
+    d = diff_map(b, a)
+    assert tuple(d[0, 0]) == (1.0, 0.0, 1.0)
+    assert d[4, 4].sum() > 0 and d[7, 7].sum() == 0
+    with pytest.raises(ValueError):
+        diff_map(a, a[:4])
+
+
+def _png_size(path):
+    with Image.open(path) as im:
+        return im.size
+
+
+def test_plots_write_pngs(tmp_path):
+    rows = [{"name": "baseline", "family": "baseline", "speedup": 1.0, "psnr_min": 100.0, "ssim_min": 1.0},
+            {"name": "a", "family": "cache/dbcache", "speedup": 1.8, "psnr_min": 34.0, "ssim_min": 0.95},
+            {"name": "b", "family": "cache/teacache", "speedup": 2.4, "psnr_min": None, "ssim_min": 0.8}]
+    for metric in ("psnr_min", "ssim_min"):
+        assert _png_size(plot_tradeoff(rows, metric, tmp_path / f"{metric}.png", gate=30))[0] > 100
+    assert _png_size(plot_residuals({"baseline": [0.5, 0.2, 0.1]}, tmp_path / "r.png"))[0] > 100
+    assert _png_size(plot_scaling([{"name": "ulysses", "nproc": 2, "speedup": 1.7}], tmp_path / "s.png"))[0] > 100
+    base = np.zeros((16, 16, 3), np.float32)
+    sheet = contact_sheet("p0_s0", base, {"a": base + 0.1, "b": base}, tmp_path / "sheet.png",
+                          {"a": {"psnr": 20.0, "ssim": 0.5}})
+    w, h = _png_size(sheet)
+    assert h > w / 3  # two rows of three panels
+
+
+def test_recommend_picks_fastest_passing_and_lists_faster_rejected():
+    rows = [{"name": "baseline", "family": "baseline", "speedup": 1.0, "psnr_min": 100, "ssim_min": 1},
+            {"name": "safe", "family": "cache/dbcache", "speedup": 1.8, "psnr_min": 34.0, "ssim_min": 0.95,
+             "passed": True, "source": "measured here"},
+            {"name": "greedy", "family": "cache/dbcache", "speedup": 3.0, "psnr_min": 24.0, "ssim_min": 0.85,
+             "passed": False},
+            # a parallel plan needs > 35 dB
+            {"name": "ulysses", "family": "parallel", "speedup": 2.0, "psnr_min": 33.0, "ssim_min": 0.99, "nproc": 2}]
+    rec = recommend(rows)
+    assert rec.name == "safe" and "1.80×" in rec.reason
+    assert {r.split(" ")[0] for r in rec.rejected} == {"greedy", "ulysses"}
+    assert "35" in next(r for r in rec.rejected if r.startswith("ulysses"))
+    # gates from the card change the verdict
+    assert recommend(rows, {"parallel": {"psnr": 30}}).name == "ulysses"
+
+
+def test_recommend_ships_baseline_when_nothing_helps():
+    rows = [{"name": "baseline", "family": "baseline", "speedup": 1.0},
+            {"name": "slow", "family": "cache", "speedup": 1.01, "psnr_min": 50, "ssim_min": 0.99}]
+    rec = recommend(rows)
+    assert rec.name == "baseline" and "ship the baseline" in rec.reason
+
+
+def test_stage_inputs_accept_documented_key_variants():
+    cache = {"strategies": [{"strategy": "dbcache", "psnr": 31.0, "ssim": 0.91, "speedup": 1.4}],
+             "residual_changes": {"cal": [0.2, 0.1]}}
+    rows = cache_rows(cache)
+    assert rows[0]["family"] == "cache/dbcache" and rows[0]["psnr_min"] == 31.0
+    assert residual_series(cache) == {"cal": [0.2, 0.1]}
+    par = {"baseline_seconds": 4.0, "runs": [{"plan": "ring", "world_size": 2, "seconds": 2.5, "cache": "F1B0"}]}
+    prow = parallel_rows(par)[0]
+    assert prow["nproc"] == 2 and prow["speedup"] == pytest.approx(1.6) and prow["family"] == "cache+parallel"
+    assert cache_rows(None) == [] and parallel_rows({}) == []
+
+
+def test_explorer_state_headless():
+    rng = np.random.default_rng(1)
+    base = rng.random((8, 8, 3)).astype(np.float32)
+    acc = np.clip(base + 0.05, 0, 1)
+    data = ExplorerData({"baseline": {"p0_s0": base}, "fast": {"p0_s0": acc}}, {"p0_s0": "a red circle"})
+    assert data.configs == ["fast"] and data.keys == ["p0_s0"]
+    on = explorer_state(data, "fast", "p0_s0", accelerated=True)
+    off = explorer_state(data, "fast", "p0_s0", accelerated=False)
+    assert on.showing == "accelerated" and np.array_equal(on.image, acc)
+    assert off.showing == "baseline" and np.array_equal(off.image, base)
+    assert np.array_equal(on.diff, off.diff) and on.diff.max() > 0
+    assert 20 < on.psnr < 40 and "a red circle" in on.caption
+    with pytest.raises(KeyError):
+        explorer_state(data, "baseline", "p0_s0")
+    with pytest.raises(KeyError):
+        explorer_state(data, "fast", "p9_s9")
+
+
+def test_explorer_widget_builds():
+    pytest.importorskip("ipywidgets")
+    from ditbook.widgets import explorer
+
+    base = np.zeros((8, 8, 3), np.float32)
+    box = explorer(ExplorerData({"baseline": {"k": base}, "c": {"k": base + 0.5}}))
+    img = box.children[2].children[0]
+    assert img.value[:4] == b"\x89PNG"
+    box.children[1].value = "baseline"  # toggling re-renders without error
+    assert box.children[2].children[0].value[:4] == b"\x89PNG"
+
+
+def test_progress_is_plain_log_when_not_interactive():
+    from ditbook.bench.progress import progress
+
+    lines = []
+    assert list(progress(["a", "b"], False, "config", log=lines.append)) == ["a", "b"]
+    assert lines == ["config 1/2: a", "config 2/2: b"]
