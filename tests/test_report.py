@@ -1,0 +1,81 @@
+"""result.md, report.html (self-contained; a failed stage is reported), ditbook report/compare."""
+
+import json
+import re
+
+import pytest
+
+from ditbook.bench.report import build_report, rebuild, result_markdown
+from ditbook.bench.synthetic import make_synthetic_run
+from ditbook.cli import main
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    ok = make_synthetic_run(root / "a")
+    failed = make_synthetic_run(root / "b", failed_stage="cache")
+    no_bench = make_synthetic_run(root / "c", failed_stage="cache", benchmark=False, parallel=False)
+    return ok, failed, no_bench
+
+
+def test_result_md_has_commands_environment_table_readout_and_plots(runs):
+    ok, _, _ = runs
+    md = result_markdown(ok)
+    assert "ditbook run " in md and "-p generation.steps=3" in md and f"ditbook report {ok}" in md
+    assert "| torch |" in md and "| cpu_count |" in md
+    assert "| name | family | source |" in md and "| gentle | cache/fake | measured here |" in md
+    assert "## Readout" in md and "Ship **" in md
+    for p in ("plots/tradeoff_psnr.png", "plots/tradeoff_ssim.png", "plots/residuals.png", "plots/scaling.png",
+              "sheets/p0_s0.png"):
+        assert f"benchmark/{p}" in md
+        assert (ok / "benchmark" / p).is_file()
+
+
+def test_report_html_is_self_contained(runs):
+    ok, _, _ = runs
+    html = build_report(ok).read_text()
+    assert 'id="summary-table"' in html and "Readout" in html
+    srcs = re.findall(r"<img[^>]*\ssrc=\"([^\"]*)\"", html)
+    assert len(srcs) >= 6 and all(s.startswith("data:image/") for s in srcs)
+    assert not re.search(r"<(script|link)[^>]*(src|href)=\"?(https?:)?//", html)
+    assert "nb-01_intake" in html and "hello" in html  # the executed notebooks are in it
+
+
+def test_failed_stage_is_reported(runs):
+    _, failed, no_bench = runs
+    for run in (failed, no_bench):
+        md, html_path = rebuild(run)
+        html = html_path.read_text()
+        assert 'id="failed-cache"' in html and "adapter returned the wrong stream" in html
+        assert "build_cache_adapter" in html  # the failing cell
+        assert "Stage `cache` failed" in md.read_text()
+    nb_html = build_report(no_bench).read_text()
+    assert 'id="no-benchmark"' in nb_html and 'id="summary-table"' in nb_html
+    assert "nb-03_cache" in nb_html and "RuntimeError" in nb_html
+
+
+def test_cli_report_rebuilds_both(runs, capsys):
+    ok, _, _ = runs
+    (ok / "report.html").unlink(missing_ok=True)
+    (ok / "result.md").unlink(missing_ok=True)
+    assert main(["report", str(ok)]) == 0
+    assert (ok / "report.html").is_file() and (ok / "result.md").is_file()
+    assert main(["report", str(ok / "benchmark")]) == 2
+    assert "not a run folder" in capsys.readouterr().err
+
+
+def test_cli_compare_shows_deltas_and_notebook_diff(runs, capsys):
+    ok, failed, _ = runs
+    nb = failed / "01_intake.ipynb"
+    nb.write_text(nb.read_text().replace("print('hello')", "print('hello again')"))
+    assert main(["compare", str(ok), str(failed)]) == 0
+    out = capsys.readouterr().out
+    assert "metrics (B - A):" in out and "gentle:" in out and "speedup" in out
+    assert "cache" in out and "passed" in out and "failed" in out  # stage status change
+    assert "=== nbdime diff of 01_intake.ipynb" in out and "hello again" in out
+    assert main(["compare", str(ok), str(failed), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    gentle = next(d for d in data["deltas"] if d["name"] == "gentle")
+    assert gentle["psnr_min"]["delta"] is not None
+    assert main(["compare", str(ok), str(ok / "nope")]) == 2
