@@ -95,6 +95,7 @@ class Tracer:
             bound = dict(zip(positional, args))
             bound.update(kwargs)
             call = _Call(path, index, bound, positional, list(kwargs))
+            call.order = [p.name for p in params]
             self._pending[id(module)] = call
             self.calls.append(call)
         return hook
@@ -133,8 +134,11 @@ class Tracer:
 def _streams(call: _Call):
     """(image-stream input, text-stream input) of a block call."""
     h = call.bound.get(H)
-    if h is None and call.positional:
-        h = call.bound[call.positional[0]]
+    if h is None:  # the image stream under another name: the first tensor parameter
+        for name in getattr(call, "order", call.positional):
+            if isinstance(call.bound.get(name), torch.Tensor):
+                h = call.bound[name]
+                break
     e = call.bound.get(E)
     return h, (e if isinstance(e, torch.Tensor) else None)
 
