@@ -90,10 +90,12 @@ def _pattern_from_report(bl) -> str | None:
 def needs_fold(report: ArchReport, bl, fold: LoopFold | None) -> list[str]:
     """Why the loop over ``bl`` must be folded into its blocks (empty: it need not)."""
     reasons = []
-    if fold is not None and fold.extra_statements:
-        reasons.append(f"the loop over {bl.path} does {fold.extra_statements} statement(s) of extra work per block")
+    # the inspection tells active loop work (runs on every call) from conditional work (only
+    # with an optional argument such as controlnet samples); only active work forces a fold
     if report.loop_extra_work and fold is not None and fold.extra_statements:
-        reasons += [f"inspection: {r}" for r in report.loop_extra_work_reasons]
+        mine = [r for r in report.loop_extra_work_reasons if bl.path in r] or report.loop_extra_work_reasons
+        reasons += [f"inspection: {r}" for r in mine] or [
+            f"the loop over {bl.path} does {fold.extra_statements} statement(s) of extra work per block"]
     kws = set(fold.call_keywords if fold else (bl.call.keywords if bl.call else []))
     pos = fold is None or not fold.keyword_call
     if kws and not pos and not ({"hidden_states"} <= kws):
@@ -171,6 +173,7 @@ def _module_source(pipe, info: AdapterInfo, folds, tcls, functor: str | None) ->
         """
 
         import sys
+        import textwrap
         import types
 
         import torch

@@ -78,6 +78,54 @@ def _names(node: ast.AST, ctx) -> list[str]:
     return out
 
 
+def _first_events(stmts: list[ast.stmt]) -> dict[str, str]:
+    """For each name, whether the body first reads ("load") or writes ("store") it, in
+    evaluation order (an assignment's value before its targets; an if's test before its branches)."""
+    events: dict[str, str] = {}
+
+    def note(node, kind_default=None):
+        for n in ast.walk(node):
+            if isinstance(n, ast.Name) and n.id not in events:
+                events[n.id] = "load" if isinstance(n.ctx, ast.Load) else "store"
+
+    def visit(stmt):
+        if isinstance(stmt, ast.Assign):
+            note(stmt.value)
+            for t in stmt.targets:
+                note(t)
+        elif isinstance(stmt, ast.AugAssign):
+            note(stmt.value)
+            if isinstance(stmt.target, ast.Name) and stmt.target.id not in events:
+                events[stmt.target.id] = "load"
+            note(stmt.target)
+        elif isinstance(stmt, ast.AnnAssign):
+            if stmt.value is not None:
+                note(stmt.value)
+            note(stmt.target)
+        elif isinstance(stmt, (ast.If, ast.While)):
+            note(stmt.test)
+            for s in stmt.body + stmt.orelse:
+                visit(s)
+        elif isinstance(stmt, ast.For):
+            note(stmt.iter)
+            note(stmt.target)
+            for s in stmt.body + stmt.orelse:
+                visit(s)
+        elif isinstance(stmt, ast.With):
+            for item in stmt.items:
+                note(item.context_expr)
+                if item.optional_vars is not None:
+                    note(item.optional_vars)
+            for s in stmt.body:
+                visit(s)
+        else:
+            note(stmt)
+
+    for s in stmts:
+        visit(s)
+    return events
+
+
 def _loop_list(loop: ast.For) -> tuple[str | None, str | None, str | None]:
     """(path, block_var, index_var) when the loop iterates ``self.X`` or ``enumerate(self.X)``."""
     it, target = loop.iter, loop.target
@@ -157,7 +205,8 @@ def plan_fold(cls, path: str) -> LoopFold:
             if n not in stored:
                 stored.append(n)
     loop_vars = {block_var, index_var}
-    carried_set = [n for n in stored if n in outer_stores and n in loaded and n not in loop_vars]
+    first = _first_events(loop.body)
+    carried_set = [n for n in stored if n in outer_stores and first.get(n) == "load" and n not in loop_vars]
     # order the carried names as the block call passes them
     call_order = [a.id for a in call.args if isinstance(a, ast.Name)]
     call_order += [k.value.id for k in call.keywords if isinstance(k.value, ast.Name)]
@@ -165,13 +214,21 @@ def plan_fold(cls, path: str) -> LoopFold:
     if not 1 <= len(carried) <= 2:
         raise FoldError(f"the loop over self.{path} carries {len(carried)} names {carried}; "
                         f"one (hidden states) or two (hidden, encoder) can be folded")
-    inputs = [n for n in loaded if n in outer_stores and n not in carried and n not in loop_vars and n != "self"]
+    inputs = [n for n in loaded if n in outer_stores and first.get(n) == "load" and n not in carried
+              and n not in loop_vars and n != "self"]
     extra = [s for s in loop.body if not _is_checkpoint_branch(s) and not (
         isinstance(s, (ast.Assign, ast.Expr)) and any(c is call for c in ast.walk(s)))]
     body_src = "\n".join(ast.unparse(s) for s in loop.body)
     return LoopFold(path=path, block_var=block_var, index_var=index_var, carried=carried, inputs=inputs,
                     extra_statements=len(extra), keyword_call=bool(call.keywords) and not call.args,
                     call_keywords=[k.arg for k in call.keywords if k.arg], body_source=body_src)
+
+
+def code_literal(source: str) -> str:
+    """A readable triple-quoted literal for generated source text."""
+    if "'''" in source or source.endswith("\\"):
+        return repr(source)
+    return "'''\\\n" + source.replace("\\", "\\\\") + "'''"
 
 
 class _RenameSelf(ast.NodeTransformer):
@@ -214,6 +271,9 @@ def _rewritten_forward_source(cls, folds: list[LoopFold]) -> str:
         target = ", ".join(fold.carried)
         loop.body = ast.parse(f"{target} = {block_var}({', '.join(kws)})").body
     fn.name = "forward"
+    if fn.body and isinstance(fn.body[0], ast.Expr) and isinstance(getattr(fn.body[0], "value", None), ast.Constant) \
+            and isinstance(fn.body[0].value.value, str):
+        fn.body = fn.body[1:]  # the docstring
     return ast.unparse(ast.fix_missing_locations(fn)) + "\n"
 
 
@@ -223,37 +283,44 @@ def fold_source(cls, folds: list[LoopFold], functor_name: str) -> str:
     out = []
     mod = cls.__module__
     out.append(f"MODEL_MODULE = {mod!r}  # the module that defines {cls.__name__}; its globals run the code below\n")
-    out.append(f"FORWARD_SOURCE = {_rewritten_forward_source(cls, folds)!r}\n")
+    out.append("# the transformer's forward with each folded loop reduced to one block call per block\n"
+               f"FORWARD_SOURCE = {code_literal(_rewritten_forward_source(cls, folds))}\n")
     for fold in folds:
         cname = _class_name(cls, fold.path)
         body_src = _body_function_source(fold)
         ret_doc = "(hidden_states, encoder_hidden_states)" if len(fold.carried) == 2 else "hidden_states"
         enc_arg = ", encoder_hidden_states=None" if len(fold.carried) == 2 else ""
         enc_pass = ", encoder_hidden_states" if len(fold.carried) == 2 else ""
-        out.append(textwrap.dedent(f'''
-            class {cname}(torch.nn.Module):
-                """One block of ``{fold.path}`` together with the loop's work for it.
-
-                Loop body (from {cls.__name__}.forward), run per block:
-            {textwrap.indent(fold.body_source, "        ")}
-                Returns {ret_doc} ({fold.pattern}).
-                """
-
-                BODY_SOURCE = {body_src!r}
-                _body = None
-
-                def __init__(self, block, index, owner):
-                    super().__init__()
-                    self.inner = block  # not named "block": cache-dit would inspect it instead of this wrapper
-                    self.index = index
-                    object.__setattr__(self, "_owner", owner)  # not a submodule: no cycle
-
-                def forward(self, hidden_states{enc_arg}, **loop_inputs):
-                    cls = type(self)
-                    if cls._body is None:
-                        cls._body = _compile(cls.BODY_SOURCE, "loop_body")
-                    return cls._body(self._owner, self.index, self.inner, hidden_states{enc_pass}, **loop_inputs)
-            '''))
+        doc_body = textwrap.indent(fold.body_source, "        ")
+        piece = "\n".join([
+            "",
+            f"class {cname}(torch.nn.Module):",
+            f'    """One block of ``{fold.path}`` together with the loop\'s work for it.',
+            "",
+            f"    Loop body of {cls.__name__}.forward, run per block:",
+            "",
+            doc_body,
+            "",
+            f"    Returns {ret_doc} ({fold.pattern}).",
+            '    """',
+            "",
+            "    BODY_SOURCE = {body_literal}",
+            "    _body = None",
+            "",
+            "    def __init__(self, block, index, owner):",
+            "        super().__init__()",
+            '        self.inner = block  # not named "block": cache-dit would inspect it instead of this wrapper',
+            "        self.index = index",
+            '        object.__setattr__(self, "_owner", owner)  # not a submodule: no cycle',
+            "",
+            f"    def forward(self, hidden_states{enc_arg}, **loop_inputs):",
+            "        cls = type(self)",
+            "        if cls._body is None:",
+            '            cls._body = _compile(cls.BODY_SOURCE, "loop_body")',
+            f"        return cls._body(self._owner, self.index, self.inner, hidden_states{enc_pass}, **loop_inputs)",
+            "",
+        ])
+        out.append(piece.replace("{body_literal}", textwrap.indent(code_literal(body_src), "    ").lstrip()))
     paths = [f.path for f in folds]
     classes = [_class_name(cls, f.path) for f in folds]
     out.append(textwrap.dedent(f'''
@@ -262,7 +329,7 @@ def fold_source(cls, folds: list[LoopFold], functor_name: str) -> str:
 
         def _compile(source, name):
             namespace = dict(sys.modules[MODEL_MODULE].__dict__)
-            exec(compile(source, f"<folded {{name}} of {cls.__name__}>", "exec"), namespace)
+            exec(compile(textwrap.dedent(source), f"<folded {{name}} of {cls.__name__}>", "exec"), namespace)
             return namespace[name]
 
 

@@ -22,12 +22,19 @@ def enable_dbcache(pipe, adapter, cache_config_kwargs: dict, calibrator=None):
     """Enable cache-dit on ``pipe`` through ``adapter``; returns the undo callable."""
     import cache_dit
 
+    transformer = pipe.transformer
+    order = list(transformer._modules)
     block_adapter = adapter.block_adapter()
     cache_dit.enable_cache(block_adapter, cache_config=cache_dit.DBCacheConfig(**cache_config_kwargs),
                            calibrator_config=calibrator)
 
     def undo():
         cache_dit.disable_cache(block_adapter)
+        # cache-dit swaps block lists in with unittest.mock, which re-inserts them at the end of
+        # the module's child order; diffusers' block hooks rely on that order: restore it
+        modules = transformer._modules
+        transformer._modules = type(modules)((k, modules[k]) for k in order + [k for k in modules if k not in order])
+        transformer.__dict__.pop("forward", None)
         adapter.unpatch()
 
     return undo
