@@ -1,0 +1,19 @@
+"""Parallel stage: feasibility of plans from the architecture, CP plans (registered or derived,
+written as code), CFG parallel, the GQA attention path, and multi-process launch with parity.
+
+Main entry points:
+
+- ``feasibility(report, card) -> FeasibilityTable`` (world sizes 1, 2, 4, 8, with reasons)
+- ``resolve_cp_plan`` / ``derive_cp_plan`` / ``write_plan_code`` (``parallel/cp_plan_<model>.py``)
+- ``apply_cfg_parallel(transformer, style, group)``
+- ``time_gqa(...)`` and ``route_attention(transformer, gqa_path)``
+- ``run_plans(card, plans, nproc, out_dir) -> ([PlanResult], LaunchResult)`` — also the
+  benchmark stage's way to time a plan (``PlanResult.seconds`` / ``speedup``).
+"""
+
+from .feasibility import Feasibility, FeasibilityTable, feasibility
+from .launch import LaunchResult, ParallelRunError, PlanResult, launch, run_plans
+from .plans import PlanSpec, parse_plan, plan_name
+
+__all__ = ["Feasibility", "FeasibilityTable", "feasibility", "LaunchResult", "ParallelRunError", "PlanResult",
+           "launch", "run_plans", "PlanSpec", "parse_plan", "plan_name"]

@@ -1,0 +1,229 @@
+"""The attention path: GQA timing (SDPA ``enable_gqa=True`` against K/V repeated to the query
+heads, and other dispatch backends present) and a run-time patch that routes a model's own
+``scaled_dot_product_attention`` calls through ``diffusers.models.attention_dispatch.dispatch_attention_fn``
+so that context parallelism (Ulysses all-to-all, Ring) reaches attention written outside diffusers.
+
+The patch is per instance: each attention module whose code calls SDPA gets its ``forward``
+wrapped; only while that forward runs does SDPA point at the redirect. Nothing is changed on
+disk or on classes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+_SDPA = F.scaled_dot_product_attention  # the real one, kept before any redirect
+
+
+@dataclass
+class GqaTiming:
+    device: str
+    dtype: str
+    heads: int
+    kv_heads: int
+    head_dim: int
+    seq_len: int
+    batch: int
+    seconds: dict[str, float] = field(default_factory=dict)  # path -> median seconds per call
+    spread: dict[str, float] = field(default_factory=dict)  # path -> (max - min) seconds
+    faster: str | None = None
+    ratio: float | None = None  # slower / faster
+    errors: dict[str, str] = field(default_factory=dict)
+    torch_version: str = torch.__version__
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def time_gqa(heads: int, kv_heads: int, head_dim: int, seq_len: int, *, batch: int = 1,
+             device: str = "cpu", dtype: str = "float32", repeats: int = 5, warmup: int = 2,
+             backends: tuple[str, ...] = ()) -> GqaTiming:
+    """Median time of one attention call on these shapes, by path, on this device.
+
+    Paths: ``enable_gqa`` (SDPA's native grouped-query), ``repeat_interleave`` (K/V repeated to
+    the query heads, then plain SDPA), and ``dispatch:<backend>`` for each named diffusers backend.
+    """
+    dt = getattr(torch, dtype)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q = torch.randn(batch, heads, seq_len, head_dim, generator=g).to(device=device, dtype=dt)
+    k = torch.randn(batch, kv_heads, seq_len, head_dim, generator=g).to(device=device, dtype=dt)
+    v = torch.randn(batch, kv_heads, seq_len, head_dim, generator=g).to(device=device, dtype=dt)
+    rep = heads // kv_heads
+    paths = {
+        "enable_gqa": lambda: _SDPA(q, k, v, enable_gqa=True),
+        "repeat_interleave": lambda: _SDPA(q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)),
+    }
+    for b in backends:
+        def run(b=b):
+            from diffusers.models.attention_dispatch import dispatch_attention_fn
+            kk, vv = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+            return dispatch_attention_fn(q.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2), backend=b)
+        paths[f"dispatch:{b}"] = run
+    out = GqaTiming(device=device, dtype=dtype, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                    seq_len=seq_len, batch=batch)
+    ref = None
+    for name, fn in paths.items():
+        try:
+            with torch.no_grad():
+                for _ in range(warmup):
+                    r = fn()
+                _sync(device)
+                ts = []
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    r = fn()
+                    _sync(device)
+                    ts.append(time.perf_counter() - t0)
+            if name.startswith("dispatch:"):
+                r = r.transpose(1, 2)
+            if ref is None:
+                ref = r
+            elif not torch.allclose(r.float(), ref.float(), atol=2e-2 if dt != torch.float32 else 1e-4):
+                out.errors[name] = "result differs from enable_gqa"
+                continue
+            out.seconds[name] = statistics.median(ts)
+            out.spread[name] = max(ts) - min(ts)
+        except Exception as exc:  # noqa: BLE001 - a backend missing here is a finding, not a failure
+            out.errors[name] = f"{type(exc).__name__}: {exc}"
+    ok = {k: s for k, s in out.seconds.items() if k in ("enable_gqa", "repeat_interleave")}
+    if ok:
+        out.faster = min(ok, key=ok.get)
+        out.ratio = max(ok.values()) / max(min(ok.values()), 1e-12)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# routing a model's own SDPA calls through diffusers' dispatcher
+
+
+@dataclass
+class AttentionRoute:
+    gqa_path: str = "enable_gqa"  # or "repeat_interleave"
+    calls: int = 0
+    gqa_calls: int = 0
+    cp_calls: int = 0
+    modules: list[str] = field(default_factory=list)
+
+
+def _calls_sdpa(obj) -> bool:
+    try:
+        src = inspect.getsource(type(obj))
+    except (OSError, TypeError):
+        return False
+    return "scaled_dot_product_attention" in src
+
+
+def _dispatch_aware(module) -> bool:
+    proc = getattr(module, "processor", None)
+    return proc is not None and hasattr(proc, "_attention_backend")
+
+
+def route_attention(transformer, gqa_path: str = "enable_gqa") -> AttentionRoute:
+    """Wrap the forward of every attention module (outside diffusers' dispatch-aware processors)
+    that calls ``scaled_dot_product_attention`` so the call goes through ``dispatch_attention_fn``
+    with the model's context-parallel config (``transformer._parallel_config``, set when CP is
+    enabled), and GQA takes ``gqa_path``. Under CP, K/V are repeated to the query heads before the
+    all-to-all (the templated CP attention takes no GQA)."""
+    route = AttentionRoute(gqa_path=gqa_path)
+
+    def redirect(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                 enable_gqa=False, **extra):
+        route.calls += 1
+        saved = F.scaled_dot_product_attention
+        try:
+            return _route(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        finally:
+            F.scaled_dot_product_attention = saved
+
+    def _route(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+        hq, hk = query.shape[-3], key.shape[-3]
+        cfg = getattr(transformer, "_parallel_config", None)
+        cp = getattr(cfg, "context_parallel_config", cfg) if cfg is not None else None
+        if hk != hq:
+            route.gqa_calls += 1
+            # under CP, cache-dit's templated Ulysses/Ring attention takes no GQA: K/V are
+            # repeated to the query heads before the all-to-all
+            if gqa_path == "repeat_interleave" or cp is not None:
+                key = key.repeat_interleave(hq // hk, dim=-3)
+                value = value.repeat_interleave(hq // hk, dim=-3)
+                enable_gqa = False
+            else:
+                enable_gqa = True
+        if cp is None:
+            return _SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                         scale=scale, enable_gqa=enable_gqa)
+        from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+        route.cp_calls += 1
+        # the CP backend calls SDPA itself: the real one, not this redirect
+        F.scaled_dot_product_attention = _SDPA
+        out = dispatch_attention_fn(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                                    attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                                    enable_gqa=enable_gqa, backend="native", parallel_config=cfg)
+        return out.transpose(1, 2)
+
+    for name, module in transformer.named_modules():
+        if _dispatch_aware(module) or not _calls_sdpa(module):
+            continue
+        # only leaf-most callers: skip a module whose SDPA call lives in a child we also wrap
+        orig = module.forward
+        mod_globals = sys.modules.get(type(module).__module__)
+
+        @functools.wraps(orig)
+        def forward(*args, _orig=orig, _mod=mod_globals, **kwargs):
+            with _sdpa_redirect(redirect, _mod):
+                return _orig(*args, **kwargs)
+        module.forward = forward  # instance attribute: this module only
+        route.modules.append(name)
+    return route
+
+
+@contextlib.contextmanager
+def _sdpa_redirect(fn, module_namespace):
+    """While the wrapped forward runs, ``F.scaled_dot_product_attention`` (and a name imported
+    from it into the module's file) point at ``fn``. Calls are single-threaded per rank."""
+    saved_f = F.scaled_dot_product_attention
+    saved_g = None
+    ns = getattr(module_namespace, "__dict__", None)
+    if ns is not None and ns.get("scaled_dot_product_attention") is _SDPA:
+        saved_g = ns["scaled_dot_product_attention"]
+        ns["scaled_dot_product_attention"] = fn
+    F.scaled_dot_product_attention = fn
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = saved_f
+        if saved_g is not None:
+            ns["scaled_dot_product_attention"] = saved_g
+
+
+def model_gqa_shapes(transformer, report=None, seq_len: int | None = None) -> dict | None:
+    """(heads, kv_heads, head_dim, seq_len) of a GQA model, from the report or the config."""
+    heads = kv = hd = None
+    if report is not None:
+        a = report.attention
+        heads, kv, hd = a.heads, a.kv_heads, a.head_dim
+        if seq_len is None and a.image_seq_len:
+            seq_len = a.image_seq_len + (a.text_seq_len or 0 if a.kind == "joint" else 0)
+    cfg = getattr(transformer, "config", {}) if transformer is not None else {}
+    get = (lambda k: cfg.get(k)) if isinstance(cfg, dict) else (lambda k: getattr(cfg, k, None))
+    heads = heads or get("num_attention_heads") or get("num_heads")
+    kv = kv or get("num_key_value_heads") or get("num_kv_heads") or heads
+    hd = hd or get("attention_head_dim") or get("head_dim")
+    if not (heads and kv and hd) or heads == kv:
+        return None
+    return {"heads": int(heads), "kv_heads": int(kv), "head_dim": int(hd), "seq_len": int(seq_len or 256)}

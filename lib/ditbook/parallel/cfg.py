@@ -1,0 +1,188 @@
+"""CFG parallel: the two classifier-free-guidance branches of each step on two ranks.
+
+cache-dit has no CFG parallelism, so ditbook does it with a per-instance wrapper around
+``pipe.transformer.forward`` (the class is untouched):
+
+- **separate** (the pipeline calls the transformer twice per step, cond then uncond — QwenImage,
+  Flux with ``true_cfg_scale > 1``): calls are counted; the rank whose CFG index equals the call's
+  parity (call index mod 2) computes it, the other returns a placeholder. At the second call of
+  the pair both ranks ``all_gather`` their branch over the CFG group, the placeholder returned at
+  the first call is filled in place, and the second call returns the gathered result. Every rank
+  then continues with identical outputs, so identical latents. The placeholder needs the output's
+  shape: on the first pair of a new input shape the rank computes its partner's branch too (one
+  extra forward per run), later pairs reuse the recorded shape. This relies on the pipeline not
+  copying the first output before the second call (it may take views, e.g. a slice) — the parity
+  test catches a pipeline that does.
+- **batched** (one call with a batch of two, cond and uncond concatenated): each rank runs its
+  half of the batch (every tensor argument whose first dimension is the batch), and the halves
+  are all-gathered along the batch.
+
+With context parallelism on top, the CFG group pairs the ranks holding the same sequence shard
+(mesh ``cfg x ring x ulysses``); CP hooks run inside each branch.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class CfgStats:
+    style: str
+    calls: int = 0
+    computed: int = 0
+    skipped: int = 0
+    extra_forwards: int = 0
+    exchanges: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def _first_tensor(out):
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)):
+        return out[0]
+    return out.sample
+
+
+def _wrap_like(template, tensor):
+    if isinstance(template, torch.Tensor):
+        return tensor
+    if isinstance(template, tuple):
+        return (tensor,) + tuple(template[1:])
+    if isinstance(template, list):
+        return [tensor] + list(template[1:])
+    return type(template)(sample=tensor)
+
+
+def _input_key(args, kwargs) -> tuple:
+    t = kwargs.get("hidden_states")
+    if t is None:
+        t = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    return tuple(t.shape) if t is not None else ()
+
+
+def _gather(local: torch.Tensor, group, size: int) -> list[torch.Tensor]:
+    local = local.contiguous()
+    out = [torch.empty_like(local) for _ in range(size)]
+    dist.all_gather(out, local, group=group)
+    return out
+
+
+def apply_cfg_parallel(transformer, style: str, group=None, heartbeat=None) -> CfgStats:
+    """Wrap ``transformer.forward`` (this instance) for CFG parallel over ``group`` (2 ranks)."""
+    if style not in ("separate", "batched"):
+        raise ValueError(f"CFG parallel needs a 'separate' or 'batched' CFG style, got {style!r}")
+    size = dist.get_world_size(group)
+    if size != 2:
+        raise ValueError(f"the CFG group must hold 2 ranks, it holds {size}")
+    me = dist.get_rank(group)
+    stats = CfgStats(style=style)
+    orig = transformer.forward
+    state: dict = {"shapes": {}, "pending": None, "own0": None}
+
+    @functools.wraps(orig)
+    def separate(*args, **kwargs):
+        i = stats.calls
+        stats.calls += 1
+        if heartbeat:
+            heartbeat()
+        parity = i % 2
+        key = _input_key(args, kwargs)
+        if parity == 0:
+            if me == 0 or key not in state["shapes"]:
+                out = orig(*args, **kwargs)
+                stats.computed += 1
+                if me != 0:
+                    stats.extra_forwards += 1
+                t = _first_tensor(out)
+                state["template"] = out
+                state["shapes"][key] = (tuple(t.shape), t.dtype, t.device)
+                state["own0"] = t
+                state["pending"] = t
+                return out
+            shape, dtype, device = state["shapes"][key]
+            ph = torch.empty(shape, dtype=dtype, device=device)
+            stats.skipped += 1
+            state["own0"] = None
+            state["pending"] = ph
+            return _wrap_like(state["template"], ph)
+        # second call of the pair: rank 1 computes, rank 0 contributes its first-call result
+        if me == 1:
+            out = orig(*args, **kwargs)
+            stats.computed += 1
+            state["template"] = out
+            mine = _first_tensor(out)
+        else:
+            out = None
+            mine = state["own0"]
+            stats.skipped += 1
+        parts = _gather(mine, group, 2)
+        stats.exchanges += 1
+        state["pending"].copy_(parts[0])  # fills the first call's placeholder (or rewrites it equal)
+        if me == 1:
+            return out
+        return _wrap_like(state["template"], parts[1])
+
+    @functools.wraps(orig)
+    def batched(*args, **kwargs):
+        stats.calls += 1
+        if heartbeat:
+            heartbeat()
+        t = kwargs.get("hidden_states")
+        if t is None:
+            t = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        b = t.shape[0] if t is not None else 0
+        if b < 2 or b % 2:
+            stats.notes.append(f"call {stats.calls}: batch {b} not splittable, computed whole")
+            stats.computed += 1
+            return orig(*args, **kwargs)
+
+        def half(v):
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == b:
+                return v.chunk(2, dim=0)[me]
+            return v
+        out = orig(*[half(a) for a in args], **{k: half(v) for k, v in kwargs.items()})
+        stats.computed += 1
+        parts = _gather(_first_tensor(out), group, 2)
+        stats.exchanges += 1
+        return _wrap_like(out, torch.cat(parts, dim=0))
+
+    transformer.forward = separate if style == "separate" else batched
+    transformer._ditbook_cfg_stats = stats
+    return stats
+
+
+def detect_cfg_style(pipe, card) -> str:
+    """Count the transformer's calls and batch in a 2-step run: 'separate', 'batched' or 'none'."""
+    from ..render import call_kwargs, make_generator
+
+    seen: list[int] = []
+
+    def hook(module, args, kwargs):
+        t = kwargs.get("hidden_states")
+        if t is None:
+            t = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        seen.append(int(t.shape[0]) if t is not None else 0)
+
+    h = pipe.transformer.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        kw = call_kwargs(pipe, card, num_inference_steps=2, output_type="latent")
+        pipe(prompt=card.generation.prompts[0], generator=make_generator(card.generation.seeds[0]), **kw)
+    finally:
+        h.remove()
+    if not seen:
+        return "none"
+    per_step = len(seen) / 2
+    if per_step >= 2 and len(seen) % 2 == 0:
+        return "separate"
+    if seen[0] >= 2 and seen[0] % 2 == 0:
+        return "batched"
+    return "none"

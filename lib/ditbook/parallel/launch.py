@@ -1,0 +1,188 @@
+"""Launching plans under torchrun and judging them against the single-process baseline.
+
+``launch`` starts ``python -m torch.distributed.run --nproc_per_node N -m ditbook.parallel.worker``
+(gloo on CPU, NCCL on GPU) in its own process group, waits at most ``total_timeout`` seconds
+and kills the whole group after that; a failing rank makes torchrun end the others, and
+``launch`` raises ``ParallelRunError`` naming the rank and its error.
+
+``run_plans`` is the entry point for the stage and for the benchmark stage: it launches the
+single-process baseline and the plans in one torchrun (so every figure comes from the same
+processes), compares each plan's images with the baseline's (PSNR > 35 dB, SSIM > 0.90, worst
+tile) and returns one ``PlanResult`` per plan with its seconds and speedup.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..bench.metrics import Gates, compare_sets
+from .plans import parse_plan
+
+PARALLEL_GATES = Gates(psnr=35.0, ssim=0.90)
+
+
+class ParallelRunError(RuntimeError):
+    """A parallel run failed or timed out; ``log`` holds the tail of its output."""
+
+    def __init__(self, message: str, log: str = "", returncode: int | None = None):
+        super().__init__(message)
+        self.log = log
+        self.returncode = returncode
+
+
+@dataclass
+class LaunchResult:
+    out_dir: Path
+    nproc: int
+    seconds: float  # wall time of the whole launch
+    worker: dict  # rank 0's worker.json
+    command: list[str]
+
+    def images(self, plan: str) -> dict[str, np.ndarray]:
+        rows = self.worker["plans"][plan].get("images", [])
+        return {r["key"]: np.load(self.out_dir / r["npy"]) for r in rows}
+
+
+@dataclass
+class PlanResult:
+    name: str
+    world_size: int
+    passed: bool
+    quality: dict  # SetQuality.to_dict() against the reference
+    seconds: float | None  # median seconds per image
+    speedup: float | None  # reference seconds / plan seconds, same processes
+    reference: str  # plan the images were compared with ("single" or "single+cache")
+    baseline_quality: dict | None = None  # against the uncached baseline, for +cache plans
+    details: dict = field(default_factory=dict)  # cp plan source, cfg stats, cache agreement, attention
+    error: str | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def torchrun_command(card: str | Path, plans: list[str], nproc: int, out_dir: Path, *, overrides: dict | None = None,
+                     timeout: float = 300.0, warmup: int = 1, cfg_style: str | None = None,
+                     cp_plan_file: str | None = None, attention_kind: str | None = None,
+                     gqa_path: str = "enable_gqa") -> list[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+           "--nproc_per_node", str(nproc), "--max_restarts", "0", "--monitor_interval", "0.5",
+           "-m", "ditbook.parallel.worker", "--card", str(card), "--plans", ",".join(plans),
+           "--out", str(out_dir), "--timeout", str(timeout), "--warmup", str(warmup), "--gqa-path", gqa_path]
+    if overrides:
+        cmd += ["--overrides", json.dumps(overrides)]
+    if cfg_style:
+        cmd += ["--cfg-style", cfg_style]
+    if cp_plan_file:
+        cmd += ["--cp-plan-file", str(cp_plan_file)]
+    if attention_kind:
+        cmd += ["--attention-kind", attention_kind]
+    return cmd
+
+
+def _failure_message(log: str, rc: int | None) -> str:
+    m = re.findall(r"ditbook parallel: (rank \d+ .*)", log)
+    if m:
+        return "; ".join(dict.fromkeys(m))
+    m = re.search(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", log, re.S)
+    if m:
+        code = int(m.group(2))
+        how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+        return f"rank {m.group(1)} ended ({how})"
+    return f"torchrun exited with code {rc}"
+
+
+def launch(card: str | Path, plans: list[str], nproc: int, out_dir: str | Path, *, overrides: dict | None = None,
+           timeout: float = 300.0, total_timeout: float | None = None, env: dict | None = None, **worker_opts) -> LaunchResult:
+    """Run plans (all of world size 1 or ``nproc``) in one torchrun; raise ``ParallelRunError`` on failure."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for p in plans:
+        ws = parse_plan(p).world_size
+        if ws not in (1, nproc):
+            raise ParallelRunError(f"plan {p} needs {ws} processes; this launch has --nproc {nproc}")
+    cmd = torchrun_command(card, plans, nproc, out_dir, overrides=overrides, timeout=timeout, **worker_opts)
+    total_timeout = total_timeout or max(600.0, 4 * timeout)
+    log_path = out_dir / "launch.log"
+    full_env = {**os.environ, **(env or {})}
+    src = str(Path(__file__).resolve().parents[2])  # lib/, so ranks import this ditbook
+    full_env["PYTHONPATH"] = src + (os.pathsep + full_env["PYTHONPATH"] if full_env.get("PYTHONPATH") else "")
+    start = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=total_timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            text = log_path.read_text(errors="replace")
+            raise ParallelRunError(f"parallel run of {plans} did not finish within {total_timeout:.0f}s; "
+                                   f"all ranks were ended", text[-4000:], None) from None
+    seconds = time.perf_counter() - start
+    text = log_path.read_text(errors="replace")
+    if rc != 0:
+        raise ParallelRunError(f"parallel run of {plans} failed after {seconds:.1f}s: {_failure_message(text, rc)} "
+                               f"(log: {log_path})", text[-4000:], rc)
+    worker = json.loads((out_dir / "worker.json").read_text())
+    return LaunchResult(out_dir, nproc, seconds, worker, cmd)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=10)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def judge(result: LaunchResult, plans: list[str], gates: Gates = PARALLEL_GATES) -> list[PlanResult]:
+    """Compare each plan with its single-process reference from the same launch."""
+    out = []
+    base = result.images("single") if "single" in result.worker["plans"] else None
+    base_s = result.worker["plans"].get("single", {}).get("median_seconds")
+    for name in plans:
+        spec = parse_plan(name)
+        if spec.world_size == 1:
+            continue
+        ref_name = "single+cache" if spec.cache else "single"
+        entry = result.worker["plans"][name]
+        ref = result.images(ref_name)
+        q = compare_sets(result.images(name), ref, gates)
+        ref_s = result.worker["plans"][ref_name].get("median_seconds")
+        s = entry.get("median_seconds")
+        details = {k: v for k, v in entry.items() if k not in ("images", "seconds", "median_seconds", "world_size")}
+        details["reference_seconds"] = ref_s
+        details["baseline_seconds"] = base_s
+        bq = compare_sets(result.images(name), base, Gates(psnr=30.0, ssim=0.90)).to_dict() \
+            if spec.cache and base is not None else None
+        out.append(PlanResult(name=name, world_size=spec.world_size, passed=q.passed, quality=q.to_dict(),
+                              seconds=s, speedup=(ref_s / s) if ref_s and s else None, reference=ref_name,
+                              baseline_quality=bq, details=details))
+    return out
+
+
+def run_plans(card: str | Path, plans: list[str], nproc: int, out_dir: str | Path, *, gates: Gates = PARALLEL_GATES,
+              **launch_opts) -> tuple[list[PlanResult], LaunchResult]:
+    """Launch the baseline(s) and ``plans`` together and judge each plan against its baseline.
+
+    This is what the benchmark stage calls to time a plan: ``PlanResult.seconds`` is the median
+    seconds per image (after ``warmup`` renders), ``speedup`` the ratio to the single-process
+    run in the same launch; ``LaunchResult.worker`` holds every per-image time.
+    """
+    refs = ["single"] + (["single+cache"] if any(parse_plan(p).cache for p in plans) else [])
+    todo = refs + [p for p in plans if p not in refs]
+    result = launch(card, todo, nproc, out_dir, **launch_opts)
+    return judge(result, plans, gates), result

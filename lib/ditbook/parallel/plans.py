@@ -1,0 +1,108 @@
+"""Parallel plans by name: what a plan asks for, parsed from names like ``ulysses2`` or
+``cfg2_ulysses2+cache``.
+
+A plan is a point in the mesh ``cfg x ring x ulysses`` (the world size is their product), plus
+whether a cache strategy rides on top. ``single`` is the one-process baseline.
+
+Grammar (parts joined by ``_``, options after ``+``)::
+
+    single | cfg2 | ulysses<N> | ring<N> | usp<R>x<U> (ring R x ulysses U)
+    cfg2_ulysses<N> | cfg2_ring<N> | cfg2_usp<R>x<U>
+    ...+cache       (cache-dit DBCache on top, skip decision agreed across ranks)
+    tp<N>           (tensor parallel: judged by the feasibility table, not launched by ditbook)
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+
+_PART = re.compile(r"^(cfg|ulysses|ring|usp|tp)(\d+)(?:x(\d+))?$")
+
+
+class PlanNameError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class PlanSpec:
+    name: str
+    cfg: int = 1
+    ulysses: int = 1
+    ring: int = 1
+    tp: int = 1
+    cache: bool = False
+    options: dict = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def cp(self) -> int:
+        """Context-parallel degree (ranks that share one sequence)."""
+        return self.ulysses * self.ring
+
+    @property
+    def world_size(self) -> int:
+        return self.cfg * self.cp * self.tp
+
+    @property
+    def uses_cp(self) -> bool:
+        return self.cp > 1
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["world_size"] = self.world_size
+        return d
+
+
+def parse_plan(name: str) -> PlanSpec:
+    """``cfg2_ulysses2+cache`` -> PlanSpec(cfg=2, ulysses=2, cache=True)."""
+    raw = name.strip()
+    if not raw:
+        raise PlanNameError("empty plan name")
+    base, *opts = raw.split("+")
+    cache = False
+    for o in opts:
+        if o == "cache":
+            cache = True
+        else:
+            raise PlanNameError(f"plan {name!r}: unknown option '+{o}' (known: +cache)")
+    if base == "single":
+        return PlanSpec(name=raw, cache=cache)
+    kw: dict = {}
+    for part in base.split("_"):
+        m = _PART.match(part)
+        if not m:
+            raise PlanNameError(f"plan {name!r}: cannot read {part!r}; expected one of "
+                                f"cfg2, ulysses<N>, ring<N>, usp<R>x<U>, tp<N>, single")
+        kind, a, b = m.group(1), int(m.group(2)), m.group(3)
+        if kind in kw or (kind == "usp" and ("ulysses" in kw or "ring" in kw)):
+            raise PlanNameError(f"plan {name!r}: {kind} given twice")
+        if kind == "usp":
+            if b is None:
+                raise PlanNameError(f"plan {name!r}: usp needs RxU, e.g. usp2x2")
+            kw["ring"], kw["ulysses"] = a, int(b)
+        elif b is not None:
+            raise PlanNameError(f"plan {name!r}: only usp takes RxU")
+        else:
+            kw[kind] = a
+    if kw.get("cfg", 1) not in (1, 2):
+        raise PlanNameError(f"plan {name!r}: CFG parallel splits two branches, so cfg is 2")
+    for k, v in kw.items():
+        if v < 1:
+            raise PlanNameError(f"plan {name!r}: {k} must be >= 1")
+    return PlanSpec(name=raw, cache=cache, **kw)
+
+
+def plan_name(cfg: int = 1, ulysses: int = 1, ring: int = 1, tp: int = 1, cache: bool = False) -> str:
+    parts = []
+    if cfg > 1:
+        parts.append(f"cfg{cfg}")
+    if ring > 1 and ulysses > 1:
+        parts.append(f"usp{ring}x{ulysses}")
+    elif ulysses > 1:
+        parts.append(f"ulysses{ulysses}")
+    elif ring > 1:
+        parts.append(f"ring{ring}")
+    if tp > 1:
+        parts.append(f"tp{tp}")
+    name = "_".join(parts) or "single"
+    return name + ("+cache" if cache else "")

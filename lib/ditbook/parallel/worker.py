@@ -1,0 +1,267 @@
+"""One rank of a parallel run: ``python -m torch.distributed.run ... -m ditbook.parallel.worker``.
+
+Each rank loads the model the normal way (``ditbook.loading.load_pipeline``), applies the plan,
+renders every case of the card (``render.cases`` keys), and rank 0 saves the images and a
+``worker.json`` with the timings. Plans of world size 1 (the baseline) run replicated on every
+rank, rank 0's figures reported.
+
+Failure handling: the process group has a timeout (``--timeout``); a stall watchdog ends a rank
+that makes no progress for that long; torchrun's agent ends the other ranks as soon as one
+exits non-zero. ``DITBOOK_PARALLEL_FAULT=RANK:CALL`` kills rank RANK at its CALL-th transformer
+call (used by the tests to prove a dead rank ends the run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import gc
+import json
+import os
+import signal
+import statistics
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+REUSE_LIMIT = 500_000_000  # transformer parameters; larger models are loaded per plan
+
+
+class Watchdog:
+    """Ends this rank when nothing has progressed for ``timeout`` seconds."""
+
+    def __init__(self, timeout: float, rank: int):
+        self.timeout, self.rank = timeout, rank
+        self.last = time.monotonic()
+        self.what = "start"
+        t = threading.Thread(target=self._run, daemon=True)
+        t.start()
+
+    def beat(self, what: str = "") -> None:
+        self.last = time.monotonic()
+        if what:
+            self.what = what
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(min(1.0, self.timeout / 4))
+            idle = time.monotonic() - self.last
+            if idle > self.timeout:
+                sys.stderr.write(f"ditbook parallel: rank {self.rank} made no progress for {idle:.0f}s "
+                                 f"(last: {self.what}); ending the run\n")
+                sys.stderr.flush()
+                os._exit(124)
+
+
+def _fault_hook(transformer, rank: int):
+    spec = os.environ.get("DITBOOK_PARALLEL_FAULT")
+    if not spec:
+        return
+    r, call = (int(x) for x in spec.split(":"))
+    if r != rank:
+        return
+    count = {"n": 0}
+
+    def hook(module, args, kwargs):
+        count["n"] += 1
+        if count["n"] >= call:
+            sys.stderr.write(f"ditbook parallel: fault injection kills rank {rank} at call {count['n']}\n")
+            sys.stderr.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+    transformer.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def _sync(device: str):
+    return torch.cuda.synchronize if device.startswith("cuda") else None
+
+
+def apply_plan(pipe, card, spec, *, cfg_style: str | None, cp_plan_file: str | None, attention_kind: str | None,
+               gqa_path: str, out_dir: Path | None, heartbeat=None) -> dict:
+    """Apply one plan to a freshly loaded pipeline on this rank; returns what was applied."""
+    from .attention import route_attention
+    from .cache_sync import agree_cache_decisions, dbcache_config
+    from .cfg import apply_cfg_parallel, detect_cfg_style
+    from .cp_plan import capture_transformer_call, load_plan_code, resolve_cp_plan, write_plan_code
+
+    info: dict = {"plan": spec.name}
+    tr = pipe.transformer
+    route = route_attention(tr, gqa_path=gqa_path)
+    info["attention"] = {"patched_modules": route.modules, "gqa_path": gqa_path}
+    cfg_group = cp_mesh = None
+    if spec.cfg > 1 and spec.uses_cp:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        dev_type = "cuda" if torch.cuda.is_available() and str(tr.device).startswith("cuda") else "cpu"
+        mesh = init_device_mesh(dev_type, (2, spec.ring, spec.ulysses), mesh_dim_names=("cfg", "ring", "ulysses"))
+        cfg_group = mesh["cfg"].get_group()
+        cp_mesh = mesh["ring", "ulysses"]
+    elif spec.cfg > 1:
+        cfg_group = dist.group.WORLD
+    if spec.cfg > 1:
+        style = cfg_style or detect_cfg_style(pipe, card)
+        info["cfg_style"] = style
+        if style not in ("separate", "batched"):
+            raise RuntimeError(f"plan {spec.name}: the pipeline shows CFG style '{style}' — no second branch")
+    if spec.uses_cp:
+        if cp_plan_file:
+            cp = load_plan_code(cp_plan_file)
+        else:
+            cp = resolve_cp_plan(tr, capture=lambda: capture_transformer_call(pipe, card),
+                                 attention_kind=attention_kind)
+        info["cp_plan"] = cp.to_dict()
+        if out_dir is not None and dist.get_rank() == 0:
+            info["cp_plan_file"] = str(write_plan_code(cp, out_dir, card.name, type(tr).__name__))
+        import cache_dit
+
+        cache_cfg = dbcache_config(spec.options.get("cache")) if spec.cache else None
+        if cp_mesh is None:
+            from cache_dit import ParallelismConfig
+
+            pc = ParallelismConfig(ulysses_size=spec.ulysses if spec.ulysses > 1 else None,
+                                   ring_size=spec.ring if spec.ring > 1 else None, cp_plan=cp.plan)
+            cache_dit.enable_cache(pipe, cache_config=cache_cfg, parallelism_config=pc)
+        else:
+            # cfg x CP: the CP mesh is one slice of a (cfg, ring, ulysses) mesh, which cache-dit's
+            # public ParallelismConfig cannot take, so its runtime entry is called with that mesh.
+            from cache_dit.attention import _maybe_register_custom_attn_backends
+            from cache_dit.distributed.core import _ContextParallelConfig, _enable_context_parallelism
+
+            _maybe_register_custom_attn_backends()
+            cpc = _ContextParallelConfig(ulysses_degree=spec.ulysses, ring_degree=spec.ring)
+            cpc.setup(dist.get_rank(), dist.get_world_size(), tr.device, mesh=cp_mesh)
+            _enable_context_parallelism(tr, config=cpc, cp_plan=cp.plan)
+            if hasattr(tr, "set_attention_backend"):
+                try:
+                    tr.set_attention_backend("native")
+                except Exception:  # noqa: BLE001 - models without diffusers attention
+                    pass
+            if cache_cfg is not None:
+                raise RuntimeError("cache with CFG parallel is not supported (the cache contexts are per branch)")
+        if spec.cache:
+            info["cache_agreement"] = agree_cache_decisions(pipe)
+    elif spec.cache:
+        import cache_dit
+
+        cache_dit.enable_cache(pipe, cache_config=dbcache_config(spec.options.get("cache")))
+    if spec.cfg > 1:
+        info["cfg_stats"] = apply_cfg_parallel(tr, info["cfg_style"], group=cfg_group, heartbeat=heartbeat)
+    info["route"] = route
+    return info
+
+
+def run(args) -> int:
+    from ..card import load_card
+    from ..loading import Placement, choose_placement, load_pipeline
+    from ..render import render_all, save_renders
+    from .plans import parse_plan
+
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    dog = Watchdog(args.timeout, rank)
+    overrides = json.loads(args.overrides) if args.overrides else {}
+    card = load_card(args.card, overrides)
+    placement = choose_placement(card)
+    if placement.device.startswith("cuda"):
+        torch.cuda.set_device(local)
+        placement = Placement(f"cuda:{local}", placement.dtype)
+        backend = "nccl"
+    else:
+        backend = "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout))
+    out_dir = Path(args.out)
+    results: dict = {"world_size": world, "backend": backend, "placement": placement.to_dict(), "plans": {}}
+    torch.set_grad_enabled(False)
+    pristine = None
+    try:
+        for name in args.plans.split(","):
+            spec = parse_plan(name)
+            if spec.cache and "cache" not in spec.options and card.parallel.get("cache"):
+                spec = type(spec)(**{**spec.__dict__, "options": {"cache": card.parallel["cache"]}})
+            if spec.world_size not in (1, world):
+                raise RuntimeError(f"plan {name} needs {spec.world_size} processes, this run has {world}")
+            # a world-size-1 plan (the baseline) runs replicated on every rank: collectives that
+            # libraries issue whenever a process group exists (cache-dit's diff all-reduce) then
+            # still pair up; rank 0's images and times are the ones reported
+            active = True
+            dog.beat(f"plan {name}")
+            entry: dict = {"world_size": spec.world_size}
+            if active:
+                # every plan starts from an untouched pipeline: loaded once per rank, copied per plan
+                # (small models), or loaded again (models above REUSE_LIMIT parameters)
+                if pristine is None:
+                    pristine = load_pipeline(card, placement)
+                    if sum(p.numel() for p in pristine.transformer.parameters()) > REUSE_LIMIT:
+                        pipe, pristine = pristine, False
+                    else:
+                        pipe = copy.deepcopy(pristine)
+                elif pristine is False:
+                    pipe = load_pipeline(card, placement)
+                else:
+                    pipe = copy.deepcopy(pristine)
+                info = apply_plan(pipe, card, spec, cfg_style=args.cfg_style, cp_plan_file=args.cp_plan_file,
+                                  attention_kind=args.attention_kind, gqa_path=args.gqa_path,
+                                  out_dir=out_dir, heartbeat=dog.beat)
+                _fault_hook(pipe.transformer, rank)
+                pipe.transformer.register_forward_pre_hook(lambda *a, **k: dog.beat(f"plan {name}: transformer call"))
+                for _ in range(args.warmup):
+                    render_all(pipe, card, prompts=card.generation.prompts[:1], seeds=card.generation.seeds[:1])
+                    dog.beat()
+                renders = render_all(pipe, card, progress=lambda *a: dog.beat())
+                secs = [r.seconds for r in renders]
+                entry.update({"seconds": secs, "median_seconds": statistics.median(secs)})
+                route = info.pop("route")
+                info["attention"].update({"calls": route.calls, "gqa_calls": route.gqa_calls,
+                                          "cp_calls": route.cp_calls})
+                for k in ("cfg_stats", "cache_agreement"):
+                    if k in info:
+                        info[k] = info[k].to_dict()
+                if spec.cache:
+                    info["cached_steps"] = [int(s) for s in (getattr(pipe.transformer, "_cached_steps", None) or [])]
+                entry.update(info)
+                if rank == 0:
+                    entry["images"] = save_renders(renders, out_dir / _folder(name))
+                del pipe, renders
+                gc.collect()
+            results["plans"][name] = entry
+            dog.beat(f"barrier after {name}")
+            dist.barrier()
+    except BaseException as exc:
+        sys.stderr.write(f"ditbook parallel: rank {rank} failed: {type(exc).__name__}: {exc}\n")
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)  # no destroy_process_group: peers blocked in a collective are ended by torchrun
+    if rank == 0:
+        (out_dir / "worker.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    dist.destroy_process_group()
+    return 0
+
+
+def _folder(plan: str) -> str:
+    return plan.replace("+", "_plus_")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="ditbook.parallel.worker")
+    p.add_argument("--card", required=True)
+    p.add_argument("--plans", required=True, help="comma-separated plan names")
+    p.add_argument("--out", required=True)
+    p.add_argument("--overrides", default="", help="card overrides as JSON")
+    p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--cfg-style", default=None)
+    p.add_argument("--cp-plan-file", default=None)
+    p.add_argument("--attention-kind", default=None)
+    p.add_argument("--gqa-path", default="enable_gqa")
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
