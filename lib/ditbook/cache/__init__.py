@@ -1,0 +1,103 @@
+"""The cache stage: an automatic cache-dit adapter, cache strategies verified against the
+baseline, threshold tuning, and the adapter as generated code.
+
+Main API (all dataclasses have ``to_dict``):
+
+* ``build_cache_adapter(pipe, report, model) -> CacheAdapter`` (``adapter``): block lists,
+  forward patterns, separate-CFG flag and, when blocks are called with keywords cache-dit cannot
+  route or the loop does work per block, a generated ``PatchFunctor`` that folds the loop body
+  into per-instance block wrappers (``loopfold``). The adapter *is* a generated module
+  (``cache/adapter_<model>.py`` in the run folder), imported; ``adapter.info`` says what was
+  decided and where it differs from cache-dit's own registration.
+* ``strategies``: registry by name; one file + one config dataclass per strategy:
+  ``dbcache``, ``dbcache_taylorseer``, ``scm`` (cache-dit), ``diffusers_fbc``,
+  ``diffusers_magcache``, ``diffusers_taylorseer``, ``diffusers_pab``, ``diffusers_fastercache``
+  (diffusers hooks, on any model via run-time block registration), ``teacache_fitted`` (step-level,
+  rescale polynomial fitted on this model). ``strategies.get(name).apply(pipe, adapter, config)``
+  returns an undo callable.
+* ``verify.evaluate(...) -> StrategyResult``: quality (``bench.metrics.compare_sets``), the
+  fraction of block/attention evaluations really skipped (``counting``), cached steps;
+  ``verify.noise_floor``; ``verify.disabled_check`` (caching off must reproduce the baseline).
+* ``CacheSession`` (``session``): the stage's steps, used by ``notebooks/03_cache.ipynb``.
+* ``configs_from_results(results, run_dir) -> [CacheConfig]``: for the benchmark stage, the
+  tuned configurations again, each with ``name``, ``family``, ``config`` and
+  ``apply(pipe) -> undo``.
+
+``cache/results.json`` holds: ``strategies`` (list of {name, family, config, quality (SetQuality
+dict), skipped_fraction, attention_skipped_fraction, cached_steps, passed, split
+("calibration"/"holdout"/...), error}), ``chosen`` ({name, family, config} or null),
+``frontier`` / ``frontier_holdout`` (compute saved vs worst PSNR, Pareto set), ``noise_floor``,
+``adapter_checks`` (caching disabled reproduces the baseline), ``adapter`` (AdapterInfo),
+``adapter_module`` (relative path of the generated module), ``calibration``,
+``passing_at_40pct``, ``reproduction`` (the generated module rerun in a fresh process).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from .adapter import AdapterInfo, CacheAdapter, build_cache_adapter  # noqa: F401
+
+
+@dataclass
+class CacheConfig:
+    """One tuned configuration, ready to apply to a pipeline of the same model."""
+
+    name: str
+    family: str
+    config: dict
+    skipped_fraction: float | None = None
+    split: str = "holdout"
+    _module_path: Path | None = field(default=None, repr=False)
+    _arch_path: Path | None = field(default=None, repr=False)
+    _used: str = field(default="ditbook", repr=False)
+
+    def apply(self, pipe, steps: int | None = None) -> Callable[[], None]:
+        """Apply to ``pipe`` through the run's generated adapter; returns the undo callable."""
+        from ..arch.report import ArchReport
+        from . import strategies
+        from .adapter import load_adapter_file
+
+        module = load_adapter_file(self._module_path)
+        adapter = CacheAdapter.from_module(pipe, ArchReport.load(self._arch_path), module, self._used)
+        strat = strategies.get(self.name)
+        return strat.apply(pipe, adapter, strat.config(**self.config), steps=steps)
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "family": self.family, "config": self.config,
+                "skipped_fraction": self.skipped_fraction, "split": self.split}
+
+
+def configs_from_results(results: dict | str | Path, run_dir: str | Path | None = None,
+                         only_passed: bool = True) -> list[CacheConfig]:
+    """The configurations of a cache stage's ``results.json`` (a dict or its path): the chosen
+    one first, then every held-out-confirmed one (``only_passed``) or every one tried."""
+    if not isinstance(results, dict):
+        path = Path(results)
+        run_dir = run_dir or path.parent.parent
+        results = json.loads(path.read_text())
+    run_dir = Path(run_dir) if run_dir else None
+    module = run_dir / "cache" / results["adapter_module"] if run_dir else None
+    arch = run_dir / "inspect" / "arch.json" if run_dir else None
+    used = (results.get("adapter") or {}).get("used", "ditbook")
+    rows = [r for r in results.get("strategies", []) if r.get("split") == "holdout" and (r["passed"] or not only_passed)]
+    if not only_passed:
+        rows += [r for r in results.get("strategies", []) if r.get("split") == "calibration"]
+    out, seen = [], set()
+    chosen = results.get("chosen")
+    ordered = ([r for r in rows if chosen and r["name"] == chosen["name"] and r["config"] == chosen["config"]]
+               + rows)
+    for r in ordered:
+        key = (r["name"], json.dumps(r["config"], sort_keys=True))
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append(CacheConfig(r["name"], r["family"], r["config"], r.get("skipped_fraction"), r.get("split", ""),
+                               module, arch, used))
+    return out
+
+
+__all__ = ["AdapterInfo", "CacheAdapter", "CacheConfig", "build_cache_adapter", "configs_from_results"]

@@ -221,19 +221,29 @@ def _module_source(pipe, info: AdapterInfo, folds, tcls, functor: str | None) ->
     return head + body + tail
 
 
-def import_adapter_module(source: str, path: str | Path | None = None, name: str = "adapter"):
+def load_adapter_file(path: str | Path):
+    """Import a generated adapter module from its file."""
+    path = Path(path)
+    return import_adapter_module(path.read_text(), None, path.stem, existing=path)
+
+
+def import_adapter_module(source: str, path: str | Path | None = None, name: str = "adapter",
+                          existing: Path | None = None):
     """Import generated adapter source (written to ``path`` when given) as a fresh module."""
     digest = hashlib.sha1(source.encode()).hexdigest()[:10]
     mod_name = f"ditbook_generated_{name}_{digest}"
     if mod_name in sys.modules:
         return sys.modules[mod_name]
-    if path is None:
+    if existing is not None:
+        path = existing
+    elif path is None:
         import tempfile
 
         path = Path(tempfile.mkdtemp(prefix="ditbook_adapter_")) / f"{name}.py"
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(source)
+    if existing is None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(source)
     spec = importlib.util.spec_from_file_location(mod_name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[mod_name] = module
@@ -250,6 +260,27 @@ class CacheAdapter:
         self.info = info
         self.module = module
         self.source = source
+
+    @classmethod
+    def from_module(cls, pipe, report: ArchReport, module, used: str = "ditbook") -> "CacheAdapter":
+        """An adapter from an already generated module (e.g. ``cache/adapter_<model>.py`` of a run)."""
+        import inspect as _inspect
+
+        from cache_dit import PatchFunctor
+
+        folded = getattr(module, "FOLDED", {})
+        functors = [n for n, v in vars(module).items() if _inspect.isclass(v) and issubclass(v, PatchFunctor)
+                    and v is not PatchFunctor]
+        info = AdapterInfo(model=module.__name__, transformer_class=module.TRANSFORMER_CLASS,
+                           pipeline_class=module.PIPELINE_CLASS, has_separate_cfg=module.HAS_SEPARATE_CFG,
+                           patch_functor=functors[0] if functors else None, used=used,
+                           cache_dit_registered=cache_dit_registered(pipe))
+        for path, pattern in module.BLOCK_LISTS:
+            blocks = _get(pipe.transformer, path)
+            info.block_lists.append(BlockListPlan(path, len(blocks), folded.get(path, type(blocks[0]).__name__),
+                                                  pattern, path in folded))
+        source = Path(module.__file__).read_text() if getattr(module, "__file__", None) else ""
+        return cls(pipe, report, info, module, source)
 
     # --- the patch functor -------------------------------------------------------------
     def patch(self):

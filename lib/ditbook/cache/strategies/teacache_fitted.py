@@ -97,6 +97,12 @@ class StepSkipper:
                 h_in, e_in = self._inputs[li]
                 return pack(h_in + rh, e_in + re_ if (re_ is not None and e_in is not None) else e_in)
             out = original(*args, **kwargs)
+            if self.record and li == 0 and bi == 0:
+                ho0 = out if ehs_i is None else out[hs_i]
+                st = self.state[self.call % self.slots]
+                r0 = (ho0 - h).detach().float()
+                self._first_change = _rel_l1(r0, st["rec_r0"]) if st.get("rec_r0") is not None else None
+                st["rec_r0"] = r0
             if bi == n - 1:
                 if ehs_i is None:
                     ho, eo = out, None
@@ -143,7 +149,9 @@ class StepSkipper:
         if self.record:
             prev = st.get("rec_res")
             if prev is not None and self._change is not None:
-                self.records.append({"x": self._change, "y": _rel_l1(residuals[-1][0], prev[-1][0])})
+                self.records.append({"call": self.call, "x": self._change,
+                                     "y": _rel_l1(residuals[-1][0], prev[-1][0]),
+                                     "first_block": getattr(self, "_first_change", None)})
             st["rec_res"] = residuals
         st["residuals"] = residuals
 

@@ -1,0 +1,88 @@
+"""Figures of the cache stage (matplotlib): residual change per step, the trade-off between
+compute saved and quality, and baseline / cached image grids with difference maps."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def residual_change_plot(records: list[dict], path=None):
+    """Per denoising call: block 0's residual change, the model's residual change (what a
+    step-level cache must predict) and the input change TeaCache thresholds on."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    runs, cur = [], []
+    for r in records:
+        if cur and r["call"] <= cur[-1]["call"]:
+            runs.append(cur)
+            cur = []
+        cur.append(r)
+    if cur:
+        runs.append(cur)
+    for i, run in enumerate(runs):
+        calls = [r["call"] for r in run]
+        kw = {"alpha": 0.8, "lw": 1}
+        ax.plot(calls, [r.get("first_block") or np.nan for r in run], color="C0", label="block 0 residual" if i == 0 else None, **kw)
+        ax.plot(calls, [r["y"] for r in run], color="C1", label="model residual" if i == 0 else None, **kw)
+        ax.plot(calls, [r["x"] for r in run], color="C2", ls="--", label="block 0 input" if i == 0 else None, **kw)
+    ax.set_xlabel("transformer call (denoising step)")
+    ax.set_ylabel("relative L1 change")
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    ax.set_title("change between consecutive steps")
+    fig.tight_layout()
+    if path:
+        fig.savefig(path, dpi=120)
+    return fig
+
+
+def tradeoff_plot(strategy_rows: list[dict], gates, frontier: list[dict] | None = None, path=None):
+    """Skipped block evaluations vs worst-image PSNR, one colour per strategy."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    names = sorted({r["name"] for r in strategy_rows})
+    for i, name in enumerate(names):
+        for split, marker in (("calibration", "o"), ("holdout", "*")):
+            pts = [r for r in strategy_rows if r["name"] == name and r.get("split") == split and r.get("quality")]
+            if pts:
+                ax.scatter([p["skipped_fraction"] for p in pts], [min(p["quality"]["psnr_min"] or 0, 80) for p in pts],
+                           color=f"C{i % 10}", marker=marker, s=60 if marker == "*" else 22,
+                           label=name if split == "calibration" else None, alpha=0.85)
+    if frontier:
+        f = sorted(frontier, key=lambda p: p["skipped_fraction"])
+        ax.plot([p["skipped_fraction"] for p in f], [min(p["psnr_min"], 80) for p in f], color="k", lw=0.8, ls=":")
+    ax.axhline(gates.psnr, color="r", lw=0.8, ls="--", label=f"gate {gates.psnr} dB")
+    ax.set_xlabel("fraction of block evaluations skipped")
+    ax.set_ylabel("worst-image PSNR (dB, capped 80)")
+    ax.legend(fontsize=7, ncol=2)
+    ax.set_title("compute saved vs quality (o calibration, * held-out)")
+    fig.tight_layout()
+    if path:
+        fig.savefig(path, dpi=120)
+    return fig
+
+
+def image_grid(baseline: dict, cached: dict, title: str = "", path=None, max_images: int = 4):
+    """Rows: baseline, cached, |difference| x 10."""
+    import matplotlib.pyplot as plt
+
+    keys = sorted(k for k in baseline if k in cached)[:max_images]
+    if not keys:
+        return None
+    fig, axes = plt.subplots(3, len(keys), figsize=(2.2 * len(keys), 6.4), squeeze=False)
+    for j, k in enumerate(keys):
+        diff = np.clip(np.abs(cached[k].astype(np.float64) - baseline[k]) * 10, 0, 1)
+        for i, (img, label) in enumerate(((baseline[k], "baseline"), (cached[k], "cached"), (diff, "|diff| x10"))):
+            axes[i, j].imshow(np.clip(img, 0, 1))
+            axes[i, j].set_xticks([])
+            axes[i, j].set_yticks([])
+            if j == 0:
+                axes[i, j].set_ylabel(label)
+        axes[0, j].set_title(k, fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    if path:
+        fig.savefig(path, dpi=110)
+    return fig

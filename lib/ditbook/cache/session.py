@@ -1,0 +1,275 @@
+"""The cache stage as a sequence of library calls (the notebook calls one per cell).
+
+``CacheSession.open(ctx, report)`` loads the pipeline and builds the adapter (writing the
+generated module to ``cache/adapter_<model>.py``); then ``noise_floor``, ``adapter_checks``,
+``calibrate``, ``tune``, ``choose``, ``reproduce`` and ``write_results``. Calibration cases are
+the card's prompts x seeds, compared with the intake baseline; held-out cases are
+``generation.holdout_prompts`` / ``holdout_seeds`` (or the seeds shifted by 1000), compared with
+an uncached render made here.
+
+Card knobs (``cache:`` section, all optional): ``gates`` ({psnr, ssim, tile_margin_db}),
+``strategies`` (names to run; default all registered), ``max_configs`` (per strategy, default
+all of its grid), ``holdout_shift`` (default 1000), ``reproduce_tolerance`` (default 1e-5).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..bench.metrics import Gates
+from . import strategies
+from .adapter import CacheAdapter, build_cache_adapter
+from .verify import StrategyResult, counted_render, disabled_check, evaluate, max_abs, noise_floor
+
+
+def gates_from_card(card) -> Gates:
+    c = card.cache or {}
+    return Gates.from_dict(c.get("gates") or {k: c[k] for k in ("psnr", "ssim") if k in c})
+
+
+def holdout_cases(card) -> tuple[list[str], list[int]]:
+    gen = card.generation
+    shift = int((card.cache or {}).get("holdout_shift", 1000))
+    prompts = list(gen.holdout_prompts or gen.prompts)
+    seeds = list(gen.holdout_seeds or [s + shift for s in gen.seeds])
+    return prompts, seeds
+
+
+def pareto(points: list[dict]) -> list[dict]:
+    """Configurations no other one beats on both compute saved and worst-image PSNR."""
+    pts = [p for p in points if p.get("quality") and p["quality"].get("psnr_min") is not None]
+    pts.sort(key=lambda p: (-p["skipped_fraction"], -p["quality"]["psnr_min"]))
+    out, best_psnr = [], -1.0
+    for p in pts:
+        if p["quality"]["psnr_min"] > best_psnr:
+            out.append({"name": p["name"], "family": p["family"], "config": p["config"],
+                        "skipped_fraction": p["skipped_fraction"], "psnr_min": p["quality"]["psnr_min"],
+                        "ssim_min": p["quality"]["ssim_min"], "passed": p["passed"]})
+            best_psnr = p["quality"]["psnr_min"]
+    return out
+
+
+@dataclass
+class CacheSession:
+    ctx: object
+    report: object
+    pipe: object
+    adapter: CacheAdapter
+    gates: Gates
+    baseline: dict
+    baseline_counts: dict | None = None
+    holdout_refs: dict | None = None
+    holdout_counts: dict | None = None
+    floor: dict = field(default_factory=dict)
+    checks: list = field(default_factory=list)
+    calibration: dict = field(default_factory=dict)
+    results: list = field(default_factory=list)  # StrategyResult (calibration and holdout)
+    skipped: dict = field(default_factory=dict)  # strategy -> why it cannot run here
+    chosen: dict | None = None
+    chosen_images: dict = field(default_factory=dict)
+    reproduction: dict = field(default_factory=dict)
+
+    # -- setup ---------------------------------------------------------------------------
+    @classmethod
+    def open(cls, ctx, report, pipe=None, **adapter_kwargs) -> "CacheSession":
+        pipe = pipe if pipe is not None else ctx.load_pipeline()
+        adapter = build_cache_adapter(pipe, report, ctx.card.name, write_to=ctx.dir, **adapter_kwargs)
+        return cls(ctx=ctx, report=report, pipe=pipe, adapter=adapter, gates=gates_from_card(ctx.card),
+                   baseline=ctx.baseline())
+
+    @property
+    def card(self):
+        return self.ctx.card
+
+    def strategy_names(self) -> list[str]:
+        wanted = (self.card.cache or {}).get("strategies") or strategies.names()
+        return [n for n in wanted if n in strategies.names()]
+
+    def runnable(self) -> list[str]:
+        out = []
+        for name in self.strategy_names():
+            why = strategies.get(name).applicable(self.adapter)
+            if why:
+                self.skipped[name] = why
+            else:
+                out.append(name)
+        return out
+
+    # -- evidence ------------------------------------------------------------------------
+    def noise_floor(self) -> dict:
+        self.floor, rerun, self.baseline_counts = noise_floor(self.pipe, self.card, self.adapter, self.baseline,
+                                                              self.gates)
+        prompts, seeds = holdout_cases(self.card)
+        self.holdout_refs, self.holdout_counts = counted_render(self.pipe, self.card, self.adapter, prompts, seeds)
+        return self.floor
+
+    def adapter_checks(self) -> list[dict]:
+        """Every runnable strategy with caching turned off must reproduce the baseline."""
+        gen = self.card.generation
+        tol = float((self.card.cache or {}).get("reproduce_tolerance", 1e-5))
+        self.checks = [disabled_check(self.pipe, self.card, self.adapter, n, self.baseline, self.baseline_counts,
+                                      self.gates, gen.prompts, gen.seeds, tol) for n in self.runnable()]
+        return self.checks
+
+    def calibrate(self) -> dict:
+        """Model-specific constants measured on the calibration prompts: the TeaCache-style
+        rescale polynomial and MagCache's magnitude ratios; also the per-step residual changes."""
+        from .strategies.diffusers_magcache import DiffusersMagCache
+        from .strategies.teacache_fitted import TeaCacheFitted
+
+        gen = self.card.generation
+        run = lambda: counted_render(self.pipe, self.card, self.adapter, gen.prompts, gen.seeds)  # noqa: E731
+        coeffs, records = TeaCacheFitted.calibrate(self.pipe, self.adapter, run)
+        self.calibration = {"teacache_coefficients": coeffs, "records": records}
+        if "diffusers_magcache" in self.runnable():
+            try:
+                ratios = DiffusersMagCache.calibrate(self.pipe, self.adapter, gen.steps,
+                                                     lambda: counted_render(self.pipe, self.card, self.adapter,
+                                                                            gen.prompts[:1], gen.seeds[:1]))
+                self.calibration["magcache_ratios"] = ratios
+            except Exception as exc:
+                self.calibration["magcache_error"] = f"{type(exc).__name__}: {exc}"
+        return {k: v for k, v in self.calibration.items() if k != "records"}
+
+    def _calibrated(self, name: str, config):
+        if name == "teacache_fitted" and not config.coefficients:
+            config.coefficients = list(self.calibration.get("teacache_coefficients") or [])
+        if name == "diffusers_magcache" and not config.mag_ratios:
+            config.mag_ratios = list(self.calibration.get("magcache_ratios") or [])
+        return config
+
+    # -- tuning --------------------------------------------------------------------------
+    def tune(self, progress=None) -> list[dict]:
+        """Search every runnable strategy's grid on the calibration cases; confirm the best
+        passing configuration of each family on the held-out cases."""
+        gen = self.card.generation
+        limit = (self.card.cache or {}).get("max_configs")
+        hp, hs = holdout_cases(self.card)
+        for name in self.runnable():
+            strat = strategies.get(name)
+            grid = strat.grid(self.adapter, gen.steps)
+            if limit:
+                grid = grid[: int(limit)]
+            family = []
+            for cfg in grid:
+                cfg = self._calibrated(name, cfg)
+                r = evaluate(self.pipe, self.card, self.adapter, name, cfg, self.baseline, self.baseline_counts,
+                             self.gates, gen.prompts, gen.seeds)
+                family.append((r, cfg))
+                self.results.append(r)
+                if progress:
+                    progress(r)
+                if r.error:
+                    break
+            passing = [(r, c) for r, c in family if r.passed]
+            if not passing:
+                continue
+            best, cfg = max(passing, key=lambda rc: (rc[0].skipped_fraction, rc[0].quality["psnr_min"]))
+            h = evaluate(self.pipe, self.card, self.adapter, name, cfg, self.holdout_refs, self.holdout_counts,
+                         self.gates, hp, hs, split="holdout")
+            self.results.append(h)
+            if progress:
+                progress(h)
+        return self.table()
+
+    def table(self, split: str | None = None) -> list[dict]:
+        rows = []
+        for r in self.results:
+            if split and r.split != split:
+                continue
+            q = r.quality or {}
+            rows.append({"strategy": r.name, "split": r.split, "config": json.dumps(r.config),
+                         "skipped": r.skipped_fraction, "attn skipped": r.attention_skipped_fraction,
+                         "cached steps": r.cached_steps, "PSNR min": q.get("psnr_min"), "SSIM min": q.get("ssim_min"),
+                         "worst tile": q.get("worst_tile_psnr"), "max abs": q.get("max_abs"), "passed": r.passed,
+                         "error": (r.error or "").splitlines()[0] if r.error else ""})
+        return rows
+
+    def frontier(self, split: str = "calibration") -> list[dict]:
+        return pareto([r.to_dict() for r in self.results if r.split == split])
+
+    def choose(self) -> dict | None:
+        """The held-out-confirmed configuration that skips the most block evaluations."""
+        held = [r for r in self.results if r.split == "holdout" and r.passed]
+        if not held:
+            self.chosen = None
+            return None
+        best = max(held, key=lambda r: (r.skipped_fraction, r.quality["psnr_min"]))
+        self.chosen = {"name": best.name, "family": best.family, "config": best.config,
+                       "skipped_fraction": best.skipped_fraction, "holdout_quality": best.quality}
+        gen = self.card.generation
+        cfg = strategies.get(best.name).config(**best.config)
+        images: dict = {}
+        evaluate(self.pipe, self.card, self.adapter, best.name, cfg, self.baseline, self.baseline_counts, self.gates,
+                 gen.prompts, gen.seeds, split="chosen", keep_images=images)
+        self.chosen_images = images
+        folder = self.ctx.dir / "images" / "chosen"
+        folder.mkdir(parents=True, exist_ok=True)
+        for key, img in images.items():
+            np.save(folder / f"{key}.npy", img.astype(np.float32))
+        return self.chosen
+
+    def passing_at(self, min_skipped: float = 0.4) -> list[dict]:
+        """Strategies whose held-out run passes the gates while skipping at least ``min_skipped``."""
+        return [{"name": r.name, "config": r.config, "skipped_fraction": r.skipped_fraction,
+                 "psnr_min": r.quality["psnr_min"], "ssim_min": r.quality["ssim_min"]}
+                for r in self.results if r.split == "holdout" and r.passed and r.skipped_fraction >= min_skipped]
+
+    # -- the generated module, in a fresh process ------------------------------------------
+    def reproduce(self, timeout: float = 600) -> dict:
+        """Import the generated adapter module in a fresh Python process, rerun the chosen
+        configuration and compare with the images verified here."""
+        if not self.chosen:
+            self.reproduction = {"ran": False, "reason": "no configuration passed on held-out cases"}
+            return self.reproduction
+        spec = {"card": str(self.card.card_path), "overrides": self.ctx.overrides,
+                "adapter_module": str(self.ctx.dir / f"{self.adapter.info.module_name}.py"),
+                "arch": str(self.ctx.run.stage_dir("inspect") / "arch.json"),
+                "used": self.adapter.info.used, "name": self.chosen["name"], "config": self.chosen["config"],
+                "images": str(self.ctx.dir / "images" / "chosen"), "device": self.ctx.placement.device,
+                "dtype": self.ctx.placement.dtype}
+        spec_path = self.ctx.dir / "reproduce.json"
+        spec_path.write_text(json.dumps(spec, indent=2))
+        env = dict(os.environ)
+        proc = subprocess.run([sys.executable, "-m", "ditbook.cache.reproduce", str(spec_path)], capture_output=True,
+                              text=True, timeout=timeout, env=env)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+        if proc.returncode != 0 or not lines:
+            self.reproduction = {"ran": True, "ok": False, "returncode": proc.returncode,
+                                 "stderr_tail": proc.stderr[-2000:]}
+        else:
+            out = json.loads(lines[-1])
+            tol = float((self.card.cache or {}).get("reproduce_tolerance", 1e-5))
+            out.update(ran=True, ok=out["max_abs"] <= tol, tolerance=tol)
+            self.reproduction = out
+        return self.reproduction
+
+    # -- results.json ----------------------------------------------------------------------
+    def write_results(self) -> dict:
+        adapter_rel = f"{self.adapter.info.module_name}.py"
+        res = {
+            "adapter": self.adapter.info.to_dict(),
+            "adapter_module": adapter_rel,
+            "gates": {"psnr": self.gates.psnr, "ssim": self.gates.ssim, "tile_margin_db": self.gates.tile_margin_db},
+            "noise_floor": self.floor,
+            "adapter_checks": self.checks,
+            "skipped_strategies": self.skipped,
+            "calibration": {k: v for k, v in self.calibration.items() if k != "records"},
+            "strategies": [{k: v for k, v in r.to_dict().items() if k != "counts"} | {"counts": {
+                k: v for k, v in r.counts.items() if k != "calls"}} for r in self.results],
+            "frontier": self.frontier(),
+            "frontier_holdout": self.frontier("holdout"),
+            "chosen": ({k: self.chosen[k] for k in ("name", "family", "config")} if self.chosen else None),
+            "chosen_detail": self.chosen,
+            "passing_at_40pct": self.passing_at(0.4),
+            "reproduction": self.reproduction,
+        }
+        self.ctx.write_results(res)
+        return res
