@@ -75,21 +75,24 @@ class CacheSession:
     chosen: dict | None = None
     chosen_images: dict = field(default_factory=dict)
     reproduction: dict = field(default_factory=dict)
+    only: list | None = None  # strategy names to run (None: the card's list, else all)
+    max_configs: int | None = None  # per strategy (None: the card's, else the whole grid)
 
     # -- setup ---------------------------------------------------------------------------
     @classmethod
-    def open(cls, ctx, report, pipe=None, **adapter_kwargs) -> "CacheSession":
+    def open(cls, ctx, report, pipe=None, only: list | None = None, max_configs: int | None = None,
+             **adapter_kwargs) -> "CacheSession":
         pipe = pipe if pipe is not None else ctx.load_pipeline()
         adapter = build_cache_adapter(pipe, report, ctx.card.name, write_to=ctx.dir, **adapter_kwargs)
         return cls(ctx=ctx, report=report, pipe=pipe, adapter=adapter, gates=gates_from_card(ctx.card),
-                   baseline=ctx.baseline())
+                   baseline=ctx.baseline(), only=list(only) if only else None, max_configs=max_configs or None)
 
     @property
     def card(self):
         return self.ctx.card
 
     def strategy_names(self) -> list[str]:
-        wanted = (self.card.cache or {}).get("strategies") or strategies.names()
+        wanted = self.only or (self.card.cache or {}).get("strategies") or strategies.names()
         return [n for n in wanted if n in strategies.names()]
 
     def runnable(self) -> list[str]:
@@ -150,7 +153,7 @@ class CacheSession:
         """Search every runnable strategy's grid on the calibration cases; confirm the best
         passing configuration of each family on the held-out cases."""
         gen = self.card.generation
-        limit = (self.card.cache or {}).get("max_configs")
+        limit = self.max_configs or (self.card.cache or {}).get("max_configs")
         hp, hs = holdout_cases(self.card)
         for name in self.runnable():
             strat = strategies.get(name)
