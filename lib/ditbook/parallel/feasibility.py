@@ -130,8 +130,13 @@ def _cfg_active(report: ArchReport, card: ModelCard) -> tuple[bool, str]:
     return False, f"CFG style not traced ({style}); run the inspect stage with tracing"
 
 
-def feasibility(report: ArchReport, card: ModelCard, world_sizes=WORLD_SIZES) -> FeasibilityTable:
-    """The feasibility of every parallel kind at each world size, with its reason."""
+def feasibility(report: ArchReport, card: ModelCard, world_sizes=WORLD_SIZES, device: str | None = None) -> FeasibilityTable:
+    """The feasibility of every parallel kind at each world size, with its reason. ``device``
+    (default: the card's placement) rules out what the device cannot run (Ring on CPU)."""
+    if device is None:
+        from ..loading import choose_placement
+
+        device = choose_placement(card).device
     att = report.attention
     heads, kv = att.heads, att.kv_heads or att.heads
     s_img, s_txt = att.image_seq_len, att.text_seq_len
@@ -144,7 +149,7 @@ def feasibility(report: ArchReport, card: ModelCard, world_sizes=WORLD_SIZES) ->
         "attention_kind": att.kind, "fused_qkv": att.fused_qkv, "masks": list(att.masks),
         "image_seq_len": s_img, "text_seq_len": s_txt, "cfg_style": report.cfg.style,
         "cp_plan_source": registered_cp or "derived from the traced call conventions",
-        "components": comps,
+        "components": comps, "device": str(device),
     })
     add = table.rows.append
     cfg_ok, cfg_why = _cfg_active(report, card)
@@ -182,6 +187,9 @@ def feasibility(report: ArchReport, card: ModelCard, world_sizes=WORLD_SIZES) ->
         s = seq_reason(n)
         if s:
             return False, s
+        if not str(device).startswith("cuda"):
+            return False, ("ring attention merges partial results by their log-sum-exp, which cache-dit takes "
+                           "from the flash SDPA kernel — CUDA only (on CPU it raises NotImplementedError)")
         full_masks = [m for m in att.masks if "mask" in m.lower() and "encoder" not in m.lower()]
         if full_masks:
             return False, f"attention mask(s) {full_masks} over the whole sequence: ring attention takes no mask"

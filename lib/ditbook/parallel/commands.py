@@ -1,0 +1,83 @@
+"""``ditbook parallel CARD --plan NAME --nproc N``: run plans under torchrun and print parity.
+
+A plan the feasibility table rules out (given ``--arch inspect/arch.json`` or ``--run RUN_DIR``)
+is reported with its reason and not launched (exit 3). A failing or stuck rank ends the run
+with exit 1 and the rank's error.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def refusal(card_path: str, plans: list[str], arch: str | None, overrides: dict) -> list[str]:
+    """Reasons the feasibility table gives against these plans (empty when none, or no report)."""
+    if not arch:
+        return []
+    from ..arch.report import ArchReport
+    from ..card import load_card
+    from .feasibility import feasibility
+    from .plans import parse_plan
+
+    table = feasibility(ArchReport.load(arch), load_card(card_path, overrides))
+    out = []
+    for p in plans:
+        spec = parse_plan(p)
+        if spec.world_size == 1:
+            continue
+        row = table.check(p)
+        if row is None:
+            kind = ("cfg_x_ulysses" if spec.cfg > 1 and spec.uses_cp else "cfg" if spec.cfg > 1 else
+                    "ulysses_x_ring" if spec.ulysses > 1 and spec.ring > 1 else "ulysses" if spec.ulysses > 1
+                    else "ring" if spec.ring > 1 else "tp")
+            try:
+                row = table.get(kind, spec.world_size)
+            except KeyError:
+                out.append(f"{p}: world size {spec.world_size} is not in the feasibility table")
+                continue
+        if not row.feasible or not row.launchable:
+            out.append(f"{p}: not feasible — {row.reason}" if not row.feasible else f"{p}: not launched by ditbook — {row.reason}")
+    return out
+
+
+def cmd_parallel(args) -> int:
+    from ..cli import parse_overrides
+    from .launch import ParallelRunError, run_plans
+
+    overrides = parse_overrides(args.param)
+    plans = [p for item in args.plan for p in item.split(",") if p]
+    arch = args.arch or (str(Path(args.run) / "inspect" / "arch.json") if args.run else None)
+    if arch and not Path(arch).is_file():
+        arch = None
+    reasons = refusal(args.card, plans, arch, overrides)
+    if reasons:
+        print("ditbook parallel: not attempted:\n" + "\n".join(f"  - {r}" for r in reasons), file=sys.stderr)
+        return 3
+    out = Path(args.out) if args.out else (Path(args.run) / "parallel" / "runs" if args.run else Path("parallel_runs"))
+    try:
+        results, launch = run_plans(args.card, plans, args.nproc, out, overrides=overrides, timeout=args.timeout,
+                                    total_timeout=args.total_timeout, warmup=args.warmup)
+    except ParallelRunError as exc:
+        print(f"ditbook parallel: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps({"plans": [r.to_dict() for r in results], "out": str(out),
+                      "launch_seconds": round(launch.seconds, 2)}, indent=2, default=str))
+    return 0 if all(r.passed for r in results) else 1
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("parallel", help="run parallel plans under torchrun and check parity with one process")
+    p.add_argument("card")
+    p.add_argument("--plan", action="append", required=True,
+                   help="plan name(s): ulysses2, ring2, usp2x2, cfg2, cfg2_ulysses2, ulysses2+cache (repeat or comma-separate)")
+    p.add_argument("--nproc", type=int, required=True, help="processes (one per GPU; gloo on CPU)")
+    p.add_argument("--run", help="run folder: reads inspect/arch.json for the feasibility check, writes parallel/runs")
+    p.add_argument("--arch", help="inspect/arch.json to check feasibility against")
+    p.add_argument("--out", help="output folder for images, logs and worker.json")
+    p.add_argument("--timeout", type=float, default=300.0, help="collective / no-progress timeout per rank (s)")
+    p.add_argument("--total-timeout", type=float, default=None, help="wall-clock limit of the whole launch (s)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed renders before the timed ones")
+    p.add_argument("-p", "--param", action="append", metavar="KEY=VALUE", help="override a card field")
+    p.set_defaults(func=cmd_parallel)

@@ -1,0 +1,169 @@
+"""Parallel stage: plans, feasibility, GQA timing, and real 2-process gloo runs with parity.
+
+Multi-process runs go through torchrun with gloo on the CPU; each launch runs the one-process
+baseline and several plans in the same processes, so a launch costs one start-up.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ditbook.arch.report import ArchReport, AttentionFacts, CfgFacts, SupportFacts
+from ditbook.card import load_card
+from ditbook.parallel import ParallelRunError, feasibility, parse_plan, run_plans
+from ditbook.parallel.attention import time_gqa
+from ditbook.parallel.cp_plan import load_plan_code
+from ditbook.parallel.plans import PlanNameError
+
+import test_parallel_models as models
+
+REPO = Path(__file__).resolve().parents[1]
+REFERENCE = REPO / "models" / "reference.yaml"
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("parallel_models")
+
+
+def _report(heads=4, kv=4, style="separate", kind="joint", s_img=16, s_txt=8, cp=True) -> ArchReport:
+    return ArchReport(transformer_class="X", pipeline_class="Y", param_count=1,
+                      attention=AttentionFacts(heads=heads, kv_heads=kv, head_dim=16, gqa_ratio=heads / kv,
+                                               kind=kind, image_seq_len=s_img, text_seq_len=s_txt),
+                      cfg=CfgFacts(style=style, calls_per_step=2.0 if style == "separate" else 1.0),
+                      support=SupportFacts(diffusers_cp_plan=cp))
+
+
+def _assert_passed(results, names):
+    by = {r.name: r for r in results}
+    for n in names:
+        r = by[n]
+        assert r.passed, (n, r.quality["reasons"])
+        assert r.quality["psnr_min"] > 35 and r.quality["ssim_min"] > 0.90
+        assert r.quality["worst_tile_psnr"] > 25
+        assert r.seconds and r.seconds > 0 and r.speedup and r.speedup > 0
+    return by
+
+
+# -- pure functions ------------------------------------------------------------------------
+
+def test_plan_names():
+    p = parse_plan("cfg2_ulysses2+cache")
+    assert (p.cfg, p.ulysses, p.ring, p.cache, p.world_size) == (2, 2, 1, True, 4)
+    assert parse_plan("usp2x4").world_size == 8
+    with pytest.raises(PlanNameError, match="cfg is 2"):
+        parse_plan("cfg4")
+    with pytest.raises(PlanNameError, match="cannot read"):
+        parse_plan("zigzag2")
+
+
+def test_feasibility_reasons(root):
+    card = load_card(models.tiny_flux(root))
+    t = feasibility(_report(heads=6, kv=2, style="none"), card, device="cpu")
+    assert not t.get("cfg", 2).feasible and "no second branch" in t.get("cfg", 2).reason
+    assert t.get("ulysses", 2).feasible and "KV heads" not in t.get("ulysses", 2).reason
+    u4 = t.get("ulysses", 4)
+    assert not u4.feasible and "6 query heads not divisible by 4" in u4.reason
+    assert not t.get("ring", 2).feasible and "CUDA only" in t.get("ring", 2).reason
+    g = feasibility(_report(heads=8, kv=2), card, device="cuda")
+    assert g.get("ulysses", 4).feasible and "KV heads not divisible by 4" in g.get("ulysses", 4).reason
+    assert g.get("ring", 2).feasible
+    assert g.get("ulysses_x_ring", 8).feasible and g.get("ulysses_x_ring", 8).plan == "usp2x4"
+    assert g.get("cfg_x_ulysses", 8).plan == "cfg2_ulysses4"
+    tp = g.get("tp", 4)
+    assert not tp.feasible and "GQA" in tp.reason and "no TP plan registered" in tp.reason
+    assert g.get("text_encoder", 2).feasible  # T5EncoderModel has a cache-dit planner
+    odd = feasibility(_report(s_img=18), card, device="cuda").get("ulysses", 4)
+    assert not odd.feasible and "18 image tokens" in odd.reason
+
+
+def test_infeasible_plan_is_refused_not_launched(root, tmp_path, capsys):
+    from ditbook.cli import main
+
+    card = models.tiny_flux(root)
+    arch = tmp_path / "arch.json"
+    _report(heads=3, kv=3, style="none").save(arch)
+    start = time.perf_counter()
+    rc = main(["parallel", str(card), "--plan", "ulysses2", "--plan", "cfg2", "--nproc", "2",
+               "--arch", str(arch), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 3
+    assert "ulysses2: not feasible — 3 query heads not divisible by 2" in err
+    assert "cfg2: not feasible" in err and "no second branch" in err
+    assert not (tmp_path / "out").exists() and time.perf_counter() - start < 10
+
+
+def test_gqa_timing_records_both_paths():
+    t = time_gqa(8, 2, 16, 64, repeats=3, warmup=1)
+    assert set(t.seconds) >= {"enable_gqa", "repeat_interleave"}, t.errors
+    assert t.faster in ("enable_gqa", "repeat_interleave") and t.ratio >= 1.0
+    assert t.device == "cpu"
+
+
+# -- multi-process runs (2 processes, gloo) -----------------------------------------------
+
+def test_flux_ulysses_cfg_and_cache_with_ulysses(root, tmp_path):
+    """Tiny Flux with true CFG: Ulysses (registered plan), CFG parallel, cache + Ulysses."""
+    card = models.tiny_flux(root, true_cfg=True)
+    ov = {"generation.steps": 6, "parallel.cache": {"residual_diff_threshold": 0.6, "max_warmup_steps": 1}}
+    results, launch = run_plans(card, ["ulysses2", "cfg2", "ulysses2+cache"], 2, tmp_path, overrides=ov,
+                                timeout=60)
+    by = _assert_passed(results, ["ulysses2", "cfg2", "ulysses2+cache"])
+    assert by["ulysses2"].details["cp_plan"]["source"] == "diffusers:FluxTransformer2DModel._cp_plan"
+    assert by["cfg2"].details["cfg_style"] == "separate" and by["cfg2"].details["cfg_stats"]["exchanges"] > 0
+    agree = by["ulysses2+cache"].details["cache_agreement"]
+    assert agree["decisions"] > 0 and agree["skips"] > 0 and agree["disagreements"] == 0
+    assert by["ulysses2+cache"].reference == "single+cache"
+    assert (tmp_path / "ulysses2" / "p0_s0.png").is_file()
+
+
+def test_qwenimage_cfg_parallel(root, tmp_path):
+    results, _ = run_plans(models.tiny_qwenimage(root), ["cfg2"], 2, tmp_path, timeout=60)
+    by = _assert_passed(results, ["cfg2"])
+    assert by["cfg2"].details["cfg_stats"]["skipped"] > 0
+
+
+def test_thirdparty_derived_cp_plan(root, tmp_path):
+    """No planner exists: the plan is derived, written as code, and runs through the SDPA route."""
+    results, launch = run_plans(models.tiny_thirdparty(root), ["ulysses2", "cfg2"], 2, tmp_path, timeout=60)
+    by = _assert_passed(results, ["ulysses2", "cfg2"])
+    u = by["ulysses2"].details
+    assert u["cp_plan"]["source"] == "derived"
+    assert u["attention"]["cp_calls"] > 0 and u["attention"]["gqa_calls"] > 0
+    code = load_plan_code(u["cp_plan_file"])
+    assert set(code.plan) == {"x_embedder", "context_embedder", "rotary", "proj_out"}
+
+
+@pytest.mark.skipif(not REFERENCE.is_file(), reason="the zoo's reference model (models/reference.yaml) is not built")
+def test_reference_model(tmp_path):
+    ov = {"generation.true_cfg_scale": 4.0, "generation.negative_prompt": "blurry",
+          "parallel.cache": {"residual_diff_threshold": 0.3, "max_warmup_steps": 2}}
+    results, _ = run_plans(REFERENCE, ["ulysses2", "cfg2", "ulysses2+cache"], 2, tmp_path, overrides=ov, timeout=120)
+    by = _assert_passed(results, ["ulysses2", "cfg2", "ulysses2+cache"])
+    assert by["ulysses2+cache"].details["cache_agreement"]["disagreements"] == 0
+
+
+def test_killed_rank_ends_run_with_error(root, tmp_path, monkeypatch):
+    card = models.tiny_flux(root)
+    start = time.perf_counter()
+    with pytest.raises(ParallelRunError) as err:
+        run_plans(card, ["ulysses2"], 2, tmp_path, timeout=30, total_timeout=120,
+                  env={"DITBOOK_PARALLEL_FAULT": "1:3"})
+    took = time.perf_counter() - start
+    msg = str(err.value)
+    assert "rank 1" in msg and ("signal 9" in msg or "failed" in msg), msg
+    assert took < 90, took
+    assert not (tmp_path / "worker.json").exists()
+
+
+def test_four_processes_cfg_x_ulysses(root, tmp_path):
+    """Issue 9 on the CPU: the plans are written for any world size; 4 gloo processes."""
+    results, launch = run_plans(models.tiny_thirdparty(root), ["cfg2_ulysses2"], 4, tmp_path, timeout=90)
+    by = _assert_passed(results, ["cfg2_ulysses2"])
+    assert launch.worker["world_size"] == 4
+    assert by["cfg2_ulysses2"].details["attention"]["cp_calls"] > 0
