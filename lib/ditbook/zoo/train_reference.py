@@ -1,0 +1,222 @@
+"""Train the shipped reference model: a small text-to-image FluxPipeline on rendered shapes.
+
+    python -m ditbook.zoo.train_reference --out models/reference/pipeline
+
+Three stages, all on the CPU, deterministic for a fixed ``--seed``:
+  1. render ``images`` 64x64 shape pictures (``shapes.py``) and train a tiny AutoencoderKL on
+     them (reconstruction + a small KL term); set its shift/scaling factors from the latents;
+  2. encode each prompt once with the (random, frozen) CLIP and T5 encoders: a random encoder
+     still gives each prompt its own embedding, which is all the transformer needs;
+  3. train the FluxTransformer2DModel with rectified flow matching (x_t = (1-t) x0 + t noise,
+     target noise - x0), 15% prompt dropout to the empty prompt so true CFG works, random
+     guidance values so any ``guidance_scale`` is in distribution.
+Then save the whole pipeline with ``save_pretrained`` and a ``training.json`` of what was done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import flux, shapes
+
+SIZE = flux.FluxSize(
+    heads=4,
+    head_dim=32,
+    axes_dims_rope=(8, 12, 12),
+    dual_blocks=2,
+    single_blocks=4,
+    text_dim=64,
+    clip_dim=64,
+    text_layers=2,
+    vae_channels=(16, 32, 32),
+    latent_channels=4,
+    clip_max_length=16,
+)
+MAX_SEQUENCE_LENGTH = 16  # T5 tokens; the card passes the same value at generation time
+
+
+@dataclass
+class TrainConfig:
+    seed: int = 0
+    images: int = 8192
+    vae_steps: int = 3000
+    vae_batch: int = 32
+    vae_lr: float = 1e-3
+    vae_kl: float = 1e-6
+    steps: int = 6000
+    batch: int = 128
+    lr: float = 5e-4
+    warmup: int = 200
+    prompt_dropout: float = 0.15
+    threads: int = 2
+    device: str = "cpu"
+
+
+def _lr(step: int, total: int, peak: float, warmup: int) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    return peak * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(total - warmup, 1)))
+
+
+def train_vae(vae, images: torch.Tensor, cfg: TrainConfig, log) -> list[float]:
+    opt = torch.optim.AdamW(vae.parameters(), lr=cfg.vae_lr, weight_decay=0.0)
+    g = torch.Generator().manual_seed(cfg.seed + 1)
+    losses = []
+    vae.train()
+    for step in range(cfg.vae_steps):
+        for group in opt.param_groups:
+            group["lr"] = _lr(step, cfg.vae_steps, cfg.vae_lr, 50)
+        x = images[torch.randint(0, len(images), (cfg.vae_batch,), generator=g)].to(cfg.device)
+        post = vae.encode(x).latent_dist
+        z = post.mean + post.std * torch.randn(post.mean.shape, generator=g).to(cfg.device)
+        y = vae.decode(z).sample
+        rec = (y - x).abs().mean() + (y - x).pow(2).mean()
+        kl = post.kl().mean() / z[0].numel()
+        loss = rec + cfg.vae_kl * kl
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+        opt.step()
+        losses.append(rec.item())
+        if step % 100 == 0 or step == cfg.vae_steps - 1:
+            log(f"vae step {step} rec {np.mean(losses[-100:]):.4f}")
+    vae.eval()
+    return losses
+
+
+def train_transformer(transformer, latents, scene_idx, text, cfg: TrainConfig, log) -> list[float]:
+    """latents: (N, C, H, W) normalized; text: (prompt_embeds, pooled) per scene, last = empty prompt."""
+    from diffusers import FluxPipeline
+
+    embeds, pooled = text
+    empty = len(embeds) - 1
+    n, c, h, w = latents.shape
+    dev = cfg.device
+    img_ids = FluxPipeline._prepare_latent_image_ids(cfg.batch, h // 2, w // 2, dev, torch.float32)
+    txt_ids = torch.zeros(embeds.shape[1], 3, device=dev)
+    embeds, pooled = embeds.to(dev), pooled.to(dev)
+    opt = torch.optim.AdamW(transformer.parameters(), lr=cfg.lr, weight_decay=0.01)
+    g = torch.Generator().manual_seed(cfg.seed + 2)
+    losses = []
+    transformer.train()
+    for step in range(cfg.steps):
+        for group in opt.param_groups:
+            group["lr"] = _lr(step, cfg.steps, cfg.lr, cfg.warmup)
+        pick = torch.randint(0, n, (cfg.batch,), generator=g)
+        x0 = FluxPipeline._pack_latents(latents[pick], cfg.batch, c, h, w).to(dev)
+        cond = scene_idx[pick].clone()
+        cond[torch.rand(cfg.batch, generator=g) < cfg.prompt_dropout] = empty
+        # half uniform, half logit-normal timesteps: all of [0, 1] covered, the middle more
+        t = torch.where(
+            torch.rand(cfg.batch, generator=g) < 0.5,
+            torch.rand(cfg.batch, generator=g),
+            torch.sigmoid(torch.randn(cfg.batch, generator=g)),
+        )
+        noise = torch.randn(x0.shape, generator=g).to(dev)
+        t = t.to(dev)
+        xt = (1 - t[:, None, None]) * x0 + t[:, None, None] * noise
+        guidance = (1.0 + 4.0 * torch.rand(cfg.batch, generator=g)).to(dev)
+        pred = transformer(
+            hidden_states=xt,
+            timestep=t,
+            guidance=guidance,
+            pooled_projections=pooled[cond.to(dev)],
+            encoder_hidden_states=embeds[cond.to(dev)],
+            txt_ids=txt_ids,
+            img_ids=img_ids,
+        ).sample
+        loss = (pred - (noise - x0)).pow(2).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(transformer.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+        if step % 100 == 0 or step == cfg.steps - 1:
+            log(f"transformer step {step} loss {np.mean(losses[-100:]):.4f}")
+    transformer.eval()
+    return losses
+
+
+def train(out: Path, cfg: TrainConfig) -> dict:
+    torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    start = time.time()
+
+    def log(msg: str) -> None:
+        print(f"[{time.time() - start:7.1f}s] {msg}", flush=True)
+
+    pipe = flux.build_pipeline(SIZE, seed=cfg.seed)
+    images_u8, order, scenes = shapes.dataset(cfg.images, cfg.seed)
+    images = torch.from_numpy(images_u8).permute(0, 3, 1, 2).float() / 127.5 - 1.0
+    log(f"rendered {len(images)} images of {len(scenes)} scenes")
+
+    if cfg.device != "cpu":
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    pipe.vae.to(cfg.device)
+    pipe.transformer.to(cfg.device)
+    vae_losses = train_vae(pipe.vae, images, cfg, log)
+    with torch.no_grad():
+        raw = torch.cat(
+            [pipe.vae.encode(images[i : i + 256].to(cfg.device)).latent_dist.mean.cpu() for i in range(0, len(images), 256)]
+        )
+    shift, scale = float(raw.mean()), float(1.0 / raw.std())
+    pipe.vae.register_to_config(shift_factor=shift, scaling_factor=scale)
+    latents = (raw - shift) * scale
+    t_vae = time.time() - start
+    log(f"vae done: shift {shift:.4f} scale {scale:.4f}")
+
+    with torch.no_grad():
+        prompts = [s.prompt for s in scenes] + [""]
+        embeds, pooled, _ = pipe.encode_prompt(prompts, prompts, max_sequence_length=MAX_SEQUENCE_LENGTH)
+    tr_losses = train_transformer(
+        pipe.transformer, latents, torch.tensor(order), (embeds, pooled), cfg, log
+    )
+    t_total = time.time() - start
+    pipe.to("cpu")
+
+    out.mkdir(parents=True, exist_ok=True)
+    pipe.save_pretrained(out)
+    size_mb = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) / 1e6
+    record = {
+        "command": f"python -m ditbook.zoo.train_reference --out {out} --seed {cfg.seed} --device {cfg.device}",
+        "config": asdict(cfg),
+        "model_size": asdict(SIZE),
+        "transformer_params": sum(p.numel() for p in pipe.transformer.parameters()),
+        "vae_params": sum(p.numel() for p in pipe.vae.parameters()),
+        "vae_final_rec_loss": float(np.mean(vae_losses[-100:])),
+        "transformer_final_loss": float(np.mean(tr_losses[-100:])),
+        "vae_seconds": round(t_vae, 1),
+        "total_seconds": round(t_total, 1),
+        "folder_mb": round(size_mb, 2),
+        "torch": torch.__version__,
+        "threads": cfg.threads,
+        "hardware": torch.cuda.get_device_name() if cfg.device.startswith("cuda") else f"cpu, {cfg.threads} threads",
+    }
+    (out.parent / "training.json").write_text(json.dumps(record, indent=2) + "\n")
+    log(f"saved to {out} ({size_mb:.1f} MB)")
+    return record
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("models/reference/pipeline"))
+    for name, value in asdict(TrainConfig()).items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
+    args = parser.parse_args(argv)
+    cfg = TrainConfig(**{k: getattr(args, k) for k in asdict(TrainConfig())})
+    train(args.out, cfg)
+
+
+if __name__ == "__main__":
+    main()
