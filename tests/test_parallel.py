@@ -43,6 +43,8 @@ def _assert_passed(results, names):
     by = {r.name: r for r in results}
     for n in names:
         r = by[n]
+        print(f"{n}: PSNR {r.quality['psnr_min']} dB, SSIM {r.quality['ssim_min']}, "
+              f"worst tile {r.quality['worst_tile_psnr']}, speedup {r.speedup:.2f}")
         assert r.passed, (n, r.quality["reasons"])
         assert r.quality["psnr_min"] > 35 and r.quality["ssim_min"] > 0.90
         assert r.quality["worst_tile_psnr"] > 25
@@ -141,8 +143,9 @@ def test_thirdparty_derived_cp_plan(root, tmp_path):
 
 @pytest.mark.skipif(not REFERENCE.is_file(), reason="the zoo's reference model (models/reference.yaml) is not built")
 def test_reference_model(tmp_path):
-    ov = {"generation.true_cfg_scale": 4.0, "generation.negative_prompt": "blurry",
-          "parallel.cache": {"residual_diff_threshold": 0.3, "max_warmup_steps": 2}}
+    ov = {"generation.true_cfg_scale": 4.0, "generation.negative_prompt": "blurry", "generation.steps": 8,
+          "generation.seeds": [0], "generation.prompts": ["a red circle on the left", "a blue square in the center"],
+          "runtime.device": "cpu", "parallel.cache": {"residual_diff_threshold": 0.3, "max_warmup_steps": 2}}
     results, _ = run_plans(REFERENCE, ["ulysses2", "cfg2", "ulysses2+cache"], 2, tmp_path, overrides=ov, timeout=120)
     by = _assert_passed(results, ["ulysses2", "cfg2", "ulysses2+cache"])
     assert by["ulysses2+cache"].details["cache_agreement"]["disagreements"] == 0

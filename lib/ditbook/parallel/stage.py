@@ -1,0 +1,85 @@
+"""What the ``04_parallel`` notebook calls: choose plans, time the GQA paths, run, and write
+``parallel/results.json``.
+
+``parallel/results.json`` holds:
+
+- ``feasibility``: ``FeasibilityTable.to_dict()`` (facts and one row per kind x world size);
+- ``plans``: one entry per plan run — ``name``, ``world_size``, ``passed``, ``quality``
+  (``SetQuality`` dict against the single-process run of the same launch), ``seconds`` (median
+  per image), ``speedup`` (against that single-process run), ``reference``, ``details``;
+- ``not_run``: plans asked for but ruled out, with their reason;
+- ``gqa``: the GQA timing (``GqaTiming`` dict, or null for a model without GQA) and ``applied``;
+- ``launch``: command, processes, wall seconds; ``cp_plan_file``: the emitted plan code.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .attention import model_gqa_shapes, time_gqa
+from .feasibility import FeasibilityTable
+from .launch import run_plans
+from .plans import parse_plan
+
+
+def choose_plans(table: FeasibilityTable, nproc: int, wanted: list[str] | None = None,
+                 with_cache: bool = False) -> tuple[list[str], list[dict]]:
+    """Plans to launch at ``nproc`` processes, and those ruled out with their reason."""
+    if wanted:
+        run, skipped = [], []
+        for p in wanted:
+            row = table.check(p)
+            if parse_plan(p).world_size != nproc:
+                skipped.append({"name": p, "reason": f"needs {parse_plan(p).world_size} processes, run has {nproc}"})
+            elif row is None or not row.feasible or not row.launchable:
+                skipped.append({"name": p, "reason": row.reason if row else "not in the feasibility table"})
+            else:
+                run.append(p)
+        return run, skipped
+    run = [p for p in table.feasible_plans(nproc) if p != "single"]
+    if with_cache:
+        run += [f"{p}+cache" for p in run if parse_plan(p).cfg == 1 and parse_plan(p).uses_cp]
+    return run, []
+
+
+def gqa_timings(report, card, placement, repeats: int = 5) -> dict | None:
+    """Time both GQA paths on the model's real shapes on this device; None without GQA."""
+    shapes = model_gqa_shapes(None, report)
+    if shapes is None:
+        return None
+    return time_gqa(shapes["heads"], shapes["kv_heads"], shapes["head_dim"], shapes["seq_len"],
+                    device=placement.device, dtype=placement.dtype, repeats=repeats).to_dict()
+
+
+def run_stage_plans(ctx, report, plans: list[str], nproc: int, gqa: dict | None, timeout: float = 300.0):
+    cfg_style = report.cfg.style if report.cfg.style in ("separate", "batched") else None
+    kind = report.attention.kind if report.attention.kind in ("joint", "cross", "self") else None
+    gqa_path = (gqa or {}).get("faster") or "enable_gqa"
+    return run_plans(ctx.card.card_path, plans, nproc, ctx.dir, overrides=ctx.overrides, timeout=timeout,
+                     cfg_style=cfg_style, attention_kind=kind, gqa_path=gqa_path)
+
+
+def stage_results(table: FeasibilityTable, results, launch, gqa: dict | None, not_run: list[dict],
+                  stage_dir: Path) -> dict:
+    files = sorted(p.name for p in Path(stage_dir).glob("cp_plan_*.py"))
+    return {
+        "feasibility": table.to_dict(),
+        "plans": [r.to_dict() for r in results],
+        "not_run": not_run,
+        "gqa": {"timing": gqa, "applied": (gqa or {}).get("faster")},
+        "launch": {"command": launch.command if launch else None, "nproc": launch.nproc if launch else None,
+                   "seconds": round(launch.seconds, 2) if launch else None},
+        "cp_plan_file": files[0] if files else None,
+        "passed": all(r.passed for r in results),
+    }
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """A list of flat dicts as a Markdown table (for ``IPython.display.Markdown``)."""
+    if not rows:
+        return "_(none)_"
+    cols = list(dict.fromkeys(k for r in rows for k in r))
+    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else ("" if v is None else str(v)).replace("|", "/")
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in rows]
+    return "\n".join(lines)
