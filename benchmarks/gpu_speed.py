@@ -1,0 +1,103 @@
+"""GPU speed suite (issue 8): cache schedules, compile, scale table, Ulysses and CFG parallel.
+
+Run on a GPU host from the repository root (see docs/benchmarks.md for the offline recipe):
+
+    python benchmarks/gpu_speed.py --out OUT [--parts cache,scale,gqa,ulysses,cfg] [--nproc 2]
+
+Writes one JSON per part into OUT, then ``result.md`` and ``speed.png`` summarising them.
+``--scale tiny --device cpu --size 128`` checks the code path on a CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ditbook.bench import gpu_suite
+from ditbook.bench.speed_report import write_speed_report
+
+
+def torchrun(nproc: int, args: list[str]) -> int:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "-m",
+           "ditbook.bench.gpu_worker", *args]
+    print("+", " ".join(cmd), flush=True)
+    return subprocess.call(cmd)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--parts", default="cache,scale,gqa,ulysses,cfg")
+    ap.add_argument("--scale", default="full")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--size", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=28)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--nproc", type=int, default=torch.cuda.device_count())
+    ap.add_argument("--schedule-file", type=Path, default=Path("docs/schedule_quality.json"))
+    ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--cfg-steps", type=int, default=10)
+    ap.add_argument("--ulysses-variants", default="")
+    args = ap.parse_args(argv)
+    parts = args.parts.split(",")
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = Path(os.environ.get("TMPDIR", "/tmp")) / "ditbook_speed"
+    base_flux = work / "flux_seed0.npy"
+    base_qwen = work / "qwen_seed0.npy"
+    t0 = time.perf_counter()
+    failures = []
+
+    def attempt(name, fn):
+        try:
+            fn()
+        except Exception as exc:  # one part failing must not lose the others' figures
+            import traceback
+
+            traceback.print_exc()
+            failures.append(f"{name}: {type(exc).__name__}: {exc}")
+
+    if "cache" in parts:
+        attempt("cache", lambda: gpu_suite.cache_suite(
+            args.out, scale=args.scale, device=args.device, size=args.size, steps=args.steps,
+            repeats=args.repeats, compile=not args.no_compile, schedule_file=args.schedule_file,
+            save_baseline=base_flux))
+    if "gqa" in parts:
+        attempt("gqa", lambda: gpu_suite.gqa_suite(args.out, device=args.device))
+    if "cfg" in parts:
+        attempt("cfg-baseline", lambda: gpu_suite.cfg_baseline(args.out, device=args.device, size=args.size,
+                                                              steps=args.cfg_steps, repeats=args.repeats,
+                                                              save_baseline=base_qwen))
+    if "scale" in parts:
+        small = args.device == "cpu"
+        attempt("scale", lambda: gpu_suite.scale_suite(
+            args.out, device=args.device, scales=("tiny",) if small else ("tiny", "small", "full"),
+            sizes=(64, 128) if small else (512, 1024, 2048)))
+    if args.nproc >= 2 and "ulysses" in parts:
+        rc = torchrun(args.nproc, ["--task", "ulysses", "--out", str(args.out), "--baseline", str(base_flux),
+                                   "--scale", args.scale, "--size", str(args.size), "--steps", str(args.steps),
+                                   "--repeats", str(args.repeats)]
+                      + (["--variants", args.ulysses_variants] if args.ulysses_variants else []))
+        if rc:
+            failures.append(f"ulysses: torchrun exit {rc}")
+    if args.nproc >= 2 and "cfg" in parts:
+        rc = torchrun(2, ["--task", "cfg", "--out", str(args.out), "--baseline", str(base_qwen),
+                          "--size", str(args.size), "--steps", str(args.cfg_steps), "--repeats", str(args.repeats)])
+        if rc:
+            failures.append(f"cfg: torchrun exit {rc}")
+    (args.out / "run_info.json").write_text(json.dumps({
+        "command": " ".join(sys.argv), "seconds": round(time.perf_counter() - t0, 1), "failures": failures,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "env": gpu_suite.environment()}, indent=2) + "\n")
+    write_speed_report(args.out)
+    print("failures:", failures or "none")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

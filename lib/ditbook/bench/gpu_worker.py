@@ -1,0 +1,141 @@
+"""Multi-process part of the GPU speed suite, run under torchrun (one process per GPU).
+
+``torchrun --nproc_per_node=2 -m ditbook.bench.gpu_worker --task ulysses --out DIR --baseline B.npy``
+
+Each variant rebuilds the full-size pipeline on every rank (same seed, so identical weights),
+applies one parallel configuration, and is timed with the same harness as the single-GPU suite;
+rank 0 writes ``parallel_<task>.json`` with per-part times and the parity of its image against
+the single-GPU image of the same seed.
+
+Ulysses variants: diffusers' own ``enable_parallelism`` (the library path), cache-dit's
+``ParallelismConfig(ulysses_size=N)`` (the peer), and ditbook's plan, which adds what the per-part
+breakdown shows the peers leave serial (the VAE decode, split across ranks by cache-dit's VAE
+planner) on top of Ulysses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .fullsize import flux_pipeline, qwen_image_pipeline
+from .metrics import compare, Gates
+from .timing import time_pipeline
+
+
+def _log(msg: str) -> None:
+    if dist.get_rank() == 0:
+        print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def _ulysses_diffusers(fp, world: int):
+    from diffusers import ContextParallelConfig
+
+    fp.pipe.transformer.set_attention_backend("native")
+    fp.pipe.transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
+
+
+def _ulysses_cache_dit(fp, world: int, vae: bool = False):
+    import cache_dit
+    from cache_dit import ParallelismConfig
+
+    extra = [fp.pipe.vae] if vae else None
+    cache_dit.enable_cache(fp.pipe, parallelism_config=ParallelismConfig(ulysses_size=world,
+                                                                        extra_parallel_modules=extra))
+
+
+ULYSSES_VARIANTS = {
+    "diffusers-ulysses": lambda fp, w: _ulysses_diffusers(fp, w),
+    "cache-dit-ulysses": lambda fp, w: _ulysses_cache_dit(fp, w),
+    "ditbook-ulysses+vae": lambda fp, w: _ulysses_cache_dit(fp, w, vae=True),
+}
+
+
+def _image(fp) -> np.ndarray:
+    with torch.inference_mode():
+        out = fp(seed=0)
+    img = out.images[0].float().cpu().numpy()
+    return np.transpose(img, (1, 2, 0)) if img.shape[0] in (1, 3) else img
+
+
+def _parity(img: np.ndarray, baseline: Path | None) -> dict | None:
+    if baseline is None or not Path(baseline).is_file():
+        return None
+    ref = np.load(baseline)
+    ref = np.transpose(ref, (1, 2, 0)) if ref.shape[0] in (1, 3) else ref
+    rep = compare(np.clip(img, 0, 1), np.clip(ref, 0, 1), Gates(psnr=35.0, ssim=0.90))
+    return rep.to_dict()
+
+
+def run_ulysses(args, world: int) -> list[dict]:
+    rows = []
+    names = args.variants.split(",") if args.variants else list(ULYSSES_VARIANTS)
+    for name in names:
+        _log(f"ulysses variant {name} on {world} ranks")
+        fp = flux_pipeline(args.scale, "cuda", height=args.size, width=args.size, steps=args.steps)
+        ULYSSES_VARIANTS[name](fp, world)
+        t = time_pipeline(fp.pipe, lambda: fp(), warmup=1, repeats=args.repeats)
+        img = _image(fp)
+        row = {"name": name, "world_size": world, **t.to_dict()}
+        if dist.get_rank() == 0:
+            row["parity"] = _parity(img, args.baseline)
+            _log(f"  {name}: {t.end_to_end.median:.3f}s; parity {row['parity'] and row['parity']['psnr']}")
+        rows.append(row)
+        del fp
+        torch.cuda.empty_cache()
+        dist.barrier()
+    return rows
+
+
+def run_cfg(args, world: int) -> list[dict]:
+    from ..parallel.cfg import apply_cfg_parallel
+
+    rows = []
+    _log(f"CFG parallel on a Qwen-Image shape, {world} ranks")
+    fp = qwen_image_pipeline("cuda", height=args.size, width=args.size, steps=args.steps)
+    stats = apply_cfg_parallel(fp.pipe.transformer, "separate")
+    t = time_pipeline(fp.pipe, lambda: fp(), warmup=1, repeats=args.repeats)
+    img = _image(fp)
+    row = {"name": "ditbook-cfg-parallel", "world_size": world, "cfg_stats": stats.to_dict(), **t.to_dict()}
+    if dist.get_rank() == 0:
+        row["parity"] = _parity(img, args.baseline)
+        _log(f"  cfg parallel: {t.end_to_end.median:.3f}s; parity {row['parity'] and row['parity']['psnr']}")
+    rows.append(row)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--task", choices=("ulysses", "cfg"), required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--baseline", type=Path, help="single-GPU image (.npy) of seed 0 for the parity check")
+    ap.add_argument("--scale", default="full")
+    ap.add_argument("--size", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=28)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--variants", help="comma-separated Ulysses variants (default: all)")
+    args = ap.parse_args(argv)
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    world = dist.get_world_size()
+    try:
+        rows = run_ulysses(args, world) if args.task == "ulysses" else run_cfg(args, world)
+        if dist.get_rank() == 0:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / f"parallel_{args.task}.json").write_text(json.dumps({"task": args.task, "rows": rows},
+                                                                             indent=2, default=str) + "\n")
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
