@@ -113,7 +113,8 @@ def test_strategies_skip_blocks_with_quality_and_wrong_adapter_is_caught(tiny_ru
     for c in (strategies.get("dbcache").disabled(wrong, gen.steps), cfg):
         bad = evaluate(pipe, s.card, wrong, "dbcache", c, s.baseline, s.baseline_counts, s.gates, gen.prompts,
                        gen.seeds)
-        assert not bad.passed and bad.quality is not None and bad.quality["psnr_min"] < 30
+        assert not bad.passed  # caught: it either breaks the run or the images
+        assert bad.error or bad.quality["psnr_min"] < 30, bad
     # and the pipeline is intact afterwards
     again = evaluate(pipe, s.card, s.adapter, "dbcache", strategies.get("dbcache").disabled(s.adapter, gen.steps),
                      s.baseline, s.baseline_counts, s.gates, gen.prompts, gen.seeds)
@@ -133,7 +134,8 @@ def test_teacache_polynomial_is_fitted_on_the_model(tiny_run):
     x = np.array([r["x"] for r in records])
     y = np.array([r["y"] for r in records])
     fit = np.polyval(coeffs, x)
-    assert np.mean(np.abs(fit - y)) < np.mean(np.abs(y - y.mean()))  # the fit explains some variance
+    # the polynomial maps this model's input change onto its residual change (within 20 %)
+    assert np.mean(np.abs(fit - y)) / np.mean(y) < 0.2
 
 
 def test_stage_notebook_end_to_end(tmp_path):

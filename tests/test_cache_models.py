@@ -131,8 +131,14 @@ class TinyPipeline(DiffusionPipeline):
 
 def build_tiny(folder, seed: int = 0, layers: int = 6):
     """Save a TinyPipeline with a TinyGQATransformer to ``folder`` and return the pipeline."""
+    from ditbook.card import import_class
+
+    # the classes as ditbook imports them from this file (the module name saved in
+    # model_index.json must be the one a fresh process gets when it loads the card)
+    transformer_cls = import_class(__file__, "TinyGQATransformer")
+    pipeline_cls = import_class(__file__, "TinyPipeline")
     torch.manual_seed(seed)
-    pipe = TinyPipeline(TinyGQATransformer(layers=layers), FlowMatchEulerDiscreteScheduler())
+    pipe = pipeline_cls(transformer_cls(layers=layers), FlowMatchEulerDiscreteScheduler())
     pipe.save_pretrained(folder)
     return pipe
 

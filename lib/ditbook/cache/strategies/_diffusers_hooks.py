@@ -40,10 +40,16 @@ def refresh_registry(transformer):
 def remove_hooks(transformer, *names):
     from diffusers.hooks import HookRegistry
 
-    registry = HookRegistry.check_if_exists_or_initialize(transformer)
-    for name in names:
-        registry.remove_hook(name, recurse=True)
+    registry = getattr(transformer, "_diffusers_hook", None)
+    if isinstance(registry, HookRegistry):
+        for name in names:
+            registry.remove_hook(name, recurse=True)
     refresh_registry(transformer)
+    # leave no empty registries behind: cache-dit skips its pattern checks on modules that have one
+    for module in transformer.modules():
+        reg = getattr(module, "_diffusers_hook", None)
+        if isinstance(reg, HookRegistry) and not reg.hooks:
+            del module._diffusers_hook
 
 
 def attention_lists(adapter) -> list[str]:
