@@ -85,6 +85,8 @@ def build(name: str, out_dir: Path, seed: int = 0) -> Path:
     module = importlib.import_module(f"{__name__}.{configs[name].module}")
     pipe = module.build_pipeline(seed=seed)
     pipe.save_pretrained(out_dir / name)
+    if hasattr(module, "after_save"):
+        module.after_save(out_dir / name)
     card = out_dir / f"{name}.yaml"
     card.write_text(yaml.safe_dump(card_data(name, name), sort_keys=False))
     return card
