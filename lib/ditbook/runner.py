@@ -126,8 +126,26 @@ def execute_stage(stage: Stage, run: RunFolder, card: ModelCard, overrides: dict
     return StageOutcome(stage.name, "passed", seconds)
 
 
+def write_report(run: RunFolder, log: Callable[[str], None] = print) -> None:
+    """result.md and report.html after every run, a failed one included (the failure is in them)."""
+    try:
+        from .bench.report import rebuild
+
+        md, html = rebuild(run.path, figures=False)
+        log(f"report: {html}")
+    except Exception as exc:  # the report must never hide the run's own outcome
+        log(f"report could not be written: {type(exc).__name__}: {exc}")
+
+
 def run_stages(run: RunFolder, card: ModelCard, stages: list[Stage], overrides: dict, *,
                kernel_name: str | None = None, log: Callable[[str], None] = print) -> RunOutcome:
+    outcome = _run_stages(run, card, stages, overrides, kernel_name=kernel_name, log=log)
+    write_report(run, log)
+    return outcome
+
+
+def _run_stages(run: RunFolder, card: ModelCard, stages: list[Stage], overrides: dict, *,
+                kernel_name: str | None = None, log: Callable[[str], None] = print) -> RunOutcome:
     outcome = RunOutcome(run)
     run.set_status("running")
     for stage in stages:

@@ -60,10 +60,10 @@ def chosen_schedule(steps: int, path: Path | None = None) -> Schedule:
     return ditbook_schedule(steps, warmup=4, computed=10, taylorseer_order=1)
 
 
-def schedule_configs(steps: int, chosen: Schedule, budgets=(8, 9)) -> list[Config]:
+def schedule_configs(steps: int, chosen: Schedule, budgets=(8, 9), peers: bool = True) -> list[Config]:
     """The peers' SCM policies, ditbook's chosen schedule, and ditbook schedules with other
     computed-step budgets (a schedule's speed depends on its budget and TaylorSeer order only)."""
-    peers = [cache_dit_policy(p, steps) for p in ("medium", "fast")]
+    peers = [cache_dit_policy(p, steps) for p in ("medium", "fast")] if peers else []
     ours = [chosen] + [ditbook_schedule(steps, 4, c, chosen.taylorseer_order or 1) for c in budgets
                        if c != chosen.computed]
     return [Config(s.name, f"cache/{s.owner}", s.apply, params=s.to_dict()) for s in peers + ours]
@@ -89,8 +89,9 @@ def _ratios(rows: list[dict], base_name: str) -> None:
 
 def cache_suite(out: Path, *, scale: str = "full", device: str = "cuda", size: int = 1024, steps: int = 28,
                 warmup: int = 1, repeats: int = 3, compile: bool = True, schedule_file: Path | None = None,
-                save_baseline: Path | None = None) -> dict:
-    """Eager baseline, the peers' and ditbook's schedules, then compiled; one process, side by side."""
+                save_baseline: Path | None = None, chosen_only: bool = False, name: str = "cache") -> dict:
+    """Eager baseline, the peers' and ditbook's schedules, then compiled; one process, side by side.
+    ``chosen_only`` times just the baseline and ditbook's chosen schedule (the compile run)."""
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     _log(f"cache suite: FLUX shape {scale}, {size}², {steps} steps, {device}")
     fp = flux_pipeline(scale, device, dtype, height=size, width=size, steps=steps)
@@ -105,7 +106,9 @@ def cache_suite(out: Path, *, scale: str = "full", device: str = "cuda", size: i
         save_baseline.parent.mkdir(parents=True, exist_ok=True)
         np.save(save_baseline, img)
     rows = [_time(fp, baseline_config(), warmup, repeats)]
-    for cfg in schedule_configs(steps, chosen):
+    sched = (lambda: schedule_configs(steps, chosen, budgets=(), peers=False)) if chosen_only else \
+        (lambda: schedule_configs(steps, chosen))
+    for cfg in sched():
         rows.append(_time(fp, cfg, warmup, repeats))
     rows.append(_time(fp, Config("baseline-again", "baseline", lambda p: None), 0, repeats))
     _ratios(rows, "baseline")
@@ -116,7 +119,7 @@ def cache_suite(out: Path, *, scale: str = "full", device: str = "cuda", size: i
         result["efficiency_eager"] = {"tflops": round(achieved, 1), "peak_tflops": peak,
                                       "share": round(achieved / peak, 3) if peak else None}
     result["eager"] = rows
-    _dump(out / "cache.json", result)
+    _dump(out / f"{name}.json", result)
     if compile:
         _log("compiling the repeated blocks (regional torch.compile)")
         t0 = time.perf_counter()
@@ -125,7 +128,7 @@ def cache_suite(out: Path, *, scale: str = "full", device: str = "cuda", size: i
             fp()
         result["compile_seconds"] = round(time.perf_counter() - t0, 1)
         crow = [_time(fp, Config("baseline-compiled", "baseline", lambda p: None), warmup, repeats)]
-        for cfg in schedule_configs(steps, chosen):
+        for cfg in schedule_configs(steps, chosen, budgets=(), peers=False):
             cfg.name += "-compiled"
             crow.append(_time(fp, cfg, max(warmup, 1), repeats))
         base = rows[0]["end_to_end"]["median"]
@@ -138,7 +141,7 @@ def cache_suite(out: Path, *, scale: str = "full", device: str = "cuda", size: i
             result["efficiency_compiled"] = {"tflops": round(achieved, 1), "peak_tflops": peak,
                                              "share": round(achieved / peak, 3) if peak else None}
         result["compiled"] = crow
-        _dump(out / "cache.json", result)
+        _dump(out / f"{name}.json", result)
     del fp
     torch.cuda.empty_cache() if device.startswith("cuda") else None
     return result

@@ -74,22 +74,42 @@ def _parity(img: np.ndarray, baseline: Path | None) -> dict | None:
     return rep.to_dict()
 
 
+def _dtype(args):
+    return torch.bfloat16 if args.device == "cuda" else torch.float32
+
+
+def _empty(args) -> None:
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+
+
 def run_ulysses(args, world: int) -> list[dict]:
     rows = []
     names = args.variants.split(",") if args.variants else list(ULYSSES_VARIANTS)
     for name in names:
         _log(f"ulysses variant {name} on {world} ranks")
-        fp = flux_pipeline(args.scale, "cuda", height=args.size, width=args.size, steps=args.steps)
-        ULYSSES_VARIANTS[name](fp, world)
-        t = time_pipeline(fp.pipe, lambda: fp(), warmup=1, repeats=args.repeats)
-        img = _image(fp)
+        try:
+            fp = flux_pipeline(args.scale, args.device, _dtype(args), height=args.size, width=args.size,
+                               steps=args.steps)
+            ULYSSES_VARIANTS[name](fp, world)
+            t = time_pipeline(fp.pipe, lambda: fp(), warmup=1, repeats=args.repeats)
+            img = _image(fp)
+        except Exception as exc:  # a variant that fails is recorded; the others still run
+            import traceback
+
+            traceback.print_exc()
+            rows.append({"name": name, "world_size": world, "error": f"{type(exc).__name__}: {exc}"})
+            fp = None
+            _empty(args)
+            dist.barrier()
+            continue
         row = {"name": name, "world_size": world, **t.to_dict()}
         if dist.get_rank() == 0:
             row["parity"] = _parity(img, args.baseline)
             _log(f"  {name}: {t.end_to_end.median:.3f}s; parity {row['parity'] and row['parity']['psnr']}")
         rows.append(row)
         del fp
-        torch.cuda.empty_cache()
+        _empty(args)
         dist.barrier()
     return rows
 
@@ -99,7 +119,9 @@ def run_cfg(args, world: int) -> list[dict]:
 
     rows = []
     _log(f"CFG parallel on a Qwen-Image shape, {world} ranks")
-    fp = qwen_image_pipeline("cuda", height=args.size, width=args.size, steps=args.steps)
+    layers = 60 if args.device == "cuda" else 2
+    fp = qwen_image_pipeline(args.device, _dtype(args), num_layers=layers, height=args.size, width=args.size,
+                             steps=args.steps)
     stats = apply_cfg_parallel(fp.pipe.transformer, "separate")
     t = time_pipeline(fp.pipe, lambda: fp(), warmup=1, repeats=args.repeats)
     img = _image(fp)
@@ -121,10 +143,14 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=28)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--variants", help="comma-separated Ulysses variants (default: all)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
     local = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    if args.device == "cuda":
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    else:
+        dist.init_process_group("gloo")
     world = dist.get_world_size()
     try:
         rows = run_ulysses(args, world) if args.task == "ulysses" else run_cfg(args, world)

@@ -109,12 +109,13 @@ def ditbook_schedule(steps: int, warmup: int, computed: int, taylorseer_order: i
     return Schedule(f"ditbook-w{warmup}c{computed}{suffix}", spaced_mask(steps, warmup, computed), taylorseer_order)
 
 
-def candidates(steps: int = 28) -> list[Schedule]:
-    """The schedules compared: cache-dit's policies and ditbook's spaced ones, with TaylorSeer."""
-    out = [cache_dit_policy(p, steps) for p in ("slow", "medium", "fast", "ultra")]
+def candidates(steps: int = 28, budgets=(10, 9, 8), warmups=(3, 4), orders=(1,)) -> list[Schedule]:
+    """The schedules compared: cache-dit's policies (with and without TaylorSeer) and ditbook's
+    spaced ones for each computed-step budget, warm-up length and TaylorSeer order."""
+    out = [cache_dit_policy(p, steps) for p in ("medium", "fast", "ultra")]
     out += [cache_dit_policy(p, steps, 1) for p in ("fast", "ultra")]
-    for computed in (12, 11, 10, 9, 8):
-        for warmup in (3, 4, 5):
-            for order in (1, 2):
+    for computed in budgets:
+        for warmup in warmups:
+            for order in orders:
                 out.append(ditbook_schedule(steps, warmup, computed, order))
     return out

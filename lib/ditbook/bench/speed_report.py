@@ -26,13 +26,18 @@ def speed_rows(folder: Path) -> list[dict]:
     folder = Path(folder)
     rows = []
     cache = _load(folder, "cache.json")
-    if cache:
-        base = cache["eager"][0]["end_to_end"]["median"]
-        for r in cache.get("eager", []) + cache.get("compiled", []):
+    for fname in ("cache.json", "compile.json"):
+        data = _load(folder, fname)
+        if not data:
+            continue
+        # ratios against the eager baseline measured in the same process
+        base = data["eager"][0]["end_to_end"]["median"]
+        for r in data.get("eager", []) + data.get("compiled", []):
             rows.append({"name": r["name"], "family": r["family"], "gpus": 1, "seconds": r["end_to_end"]["median"],
-                         "speedup": round(base / r["end_to_end"]["median"], 3), "shape": cache["shape"],
+                         "speedup": round(base / r["end_to_end"]["median"], 3), "shape": data["shape"],
                          "step": _part(r, "transformer_step"), "vae": _part(r, "vae_decode"),
-                         "denoise": _part(r, "denoising"), "mask": (r.get("params") or {}).get("mask")})
+                         "denoise": _part(r, "denoising"), "mask": (r.get("params") or {}).get("mask"),
+                         "run": fname.split(".")[0]})
     uly = _load(folder, "parallel_ulysses.json")
     if uly and cache:
         base = cache["eager"][0]["end_to_end"]["median"]
@@ -66,14 +71,16 @@ def write_speed_report(folder: Path) -> Path:
               f"- versions: {json.dumps(env.get('versions', {}))}", ""]
     if info.get("failures"):
         lines += ["**Failed parts:**", ""] + [f"- {f}" for f in info["failures"]] + [""]
-    lines += ["| configuration | shape | GPUs | end to end (s) | speedup | step (s) | denoise (s) | VAE (s) | parity PSNR / SSIM | mask |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += ["Speedups are against the eager single-GPU baseline measured in the same process "
+              "(the `run` column: `cache` and `compile` are separate processes, each with its own baseline).", "",
+              "| run | configuration | shape | GPUs | end to end (s) | speedup | step (s) | denoise (s) | VAE (s) | parity PSNR / SSIM | mask |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         par = r.get("parity")
         ptxt = f"{_s(par.get('psnr'), '{:.1f}')} / {_s(par.get('ssim'), '{:.4f}')}" if par else "-"
-        lines.append(f"| {r['name']} | {r['shape']} | {r['gpus']} | {_s(r['seconds'])} | {_s(r['speedup'], '{:.2f}x')} | "
+        lines.append(f"| {r.get('run', '-')} | {r['name']} | {r['shape']} | {r['gpus']} | {_s(r['seconds'])} | {_s(r['speedup'], '{:.2f}x')} | "
                      f"{_s(r['step'], '{:.4f}')} | {_s(r['denoise'])} | {_s(r['vae'])} | {ptxt} | {r.get('mask') or '-'} |")
-    cache = _load(folder, "cache.json")
+    cache = _load(folder, "compile.json") or _load(folder, "cache.json")
     if cache:
         lines += ["", f"FLOPs per transformer call: {cache['flops']['gflops_per_step']} GFLOP (torch FlopCounterMode)."]
         for k in ("efficiency_eager", "efficiency_compiled"):
