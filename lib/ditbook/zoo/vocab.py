@@ -59,11 +59,16 @@ def _learned_bpe(*, end_of_word_suffix: str | None, byte_level: bool, specials: 
         merges = [
             tuple(line.split(" ")) for line in Path(d, "merges.txt").read_text().splitlines() if line and not line.startswith("#")
         ]
+    tokens = set(vocab)
     if end_of_word_suffix:
         # CLIP tokenizes a one-letter word as "x</w>": make sure each such token exists
-        for c in CHARS:
-            vocab.setdefault(c + end_of_word_suffix, len(vocab))
-    return vocab, merges
+        tokens |= {c + end_of_word_suffix for c in CHARS}
+    # the trainer numbers its alphabet in hash-set order, which changes from run to run:
+    # renumber (specials first, then by length and text) so token ids are reproducible. The
+    # order of merges of equal count can still vary; every word of WORDS ends as one token
+    # either way, so only the split of unknown words can differ between builds.
+    ordered = specials + sorted(tokens - set(specials), key=lambda t: (len(t), t))
+    return {t: i for i, t in enumerate(ordered)}, merges
 
 
 def clip_tokenizer(model_max_length: int = 16):
