@@ -100,3 +100,24 @@ def test_first_block_residual_change_is_in_trained_range(reference):
     random_pipe.set_progress_bar_config(disable=True)
     untrained = first_block_residual_changes(random_pipe, generator=torch.Generator().manual_seed(0), **kwargs)
     assert float(np.median(untrained)) > 2 * float(np.median(trained)), (untrained, trained)
+
+
+def test_training_command_runs_end_to_end_tiny(tmp_path):
+    """The documented training entry point, with a tiny schedule: saves a loadable pipeline
+    and its training record."""
+    import json
+
+    from diffusers import FluxPipeline, FluxTransformer2DModel
+
+    from ditbook.zoo import train_reference
+
+    out = tmp_path / "reference" / "pipeline"
+    train_reference.main(
+        ["--out", str(out), "--images", "64", "--vae-steps", "2", "--vae-batch", "4", "--steps", "2", "--batch", "8"]
+    )
+    record = json.loads((tmp_path / "reference" / "training.json").read_text())
+    assert record["config"]["steps"] == 2 and record["config"]["seed"] == 0
+    assert record["transformer_params"] > 1e6 and record["folder_mb"] < 30
+    transformer = FluxTransformer2DModel.from_pretrained(str(out), subfolder="transformer")
+    pipe = FluxPipeline.from_pretrained(str(out), transformer=transformer)
+    assert pipe.vae.config.scaling_factor != 1.0, "scaling factor set from the trained VAE's latents"
