@@ -24,9 +24,9 @@ from ditbook.bench import gpu_suite
 from ditbook.bench.speed_report import write_speed_report
 
 
-def torchrun(nproc: int, args: list[str]) -> int:
+def torchrun(nproc: int, args: list[str], device: str) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "-m",
-           "ditbook.bench.gpu_worker", *args]
+           "ditbook.bench.gpu_worker", "--device", device, *args]
     print("+", " ".join(cmd), flush=True)
     return subprocess.call(cmd)
 
@@ -34,15 +34,15 @@ def torchrun(nproc: int, args: list[str]) -> int:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--parts", default="cache,scale,gqa,ulysses,cfg")
+    ap.add_argument("--parts", default="cache,gqa,cfg,ulysses,compile,scale")
     ap.add_argument("--scale", default="full")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--size", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=28)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--nproc", type=int, default=torch.cuda.device_count())
+    ap.add_argument("--nproc", type=int, default=torch.cuda.device_count() or 1)
     ap.add_argument("--schedule-file", type=Path, default=Path("docs/schedule_quality.json"))
-    ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--no-report", action="store_true", help="JSON only (result.md is made later)")
     ap.add_argument("--cfg-steps", type=int, default=10)
     ap.add_argument("--ulysses-variants", default="")
     args = ap.parse_args(argv)
@@ -66,8 +66,13 @@ def main(argv=None) -> int:
     if "cache" in parts:
         attempt("cache", lambda: gpu_suite.cache_suite(
             args.out, scale=args.scale, device=args.device, size=args.size, steps=args.steps,
-            repeats=args.repeats, compile=not args.no_compile, schedule_file=args.schedule_file,
+            repeats=args.repeats, compile=False, schedule_file=args.schedule_file,
             save_baseline=base_flux))
+    if "compile" in parts:
+        attempt("compile", lambda: gpu_suite.cache_suite(
+            args.out, scale=args.scale, device=args.device, size=args.size, steps=args.steps,
+            repeats=args.repeats, compile=True, schedule_file=args.schedule_file, chosen_only=True,
+            name="compile", save_baseline=None if "cache" in parts else base_flux))
     if "gqa" in parts:
         attempt("gqa", lambda: gpu_suite.gqa_suite(args.out, device=args.device))
     if "cfg" in parts:
@@ -83,18 +88,20 @@ def main(argv=None) -> int:
         rc = torchrun(args.nproc, ["--task", "ulysses", "--out", str(args.out), "--baseline", str(base_flux),
                                    "--scale", args.scale, "--size", str(args.size), "--steps", str(args.steps),
                                    "--repeats", str(args.repeats)]
-                      + (["--variants", args.ulysses_variants] if args.ulysses_variants else []))
+                      + (["--variants", args.ulysses_variants] if args.ulysses_variants else []), args.device)
         if rc:
             failures.append(f"ulysses: torchrun exit {rc}")
     if args.nproc >= 2 and "cfg" in parts:
         rc = torchrun(2, ["--task", "cfg", "--out", str(args.out), "--baseline", str(base_qwen),
-                          "--size", str(args.size), "--steps", str(args.cfg_steps), "--repeats", str(args.repeats)])
+                          "--size", str(args.size), "--steps", str(args.cfg_steps), "--repeats", str(args.repeats)],
+                      args.device)
         if rc:
             failures.append(f"cfg: torchrun exit {rc}")
     (args.out / "run_info.json").write_text(json.dumps({
         "command": " ".join(sys.argv), "seconds": round(time.perf_counter() - t0, 1), "failures": failures,
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "env": gpu_suite.environment()}, indent=2) + "\n")
-    write_speed_report(args.out)
+    if not args.no_report:
+        write_speed_report(args.out)
     print("failures:", failures or "none")
     return 1 if failures else 0
 

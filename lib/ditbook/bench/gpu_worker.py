@@ -42,19 +42,26 @@ def _ulysses_diffusers(fp, world: int):
     fp.pipe.transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
 
 
-def _ulysses_cache_dit(fp, world: int, vae: bool = False):
+def _ulysses_cache_dit(fp, world: int, vae: bool = False, async_: bool = False, compile: bool = False):
     import cache_dit
     from cache_dit import ParallelismConfig
 
     extra = [fp.pipe.vae] if vae else None
-    cache_dit.enable_cache(fp.pipe, parallelism_config=ParallelismConfig(ulysses_size=world,
-                                                                        extra_parallel_modules=extra))
+    cache_dit.enable_cache(fp.pipe, parallelism_config=ParallelismConfig(
+        ulysses_size=world, extra_parallel_modules=extra, ulysses_async=async_))
+    if compile:
+        # regional compile of the repeated blocks, after the parallel hooks are in place
+        fp.pipe.transformer.compile_repeated_blocks(fullgraph=False)
 
 
 ULYSSES_VARIANTS = {
     "diffusers-ulysses": lambda fp, w: _ulysses_diffusers(fp, w),
     "cache-dit-ulysses": lambda fp, w: _ulysses_cache_dit(fp, w),
-    "ditbook-ulysses+vae": lambda fp, w: _ulysses_cache_dit(fp, w, vae=True),
+    # cache-dit's VAE planner decodes tiles on each rank: a different decode than the baseline's
+    "cache-dit-ulysses+vae": lambda fp, w: _ulysses_cache_dit(fp, w, vae=True),
+    "cache-dit-ulysses-async": lambda fp, w: _ulysses_cache_dit(fp, w, async_=True),
+    "ditbook-ulysses+compile": lambda fp, w: _ulysses_cache_dit(fp, w, compile=True),
+    "ditbook-ulysses-async+compile": lambda fp, w: _ulysses_cache_dit(fp, w, async_=True, compile=True),
 }
 
 

@@ -39,12 +39,19 @@ def speed_rows(folder: Path) -> list[dict]:
                          "denoise": _part(r, "denoising"), "mask": (r.get("params") or {}).get("mask"),
                          "run": fname.split(".")[0]})
     uly = _load(folder, "parallel_ulysses.json")
-    if uly and cache:
-        base = cache["eager"][0]["end_to_end"]["median"]
+    single = cache or _load(folder, "compile.json")
+    if uly and single:
+        # the single-GPU eager baseline measured by the same command on the same host
+        base = single["eager"][0]["end_to_end"]["median"]
         for r in uly["rows"]:
+            if "end_to_end" not in r:
+                rows.append({"name": r["name"], "family": "parallel", "gpus": r["world_size"], "seconds": None,
+                             "speedup": None, "shape": single["shape"], "step": None, "vae": None,
+                             "denoise": None, "error": r.get("error")})
+                continue
             rows.append({"name": r["name"], "family": "parallel", "gpus": r["world_size"],
                          "seconds": r["end_to_end"]["median"], "speedup": round(base / r["end_to_end"]["median"], 3),
-                         "shape": cache["shape"], "step": _part(r, "transformer_step"), "vae": _part(r, "vae_decode"),
+                         "shape": single["shape"], "step": _part(r, "transformer_step"), "vae": _part(r, "vae_decode"),
                          "denoise": _part(r, "denoising"), "parity": r.get("parity")})
     cfgb, cfgp = _load(folder, "cfg_baseline.json"), _load(folder, "parallel_cfg.json")
     if cfgb:
@@ -118,7 +125,7 @@ def _plot(rows: list[dict], path: Path) -> None:
     names = [f"{r['name']} ({r['gpus']} GPU)" for r in rows]
     colors = ["#888" if r["family"] == "baseline" else "#2a7" if r["family"].startswith("cache") else "#27c"
               for r in rows]
-    ax.barh(names, [r["speedup"] for r in rows], color=colors)
+    ax.barh(names, [r["speedup"] or 0 for r in rows], color=colors)
     ax.axvline(1.0, color="k", lw=0.8)
     ax.invert_yaxis()
     ax.set_xlabel("speedup over the eager single-GPU baseline of the same shape")
