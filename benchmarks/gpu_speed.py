@@ -68,6 +68,11 @@ def main(argv=None) -> int:
             args.out, scale=args.scale, device=args.device, size=args.size, steps=args.steps,
             repeats=args.repeats, compile=False, schedule_file=args.schedule_file,
             save_baseline=base_flux))
+    if "baseline" in parts:
+        attempt("baseline", lambda: gpu_suite.cache_suite(
+            args.out, scale=args.scale, device=args.device, size=args.size, steps=args.steps,
+            repeats=args.repeats, compile=False, schedule_file=args.schedule_file, chosen_only=True,
+            name="baseline", save_baseline=base_flux))
     if "compile" in parts:
         attempt("compile", lambda: gpu_suite.cache_suite(
             args.out, scale=args.scale, device=args.device, size=args.size, steps=args.steps,
@@ -91,6 +96,10 @@ def main(argv=None) -> int:
                       + (["--variants", args.ulysses_variants] if args.ulysses_variants else []), args.device)
         if rc:
             failures.append(f"ulysses: torchrun exit {rc}")
+    if args.nproc >= 2 and "comm" in parts:
+        rc = torchrun(args.nproc, ["--task", "comm", "--out", str(args.out)], args.device)
+        if rc:
+            failures.append(f"comm: torchrun exit {rc}")
     if args.nproc >= 2 and "cfg" in parts:
         rc = torchrun(2, ["--task", "cfg", "--out", str(args.out), "--baseline", str(base_qwen),
                           "--size", str(args.size), "--steps", str(args.cfg_steps), "--repeats", str(args.repeats)],

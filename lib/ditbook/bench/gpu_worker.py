@@ -42,13 +42,14 @@ def _ulysses_diffusers(fp, world: int):
     fp.pipe.transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
 
 
-def _ulysses_cache_dit(fp, world: int, vae: bool = False, async_: bool = False, compile: bool = False):
+def _ulysses_cache_dit(fp, world: int, vae: bool = False, async_: bool = False, compile: bool = False,
+                       float8: bool = False):
     import cache_dit
     from cache_dit import ParallelismConfig
 
     extra = [fp.pipe.vae] if vae else None
     cache_dit.enable_cache(fp.pipe, parallelism_config=ParallelismConfig(
-        ulysses_size=world, extra_parallel_modules=extra, ulysses_async=async_))
+        ulysses_size=world, extra_parallel_modules=extra, ulysses_async=async_, ulysses_float8=float8))
     if compile:
         # regional compile of the repeated blocks, after the parallel hooks are in place
         fp.pipe.transformer.compile_repeated_blocks(fullgraph=False)
@@ -62,7 +63,36 @@ ULYSSES_VARIANTS = {
     "cache-dit-ulysses-async": lambda fp, w: _ulysses_cache_dit(fp, w, async_=True),
     "ditbook-ulysses+compile": lambda fp, w: _ulysses_cache_dit(fp, w, compile=True),
     "ditbook-ulysses-async+compile": lambda fp, w: _ulysses_cache_dit(fp, w, async_=True, compile=True),
+    "ditbook-ulysses-fp8+compile": lambda fp, w: _ulysses_cache_dit(fp, w, float8=True, compile=True),
 }
+
+
+def run_comm(args, world: int) -> list[dict]:
+    """All-to-all bandwidth at the size of one Ulysses exchange of the FLUX.1-dev shape (one of
+    Q, K, V, O for 4608 tokens x 24 heads x 128 in bf16), to tell communication from compute."""
+    dev = torch.device(args.device, int(os.environ.get("LOCAL_RANK", 0))) if args.device == "cuda" else "cpu"
+    rows = []
+    for tokens in (4608, 16896):
+        x = torch.randn(tokens // world * 24 * 128, dtype=_dtype(args), device=dev)
+        y = torch.empty_like(x)
+        for _ in range(3):
+            dist.all_to_all_single(y, x)
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        reps = 20
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            dist.all_to_all_single(y, x)
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        sec = (time.perf_counter() - t0) / reps
+        nbytes = x.numel() * x.element_size()
+        moved = nbytes * (world - 1) / world  # bytes each rank sends to the others
+        rows.append({"tokens": tokens, "bytes_per_rank": nbytes, "seconds": sec,
+                     "send_gbps": round(moved / sec / 1e9, 2),
+                     "per_step_seconds_57_layers_x4": round(sec * 57 * 4, 4)})
+        _log(f"all_to_all {nbytes / 2**20:.1f} MiB per rank: {sec * 1e3:.3f} ms ({rows[-1]['send_gbps']} GB/s sent)")
+    return rows
 
 
 def _image(fp) -> np.ndarray:
@@ -142,7 +172,7 @@ def run_cfg(args, world: int) -> list[dict]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--task", choices=("ulysses", "cfg"), required=True)
+    ap.add_argument("--task", choices=("ulysses", "cfg", "comm"), required=True)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--baseline", type=Path, help="single-GPU image (.npy) of seed 0 for the parity check")
     ap.add_argument("--scale", default="full")
@@ -160,7 +190,7 @@ def main(argv=None) -> int:
         dist.init_process_group("gloo")
     world = dist.get_world_size()
     try:
-        rows = run_ulysses(args, world) if args.task == "ulysses" else run_cfg(args, world)
+        rows = {"ulysses": run_ulysses, "cfg": run_cfg, "comm": run_comm}[args.task](args, world)
         if dist.get_rank() == 0:
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / f"parallel_{args.task}.json").write_text(json.dumps({"task": args.task, "rows": rows},

@@ -26,7 +26,7 @@ def speed_rows(folder: Path) -> list[dict]:
     folder = Path(folder)
     rows = []
     cache = _load(folder, "cache.json")
-    for fname in ("cache.json", "compile.json"):
+    for fname in ("cache.json", "compile.json", "baseline.json"):
         data = _load(folder, fname)
         if not data:
             continue
@@ -39,7 +39,7 @@ def speed_rows(folder: Path) -> list[dict]:
                          "denoise": _part(r, "denoising"), "mask": (r.get("params") or {}).get("mask"),
                          "run": fname.split(".")[0]})
     uly = _load(folder, "parallel_ulysses.json")
-    single = cache or _load(folder, "compile.json")
+    single = cache or _load(folder, "baseline.json") or _load(folder, "compile.json")
     if uly and single:
         # the single-GPU eager baseline measured by the same command on the same host
         base = single["eager"][0]["end_to_end"]["median"]
