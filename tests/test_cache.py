@@ -216,7 +216,8 @@ def test_zoo_adapter_with_caching_disabled_reproduces_baseline(name, tmp_path):
     c = _from_mapping(data, tmp_path / f"{name}.yaml")
     report = run_inspection(pipe, c, steps=2).report
     gen = c.generation
-    for prefer in (False, True):
+    # cache-dit's own registration too, for the reference model's family (FluxPipeline)
+    for prefer in ((False, True) if name == "flux" else (False,)):
         adapter = build_cache_adapter(pipe, report, c.name, prefer_registered=prefer)
         ref, counts = counted_render(pipe, c, adapter, gen.prompts, gen.seeds)
         assert counts["block_evals"] > 0
@@ -226,8 +227,6 @@ def test_zoo_adapter_with_caching_disabled_reproduces_baseline(name, tmp_path):
             # error the stage reports (e.g. SD3's last block returns no encoder states) -- never silently off
             fbc = disabled_check(pipe, c, adapter, "diffusers_fbc", ref, counts, Gates(), gen.prompts, gen.seeds)
             assert fbc.get("reproduces") or fbc.get("error"), (name, fbc)
-        if adapter.info.used == "ditbook" and prefer:
-            break
 
 
 def test_reference_model_skips_40pct_with_quality_on_holdout(tmp_path):
@@ -244,13 +243,13 @@ def test_reference_model_skips_40pct_with_quality_on_holdout(tmp_path):
     data.pop("approved_plan", None)
     data["runtime"] = {"device": "cpu", "dtype": "float32"}
     # one seed per prompt for calibration, another for held-out (the stage itself uses the card's)
-    data["generation"].update(seeds=[0], holdout_seeds=[1000])
+    data["generation"].update(seeds=[0], holdout_seeds=[1000], prompts=data["generation"]["prompts"][:2])
     card = tmp_path / "reference.yaml"
     card.write_text(yaml.safe_dump(data, sort_keys=False))
     run, pipe, report = prepared_run(card, tmp_path / "outputs")
     s = session_for(card, run, pipe, report, only=["dbcache_taylorseer", "teacache_fitted"], max_configs=2)
     s.confirm_tries = 2
-    s.noise_floor()
+    s.noise_floor(other_backend=False)
     s.calibrate()
     s.tune()
     hits = s.passing_at(0.4)

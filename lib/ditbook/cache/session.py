@@ -108,9 +108,9 @@ class CacheSession:
         return out
 
     # -- evidence ------------------------------------------------------------------------
-    def noise_floor(self) -> dict:
+    def noise_floor(self, other_backend: bool = True) -> dict:
         self.floor, rerun, self.baseline_counts = noise_floor(self.pipe, self.card, self.adapter, self.baseline,
-                                                              self.gates)
+                                                              self.gates, other_backend=other_backend)
         prompts, seeds = holdout_cases(self.card)
         self.holdout_refs, self.holdout_counts = counted_render(self.pipe, self.card, self.adapter, prompts, seeds)
         return self.floor

@@ -103,12 +103,15 @@ def other_backend_render(pipe, card, prompts, seeds, backend: str = "_native_mat
         return None, f"{backend}: {type(exc).__name__}: {exc}"
 
 
-def noise_floor(pipe, card, adapter, intake: dict, gates: Gates) -> tuple[dict, dict, dict]:
+def noise_floor(pipe, card, adapter, intake: dict, gates: Gates, other_backend: bool = True) -> tuple[dict, dict, dict]:
     """(noise-floor summary, re-rendered baseline images, their block counts)."""
     gen = card.generation
     rerun, counts = counted_render(pipe, card, adapter, gen.prompts, gen.seeds)
     out = {"rerun_vs_intake": compare_sets(rerun, intake, gates).to_dict(),
            "rerun_max_abs": max_abs(rerun, intake)}
+    if not other_backend:
+        out["other_backend"] = "not measured"
+        return out, rerun, counts
     other, backend = other_backend_render(pipe, card, gen.prompts, gen.seeds)
     out["other_backend"] = backend
     if other is not None:

@@ -71,7 +71,7 @@ class DBCache(Strategy):
         n = min_list_length(adapter)
         fns = sorted({f for f in (1, 2, 4, 8) if f < n} or {min(1, n)})
         return [DBCacheSettings(Fn=f, Bn=0, threshold=t, max_warmup_steps=1)
-                for f in fns for t in (0.04, 0.08, 0.12, 0.16, 0.24, 0.32, 0.48)]
+                for f in fns[:2] for t in (0.12, 0.16, 0.24, 0.08, 0.32)]
 
     @classmethod
     def disabled(cls, adapter, steps):

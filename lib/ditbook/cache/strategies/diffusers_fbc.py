@@ -48,7 +48,7 @@ class DiffusersFirstBlockCache(Strategy):
 
     @classmethod
     def grid(cls, adapter, steps):
-        return [FirstBlockCacheSettings(t) for t in (0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.45)]
+        return [FirstBlockCacheSettings(t) for t in (0.1, 0.15, 0.2, 0.3, 0.05)]
 
     @classmethod
     def disabled(cls, adapter, steps):

@@ -88,7 +88,7 @@ class DiffusersMagCache(Strategy):
 
     @classmethod
     def grid(cls, adapter, steps):
-        return [MagCacheSettings(threshold=t, max_skip_steps=k) for t in (0.02, 0.06, 0.12, 0.24) for k in (2, 4)]
+        return [MagCacheSettings(threshold=t, max_skip_steps=k) for k in (2, 4) for t in (0.06, 0.12, 0.24)]
 
     @classmethod
     def disabled(cls, adapter, steps):

@@ -225,7 +225,7 @@ class TeaCacheFitted(Strategy):
     @classmethod
     def grid(cls, adapter, steps):
         return [TeaCacheSettings(threshold=t, warmup_steps=1, max_consecutive=k)
-                for k in (1, 2, 3) for t in (0.2, 0.3, 0.1, 0.5, 0.05)]
+                for k in (1, 2) for t in (0.2, 0.3, 0.1, 0.5)]
 
     @classmethod
     def disabled(cls, adapter, steps):
