@@ -114,7 +114,7 @@ def test_explorer_widget_builds():
 
 
 def test_progress_is_plain_log_when_not_interactive():
-    from ditbook.bench.progress import progress
+    from ditbook.progress import progress
 
     lines = []
     assert list(progress(["a", "b"], False, "config", log=lines.append)) == ["a", "b"]
