@@ -74,10 +74,11 @@ def needs_top_level(adapter) -> str | None:
     return None
 
 
-def ensure_context(transformer):
+def ensure_context(transformer, slots: int = 1):
     """Pipelines outside diffusers do not wrap their transformer call in
     ``transformer.cache_context(...)``; set a default context for that call when none is set.
-    Returns an undo callable."""
+    With separate CFG (``slots`` = 2 calls per step) the calls alternate between two contexts so
+    conditional and unconditional states never mix. Returns an undo callable."""
     from diffusers.hooks import HookRegistry
     from diffusers.hooks.hooks import CacheContext, StateManager, _set_cache_context
 
@@ -90,12 +91,13 @@ def ensure_context(transformer):
                         if isinstance(attr, StateManager):
                             yield attr
 
-    state = {"set": False}
+    state = {"set": False, "calls": 0}
 
     def pre(module, args, kwargs):
         state["set"] = any(m._context is None for m in managers())
         if state["set"]:
-            _set_cache_context(transformer, CacheContext("ditbook"))
+            _set_cache_context(transformer, CacheContext(f"ditbook_{state['calls'] % max(1, slots)}"))
+            state["calls"] += 1
 
     def post(module, args, kwargs, output):
         if state["set"]:

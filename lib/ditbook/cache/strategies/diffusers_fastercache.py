@@ -44,7 +44,7 @@ class DiffusersFasterCache(Strategy):
             tensor_format="BFCHW" if "Video" in type(pipe).__name__ else "BCHW")
         apply_faster_cache(pipe.transformer, cfg)
         refresh_registry(pipe.transformer)
-        context_undo = ensure_context(pipe.transformer)
+        context_undo = ensure_context(pipe.transformer, 2 if adapter.info.has_separate_cfg else 1)
 
         def undo():
 

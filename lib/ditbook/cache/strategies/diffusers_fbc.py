@@ -36,7 +36,7 @@ class DiffusersFirstBlockCache(Strategy):
         with adapter.diffusers_identifiers(fbc):
             apply_first_block_cache(pipe.transformer, FirstBlockCacheConfig(threshold=config.threshold))
             refresh_registry(pipe.transformer)
-            context_undo = ensure_context(pipe.transformer)
+            context_undo = ensure_context(pipe.transformer, 2 if adapter.info.has_separate_cfg else 1)
 
         def undo():
 

@@ -27,7 +27,7 @@ def _apply(pipe, adapter, cfg_obj):
     with adapter.diffusers_identifiers(mc):
         apply_mag_cache(pipe.transformer, cfg_obj)
         refresh_registry(pipe.transformer)
-        context_undo = ensure_context(pipe.transformer)
+        context_undo = ensure_context(pipe.transformer, 2 if adapter.info.has_separate_cfg else 1)
 
     def undo():
 

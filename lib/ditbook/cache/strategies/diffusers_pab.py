@@ -41,7 +41,7 @@ class DiffusersPAB(Strategy):
             current_timestep_callback=current)
         apply_pyramid_attention_broadcast(pipe.transformer, cfg)
         refresh_registry(pipe.transformer)
-        context_undo = ensure_context(pipe.transformer)
+        context_undo = ensure_context(pipe.transformer, 2 if adapter.info.has_separate_cfg else 1)
 
         def undo():
 

@@ -39,7 +39,7 @@ class DiffusersTaylorSeer(Strategy):
                                     cache_identifiers=attention_lists(adapter))
         apply_taylorseer_cache(pipe.transformer, cfg)
         refresh_registry(pipe.transformer)
-        context_undo = ensure_context(pipe.transformer)
+        context_undo = ensure_context(pipe.transformer, 2 if adapter.info.has_separate_cfg else 1)
 
         def undo():
 
