@@ -1,5 +1,11 @@
 """ditbook: bring a new diffusion transformer into cache and parallel acceleration, with evidence."""
 
+import os as _os
+
+# cache-dit logs every hook it installs at INFO; executed notebooks and the CLI keep its warnings
+# only (export CACHE_DIT_LOG_LEVEL=info to see them all). Read by cache-dit when it is imported.
+_os.environ.setdefault("CACHE_DIT_LOG_LEVEL", "warning")
+
 __version__ = "0.1.0"
 
 from .card import GateError, ModelCard, gate_check, load_card  # noqa: E402,F401
