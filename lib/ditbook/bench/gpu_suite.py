@@ -81,6 +81,15 @@ def _time(fp, cfg: Config, warmup: int, repeats: int) -> dict:
     return row
 
 
+def _efficiency(flops, row: dict, peak: float | None) -> dict | None:
+    """Achieved TFLOP/s of one transformer call (median of the row's calls) and its share of peak."""
+    step = row["parts"]["transformer_step"]
+    if not step:
+        return None
+    achieved = flops.flops_per_call / step["median"] / 1e12
+    return {"tflops": round(achieved, 1), "peak_tflops": peak, "share": round(achieved / peak, 3) if peak else None}
+
+
 def _ratios(rows: list[dict], base_name: str) -> None:
     base = next(r for r in rows if r["name"] == base_name)["end_to_end"]["median"]
     for r in rows:
@@ -113,11 +122,7 @@ def cache_suite(out: Path, *, scale: str = "full", device: str = "cuda", size: i
     rows.append(_time(fp, Config("baseline-again", "baseline", lambda p: None), 0, repeats))
     _ratios(rows, "baseline")
     peak = default_peak_tflops(device)
-    step = next(r for r in rows if r["name"] == "baseline")["parts"]["transformer_step"]
-    if step:
-        achieved = flops.flops_per_call / step["median"] / 1e12
-        result["efficiency_eager"] = {"tflops": round(achieved, 1), "peak_tflops": peak,
-                                      "share": round(achieved / peak, 3) if peak else None}
+    result["efficiency_eager"] = _efficiency(flops, rows[0], peak)
     result["eager"] = rows
     _dump(out / f"{name}.json", result)
     if compile:
@@ -135,11 +140,7 @@ def cache_suite(out: Path, *, scale: str = "full", device: str = "cuda", size: i
         for r in crow:
             r["speedup_vs_baseline"] = round(base / r["end_to_end"]["median"], 3)
         _ratios(crow, "baseline-compiled")
-        cstep = crow[0]["parts"]["transformer_step"]
-        if cstep:
-            achieved = flops.flops_per_call / cstep["median"] / 1e12
-            result["efficiency_compiled"] = {"tflops": round(achieved, 1), "peak_tflops": peak,
-                                             "share": round(achieved / peak, 3) if peak else None}
+        result["efficiency_compiled"] = _efficiency(flops, crow[0], peak)
         result["compiled"] = crow
         _dump(out / f"{name}.json", result)
     del fp
