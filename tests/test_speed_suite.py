@@ -1,0 +1,56 @@
+"""The GPU speed suite's pieces that need no GPU: schedules and the report over recorded runs."""
+
+from pathlib import Path
+
+import pytest
+
+from ditbook.bench.schedules import Schedule, cache_dit_policy, candidates, ditbook_schedule, spaced_mask
+from ditbook.bench.speed_report import speed_rows, write_speed_report
+
+ROOT = Path(__file__).resolve().parent.parent
+RUNS = sorted((ROOT / "docs" / "benchmarks").glob("h200-*"))
+
+
+@pytest.mark.parametrize("steps,warmup,computed", [(28, 3, 8), (28, 4, 10), (20, 2, 6), (28, 5, 12)])
+def test_spaced_mask(steps, warmup, computed):
+    mask = spaced_mask(steps, warmup, computed)
+    assert len(mask) == steps and sum(mask) == computed
+    assert mask[:warmup] == (1,) * warmup and mask[-1] == 1
+    # gaps between computed steps after the warm-up never shrink by more than one step
+    ones = [i for i, m in enumerate(mask) if m]
+    gaps = [b - a for a, b in zip(ones[warmup - 1:], ones[warmup:])]
+    assert all(b >= a - 1 for a, b in zip(gaps, gaps[1:]))
+
+
+def test_bad_budget_rejected():
+    with pytest.raises(ValueError):
+        spaced_mask(10, 5, 4)
+
+
+def test_schedule_configs_are_static_and_named():
+    s = ditbook_schedule(28, 3, 8, 1)
+    cfg = s.cache_config()
+    assert cfg.steps_computation_policy == "static" and cfg.steps_computation_mask == list(s.mask)
+    assert s.calibrator_config().taylorseer_order == 1
+    fast = cache_dit_policy("fast", 28)
+    assert fast.computed == 11 and fast.owner == "cache-dit"
+    names = [c.name for c in candidates(28)]
+    assert len(names) == len(set(names))
+
+
+@pytest.mark.skipif(not RUNS, reason="no recorded GPU runs")
+def test_report_of_recorded_runs(tmp_path):
+    rows = speed_rows(RUNS[0])
+    base = next(r for r in rows if r["name"] == "baseline")
+    assert base["speedup"] == 1.0
+    for r in rows:
+        if r["seconds"]:
+            ref = base if r["shape"] == base["shape"] else next(x for x in rows if x["name"] == "qwen-baseline")
+            assert r["speedup"] == pytest.approx(ref["seconds"] / r["seconds"], rel=1e-2)
+    for run in RUNS:
+        copy = tmp_path / run.name
+        copy.mkdir()
+        for f in run.glob("*.json"):
+            (copy / f.name).write_text(f.read_text())
+        md = write_speed_report(copy).read_text()
+        assert "| configuration |" in md and (copy / "speed.png").stat().st_size > 0
