@@ -90,15 +90,18 @@ def torchrun_command(card: str | Path, plans: list[str], nproc: int, out_dir: Pa
 
 
 def _failure_message(log: str, rc: int | None) -> str:
-    m = re.findall(r"ditbook parallel: (rank \d+ .*)", log)
-    if m:
-        return "; ".join(dict.fromkeys(m))
-    m = re.search(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", log, re.S)
-    if m:
-        code = int(m.group(2))
-        how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-        return f"rank {m.group(1)} ended ({how})"
-    return f"torchrun exited with code {rc}"
+    """Name the rank that caused the failure. A rank killed by a signal is the cause even when
+    torchrun observes a peer's error first (the peer fails *because* its partner died)."""
+    parts = []
+    # torchrun's failure blocks: "  rank      : 1 (local_rank: 1)" then "  exitcode  : -9 (pid: ...)"
+    ended = re.findall(r"^\s*rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)", log, re.M)
+    for rank, code in dict.fromkeys(ended):
+        if int(code) < 0:
+            parts.append(f"rank {rank} ended (killed by signal {-int(code)})")
+    parts += list(dict.fromkeys(re.findall(r"ditbook parallel: (rank \d+ .*)", log)))
+    if not parts:
+        parts = [f"rank {rank} ended (exit code {code})" for rank, code in dict.fromkeys(ended)]
+    return "; ".join(parts) if parts else f"torchrun exited with code {rc}"
 
 
 def launch(card: str | Path, plans: list[str], nproc: int, out_dir: str | Path, *, overrides: dict | None = None,
