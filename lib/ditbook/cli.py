@@ -61,9 +61,6 @@ def cmd_run(args) -> int:
     for s in outcome.stages:
         nb = run.path / run.read_meta()["stages"][s.stage]["notebook"]
         print(f"  {s.stage:10s} {s.status:7s} {s.seconds:7.1f}s  {nb}")
-    report = run.path / "report.html"
-    if report.exists():
-        print(f"report: {report}")
     return 0 if outcome.ok else 1
 
 

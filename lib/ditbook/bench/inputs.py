@@ -7,17 +7,18 @@ the minimum. Keys read (every one optional unless said so):
     ``images``: rows with ``key``, ``prompt``, ``seed``, ``npy`` (the stored baseline images).
 
 ``cache/results.json``
-    ``tuned`` — the tuned configurations, else ``strategies`` — every strategy verified; each a
-    row with ``name``, ``family`` (or ``strategy``), ``params``, ``speedup``, ``psnr_min`` (or
-    ``psnr``), ``ssim_min`` (or ``ssim``), ``passed``, ``skipped_fraction``. Shown as figures
+    ``tuned`` — the tuned configurations, else ``strategies`` — every strategy verified (only the
+    ``split == "holdout"`` rows when there are any); each a row with ``name``, ``family`` (or
+    ``strategy``), ``config`` (or ``params``), ``speedup``, ``quality.psnr_min`` / ``psnr_min`` (or
+    ``psnr``), ``quality.ssim_min`` / ``ssim_min`` (or ``ssim``), ``passed``, ``skipped_fraction``. Shown as figures
     *recorded by the cache stage*; the benchmark re-measures a configuration only when the cache
     package hands it over as a :class:`~ditbook.bench.timing.Config` (below).
     ``residual_changes``: ``{series name: [relative change per step, ...]}``.
 
 ``parallel/results.json``
     ``plans`` (or ``runs``): rows with ``name`` (or ``plan``), ``nproc`` (or ``world_size``),
-    ``speedup`` (or ``seconds`` with ``baseline_seconds``, per row or top level), ``psnr_min`` (or
-    ``psnr``), ``ssim_min`` (or ``ssim``), ``passed``, ``cache`` (the cache configuration run
+    ``speedup`` (or ``seconds`` with ``baseline_seconds``, per row or top level),
+    ``quality.psnr_min`` / ``psnr_min`` (or ``psnr``), ``quality.ssim_min`` / ``ssim_min`` (or ``ssim``), ``passed``, ``cache`` (the cache configuration run
     together with the plan, making it ``cache+parallel``), ``error``. Multi-process plans run
     under torchrun in the parallel stage, so their timings are the parallel stage's, measured
     against its own single-process baseline in the same launch.
@@ -80,21 +81,33 @@ def _first(row: dict, *keys, default=None):
     return default
 
 
+def config_label(config: dict) -> str:
+    """A short label of a configuration's scalar settings (lists such as fitted coefficients or
+    step masks stay in ``params``, not in the name)."""
+    return ",".join(f"{k}={v}" for k, v in sorted(config.items()) if not isinstance(v, (list, tuple, dict)))
+
+
 def cache_rows(cache: dict | None) -> list[dict]:
     """The cache stage's configurations as summary rows (recorded there, not re-measured)."""
     if not cache:
         return []
-    entries = cache.get("tuned") or cache.get("strategies") or []
+    entries = [e for e in (cache.get("tuned") or cache.get("strategies") or []) if isinstance(e, dict)]
+    # the cache stage records each configuration on calibration and on held-out seeds: the
+    # held-out rows are the evidence
+    if any(e.get("split") == "holdout" for e in entries):
+        entries = [e for e in entries if e.get("split") == "holdout"]
     rows = []
     for e in entries:
-        if not isinstance(e, dict):
-            continue
         fam = _first(e, "family", "strategy", default="cache")
+        q = e.get("quality") or {}
+        config = e.get("config") or e.get("params") or {}
+        label = config_label(config)
         rows.append({
-            "name": str(_first(e, "name", "strategy", default="cache")),
+            "name": str(_first(e, "name", "strategy", default="cache")) + (f"[{label}]" if label else ""),
             "family": fam if str(fam).startswith("cache") else f"cache/{fam}",
             "speedup": _first(e, "speedup"),
-            "psnr_min": _first(e, "psnr_min", "psnr"), "ssim_min": _first(e, "ssim_min", "ssim"),
+            "psnr_min": _first(e, "psnr_min", "psnr", default=q.get("psnr_min")),
+            "ssim_min": _first(e, "ssim_min", "ssim", default=q.get("ssim_min")),
             "passed": e.get("passed"), "skipped_fraction": e.get("skipped_fraction"),
             "nproc": 1, "source": "cache stage",
         })
@@ -115,12 +128,15 @@ def parallel_rows(parallel: dict | None) -> list[dict]:
         secs, base = e.get("seconds"), e.get("baseline_seconds", base_top)
         if speedup is None and secs and base:
             speedup = base / secs
-        cache = e.get("cache")
+        # plan names mark cache + CP with a "+cache" suffix (ditbook.parallel.plans)
+        cache = e.get("cache") or ("+cache" in str(_first(e, "name", "plan", default="")))
+        q = e.get("quality") or {}
         rows.append({
             "name": str(_first(e, "name", "plan", default="plan")),
             "family": "cache+parallel" if cache else "parallel",
             "speedup": speedup, "seconds": secs,
-            "psnr_min": _first(e, "psnr_min", "psnr"), "ssim_min": _first(e, "ssim_min", "ssim"),
+            "psnr_min": _first(e, "psnr_min", "psnr", default=q.get("psnr_min")),
+            "ssim_min": _first(e, "ssim_min", "ssim", default=q.get("ssim_min")),
             "passed": e.get("passed"), "nproc": int(_first(e, "nproc", "world_size", default=1)),
             "cache": cache, "error": e.get("error"), "source": "parallel stage",
         })

@@ -100,4 +100,23 @@ def configs_from_results(results: dict | str | Path, run_dir: str | Path | None 
     return out
 
 
-__all__ = ["AdapterInfo", "CacheAdapter", "CacheConfig", "build_cache_adapter", "configs_from_results"]
+def benchmark_configs(ctx, results: dict) -> list:
+    """The benchmark stage's provider (see ``ditbook.bench.inputs``): the chosen configuration and
+    every held-out-confirmed one, as ``bench.timing.Config`` objects measured side by side with
+    the baseline in the benchmark's own process."""
+    from ..bench.inputs import config_label
+    from ..bench.timing import Config
+
+    steps = ctx.card.generation.steps
+    out = []
+    for c in configs_from_results(results, run_dir=ctx.run.path):
+        label = config_label(c.config)
+        out.append(Config(name=f"{c.name}[{label}]", family=f"cache/{c.name}",
+                          apply=lambda pipe, c=c: c.apply(pipe, steps=steps), params=dict(c.config),
+                          notes=f"tuned by the cache stage; {c.skipped_fraction:.0%} of block evaluations skipped"
+                          if c.skipped_fraction is not None else "tuned by the cache stage"))
+    return out
+
+
+__all__ = ["AdapterInfo", "CacheAdapter", "CacheConfig", "benchmark_configs", "build_cache_adapter",
+           "configs_from_results"]
