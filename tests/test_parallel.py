@@ -186,3 +186,48 @@ def test_failure_names_the_rank_that_died_not_the_peer_that_noticed():
     msg = _failure_message(log, 1)
     assert msg.startswith("rank 1 ended (killed by signal 9)")
     assert "rank 0 failed" in msg
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_node_groups_on_one_host(root, tmp_path, capsys):
+    """Issue 9's multi-node recipe, on one host: the same `ditbook parallel` command on each node
+    (here two torchrun node groups of one process), static rendezvous at node 0's address."""
+    import subprocess
+    import sys
+
+    from ditbook.cli import main
+
+    card = models.tiny_flux(root)
+    master = f"127.0.0.1:{_free_port()}"
+    common = [str(card), "--plan", "ulysses2", "--nproc", "1", "--nnodes", "2", "--master", master,
+              "--timeout", "60", "--total-timeout", "240"]
+    node1 = subprocess.Popen([sys.executable, "-m", "ditbook", "parallel", *common, "--node-rank", "1",
+                              "--out", str(tmp_path / "node1")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+    try:
+        rc0 = main(["parallel", *common, "--node-rank", "0", "--out", str(tmp_path / "node0")])
+        out1, _ = node1.communicate(timeout=240)
+    finally:
+        node1.kill()
+    report = json.loads(capsys.readouterr().out)
+    assert rc0 == 0 and node1.returncode == 0, out1[-2000:]
+    (plan,) = report["plans"]
+    assert plan["name"] == "ulysses2" and plan["world_size"] == 2 and plan["passed"], plan["quality"]["reasons"]
+    assert (tmp_path / "node0" / "worker.json").is_file() and not (tmp_path / "node1" / "worker.json").exists()
+
+
+def test_nodes_need_a_master():
+    from ditbook.parallel.launch import Nodes
+
+    with pytest.raises(ValueError, match="master"):
+        Nodes(2, 1)
+    with pytest.raises(ValueError, match="node rank"):
+        Nodes(2, 2, "h:1")
+    assert Nodes(2, 1, "h:29500").torchrun_args()[-4:] == ["--master_addr", "h", "--master_port", "29500"]

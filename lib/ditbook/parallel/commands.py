@@ -44,7 +44,7 @@ def refusal(card_path: str, plans: list[str], arch: str | None, overrides: dict)
 
 def cmd_parallel(args) -> int:
     from ..cli import parse_overrides
-    from .launch import ParallelRunError, run_plans
+    from .launch import Nodes, ParallelRunError, run_plans
 
     overrides = parse_overrides(args.param)
     plans = [p for item in args.plan for p in item.split(",") if p]
@@ -57,12 +57,17 @@ def cmd_parallel(args) -> int:
         return 3
     out = Path(args.out) if args.out else (Path(args.run) / "parallel" / "runs" if args.run else Path("parallel_runs"))
     try:
+        nodes = Nodes(args.nnodes, args.node_rank, args.master)
+    except ValueError as exc:
+        print(f"ditbook parallel: {exc}", file=sys.stderr)
+        return 2
+    try:
         results, launch = run_plans(args.card, plans, args.nproc, out, overrides=overrides, timeout=args.timeout,
-                                    total_timeout=args.total_timeout, warmup=args.warmup)
+                                    total_timeout=args.total_timeout, warmup=args.warmup, nodes=nodes)
     except ParallelRunError as exc:
         print(f"ditbook parallel: {exc}", file=sys.stderr)
         return 1
-    print(json.dumps({"plans": [r.to_dict() for r in results], "out": str(out),
+    print(json.dumps({"plans": [r.to_dict() for r in results], "out": str(out), "node_rank": nodes.node_rank,
                       "launch_seconds": round(launch.seconds, 2)}, indent=2, default=str))
     return 0 if all(r.passed for r in results) else 1
 
@@ -79,5 +84,8 @@ def register(subparsers) -> None:
     p.add_argument("--timeout", type=float, default=300.0, help="collective / no-progress timeout per rank (s)")
     p.add_argument("--total-timeout", type=float, default=None, help="wall-clock limit of the whole launch (s)")
     p.add_argument("--warmup", type=int, default=1, help="untimed renders before the timed ones")
+    p.add_argument("--nnodes", type=int, default=1, help="hosts taking part (run the same command on each)")
+    p.add_argument("--node-rank", type=int, default=0, help="this host's index, 0 on the host of --master")
+    p.add_argument("--master", help="HOST:PORT of node 0, for --nnodes > 1")
     p.add_argument("-p", "--param", action="append", metavar="KEY=VALUE", help="override a card field")
     p.set_defaults(func=cmd_parallel)

@@ -70,11 +70,37 @@ class PlanResult:
         return asdict(self)
 
 
+@dataclass
+class Nodes:
+    """Where the ranks run. One host: torchrun's standalone rendezvous. Several hosts: the same
+    command on each, with ``node_rank`` 0..count-1 and the address of node 0 (``host:port``);
+    torchrun's static rendezvous then gives node 0 global rank 0, which writes the images and
+    ``worker.json``. The world size is ``count`` x ``--nproc``."""
+
+    count: int = 1
+    node_rank: int = 0
+    master: str | None = None  # "host:port" of node 0
+
+    def __post_init__(self):
+        if self.count < 1 or not 0 <= self.node_rank < self.count:
+            raise ValueError(f"node rank {self.node_rank} is not in 0..{self.count - 1}")
+        if self.count > 1 and (not self.master or ":" not in self.master):
+            raise ValueError("several nodes need --master HOST:PORT (the address of node 0)")
+
+    def torchrun_args(self) -> list[str]:
+        if self.count == 1:
+            return ["--standalone", "--nnodes", "1"]
+        host, port = self.master.rsplit(":", 1)
+        return ["--nnodes", str(self.count), "--node_rank", str(self.node_rank), "--master_addr", host,
+                "--master_port", port]
+
+
 def torchrun_command(card: str | Path, plans: list[str], nproc: int, out_dir: Path, *, overrides: dict | None = None,
                      timeout: float = 300.0, warmup: int = 1, cfg_style: str | None = None,
                      cp_plan_file: str | None = None, attention_kind: str | None = None,
-                     gqa_path: str = "enable_gqa") -> list[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+                     gqa_path: str = "enable_gqa", nodes: "Nodes | None" = None) -> list[str]:
+    nodes = nodes or Nodes()
+    cmd = [sys.executable, "-m", "torch.distributed.run", *nodes.torchrun_args(),
            "--nproc_per_node", str(nproc), "--max_restarts", "0", "--monitor_interval", "0.5",
            "-m", "ditbook.parallel.worker", "--card", str(card), "--plans", ",".join(plans),
            "--out", str(out_dir), "--timeout", str(timeout), "--warmup", str(warmup), "--gqa-path", gqa_path]
@@ -109,10 +135,13 @@ def launch(card: str | Path, plans: list[str], nproc: int, out_dir: str | Path, 
     """Run plans (all of world size 1 or ``nproc``) in one torchrun; raise ``ParallelRunError`` on failure."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    nodes = worker_opts.get("nodes") or Nodes()
+    world = nproc * nodes.count
     for p in plans:
         ws = parse_plan(p).world_size
-        if ws not in (1, nproc):
-            raise ParallelRunError(f"plan {p} needs {ws} processes; this launch has --nproc {nproc}")
+        if ws not in (1, world):
+            raise ParallelRunError(f"plan {p} needs {ws} processes; this launch has {world} "
+                                   f"({nodes.count} node(s) x --nproc {nproc})")
     cmd = torchrun_command(card, plans, nproc, out_dir, overrides=overrides, timeout=timeout, **worker_opts)
     total_timeout = total_timeout or max(600.0, 4 * timeout)
     log_path = out_dir / "launch.log"
@@ -134,6 +163,8 @@ def launch(card: str | Path, plans: list[str], nproc: int, out_dir: str | Path, 
     if rc != 0:
         raise ParallelRunError(f"parallel run of {plans} failed after {seconds:.1f}s: {_failure_message(text, rc)} "
                                f"(log: {log_path})", text[-4000:], rc)
+    if nodes.node_rank != 0:  # images, times and worker.json live with global rank 0, on node 0
+        return LaunchResult(out_dir, nproc, seconds, {}, cmd)
     worker = json.loads((out_dir / "worker.json").read_text())
     return LaunchResult(out_dir, nproc, seconds, worker, cmd)
 
@@ -188,4 +219,6 @@ def run_plans(card: str | Path, plans: list[str], nproc: int, out_dir: str | Pat
     refs = ["single"] + (["single+cache"] if any(parse_plan(p).cache for p in plans) else [])
     todo = refs + [p for p in plans if p not in refs]
     result = launch(card, todo, nproc, out_dir, **launch_opts)
+    if not result.worker:  # a node other than node 0: its ranks ran, node 0 judges
+        return [], result
     return judge(result, plans, gates), result
