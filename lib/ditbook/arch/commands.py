@@ -13,7 +13,8 @@ def cmd_inspect(args) -> int:
     from ..loading import choose_placement, load_pipeline
     from ..runs import RunFolder
     from .inspection import run_inspection, save_inspection
-    from .tables import block_rows, fact_rows, text_table
+    from ..display import Table
+    from .tables import block_rows, fact_rows
 
     overrides = parse_overrides(args.param)
     card = gate_check(args.card, overrides)
@@ -37,9 +38,9 @@ def cmd_inspect(args) -> int:
     r = result.report
     print(f"{card.name}: {r.transformer_class} in {r.pipeline_class}, {r.param_count:,} parameters")
     print()
-    print(text_table([{k: v for k, v in row.items() if k != "why"} for row in block_rows(r)]))
+    print(repr(Table.from_dicts([{k: v for k, v in row.items() if k != "why"} for row in block_rows(r)])))
     print()
-    print(text_table(fact_rows(r)))
+    print(repr(Table.from_dicts(fact_rows(r))))
     if r.loop_extra_work_reasons:
         print("\nloop extra work:\n  " + "\n  ".join(r.loop_extra_work_reasons))
     print("\nrisks:")

@@ -1,8 +1,6 @@
-"""Small HTML and text tables of the report (pandas is not a dependency)."""
+"""The inspection report as table rows (shown with ``ditbook.display``)."""
 
 from __future__ import annotations
-
-import html
 
 from .report import ArchReport
 
@@ -36,34 +34,3 @@ def fact_rows(report: ArchReport) -> list[dict]:
     return [{"fact": k, "value": v} for k, v in facts.items()]
 
 
-def html_table(rows: list[dict]) -> str:
-    if not rows:
-        return "<p>(none)</p>"
-    cols = list(rows[0])
-    head = "".join(f"<th>{html.escape(str(c))}</th>" for c in cols)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(r.get(c, '')))}</td>" for c in cols) + "</tr>" for r in rows)
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
-
-
-def text_table(rows: list[dict], max_width: int = 60) -> str:
-    if not rows:
-        return "(none)"
-    cols = list(rows[0])
-    cells = [[str(r.get(c, ""))[:max_width] for c in cols] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
-    line = lambda vals: "  ".join(v.ljust(w) for v, w in zip(vals, widths))  # noqa: E731
-    return "\n".join([line(cols), line(["-" * w for w in widths])] + [line(r) for r in cells])
-
-
-def show(rows: list[dict]) -> None:
-    """Display rows as an HTML table in a notebook, or print them as text elsewhere."""
-    try:
-        from IPython import get_ipython
-        from IPython.display import HTML, display
-
-        if get_ipython() is not None:
-            display(HTML(html_table(rows)))
-            return
-    except ImportError:
-        pass
-    print(text_table(rows))

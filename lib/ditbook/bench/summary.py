@@ -61,10 +61,9 @@ def _fmt(v, nd=3):
 
 
 def markdown_table(rows: list[dict], columns=COLUMNS) -> str:
-    head = "| " + " | ".join(columns) + " |"
-    sep = "| " + " | ".join("---" for _ in columns) + " |"
-    body = ["| " + " | ".join(_fmt(r.get(c)).replace("|", "\\|") for c in columns) + " |" for r in rows]
-    return "\n".join([head, sep, *body])
+    from ..display import Table
+
+    return Table.from_dicts([{c: _fmt(r.get(c)) for c in columns} for r in rows], columns).markdown()
 
 
 @dataclass

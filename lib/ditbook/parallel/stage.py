@@ -74,12 +74,3 @@ def stage_results(table: FeasibilityTable, results, launch, gqa: dict | None, no
     }
 
 
-def markdown_table(rows: list[dict]) -> str:
-    """A list of flat dicts as a Markdown table (for ``IPython.display.Markdown``)."""
-    if not rows:
-        return "_(none)_"
-    cols = list(dict.fromkeys(k for r in rows for k in r))
-    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else ("" if v is None else str(v)).replace("|", "/")
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in rows]
-    return "\n".join(lines)
