@@ -52,6 +52,23 @@ def remove_hooks(transformer, *names):
             del module._diffusers_hook
 
 
+def finish_install(pipe, adapter, hook_names, *handles):
+    """After a diffusers ``apply_*`` call: refresh the hook registry, give the hooks a cache
+    context when the pipeline sets none, and return the undo (context, hooks by name, the
+    per-instance ``handles``, then the adapter's patch), the same for every diffusers strategy."""
+    refresh_registry(pipe.transformer)
+    context_undo = ensure_context(pipe.transformer, 2 if adapter.info.has_separate_cfg else 1)
+
+    def undo():
+        context_undo()
+        remove_hooks(pipe.transformer, *hook_names)
+        for handle in handles:
+            handle.remove()
+        adapter.unpatch()
+
+    return undo
+
+
 def attention_lists(adapter) -> list[str]:
     """Regex identifiers of our block lists' attention modules (diffusers matches names)."""
     import re

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import Strategy, register
-from ._diffusers_hooks import ensure_context, refresh_registry, attention_lists, has_diffusers_attention, remove_hooks, timestep_callback
+from ._diffusers_hooks import finish_install, attention_lists, has_diffusers_attention, timestep_callback
 
 
 @dataclass
@@ -28,7 +28,6 @@ class DiffusersFasterCache(Strategy):
 
     @classmethod
     def apply(cls, pipe, adapter, config, steps=None):
-        import torch
         from diffusers.hooks import FasterCacheConfig, apply_faster_cache
         from diffusers.hooks import faster_cache as fc
 
@@ -43,18 +42,7 @@ class DiffusersFasterCache(Strategy):
             attention_weight_callback=lambda _: 0.5,
             tensor_format="BFCHW" if "Video" in type(pipe).__name__ else "BCHW")
         apply_faster_cache(pipe.transformer, cfg)
-        refresh_registry(pipe.transformer)
-        context_undo = ensure_context(pipe.transformer, 2 if adapter.info.has_separate_cfg else 1)
-
-        def undo():
-
-            context_undo()
-            remove_hooks(pipe.transformer, fc._FASTER_CACHE_DENOISER_HOOK, fc._FASTER_CACHE_BLOCK_HOOK)
-            handle.remove()
-            adapter.unpatch()
-
-        del torch
-        return undo
+        return finish_install(pipe, adapter, (fc._FASTER_CACHE_DENOISER_HOOK, fc._FASTER_CACHE_BLOCK_HOOK), handle)
 
     @classmethod
     def grid(cls, adapter, steps):

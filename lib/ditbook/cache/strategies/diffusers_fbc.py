@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import Strategy, register
-from ._diffusers_hooks import ensure_context, refresh_registry, needs_top_level, remove_hooks
+from ._diffusers_hooks import finish_install, needs_top_level
 
 
 @dataclass
@@ -35,16 +35,7 @@ class DiffusersFirstBlockCache(Strategy):
         adapter.register_diffusers_blocks()
         with adapter.diffusers_identifiers(fbc):
             apply_first_block_cache(pipe.transformer, FirstBlockCacheConfig(threshold=config.threshold))
-            refresh_registry(pipe.transformer)
-            context_undo = ensure_context(pipe.transformer, 2 if adapter.info.has_separate_cfg else 1)
-
-        def undo():
-
-            context_undo()
-            remove_hooks(pipe.transformer, fbc._FBC_LEADER_BLOCK_HOOK, fbc._FBC_BLOCK_HOOK)
-            adapter.unpatch()
-
-        return undo
+            return finish_install(pipe, adapter, (fbc._FBC_LEADER_BLOCK_HOOK, fbc._FBC_BLOCK_HOOK))
 
     @classmethod
     def grid(cls, adapter, steps):

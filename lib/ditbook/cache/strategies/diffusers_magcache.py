@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from . import Strategy, register
-from ._diffusers_hooks import ensure_context, refresh_registry, needs_top_level, remove_hooks
+from ._diffusers_hooks import finish_install, needs_top_level
 
 
 @dataclass
@@ -26,16 +26,7 @@ def _apply(pipe, adapter, cfg_obj):
     adapter.register_diffusers_blocks()
     with adapter.diffusers_identifiers(mc):
         apply_mag_cache(pipe.transformer, cfg_obj)
-        refresh_registry(pipe.transformer)
-        context_undo = ensure_context(pipe.transformer, 2 if adapter.info.has_separate_cfg else 1)
-
-    def undo():
-
-        context_undo()
-        remove_hooks(pipe.transformer, mc._MAG_CACHE_LEADER_BLOCK_HOOK, mc._MAG_CACHE_BLOCK_HOOK)
-        adapter.unpatch()
-
-    return undo
+        return finish_install(pipe, adapter, (mc._MAG_CACHE_LEADER_BLOCK_HOOK, mc._MAG_CACHE_BLOCK_HOOK))
 
 
 @register
@@ -56,7 +47,6 @@ class DiffusersMagCache(Strategy):
         """Run once in MagCache's calibration mode and return this model's magnitude ratios
         (read per hook instance, before MagCache resets them at the end of the run)."""
         from diffusers.hooks import MagCacheConfig
-        from diffusers.hooks import mag_cache as mc
 
         ratios: list[float] = []
         undo = _apply(pipe, adapter, MagCacheConfig(num_inference_steps=steps, calibrate=True))

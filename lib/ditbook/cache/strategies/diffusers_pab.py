@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import Strategy, register
-from ._diffusers_hooks import ensure_context, refresh_registry, has_diffusers_attention, needs_top_level, remove_hooks, timestep_callback
+from ._diffusers_hooks import finish_install, has_diffusers_attention, needs_top_level, timestep_callback
 
 
 @dataclass
@@ -40,17 +40,7 @@ class DiffusersPAB(Strategy):
             spatial_attention_block_identifiers=names,
             current_timestep_callback=current)
         apply_pyramid_attention_broadcast(pipe.transformer, cfg)
-        refresh_registry(pipe.transformer)
-        context_undo = ensure_context(pipe.transformer, 2 if adapter.info.has_separate_cfg else 1)
-
-        def undo():
-
-            context_undo()
-            remove_hooks(pipe.transformer, pab._PYRAMID_ATTENTION_BROADCAST_HOOK)
-            handle.remove()
-            adapter.unpatch()
-
-        return undo
+        return finish_install(pipe, adapter, (pab._PYRAMID_ATTENTION_BROADCAST_HOOK,), handle)
 
     @classmethod
     def grid(cls, adapter, steps):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import Strategy, register
-from ._diffusers_hooks import ensure_context, refresh_registry, attention_lists, has_diffusers_attention, remove_hooks
+from ._diffusers_hooks import finish_install, attention_lists, has_diffusers_attention
 
 
 @dataclass
@@ -38,16 +38,7 @@ class DiffusersTaylorSeer(Strategy):
                                     max_order=config.max_order, taylor_factors_dtype=torch.float32,
                                     cache_identifiers=attention_lists(adapter))
         apply_taylorseer_cache(pipe.transformer, cfg)
-        refresh_registry(pipe.transformer)
-        context_undo = ensure_context(pipe.transformer, 2 if adapter.info.has_separate_cfg else 1)
-
-        def undo():
-
-            context_undo()
-            remove_hooks(pipe.transformer, tc._TAYLORSEER_CACHE_HOOK)
-            adapter.unpatch()
-
-        return undo
+        return finish_install(pipe, adapter, (tc._TAYLORSEER_CACHE_HOOK,))
 
     @classmethod
     def grid(cls, adapter, steps):
