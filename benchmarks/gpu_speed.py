@@ -21,14 +21,19 @@ from pathlib import Path
 import torch
 
 from ditbook.bench import gpu_suite
+from ditbook.bench.gpu_worker import ULYSSES_VARIANTS
 from ditbook.bench.speed_report import write_speed_report
 
 
-def torchrun(nproc: int, args: list[str], device: str) -> int:
+def torchrun(nproc: int, args: list[str], device: str, timeout: float | None = None) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "-m",
            "ditbook.bench.gpu_worker", "--device", device, *args]
     print("+", " ".join(cmd), flush=True)
-    return subprocess.call(cmd)
+    try:
+        return subprocess.call(cmd, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        print(f"torchrun ran past {timeout:.0f}s and was ended", flush=True)
+        return 124
 
 
 def main(argv=None) -> int:
@@ -44,7 +49,9 @@ def main(argv=None) -> int:
     ap.add_argument("--schedule-file", type=Path, default=Path("docs/schedule_quality.json"))
     ap.add_argument("--no-report", action="store_true", help="JSON only (result.md is made later)")
     ap.add_argument("--cfg-steps", type=int, default=10)
-    ap.add_argument("--ulysses-variants", default="")
+    ap.add_argument("--ulysses-variants", default="", help="comma-separated (default: all of gpu_worker's)")
+    ap.add_argument("--variant-timeout", type=float, default=300.0,
+                    help="seconds one Ulysses variant's torchrun may take before it is ended")
     args = ap.parse_args(argv)
     parts = args.parts.split(",")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -90,12 +97,16 @@ def main(argv=None) -> int:
             args.out, device=args.device, scales=("tiny",) if small else ("tiny", "small", "full"),
             sizes=(64, 128) if small else (512, 1024, 2048)))
     if args.nproc >= 2 and "ulysses" in parts:
-        rc = torchrun(args.nproc, ["--task", "ulysses", "--out", str(args.out), "--baseline", str(base_flux),
-                                   "--scale", args.scale, "--size", str(args.size), "--steps", str(args.steps),
-                                   "--repeats", str(args.repeats)]
-                      + (["--variants", args.ulysses_variants] if args.ulysses_variants else []), args.device)
-        if rc:
-            failures.append(f"ulysses: torchrun exit {rc}")
+        # one torchrun per variant: cache-dit patches classes and registers attention backends,
+        # which would otherwise carry into the next variant's figures
+        variants = args.ulysses_variants.split(",") if args.ulysses_variants else list(ULYSSES_VARIANTS)
+        for i, variant in enumerate(variants):
+            rc = torchrun(args.nproc, ["--task", "ulysses", "--out", str(args.out), "--baseline", str(base_flux),
+                                       "--scale", args.scale, "--size", str(args.size), "--steps", str(args.steps),
+                                       "--repeats", str(args.repeats), "--variants", variant]
+                          + (["--append"] if i else []), args.device, timeout=args.variant_timeout)
+            if rc:
+                failures.append(f"ulysses {variant}: torchrun exit {rc}")
     if args.nproc >= 2 and "comm" in parts:
         rc = torchrun(args.nproc, ["--task", "comm", "--out", str(args.out)], args.device)
         if rc:

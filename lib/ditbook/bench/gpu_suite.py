@@ -81,6 +81,17 @@ def _time(fp, cfg: Config, warmup: int, repeats: int) -> dict:
     return row
 
 
+def _graph_apply(pipe):
+    from ..parallel.graphs import install_step_graphs
+
+    graphs = install_step_graphs(pipe.transformer)
+
+    def undo():
+        _log(f"    graphs: {graphs.to_dict()}")
+        graphs.remove()
+    return undo
+
+
 def _efficiency(flops, row: dict, peak: float | None) -> dict | None:
     """Achieved TFLOP/s of one transformer call (median of the row's calls) and its share of peak."""
     step = row["parts"]["transformer_step"]
@@ -133,6 +144,10 @@ def cache_suite(out: Path, *, scale: str = "full", device: str = "cuda", size: i
             fp()
         result["compile_seconds"] = round(time.perf_counter() - t0, 1)
         crow = [_time(fp, Config("baseline-compiled", "baseline", lambda p: None), warmup, repeats)]
+        if device.startswith("cuda"):
+            # the same compiled call replayed as a CUDA graph: the one-GPU figure a graphed
+            # parallel plan is fairly compared with
+            crow.append(_time(fp, Config("baseline-compiled+graph", "baseline", _graph_apply), warmup, repeats))
         for cfg in schedule_configs(steps, chosen, budgets=(), peers=False):
             cfg.name += "-compiled"
             crow.append(_time(fp, cfg, max(warmup, 1), repeats))

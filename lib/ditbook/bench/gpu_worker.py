@@ -8,14 +8,17 @@ rank 0 writes ``parallel_<task>.json`` with per-part times and the parity of its
 the single-GPU image of the same seed.
 
 Ulysses variants: diffusers' own ``enable_parallelism`` (the library path), cache-dit's
-``ParallelismConfig(ulysses_size=N)`` (the peer), and ditbook's plan, which adds what the per-part
-breakdown shows the peers leave serial (the VAE decode, split across ranks by cache-dit's VAE
-planner) on top of Ulysses.
+``ParallelismConfig(ulysses_size=N)`` (the peer, also with its async, fp8 and VAE-planner
+options), and ditbook's: cache-dit's Ulysses hooks plus regional ``torch.compile`` of the
+repeated blocks, and with ``+graph`` every transformer call replayed as one CUDA graph
+(``ditbook.parallel.graphs``), which takes the host's kernel launches and Python hooks out of
+the step once the split has halved each rank's GPU work.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import time
@@ -55,6 +58,19 @@ def _ulysses_cache_dit(fp, world: int, vae: bool = False, async_: bool = False, 
         fp.pipe.transformer.compile_repeated_blocks(fullgraph=False)
 
 
+def _graphed(apply, compile: bool = False):
+    """``apply`` (a Ulysses variant), then regional compile, then each transformer call replayed
+    as a CUDA graph (``ditbook.parallel.graphs``); returns the graphs for their stats."""
+    from ..parallel.graphs import install_step_graphs
+
+    def variant(fp, world):
+        apply(fp, world)
+        if compile:
+            fp.pipe.transformer.compile_repeated_blocks(fullgraph=False)
+        return install_step_graphs(fp.pipe.transformer)
+    return variant
+
+
 ULYSSES_VARIANTS = {
     "diffusers-ulysses": lambda fp, w: _ulysses_diffusers(fp, w),
     "cache-dit-ulysses": lambda fp, w: _ulysses_cache_dit(fp, w),
@@ -64,6 +80,14 @@ ULYSSES_VARIANTS = {
     "ditbook-ulysses+compile": lambda fp, w: _ulysses_cache_dit(fp, w, compile=True),
     "ditbook-ulysses-async+compile": lambda fp, w: _ulysses_cache_dit(fp, w, async_=True, compile=True),
     "ditbook-ulysses-fp8+compile": lambda fp, w: _ulysses_cache_dit(fp, w, float8=True, compile=True),
+    # the host out of the step: the parallel hooks, compiled blocks and all-to-alls in one graph
+    "ditbook-ulysses+graph": _graphed(_ulysses_cache_dit),
+    "ditbook-ulysses+compile+graph": _graphed(_ulysses_cache_dit, compile=True),
+    # cache-dit's async Ulysses overlaps V's all-to-all with the Q/K projections and the single
+    # blocks' output all-to-all with their MLP; host-bound it could not show, graphed it can
+    "ditbook-ulysses-async+compile+graph": _graphed(lambda fp, w: _ulysses_cache_dit(fp, w, async_=True),
+                                                    compile=True),
+    "diffusers-ulysses+compile+graph": _graphed(_ulysses_diffusers, compile=True),
 }
 
 
@@ -128,9 +152,14 @@ def run_ulysses(args, world: int) -> list[dict]:
         try:
             fp = flux_pipeline(args.scale, args.device, _dtype(args), height=args.size, width=args.size,
                                steps=args.steps)
-            ULYSSES_VARIANTS[name](fp, world)
+            applied = ULYSSES_VARIANTS[name](fp, world)
             t = time_pipeline(fp.pipe, lambda: fp(), warmup=1, repeats=args.repeats)
             img = _image(fp)
+            graphs = applied.to_dict() if hasattr(applied, "to_dict") else None
+            if hasattr(applied, "remove"):
+                # a graph that captured NCCL work must go before its communicator does
+                applied.remove()
+            del applied
         except Exception as exc:  # a variant that fails is recorded; the others still run
             import traceback
 
@@ -141,14 +170,32 @@ def run_ulysses(args, world: int) -> list[dict]:
             dist.barrier()
             continue
         row = {"name": name, "world_size": world, **t.to_dict()}
+        if graphs:
+            row["graphs"] = graphs
         if dist.get_rank() == 0:
             row["parity"] = _parity(img, args.baseline)
-            _log(f"  {name}: {t.end_to_end.median:.3f}s; parity {row['parity'] and row['parity']['psnr']}")
+            _log(f"  {name}: {t.end_to_end.median:.3f}s (step {t.parts['transformer_step'].median:.4f}s); "
+                 f"parity {row['parity'] and row['parity']['psnr']}" + (f"; graphs {graphs}" if graphs else ""))
         rows.append(row)
+        _save(args, "ulysses", rows)  # after every variant: a later one that hangs loses nothing
         del fp
         _empty(args)
         dist.barrier()
     return rows
+
+
+def _save(args, task: str, rows: list[dict]) -> None:
+    """Rank 0 writes ``parallel_<task>.json``; with ``--append`` after the rows already there
+    (the suite runs each Ulysses variant in its own processes, so no variant's library patches
+    leak into the next one's figures)."""
+    if dist.get_rank() == 0:
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = args.out / f"parallel_{task}.json"
+        before = []
+        if args.append and path.is_file():
+            before = json.loads(path.read_text()).get("rows", [])
+            before = [r for r in before if r.get("name") not in {x.get("name") for x in rows}]
+        path.write_text(json.dumps({"task": task, "rows": before + rows}, indent=2, default=str) + "\n")
 
 
 def run_cfg(args, world: int) -> list[dict]:
@@ -180,6 +227,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=28)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--variants", help="comma-separated Ulysses variants (default: all)")
+    ap.add_argument("--append", action="store_true", help="add rows to an existing parallel_<task>.json")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
     local = int(os.environ.get("LOCAL_RANK", 0))
@@ -191,11 +239,11 @@ def main(argv=None) -> int:
     world = dist.get_world_size()
     try:
         rows = {"ulysses": run_ulysses, "cfg": run_cfg, "comm": run_comm}[args.task](args, world)
-        if dist.get_rank() == 0:
-            args.out.mkdir(parents=True, exist_ok=True)
-            (args.out / f"parallel_{args.task}.json").write_text(json.dumps({"task": args.task, "rows": rows},
-                                                                             indent=2, default=str) + "\n")
+        _save(args, args.task, rows)
     finally:
+        gc.collect()
+        if args.device == "cuda":
+            torch.cuda.synchronize()
         dist.destroy_process_group()
     return 0
 

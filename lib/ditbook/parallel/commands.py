@@ -67,6 +67,9 @@ def cmd_parallel(args) -> int:
     except ParallelRunError as exc:
         print(f"ditbook parallel: {exc}", file=sys.stderr)
         return 1
+    except ValueError as exc:  # a plan this machine cannot run (+graph without a GPU)
+        print(f"ditbook parallel: {exc}", file=sys.stderr)
+        return 2
     print(json.dumps({"plans": [r.to_dict() for r in results], "out": str(out), "node_rank": nodes.node_rank,
                       "launch_seconds": round(launch.seconds, 2)}, indent=2, default=str))
     return 0 if all(r.passed for r in results) else 1
@@ -76,7 +79,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("parallel", help="run parallel plans under torchrun and check parity with one process")
     p.add_argument("card")
     p.add_argument("--plan", action="append", required=True,
-                   help="plan name(s): ulysses2, ring2, usp2x2, cfg2, cfg2_ulysses2, ulysses2+cache (repeat or comma-separate)")
+                   help="plan name(s): ulysses2, ring2, usp2x2, cfg2, cfg2_ulysses2, ulysses2+cache, "
+                        "ulysses2+compile+graph (GPU) (repeat or comma-separate)")
     p.add_argument("--nproc", type=int, required=True, help="processes (one per GPU; gloo on CPU)")
     p.add_argument("--run", help="run folder: reads inspect/arch.json for the feasibility check, writes parallel/runs")
     p.add_argument("--arch", help="inspect/arch.json to check feasibility against")

@@ -208,6 +208,12 @@ def judge(result: LaunchResult, plans: list[str], gates: Gates = PARALLEL_GATES)
     return out
 
 
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def run_plans(card: str | Path, plans: list[str], nproc: int, out_dir: str | Path, *, gates: Gates = PARALLEL_GATES,
               **launch_opts) -> tuple[list[PlanResult], LaunchResult]:
     """Launch the baseline(s) and ``plans`` together and judge each plan against its baseline.
@@ -216,6 +222,10 @@ def run_plans(card: str | Path, plans: list[str], nproc: int, out_dir: str | Pat
     seconds per image (after ``warmup`` renders), ``speedup`` the ratio to the single-process
     run in the same launch; ``LaunchResult.worker`` holds every per-image time.
     """
+    graphed = [p for p in plans if parse_plan(p).graph]
+    if graphed and not _cuda_available():
+        raise ValueError(f"plans {', '.join(graphed)} replay CUDA graphs and this machine has no CUDA GPU; "
+                         "run them on a GPU host or drop +graph")
     refs = ["single"] + (["single+cache"] if any(parse_plan(p).cache for p in plans) else [])
     todo = refs + [p for p in plans if p not in refs]
     result = launch(card, todo, nproc, out_dir, **launch_opts)

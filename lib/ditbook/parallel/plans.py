@@ -9,6 +9,9 @@ Grammar (parts joined by ``_``, options after ``+``)::
     single | cfg2 | ulysses<N> | ring<N> | usp<R>x<U> (ring R x ulysses U)
     cfg2_ulysses<N> | cfg2_ring<N> | cfg2_usp<R>x<U>
     ...+cache       (cache-dit DBCache on top, skip decision agreed across ranks)
+    ...+compile     (regional torch.compile of the repeated blocks, after the parallel hooks)
+    ...+graph       (each transformer call replayed as a CUDA graph, ``parallel.graphs``;
+                     GPU only, and not with +cache, whose skips are decided in Python per step)
     tp<N>           (tensor parallel: judged by the feasibility table, not launched by ditbook)
 """
 
@@ -32,6 +35,8 @@ class PlanSpec:
     ring: int = 1
     tp: int = 1
     cache: bool = False
+    compile: bool = False
+    graph: bool = False
     options: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -59,14 +64,18 @@ def parse_plan(name: str) -> PlanSpec:
     if not raw:
         raise PlanNameError("empty plan name")
     base, *opts = raw.split("+")
-    cache = False
+    flags = {"cache": False, "compile": False, "graph": False}
     for o in opts:
-        if o == "cache":
-            cache = True
-        else:
-            raise PlanNameError(f"plan {name!r}: unknown option '+{o}' (known: +cache)")
+        if o not in flags:
+            raise PlanNameError(f"plan {name!r}: unknown option '+{o}' (known: {', '.join('+' + f for f in flags)})")
+        if flags[o]:
+            raise PlanNameError(f"plan {name!r}: +{o} given twice")
+        flags[o] = True
+    if flags["graph"] and flags["cache"]:
+        raise PlanNameError(f"plan {name!r}: +graph replays the same work every call, and +cache decides "
+                            "per step in Python which blocks run; use one of them")
     if base == "single":
-        return PlanSpec(name=raw, cache=cache)
+        return PlanSpec(name=raw, **flags)
     kw: dict = {}
     for part in base.split("_"):
         m = _PART.match(part)
@@ -89,10 +98,11 @@ def parse_plan(name: str) -> PlanSpec:
     for k, v in kw.items():
         if v < 1:
             raise PlanNameError(f"plan {name!r}: {k} must be >= 1")
-    return PlanSpec(name=raw, cache=cache, **kw)
+    return PlanSpec(name=raw, **flags, **kw)
 
 
-def plan_name(cfg: int = 1, ulysses: int = 1, ring: int = 1, tp: int = 1, cache: bool = False) -> str:
+def plan_name(cfg: int = 1, ulysses: int = 1, ring: int = 1, tp: int = 1, cache: bool = False,
+              compile: bool = False, graph: bool = False) -> str:
     parts = []
     if cfg > 1:
         parts.append(f"cfg{cfg}")
@@ -105,4 +115,4 @@ def plan_name(cfg: int = 1, ulysses: int = 1, ring: int = 1, tp: int = 1, cache:
     if tp > 1:
         parts.append(f"tp{tp}")
     name = "_".join(parts) or "single"
-    return name + ("+cache" if cache else "")
+    return name + "".join(f"+{o}" for o, on in (("cache", cache), ("compile", compile), ("graph", graph)) if on)

@@ -23,8 +23,11 @@ from .plans import parse_plan
 
 
 def choose_plans(table: FeasibilityTable, nproc: int, wanted: list[str] | None = None,
-                 with_cache: bool = False) -> tuple[list[str], list[dict]]:
-    """Plans to launch at ``nproc`` processes, and those ruled out with their reason."""
+                 with_cache: bool = False, with_graph: bool = False) -> tuple[list[str], list[dict]]:
+    """Plans to launch at ``nproc`` processes, and those ruled out with their reason.
+
+    ``with_graph`` adds each feasible plan again as ``+compile+graph`` (regional compile, each
+    transformer call replayed as a CUDA graph: GPU only, see ``parallel.graphs``)."""
     if wanted:
         run, skipped = [], []
         for p in wanted:
@@ -36,10 +39,22 @@ def choose_plans(table: FeasibilityTable, nproc: int, wanted: list[str] | None =
             else:
                 run.append(p)
         return run, skipped
-    run = [p for p in table.feasible_plans(nproc) if p != "single"]
+    base = [p for p in table.feasible_plans(nproc) if p != "single"]
+    run = list(base)
     if with_cache:
-        run += [f"{p}+cache" for p in run if parse_plan(p).cfg == 1 and parse_plan(p).uses_cp]
+        run += [f"{p}+cache" for p in base if parse_plan(p).cfg == 1 and parse_plan(p).uses_cp]
+    if with_graph:
+        run += [f"{p}+compile+graph" for p in base]
     return run, []
+
+
+def graph_plans_apply(ctx) -> bool:
+    """Whether this stage's model runs on a CUDA GPU (where ``+graph`` plans can run)."""
+    import torch
+
+    from ..loading import choose_placement
+
+    return torch.cuda.is_available() and choose_placement(ctx.card).device.startswith("cuda")
 
 
 def gqa_timings(report, card, placement, repeats: int = 5) -> dict | None:

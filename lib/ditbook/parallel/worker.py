@@ -150,10 +150,36 @@ def apply_plan(pipe, card, spec, *, cfg_style: str | None, cp_plan_file: str | N
         import cache_dit
 
         cache_dit.enable_cache(pipe, cache_config=dbcache_config(spec.options.get("cache")))
+    if spec.compile:
+        info["compiled"] = compile_repeated_blocks(tr)
+    if spec.graph:
+        from .graphs import install_step_graphs
+
+        # inside the CFG wrapper: each rank replays its own branch's transformer call
+        info["graphs"] = install_step_graphs(tr)
     if spec.cfg > 1:
         info["cfg_stats"] = apply_cfg_parallel(tr, info["cfg_style"], group=cfg_group, heartbeat=heartbeat)
     info["route"] = route
     return info
+
+
+def compile_repeated_blocks(tr) -> str:
+    """Regional torch.compile of the repeated blocks, after the parallel hooks (which stay outside
+    the compiled regions): diffusers' ``compile_repeated_blocks`` where the class names its blocks,
+    else every block of the block lists the inspection finds (``arch.static.find_block_lists``),
+    compiled in place. Returns which of the two it used."""
+    if getattr(tr, "_repeated_blocks", None) and hasattr(tr, "compile_repeated_blocks"):
+        tr.compile_repeated_blocks(fullgraph=False)
+        return "compile_repeated_blocks"
+    from ..arch.static import find_block_lists
+
+    lists, _ = find_block_lists(tr)
+    if not lists:
+        raise RuntimeError(f"+compile: {type(tr).__name__} has no block lists to compile regionally")
+    for _, blocks in lists:
+        for block in blocks:
+            block.compile()
+    return "block lists: " + ", ".join(name for name, _ in lists)
 
 
 def run(args) -> int:
@@ -220,9 +246,12 @@ def run(args) -> int:
                 route = info.pop("route")
                 info["attention"].update({"calls": route.calls, "gqa_calls": route.gqa_calls,
                                           "cp_calls": route.cp_calls})
-                for k in ("cfg_stats", "cache_agreement"):
+                graphs = info.get("graphs")
+                for k in ("cfg_stats", "cache_agreement", "graphs"):
                     if k in info:
                         info[k] = info[k].to_dict()
+                if graphs is not None:
+                    graphs.remove()  # captured NCCL work goes before the communicator does
                 if spec.cache:
                     info["cached_steps"] = [int(s) for s in (getattr(pipe.transformer, "_cached_steps", None) or [])]
                 entry.update(info)

@@ -1,0 +1,209 @@
+"""Replay each transformer call as a CUDA graph (``+graph`` plans).
+
+Why: once a plan splits the sequence across GPUs, each rank's GPU work per step halves but the
+host still launches every kernel, runs every hook and every collective call in Python. On the
+FLUX.1-dev shape with Ulysses-2 the eager step became host-bound (0.111–0.155 s per step on two
+H200s against ~0.087 s of GPU work, docs/benchmarks.md), and how host-bound depended on the
+host. A CUDA graph takes the host out of the step: the whole transformer call (the parallel
+hooks, the regional-compiled blocks, the all-to-alls) is captured once per input signature
+and replayed.
+
+How (the recipe of the PyTorch CUDA-graphs notes, applied to a module's forward):
+
+- the forward is wrapped on the instance; hooks that are already installed (diffusers'
+  context-parallel split/gather hooks, cache-dit's) are inside the wrapper and so are captured;
+- calls are keyed by their signature (tensor shapes, dtypes, devices, the non-tensor values
+  and whether inference mode is on); the first ``warmup`` calls of a signature run eagerly
+  (torch.compile compiles, autotuning and NCCL set-up happen there), the next one is captured
+  with its own tensors copied to static buffers, later ones copy their tensors into those
+  buffers and replay;
+- outputs are cloned out of the graph's static buffers, so two calls in one step (true CFG's
+  two branches share a signature) never overwrite each other;
+- a call the wrapper cannot key (a non-tensor value it cannot compare), or more than
+  ``max_graphs`` signatures, falls back to eager for good and says why in ``stats``.
+
+Requirements a user must know: the replayed call must not change its work from call to call
+outside its tensor inputs (a cache that skips blocks by a Python decision cannot be graphed,
+so ``+graph`` refuses ``+cache``), and every rank must capture the same collectives in the same
+order (they do: every rank makes the same calls with the same signatures).
+
+The capture itself is a ``Capturer`` (``CudaCapturer`` on GPUs); tests hand in a recording
+capturer to check the keying, the static buffers and the output copies on a CPU.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+
+class GraphUnavailable(RuntimeError):
+    """The module cannot be replayed as a CUDA graph here (for example: it is not on a GPU)."""
+
+
+_SCALARS = (type(None), bool, int, float, str, torch.dtype, torch.device)
+
+
+def signature(args: tuple, kwargs: dict) -> tuple | None:
+    """A hashable key of one call, or None when a non-tensor input cannot be compared."""
+    leaves, spec = tree_flatten((args, kwargs))
+    key: list = [str(spec), torch.is_inference_mode_enabled(), torch.is_grad_enabled()]
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            key.append(("T", tuple(leaf.shape), leaf.dtype, str(leaf.device), leaf.requires_grad))
+        elif type(leaf) in _SCALARS:  # exact types: a subclass may compare or hash differently
+            key.append(("V", type(leaf).__name__, leaf))
+        else:
+            return None
+    return tuple(key)
+
+
+class Capturer:
+    """Turns ``fn`` and its static inputs into a replay callable (returns the static outputs)."""
+
+    def capture(self, fn: Callable[[], Any]) -> tuple[Callable[[], None], Any]:
+        raise NotImplementedError
+
+
+class CudaCapturer(Capturer):
+    """``torch.cuda.CUDAGraph`` capture sharing one memory pool across a module's graphs."""
+
+    def __init__(self):
+        self.pool = None
+
+    def capture(self, fn):
+        # one more eager run on a side stream, as the CUDA-graphs notes ask before capture
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = fn()
+        return graph.replay, out
+
+
+@dataclass
+class _Entry:
+    static_leaves: list
+    spec: Any
+    replay: Callable[[], None]
+    out: Any
+
+
+@dataclass
+class GraphStats:
+    captured: int = 0
+    replays: int = 0
+    eager_calls: int = 0
+    capture_seconds: float = 0.0
+    disabled: str | None = None
+    signatures: list = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"captured": self.captured, "replays": self.replays, "eager_calls": self.eager_calls,
+                "capture_seconds": round(self.capture_seconds, 3), "disabled": self.disabled,
+                "signatures": len(self.signatures)}
+
+
+class StepGraphs:
+    """Wraps ``module.forward``; ``remove()`` puts the previous forward back."""
+
+    def __init__(self, module: torch.nn.Module, *, warmup: int = 2, max_graphs: int = 4,
+                 capturer: Capturer | None = None):
+        self.module = module
+        self.warmup = warmup
+        self.max_graphs = max_graphs
+        self.capturer = capturer or CudaCapturer()
+        self.stats = GraphStats()
+        self._graphs: dict[tuple, _Entry] = {}
+        self._seen: dict[tuple, int] = {}
+        self._had_own = "forward" in vars(module)
+        self._original = module.forward
+        module.forward = self._call
+
+    # -- the wrapper ------------------------------------------------------------------------
+    def _eager(self, args, kwargs):
+        self.stats.eager_calls += 1
+        return self._original(*args, **kwargs)
+
+    def _call(self, *args, **kwargs):
+        if self.stats.disabled:
+            return self._eager(args, kwargs)
+        key = signature(args, kwargs)
+        if key is None:
+            self.stats.disabled = "a call has a non-tensor input that cannot be compared"
+            return self._eager(args, kwargs)
+        entry = self._graphs.get(key)
+        if entry is None:
+            seen = self._seen.get(key, 0)
+            if len(self._seen) > 4 * self.max_graphs:
+                self.stats.disabled = f"calls change signature every time ({len(self._seen)} seen)"
+                return self._eager(args, kwargs)
+            if seen < self.warmup:
+                self._seen[key] = seen + 1
+                return self._eager(args, kwargs)
+            if len(self._graphs) >= self.max_graphs:
+                self.stats.disabled = f"more than {self.max_graphs} call signatures"
+                return self._eager(args, kwargs)
+            entry = self._capture(key, args, kwargs)
+        else:
+            leaves, _ = tree_flatten((args, kwargs))
+            for static, new in zip(entry.static_leaves, leaves):
+                if isinstance(static, torch.Tensor) and (static.data_ptr() != new.data_ptr()
+                                                         or static.stride() != new.stride()):
+                    static.copy_(new)
+        entry.replay()
+        self.stats.replays += 1
+        return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, entry.out)
+
+    def _capture(self, key, args, kwargs) -> _Entry:
+        t0 = time.perf_counter()
+        leaves, spec = tree_flatten((args, kwargs))
+        static = [leaf.clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+
+        def fn():
+            a, kw = tree_unflatten(static, spec)
+            return self._original(*a, **kw)
+
+        replay, out = self.capturer.capture(fn)
+        entry = _Entry(static, spec, replay, out)
+        self._graphs[key] = entry
+        self.stats.captured += 1
+        self.stats.signatures.append(key)
+        self.stats.capture_seconds += time.perf_counter() - t0
+        return entry
+
+    def to_dict(self) -> dict:
+        return self.stats.to_dict()
+
+    # -- undo -------------------------------------------------------------------------------
+    def remove(self) -> None:
+        if self._had_own:
+            self.module.forward = self._original
+        else:
+            del self.module.forward
+        self._graphs.clear()
+
+
+def _module_device(module: torch.nn.Module) -> torch.device:
+    p = next(module.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+def install_step_graphs(module: torch.nn.Module, *, warmup: int = 2, max_graphs: int = 4,
+                        capturer: Capturer | None = None) -> StepGraphs:
+    """Replay ``module``'s calls as CUDA graphs; raises ``GraphUnavailable`` off the GPU."""
+    if capturer is None:
+        dev = _module_device(module)
+        if dev.type != "cuda" or not torch.cuda.is_available():
+            raise GraphUnavailable(f"+graph replays CUDA work, and the transformer is on {dev.type}; "
+                                   "run the plan on a GPU or drop +graph")
+    return StepGraphs(module, warmup=warmup, max_graphs=max_graphs, capturer=capturer)
