@@ -41,6 +41,10 @@ def _log(msg: str) -> None:
 def _ulysses_diffusers(fp, world: int):
     from diffusers import ContextParallelConfig
 
+    if not torch.cuda.is_available():
+        # diffusers 0.42.1 picks the device as rank % accelerator count: no accelerator, no run
+        raise RuntimeError("diffusers' enable_parallelism needs a GPU (it divides by the accelerator count); "
+                           "on a CPU the suite measures cache-dit's Ulysses only")
     fp.pipe.transformer.set_attention_backend("native")
     fp.pipe.transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
 
