@@ -72,7 +72,7 @@ def schedule_configs(steps: int, chosen: Schedule, budgets=(8, 9), peers: bool =
 def _time(fp, cfg: Config, warmup: int, repeats: int) -> dict:
     undo = cfg.apply(fp.pipe)
     try:
-        t = time_pipeline(fp.pipe, lambda: fp(), warmup=warmup, repeats=repeats)
+        t = time_pipeline(fp.pipe, fp, warmup=warmup, repeats=repeats)
     finally:
         if undo:
             undo()
@@ -118,7 +118,7 @@ def cache_suite(out: Path, *, scale: str = "full", device: str = "cuda", size: i
     chosen = chosen_schedule(steps, schedule_file)
     result: dict = {"shape": fp.name, "transformer_params": fp.transformer_params, "size": size,
                     "steps": steps, "device": device, "env": environment(), "chosen": chosen.to_dict()}
-    flops = count_transformer_flops(fp.pipe, lambda: fp(), steps=steps)
+    flops = count_transformer_flops(fp.pipe, fp, steps=steps)
     result["flops"] = flops.to_dict()
     if save_baseline is not None:
         with torch.inference_mode():
@@ -174,7 +174,7 @@ def scale_suite(out: Path, *, device: str = "cuda", scales=("tiny", "small", "fu
             _log(f"scale: {scale} at {size}²")
             fp = flux_pipeline(scale, device, dtype, height=size, width=size, steps=steps) if fp is None else fp
             fp.call_kwargs.update(height=size, width=size)
-            t = time_pipeline(fp.pipe, lambda: fp(), warmup=1, repeats=repeats)
+            t = time_pipeline(fp.pipe, fp, warmup=1, repeats=repeats)
             parts = t.to_dict()["parts"]
             rows.append({
                 "scale": scale, "size": size, "transformer_params": fp.transformer_params,

@@ -49,49 +49,50 @@ def _ulysses_diffusers(fp, world: int):
     fp.pipe.transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
 
 
-def _ulysses_cache_dit(fp, world: int, vae: bool = False, async_: bool = False, compile: bool = False,
-                       float8: bool = False):
+def _ulysses_cache_dit(fp, world: int, vae: bool = False, async_: bool = False, float8: bool = False):
     import cache_dit
     from cache_dit import ParallelismConfig
 
     extra = [fp.pipe.vae] if vae else None
     cache_dit.enable_cache(fp.pipe, parallelism_config=ParallelismConfig(
         ulysses_size=world, extra_parallel_modules=extra, ulysses_async=async_, ulysses_float8=float8))
-    if compile:
-        # regional compile of the repeated blocks, after the parallel hooks are in place
-        fp.pipe.transformer.compile_repeated_blocks(fullgraph=False)
 
 
-def _graphed(apply, compile: bool = False):
-    """``apply`` (a Ulysses variant), then regional compile, then each transformer call replayed
-    as a CUDA graph (``ditbook.parallel.graphs``); returns the graphs for their stats."""
+def _plus(apply, compile: bool = False, graph: bool = False):
+    """``apply`` (a Ulysses variant), then what the parallel stage's ``+compile`` and ``+graph``
+    plan options add, in the same order (``parallel.worker.compile_repeated_blocks``, then each
+    transformer call replayed as a CUDA graph); returns the graphs, for their stats, or None."""
     from ..parallel.graphs import install_step_graphs
+    from ..parallel.worker import compile_repeated_blocks
 
     def variant(fp, world):
         apply(fp, world)
         if compile:
-            fp.pipe.transformer.compile_repeated_blocks(fullgraph=False)
-        return install_step_graphs(fp.pipe.transformer)
+            compile_repeated_blocks(fp.pipe.transformer)
+        return install_step_graphs(fp.pipe.transformer) if graph else None
     return variant
 
 
+def _cache_dit(**options):
+    return lambda fp, w: _ulysses_cache_dit(fp, w, **options)
+
+
 ULYSSES_VARIANTS = {
-    "diffusers-ulysses": lambda fp, w: _ulysses_diffusers(fp, w),
-    "cache-dit-ulysses": lambda fp, w: _ulysses_cache_dit(fp, w),
+    "diffusers-ulysses": _ulysses_diffusers,
+    "cache-dit-ulysses": _ulysses_cache_dit,
     # cache-dit's VAE planner decodes tiles on each rank: a different decode than the baseline's
-    "cache-dit-ulysses+vae": lambda fp, w: _ulysses_cache_dit(fp, w, vae=True),
-    "cache-dit-ulysses-async": lambda fp, w: _ulysses_cache_dit(fp, w, async_=True),
-    "ditbook-ulysses+compile": lambda fp, w: _ulysses_cache_dit(fp, w, compile=True),
-    "ditbook-ulysses-async+compile": lambda fp, w: _ulysses_cache_dit(fp, w, async_=True, compile=True),
-    "ditbook-ulysses-fp8+compile": lambda fp, w: _ulysses_cache_dit(fp, w, float8=True, compile=True),
+    "cache-dit-ulysses+vae": _cache_dit(vae=True),
+    "cache-dit-ulysses-async": _cache_dit(async_=True),
+    "ditbook-ulysses+compile": _plus(_ulysses_cache_dit, compile=True),
+    "ditbook-ulysses-async+compile": _plus(_cache_dit(async_=True), compile=True),
+    "ditbook-ulysses-fp8+compile": _plus(_cache_dit(float8=True), compile=True),
     # the host out of the step: the parallel hooks, compiled blocks and all-to-alls in one graph
-    "ditbook-ulysses+graph": _graphed(_ulysses_cache_dit),
-    "ditbook-ulysses+compile+graph": _graphed(_ulysses_cache_dit, compile=True),
+    "ditbook-ulysses+graph": _plus(_ulysses_cache_dit, graph=True),
+    "ditbook-ulysses+compile+graph": _plus(_ulysses_cache_dit, compile=True, graph=True),
     # cache-dit's async Ulysses overlaps V's all-to-all with the Q/K projections and the single
     # blocks' output all-to-all with their MLP; host-bound it could not show, graphed it can
-    "ditbook-ulysses-async+compile+graph": _graphed(lambda fp, w: _ulysses_cache_dit(fp, w, async_=True),
-                                                    compile=True),
-    "diffusers-ulysses+compile+graph": _graphed(_ulysses_diffusers, compile=True),
+    "ditbook-ulysses-async+compile+graph": _plus(_cache_dit(async_=True), compile=True, graph=True),
+    "diffusers-ulysses+compile+graph": _plus(_ulysses_diffusers, compile=True, graph=True),
 }
 
 
@@ -157,12 +158,12 @@ def run_ulysses(args, world: int) -> list[dict]:
             fp = flux_pipeline(args.scale, args.device, _dtype(args), height=args.size, width=args.size,
                                steps=args.steps)
             applied = ULYSSES_VARIANTS[name](fp, world)
-            t = time_pipeline(fp.pipe, lambda: fp(), warmup=1, repeats=args.repeats)
+            t = time_pipeline(fp.pipe, fp, warmup=1, repeats=args.repeats)
             img = _image(fp)
-            graphs = applied.to_dict() if hasattr(applied, "to_dict") else None
-            if hasattr(applied, "remove"):
-                # a graph that captured NCCL work must go before its communicator does
-                applied.remove()
+            graphs = None
+            if applied is not None:
+                graphs = applied.to_dict()
+                applied.remove()  # a graph that captured NCCL work must go before its communicator does
             del applied
         except Exception as exc:  # a variant that fails is recorded; the others still run
             import traceback
@@ -211,7 +212,7 @@ def run_cfg(args, world: int) -> list[dict]:
     fp = qwen_image_pipeline(args.device, _dtype(args), num_layers=layers, height=args.size, width=args.size,
                              steps=args.steps)
     stats = apply_cfg_parallel(fp.pipe.transformer, "separate")
-    t = time_pipeline(fp.pipe, lambda: fp(), warmup=1, repeats=args.repeats)
+    t = time_pipeline(fp.pipe, fp, warmup=1, repeats=args.repeats)
     img = _image(fp)
     row = {"name": "ditbook-cfg-parallel", "world_size": world, "cfg_stats": stats.to_dict(), **t.to_dict()}
     if dist.get_rank() == 0:

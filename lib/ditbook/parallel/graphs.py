@@ -34,7 +34,7 @@ capturer to check the keying, the static buffers and the output copies on a CPU.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -105,12 +105,10 @@ class GraphStats:
     eager_calls: int = 0
     capture_seconds: float = 0.0
     disabled: str | None = None
-    signatures: list = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {"captured": self.captured, "replays": self.replays, "eager_calls": self.eager_calls,
-                "capture_seconds": round(self.capture_seconds, 3), "disabled": self.disabled,
-                "signatures": len(self.signatures)}
+                "capture_seconds": round(self.capture_seconds, 3), "disabled": self.disabled}
 
 
 class StepGraphs:
@@ -177,7 +175,6 @@ class StepGraphs:
         entry = _Entry(static, spec, replay, out)
         self._graphs[key] = entry
         self.stats.captured += 1
-        self.stats.signatures.append(key)
         self.stats.capture_seconds += time.perf_counter() - t0
         return entry
 
