@@ -58,6 +58,8 @@ def main(argv=None) -> int:
     work = Path(os.environ.get("TMPDIR", "/tmp")) / "ditbook_speed"
     base_flux = work / "flux_seed0.npy"
     base_qwen = work / "qwen_seed0.npy"
+    for stale in (base_flux, base_qwen):  # parity is only ever against this command's own baseline
+        stale.unlink(missing_ok=True)
     t0 = time.perf_counter()
     failures = []
 
