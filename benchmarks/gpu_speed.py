@@ -20,17 +20,19 @@ from pathlib import Path
 
 import torch
 
-from ditbook.bench import gpu_suite
-from ditbook.bench.gpu_worker import ULYSSES_VARIANTS
-from ditbook.bench.speed_report import write_speed_report
+from speedsuite import suite as gpu_suite
+from speedsuite.worker import ULYSSES_VARIANTS
+from speedsuite.report import write_speed_report
 
 
 def torchrun(nproc: int, args: list[str], device: str, timeout: float | None = None) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "-m",
-           "ditbook.bench.gpu_worker", "--device", device, *args]
+           "speedsuite.worker", "--device", device, *args]
     print("+", " ".join(cmd), flush=True)
+    env = dict(os.environ)  # the workers import speedsuite from beside this script
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).resolve().parent), env.get("PYTHONPATH")) if p)
     try:
-        return subprocess.call(cmd, timeout=timeout)
+        return subprocess.call(cmd, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         print(f"torchrun ran past {timeout:.0f}s and was ended", flush=True)
         return 124

@@ -2,7 +2,7 @@
 
     python benchmarks/schedule_quality.py [--card models/reference.yaml] [--out docs/schedule_quality.json]
 
-Every schedule of ``ditbook.bench.schedules.candidates`` (cache-dit's predefined SCM policies and
+Every schedule of ``speedsuite.schedules.candidates`` (cache-dit's predefined SCM policies and
 ditbook's spaced ones, with and without TaylorSeer) runs on the calibration prompts x seeds of
 the card and is compared with the uncached 28-step images (PSNR in floating point, SSIM, worst
 tile). The schedule with the fewest computed steps that passes the gates on calibration is then
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import cache_dit
 
-from ditbook.bench.metrics import Gates, compare_sets
-from ditbook.bench.schedules import candidates
+from ditbook.quality import Gates, compare_sets
+from speedsuite.schedules import candidates
 from ditbook.card import gate_check
 from ditbook.loading import load_pipeline
 from ditbook.render import render_all

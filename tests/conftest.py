@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))  # the GPU speed suite (speedsuite) lives beside its scripts
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 

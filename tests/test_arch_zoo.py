@@ -32,7 +32,7 @@ def _build(name, tmp_path):
 
 @pytest.mark.parametrize("name", sorted(CFG))
 def test_zoo_pipeline_cfg_and_calls(name, tmp_path):
-    from ditbook.arch.inspection import run_inspection, save_inspection
+    from ditbook.inspect.stage import run_inspection, save_inspection
 
     pipe, card = _build(name, tmp_path)
     result = run_inspection(pipe, card)
@@ -48,7 +48,7 @@ def test_zoo_pipeline_cfg_and_calls(name, tmp_path):
 
 
 def test_zoo_thirdparty_gqa(tmp_path):
-    from ditbook.arch.inspection import run_inspection
+    from ditbook.inspect.stage import run_inspection
 
     pipe, card = _build("thirdparty", tmp_path)
     report = run_inspection(pipe, card).report

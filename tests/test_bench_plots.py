@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from ditbook.bench.inputs import cache_rows, parallel_rows, residual_series
-from ditbook.bench.plots import contact_sheet, diff_map, pareto_frontier, plot_residuals, plot_scaling, plot_tradeoff
-from ditbook.bench.summary import recommend
+from ditbook.benchmark.inputs import cache_rows, parallel_rows, residual_series
+from ditbook.benchmark.plots import contact_sheet, diff_map, pareto_frontier, plot_residuals, plot_scaling, plot_tradeoff
+from ditbook.benchmark.summary import recommend
 from ditbook.widgets import ExplorerData, explorer_state
 
 

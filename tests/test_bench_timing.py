@@ -5,8 +5,10 @@ import math
 import numpy as np
 import pytest
 
-from ditbook.bench.synthetic import FakePipeline, failing_config, noise_config
-from ditbook.bench.timing import Config, Stat, benchmark, count_transformer_flops, time_pipeline
+from ditbook.benchmark.synthetic import FakePipeline, failing_config, noise_config
+from ditbook.benchmark.measure import benchmark, count_transformer_flops
+from ditbook.configuration import Config
+from ditbook.timing import Stat, time_pipeline
 from ditbook.render import make_generator, to_image
 
 
@@ -87,8 +89,8 @@ def tiny_flux():
 
 
 def test_tiny_flux_parts_flops_and_diffusers_hook_config(tiny_flux):
-    from ditbook.bench.inputs import hook_config
-    from ditbook.bench.residuals import residual_changes
+    from ditbook.benchmark.inputs import hook_config
+    from ditbook.benchmark.residuals import residual_changes
 
     pipe = tiny_flux
     kw = dict(num_inference_steps=3, height=32, width=32, guidance_scale=3.5, max_sequence_length=16,
@@ -107,7 +109,7 @@ def test_tiny_flux_parts_flops_and_diffusers_hook_config(tiny_flux):
     assert res.error is None and res.timing is not None and res.quality is not None
     # the hook was removed again, and the baseline renders as before (within the CPU noise floor)
     assert not pipe.transformer.is_cache_enabled
-    from ditbook.bench.metrics import psnr
+    from ditbook.quality import psnr
 
     assert psnr(render(*CASES[0][1:]), rep.baseline.images["p0_s0"]) > 40
     assert "encode_prompt" not in vars(pipe) and "decode" not in vars(pipe.vae)

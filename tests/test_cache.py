@@ -39,10 +39,10 @@ def tiny_card(tmp_path: Path, steps: int = 8, seeds=(0, 1), prompts=("a red squa
 
 def prepared_run(card_path: Path, outputs: Path, run_id: str = "r1"):
     """A run folder with intake and inspect done and the plan approved (what 03_cache needs)."""
-    from ditbook.arch.inspection import run_inspection, save_inspection
-    from ditbook.arch.plan import approve
-    from ditbook.intake import run_intake
-    from ditbook.stage import open_stage
+    from ditbook.inspect.stage import run_inspection, save_inspection
+    from ditbook.inspect.plan import approve
+    from ditbook.intake.stage import run_intake
+    from ditbook.context import open_stage
 
     ctx = open_stage(str(card_path), None, "intake", {}, outputs_root=outputs)
     _, pipe = run_intake(ctx)
@@ -53,8 +53,8 @@ def prepared_run(card_path: Path, outputs: Path, run_id: str = "r1"):
 
 
 def session_for(card_path, run, pipe, report, **kw):
-    from ditbook.cache.session import CacheSession
-    from ditbook.stage import open_stage
+    from ditbook.cache.stage import CacheSession
+    from ditbook.context import open_stage
 
     ctx = open_stage(str(card_path), str(run.path), "cache", {})
     ctx.require_approved_plan()
@@ -193,8 +193,8 @@ def test_zoo_adapter_with_caching_disabled_reproduces_baseline(name, tmp_path):
     import importlib
 
     from ditbook import zoo
-    from ditbook.arch.inspection import run_inspection
-    from ditbook.bench.metrics import Gates
+    from ditbook.inspect.stage import run_inspection
+    from ditbook.quality import Gates
     from ditbook.cache.adapter import build_cache_adapter
     from ditbook.cache.verify import counted_render, disabled_check
     from ditbook.card import _from_mapping

@@ -2,7 +2,7 @@
 
 import yaml
 
-from ditbook.card_form import card_form, complete_card, fields_to_ask, save_answers
+from ditbook.intake.card_form import card_form, complete_card, fields_to_ask, save_answers
 from ditbook.card import gate_problems
 
 

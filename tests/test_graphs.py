@@ -115,7 +115,7 @@ def test_refused_off_the_gpu_with_what_to_do():
 def test_flux_pipeline_with_true_cfg_is_unchanged_by_replay():
     """A real FluxPipeline (two transformer calls per step with the same signature) renders the
     same image with its transformer replayed; without the output copies the branches would alias."""
-    from ditbook.bench.fullsize import flux_pipeline
+    from speedsuite.fullsize import flux_pipeline
 
     fp = flux_pipeline("tiny", "cpu", torch.float32, height=64, width=64, steps=4, text_tokens=16,
                        true_cfg_scale=3.0)
@@ -174,7 +174,7 @@ def test_compile_falls_back_to_the_inspected_block_lists():
     """+compile on a model that names no repeated blocks compiles the blocks the inspection finds."""
     from pathlib import Path
 
-    from ditbook.bench.fullsize import flux_pipeline
+    from speedsuite.fullsize import flux_pipeline
     from ditbook.card import import_class
     from ditbook.parallel.worker import compile_repeated_blocks
 

@@ -5,8 +5,8 @@ import re
 
 import pytest
 
-from ditbook.bench.report import build_report, rebuild, result_markdown
-from ditbook.bench.synthetic import make_synthetic_run
+from ditbook.benchmark.report import build_report, rebuild, result_markdown
+from ditbook.benchmark.synthetic import make_synthetic_run
 from ditbook.cli import main
 
 

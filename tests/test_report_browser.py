@@ -9,8 +9,8 @@ import subprocess
 
 import pytest
 
-from ditbook.bench.report import build_report
-from ditbook.bench.synthetic import make_synthetic_run
+from ditbook.benchmark.report import build_report
+from ditbook.benchmark.synthetic import make_synthetic_run
 
 CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or (
     "/usr/bin/chromium" if os.path.exists("/usr/bin/chromium") else None)

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from ditbook.bench.schedules import Schedule, cache_dit_policy, candidates, ditbook_schedule, spaced_mask
-from ditbook.bench.speed_report import speed_rows, write_speed_report
+from speedsuite.schedules import Schedule, cache_dit_policy, candidates, ditbook_schedule, spaced_mask
+from speedsuite.report import speed_rows, write_speed_report
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNS = sorted((ROOT / "docs" / "benchmarks").glob("h200-*"))

@@ -264,6 +264,17 @@ def import_class(source: str, cls_name: str):
         raise ImportError(f"{source} has no class {cls_name!r}") from None
 
 
+def parse_overrides(items: list[str] | None) -> dict:
+    """``-p key=value`` pairs; values are read as YAML scalars (``4`` is an int, ``true`` a bool)."""
+    out = {}
+    for item in items or []:
+        if "=" not in item:
+            raise CardError(f"-p expects key=value, got {item!r}")
+        key, value = item.split("=", 1)
+        out[key.strip()] = yaml.safe_load(value)
+    return out
+
+
 def gate_problems(path: str | Path, overrides: dict[str, Any] | None = None) -> tuple[ModelCard | None, list[str]]:
     """Every problem that stops a run, each naming the card field to fill. Runs no model code
     beyond importing the named classes."""

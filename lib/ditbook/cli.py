@@ -4,35 +4,22 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 from pathlib import Path
 
-import yaml
 
-from .card import CardError, GateError, gate_problems
+from .card import CardError, GateError, gate_problems, parse_overrides
 from .runs import RunError
 
+from .benchmark import commands as benchmark_commands
+from .cache import commands as cache_commands
+from .inspect import commands as inspect_commands
+from .parallel import commands as parallel_commands
+from .zoo import commands as zoo_commands
+
 # stage packages that contribute subcommands (each module defines register(subparsers))
-COMMAND_MODULES = (
-    "ditbook.zoo.commands",
-    "ditbook.arch.commands",
-    "ditbook.cache.commands",
-    "ditbook.parallel.commands",
-    "ditbook.bench.commands",
-)
-
-
-def parse_overrides(items: list[str] | None) -> dict:
-    """``-p key=value`` pairs; values are read as YAML scalars (``4`` is an int, ``true`` a bool)."""
-    out = {}
-    for item in items or []:
-        if "=" not in item:
-            raise SystemExit(f"ditbook: -p expects key=value, got {item!r}")
-        key, value = item.split("=", 1)
-        out[key.strip()] = yaml.safe_load(value)
-    return out
+COMMAND_MODULES = (zoo_commands, inspect_commands, cache_commands, parallel_commands, benchmark_commands)
 
 
 def cmd_check(args) -> int:
@@ -114,13 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("stages", help="list the stages found in notebooks/")
     p.set_defaults(func=cmd_stages)
 
-    for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name == name:  # that stage package has no commands yet
-                continue
-            raise
+    for module in COMMAND_MODULES:
         module.register(sub)
     return parser
 

@@ -129,7 +129,7 @@ def execute_stage(stage: Stage, run: RunFolder, card: ModelCard, overrides: dict
 def write_report(run: RunFolder, log: Callable[[str], None] = print) -> None:
     """result.md and report.html after every run, a failed one included (the failure is in them)."""
     try:
-        from .bench.report import rebuild
+        from .benchmark.report import rebuild
 
         md, html = rebuild(run.path, figures=False)
         log(f"report: {html}")

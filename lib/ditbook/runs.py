@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .card import ModelCard
-from .env import environment
+from .intake.environment import environment
 
 RUN_FILE = "run.json"
 RESULTS_FILE = "results.json"

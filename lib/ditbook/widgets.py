@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .bench.plots import diff_map
+from .benchmark.plots import diff_map
 
 
 @dataclass
@@ -60,7 +60,7 @@ class ExplorerState:
 def explorer_state(data: ExplorerData, config: str, key: str, accelerated: bool = True,
                    gain: float = 4.0) -> ExplorerState:
     """What the explorer shows for a (configuration, prompt) pick and the baseline/accelerated toggle."""
-    from .bench.metrics import psnr, ssim
+    from .quality import psnr, ssim
 
     if config not in data.images or config == "baseline":
         raise KeyError(f"no configuration {config!r}; choose one of {data.configs}")

@@ -57,7 +57,7 @@ class CacheConfig:
 
     def apply(self, pipe, steps: int | None = None) -> Callable[[], None]:
         """Apply to ``pipe`` through the run's generated adapter; returns the undo callable."""
-        from ..arch.report import ArchReport
+        from ..inspect.report import ArchReport
         from . import strategies
         from .adapter import load_adapter_file
 
@@ -101,11 +101,10 @@ def configs_from_results(results: dict | str | Path, run_dir: str | Path | None 
 
 
 def benchmark_configs(ctx, results: dict) -> list:
-    """The benchmark stage's provider (see ``ditbook.bench.inputs``): the chosen configuration and
+    """The benchmark stage's provider (see ``ditbook.benchmark.inputs``): the chosen configuration and
     every held-out-confirmed one, as ``bench.timing.Config`` objects measured side by side with
     the baseline in the benchmark's own process."""
-    from ..bench.inputs import config_label
-    from ..bench.timing import Config
+    from ..configuration import Config, config_label
 
     steps = ctx.card.generation.steps
     out = []

@@ -23,7 +23,7 @@ import textwrap
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..arch.report import ArchReport
+from ..inspect.report import ArchReport
 from .loopfold import FoldError, LoopFold, fold_source, plan_fold
 
 # (hidden_states index, encoder_hidden_states index) in a block's returned tuple

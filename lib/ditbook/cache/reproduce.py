@@ -18,7 +18,7 @@ import numpy as np
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     spec = json.loads(Path(argv[0]).read_text())
-    from ..arch.report import ArchReport
+    from ..inspect.report import ArchReport
     from ..card import gate_check
     from ..loading import Placement, load_pipeline
     from . import strategies

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from ..bench.metrics import Gates, compare_sets
+from ..quality import Gates, compare_sets
 from ..render import render_all
 from . import strategies
 from .counting import EvalCounter, savings

@@ -16,7 +16,7 @@ def refusal(card_path: str, plans: list[str], arch: str | None, overrides: dict)
     """Reasons the feasibility table gives against these plans (empty when none, or no report)."""
     if not arch:
         return []
-    from ..arch.report import ArchReport
+    from ..inspect.report import ArchReport
     from ..card import load_card
     from .feasibility import feasibility
     from .plans import parse_plan
@@ -43,7 +43,7 @@ def refusal(card_path: str, plans: list[str], arch: str | None, overrides: dict)
 
 
 def cmd_parallel(args) -> int:
-    from ..cli import parse_overrides
+    from ..card import parse_overrides
     from .launch import Nodes, ParallelRunError, run_plans
 
     overrides = parse_overrides(args.param)

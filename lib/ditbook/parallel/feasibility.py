@@ -12,7 +12,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..arch.report import ArchReport
+from ..inspect.report import ArchReport
 from ..card import ModelCard
 from .plans import plan_name
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..bench.metrics import Gates, compare_sets
+from ..quality import Gates, compare_sets
 from .plans import parse_plan
 
 PARALLEL_GATES = Gates(psnr=35.0, ssim=0.90)

@@ -171,7 +171,7 @@ def compile_repeated_blocks(tr) -> str:
     if getattr(tr, "_repeated_blocks", None) and hasattr(tr, "compile_repeated_blocks"):
         tr.compile_repeated_blocks(fullgraph=False)
         return "compile_repeated_blocks"
-    from ..arch.static import find_block_lists
+    from ..inspect.static import find_block_lists
 
     lists, _ = find_block_lists(tr)
     if not lists:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import Strategy, register
+from .registry import Strategy, register
 
 
 @dataclass

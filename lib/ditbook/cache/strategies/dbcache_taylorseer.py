@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import Strategy, register
-from .dbcache import DBCache, enable_dbcache, min_list_length
+from .registry import Strategy, register
+from .dbcache import enable_dbcache, min_list_length
 
 
 @dataclass

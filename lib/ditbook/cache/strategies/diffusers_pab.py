@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import Strategy, register
+from .registry import Strategy, register
 from ._diffusers_hooks import finish_install, has_diffusers_attention, needs_top_level, timestep_callback
 
 

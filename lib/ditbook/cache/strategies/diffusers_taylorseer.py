@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import Strategy, register
+from .registry import Strategy, register
 from ._diffusers_hooks import finish_install, attention_lists, has_diffusers_attention
 
 

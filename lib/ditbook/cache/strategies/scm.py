@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from . import Strategy, register
+from .registry import Strategy, register
 from .dbcache import enable_dbcache
 
 

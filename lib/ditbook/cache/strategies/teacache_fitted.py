@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from . import Strategy, register
+from .registry import Strategy, register
 from ..adapter import PATTERN_OUTPUT_INDEX
 
 

@@ -1,6 +1,6 @@
 """Multi-process part of the GPU speed suite, run under torchrun (one process per GPU).
 
-``torchrun --nproc_per_node=2 -m ditbook.bench.gpu_worker --task ulysses --out DIR --baseline B.npy``
+``torchrun --nproc_per_node=2 -m speedsuite.worker --task ulysses --out DIR --baseline B.npy``
 
 Each variant rebuilds the full-size pipeline on every rank (same seed, so identical weights),
 applies one parallel configuration, and is timed with the same harness as the single-GPU suite;
@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 from .fullsize import flux_pipeline, qwen_image_pipeline
-from .metrics import compare, Gates
-from .timing import time_pipeline
+from ditbook.quality import compare, Gates
+from ditbook.timing import time_pipeline
 
 
 def _log(msg: str) -> None:
@@ -62,8 +62,8 @@ def _plus(apply, compile: bool = False, graph: bool = False):
     """``apply`` (a Ulysses variant), then what the parallel stage's ``+compile`` and ``+graph``
     plan options add, in the same order (``parallel.worker.compile_repeated_blocks``, then each
     transformer call replayed as a CUDA graph); returns the graphs, for their stats, or None."""
-    from ..parallel.graphs import install_step_graphs
-    from ..parallel.worker import compile_repeated_blocks
+    from ditbook.parallel.graphs import install_step_graphs
+    from ditbook.parallel.worker import compile_repeated_blocks
 
     def variant(fp, world):
         apply(fp, world)
@@ -204,7 +204,7 @@ def _save(args, task: str, rows: list[dict]) -> None:
 
 
 def run_cfg(args, world: int) -> list[dict]:
-    from ..parallel.cfg import apply_cfg_parallel
+    from ditbook.parallel.cfg import apply_cfg_parallel
 
     rows = []
     _log(f"CFG parallel on a Qwen-Image shape, {world} ranks")

@@ -15,7 +15,7 @@
 - ``inputs``: which earlier results existed; ``residual_changes``: ``{name: [per step]}``;
 - ``images``: ``{config: [{key, png, npy}]}``; ``plots``: ``{name: path}``; ``sheets``: paths
   (every path relative to the ``benchmark/`` folder);
-- ``summary`` (rows of :func:`~ditbook.bench.summary.summary_rows`) and ``recommendation``.
+- ``summary`` (rows of :func:`~ditbook.benchmark.summary.summary_rows`) and ``recommendation``.
 """
 
 from __future__ import annotations
@@ -27,9 +27,10 @@ from typing import Callable
 import numpy as np
 
 from .inputs import StageInputs, cache_rows, parallel_rows, residual_series
-from .metrics import Gates, compare_sets
+from ..quality import Gates, compare_sets
 from .summary import gates_for_family, recommend, summary_rows
-from .timing import BenchmarkReport, Config, benchmark
+from ..configuration import Config
+from .measure import BenchmarkReport, benchmark
 
 STAGE = "benchmark"
 
@@ -170,7 +171,7 @@ def make_figures(run, results: dict | None = None) -> dict:
                 continue
             imgs[name] = np.load(d / row["npy"])
         # per-image quality, recomputed from the stored arrays
-        from .metrics import compare
+        from ..quality import compare
 
         for name, img in imgs.items():
             q = compare(img, base, Gates())

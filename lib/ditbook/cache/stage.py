@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..bench.metrics import Gates
+from ..quality import Gates
 from . import strategies
 from .adapter import CacheAdapter, build_cache_adapter
 from .verify import StrategyResult, counted_render, disabled_check, evaluate, max_abs, noise_floor

@@ -5,10 +5,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from .display import Table, image_grid, save_figure
-from .env import environment_rows
-from .render import render_all, save_renders
-from .stage import StageContext
+from ..display import Table, image_grid, save_figure
+from .environment import environment_rows
+from ..render import render_all, save_renders
+from ..context import StageContext
 
 
 @dataclass

@@ -11,12 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .card import ModelCard, gate_check
+from .inspect.plan import ApprovalError, check_approval  # noqa: F401 (ApprovalError: re-exported)
 from .loading import Placement, choose_placement
 from .runs import RunError, RunFolder
-
-
-class ApprovalError(RuntimeError):
-    """A stage after inspection was asked to run without an approved, current plan."""
 
 
 @dataclass
@@ -51,8 +48,6 @@ class StageContext:
 
     def require_approved_plan(self) -> dict:
         """The approved integration plan, or ``ApprovalError`` naming the command to approve."""
-        from .arch.plan import check_approval
-
         return check_approval(self.card, self.run)
 
 

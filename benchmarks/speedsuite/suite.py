@@ -25,7 +25,9 @@ import torch
 
 from .fullsize import flux_pipeline
 from .schedules import Schedule, cache_dit_policy, ditbook_schedule
-from .timing import Config, baseline_config, count_transformer_flops, default_peak_tflops, time_pipeline
+from ditbook.benchmark.measure import count_transformer_flops, default_peak_tflops
+from ditbook.configuration import Config, baseline_config
+from ditbook.timing import time_pipeline
 
 
 def _log(msg: str) -> None:
@@ -38,7 +40,7 @@ def _dump(path: Path, data: dict) -> None:
 
 
 def environment() -> dict:
-    from ..env import versions
+    from ditbook.intake.environment import versions
 
     env = {"versions": versions()}
     if torch.cuda.is_available():
@@ -82,7 +84,7 @@ def _time(fp, cfg: Config, warmup: int, repeats: int) -> dict:
 
 
 def _graph_apply(pipe):
-    from ..parallel.graphs import install_step_graphs
+    from ditbook.parallel.graphs import install_step_graphs
 
     graphs = install_step_graphs(pipe.transformer)
 
@@ -198,7 +200,7 @@ def gqa_suite(out: Path, *, device: str = "cuda", repeats: int = 20) -> dict:
     ditbook picks the faster of SDPA ``enable_gqa=True`` and K/V repeated to the query heads from
     a selection run; an independent confirmation run (more repeats) then checks the pick is
     within 3% of the fastest path measured, dispatch backends included."""
-    from ..parallel.attention import time_gqa
+    from ditbook.parallel.attention import time_gqa
     from .fullsize import gqa_shapes
 
     shp = gqa_shapes()

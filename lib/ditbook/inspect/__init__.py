@@ -30,7 +30,7 @@ def __getattr__(name):
 
         return getattr(plan, name)
     if name in ("run_inspection", "save_inspection"):
-        from . import inspection
+        from . import stage as inspection
 
         return getattr(inspection, name)
     raise AttributeError(name)

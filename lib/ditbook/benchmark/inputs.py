@@ -12,7 +12,7 @@ the minimum. Keys read (every one optional unless said so):
     ``strategy``), ``config`` (or ``params``), ``speedup``, ``quality.psnr_min`` / ``psnr_min`` (or
     ``psnr``), ``quality.ssim_min`` / ``ssim_min`` (or ``ssim``), ``passed``, ``skipped_fraction``. Shown as figures
     *recorded by the cache stage*; the benchmark re-measures a configuration only when the cache
-    package hands it over as a :class:`~ditbook.bench.timing.Config` (below).
+    package hands it over as a :class:`~ditbook.timing.Config` (below).
     ``residual_changes``: ``{series name: [relative change per step, ...]}``.
 
 ``parallel/results.json``
@@ -32,14 +32,15 @@ or ``ditbook.parallel`` (``results`` is that stage's results.json mapping), and 
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from .timing import Config
+from .. import cache, parallel
+from ..configuration import Config, config_label
 
 STAGES_READ = ("intake", "cache", "parallel")
-PROVIDERS = ("ditbook.cache", "ditbook.parallel")
+# the stage packages that hand configurations to the benchmark (``benchmark_configs(ctx, results)``)
+PROVIDERS = {"cache": cache, "parallel": parallel}
 
 
 @dataclass
@@ -79,12 +80,6 @@ def _first(row: dict, *keys, default=None):
         if row.get(k) is not None:
             return row[k]
     return default
-
-
-def config_label(config: dict) -> str:
-    """A short label of a configuration's scalar settings (lists such as fitted coefficients or
-    step masks stay in ``params``, not in the name)."""
-    return ",".join(f"{k}={v}" for k, v in sorted(config.items()) if not isinstance(v, (list, tuple, dict)))
 
 
 def cache_rows(cache: dict | None) -> list[dict]:
@@ -179,12 +174,7 @@ def discover_configs(ctx: Any, inputs: StageInputs, card_specs: list[dict] | Non
                      log=print) -> list[Config]:
     """Configurations to measure: from the cache/parallel providers, then the card's hook specs."""
     configs: list[Config] = []
-    for modname, stage in zip(PROVIDERS, ("cache", "parallel")):
-        try:
-            module = importlib.import_module(modname)
-        except ImportError as exc:
-            log(f"{modname} cannot be imported ({exc}); its configurations are not measured here")
-            continue
+    for stage, module in PROVIDERS.items():
         provider = getattr(module, "benchmark_configs", None)
         if provider is None:
             continue

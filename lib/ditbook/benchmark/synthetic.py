@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from .timing import Config
+from ..configuration import Config
 
 
 def _torch():
@@ -104,8 +104,8 @@ def failing_config(name: str = "raises") -> Config:
 
 CARD = """name: synthetic
 path: {path}
-pipeline: {{class: FakePipeline, source: ditbook.bench.synthetic}}
-transformer: {{class: FakeTransformer, source: ditbook.bench.synthetic}}
+pipeline: {{class: FakePipeline, source: ditbook.benchmark.synthetic}}
+transformer: {{class: FakeTransformer, source: ditbook.benchmark.synthetic}}
 generation:
   prompts: ["a red circle", "a blue square"]
   seeds: [0]
@@ -146,7 +146,7 @@ def make_synthetic_run(root: str | Path, *, failed_stage: str | None = None, ben
                        repeats: int = 2, parallel: bool = True) -> Path:
     """Write a run folder under ``root`` and return its path."""
     from ..card import load_card
-    from ..env import environment
+    from ..intake.environment import environment
     from ..render import render_all, save_renders
     from ..runs import RunFolder
     from .inputs import read_inputs

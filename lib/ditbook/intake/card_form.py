@@ -7,7 +7,7 @@ import copy
 import re
 from pathlib import Path
 
-from .card import gate_problems, read_card_mapping, write_card
+from ..card import gate_problems, read_card_mapping, write_card
 
 FORM_FIELDS = ("path", "pipeline.class", "pipeline.source", "transformer.class", "transformer.source")
 _FIELD_RE = re.compile(r"^(path|pipeline\.class|pipeline\.source|transformer\.class|transformer\.source|pipeline|transformer)\b")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .metrics import Gates
+from ..quality import Gates
 
 # peers' gates (DESIGN.md): cache against the baseline, parallel against one process
 DEFAULT_GATES = {"cache": Gates(psnr=30.0, ssim=0.90), "parallel": Gates(psnr=35.0, ssim=0.90),

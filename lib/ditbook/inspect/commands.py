@@ -9,10 +9,10 @@ from pathlib import Path
 
 def cmd_inspect(args) -> int:
     from ..card import gate_check
-    from ..cli import parse_overrides
+    from ..card import parse_overrides
     from ..loading import choose_placement, load_pipeline
     from ..runs import RunFolder
-    from .inspection import run_inspection, save_inspection
+    from .stage import run_inspection, save_inspection
     from ..display import Table
     from .tables import block_rows, fact_rows
 

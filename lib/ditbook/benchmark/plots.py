@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .metrics import PSNR_CAP
+from ..quality import PSNR_CAP
 
 
 def _plt():

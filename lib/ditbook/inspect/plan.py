@@ -18,6 +18,10 @@ from pathlib import Path
 from .code_surface import CodeSurface
 from .report import ArchReport
 
+
+class ApprovalError(RuntimeError):
+    """A stage after inspection was asked to run without an approved, current plan."""
+
 PLAN_JSON = "plan.json"
 PLAN_MD = "plan.md"
 STAGE = "inspect"
@@ -248,7 +252,6 @@ def approve_command(card) -> str:
 def check_approval(card, run) -> dict:
     """The plan when the card's ``approved_plan`` is its hash; else ``ApprovalError`` naming the
     command that approves it."""
-    from ..stage import ApprovalError
 
     path = find_plan_file(card, run)
     if path is None:

@@ -1,0 +1,159 @@
+"""The one way ditbook changes a module's (or any object's) method at run time.
+
+In the shape of diffusers' ``ModelHook``/``HookRegistry``, reduced to what ditbook needs: wrap an
+instance's ``forward`` (or another method such as ``pipe.encode_prompt`` or ``vae.decode``) under a
+name, get a handle, remove it by name; wraps nest (the newest is outermost) and come off in any
+order; when the last one comes off, the attribute is exactly what it was before the first one went
+on — the class's method again (nothing left in the instance ``__dict__``) or the very object that
+was set on the instance. Classes are never touched: every wrap is per instance.
+
+    handle = wrap_method(module, "count-calls", lambda original, *a, **kw: original(*a, **kw))
+    ...
+    handle.remove()          # or remove_wrap(module, "count-calls"), or `with wrap_method(...):`
+
+A wrapper is ``wrapper(original, *args, **kwargs)``: ``original`` is the next inner callable (the
+previous wrap, or the method as it was).
+
+Written here rather than taken from diffusers: diffusers' registry wraps ``forward`` of
+``torch.nn.Module`` only and keeps hooks with state resets for its cache techniques; ditbook also
+wraps pipeline and VAE methods and needs the exact-undo guarantee above.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+_REGISTRY_ATTR = "_ditbook_wraps"
+_MISSING = object()
+
+Wrapper = Callable[..., Any]
+
+
+@dataclass
+class _Stack:
+    """The wraps of one attribute of one object, innermost first, and what was there before."""
+
+    before: Any  # the instance-dict value before the first wrap, or _MISSING (the class's method)
+    wraps: list[tuple[str, Wrapper]] = field(default_factory=list)
+
+
+class WrapError(RuntimeError):
+    """A wrap was asked under a name already in use, or removed when it is not there."""
+
+
+def _stacks(obj: Any, create: bool) -> dict[str, _Stack] | None:
+    stacks = obj.__dict__.get(_REGISTRY_ATTR)
+    if stacks is None and create:
+        stacks = {}
+        object.__setattr__(obj, _REGISTRY_ATTR, stacks)
+    return stacks
+
+
+def _original(obj: Any, attr: str, stack: _Stack) -> Callable:
+    if stack.before is not _MISSING:
+        return stack.before
+    return getattr(type(obj), attr).__get__(obj, type(obj))
+
+
+def _install(obj: Any, attr: str, stack: _Stack) -> None:
+    """Compose the stack into one callable on the instance (or restore what was there)."""
+    if not stack.wraps:
+        if stack.before is _MISSING:
+            obj.__dict__.pop(attr, None)
+        else:
+            object.__setattr__(obj, attr, stack.before)
+        return
+    fn = _original(obj, attr, stack)
+    for _name, wrapper in stack.wraps:
+        fn = functools.partial(wrapper, fn)
+    inner = fn
+
+    def wrapped(*args, **kwargs):
+        return inner(*args, **kwargs)
+
+    wrapped.__ditbook_wraps__ = tuple(n for n, _ in stack.wraps)  # type: ignore[attr-defined]
+    object.__setattr__(obj, attr, wrapped)
+
+
+@dataclass
+class WrapHandle:
+    """Removes one named wrap; idempotent; usable as a context manager."""
+
+    obj: Any
+    name: str
+    attr: str = "forward"
+
+    def remove(self) -> None:
+        if is_wrapped(self.obj, self.name, self.attr):
+            remove_wrap(self.obj, self.name, self.attr)
+
+    def __enter__(self) -> "WrapHandle":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+
+def wrap_method(obj: Any, name: str, wrapper: Wrapper, attr: str = "forward") -> WrapHandle:
+    """Wrap ``obj.<attr>`` (default ``forward``) under ``name``; the newest wrap is outermost."""
+    stacks = _stacks(obj, create=True)
+    stack = stacks.get(attr)
+    if stack is None:
+        current = obj.__dict__.get(attr, _MISSING)
+        if current is _MISSING and not callable(getattr(type(obj), attr, None)):
+            raise WrapError(f"{type(obj).__name__} has no method {attr!r} to wrap")
+        stack = stacks[attr] = _Stack(before=current)
+    elif obj.__dict__.get(attr, _MISSING) is not _MISSING and not hasattr(obj.__dict__[attr], "__ditbook_wraps__"):
+        # someone replaced the attribute behind the registry's back: wrap what is there now
+        raise WrapError(f"{type(obj).__name__}.{attr} was replaced outside ditbook.hooks while wrapped "
+                        f"by {[n for n, _ in stack.wraps]}")
+    if any(n == name for n, _ in stack.wraps):
+        raise WrapError(f"{type(obj).__name__}.{attr} is already wrapped as {name!r}")
+    stack.wraps.append((name, wrapper))
+    _install(obj, attr, stack)
+    return WrapHandle(obj, name, attr)
+
+
+def remove_wrap(obj: Any, name: str, attr: str = "forward") -> None:
+    """Take the wrap ``name`` off ``obj.<attr>``; the others stay, in their order."""
+    stacks = _stacks(obj, create=False) or {}
+    stack = stacks.get(attr)
+    if stack is None or not any(n == name for n, _ in stack.wraps):
+        raise WrapError(f"{type(obj).__name__}.{attr} has no wrap named {name!r}")
+    current = obj.__dict__.get(attr, _MISSING)
+    if not hasattr(current, "__ditbook_wraps__"):
+        # another mechanism (a diffusers hook, user code) wrapped on top of ours: undoing ours now
+        # would silently drop theirs, so refuse and name it
+        raise WrapError(f"{type(obj).__name__}.{attr} was replaced outside ditbook.hooks on top of "
+                        f"{[n for n, _ in stack.wraps]}; remove that first")
+    stack.wraps = [(n, w) for n, w in stack.wraps if n != name]
+    _install(obj, attr, stack)
+    if not stack.wraps:
+        del stacks[attr]
+        if not stacks:
+            obj.__dict__.pop(_REGISTRY_ATTR, None)
+
+
+def is_wrapped(obj: Any, name: str | None = None, attr: str = "forward") -> bool:
+    stack = (_stacks(obj, create=False) or {}).get(attr)
+    if stack is None:
+        return False
+    return name is None or any(n == name for n, _ in stack.wraps)
+
+
+def wrap_names(obj: Any, attr: str = "forward") -> list[str]:
+    """The wraps on ``obj.<attr>``, innermost first."""
+    stack = (_stacks(obj, create=False) or {}).get(attr)
+    return [n for n, _ in stack.wraps] if stack else []
+
+
+def remove_all(obj: Any) -> None:
+    """Every wrap on every attribute of ``obj``, newest first."""
+    for attr, stack in list((_stacks(obj, create=False) or {}).items()):
+        for name, _ in reversed(list(stack.wraps)):
+            remove_wrap(obj, name, attr)
+
+
+__all__ = ["WrapError", "WrapHandle", "wrap_method", "remove_wrap", "is_wrapped", "wrap_names", "remove_all"]

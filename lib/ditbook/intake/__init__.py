@@ -1,0 +1,1 @@
+"""The intake stage: gate check, environment, offline load, baseline images."""
