@@ -21,6 +21,7 @@ wraps pipeline and VAE methods and needs the exact-undo guarantee above.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -37,6 +38,7 @@ class _Stack:
 
     before: Any  # the instance-dict value before the first wrap, or _MISSING (the class's method)
     wraps: list[tuple[str, Wrapper]] = field(default_factory=list)
+    installed: Any = None  # the callable this registry put on the instance (identity is the check)
 
 
 class WrapError(RuntimeError):
@@ -65,7 +67,7 @@ def _install(obj: Any, attr: str, stack: _Stack) -> None:
         else:
             object.__setattr__(obj, attr, stack.before)
         return
-    fn = _original(obj, attr, stack)
+    base = fn = _original(obj, attr, stack)
     for _name, wrapper in stack.wraps:
         fn = functools.partial(wrapper, fn)
     inner = fn
@@ -73,8 +75,19 @@ def _install(obj: Any, attr: str, stack: _Stack) -> None:
     def wrapped(*args, **kwargs):
         return inner(*args, **kwargs)
 
+    # name, docstring and ``__wrapped__`` of the method as it was, so ``inspect.signature`` of the
+    # wrapped attribute still reads the real parameters
+    with contextlib.suppress(AttributeError, TypeError):
+        functools.update_wrapper(wrapped, base)
     wrapped.__ditbook_wraps__ = tuple(n for n, _ in stack.wraps)  # type: ignore[attr-defined]
+    stack.installed = wrapped
     object.__setattr__(obj, attr, wrapped)
+
+
+def _replaced_outside(obj: Any, attr: str, stack: _Stack) -> bool:
+    """Whether someone put another callable on ``obj.<attr>`` over ours. By identity: a wrapper
+    made with ``functools.update_wrapper`` (diffusers' hook registry does so) copies our marker."""
+    return obj.__dict__.get(attr, _MISSING) is not stack.installed
 
 
 @dataclass
@@ -105,8 +118,8 @@ def wrap_method(obj: Any, name: str, wrapper: Wrapper, attr: str = "forward") ->
         if current is _MISSING and not callable(getattr(type(obj), attr, None)):
             raise WrapError(f"{type(obj).__name__} has no method {attr!r} to wrap")
         stack = stacks[attr] = _Stack(before=current)
-    elif obj.__dict__.get(attr, _MISSING) is not _MISSING and not hasattr(obj.__dict__[attr], "__ditbook_wraps__"):
-        # someone replaced the attribute behind the registry's back: wrap what is there now
+    elif _replaced_outside(obj, attr, stack):
+        # someone replaced the attribute behind the registry's back: wrapping again would drop it
         raise WrapError(f"{type(obj).__name__}.{attr} was replaced outside ditbook.hooks while wrapped "
                         f"by {[n for n, _ in stack.wraps]}")
     if any(n == name for n, _ in stack.wraps):
@@ -122,8 +135,7 @@ def remove_wrap(obj: Any, name: str, attr: str = "forward") -> None:
     stack = stacks.get(attr)
     if stack is None or not any(n == name for n, _ in stack.wraps):
         raise WrapError(f"{type(obj).__name__}.{attr} has no wrap named {name!r}")
-    current = obj.__dict__.get(attr, _MISSING)
-    if not hasattr(current, "__ditbook_wraps__"):
+    if _replaced_outside(obj, attr, stack):
         # another mechanism (a diffusers hook, user code) wrapped on top of ours: undoing ours now
         # would silently drop theirs, so refuse and name it
         raise WrapError(f"{type(obj).__name__}.{attr} was replaced outside ditbook.hooks on top of "
@@ -149,6 +161,63 @@ def wrap_names(obj: Any, attr: str = "forward") -> list[str]:
     return [n for n, _ in stack.wraps] if stack else []
 
 
+class WrapGroup:
+    """Wraps applied together and removed together, newest first; also any handle with a
+    ``remove()`` (a torch hook handle) that belongs to the same change.
+
+    Applying inside ``with group.applying():`` is all or nothing: an error half-way takes off
+    what went on and re-raises, so every object is as it was before.
+
+        group = WrapGroup("count-evals")
+        with group.applying():
+            for block in blocks:
+                group.wrap(block, counted)
+        ...
+        group.remove()
+    """
+
+    def __init__(self, name: str):
+        self.name = name
+        self.handles: list[Any] = []
+
+    def wrap(self, obj: Any, wrapper: Wrapper, attr: str = "forward", name: str | None = None) -> WrapHandle:
+        handle = wrap_method(obj, name or self.name, wrapper, attr)
+        self.handles.append(handle)
+        return handle
+
+    def track(self, handle: Any) -> Any:
+        """Keep another undo handle (anything with ``remove()``) with this group."""
+        self.handles.append(handle)
+        return handle
+
+    @property
+    def objects(self) -> list[Any]:
+        return [h.obj for h in self.handles if isinstance(h, WrapHandle)]
+
+    def remove(self) -> None:
+        """Every handle, newest first; all are tried, the first error is raised afterwards."""
+        error: BaseException | None = None
+        while self.handles:
+            handle = self.handles.pop()
+            try:
+                handle.remove()
+            except Exception as exc:  # noqa: BLE001 - undo the rest, then report
+                error = error or exc
+        if error is not None:
+            raise error
+
+    @contextlib.contextmanager
+    def applying(self):
+        try:
+            yield self
+        except BaseException:
+            self.remove()
+            raise
+
+    def __len__(self) -> int:
+        return len(self.handles)
+
+
 def remove_all(obj: Any) -> None:
     """Every wrap on every attribute of ``obj``, newest first."""
     for attr, stack in list((_stacks(obj, create=False) or {}).items()):
@@ -156,4 +225,4 @@ def remove_all(obj: Any) -> None:
             remove_wrap(obj, name, attr)
 
 
-__all__ = ["WrapError", "WrapHandle", "wrap_method", "remove_wrap", "is_wrapped", "wrap_names", "remove_all"]
+__all__ = ["WrapError", "WrapHandle", "WrapGroup", "wrap_method", "remove_wrap", "is_wrapped", "wrap_names", "remove_all"]

@@ -1,12 +1,13 @@
 """Timing one pipeline configuration: end-to-end and per-part times, peak memory.
 
-Parts measured per pipeline call (wrappers installed per instance at run time, never on classes):
+Parts measured per pipeline call (wrappers installed per instance at run time through
+``ditbook.hooks``, never on classes, undone exactly):
 
-- ``text_encoding``: ``pipe.encode_prompt`` (instance attribute shadowing the bound method);
+- ``text_encoding``: ``pipe.encode_prompt`` (a wrap on the instance);
 - ``transformer_step``: each call of ``pipe.transformer`` (forward pre/post hooks);
 - ``denoising``: from the first transformer call's start to the last one's end in a pipeline call
   (includes the scheduler steps between them);
-- ``vae_decode``: ``pipe.vae.decode`` (instance attribute).
+- ``vae_decode``: ``pipe.vae.decode`` (a wrap on the instance).
 
 On CUDA every boundary is a CUDA event, read after one synchronize at the end of the call; on
 the CPU it is ``time.perf_counter``. Peak memory is ``torch.cuda.max_memory_allocated`` on CUDA and
@@ -15,7 +16,6 @@ the sampled peak RSS of the process on the CPU.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import statistics
 import threading
@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
+from .hooks import wrap_method
 
 PARTS = ("text_encoding", "denoising", "transformer_step", "vae_decode")
 
@@ -165,14 +166,14 @@ class PartRecorder:
         self.calls: list[dict[str, list[float]]] = []
         self._install()
 
+    WRAP = "ditbook.part-timing"
+
     def _wrap_attr(self, owner, attr: str, part: str) -> None:
         if owner is None or not hasattr(owner, attr):
             return
-        had_own = attr in vars(owner)
-        original = getattr(owner, attr)
         recorder = self
 
-        def wrapper(*args, **kwargs):
+        def timed(original, *args, **kwargs):
             if not recorder.active:
                 return original(*args, **kwargs)
             start = recorder.clock.mark()
@@ -180,19 +181,16 @@ class PartRecorder:
             recorder._pending.append((part, start, recorder.clock.mark()))
             return out
 
-        wrapper.__wrapped__ = original
-        setattr(owner, attr, wrapper)
-
-        def undo():
-            if had_own:
-                setattr(owner, attr, original)
-            else:
-                with contextlib.suppress(AttributeError):
-                    delattr(owner, attr)
-
-        self._undo.append(undo)
+        self._undo.append(wrap_method(owner, self.WRAP, timed, attr=attr).remove)
 
     def _install(self) -> None:
+        try:  # all or nothing: a failure half-way leaves the pipeline as it was
+            self._install_parts()
+        except BaseException:
+            self.remove()
+            raise
+
+    def _install_parts(self) -> None:
         self._wrap_attr(self.pipe, "encode_prompt", "text_encoding")
         self._wrap_attr(getattr(self.pipe, "vae", None), "decode", "vae_decode")
         tr = getattr(self.pipe, "transformer", None)

@@ -8,9 +8,9 @@ is simply not counted. ``calls`` records, per transformer call, how many blocks 
 
 from __future__ import annotations
 
-import functools
-
 import torch
+
+from ..hooks import WrapGroup
 
 
 class EvalCounter:
@@ -23,27 +23,21 @@ class EvalCounter:
         self.block_evals = 0
         self.attention_evals = 0
         self.calls: list[int] = []  # blocks run per transformer call
-        self._wrapped: list[torch.nn.Module] = []
-        for b in self.blocks:
-            self._wrap(b, "block_evals")
-        for a in self.attentions:
-            self._wrap(a, "attention_evals")
-        self._hooks = [transformer.register_forward_pre_hook(self._on_call)]
+        self._wraps = WrapGroup("ditbook.count-evals")
+        with self._wraps.applying():  # all or nothing: a failure half-way leaves every module as it was
+            for b in self.blocks:
+                self._wraps.wrap(b, self._counted("block_evals"))
+            for a in self.attentions:
+                self._wraps.wrap(a, self._counted("attention_evals"))
+            self._wraps.track(transformer.register_forward_pre_hook(self._on_call))
 
-    def _wrap(self, module, counter: str):
-        original = type(module).forward.__get__(module) if "forward" not in module.__dict__ else module.__dict__["forward"]
-
-        @functools.wraps(original)
-        def counted(*args, **kwargs):
+    def _counted(self, counter: str):
+        def counted(original, *args, **kwargs):
             setattr(self, counter, getattr(self, counter) + 1)
             if counter == "block_evals" and self.calls:
                 self.calls[-1] += 1
             return original(*args, **kwargs)
-
-        counted._ditbook_counter = True
-        module._ditbook_saved_forward = module.__dict__.get("forward")
-        module.forward = counted
-        self._wrapped.append(module)
+        return counted
 
     def _on_call(self, module, args):
         self.calls.append(0)
@@ -57,15 +51,8 @@ class EvalCounter:
                 "transformer_calls": len(self.calls), "calls": list(self.calls)}
 
     def remove(self):
-        for h in self._hooks:
-            h.remove()
-        for m in self._wrapped:
-            saved = m.__dict__.pop("_ditbook_saved_forward", None)
-            if getattr(m.__dict__.get("forward"), "_ditbook_counter", False):
-                del m.forward
-                if saved is not None:
-                    m.forward = saved
-        self._wrapped = []
+        """Every counting wrap and the call hook off again (ditbook.hooks: exact undo)."""
+        self._wraps.remove()
 
 
 def savings(run: dict, baseline: dict) -> dict:

@@ -4,24 +4,25 @@ heads, and other dispatch backends present) and a run-time patch that routes a m
 so that context parallelism (Ulysses all-to-all, Ring) reaches attention written outside diffusers.
 
 The patch is per instance: each attention module whose code calls SDPA gets its ``forward``
-wrapped; only while that forward runs does SDPA point at the redirect. Nothing is changed on
-disk or on classes.
+wrapped (``ditbook.hooks``); only while that forward runs, and only in that thread, a
+``TorchFunctionMode`` sends its SDPA calls to the redirect. No torch function is rebound;
+nothing is changed on disk or on classes.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import inspect
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
-_SDPA = F.scaled_dot_product_attention  # the real one, kept before any redirect
+from ..hooks import WrapGroup
+
+_SDPA = F.scaled_dot_product_attention  # the real one (nothing here rebinds it)
 
 
 @dataclass
@@ -117,6 +118,14 @@ class AttentionRoute:
     gqa_calls: int = 0
     cp_calls: int = 0
     modules: list[str] = field(default_factory=list)
+    wraps: WrapGroup = field(default_factory=lambda: WrapGroup(ROUTE_WRAP), repr=False, compare=False)
+
+    def remove(self) -> None:
+        """Every routed module's forward back to what it was (``ditbook.hooks``: exact undo)."""
+        self.wraps.remove()
+
+
+ROUTE_WRAP = "ditbook.attention-route"
 
 
 def _calls_sdpa(obj) -> bool:
@@ -132,83 +141,93 @@ def _dispatch_aware(module) -> bool:
     return proc is not None and hasattr(proc, "_attention_backend")
 
 
+class SdpaRedirect(TorchFunctionMode):
+    """Within its dynamic extent (this thread only), calls of ``scaled_dot_product_attention``
+    under any name (``F.``, ``torch.nn.functional.``, a name imported from it) go to ``fn``.
+
+    Nothing is rebound: it is a ``torch.overrides.TorchFunctionMode``, which torch consults on
+    every torch function call while it is entered. While ``fn`` runs the mode is off (torch pops
+    a mode during its own handler), so ``fn`` and what it calls reach the real SDPA."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _SDPA:
+            return self.fn(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _redirect(route: AttentionRoute, transformer, query, key, value, attn_mask=None, dropout_p=0.0,
+              is_causal=False, scale=None, enable_gqa=False, **extra):
+    """One routed SDPA call: GQA by ``route.gqa_path``; with a context-parallel config on the
+    transformer, through ``dispatch_attention_fn`` (the CP backend's own SDPA call is the real
+    one: the redirect mode is off while this runs)."""
+    route.calls += 1
+    hq, hk = query.shape[-3], key.shape[-3]
+    cfg = getattr(transformer, "_parallel_config", None)
+    cp = getattr(cfg, "context_parallel_config", cfg) if cfg is not None else None
+    if hk != hq:
+        route.gqa_calls += 1
+        # under CP, cache-dit's templated Ulysses/Ring attention takes no GQA: K/V are
+        # repeated to the query heads before the all-to-all
+        if route.gqa_path == "repeat_interleave" or cp is not None:
+            key = key.repeat_interleave(hq // hk, dim=-3)
+            value = value.repeat_interleave(hq // hk, dim=-3)
+            enable_gqa = False
+        else:
+            enable_gqa = True
+    if cp is None:
+        return _SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                     scale=scale, enable_gqa=enable_gqa)
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+    route.cp_calls += 1
+    out = dispatch_attention_fn(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                                attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                                enable_gqa=enable_gqa, backend="native", parallel_config=cfg)
+    return out.transpose(1, 2)
+
+
+def sdpa_callers(transformer) -> list[tuple[str, torch.nn.Module]]:
+    """The modules whose own code calls SDPA, outside diffusers' dispatch-aware processors; the
+    outermost only — a caller inside another caller is already inside its redirect's extent."""
+    found: list[tuple[str, torch.nn.Module]] = []
+    for name, module in transformer.named_modules():
+        if _dispatch_aware(module) or not _calls_sdpa(module):
+            continue
+        if any(outer == "" or name.startswith(outer + ".") for outer, _ in found):
+            continue
+        found.append((name, module))
+    return found
+
+
 def route_attention(transformer, gqa_path: str = "enable_gqa") -> AttentionRoute:
     """Wrap the forward of every attention module (outside diffusers' dispatch-aware processors)
     that calls ``scaled_dot_product_attention`` so the call goes through ``dispatch_attention_fn``
     with the model's context-parallel config (``transformer._parallel_config``, set when CP is
     enabled), and GQA takes ``gqa_path``. Under CP, K/V are repeated to the query heads before the
-    all-to-all (the templated CP attention takes no GQA)."""
+    all-to-all (the templated CP attention takes no GQA).
+
+    Per module: each wrap (``ditbook.hooks``) enters an ``SdpaRedirect`` for that forward only;
+    ``torch.nn.functional`` is never changed. All or nothing: a wrap that fails half-way takes the
+    earlier ones off. ``route.remove()`` undoes it."""
     route = AttentionRoute(gqa_path=gqa_path)
 
-    def redirect(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                 enable_gqa=False, **extra):
-        route.calls += 1
-        saved = F.scaled_dot_product_attention
-        try:
-            return _route(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-        finally:
-            F.scaled_dot_product_attention = saved
+    def redirect(*args, **kwargs):
+        return _redirect(route, transformer, *args, **kwargs)
 
-    def _route(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
-        hq, hk = query.shape[-3], key.shape[-3]
-        cfg = getattr(transformer, "_parallel_config", None)
-        cp = getattr(cfg, "context_parallel_config", cfg) if cfg is not None else None
-        if hk != hq:
-            route.gqa_calls += 1
-            # under CP, cache-dit's templated Ulysses/Ring attention takes no GQA: K/V are
-            # repeated to the query heads before the all-to-all
-            if gqa_path == "repeat_interleave" or cp is not None:
-                key = key.repeat_interleave(hq // hk, dim=-3)
-                value = value.repeat_interleave(hq // hk, dim=-3)
-                enable_gqa = False
-            else:
-                enable_gqa = True
-        if cp is None:
-            return _SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                         scale=scale, enable_gqa=enable_gqa)
-        from diffusers.models.attention_dispatch import dispatch_attention_fn
+    def routed(original, *args, **kwargs):
+        with SdpaRedirect(redirect):
+            return original(*args, **kwargs)
 
-        route.cp_calls += 1
-        # the CP backend calls SDPA itself: the real one, not this redirect
-        F.scaled_dot_product_attention = _SDPA
-        out = dispatch_attention_fn(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                                    attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                                    enable_gqa=enable_gqa, backend="native", parallel_config=cfg)
-        return out.transpose(1, 2)
-
-    for name, module in transformer.named_modules():
-        if _dispatch_aware(module) or not _calls_sdpa(module):
-            continue
-        # only leaf-most callers: skip a module whose SDPA call lives in a child we also wrap
-        orig = module.forward
-        mod_globals = sys.modules.get(type(module).__module__)
-
-        @functools.wraps(orig)
-        def forward(*args, _orig=orig, _mod=mod_globals, **kwargs):
-            with _sdpa_redirect(redirect, _mod):
-                return _orig(*args, **kwargs)
-        module.forward = forward  # instance attribute: this module only
-        route.modules.append(name)
+    with route.wraps.applying():
+        for name, module in sdpa_callers(transformer):
+            route.wraps.wrap(module, routed)
+            route.modules.append(name)
     return route
-
-
-@contextlib.contextmanager
-def _sdpa_redirect(fn, module_namespace):
-    """While the wrapped forward runs, ``F.scaled_dot_product_attention`` (and a name imported
-    from it into the module's file) point at ``fn``. Calls are single-threaded per rank."""
-    saved_f = F.scaled_dot_product_attention
-    saved_g = None
-    ns = getattr(module_namespace, "__dict__", None)
-    if ns is not None and ns.get("scaled_dot_product_attention") is _SDPA:
-        saved_g = ns["scaled_dot_product_attention"]
-        ns["scaled_dot_product_attention"] = fn
-    F.scaled_dot_product_attention = fn
-    try:
-        yield
-    finally:
-        F.scaled_dot_product_attention = saved_f
-        if saved_g is not None:
-            ns["scaled_dot_product_attention"] = saved_g
 
 
 def model_gqa_shapes(transformer, report=None, seq_len: int | None = None) -> dict | None:

@@ -1,7 +1,8 @@
 """CFG parallel: the two classifier-free-guidance branches of each step on two ranks.
 
 cache-dit has no CFG parallelism, so ditbook does it with a per-instance wrapper around
-``pipe.transformer.forward`` (the class is untouched):
+``pipe.transformer.forward`` (through ``ditbook.hooks``: the class is untouched and
+``CfgStats.remove()`` undoes it exactly):
 
 - **separate** (the pipeline calls the transformer twice per step, cond then uncond — QwenImage,
   Flux with ``true_cfg_scale > 1``): calls are counted; the rank whose CFG index equals the call's
@@ -23,11 +24,14 @@ With context parallelism on top, the CFG group pairs the ranks holding the same 
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from ..hooks import WrapHandle, wrap_method
+
+WRAP = "ditbook.cfg-parallel"
 
 
 @dataclass
@@ -39,9 +43,15 @@ class CfgStats:
     extra_forwards: int = 0
     exchanges: int = 0
     notes: list[str] = field(default_factory=list)
+    handle: WrapHandle | None = field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict:
-        return dict(self.__dict__)
+        return {k: v for k, v in self.__dict__.items() if k != "handle"}
+
+    def remove(self) -> None:
+        """Take the CFG wrapper off the transformer again."""
+        if self.handle is not None:
+            self.handle.remove()
 
 
 def _first_tensor(out):
@@ -76,20 +86,11 @@ def _gather(local: torch.Tensor, group, size: int) -> list[torch.Tensor]:
     return out
 
 
-def apply_cfg_parallel(transformer, style: str, group=None, heartbeat=None) -> CfgStats:
-    """Wrap ``transformer.forward`` (this instance) for CFG parallel over ``group`` (2 ranks)."""
-    if style not in ("separate", "batched"):
-        raise ValueError(f"CFG parallel needs a 'separate' or 'batched' CFG style, got {style!r}")
-    size = dist.get_world_size(group)
-    if size != 2:
-        raise ValueError(f"the CFG group must hold 2 ranks, it holds {size}")
-    me = dist.get_rank(group)
-    stats = CfgStats(style=style)
-    orig = transformer.forward
+def _separate(stats: CfgStats, me: int, group, heartbeat):
+    """The wrapper for a pipeline that calls the transformer twice per step (cond, uncond)."""
     state: dict = {"shapes": {}, "pending": None, "own0": None}
 
-    @functools.wraps(orig)
-    def separate(*args, **kwargs):
+    def separate(orig, *args, **kwargs):
         i = stats.calls
         stats.calls += 1
         if heartbeat:
@@ -131,8 +132,13 @@ def apply_cfg_parallel(transformer, style: str, group=None, heartbeat=None) -> C
             return out
         return _wrap_like(state["template"], parts[1])
 
-    @functools.wraps(orig)
-    def batched(*args, **kwargs):
+    return separate
+
+
+def _batched(stats: CfgStats, me: int, group, heartbeat):
+    """The wrapper for a pipeline that calls the transformer once with a batch of two."""
+
+    def batched(orig, *args, **kwargs):
         stats.calls += 1
         if heartbeat:
             heartbeat()
@@ -155,8 +161,20 @@ def apply_cfg_parallel(transformer, style: str, group=None, heartbeat=None) -> C
         stats.exchanges += 1
         return _wrap_like(out, torch.cat(parts, dim=0))
 
-    transformer.forward = separate if style == "separate" else batched
-    transformer._ditbook_cfg_stats = stats
+    return batched
+
+
+def apply_cfg_parallel(transformer, style: str, group=None, heartbeat=None) -> CfgStats:
+    """Wrap ``transformer.forward`` (this instance) for CFG parallel over ``group`` (2 ranks);
+    the returned stats' ``remove()`` undoes it."""
+    if style not in ("separate", "batched"):
+        raise ValueError(f"CFG parallel needs a 'separate' or 'batched' CFG style, got {style!r}")
+    size = dist.get_world_size(group)
+    if size != 2:
+        raise ValueError(f"the CFG group must hold 2 ranks, it holds {size}")
+    stats = CfgStats(style=style)
+    make = _separate if style == "separate" else _batched
+    stats.handle = wrap_method(transformer, WRAP, make(stats, dist.get_rank(group), group, heartbeat))
     return stats
 
 

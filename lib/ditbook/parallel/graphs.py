@@ -10,7 +10,7 @@ and replayed.
 
 How (the recipe of the PyTorch CUDA-graphs notes, applied to a module's forward):
 
-- the forward is wrapped on the instance; hooks that are already installed (diffusers'
+- the forward is wrapped on the instance (``ditbook.hooks``, undone exactly); hooks that are already installed (diffusers'
   context-parallel split/gather hooks, cache-dit's) are inside the wrapper and so are captured;
 - calls are keyed by their signature (tensor shapes, dtypes, devices, the non-tensor values
   and whether inference mode is on); the first ``warmup`` calls of a signature run eagerly
@@ -39,6 +39,8 @@ from typing import Any, Callable
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from ..hooks import wrap_method
 
 
 class GraphUnavailable(RuntimeError):
@@ -112,7 +114,9 @@ class GraphStats:
 
 
 class StepGraphs:
-    """Wraps ``module.forward``; ``remove()`` puts the previous forward back."""
+    """Wraps ``module.forward`` (through ``ditbook.hooks``); ``remove()`` puts it back exactly."""
+
+    WRAP = "ditbook.step-graphs"
 
     def __init__(self, module: torch.nn.Module, *, warmup: int = 2, max_graphs: int = 4,
                  capturer: Capturer | None = None):
@@ -123,35 +127,33 @@ class StepGraphs:
         self.stats = GraphStats()
         self._graphs: dict[tuple, _Entry] = {}
         self._seen: dict[tuple, int] = {}
-        self._had_own = "forward" in vars(module)
-        self._original = module.forward
-        module.forward = self._call
+        self._handle = wrap_method(module, self.WRAP, self._call)
 
     # -- the wrapper ------------------------------------------------------------------------
-    def _eager(self, args, kwargs):
+    def _eager(self, original, args, kwargs):
         self.stats.eager_calls += 1
-        return self._original(*args, **kwargs)
+        return original(*args, **kwargs)
 
-    def _call(self, *args, **kwargs):
+    def _call(self, original, *args, **kwargs):
         if self.stats.disabled:
-            return self._eager(args, kwargs)
+            return self._eager(original, args, kwargs)
         key = signature(args, kwargs)
         if key is None:
             self.stats.disabled = "a call has a non-tensor input that cannot be compared"
-            return self._eager(args, kwargs)
+            return self._eager(original, args, kwargs)
         entry = self._graphs.get(key)
         if entry is None:
             seen = self._seen.get(key, 0)
             if len(self._seen) > 4 * self.max_graphs:
                 self.stats.disabled = f"calls change signature every time ({len(self._seen)} seen)"
-                return self._eager(args, kwargs)
+                return self._eager(original, args, kwargs)
             if seen < self.warmup:
                 self._seen[key] = seen + 1
-                return self._eager(args, kwargs)
+                return self._eager(original, args, kwargs)
             if len(self._graphs) >= self.max_graphs:
                 self.stats.disabled = f"more than {self.max_graphs} call signatures"
-                return self._eager(args, kwargs)
-            entry = self._capture(key, args, kwargs)
+                return self._eager(original, args, kwargs)
+            entry = self._capture(original, key, args, kwargs)
         else:
             leaves, _ = tree_flatten((args, kwargs))
             for static, new in zip(entry.static_leaves, leaves):
@@ -162,14 +164,14 @@ class StepGraphs:
         self.stats.replays += 1
         return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, entry.out)
 
-    def _capture(self, key, args, kwargs) -> _Entry:
+    def _capture(self, original, key, args, kwargs) -> _Entry:
         t0 = time.perf_counter()
         leaves, spec = tree_flatten((args, kwargs))
         static = [leaf.clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
 
         def fn():
             a, kw = tree_unflatten(static, spec)
-            return self._original(*a, **kw)
+            return original(*a, **kw)
 
         replay, out = self.capturer.capture(fn)
         entry = _Entry(static, spec, replay, out)
@@ -183,10 +185,7 @@ class StepGraphs:
 
     # -- undo -------------------------------------------------------------------------------
     def remove(self) -> None:
-        if self._had_own:
-            self.module.forward = self._original
-        else:
-            del self.module.forward
+        self._handle.remove()
         self._graphs.clear()
 
 

@@ -6,7 +6,8 @@ transformer's residual instead. Its polynomial maps "input change" to "output re
 and is normally a per-model constant; here ``calibrate`` measures both on a run of *this* model
 (block 0's inputs: hidden states and conditioning embeddings; the residual of every block list)
 and fits the polynomial with ``numpy.polyfit``. No peer offers this for an arbitrary model, so
-the hooks are ours: per-instance ``forward`` wrappers on the block-list entries, written by hand.
+the hooks are ours: per-instance ``forward`` wrappers on the block-list entries, put on and
+taken off through ``ditbook.hooks``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 
 from .registry import Strategy, register
 from ..adapter import PATTERN_OUTPUT_INDEX
+from ...hooks import WrapGroup
 
 
 @dataclass
@@ -64,17 +66,16 @@ class StepSkipper:
         self._inputs = {}
         self._outputs = {}
         self.poly = np.poly1d(config.coefficients) if config.coefficients else None
-        self._modules = []
         self._last_t = None
-        # a new pipeline run starts when the timestep goes up again: start from a clean state
-        self._hook = adapter.pipe.transformer.register_forward_pre_hook(self._on_call, with_kwargs=True)
-        for li, (_, blocks, pattern) in enumerate(self.lists):
-            for bi, block in enumerate(blocks):
-                self._wrap(block, li, bi, len(blocks), pattern)
+        self._wraps = WrapGroup("ditbook.teacache-fitted")
+        with self._wraps.applying():  # all or nothing: a failure half-way leaves every block as it was
+            # a new pipeline run starts when the timestep goes up again: start from a clean state
+            self._wraps.track(adapter.pipe.transformer.register_forward_pre_hook(self._on_call, with_kwargs=True))
+            for li, (_, blocks, pattern) in enumerate(self.lists):
+                for bi, block in enumerate(blocks):
+                    self._wraps.wrap(block, self._wrapper(li, bi, len(blocks), pattern))
 
-    def _wrap(self, block, li, bi, n, pattern):
-        saved = block.__dict__.get("forward")
-        original = saved if saved is not None else type(block).forward.__get__(block)
+    def _wrapper(self, li, bi, n, pattern):
         hs_i, ehs_i = PATTERN_OUTPUT_INDEX[pattern]
 
         def pack(h, e):
@@ -84,7 +85,7 @@ class StepSkipper:
             out[hs_i], out[ehs_i] = h, e
             return tuple(out)
 
-        def forward(*args, **kwargs):
+        def forward(original, *args, **kwargs):
             if li == 0 and bi == 0:
                 self._begin_call(args, kwargs)
             h, e = _split_inputs(args, kwargs)
@@ -115,9 +116,7 @@ class StepSkipper:
                     self._end_call()
             return out
 
-        forward._ditbook_saved = saved
-        block.forward = forward
-        self._modules.append(block)
+        return forward
 
     def _begin_call(self, args, kwargs):
         self.call += 1
@@ -169,13 +168,7 @@ class StepSkipper:
             self._last_t = t
 
     def remove(self):
-        self._hook.remove()
-        for m in self._modules:
-            saved = m.forward._ditbook_saved
-            del m.forward
-            if saved is not None:
-                m.forward = saved
-        self._modules = []
+        self._wraps.remove()
 
 
 def fit_polynomial(records: list[dict], degree: int = 2) -> list[float]:
@@ -191,6 +184,23 @@ def calls_per_step(adapter) -> int:
     return 2 if adapter.info.has_separate_cfg else 1
 
 
+def _skipper(adapter, config: TeaCacheSettings, record: bool = False) -> StepSkipper:
+    """Patch the adapter and wrap its blocks; a failure on the way leaves the model as it was."""
+    adapter.patch()
+    try:
+        return StepSkipper(adapter, config, calls_per_step(adapter), record=record)
+    except BaseException:
+        adapter.unpatch()
+        raise
+
+
+def _undo(skipper: StepSkipper, adapter) -> None:
+    try:
+        skipper.remove()
+    finally:
+        adapter.unpatch()
+
+
 @register
 class TeaCacheFitted(Strategy):
     name = "teacache_fitted"
@@ -201,23 +211,19 @@ class TeaCacheFitted(Strategy):
     def calibrate(cls, pipe, adapter, run_once, degree: int = 2) -> tuple[list[float], list[dict]]:
         """Run ``run_once()`` (possibly several prompts/seeds) recording input and output changes;
         returns the fitted coefficients and the (x, y) records."""
-        adapter.patch()
-        skipper = StepSkipper(adapter, TeaCacheSettings(), calls_per_step(adapter), record=True)
+        skipper = _skipper(adapter, TeaCacheSettings(), record=True)
         try:
             run_once()
         finally:
-            skipper.remove()
-            adapter.unpatch()
+            _undo(skipper, adapter)
         return fit_polynomial(skipper.records, degree), skipper.records
 
     @classmethod
     def apply(cls, pipe, adapter, config, steps=None):
-        adapter.patch()
-        skipper = StepSkipper(adapter, config, calls_per_step(adapter))
+        skipper = _skipper(adapter, config)
 
         def undo():
-            skipper.remove()
-            adapter.unpatch()
+            _undo(skipper, adapter)
 
         undo.skipper = skipper
         return undo
