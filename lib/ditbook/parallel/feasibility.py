@@ -11,8 +11,9 @@ import json
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
-from ..inspect.report import ArchReport
+from ..inspect.report import ArchReport, AttentionFacts
 from ..card import ModelCard
 from .plans import plan_name
 
@@ -130,6 +131,194 @@ def _cfg_active(report: ArchReport, card: ModelCard) -> tuple[bool, str]:
     return False, f"CFG style not traced ({style}); run the inspect stage with tracing"
 
 
+@dataclass
+class ModelFacts:
+    """What the kind judges read: the inspection's attention facts, the CFG verdict, the
+    registered planners and the device, gathered once per table."""
+
+    att: AttentionFacts
+    heads: int | None
+    kv: int | None
+    s_img: int | None
+    s_txt: int | None
+    joint: bool
+    device: str
+    registered_cp: str | None  # a registered CP planner / plan, or None (derived from the trace)
+    tp_plan: str | None
+    cfg_ok: bool
+    cfg_why: str
+    components: dict[str, str] = field(default_factory=dict)
+    text_encoder_planners: set[str] = field(default_factory=set)
+    vae_planners: set[str] = field(default_factory=set)
+
+    def seq_reason(self, n: int) -> str | None:
+        bad = []
+        if self.s_img is not None and self.s_img % n:
+            bad.append(f"{self.s_img} image tokens")
+        if self.joint and self.s_txt is not None and self.s_txt % n:
+            bad.append(f"{self.s_txt} text tokens (split with the image in joint attention)")
+        return (", ".join(bad) + f" not divisible by {n}") if bad else None
+
+    def cp_how(self) -> str:
+        return f"plan: {self.registered_cp}" if self.registered_cp else "plan derived from the traced call conventions"
+
+
+def model_facts(report: ArchReport, card: ModelCard, device: str) -> ModelFacts:
+    att = report.attention
+    sup = report.support
+    cfg_ok, cfg_why = _cfg_active(report, card)
+    return ModelFacts(
+        att=att, heads=att.heads, kv=att.kv_heads or att.heads, s_img=att.image_seq_len,
+        s_txt=att.text_seq_len, joint=att.kind == "joint", device=str(device),
+        registered_cp=sup.cache_dit_cp_planner or ("diffusers _cp_plan" if sup.diffusers_cp_plan else None),
+        tp_plan=sup.cache_dit_tp_planner or ("diffusers _tp_plan" if sup.diffusers_tp_plan else None),
+        cfg_ok=cfg_ok, cfg_why=cfg_why, components=model_components(card),
+        text_encoder_planners=_cache_dit_registered("text_encoders", "TextEncoderTensorParallelismPlannerRegister"),
+        vae_planners=_cache_dit_registered("autoencoders", "AutoEncoderDataParallelismPlannerRegister"))
+
+
+def ulysses_check(f: ModelFacts, n: int) -> tuple[bool, str]:
+    if f.heads is None:
+        return False, "head count unknown (inspection found no attention)"
+    notes = []
+    if f.heads % n:
+        return False, (f"{f.heads} query heads not divisible by {n}: needs head padding "
+                       f"(cache-dit ulysses_anything), not planned by ditbook")
+    if f.kv % n:
+        notes.append(f"{f.kv} KV heads not divisible by {n}: K/V repeated to the {f.heads} query heads "
+                     f"before the all-to-all")
+    s = f.seq_reason(n)
+    if s:
+        return False, s + ": uneven split needs padding (ulysses_anything)"
+    notes.append(f.cp_how())
+    return True, "; ".join(notes)
+
+
+def ring_check(f: ModelFacts, n: int) -> tuple[bool, str]:
+    if f.heads is None:
+        return False, "head count unknown (inspection found no attention)"
+    s = f.seq_reason(n)
+    if s:
+        return False, s
+    if not f.device.startswith("cuda"):
+        return False, ("ring attention merges partial results by their log-sum-exp, which cache-dit takes "
+                       "from the flash SDPA kernel — CUDA only (on CPU it raises NotImplementedError)")
+    full_masks = [m for m in f.att.masks if "mask" in m.lower() and "encoder" not in m.lower()]
+    if full_masks:
+        return False, f"attention mask(s) {full_masks} over the whole sequence: ring attention takes no mask"
+    return True, f.cp_how()
+
+
+# -- one judge per parallel kind: (facts, world size) -> its row --------------------------------
+
+def judge_cfg(f: ModelFacts, n: int) -> Feasibility:
+    if n == 1:
+        return Feasibility("cfg", 1, False, None, "one process: nothing to split")
+    if n == 2:
+        return Feasibility("cfg", 2, f.cfg_ok, "cfg2" if f.cfg_ok else None, f.cfg_why)
+    return Feasibility("cfg", n, False, None, f"CFG has two branches: world size {n} needs cfg2 x CP{n // 2}"
+                       " (see cfg_x_ulysses)")
+
+
+def judge_ulysses(f: ModelFacts, n: int) -> Feasibility:
+    if n == 1:
+        return Feasibility("ulysses", 1, True, "single", "the single-process baseline")
+    ok, why = ulysses_check(f, n)
+    return Feasibility("ulysses", n, ok, plan_name(ulysses=n), why)
+
+
+def judge_ring(f: ModelFacts, n: int) -> Feasibility:
+    if n == 1:
+        return Feasibility("ring", 1, False, None, "one process: nothing to split")
+    ok, why = ring_check(f, n)
+    return Feasibility("ring", n, ok, plan_name(ring=n), why)
+
+
+def judge_ulysses_x_ring(f: ModelFacts, n: int) -> Feasibility:
+    """USP: the split with the most Ulysses ranks where both the Ulysses and the Ring part hold."""
+    if n < 4:
+        return Feasibility("ulysses_x_ring", n, False, None, "needs at least 4 processes (2 x 2)")
+    for u in sorted(_divisors(n), reverse=True):
+        r = n // u
+        if u < 2 or r < 2:
+            continue
+        uok, uwhy = ulysses_check(f, u)
+        rok, _ = ring_check(f, r)
+        if uok and rok:
+            return Feasibility("ulysses_x_ring", n, True, plan_name(ring=r, ulysses=u),
+                               f"ring {r} x ulysses {u}; {uwhy}")
+    return Feasibility("ulysses_x_ring", n, False, None,
+                       f"no ring x ulysses split of {n} with heads and sequence divisible")
+
+
+def judge_cfg_x_ulysses(f: ModelFacts, n: int) -> Feasibility:
+    if n < 4:
+        return Feasibility("cfg_x_ulysses", n, False, None, "needs at least 4 processes (cfg2 x ulysses2)")
+    if not f.cfg_ok:
+        return Feasibility("cfg_x_ulysses", n, False, None, f.cfg_why)
+    ok, why = ulysses_check(f, n // 2)
+    return Feasibility("cfg_x_ulysses", n, ok, plan_name(cfg=2, ulysses=n // 2), f"cfg2 x ulysses{n // 2}: {why}")
+
+
+def judge_tp(f: ModelFacts, n: int) -> Feasibility:
+    """Tensor parallel: judged, not launched."""
+    def no(why: str) -> Feasibility:
+        return Feasibility("tp", n, False, None, why, launchable=False)
+
+    if n == 1:
+        return no("one process: nothing to shard")
+    if f.heads is None:
+        return no("head count unknown")
+    if f.heads % n:
+        return no(f"{f.heads} heads not divisible by {n}")
+    notes = []
+    if f.kv % n:
+        notes.append(f"GQA: {f.kv} KV heads not divisible by {n} -> replicate K/V projections on every "
+                     f"rank or shard the FFN only")
+    if f.att.fused_qkv:
+        notes.append("fused QKV: the packed projection needs block-wise column sharding")
+    if not f.tp_plan:
+        return no("no TP plan registered (diffusers _tp_plan / cache-dit planner); "
+                  + ("; ".join(notes) + "; " if notes else "") + "ditbook does not derive TP shard specs")
+    return Feasibility("tp", n, True, plan_name(tp=n), "; ".join([f"plan: {f.tp_plan}"] + notes), launchable=False)
+
+
+def judge_text_encoder(f: ModelFacts, n: int) -> Feasibility:
+    """Text encoders (cache-dit TP planners): judged, not launched."""
+    encoders = {k: v for k, v in f.components.items() if k.startswith("text_encoder")}
+    if n == 1:
+        return Feasibility("text_encoder", 1, False, None, "one process", launchable=False)
+    if not encoders:
+        return Feasibility("text_encoder", n, False, None, "the pipeline has no text encoder component",
+                           launchable=False)
+    hits = {k: _prefix_registered(v, f.text_encoder_planners) for k, v in encoders.items()}
+    ok = [f"{k} ({encoders[k]})" for k, h in hits.items() if h]
+    miss = [f"{k} ({encoders[k]})" for k, h in hits.items() if not h]
+    why = (f"cache-dit TP planner for {', '.join(ok)}" if ok else "") + \
+          ((("; " if ok else "") + f"no cache-dit planner for {', '.join(miss)}") if miss else "")
+    return Feasibility("text_encoder", n, bool(ok), None, why, launchable=False)
+
+
+def judge_vae(f: ModelFacts, n: int) -> Feasibility:
+    """The VAE (cache-dit data-parallel planners): judged, not launched."""
+    vae = f.components.get("vae")
+    if n == 1:
+        return Feasibility("vae", 1, False, None, "one process", launchable=False)
+    if not vae:
+        return Feasibility("vae", n, False, None, "the pipeline has no vae component", launchable=False)
+    hit = _prefix_registered(vae, f.vae_planners)
+    return Feasibility("vae", n, bool(hit), None,
+                       f"cache-dit data-parallel (tiled) planner for {vae}" if hit
+                       else f"no cache-dit planner for {vae}", launchable=False)
+
+
+JUDGES: dict[str, Callable[[ModelFacts, int], Feasibility]] = {
+    "cfg": judge_cfg, "ulysses": judge_ulysses, "ring": judge_ring, "ulysses_x_ring": judge_ulysses_x_ring,
+    "cfg_x_ulysses": judge_cfg_x_ulysses, "tp": judge_tp, "text_encoder": judge_text_encoder, "vae": judge_vae,
+}
+# KINDS (above, the display order) names exactly these; tests/test_feasibility.py checks it
+
+
 def feasibility(report: ArchReport, card: ModelCard, world_sizes=WORLD_SIZES, device: str | None = None) -> FeasibilityTable:
     """The feasibility of every parallel kind at each world size, with its reason. ``device``
     (default: the card's placement) rules out what the device cannot run (Ring on CPU)."""
@@ -137,162 +326,16 @@ def feasibility(report: ArchReport, card: ModelCard, world_sizes=WORLD_SIZES, de
         from ..loading import choose_placement
 
         device = choose_placement(card).device
-    att = report.attention
-    heads, kv = att.heads, att.kv_heads or att.heads
-    s_img, s_txt = att.image_seq_len, att.text_seq_len
-    joint = att.kind == "joint"
-    sup = report.support
-    registered_cp = sup.cache_dit_cp_planner or ("diffusers _cp_plan" if sup.diffusers_cp_plan else None)
-    comps = model_components(card)
+    f = model_facts(report, card, device)
+    att = f.att
     table = FeasibilityTable(model=card.name, facts={
-        "heads": heads, "kv_heads": kv, "head_dim": att.head_dim, "gqa_ratio": att.gqa_ratio,
+        "heads": f.heads, "kv_heads": f.kv, "head_dim": att.head_dim, "gqa_ratio": att.gqa_ratio,
         "attention_kind": att.kind, "fused_qkv": att.fused_qkv, "masks": list(att.masks),
-        "image_seq_len": s_img, "text_seq_len": s_txt, "cfg_style": report.cfg.style,
-        "cp_plan_source": registered_cp or "derived from the traced call conventions",
-        "components": comps, "device": str(device),
+        "image_seq_len": f.s_img, "text_seq_len": f.s_txt, "cfg_style": report.cfg.style,
+        "cp_plan_source": f.registered_cp or "derived from the traced call conventions",
+        "components": f.components, "device": f.device,
     })
-    add = table.rows.append
-    cfg_ok, cfg_why = _cfg_active(report, card)
-
-    def seq_reason(n: int) -> str | None:
-        bad = []
-        if s_img is not None and s_img % n:
-            bad.append(f"{s_img} image tokens")
-        if joint and s_txt is not None and s_txt % n:
-            bad.append(f"{s_txt} text tokens (split with the image in joint attention)")
-        return (", ".join(bad) + f" not divisible by {n}") if bad else None
-
-    def cp_how() -> str:
-        return f"plan: {registered_cp}" if registered_cp else "plan derived from the traced call conventions"
-
-    def ulysses_check(n: int) -> tuple[bool, str]:
-        if heads is None:
-            return False, "head count unknown (inspection found no attention)"
-        notes = []
-        if heads % n:
-            return False, (f"{heads} query heads not divisible by {n}: needs head padding "
-                           f"(cache-dit ulysses_anything), not planned by ditbook")
-        if kv % n:
-            notes.append(f"{kv} KV heads not divisible by {n}: K/V repeated to the {heads} query heads "
-                         f"before the all-to-all")
-        s = seq_reason(n)
-        if s:
-            return False, s + ": uneven split needs padding (ulysses_anything)"
-        notes.append(cp_how())
-        return True, "; ".join(notes)
-
-    def ring_check(n: int) -> tuple[bool, str]:
-        if heads is None:
-            return False, "head count unknown (inspection found no attention)"
-        s = seq_reason(n)
-        if s:
-            return False, s
-        if not str(device).startswith("cuda"):
-            return False, ("ring attention merges partial results by their log-sum-exp, which cache-dit takes "
-                           "from the flash SDPA kernel — CUDA only (on CPU it raises NotImplementedError)")
-        full_masks = [m for m in att.masks if "mask" in m.lower() and "encoder" not in m.lower()]
-        if full_masks:
-            return False, f"attention mask(s) {full_masks} over the whole sequence: ring attention takes no mask"
-        return True, cp_how()
-
     for n in world_sizes:
-        # CFG parallel
-        if n == 1:
-            add(Feasibility("cfg", 1, False, None, "one process: nothing to split"))
-        elif n == 2:
-            add(Feasibility("cfg", 2, cfg_ok, "cfg2" if cfg_ok else None, cfg_why))
-        else:
-            add(Feasibility("cfg", n, False, None, f"CFG has two branches: world size {n} needs cfg2 x CP{n // 2}"
-                            " (see cfg_x_ulysses)"))
-        # Ulysses
-        if n == 1:
-            add(Feasibility("ulysses", 1, True, "single", "the single-process baseline"))
-        else:
-            ok, why = ulysses_check(n)
-            add(Feasibility("ulysses", n, ok, plan_name(ulysses=n), why))
-        # Ring
-        if n == 1:
-            add(Feasibility("ring", 1, False, None, "one process: nothing to split"))
-        else:
-            ok, why = ring_check(n)
-            add(Feasibility("ring", n, ok, plan_name(ring=n), why))
-        # Ulysses x Ring
-        if n < 4:
-            add(Feasibility("ulysses_x_ring", n, False, None, "needs at least 4 processes (2 x 2)"))
-        else:
-            best = None
-            for u in sorted(_divisors(n), reverse=True):
-                r = n // u
-                if u < 2 or r < 2:
-                    continue
-                uok, uwhy = ulysses_check(u)
-                rok, rwhy = ring_check(r)
-                if uok and rok:
-                    best = (r, u, uwhy)
-                    break
-            if best:
-                r, u, why = best
-                add(Feasibility("ulysses_x_ring", n, True, plan_name(ring=r, ulysses=u),
-                                f"ring {r} x ulysses {u}; {why}"))
-            else:
-                add(Feasibility("ulysses_x_ring", n, False, None,
-                                f"no ring x ulysses split of {n} with heads and sequence divisible"))
-        # CFG x Ulysses
-        if n < 4:
-            add(Feasibility("cfg_x_ulysses", n, False, None, "needs at least 4 processes (cfg2 x ulysses2)"))
-        elif not cfg_ok:
-            add(Feasibility("cfg_x_ulysses", n, False, None, cfg_why))
-        else:
-            ok, why = ulysses_check(n // 2)
-            add(Feasibility("cfg_x_ulysses", n, ok, plan_name(cfg=2, ulysses=n // 2),
-                            f"cfg2 x ulysses{n // 2}: {why}"))
-        # Tensor parallel (judged, not launched)
-        tp_plan = sup.cache_dit_tp_planner or ("diffusers _tp_plan" if sup.diffusers_tp_plan else None)
-        if n == 1:
-            add(Feasibility("tp", 1, False, None, "one process: nothing to shard", launchable=False))
-        elif heads is None:
-            add(Feasibility("tp", n, False, None, "head count unknown", launchable=False))
-        elif heads % n:
-            add(Feasibility("tp", n, False, None, f"{heads} heads not divisible by {n}", launchable=False))
-        else:
-            notes = []
-            if kv % n:
-                notes.append(f"GQA: {kv} KV heads not divisible by {n} -> replicate K/V projections on every "
-                             f"rank or shard the FFN only")
-            if att.fused_qkv:
-                notes.append("fused QKV: the packed projection needs block-wise column sharding")
-            if not tp_plan:
-                add(Feasibility("tp", n, False, None,
-                                "no TP plan registered (diffusers _tp_plan / cache-dit planner); "
-                                + ("; ".join(notes) + "; " if notes else "")
-                                + "ditbook does not derive TP shard specs", launchable=False))
-            else:
-                add(Feasibility("tp", n, True, plan_name(tp=n), "; ".join([f"plan: {tp_plan}"] + notes),
-                                launchable=False))
-        # Text encoders and VAE (cache-dit planners; judged here, not launched)
-        te_names = _cache_dit_registered("text_encoders", "TextEncoderTensorParallelismPlannerRegister")
-        encoders = {k: v for k, v in comps.items() if k.startswith("text_encoder")}
-        if n == 1:
-            add(Feasibility("text_encoder", 1, False, None, "one process", launchable=False))
-        elif not encoders:
-            add(Feasibility("text_encoder", n, False, None, "the pipeline has no text encoder component",
-                            launchable=False))
-        else:
-            hits = {k: _prefix_registered(v, te_names) for k, v in encoders.items()}
-            ok = [f"{k} ({encoders[k]})" for k, h in hits.items() if h]
-            miss = [f"{k} ({encoders[k]})" for k, h in hits.items() if not h]
-            why = (f"cache-dit TP planner for {', '.join(ok)}" if ok else "") + \
-                  ((("; " if ok else "") + f"no cache-dit planner for {', '.join(miss)}") if miss else "")
-            add(Feasibility("text_encoder", n, bool(ok), None, why, launchable=False))
-        vae_names = _cache_dit_registered("autoencoders", "AutoEncoderDataParallelismPlannerRegister")
-        vae = comps.get("vae")
-        if n == 1:
-            add(Feasibility("vae", 1, False, None, "one process", launchable=False))
-        elif not vae:
-            add(Feasibility("vae", n, False, None, "the pipeline has no vae component", launchable=False))
-        else:
-            hit = _prefix_registered(vae, vae_names)
-            add(Feasibility("vae", n, bool(hit), None,
-                            f"cache-dit data-parallel (tiled) planner for {vae}" if hit
-                            else f"no cache-dit planner for {vae}", launchable=False))
+        for judge in JUDGES.values():
+            table.rows.append(judge(f, n))
     return table
