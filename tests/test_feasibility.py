@@ -1,0 +1,131 @@
+"""The feasibility table is one small judge per parallel kind; each is checked on its own here,
+with a case where it says "feasible" and one where it says "not feasible" and why. The whole
+table against the tiny models: tests/test_parallel.py::test_feasibility_reasons."""
+
+from __future__ import annotations
+
+from ditbook.inspect.report import AttentionFacts
+from ditbook.parallel.feasibility import (JUDGES, KINDS, Feasibility, ModelFacts, feasibility, judge_cfg,
+                                          judge_cfg_x_ulysses, judge_ring, judge_text_encoder, judge_tp,
+                                          judge_ulysses, judge_ulysses_x_ring, judge_vae)
+
+
+def facts(heads=8, kv=2, s_img=16, s_txt=8, joint=True, device="cuda", cp="diffusers _cp_plan", tp=None,
+          cfg_ok=True, masks=(), fused=False, components=None, te=(), vae=()) -> ModelFacts:
+    att = AttentionFacts(heads=heads, kv_heads=kv, head_dim=16, kind="joint" if joint else "self",
+                         image_seq_len=s_img, text_seq_len=s_txt, masks=list(masks), fused_qkv=fused)
+    return ModelFacts(att=att, heads=heads, kv=kv if kv is not None else heads, s_img=s_img, s_txt=s_txt,
+                      joint=joint, device=device, registered_cp=cp, tp_plan=tp, cfg_ok=cfg_ok,
+                      cfg_why="two calls per step" if cfg_ok else "one transformer call per step: no second branch",
+                      components=components or {}, text_encoder_planners=set(te), vae_planners=set(vae))
+
+
+def row(judge, f, n) -> tuple[bool, str | None, str]:
+    r = judge(f, n)
+    assert isinstance(r, Feasibility) and r.world_size == n and r.kind in KINDS
+    return r.feasible, r.plan, r.reason
+
+
+def test_the_table_has_one_judge_per_kind_in_display_order():
+    assert tuple(JUDGES) == KINDS
+    assert all(JUDGES[k](facts(), 2).kind == k for k in KINDS)
+
+
+def test_cfg():
+    assert row(judge_cfg, facts(), 2) == (True, "cfg2", "two calls per step")
+    ok, plan, why = row(judge_cfg, facts(cfg_ok=False), 2)
+    assert not ok and plan is None and "no second branch" in why
+    assert not row(judge_cfg, facts(), 1)[0]
+    ok, _, why = row(judge_cfg, facts(), 4)
+    assert not ok and "needs cfg2 x CP2" in why
+
+
+def test_ulysses():
+    assert row(judge_ulysses, facts(), 1) == (True, "single", "the single-process baseline")
+    ok, plan, why = row(judge_ulysses, facts(heads=8, kv=2), 4)
+    assert ok and plan == "ulysses4" and "2 KV heads not divisible by 4: K/V repeated" in why
+    ok, _, why = row(judge_ulysses, facts(heads=6), 4)
+    assert not ok and "6 query heads not divisible by 4" in why
+    ok, _, why = row(judge_ulysses, facts(s_img=18), 4)
+    assert not ok and "18 image tokens" in why and "uneven split needs padding" in why
+    ok, _, why = row(judge_ulysses, facts(s_txt=6, joint=True), 4)
+    assert not ok and "6 text tokens" in why
+    assert row(judge_ulysses, facts(s_txt=6, joint=False), 2)[0]  # text not split outside joint attention
+    assert "head count unknown" in row(judge_ulysses, facts(heads=None), 2)[2]
+
+
+def test_ring():
+    ok, plan, why = row(judge_ring, facts(), 2)
+    assert ok and plan == "ring2" and why == "plan: diffusers _cp_plan"
+    assert row(judge_ring, facts(cp=None), 2)[2] == "plan derived from the traced call conventions"
+    ok, _, why = row(judge_ring, facts(device="cpu"), 2)
+    assert not ok and "CUDA only" in why
+    ok, _, why = row(judge_ring, facts(masks=["attention_mask"]), 2)
+    assert not ok and "ring attention takes no mask" in why
+    assert row(judge_ring, facts(masks=["encoder_attention_mask"]), 2)[0]
+    assert not row(judge_ring, facts(), 1)[0]
+
+
+def test_ulysses_x_ring():
+    ok, plan, why = row(judge_ulysses_x_ring, facts(heads=8), 8)
+    assert ok and plan == "usp2x4" and why.startswith("ring 2 x ulysses 4")  # most Ulysses ranks first
+    assert row(judge_ulysses_x_ring, facts(heads=2, kv=2), 8)[1] == "usp4x2"
+    ok, _, why = row(judge_ulysses_x_ring, facts(device="cpu"), 8)
+    assert not ok and "no ring x ulysses split of 8" in why
+    ok, _, why = row(judge_ulysses_x_ring, facts(), 2)
+    assert not ok and "at least 4 processes" in why
+
+
+def test_cfg_x_ulysses():
+    ok, plan, why = row(judge_cfg_x_ulysses, facts(), 8)
+    assert ok and plan == "cfg2_ulysses4" and why.startswith("cfg2 x ulysses4: ")
+    ok, _, why = row(judge_cfg_x_ulysses, facts(cfg_ok=False), 4)
+    assert not ok and "no second branch" in why
+    ok, plan, why = row(judge_cfg_x_ulysses, facts(heads=6), 8)
+    assert not ok and "6 query heads not divisible by 4" in why
+    assert "at least 4 processes" in row(judge_cfg_x_ulysses, facts(), 2)[2]
+
+
+def test_tp():
+    r = judge_tp(facts(tp="diffusers _tp_plan", kv=8, fused=True), 2)
+    assert r.feasible and r.plan == "tp2" and not r.launchable
+    assert r.reason.startswith("plan: diffusers _tp_plan") and "fused QKV" in r.reason
+    ok, _, why = row(judge_tp, facts(kv=2), 4)
+    assert not ok and "no TP plan registered" in why and "GQA: 2 KV heads" in why
+    ok, _, why = row(judge_tp, facts(heads=6, tp="x"), 4)
+    assert not ok and why == "6 heads not divisible by 4"
+    assert row(judge_tp, facts(heads=None), 2)[2] == "head count unknown"
+
+
+def test_text_encoder():
+    comps = {"text_encoder": "T5EncoderModel", "text_encoder_2": "MyEncoder", "vae": "AutoencoderKL"}
+    ok, plan, why = row(judge_text_encoder, facts(components=comps, te={"T5Encoder"}), 2)
+    assert ok and plan is None
+    assert why == ("cache-dit TP planner for text_encoder (T5EncoderModel); "
+                   "no cache-dit planner for text_encoder_2 (MyEncoder)")
+    ok, _, why = row(judge_text_encoder, facts(components=comps), 2)
+    assert not ok and why.startswith("no cache-dit planner for text_encoder (T5EncoderModel)")
+    assert row(judge_text_encoder, facts(), 2)[2] == "the pipeline has no text encoder component"
+
+
+def test_vae():
+    comps = {"vae": "AutoencoderKLQwenImage"}
+    ok, _, why = row(judge_vae, facts(components=comps, vae={"AutoencoderKL"}), 4)
+    assert ok and "data-parallel (tiled) planner for AutoencoderKLQwenImage" in why
+    ok, _, why = row(judge_vae, facts(components=comps, vae={"AutoencoderTiny"}), 4)
+    assert not ok and why == "no cache-dit planner for AutoencoderKLQwenImage"
+    assert row(judge_vae, facts(), 2)[2] == "the pipeline has no vae component"
+    assert not judge_vae(facts(components=comps, vae={"AutoencoderKL"}), 1).feasible
+
+
+def test_feasibility_is_the_table_of_judges(tmp_path, monkeypatch):
+    """The table drives ``feasibility``: a judge swapped in the table shows in every world size."""
+    from test_parallel import _report
+    import test_parallel_models as models
+
+    from ditbook.card import load_card
+
+    monkeypatch.setitem(JUDGES, "vae", lambda f, n: Feasibility("vae", n, False, None, f"judged {n}", launchable=False))
+    table = feasibility(_report(), load_card(models.tiny_flux(tmp_path)), device="cuda")
+    assert [r.kind for r in table.rows[:len(KINDS)]] == list(KINDS)
+    assert [table.get("vae", n).reason for n in (1, 2, 4, 8)] == ["judged 1", "judged 2", "judged 4", "judged 8"]
