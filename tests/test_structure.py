@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import ast
 import re
-
-import pytest
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -97,9 +95,27 @@ def test_no_library_module_loaded_through_importlib():
     assert offenders == [], f"ditbook modules loaded through importlib (hides the import graph): {offenders}"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 14: attention routing still rebinds SDPA; removed when the hooks core lands")
+# lib/ditbook/inspect/trace.py is handled separately (its owner removes its rebinding in the
+# same round); every other file is checked here and must pass. Drop the exemption once it is gone.
+REBINDING_EXEMPT = {"lib/ditbook/inspect/trace.py"}
+REBINDING = re.compile(r"(torch\.nn\.functional|\bF)\.scaled_dot_product_attention\s*=[^=]")
+
+
+def rebinding_offenders(files) -> list[str]:
+    return [f for f, text in files if REBINDING.search(text)]
+
+
 def test_no_process_wide_rebinding_of_torch_functions():
-    pattern = re.compile(r"(torch\.nn\.functional|F)\.scaled_dot_product_attention\s*=[^=]")
-    offenders = [str(p.relative_to(ROOT)) for p in list((LIB / "ditbook").rglob("*.py")) + list((ROOT / "benchmarks").rglob("*.py"))
-                 if pattern.search(p.read_text())]
+    files = [(str(p.relative_to(ROOT)), p.read_text())
+             for p in list((LIB / "ditbook").rglob("*.py")) + list((ROOT / "benchmarks").rglob("*.py"))]
+    offenders = [f for f in rebinding_offenders(files) if f not in REBINDING_EXEMPT]
     assert offenders == [], f"scaled_dot_product_attention rebound process-wide in {offenders}"
+
+
+def test_rebinding_check_sees_a_rebinding():
+    # the check itself can fail: both spellings are caught, a comparison or a call is not
+    assert rebinding_offenders([("a.py", "F.scaled_dot_product_attention = fn\n"),
+                                ("b.py", "torch.nn.functional.scaled_dot_product_attention=fn\n"),
+                                ("c.py", "ok = F.scaled_dot_product_attention == fn\n"
+                                         "F.scaled_dot_product_attention(q, k, v)\n"
+                                         "FF.scaled_dot_product_attention = 1\n")]) == ["a.py", "b.py"]
