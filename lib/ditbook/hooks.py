@@ -14,6 +14,11 @@ was set on the instance. Classes are never touched: every wrap is per instance.
 A wrapper is ``wrapper(original, *args, **kwargs)``: ``original`` is the next inner callable (the
 previous wrap, or the method as it was).
 
+Something else put on top of a wrap (a diffusers hook, user code) is seen by identity — the
+registry remembers the callable it installed — and both wrapping again and removing then refuse
+with a named ``WrapError`` rather than drop the other one. ``WrapGroup`` applies several wraps (and
+torch hook handles) as one change: all or nothing, removed together.
+
 Written here rather than taken from diffusers: diffusers' registry wraps ``forward`` of
 ``torch.nn.Module`` only and keeps hooks with state resets for its cache techniques; ditbook also
 wraps pipeline and VAE methods and needs the exact-undo guarantee above.
