@@ -95,7 +95,7 @@ def test_overrides_and_hash(tmp_path, good_card_text):
     path = _card(tmp_path, good_card_text)
     card = load_card(path)
     c2 = load_card(path, {"steps": 5, "runtime.dtype": "bfloat16"})
-    assert c2.generation.steps == 5 and c2.runtime["dtype"] == "bfloat16"
+    assert c2.generation.steps == 5 and c2.runtime.dtype == "bfloat16"
     assert c2.content_hash() != card.content_hash()
     assert load_card(path).content_hash() == card.content_hash()
 
