@@ -8,7 +8,7 @@ invalidates an earlier approval.
 
 The approved hash covers what the reviewer approves: the plan, the acceptance gates (the card's
 ``cache.gates`` and ``parallel.gates`` after its overrides) and the weights' identity
-(``weights_identity``: every file of the model folder by relative path, size and a digest of
+(``weights_identity``: every file of the saved model by relative path, size and a digest of
 its bytes — the whole file up to ``FULL_HASH_LIMIT``, sampled chunks above; no mtimes, so a
 fresh clone or copy of the same weights keeps the approval).
 
@@ -51,24 +51,49 @@ def _file_digest(path: Path, size: int) -> str:
     return h.hexdigest()[:16]
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".msgpack", ".onnx")
+
+
+def _walk(root: Path):
+    for base, dirs, names in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d != "__pycache__")
+        for name in sorted(names):
+            if not name.startswith(".") and not name.endswith(".pyc"):
+                yield Path(base) / name
+
+
+def _model_files(folder: Path) -> list[Path]:
+    """A saved pipeline: ``model_index.json``, the other files beside it and every file of the
+    components it lists. Any other folder: its weight files (by suffix), wherever they are."""
+    index = folder / "model_index.json"
+    if not index.is_file():
+        return [p for p in _walk(folder) if p.name.endswith(WEIGHT_SUFFIXES)]
+    try:
+        entries = json.loads(index.read_text())
+    except ValueError:
+        entries = {}
+    comps = [k for k, v in entries.items() if not k.startswith("_") and isinstance(v, list) and v and v[0] is not None]
+    files = [p for p in sorted(folder.iterdir()) if p.is_file() and not p.name.startswith(".")]
+    for c in comps:
+        if (folder / c).is_dir():
+            files += list(_walk(folder / c))
+    return files
+
+
 def weights_identity(folder, exclude=()) -> dict | None:
-    """``{"files": {relative path: [size, digest]}, "digest": ...}`` of every file under the
-    model folder; None without a folder. Skipped: hidden files and folders, Python's bytecode
-    caches (written when a card's source files live there) and the ``exclude`` paths (the card
-    itself, which ``ditbook approve`` writes)."""
+    """``{"files": {relative path: [size, digest]}, "digest": ...}`` of the model's files (see
+    ``_model_files``; no run folders, bytecode caches or hidden files) without the ``exclude``
+    paths (the card, which ``ditbook approve`` writes, when it lives there); None without a folder."""
     if folder is None or not Path(folder).is_dir():
         return None
     folder = Path(folder)
     skip = {Path(p).resolve() for p in exclude if p}
     files = {}
-    for root, dirs, names in os.walk(folder):
-        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d != "__pycache__")
-        for name in sorted(names):
-            p = Path(root) / name
-            if name.startswith(".") or name.endswith(".pyc") or p.resolve() in skip:
-                continue
-            size = p.stat().st_size
-            files[p.relative_to(folder).as_posix()] = [size, _file_digest(p, size)]
+    for p in _model_files(folder):
+        if p.resolve() in skip:
+            continue
+        size = p.stat().st_size
+        files[p.relative_to(folder).as_posix()] = [size, _file_digest(p, size)]
     blob = json.dumps(files, sort_keys=True).encode()
     return {"files": files, "digest": hashlib.sha256(blob).hexdigest()[:16]}
 
