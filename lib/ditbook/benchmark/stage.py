@@ -72,9 +72,8 @@ def measure(ctx, pipe, configs: list[Config], *, warmup: int = 1, repeats: int =
     gate_map = gate_overrides(ctx.card)
 
     def gates_for(cfg: Config) -> Gates:
-        if cfg.gates:
-            return Gates.from_dict(cfg.gates)
-        return gates_for_family(cfg.family, gate_map)
+        family = gates_for_family(cfg.family, gate_map)
+        return Gates.from_dict(cfg.gates, **family.to_dict()) if cfg.gates else family
 
     return benchmark(pipe, configs, render, todo, warmup=warmup, repeats=repeats, peak_tflops=peak_tflops,
                      steps=ctx.card.generation.steps, gates_for=gates_for, progress=progress, log=log)
