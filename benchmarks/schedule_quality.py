@@ -39,12 +39,13 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=28)
     ap.add_argument("--calib-seeds", default="0")
     ap.add_argument("--holdout-seeds", default="100,101,102")
-    ap.add_argument("--psnr", type=float, default=30.0)
-    ap.add_argument("--ssim", type=float, default=0.90)
+    ap.add_argument("--psnr", type=float, default=None, help="PSNR gate (default: the card's cache.gates.psnr)")
+    ap.add_argument("--ssim", type=float, default=None, help="SSIM gate (default: the card's cache.gates.ssim)")
     args = ap.parse_args(argv)
     card = gate_check(args.card, {"device": "cpu", "dtype": "float32"})
     pipe = load_pipeline(card)
-    gates = Gates(psnr=args.psnr, ssim=args.ssim)
+    gates = Gates.from_dict({k: v for k, v in (("psnr", args.psnr), ("ssim", args.ssim)) if v is not None},
+                            **card.cache.gates.to_dict())
     calib = [int(s) for s in args.calib_seeds.split(",")]
     hold = [int(s) for s in args.holdout_seeds.split(",")]
     t0 = time.perf_counter()
@@ -83,7 +84,7 @@ def main(argv=None) -> int:
             break
     out = {
         "card": str(args.card), "steps": args.steps, "calibration_seeds": calib, "holdout_seeds": hold,
-        "prompts": card.generation.prompts, "gates": {"psnr": args.psnr, "ssim": args.ssim},
+        "prompts": card.generation.prompts, "gates": {"psnr": gates.psnr, "ssim": gates.ssim},
         "noise_floor": {k: v for k, v in floor.items() if k != "per_image"},
         "schedules": rows, "chosen": chosen, "seconds": round(time.perf_counter() - t0, 1),
         "command": " ".join([Path(sys.executable).name] + sys.argv),

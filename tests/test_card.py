@@ -95,7 +95,7 @@ def test_overrides_and_hash(tmp_path, good_card_text):
     path = _card(tmp_path, good_card_text)
     card = load_card(path)
     c2 = load_card(path, {"steps": 5, "runtime.dtype": "bfloat16"})
-    assert c2.generation.steps == 5 and c2.runtime["dtype"] == "bfloat16"
+    assert c2.generation.steps == 5 and c2.runtime.dtype == "bfloat16"
     assert c2.content_hash() != card.content_hash()
     assert load_card(path).content_hash() == card.content_hash()
 
@@ -108,3 +108,18 @@ def test_check_command_exit_codes(tmp_path, good_card_text, capsys):
     # the installed console script and python -m behave the same
     proc = subprocess.run([sys.executable, "-m", "ditbook", "check", str(bad)], capture_output=True, text=True)
     assert proc.returncode != 0 and "transformer.class" in proc.stderr
+
+
+def test_types_and_ranges_named_by_dotted_key(tmp_path, good_card_text):
+    """Values a stage would fail on (issue 18.5) are refused by the gate, each by its dotted name."""
+    text = (good_card_text.replace("steps: 2", "steps: true").replace("height: 32", "height: 7")
+            + "  guidance_scale: lots\n  extra: notadict\nbenchmark: {repeat: 3}\ncache: {gates: {psnr: abc}}\n")
+    _, problems = gate_problems(_card(tmp_path, text))
+    for key in ("generation.steps", "generation.height", "generation.guidance_scale", "generation.extra",
+                "benchmark.repeat", "cache.gates.psnr"):
+        assert any(p.startswith(f"{key}: ") for p in problems), (key, problems)
+    _, problems = gate_problems(_card(tmp_path, good_card_text), {"benchmark.repeat": 3, "steps": True})
+    assert any(p.startswith("benchmark.repeat: ") and "-p" in p for p in problems)
+    assert any(p.startswith("generation.steps: ") and "-p" in p for p in problems)
+    with pytest.raises(GateError, match="generation.steps"):
+        gate_check(_card(tmp_path, good_card_text.replace("steps: 2", "steps: 20000")))

@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 
 from .fullsize import flux_pipeline, qwen_image_pipeline
-from ditbook.quality import compare, Gates
+from ditbook.quality import compare
+from ditbook.settings import ParallelSettings
 from ditbook.timing import time_pipeline
 
 
@@ -136,7 +137,7 @@ def _parity(img: np.ndarray, baseline: Path | None) -> dict | None:
         return None
     ref = np.load(baseline)
     ref = np.transpose(ref, (1, 2, 0)) if ref.shape[0] in (1, 3) else ref
-    rep = compare(np.clip(img, 0, 1), np.clip(ref, 0, 1), Gates(psnr=35.0, ssim=0.90))
+    rep = compare(np.clip(img, 0, 1), np.clip(ref, 0, 1), ParallelSettings().gates)
     return rep.to_dict()
 
 

@@ -21,21 +21,18 @@ from typing import Any
 
 import yaml
 
+from .settings import (DEVICES, DTYPES, SECTIONS, BenchmarkSettings, CacheSettings, Generation,  # noqa: F401
+                       InspectSettings, ParallelSettings, RuntimeSettings, parse_section)
+
 _ENV_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 KNOWN_TOP_LEVEL = {
     "name", "path", "pipeline", "transformer", "generation", "runtime",
     "cache", "parallel", "benchmark", "inspect", "approved_plan", "notes",
 }
-KNOWN_GENERATION = {
-    "prompts", "negative_prompt", "seeds", "height", "width", "steps",
-    "guidance_scale", "true_cfg_scale", "extra", "holdout_seeds", "holdout_prompts",
-}
 OVERRIDE_SHORTHANDS = {"device": "runtime.device", "dtype": "runtime.dtype", "steps": "generation.steps",
                       "height": "generation.height", "width": "generation.width", "seeds": "generation.seeds",
                       "prompts": "generation.prompts"}
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-DEVICES = ("auto", "cpu", "cuda")
 
 
 class CardError(ValueError):
@@ -71,34 +68,20 @@ class ClassSpec:
 
 
 @dataclass
-class Generation:
-    prompts: list[str] = field(default_factory=list)
-    negative_prompt: str | None = None
-    seeds: list[int] = field(default_factory=lambda: [0])
-    height: int = 64
-    width: int = 64
-    steps: int = 8
-    guidance_scale: float | None = None
-    true_cfg_scale: float | None = None
-    extra: dict = field(default_factory=dict)
-    holdout_seeds: list[int] = field(default_factory=list)
-    holdout_prompts: list[str] = field(default_factory=list)
-
-
-@dataclass
 class ModelCard:
-    """A parsed model card. ``raw`` keeps the expanded YAML mapping as written."""
+    """A parsed model card. ``raw`` keeps the expanded YAML mapping as written; the sections are
+    the typed objects of ``ditbook.settings`` (``card.cache.gates.psnr``, ``card.generation.steps``)."""
 
     name: str
     path: Path | None
     pipeline: ClassSpec
     transformer: ClassSpec
     generation: Generation
-    runtime: dict
-    cache: dict
-    parallel: dict
-    benchmark: dict
-    inspect: dict
+    runtime: RuntimeSettings
+    cache: CacheSettings
+    parallel: ParallelSettings
+    benchmark: BenchmarkSettings
+    inspect: InspectSettings
     approved_plan: str | None
     card_path: Path
     raw: dict
@@ -129,17 +112,30 @@ class ModelCard:
 
     def with_overrides(self, overrides: dict[str, Any]) -> "ModelCard":
         """A copy with dotted ``key=value`` overrides applied (``generation.steps=4``)."""
-        raw = copy.deepcopy(self.raw)
-        for key, value in overrides.items():
-            key = OVERRIDE_SHORTHANDS.get(key, key)
-            node = raw
-            parts = key.split(".")
-            for part in parts[:-1]:
-                node = node.setdefault(part, {})
-                if not isinstance(node, dict):
-                    raise CardError(f"override {key!r}: {part!r} is not a mapping in the card")
-            node[parts[-1]] = value
-        return _from_mapping(raw, self.card_path)
+        return _from_mapping(apply_overrides(self.raw, overrides), self.card_path)
+
+
+def override_key(key: str) -> str:
+    """The dotted card key an override names (``steps`` -> ``generation.steps``)."""
+    return OVERRIDE_SHORTHANDS.get(key, key)
+
+
+def apply_overrides(raw: dict, overrides: dict[str, Any] | None) -> dict:
+    """A copy of a card mapping with dotted overrides set (unknown keys are left for the schema
+    check to refuse, naming the key)."""
+    raw = copy.deepcopy(raw)
+    for key, value in (overrides or {}).items():
+        key = override_key(key)
+        node = raw
+        parts = key.split(".")
+        for part in parts[:-1]:
+            if node.get(part) is None:
+                node[part] = {}
+            node = node[part]
+            if not isinstance(node, dict):
+                raise CardError(f"override {key!r}: {part!r} is not a mapping in the card")
+        node[parts[-1]] = value
+    return raw
 
 
 def _is_file_source(source: str) -> bool:
@@ -180,11 +176,11 @@ def read_card_mapping(path: str | Path) -> dict:
 
 
 def load_card(path: str | Path, overrides: dict[str, Any] | None = None) -> ModelCard:
-    """Read and expand a card. Schema errors raise ``CardError``; run ``gate_check`` for the gate."""
+    """Read and expand a card with its overrides. Schema errors (every section's unknown keys and
+    wrong types, see ``ditbook.settings``) raise ``CardError``; run ``gate_check`` for the gate."""
     path = Path(path).resolve()
     data = read_card_mapping(path)
-    card = _from_mapping(data, path)
-    return card.with_overrides(overrides) if overrides else card
+    return _from_mapping(apply_overrides(data, overrides), path)
 
 
 def _spec(data: dict, key: str) -> ClassSpec:
@@ -194,43 +190,38 @@ def _spec(data: dict, key: str) -> ClassSpec:
     return ClassSpec(section.get("class"), section.get("source"), section.get("subfolder"))
 
 
-def _from_mapping(data: dict, card_path: Path) -> ModelCard:
+def parse_mapping(data: dict, card_path: Path) -> tuple[ModelCard, list[tuple[str, str]]]:
+    """The card and every schema problem of its sections as ``(dotted key, message)``; a wrong
+    value is replaced by its default in the returned card (which must then not be run)."""
     raw = expand_env(copy.deepcopy(data))
-    gen_raw = raw.get("generation") or {}
-    if not isinstance(gen_raw, dict):
-        raise CardError(f"{card_path}: 'generation' must be a mapping")
-    unknown = set(gen_raw) - KNOWN_GENERATION
-    if unknown:
-        raise CardError(
-            f"{card_path}: unknown generation field(s) {sorted(unknown)}; "
-            f"put other pipeline arguments under generation.extra"
-        )
-    gen = Generation(**{k: v for k, v in gen_raw.items() if v is not None or k == "negative_prompt"})
-    if isinstance(gen.prompts, str):
-        gen.prompts = [gen.prompts]
-    if isinstance(gen.seeds, int):
-        gen.seeds = [gen.seeds]
+    sections, problems = {}, []
+    for name, cls in SECTIONS.items():
+        sections[name], found = parse_section(cls, raw.get(name), name)
+        problems += found
     path_value = raw.get("path")
     path = None
     if isinstance(path_value, str) and path_value and not _ENV_RE.search(path_value):
         p = Path(path_value).expanduser()
         path = p if p.is_absolute() else (card_path.parent / p).resolve()
     name = raw.get("name") or card_path.stem
-    return ModelCard(
+    card = ModelCard(
         name=str(name),
         path=path,
         pipeline=_spec(raw, "pipeline"),
         transformer=_spec(raw, "transformer"),
-        generation=gen,
-        runtime=dict(raw.get("runtime") or {}),
-        cache=dict(raw.get("cache") or {}),
-        parallel=dict(raw.get("parallel") or {}),
-        benchmark=dict(raw.get("benchmark") or {}),
-        inspect=dict(raw.get("inspect") or {}),
         approved_plan=raw.get("approved_plan"),
         card_path=card_path,
         raw=raw,
+        **sections,
     )
+    return card, problems
+
+
+def _from_mapping(data: dict, card_path: Path) -> ModelCard:
+    card, problems = parse_mapping(data, card_path)
+    if problems:
+        raise CardError(f"{card_path}: " + "; ".join(f"{k}: {m}" for k, m in problems))
+    return card
 
 
 def import_class(source: str, cls_name: str):
@@ -288,9 +279,13 @@ def gate_problems(path: str | Path, overrides: dict[str, Any] | None = None) -> 
     for var in sorted(set(missing_vars)):
         problems.append(f"environment variable ${{{var}}} used in the card is not set (export {var}=...)")
     try:
-        card = load_card(path, overrides)
+        card, schema = parse_mapping(apply_overrides(data, overrides), Path(path).resolve())
     except CardError as exc:
         return None, problems + [str(exc)]
+    from_p = {override_key(k) for k in (overrides or {})}
+    for key, msg in schema:
+        by_p = any(key == k or key.startswith(k + ".") or k.startswith(key + ".") for k in from_p)
+        problems.append(f"{key}: {msg}" + (" (set by -p)" if by_p else ""))
 
     unknown = set(card.raw) - KNOWN_TOP_LEVEL
     if unknown:
@@ -328,21 +323,8 @@ def gate_problems(path: str | Path, overrides: dict[str, Any] | None = None) -> 
         except Exception as exc:  # the user's file raised while importing
             problems.append(f"{key}.source: importing {source} raised {type(exc).__name__}: {exc}")
 
-    gen = card.generation
-    if not gen.prompts:
+    if not card.generation.prompts and not any(k == "generation.prompts" for k, _ in schema):
         problems.append("generation.prompts: missing — list at least one prompt")
-    if not gen.seeds or not all(isinstance(s, int) for s in gen.seeds):
-        problems.append("generation.seeds: must be a non-empty list of integers")
-    for dim in ("height", "width", "steps"):
-        v = getattr(gen, dim)
-        if not isinstance(v, int) or v <= 0:
-            problems.append(f"generation.{dim}: must be a positive integer, got {v!r}")
-    dev = str(card.runtime.get("device", "auto"))
-    if dev not in DEVICES and not dev.startswith("cuda:"):
-        problems.append(f"runtime.device: {dev!r} is not one of {DEVICES}")
-    dt = str(card.runtime.get("dtype", "auto"))
-    if dt not in DTYPES:
-        problems.append(f"runtime.dtype: {dt!r} is not one of {DTYPES}")
     return card, problems
 
 
@@ -376,6 +358,6 @@ def set_card_field(path: str | Path, key: str, value: Any) -> None:
 
 __all__ = [
     "CardError", "GateError", "ClassSpec", "Generation", "ModelCard",
-    "load_card", "gate_check", "gate_problems", "import_class", "expand_env",
+    "load_card", "parse_mapping", "apply_overrides", "override_key", "gate_check", "gate_problems", "import_class", "expand_env",
     "write_card", "set_card_field", "asdict",
 ]

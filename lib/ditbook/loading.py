@@ -49,9 +49,8 @@ def choose_placement(card: ModelCard | None = None, device: str | None = None, d
     arguments override (arguments win)."""
     import torch
 
-    runtime = card.runtime if card is not None else {}
-    dev = device or runtime.get("device") or "auto"
-    dt = dtype or runtime.get("dtype") or "auto"
+    dev = device or (card.runtime.device if card is not None else "auto")
+    dt = dtype or (card.runtime.dtype if card is not None else "auto")
     if dev == "auto":
         dev = "cuda" if torch.cuda.is_available() else "cpu"
     if dev.startswith("cuda") and not torch.cuda.is_available():

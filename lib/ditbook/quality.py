@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from .settings import Gates  # the gate type; its numbers are written in settings only
+
 PSNR_CAP = 100.0  # identical images: reported as this value rather than infinity
 
 
@@ -81,22 +83,6 @@ class QualityReport:
             v = d[k]
             d[k] = None if v is None or not math.isfinite(v) else round(float(v), 5)
         return d
-
-
-@dataclass
-class Gates:
-    psnr: float = 30.0
-    ssim: float = 0.90
-    # a tile may fall this far below the whole-image threshold before the image fails
-    tile_margin_db: float = 10.0
-
-    @classmethod
-    def from_dict(cls, d: dict | None, **defaults) -> "Gates":
-        base = cls(**defaults)
-        for k, v in (d or {}).items():
-            if hasattr(base, k):
-                setattr(base, k, float(v))
-        return base
 
 
 def is_blank(image, tol: float = 1e-3) -> bool:

@@ -132,7 +132,7 @@ def result_markdown(run_dir: str | Path) -> str:
                 "nothing was measured."]
         return "\n".join(out) + "\n"
     rows = res.get("summary") or summary_rows(res)
-    rec = res.get("recommendation") or recommend(rows).to_dict()
+    rec = res.get("recommendation") or recommend(rows, res.get("gates")).to_dict()
     out += ["", "## Summary", "", markdown_table(rows), ""]
     out += ["Speedups are end to end against the baseline measured in the same process (rows "
             "'measured here'); rows from the cache and parallel stages carry the figures those stages recorded.", ""]
@@ -225,7 +225,7 @@ def report_html(run_dir: str | Path) -> str:
         parts.append(table_html([], ["name", "family", "speedup"], "summary-table"))
     else:
         rows = res.get("summary") or summary_rows(res)
-        rec = res.get("recommendation") or recommend(rows).to_dict()
+        rec = res.get("recommendation") or recommend(rows, res.get("gates")).to_dict()
         parts.append(table_html(rows, ["name", "family", "source", "nproc", "speedup", "e2e_ms", "psnr_min",
                                         "ssim_min", "passed"], "summary-table"))
         parts.append("<ul>" + "".join(f"<li>{html.escape(x)}</li>" for x in timing_lines(res)) + "</ul>")

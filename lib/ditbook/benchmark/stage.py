@@ -28,7 +28,7 @@ import numpy as np
 
 from .inputs import StageInputs, cache_rows, parallel_rows, residual_series
 from ..quality import Gates, compare_sets
-from .summary import gates_for_family, recommend, summary_rows
+from .summary import family_gates, gates_dict, gates_for_family, recommend, summary_rows
 from ..configuration import Config
 from .measure import BenchmarkReport, benchmark
 
@@ -40,24 +40,19 @@ def _slug(name: str) -> str:
 
 
 def resolve_knobs(card, warmup=None, repeats=None, peak_tflops=None, max_cases=None) -> dict:
-    """The notebook's knobs, falling back to the card's ``benchmark`` section, then defaults:
-    ``warmup`` 1, ``repeats`` 3, ``peak_tflops`` None (known devices fill it in), ``max_cases`` all,
-    ``configs`` (diffusers hook specs) none."""
+    """The notebook's knobs, falling back to the card's typed ``benchmark`` section (whose
+    defaults are in ``ditbook.settings.BenchmarkSettings``)."""
     b = card.benchmark
-    pick = lambda v, key, default: v if v is not None else b.get(key, default)  # noqa: E731
-    return {"warmup": int(pick(warmup, "warmup", 1)), "repeats": int(pick(repeats, "repeats", 3)),
-            "peak_tflops": pick(peak_tflops, "peak_tflops", None), "max_cases": pick(max_cases, "max_cases", None),
-            "configs": list(b.get("configs") or [])}
+    pick = lambda v, default: v if v is not None else default  # noqa: E731
+    return {"warmup": int(pick(warmup, b.warmup)), "repeats": int(pick(repeats, b.repeats)),
+            "peak_tflops": pick(peak_tflops, b.peak_tflops), "max_cases": pick(max_cases, b.max_cases),
+            "configs": list(b.configs)}
 
 
 def gate_overrides(card) -> dict:
-    """Per-family gates from the card: ``benchmark.gates: {cache: {psnr: 30, ssim: 0.9}, parallel:
-    {...}}``; a flat ``cache.gates: {psnr, ssim}`` counts for the cache family."""
-    out = dict(card.benchmark.get("gates") or {})
-    flat = card.cache.get("gates")
-    if isinstance(flat, dict) and "cache" not in out:
-        out["cache"] = flat
-    return out
+    """Per-family gates from the card: ``cache.gates`` for cache and cache+parallel rows,
+    ``parallel.gates`` for parallel rows (``summary.family_gates``)."""
+    return family_gates(card)
 
 
 def measure(ctx, pipe, configs: list[Config], *, warmup: int = 1, repeats: int = 3,
@@ -77,9 +72,8 @@ def measure(ctx, pipe, configs: list[Config], *, warmup: int = 1, repeats: int =
     gate_map = gate_overrides(ctx.card)
 
     def gates_for(cfg: Config) -> Gates:
-        if cfg.gates:
-            return Gates.from_dict(cfg.gates)
-        return gates_for_family(cfg.family, gate_map)
+        family = gates_for_family(cfg.family, gate_map)
+        return Gates.from_dict(cfg.gates, **family.to_dict()) if cfg.gates else family
 
     return benchmark(pipe, configs, render, todo, warmup=warmup, repeats=repeats, peak_tflops=peak_tflops,
                      steps=ctx.card.generation.steps, gates_for=gates_for, progress=progress, log=log)
@@ -135,6 +129,7 @@ def save(ctx, report: BenchmarkReport, inputs: StageInputs,
     results["residual_changes"] = series
     results["images"] = images
     results["summary"] = summary_rows(results)
+    results["gates"] = gates_dict(gate_overrides(ctx.card))
     results["recommendation"] = recommend(results["summary"], gate_overrides(ctx.card)).to_dict()
     ctx.run.write_results(STAGE, results)
     return results
@@ -149,7 +144,7 @@ def make_figures(run, results: dict | None = None) -> dict:
     d = run.stage_dir(STAGE)
     rows = results.get("summary") or summary_rows(results)
     plots = {}
-    cache_gate = gates_for_family("cache")
+    cache_gate = gates_for_family("cache", results.get("gates"))
     plots["tradeoff_psnr"] = plot_tradeoff(rows, "psnr_min", d / "plots" / "tradeoff_psnr.png", cache_gate.psnr)
     plots["tradeoff_ssim"] = plot_tradeoff(rows, "ssim_min", d / "plots" / "tradeoff_ssim.png", cache_gate.ssim)
     if results.get("residual_changes"):

@@ -5,21 +5,39 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..quality import Gates
-
-# peers' gates (DESIGN.md): cache against the baseline, parallel against one process
-DEFAULT_GATES = {"cache": Gates(psnr=30.0, ssim=0.90), "parallel": Gates(psnr=35.0, ssim=0.90),
-                 "cache+parallel": Gates(psnr=30.0, ssim=0.90)}
-# a speedup below this is within the run-to-run spread of a CPU benchmark: not worth shipping
-MIN_USEFUL_SPEEDUP = 1.05
+from ..settings import FAMILY_SECTION, MIN_USEFUL_SPEEDUP, SECTIONS, Gates
 
 COLUMNS = ("name", "family", "source", "nproc", "speedup", "e2e_ms", "psnr_min", "ssim_min", "passed")
 
 
-def gates_for_family(family: str, overrides: dict | None = None) -> Gates:
+def family_gates(card=None) -> dict[str, Gates]:
+    """The gates of each benchmark family, from the card's sections that judge quality (the
+    settings' defaults without a card): cache and cache+parallel rows by ``cache.gates``,
+    parallel rows by ``parallel.gates``."""
+    return {fam: (getattr(card, sec) if card is not None else SECTIONS[sec]()).gates
+            for fam, sec in FAMILY_SECTION.items()}
+
+
+def gates_for_family(family: str, gates: dict | None = None) -> Gates:
+    """A family's gates from ``family_gates`` (or a mapping like it, whose values may be Gates
+    or ``{psnr, ssim}`` mappings over the defaults); a sub-family (``cache/dbcache``) takes its
+    family's gates."""
     fam = family.split("/")[0]
-    base = DEFAULT_GATES.get(fam, DEFAULT_GATES["cache"])
-    return Gates.from_dict((overrides or {}).get(fam), psnr=base.psnr, ssim=base.ssim)
+    defaults = family_gates()
+    base = defaults.get(fam, defaults["cache"])
+    g = (gates or {}).get(fam)
+    if g is None:
+        return base
+    return g if isinstance(g, Gates) else Gates.from_dict(g, **base.to_dict())
+
+
+def gates_dict(gates: dict | None = None) -> dict:
+    """``{family: {psnr, ssim, tile_margin_db}}`` of the gates in force (for results.json)."""
+    return {fam: gates_for_family(fam, gates).to_dict() for fam in FAMILY_SECTION}
+
+
+def _gates_text(gates: dict | None) -> str:
+    return "; ".join(f"{fam} {gates_for_family(fam, gates).describe()}" for fam in FAMILY_SECTION)
 
 
 def summary_rows(results: dict) -> list[dict]:
@@ -79,14 +97,15 @@ class Recommendation:
                 "rejected": self.rejected}
 
 
-def recommend(rows: list[dict], gate_overrides: dict | None = None) -> Recommendation:
-    """The fastest configuration that passes its family's gates and beats the baseline by more
-    than the noise; the baseline otherwise. Faster ones that were rejected are listed with why."""
+def recommend(rows: list[dict], gates: dict | None = None) -> Recommendation:
+    """The fastest configuration that passes its family's gates (``family_gates(card)``; the
+    settings' defaults when None) and beats the baseline by more than the noise; the baseline
+    otherwise. Faster ones that were rejected are listed with why. The reason names the gates."""
     candidates, rejected = [], []
     for r in rows:
         if r.get("family") == "baseline" or r.get("speedup") is None:
             continue
-        g = gates_for_family(str(r.get("family")), gate_overrides)
+        g = gates_for_family(str(r.get("family")), gates)
         p, s = r.get("psnr_min"), r.get("ssim_min")
         why = []
         if r.get("error"):
@@ -110,7 +129,7 @@ def recommend(rows: list[dict], gate_overrides: dict | None = None) -> Recommend
         choice = ("baseline", "baseline", 1.0)
         faster = [(r, w) for r, w in rejected]
     else:
-        g = gates_for_family(best["family"], gate_overrides)
+        g = gates_for_family(best["family"], gates)
         src = "measured in this process against the same-process baseline" if best.get("source") == "measured here" \
             else f"as recorded by the {best.get('source')}"
         reason = (f"{best['name']} ({best['family']}) is the fastest configuration that meets its gates: "
@@ -120,9 +139,10 @@ def recommend(rows: list[dict], gate_overrides: dict | None = None) -> Recommend
             reason += f", on {best['nproc']} processes"
         choice = (best["name"], best["family"], best["speedup"])
         faster = [(r, w) for r, w in rejected if (r.get("speedup") or 0) > best["speedup"]]
+    reason += f" (gates: {_gates_text(gates)})"
     rej = [f"{r['name']} ({_fmt(r.get('speedup'), 2)}×): {w}" for r, w in faster]
     return Recommendation(choice[0], choice[1], choice[2], reason, rej)
 
 
-__all__ = ["DEFAULT_GATES", "gates_for_family", "summary_rows", "markdown_table", "Recommendation", "recommend",
+__all__ = ["family_gates", "gates_for_family", "gates_dict", "summary_rows", "markdown_table", "Recommendation", "recommend",
            "MIN_USEFUL_SPEEDUP"]

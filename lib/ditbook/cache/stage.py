@@ -4,13 +4,11 @@
 generated module to ``cache/adapter_<model>.py``); then ``noise_floor``, ``adapter_checks``,
 ``calibrate``, ``tune``, ``choose``, ``reproduce`` and ``write_results``. Calibration cases are
 the card's prompts x seeds, compared with the intake baseline; held-out cases are
-``generation.holdout_prompts`` / ``holdout_seeds`` (or the seeds shifted by 1000), compared with
+``generation.holdout_prompts`` / ``holdout_seeds`` (or the seeds shifted by ``cache.holdout_shift``), compared with
 an uncached render made here.
 
-Card knobs (``cache:`` section, all optional): ``gates`` ({psnr, ssim, tile_margin_db}),
-``strategies`` (names to run; default all registered), ``max_configs`` (per strategy, default
-all of its grid), ``confirm_tries`` (held-out confirmations per strategy, default 3),
-``holdout_shift`` (default 1000), ``reproduce_tolerance`` (default 1e-5).
+Card knobs: the typed ``cache:`` section (``ditbook.settings.CacheSettings``): ``gates``,
+``strategies``, ``max_configs``, ``confirm_tries``, ``holdout_shift``, ``reproduce_tolerance``.
 """
 
 from __future__ import annotations
@@ -31,13 +29,12 @@ from .verify import StrategyResult, counted_render, disabled_check, evaluate, ma
 
 
 def gates_from_card(card) -> Gates:
-    c = card.cache or {}
-    return Gates.from_dict(c.get("gates") or {k: c[k] for k in ("psnr", "ssim") if k in c})
+    return card.cache.gates
 
 
 def holdout_cases(card) -> tuple[list[str], list[int]]:
     gen = card.generation
-    shift = int((card.cache or {}).get("holdout_shift", 1000))
+    shift = card.cache.holdout_shift
     prompts = list(gen.holdout_prompts or gen.prompts)
     seeds = list(gen.holdout_seeds or [s + shift for s in gen.seeds])
     return prompts, seeds
@@ -78,7 +75,7 @@ class CacheSession:
     reproduction: dict = field(default_factory=dict)
     only: list | None = None  # strategy names to run (None: the card's list, else all)
     max_configs: int | None = None  # per strategy (None: the card's, else the whole grid)
-    confirm_tries: int = 3  # held-out confirmations per strategy, walking down from the most saved
+    confirm_tries: int | None = None  # held-out confirmations per strategy (None: card.cache.confirm_tries)
 
     # -- setup ---------------------------------------------------------------------------
     @classmethod
@@ -94,7 +91,7 @@ class CacheSession:
         return self.ctx.card
 
     def strategy_names(self) -> list[str]:
-        wanted = self.only or (self.card.cache or {}).get("strategies") or strategies.names()
+        wanted = self.only or self.card.cache.strategies or strategies.names()
         return [n for n in wanted if n in strategies.names()]
 
     def runnable(self) -> list[str]:
@@ -118,7 +115,7 @@ class CacheSession:
     def adapter_checks(self) -> list[dict]:
         """Every runnable strategy with caching turned off must reproduce the baseline."""
         gen = self.card.generation
-        tol = float((self.card.cache or {}).get("reproduce_tolerance", 1e-5))
+        tol = self.card.cache.reproduce_tolerance
         self.checks = [disabled_check(self.pipe, self.card, self.adapter, n, self.baseline, self.baseline_counts,
                                       self.gates, gen.prompts, gen.seeds, tol) for n in self.runnable()]
         return self.checks
@@ -155,8 +152,8 @@ class CacheSession:
         """Search every runnable strategy's grid on the calibration cases; confirm the best
         passing configuration of each family on the held-out cases."""
         gen = self.card.generation
-        limit = self.max_configs or (self.card.cache or {}).get("max_configs")
-        self.confirm_tries = int((self.card.cache or {}).get("confirm_tries", self.confirm_tries))
+        limit = self.max_configs or self.card.cache.max_configs
+        self.confirm_tries = self.confirm_tries or self.card.cache.confirm_tries
         hp, hs = holdout_cases(self.card)
         for name in self.runnable():
             strat = strategies.get(name)
@@ -260,7 +257,7 @@ class CacheSession:
                                  "stderr_tail": proc.stderr[-2000:]}
         else:
             out = json.loads(lines[-1])
-            tol = float((self.card.cache or {}).get("reproduce_tolerance", 1e-5))
+            tol = self.card.cache.reproduce_tolerance
             out.update(ran=True, ok=out["max_abs"] <= tol, tolerance=tol)
             self.reproduction = out
         return self.reproduction
@@ -271,7 +268,7 @@ class CacheSession:
         res = {
             "adapter": self.adapter.info.to_dict(),
             "adapter_module": adapter_rel,
-            "gates": {"psnr": self.gates.psnr, "ssim": self.gates.ssim, "tile_margin_db": self.gates.tile_margin_db},
+            "gates": self.gates.to_dict(),
             "noise_floor": self.floor,
             "adapter_checks": self.checks,
             "skipped_strategies": self.skipped,

@@ -121,8 +121,10 @@ def noise_floor(pipe, card, adapter, intake: dict, gates: Gates, other_backend: 
 
 
 def disabled_check(pipe, card, adapter, name: str, references: dict, baseline_counts: dict, gates: Gates,
-                   prompts, seeds, tolerance: float = 1e-5) -> dict:
-    """The strategy with caching turned off by its threshold must reproduce the baseline."""
+                   prompts, seeds, tolerance: float | None = None) -> dict:
+    """The strategy with caching turned off by its threshold must reproduce the baseline
+    (within ``tolerance``, default the card's ``cache.reproduce_tolerance``)."""
+    tolerance = card.cache.reproduce_tolerance if tolerance is None else tolerance
     strat = strategies.get(name)
     cfg = strat.disabled(adapter, card.generation.steps)
     if cfg is None:

@@ -6,13 +6,22 @@ Its hash is computed from that content only (no timestamps, no paths), so the sa
 card give the same hash on every run, and any change to the model that changes the plan
 invalidates an earlier approval.
 
-``check_approval(card, run)`` is what ``StageContext.require_approved_plan()`` calls.
+The approved hash covers what the reviewer approves: the plan, the acceptance gates (the card's
+``cache.gates`` and ``parallel.gates`` after its overrides) and the weights' identity
+(``weights_identity``: every file of the saved model by relative path, size and a digest of
+its bytes — the whole file up to ``FULL_HASH_LIMIT``, sampled chunks above; no mtimes, so a
+fresh clone or copy of the same weights keeps the approval).
+
+``check_approval(card, run)`` is what ``StageContext.require_approved_plan()`` calls: it also
+refuses a run whose gates are looser than the approved ones (``-p cache.gates.psnr=5``) and a
+model folder whose files changed since the plan was made, each with ``ApprovalError`` naming why.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 from .code_surface import CodeSurface
@@ -25,11 +34,78 @@ class ApprovalError(RuntimeError):
 PLAN_JSON = "plan.json"
 PLAN_MD = "plan.md"
 STAGE = "inspect"
-DEFAULT_GATES = {
-    "cache": {"psnr_db_min": 30.0, "ssim_min": 0.90, "speedup_min": 1.0},
-    "parallel": {"psnr_db_min": 35.0, "ssim_min": 0.90},
-    "always": ["no NaN/Inf", "no blank image", "worst-tile PSNR reported beside the mean"],
-}
+FULL_HASH_LIMIT = 64 << 20  # files up to this size are hashed whole; larger ones by samples
+SAMPLE_CHUNKS, SAMPLE_BYTES = 16, 1 << 20
+
+
+def _file_digest(path: Path, size: int) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        if size <= FULL_HASH_LIMIT:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        else:  # evenly spaced chunks, first and last included: retrained or swapped weights change them
+            for i in range(SAMPLE_CHUNKS):
+                f.seek((size - SAMPLE_BYTES) * i // (SAMPLE_CHUNKS - 1))
+                h.update(f.read(SAMPLE_BYTES))
+    return h.hexdigest()[:16]
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".msgpack", ".onnx")
+
+
+def _walk(root: Path):
+    for base, dirs, names in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d != "__pycache__")
+        for name in sorted(names):
+            if not name.startswith(".") and not name.endswith(".pyc"):
+                yield Path(base) / name
+
+
+def _model_files(folder: Path) -> list[Path]:
+    """A saved pipeline: ``model_index.json``, the other files beside it and every file of the
+    components it lists. Any other folder: its weight files (by suffix), wherever they are."""
+    index = folder / "model_index.json"
+    if not index.is_file():
+        return [p for p in _walk(folder) if p.name.endswith(WEIGHT_SUFFIXES)]
+    try:
+        entries = json.loads(index.read_text())
+    except ValueError:
+        entries = {}
+    comps = [k for k, v in entries.items() if not k.startswith("_") and isinstance(v, list) and v and v[0] is not None]
+    files = [p for p in sorted(folder.iterdir()) if p.is_file() and not p.name.startswith(".")]
+    for c in comps:
+        if (folder / c).is_dir():
+            files += list(_walk(folder / c))
+    return files
+
+
+def weights_identity(folder, exclude=()) -> dict | None:
+    """``{"files": {relative path: [size, digest]}, "digest": ...}`` of the model's files (see
+    ``_model_files``; no run folders, bytecode caches or hidden files) without the ``exclude``
+    paths (the card, which ``ditbook approve`` writes, when it lives there); None without a folder."""
+    if folder is None or not Path(folder).is_dir():
+        return None
+    folder = Path(folder)
+    skip = {Path(p).resolve() for p in exclude if p}
+    files = {}
+    for p in _model_files(folder):
+        if p.resolve() in skip:
+            continue
+        size = p.stat().st_size
+        files[p.relative_to(folder).as_posix()] = [size, _file_digest(p, size)]
+    blob = json.dumps(files, sort_keys=True).encode()
+    return {"files": files, "digest": hashlib.sha256(blob).hexdigest()[:16]}
+
+
+def acceptance_gates(card) -> dict:
+    """The gates the later stages apply, from the card's typed sections (settings' defaults
+    without a card)."""
+    from ..settings import ALWAYS_CHECKED, SECTIONS
+
+    sec = lambda name: getattr(card, name) if card is not None else SECTIONS[name]()  # noqa: E731
+    return {"cache": sec("cache").gates.to_dict(), "parallel": sec("parallel").gates.to_dict(),
+            "always": list(ALWAYS_CHECKED)}
 
 
 def plan_hash(plan: dict) -> str:
@@ -137,9 +213,7 @@ def build_plan(report: ArchReport, surface: CodeSurface | None, card) -> dict:
     for a in sup.agreement:
         if "DISAGREE" in a or "differ" in a:
             risks.append(_risk("cache_dit_disagreement", "medium", a, "read both; trust the traced call"))
-    gates = json.loads(json.dumps(DEFAULT_GATES))
-    for k, v in (card.inspect.get("gates") or {}).items() if card is not None else []:
-        gates.setdefault(k, {}).update(v)
+    gates = acceptance_gates(card)
     plan = {
         "model": card.name if card is not None else None,
         "transformer_class": report.transformer_class,
@@ -157,6 +231,7 @@ def build_plan(report: ArchReport, surface: CodeSurface | None, card) -> dict:
         "parallel_candidates": parallel,
         "risks": risks,
         "acceptance_gates": gates,
+        "weights": weights_identity(card.path, [card.card_path]) if card is not None else None,
         "code_surface": ({"counts": surface.counts, "total": surface.total,
                           "port_estimate_lines": surface.port_estimate_lines,
                           "port_estimate_reason": surface.port_estimate_reason} if surface is not None else None),
@@ -199,10 +274,15 @@ def render_plan_md(plan: dict) -> str:
     out += ["", "## Risks", "", "| risk | severity | what | mitigation |", "|---|---|---|---|"]
     out += [f"| {r['id']} | {r['severity']} | {r['text']} | {r['mitigation']} |" for r in plan["risks"]]
     g = plan["acceptance_gates"]
+    gate = lambda d: (f"PSNR > {d['psnr']:g} dB and SSIM > {d['ssim']:g}, every tile PSNR > "  # noqa: E731
+                      f"{d['psnr'] - d['tile_margin_db']:g} dB")
     out += ["", "## Acceptance gates", "",
-            f"- cache: PSNR > {g['cache']['psnr_db_min']} dB and SSIM > {g['cache']['ssim_min']} against the intake baseline",
-            f"- parallel: PSNR > {g['parallel']['psnr_db_min']} dB and SSIM > {g['parallel']['ssim_min']} against the single-process baseline",
+            f"- cache (`cache.gates`): {gate(g['cache'])} against the intake baseline",
+            f"- parallel (`parallel.gates`): {gate(g['parallel'])} against the single-process run of the same launch",
             "- always: " + ", ".join(g["always"])]
+    w = plan.get("weights")
+    out += ["", "## Weights", "", (f"{len(w['files'])} files, {sum(s for s, _ in w['files'].values()):,} bytes, "
+                                   f"digest `{w['digest']}` (a change needs a new approval)") if w else "no model folder"]
     cs = plan.get("code_surface")
     if cs:
         out += ["", "## Code surface", "", "| category | lines |", "|---|---|"] + [f"| {k} | {v} |" for k, v in cs["counts"].items()]
@@ -263,7 +343,49 @@ def check_approval(card, run) -> dict:
         what = "has no approved plan" if not card.approved_plan else f"approves plan {card.approved_plan}"
         raise ApprovalError(f"{card.card_path} {what}, but the current plan ({path}) has hash {plan['hash']}; "
                             f"review it and run: {approve_command(card)}")
+    again = (f"run the inspect stage again (ditbook run {card.card_path} --stages inspect) and approve the "
+             f"new plan: {approve_command(card)}")
+    looser = gates_looser_than_approved(card, plan)
+    if looser:
+        raise ApprovalError(f"the gates of this run are looser than the approved plan {plan['hash']}'s: "
+                            f"{'; '.join(looser)}; {again}")
+    changed = weights_changed(card, plan)
+    if changed:
+        raise ApprovalError(f"the model's weights changed since plan {plan['hash']} was approved "
+                            f"({card.path}: {', '.join(changed[:5])}{' ...' if len(changed) > 5 else ''}); {again}")
     return plan
+
+
+def gates_looser_than_approved(card, plan: dict) -> list[str]:
+    """``section.gates.field old -> new`` for each gate this card (with its overrides) sets
+    looser than the approved plan's; stricter gates are within the approval."""
+    from ..settings import GATED_SECTIONS, Gates
+
+    approved = plan.get("acceptance_gates") or {}
+    out = []
+    for sec in GATED_SECTIONS:
+        if not isinstance(approved.get(sec), dict):
+            out.append(f"{sec}.gates: not in the approved plan")
+            continue
+        try:
+            ref = Gates.from_dict(approved[sec])
+        except ValueError as exc:
+            out.append(f"{sec}.gates: the approved plan's gates are not readable ({exc})")
+            continue
+        out += [f"{sec}.gates.{x}" for x in getattr(card, sec).gates.looser_than(ref)]
+    return out
+
+
+def weights_changed(card, plan: dict) -> list[str]:
+    """Files of the model folder added, removed or changed since the plan was made."""
+    then = (plan.get("weights") or {}).get("files")
+    now = (weights_identity(card.path, [card.card_path]) or {}).get("files")
+    if then is None and now is None:
+        return []
+    if then is None or now is None:
+        return ["the model folder " + ("is gone" if now is None else "was not recorded in the plan")]
+    return ([f"{f} added" for f in sorted(set(now) - set(then))] + [f"{f} removed" for f in sorted(set(then) - set(now))]
+            + [f"{f} changed" for f in sorted(set(now) & set(then)) if list(now[f]) != list(then[f])])
 
 
 def approve(card, plan_path: str | Path) -> str:

@@ -39,8 +39,8 @@ def source_paths(pipe) -> list[str]:
 
 def inspect_knobs(card, steps: int | None = None, size: int | None = None) -> tuple[int, int | None]:
     """Trace steps and size: arguments, else the card's ``inspect`` section, else 2 steps at the card's size."""
-    steps = steps or int(card.inspect.get("trace_steps", 2))
-    size = size or card.inspect.get("trace_size")
+    steps = steps or card.inspect.trace_steps
+    size = size or card.inspect.trace_size
     return steps, (int(size) if size else None)
 
 

@@ -7,8 +7,9 @@ and kills the whole group after that; a failing rank makes torchrun end the othe
 
 ``run_plans`` is the entry point for the stage and for the benchmark stage: it launches the
 single-process baseline and the plans in one torchrun (so every figure comes from the same
-processes), compares each plan's images with the baseline's (PSNR > 35 dB, SSIM > 0.90, worst
-tile) and returns one ``PlanResult`` per plan with its seconds and speedup.
+processes), compares each plan's images with the baseline's (the card's ``parallel.gates``; a
++cache plan also against the uncached baseline with ``cache.gates``) and returns one
+``PlanResult`` per plan with its seconds and speedup.
 """
 
 from __future__ import annotations
@@ -27,8 +28,6 @@ import numpy as np
 
 from ..quality import Gates, compare_sets
 from .plans import parse_plan
-
-PARALLEL_GATES = Gates(psnr=35.0, ssim=0.90)
 
 
 class ParallelRunError(RuntimeError):
@@ -65,6 +64,7 @@ class PlanResult:
     baseline_quality: dict | None = None  # against the uncached baseline, for +cache plans
     details: dict = field(default_factory=dict)  # cp plan source, cfg stats, cache agreement, attention
     error: str | None = None
+    gates: dict = field(default_factory=dict)  # the gates that judged it (quality), and the cache gates (baseline_quality)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -182,8 +182,15 @@ def _kill_group(proc: subprocess.Popen) -> None:
             continue
 
 
-def judge(result: LaunchResult, plans: list[str], gates: Gates = PARALLEL_GATES) -> list[PlanResult]:
-    """Compare each plan with its single-process reference from the same launch."""
+def judge(result: LaunchResult, plans: list[str], gates: Gates | None = None,
+          cache_gates: Gates | None = None) -> list[PlanResult]:
+    """Compare each plan with its single-process reference from the same launch, with ``gates``
+    (a card's ``parallel.gates``); a +cache plan also with the uncached baseline, with
+    ``cache_gates`` (a card's ``cache.gates``). None: the settings' defaults."""
+    from ..settings import CacheSettings, ParallelSettings
+
+    gates = gates or ParallelSettings().gates
+    cache_gates = cache_gates or CacheSettings().gates
     out = []
     base = result.images("single") if "single" in result.worker["plans"] else None
     base_s = result.worker["plans"].get("single", {}).get("median_seconds")
@@ -200,11 +207,12 @@ def judge(result: LaunchResult, plans: list[str], gates: Gates = PARALLEL_GATES)
         details = {k: v for k, v in entry.items() if k not in ("images", "seconds", "median_seconds", "world_size")}
         details["reference_seconds"] = ref_s
         details["baseline_seconds"] = base_s
-        bq = compare_sets(result.images(name), base, Gates(psnr=30.0, ssim=0.90)).to_dict() \
+        bq = compare_sets(result.images(name), base, cache_gates).to_dict() \
             if spec.cache and base is not None else None
         out.append(PlanResult(name=name, world_size=spec.world_size, passed=q.passed, quality=q.to_dict(),
                               seconds=s, speedup=(ref_s / s) if ref_s and s else None, reference=ref_name,
-                              baseline_quality=bq, details=details))
+                              baseline_quality=bq, details=details,
+                              gates={"quality": gates.to_dict(), "baseline_quality": cache_gates.to_dict()}))
     return out
 
 
@@ -214,9 +222,10 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def run_plans(card: str | Path, plans: list[str], nproc: int, out_dir: str | Path, *, gates: Gates = PARALLEL_GATES,
-              **launch_opts) -> tuple[list[PlanResult], LaunchResult]:
-    """Launch the baseline(s) and ``plans`` together and judge each plan against its baseline.
+def run_plans(card: str | Path, plans: list[str], nproc: int, out_dir: str | Path, *, gates: Gates | None = None,
+              cache_gates: Gates | None = None, **launch_opts) -> tuple[list[PlanResult], LaunchResult]:
+    """Launch the baseline(s) and ``plans`` together and judge each plan against its baseline,
+    with the card's ``parallel.gates`` and ``cache.gates`` (after its overrides) unless given.
 
     This is what the benchmark stage calls to time a plan: ``PlanResult.seconds`` is the median
     seconds per image (after ``warmup`` renders), ``speedup`` the ratio to the single-process
@@ -231,4 +240,9 @@ def run_plans(card: str | Path, plans: list[str], nproc: int, out_dir: str | Pat
     result = launch(card, todo, nproc, out_dir, **launch_opts)
     if not result.worker:  # a node other than node 0: its ranks ran, node 0 judges
         return [], result
-    return judge(result, plans, gates), result
+    if gates is None or cache_gates is None:
+        from ..card import load_card
+
+        c = load_card(card, launch_opts.get("overrides"))
+        gates, cache_gates = gates or c.parallel.gates, cache_gates or c.cache.gates
+    return judge(result, plans, gates, cache_gates), result

@@ -71,7 +71,8 @@ def run_stage_plans(ctx, report, plans: list[str], nproc: int, gqa: dict | None,
     kind = report.attention.kind if report.attention.kind in ("joint", "cross", "self") else None
     gqa_path = (gqa or {}).get("faster") or "enable_gqa"
     return run_plans(ctx.card.card_path, plans, nproc, ctx.dir, overrides=ctx.overrides, timeout=timeout,
-                     cfg_style=cfg_style, attention_kind=kind, gqa_path=gqa_path)
+                     cfg_style=cfg_style, attention_kind=kind, gqa_path=gqa_path,
+                     gates=ctx.card.parallel.gates, cache_gates=ctx.card.cache.gates)
 
 
 def stage_results(table: FeasibilityTable, results, launch, gqa: dict | None, not_run: list[dict],

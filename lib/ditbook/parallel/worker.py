@@ -209,8 +209,8 @@ def run(args) -> int:
     try:
         for name in args.plans.split(","):
             spec = parse_plan(name)
-            if spec.cache and "cache" not in spec.options and card.parallel.get("cache"):
-                spec = type(spec)(**{**spec.__dict__, "options": {"cache": card.parallel["cache"]}})
+            if spec.cache and "cache" not in spec.options and card.parallel.cache:
+                spec = type(spec)(**{**spec.__dict__, "options": {"cache": card.parallel.cache}})
             if spec.world_size not in (1, world):
                 raise RuntimeError(f"plan {name} needs {spec.world_size} processes, this run has {world}")
             # a world-size-1 plan (the baseline) runs replicated on every rank: collectives that
