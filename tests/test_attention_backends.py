@@ -1,0 +1,176 @@
+"""The attention backend picker: a wrong backend that is fastest is rejected, the pick is undone
+exactly, and a model that calls SDPA itself is declared not applicable."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ditbook.benchmark.attention_backends import (applicability, apply_backend, backend_config, measure_backends,
+                                                  output_agreement)
+
+
+def tiny_flux():
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(0)
+    tr = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
+                                num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=16,
+                                guidance_embeds=False, axes_dims_rope=(4, 6, 6)).eval()
+    g = torch.Generator().manual_seed(1)
+    kw = dict(hidden_states=torch.randn(1, 64, 16, generator=g), encoder_hidden_states=torch.randn(1, 8, 32, generator=g),
+              pooled_projections=torch.randn(1, 16, generator=g), timestep=torch.tensor([0.5]),
+              img_ids=torch.zeros(64, 3), txt_ids=torch.zeros(8, 3))
+    return tr, (lambda: tr(**kw))
+
+
+@pytest.fixture
+def registry(monkeypatch):
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+
+    return AttentionBackendName, _AttentionBackendRegistry, monkeypatch
+
+
+def _state(tr):
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    return [m.processor._attention_backend for m in tr.modules() if hasattr(getattr(m, "processor", None),
+                                                                            "_attention_backend")], \
+        _AttentionBackendRegistry._active_backend
+
+
+class VirtualClock:
+    now = 0.0
+
+    def mark(self):
+        return self.now
+
+    def sync(self):
+        pass
+
+    def seconds(self, a, b):
+        return b - a
+
+
+@pytest.mark.parametrize("wrong", ["zeros", "swapped_heads"])
+def test_fastest_wrong_backend_is_rejected(registry, wrong):
+    names, reg, mp = registry
+    real_native = reg._backends[names.NATIVE]
+    real_math = reg._backends[names._NATIVE_MATH]
+
+    clock = VirtualClock()  # the shared CPU is too noisy to rank by wall time: costs are declared
+
+    def slow_native(**kw):  # the honest backend, costing 10 units per call
+        clock.now += 10
+        return real_native(**kw)
+
+    def fake(**kw):  # a "fast" backend (1 unit) whose output is wrong
+        clock.now += 1
+        if wrong == "zeros":
+            return torch.zeros_like(kw["query"])
+        return real_math(**kw).flip(2)  # (batch, seq, heads, dim): heads swapped
+
+    mp.setitem(reg._backends, names.NATIVE, slow_native)
+    mp.setitem(reg._backends, names._NATIVE_MATH, fake)
+    tr, call = tiny_flux()
+    before = _state(tr)
+    table = measure_backends(tr, call, backends=["native", "_native_math"], warmup=1, repeats=3,
+                             clock=clock, log=lambda m: None)
+    fake_row, native_row = table.row("_native_math"), table.row("native")
+    assert fake_row.median_s < native_row.median_s  # it IS measured fastest ...
+    assert fake_row.status == "rejected" and "attention output differs" in fake_row.reason  # ... and refused
+    assert fake_row.kernel_psnr < table.min_kernel_psnr
+    assert table.pick == "native" and native_row.status == "correct"
+    assert table.pick_over_fastest == 1.0
+    assert _state(tr) == before  # measuring leaves every processor and the registry as it found them
+
+
+def test_backend_that_raises_is_marked_with_its_reason(registry):
+    names, reg, mp = registry
+
+    def broken(**kw):
+        raise RuntimeError("kernel exploded")
+
+    mp.setitem(reg._backends, names._NATIVE_MATH, broken)
+    tr, call = tiny_flux()
+    table = measure_backends(tr, call, backends=["native", "_native_math", "_native_cudnn"], warmup=1, repeats=2,
+                             log=lambda m: None)
+    assert table.row("_native_math").status == "error" and "kernel exploded" in table.row("_native_math").reason
+    # fp32 on the CPU: diffusers' own constraint refuses cuDNN before anything runs
+    assert table.row("_native_cudnn").status == "unavailable" and "bfloat16" in table.row("_native_cudnn").reason
+    assert table.pick == "native"
+
+
+def test_pick_is_applied_and_undone_exactly():
+    tr, call = tiny_flux()
+    with torch.inference_mode():
+        ref = call().sample.clone()
+    procs, active = _state(tr)
+    assert all(p is None for p in procs)
+    undo = apply_backend(tr, "_native_math")
+    procs_on, active_on = _state(tr)
+    assert all(str(getattr(p, "value", p)) == "_native_math" for p in procs_on) and procs_on
+    assert str(getattr(active_on, "value", active_on)) == "_native_math"  # diffusers sets it process-wide too
+    undo()
+    procs_after, active_after = _state(tr)
+    assert procs_after == procs and active_after is active
+    with torch.inference_mode():
+        assert torch.equal(call().sample, ref)
+    # the same through the benchmark configuration
+    cfg = backend_config("_native_math")
+    pipe = type("P", (), {"transformer": tr})()
+    undo = cfg.apply(pipe)
+    assert _state(tr)[0] != procs
+    undo()
+    assert _state(tr) == (procs, active)
+
+
+class DirectSdpaAttention(torch.nn.Module):
+    def __init__(self, dim=16, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+
+    def forward(self, x):
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, d)
+
+
+class DirectModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([DirectSdpaAttention() for _ in range(2)])
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = x + b(x)
+        return x
+
+
+def test_model_calling_sdpa_directly_is_not_applicable():
+    m = DirectModel()
+    ok, why = applicability(m)
+    assert not ok and why.startswith("not applicable: the model calls SDPA directly")
+    x = torch.randn(1, 8, 16)
+    # heads come from the inspection report for such models; without dispatch nothing is measured
+    from ditbook.inspect.report import ArchReport, AttentionFacts
+
+    rep = ArchReport("DirectModel", None, 0, attention=AttentionFacts(heads=2, kv_heads=2, head_dim=8))
+    table = measure_backends(m, lambda: m(x), report=rep, log=lambda s: None)
+    assert not table.applicable and table.rows == [] and table.pick is None
+    with pytest.raises(ValueError, match="not applicable"):
+        apply_backend(m, "native")
+    tr, _ = tiny_flux()
+    assert applicability(tr)[0]
+
+
+def test_output_agreement_sees_small_and_large_differences():
+    ref = torch.linspace(-1, 1, 1000)
+    assert output_agreement(ref + 1e-4, ref).passes(30.0)
+    assert not output_agreement(torch.zeros_like(ref), ref).passes(30.0)
+    assert not output_agreement(ref.flip(0), ref).passes(30.0)
+    bad = ref.clone()
+    bad[3] = float("nan")
+    assert not output_agreement(bad, ref).passes(30.0)
