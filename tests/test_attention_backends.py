@@ -154,12 +154,9 @@ def test_model_calling_sdpa_directly_is_not_applicable():
     ok, why = applicability(m)
     assert not ok and why.startswith("not applicable: the model calls SDPA directly")
     x = torch.randn(1, 8, 16)
-    # heads come from the inspection report for such models; without dispatch nothing is measured
-    from ditbook.inspect.report import ArchReport, AttentionFacts
-
-    rep = ArchReport("DirectModel", None, 0, attention=AttentionFacts(heads=2, kv_heads=2, head_dim=8))
-    table = measure_backends(m, lambda: m(x), report=rep, log=lambda s: None)
-    assert not table.applicable and table.rows == [] and table.pick is None
+    calls = []
+    table = measure_backends(m, lambda: calls.append(1) or m(x), log=lambda s: None)
+    assert not table.applicable and not calls and table.rows == [] and table.pick is None
     with pytest.raises(ValueError, match="not applicable"):
         apply_backend(m, "native")
     tr, _ = tiny_flux()

@@ -288,8 +288,13 @@ def measure_backends(transformer, call: Callable[[], Any], *, report=None, backe
     a GPU, ``perf_counter`` on the CPU)."""
     p = next(transformer.parameters())
     device, dtype = p.device, p.dtype
-    heads, kv_heads, head_dim = model_heads(transformer, report)
     ok, why = applicability(transformer)
+    try:
+        heads, kv_heads, head_dim = model_heads(transformer, report)
+    except ValueError:
+        if ok:
+            raise
+        heads = kv_heads = head_dim = 0  # not applicable: nothing is measured at these shapes
     if seq_len is None and report is not None and report.attention.image_seq_len:
         seq_len = report.attention.image_seq_len + (report.attention.text_seq_len or 0)
     seq_len = int(seq_len or 256)

@@ -113,7 +113,8 @@ def compiled_config(cfg, *, backend: str = "inductor", mode: str | None = None, 
     from ..configuration import Config
     from ..hooks import wrap_method
 
-    stats: dict = {"backend": backend, "mode": mode, "fullgraph": fullgraph}
+    stats: dict = {"backend": backend if isinstance(backend, str) else type(backend).__name__, "mode": mode,
+                   "fullgraph": fullgraph}
 
     def apply(pipe):
         undo_cfg = cfg.apply(pipe)
