@@ -171,3 +171,54 @@ def test_output_agreement_sees_small_and_large_differences():
     bad = ref.clone()
     bad[3] = float("nan")
     assert not output_agreement(bad, ref).passes(30.0)
+
+
+def test_thirdparty_gqa_model_is_declared_not_applicable():
+    """The shipped third-party GQA transformer calls SDPA itself: no backend is measured or set."""
+    from pathlib import Path
+
+    from ditbook.card import import_class
+
+    src = Path(__file__).resolve().parents[1] / "models" / "thirdparty_gqa" / "transformer_gqa.py"
+    third = import_class(str(src), "GQATransformer2DModel")()
+    ok, why = applicability(third)
+    assert not ok and why.startswith("not applicable: the model calls SDPA directly") and "blocks.0" in why
+
+
+def test_benchmark_stage_rows_for_the_pick_and_compiled_twins(tmp_path):
+    """The stage's derived configurations on the reference model, through the real harness: the
+    backend table is written, the compiled baseline twin records its compile cost and passes
+    the gates (eager compile changes nothing), and the pipeline is left as it was."""
+    from types import SimpleNamespace
+
+    from ditbook.benchmark.measure import benchmark
+    from ditbook.benchmark.variants import BACKENDS_FILE, derived_configs
+    from ditbook.card import load_card
+    from ditbook.loading import load_pipeline
+    from ditbook.render import call_kwargs, cases, make_generator, to_image
+    from pathlib import Path
+
+    card = load_card(Path(__file__).resolve().parents[1] / "models" / "reference.yaml",
+                     {"generation.steps": 2, "generation.prompts": ["a red circle on the left"], "generation.seeds": [0]})
+    pipe = load_pipeline(card)
+    ctx = SimpleNamespace(card=card, run=SimpleNamespace(stage_dir=lambda name: tmp_path / name))
+    torch._dynamo.reset()
+    before = _state(pipe.transformer)
+    configs, table = derived_configs(ctx, pipe, [], compile="eager", attention_backend="auto", log=lambda m: None,
+                                     backends=["native", "_native_math"], warmup=1, repeats=2)
+    assert (tmp_path / "benchmark" / BACKENDS_FILE).is_file() and table["applicable"] and table["pick"]
+    assert _state(pipe.transformer) == before
+    names = [c.name for c in configs]
+    assert "baseline+compile" in names
+    # the pick (if not the default) gets a row and a compiled twin
+    assert len(names) == (1 if table["pick"] == table["default"] else 3)
+    kwargs = call_kwargs(pipe, card)
+    render = lambda p, s: to_image(pipe(prompt=p, generator=make_generator(s), **kwargs))  # noqa: E731
+    rep = benchmark(pipe, [c for c in configs if c.name == "baseline+compile"], render, cases(card), warmup=0,
+                    repeats=1, count_flops=False)
+    row = rep.configs[0]
+    assert row.error is None and row.quality["passed"], row.error
+    stats = row.params["compile"]
+    assert stats["method"] == "compile_repeated_blocks" and stats["regions"] > 0 and stats["compile_s"] is not None
+    assert not any("_compiled_call_impl" in m.__dict__ for m in pipe.transformer.modules())
+    assert _state(pipe.transformer) == before

@@ -39,15 +39,18 @@ def _slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_") or "config"
 
 
-def resolve_knobs(card, warmup=None, repeats=None, peak_tflops=None, max_cases=None) -> dict:
+def resolve_knobs(card, warmup=None, repeats=None, peak_tflops=None, max_cases=None, compile=None,
+                  attention_backend=None) -> dict:
     """The notebook's knobs, falling back to the card's ``benchmark`` section, then defaults:
     ``warmup`` 1, ``repeats`` 3, ``peak_tflops`` None (known devices fill it in), ``max_cases`` all,
-    ``configs`` (diffusers hook specs) none."""
+    ``configs`` (diffusers hook specs) none, ``compile`` off and ``attention_backend`` off (see
+    :mod:`ditbook.benchmark.variants`)."""
     b = card.benchmark
     pick = lambda v, key, default: v if v is not None else b.get(key, default)  # noqa: E731
     return {"warmup": int(pick(warmup, "warmup", 1)), "repeats": int(pick(repeats, "repeats", 3)),
             "peak_tflops": pick(peak_tflops, "peak_tflops", None), "max_cases": pick(max_cases, "max_cases", None),
-            "configs": list(b.get("configs") or [])}
+            "configs": list(b.get("configs") or []), "compile": pick(compile, "compile", False),
+            "attention_backend": pick(attention_backend, "attention_backend", None)}
 
 
 def gate_overrides(card) -> dict:
