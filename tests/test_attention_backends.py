@@ -82,7 +82,7 @@ def test_fastest_wrong_backend_is_rejected(registry, wrong):
     assert fake_row.status == "rejected" and "attention output differs" in fake_row.reason  # ... and refused
     assert fake_row.kernel_psnr < table.min_kernel_psnr
     assert table.pick == "native" and native_row.status == "correct"
-    assert table.pick_over_fastest == 1.0
+    assert table.pick_over_fastest == 1.0 and table.confirmed
     assert _state(tr) == before  # measuring leaves every processor and the registry as it found them
 
 
@@ -222,3 +222,43 @@ def test_benchmark_stage_rows_for_the_pick_and_compiled_twins(tmp_path):
     assert stats["method"] == "compile_repeated_blocks" and stats["regions"] > 0 and stats["compile_s"] is not None
     assert not any("_compiled_call_impl" in m.__dict__ for m in pipe.transformer.modules())
     assert _state(pipe.transformer) == before
+
+
+def test_pick_not_confirmed_by_the_second_round_is_not_applied(registry, tmp_path):
+    """Selection and confirmation disagree (a device whose timings drift): the pick is marked not
+    confirmed, and the benchmark stage adds no backend row, saying why."""
+    from types import SimpleNamespace
+
+    from ditbook.benchmark import variants
+
+    names, reg, mp = registry
+    real_native, real_math = reg._backends[names.NATIVE], reg._backends[names._NATIVE_MATH]
+    clock, phase = VirtualClock(), {"confirming": False}
+
+    def native(**kw):  # cheap while selecting, 10x dearer while confirming
+        clock.now += 100 if phase["confirming"] else 1
+        return real_native(**kw)
+
+    def math(**kw):
+        clock.now += 10
+        return real_math(**kw)
+
+    mp.setitem(reg._backends, names.NATIVE, native)
+    mp.setitem(reg._backends, names._NATIVE_MATH, math)
+    tr, call = tiny_flux()
+
+    def log(msg):
+        if "selection picks" in msg:
+            phase["confirming"] = True
+
+    table = measure_backends(tr, call, backends=["native", "_native_math"], warmup=1, repeats=3, clock=clock, log=log)
+    assert table.pick == "native" and table.fastest_confirmed == "_native_math"
+    assert table.pick_over_fastest > 1.03 and not table.confirmed
+    # the stage's wiring refuses to add it
+    mp.setattr(variants, "measure_pipeline_backends", lambda pipe, run, **kw: table)
+    ctx = SimpleNamespace(card=None, run=SimpleNamespace(stage_dir=lambda name: tmp_path / name))
+    mp.setattr("ditbook.render.cases", lambda card: [("k", "p", 0)])
+    mp.setattr("ditbook.render.call_kwargs", lambda pipe, card: {})
+    said = []
+    added, data = variants.attention_backend_configs(ctx, SimpleNamespace(transformer=tr), "auto", log=said.append)
+    assert added == [] and data["confirmed"] is False and "not stable enough" in said[-1]

@@ -249,6 +249,8 @@ class BackendTable:
     fastest_confirmed: str | None = None  # fastest correct backend in the confirmation round
     pick_over_fastest: float | None = None  # confirmation time of the pick / of the fastest
     speedup_vs_default: float | None = None  # confirmation time of the default / of the pick
+    confirm_tolerance: float = 0.03  # the pick must be within this of the confirmation's fastest
+    confirmed: bool = False  # the confirmation round agrees with the pick (else nothing is applied)
     noise_floor: dict | None = None  # the default backend run twice
     gqa: dict | None = None  # GQA paths (SDPA enable_gqa vs repeated K/V) where the model has GQA
 
@@ -280,12 +282,15 @@ def measure_backends(transformer, call: Callable[[], Any], *, report=None, backe
                      warmup: int = 2, repeats: int = 5, confirm_repeats: int | None = None,
                      min_psnr: float = DEFAULT_OUTPUT_PSNR, min_kernel_psnr: float = DEFAULT_KERNEL_PSNR,
                      seq_len: int | None = None, allow_hub: bool = False, gqa: bool = True,
-                     clock: Clock | None = None, log: Callable[[str], None] = print) -> BackendTable:
+                     confirm_tolerance: float = 0.03, clock: Clock | None = None, log: Callable[[str], None] = print) -> BackendTable:
     """Time ``call()`` (one transformer call) under each backend diffusers offers here, check each
     output against the default backend's, pick the fastest correct one (not applied).
 
     ``clock``: anything with ``mark()``, ``sync()`` and ``seconds(a, b)`` (default: CUDA events on
-    a GPU, ``perf_counter`` on the CPU)."""
+    a GPU, ``perf_counter`` on the CPU). The pick is ``confirmed`` only when the independent
+    confirmation round finds it within ``confirm_tolerance`` of the fastest correct backend;
+    otherwise the timings disagree (a noisy device) and :mod:`ditbook.benchmark.variants` applies
+    nothing, naming the reason."""
     p = next(transformer.parameters())
     device, dtype = p.device, p.dtype
     ok, why = applicability(transformer)
@@ -299,7 +304,8 @@ def measure_backends(transformer, call: Callable[[], Any], *, report=None, backe
         seq_len = report.attention.image_seq_len + (report.attention.text_seq_len or 0)
     seq_len = int(seq_len or 256)
     table = BackendTable(str(device), str(dtype).replace("torch.", ""), heads, kv_heads, head_dim, ok, why,
-                         default_backend(), min_psnr, min_kernel_psnr, seq_len)
+                         default_backend(), min_psnr, min_kernel_psnr, seq_len,
+                         confirm_tolerance=confirm_tolerance)
     if not ok:
         log(f"attention backends: {why}")
         return table
@@ -361,6 +367,7 @@ def measure_backends(transformer, call: Callable[[], Any], *, report=None, backe
                 f"{'' if row.median_s is None else f'{row.median_s * 1e3:9.3f} ms'} {row.reason}")
         if runnable:
             table.pick = min(runnable, key=lambda n: table.row(n).median_s)
+            log(f"attention backends: selection picks {table.pick}; confirming")
             # an independent, interleaved confirmation round: is the pick still the fastest?
             rounds = confirm_repeats if confirm_repeats is not None else repeats
             times: dict[str, list[float]] = {n: [] for n in runnable}
@@ -380,13 +387,14 @@ def measure_backends(transformer, call: Callable[[], Any], *, report=None, backe
             table.pick_over_fastest = round(conf[table.pick] / conf[table.fastest_confirmed], 4)
             if table.default in conf:
                 table.speedup_vs_default = round(conf[table.default] / conf[table.pick], 4)
+            table.confirmed = table.pick_over_fastest <= 1.0 + confirm_tolerance
     if gqa and kv_heads != heads:
         from ..parallel.attention import time_gqa
 
         table.gqa = time_gqa(heads, kv_heads, head_dim, 1024, device=str(device), dtype=table.dtype,
                              repeats=repeats, warmup=warmup).to_dict()
     log(f"attention backends: pick {table.pick} (confirmation: fastest {table.fastest_confirmed}, "
-        f"pick/fastest {table.pick_over_fastest})")
+        f"pick/fastest {table.pick_over_fastest}, {'confirmed' if table.confirmed else 'NOT confirmed'})")
     return table
 
 

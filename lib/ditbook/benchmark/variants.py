@@ -4,7 +4,8 @@
   backends diffusers' dispatcher offers on this device on the pipeline's first transformer call
   (:mod:`ditbook.benchmark.attention_backends`), writes the table to
   ``benchmark/attention_backends.json`` and adds the fastest correct backend as a configuration
-  (family ``attention``), so it is timed end to end and its images judged like every other row;
+  (family ``attention``), so it is timed end to end and its images judged like every other row —
+  only when an independent confirmation round agrees with the pick (within 3%);
   a backend name adds that backend without the table; None/false: off;
 - ``compile`` (card ``benchmark.compile``): each configuration, the baseline included, is
   measured a second time compiled (regional, :mod:`ditbook.benchmark.compiled`), with its
@@ -43,6 +44,11 @@ def attention_backend_configs(ctx, pipe, setting, *, log: Callable[[str], None] 
     path.write_text(json.dumps(data, indent=2, default=str) + "\n")
     if not table.applicable:
         log(f"attention backend: {table.reason}")
+        return [], data
+    if table.pick is not None and not table.confirmed:
+        log(f"attention backend: not applied: the confirmation round puts the pick {table.pick} at "
+            f"{table.pick_over_fastest}x the fastest ({table.fastest_confirmed}), beyond "
+            f"{table.confirm_tolerance:.0%}: timings on this device are not stable enough to choose")
         return [], data
     if table.pick is None or table.pick == table.default:
         log(f"attention backend: the default ({table.default}) is the fastest correct one; nothing to add")
