@@ -30,12 +30,12 @@ from ditbook.quality import compare
 from ditbook.timing import time_pipeline
 
 
-def _image(fp) -> "object":
+def _image(fp):
     with torch.inference_mode():
         return fp(seed=0).images[0].float().clamp(0, 1).permute(1, 2, 0).cpu().numpy()
 
 
-def _row(fp, cfg: Config, warmup: int, repeats: int, reference) -> dict:
+def _row(fp, cfg: Config, warmup: int, repeats: int, reference) -> tuple[dict, object]:
     undo = cfg.apply(fp.pipe)
     try:
         t0 = time.perf_counter()
