@@ -262,3 +262,17 @@ def test_pick_not_confirmed_by_the_second_round_is_not_applied(registry, tmp_pat
     said = []
     added, data = variants.attention_backend_configs(ctx, SimpleNamespace(transformer=tr), "auto", log=said.append)
     assert added == [] and data["confirmed"] is False and "not stable enough" in said[-1]
+
+
+def test_gqa_shapes_from_the_inspection_reach_the_kernel_check():
+    """With the inspection's GQA facts (fewer key/value heads), each backend's attention check runs
+    grouped-query inputs, and the GQA paths (enable_gqa vs repeated K/V) are timed beside."""
+    from ditbook.inspect.report import ArchReport, AttentionFacts
+
+    tr, call = tiny_flux()
+    rep = ArchReport("T", None, 0, attention=AttentionFacts(heads=2, kv_heads=1, head_dim=16, image_seq_len=24,
+                                                              text_seq_len=8))
+    table = measure_backends(tr, call, report=rep, backends=["native"], warmup=1, repeats=1, log=lambda m: None)
+    assert (table.heads, table.kv_heads, table.kernel_seq_len) == (2, 1, 32)
+    assert table.row("native").kernel_psnr == 200.0  # the default against itself, on GQA inputs
+    assert set(table.gqa["seconds"]) == {"enable_gqa", "repeat_interleave"} and table.gqa["seq_len"] == 32

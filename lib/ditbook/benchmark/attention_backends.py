@@ -96,6 +96,14 @@ def default_backend() -> str:
     return getattr(active, "value", str(active))
 
 
+def _backend_in_effect(transformer) -> str:
+    """The backend this model's processors use now: one set on all of them, else the registry's."""
+    current = {getattr(p._attention_backend, "value", p._attention_backend) for _, p in dispatch_processors(transformer)}
+    if len(current) == 1 and None not in current:
+        return str(next(iter(current)))
+    return default_backend()
+
+
 def sample_qkv(heads: int, kv_heads: int, head_dim: int, device, dtype, seq_len: int = 16, seed: int = 0):
     """Random query/key/value in the dispatcher's layout (batch, seq, heads, head_dim)."""
     g = torch.Generator().manual_seed(seed)
@@ -304,7 +312,7 @@ def measure_backends(transformer, call: Callable[[], Any], *, report=None, backe
         seq_len = report.attention.image_seq_len + (report.attention.text_seq_len or 0)
     seq_len = int(seq_len or 256)
     table = BackendTable(str(device), str(dtype).replace("torch.", ""), heads, kv_heads, head_dim, ok, why,
-                         default_backend(), min_psnr, min_kernel_psnr, seq_len,
+                         _backend_in_effect(transformer), min_psnr, min_kernel_psnr, seq_len,
                          confirm_tolerance=confirm_tolerance)
     if not ok:
         log(f"attention backends: {why}")
@@ -391,7 +399,7 @@ def measure_backends(transformer, call: Callable[[], Any], *, report=None, backe
     if gqa and kv_heads != heads:
         from ..parallel.attention import time_gqa
 
-        table.gqa = time_gqa(heads, kv_heads, head_dim, 1024, device=str(device), dtype=table.dtype,
+        table.gqa = time_gqa(heads, kv_heads, head_dim, seq_len, device=str(device), dtype=table.dtype,
                              repeats=repeats, warmup=warmup).to_dict()
     log(f"attention backends: pick {table.pick} (confirmation: fastest {table.fastest_confirmed}, "
         f"pick/fastest {table.pick_over_fastest}, {'confirmed' if table.confirmed else 'NOT confirmed'})")
