@@ -392,9 +392,11 @@ def measure_backends(transformer, call: Callable[[], Any], *, report=None, backe
                 table.row(name).confirm_median_s = statistics.median(times[name])
             conf = {n: table.row(n).confirm_median_s for n in runnable}
             table.fastest_confirmed = min(conf, key=conf.get)
-            table.pick_over_fastest = round(conf[table.pick] / conf[table.fastest_confirmed], 4)
+            fastest = conf[table.fastest_confirmed]
+            table.pick_over_fastest = round(conf[table.pick] / fastest, 4) if fastest > 0 else 1.0
             if table.default in conf:
-                table.speedup_vs_default = round(conf[table.default] / conf[table.pick], 4)
+                table.speedup_vs_default = round(conf[table.default] / conf[table.pick], 4) if conf[table.pick] > 0 \
+                    else None
             table.confirmed = table.pick_over_fastest <= 1.0 + confirm_tolerance
     if gqa and kv_heads != heads:
         from ..parallel.attention import time_gqa
