@@ -144,3 +144,26 @@ def test_compile_options():
         compile_options({"backend": "eager", "turbo": 1})
     with pytest.raises(ValueError):
         compile_options(3)
+
+
+def test_cache_stage_measures_the_chosen_configuration_compiled(tmp_path):
+    """The cache stage's compiled check on the third-party tiny model (its block lists, no
+    ``_repeated_blocks``): same images as uncompiled, times and compile cost recorded, everything
+    undone; with no chosen configuration it says so instead."""
+    from ditbook.cache import strategies
+    from test_cache import prepared_run, session_for, tiny_card
+
+    card = tiny_card(tmp_path)
+    run, pipe, report = prepared_run(card, tmp_path / "outputs")
+    s = session_for(card, run, pipe, report)
+    assert s.compiled_check("eager") == {"ran": False, "reason": "no configuration passed on held-out cases"}
+    strat = strategies.get("dbcache")
+    s.chosen = {"name": "dbcache", "family": strat.family, "config": strat.config_dict(strat.Config(Fn=1, threshold=0.08, max_warmup_steps=1))}
+    counting = CountingBackend()
+    out = s.compiled_check(counting)
+    assert counting.graphs >= 1 and counting.runs > 0  # the blocks really ran compiled
+    assert out["ok"] and out["quality"]["passed"] and out["method"] == "block lists: blocks" and out["regions"] > 0
+    assert out["compiled_s"] > 0 and out["eager_s"] > 0 and out["compile_s"] >= 0
+    assert not any("_compiled_call_impl" in m.__dict__ for m in pipe.transformer.modules())
+    assert "forward" not in pipe.transformer.__dict__
+    assert s.write_results()["compiled"]["ok"]
