@@ -167,3 +167,13 @@ def test_cache_stage_measures_the_chosen_configuration_compiled(tmp_path):
     assert not any("_compiled_call_impl" in m.__dict__ for m in pipe.transformer.modules())
     assert "forward" not in pipe.transformer.__dict__
     assert s.write_results()["compiled"]["ok"]
+
+
+def test_compile_cost_estimate_is_not_fooled_by_cheap_cached_steps():
+    from ditbook.benchmark.compiled import CompileProbe
+
+    probe = CompileProbe(calls=7, cuda=False)
+    probe.times = [5.0, 1.0, 0.1, 1.0, 0.1, 1.0, 10.0]  # compile, computed/cached steps, one recompile
+    s = probe.summary()
+    assert s["compile_s"] == 4.0 and s["steady_call_s"] == 1.0 and s["slow_later_calls"] == 1
+    assert CompileProbe(calls=3, cuda=False).summary()["compile_s"] is None
