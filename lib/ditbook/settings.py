@@ -126,6 +126,22 @@ def optional(inner: Check) -> Check:
     return check
 
 
+def compile_choice() -> Check:
+    """``compile``: off (false/null), true (inductor), a torch.compile backend name, or a mapping of
+    ``ditbook.benchmark.compiled.compiled_config`` keywords."""
+    allowed = {"backend", "mode", "fullgraph", "dynamic", "probe_calls"}
+
+    def check(v):
+        if v is None or isinstance(v, (bool, str)):
+            return v, None
+        if isinstance(v, dict):
+            bad = sorted(set(v) - allowed)
+            return (v, f"unknown keys {bad} (allowed: {sorted(allowed)})") if bad else (dict(v), None)
+        return v, f"must be a bool, a backend name or a mapping, {_got(v)}"
+    check.kind = "bool, backend name or mapping"
+    return check
+
+
 def setting(default=MISSING, check: Check | None = None, doc: str = "", factory=MISSING):
     meta = {"check": check, "doc": doc}
     if factory is not MISSING:
@@ -218,6 +234,7 @@ class CacheSettings:
     confirm_tries: int = setting(3, integer(1), "held-out confirmations per strategy")
     holdout_shift: int = setting(1000, integer(), "held-out seeds are the seeds plus this (without holdout_seeds)")
     reproduce_tolerance: float = setting(1e-5, number(0.0), "max abs difference of the generated module's rerun")
+    compile: bool | str | None = setting(None, compile_choice(), "also measure the chosen configuration compiled (regional): true or a backend name")
 
 
 @dataclass
@@ -239,6 +256,8 @@ class BenchmarkSettings:
     peak_tflops: float | None = setting(None, optional(number(0.0)), "device dense peak TFLOP/s (null: known devices)")
     max_cases: int | None = setting(None, optional(integer(1)), "prompt x seed cases per configuration (null: all)")
     configs: list[dict] = setting(check=list_of(mapping()), factory=list, doc="extra diffusers hook configurations")
+    compile: bool | str | dict | None = setting(None, compile_choice(), "also measure every configuration compiled (regional), with its compile cost")
+    attention_backend: str | None = setting(None, optional(text()), "auto: measure diffusers' attention backends and add the fastest correct one; or a backend name")
 
 
 SECTIONS: dict[str, type] = {
@@ -247,7 +266,10 @@ SECTIONS: dict[str, type] = {
 }
 # sections holding quality gates; the benchmark's families and the section whose gates judge them
 GATED_SECTIONS = ("cache", "parallel")
-FAMILY_SECTION = {"cache": "cache", "parallel": "parallel", "cache+parallel": "cache"}
+# which section's gates judge a benchmark family: configurations that must not change the result
+# (parallel plans, compiled blocks, another attention backend) by the parallel gates
+FAMILY_SECTION = {"cache": "cache", "parallel": "parallel", "cache+parallel": "cache", "compile": "parallel",
+                  "attention": "parallel"}
 
 _HINTS = {
     "generation": "put other pipeline arguments under generation.extra",

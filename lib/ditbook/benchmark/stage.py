@@ -39,14 +39,17 @@ def _slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_") or "config"
 
 
-def resolve_knobs(card, warmup=None, repeats=None, peak_tflops=None, max_cases=None) -> dict:
+def resolve_knobs(card, warmup=None, repeats=None, peak_tflops=None, max_cases=None, compile=None,
+                  attention_backend=None) -> dict:
     """The notebook's knobs, falling back to the card's typed ``benchmark`` section (whose
-    defaults are in ``ditbook.settings.BenchmarkSettings``)."""
+    defaults are in ``ditbook.settings.BenchmarkSettings``); ``compile`` and ``attention_backend``
+    are read by :mod:`ditbook.benchmark.variants`."""
     b = card.benchmark
     pick = lambda v, default: v if v is not None else default  # noqa: E731
     return {"warmup": int(pick(warmup, b.warmup)), "repeats": int(pick(repeats, b.repeats)),
             "peak_tflops": pick(peak_tflops, b.peak_tflops), "max_cases": pick(max_cases, b.max_cases),
-            "configs": list(b.configs)}
+            "configs": list(b.configs), "compile": pick(compile, b.compile),
+            "attention_backend": pick(attention_backend, b.attention_backend)}
 
 
 def gate_overrides(card) -> dict:

@@ -76,6 +76,7 @@ class CacheSession:
     only: list | None = None  # strategy names to run (None: the card's list, else all)
     max_configs: int | None = None  # per strategy (None: the card's, else the whole grid)
     confirm_tries: int | None = None  # held-out confirmations per strategy (None: card.cache.confirm_tries)
+    compiled: dict = field(default_factory=dict)  # the chosen configuration compiled (compiled_check)
 
     # -- setup ---------------------------------------------------------------------------
     @classmethod
@@ -233,6 +234,59 @@ class CacheSession:
                  "psnr_min": r.quality["psnr_min"], "ssim_min": r.quality["ssim_min"]}
                 for r in self.results if r.split == "holdout" and r.passed and r.skipped_fraction >= min_skipped]
 
+    def compiled_check(self, backend="inductor") -> dict:
+        """The chosen configuration again with the repeated blocks compiled (regional,
+        ``ditbook.benchmark.compiled.compile_regions``): its images against the uncompiled ones
+        (parallel gates: compile must not change the result), its render time against the
+        uncompiled one, and the one-time compile cost (first compiled render minus the second)."""
+        import time
+
+        import torch
+
+        from ..benchmark.compiled import compile_regions
+        from ..quality import compare_sets
+        from .verify import render_set
+
+        if not self.chosen:
+            self.compiled = {"ran": False, "reason": "no configuration passed on held-out cases"}
+            return self.compiled
+        strat = strategies.get(self.chosen["name"])
+        gen = self.card.generation
+        render = lambda: render_set(self.pipe, self.card, gen.prompts, gen.seeds)  # noqa: E731
+        out: dict = {"ran": True, "name": self.chosen["name"],
+                     "backend": backend if isinstance(backend, str) else type(backend).__name__}
+        undo = strat.apply(self.pipe, self.adapter, strat.config(**self.chosen["config"]), steps=gen.steps)
+        try:
+            render()  # warm
+            t0 = time.perf_counter()
+            eager = render()
+            out["eager_s"] = round(time.perf_counter() - t0, 4)
+            torch._dynamo.reset()
+            undo_compile, out["method"], out["regions"] = compile_regions(self.pipe.transformer, backend=backend)
+            try:
+                t0 = time.perf_counter()
+                render()
+                first = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                images = render()
+                out["compiled_s"] = round(time.perf_counter() - t0, 4)
+            finally:
+                undo_compile()
+        except Exception as exc:  # recorded: compiling the chosen configuration is a finding, not a crash
+            out.update(ok=False, error=f"{type(exc).__name__}: {exc}")
+            self.compiled = out
+            return out
+        finally:
+            if undo is not None:
+                undo()
+        out["compile_s"] = round(max(0.0, first - out["compiled_s"]), 4)
+        out["speedup"] = round(out["eager_s"] / out["compiled_s"], 4) if out["compiled_s"] > 0 else None
+        q = compare_sets(images, eager, self.card.parallel.gates)  # compiling must not change the result
+        out["quality"] = {k: q.to_dict()[k] for k in ("psnr_min", "ssim_min", "max_abs", "passed")}
+        out["ok"] = bool(q.passed)
+        self.compiled = out
+        return out
+
     # -- the generated module, in a fresh process ------------------------------------------
     def reproduce(self, timeout: float = 600) -> dict:
         """Import the generated adapter module in a fresh Python process, rerun the chosen
@@ -281,6 +335,7 @@ class CacheSession:
             "chosen_detail": self.chosen,
             "passing_at_40pct": self.passing_at(0.4),
             "reproduction": self.reproduction,
+            "compiled": self.compiled or {"ran": False, "reason": "cache.compile is off"},
         }
         self.ctx.write_results(res)
         return res

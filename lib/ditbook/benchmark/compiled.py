@@ -1,0 +1,174 @@
+"""Configurations measured compiled: regional ``torch.compile`` of the transformer's repeated
+blocks on top of any configuration, with the one-time compile cost recorded beside its timing.
+
+Regional compilation is diffusers' ``ModelMixin.compile_repeated_blocks`` where the model class
+names its repeated blocks (``_repeated_blocks``), else ``nn.Module.compile`` of every block of the
+block lists the inspection finds (``ditbook.inspect.static.find_block_lists``) — the same rule as
+the parallel stage's ``+compile``. Both set each block's ``_compiled_call_impl``; the undo puts back
+exactly what every module of the transformer held before.
+
+``compiled_config(cfg)`` wraps a :class:`~ditbook.configuration.Config`: its ``apply`` first applies
+``cfg`` (a cache, an attention backend, ...), then compiles the blocks, then times the first
+``probe_calls`` transformer calls (synchronized): the one-time compile cost is the first call's
+time above the median of the others (a cache's cheap steps make a minimum too low); later calls
+far above that median are counted as ``slow_later_calls`` (recompiles).
+The figures land in ``params["compile"]`` (filled in place while the configuration runs, so the
+benchmark's result row carries them).
+
+Each apply resets dynamo's caches first (``torch._dynamo.reset()``, process-wide): every compiled
+configuration pays, and reports, its own compile cost, and no configuration can hit the
+recompile limit left by an earlier one (past it torch silently runs the blocks eagerly).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+_MISSING = object()
+
+
+def compile_regions(transformer, *, backend: str = "inductor", mode: str | None = None,
+                    fullgraph: bool = False, dynamic: bool | None = None) -> tuple[Callable[[], None], str, int]:
+    """Compile the transformer's repeated blocks in place; returns (undo, method, regions)."""
+    kwargs: dict[str, Any] = {"backend": backend, "fullgraph": fullgraph}
+    if mode is not None:
+        kwargs["mode"] = mode
+    if dynamic is not None:
+        kwargs["dynamic"] = dynamic
+    saved = [(m, m.__dict__.get("_compiled_call_impl", _MISSING)) for m in transformer.modules()]
+
+    def undo() -> None:
+        for m, before in saved:
+            if before is _MISSING:
+                m.__dict__.pop("_compiled_call_impl", None)
+            else:
+                m._compiled_call_impl = before
+
+    try:
+        if getattr(transformer, "_repeated_blocks", None) and hasattr(transformer, "compile_repeated_blocks"):
+            transformer.compile_repeated_blocks(**kwargs)
+            method = "compile_repeated_blocks"
+        else:
+            from ..inspect.static import find_block_lists
+
+            lists, _ = find_block_lists(transformer)
+            if not lists:
+                raise ValueError(f"{type(transformer).__name__} has no block lists to compile regionally")
+            for _, blocks in lists:
+                for block in blocks:
+                    block.compile(**kwargs)
+            method = "block lists: " + ", ".join(name for name, _ in lists)
+    except BaseException:
+        undo()
+        raise
+    regions = sum(1 for m, before in saved
+                  if m.__dict__.get("_compiled_call_impl") is not None and before in (_MISSING, None))
+    return undo, method, regions
+
+
+@dataclass
+class CompileProbe:
+    """Synchronized times of the first transformer calls after compiling."""
+
+    calls: int
+    cuda: bool
+
+    def __post_init__(self):
+        self.times: list[float] = []
+
+    def __call__(self, original, *args, **kwargs):
+        if len(self.times) >= self.calls:
+            return original(*args, **kwargs)
+        self._sync()
+        t0 = time.perf_counter()
+        out = original(*args, **kwargs)
+        self._sync()
+        self.times.append(time.perf_counter() - t0)
+        return out
+
+    def _sync(self):
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+
+    def summary(self) -> dict:
+        if not self.times:
+            return {"compile_s": None, "first_call_s": None, "steady_call_s": None, "probe_calls": 0}
+        rest = self.times[1:] or self.times
+        steady = statistics.median(rest)
+        return {"compile_s": round(max(0.0, self.times[0] - steady), 4), "first_call_s": round(self.times[0], 4),
+                "steady_call_s": round(steady, 5), "probe_calls": len(self.times),
+                # later calls far above the steady time: recompiles (their cost is not in compile_s)
+                "slow_later_calls": sum(1 for t in self.times[1:] if t > 3 * steady)}
+
+
+def compiled_config(cfg, *, backend: str = "inductor", mode: str | None = None, fullgraph: bool = False,
+                    dynamic: bool | None = None, probe_calls: int = 6, reset: bool = True):
+    """``cfg`` with its transformer blocks compiled (name ``<cfg.name>+compile``, same family and
+    gates; the bare baseline's twin is family ``compile``)."""
+    import torch
+
+    from ..configuration import Config
+    from ..hooks import wrap_method
+
+    stats: dict = {"backend": backend if isinstance(backend, str) else type(backend).__name__, "mode": mode,
+                   "fullgraph": fullgraph}
+
+    def apply(pipe):
+        undo_cfg = cfg.apply(pipe)
+        undo_compile = wrap = None
+        try:
+            if reset:
+                torch._dynamo.reset()
+            tr = pipe.transformer
+            t0 = time.perf_counter()
+            undo_compile, method, regions = compile_regions(tr, backend=backend, mode=mode, fullgraph=fullgraph,
+                                                            dynamic=dynamic)
+            stats.update(method=method, regions=regions, wrap_s=round(time.perf_counter() - t0, 4))
+            p = next(tr.parameters(), None)
+            probe = CompileProbe(probe_calls, p is not None and p.device.type == "cuda")
+            wrap = wrap_method(tr, "compile-cost-probe", probe)
+        except BaseException:
+            if undo_compile is not None:
+                undo_compile()
+            if undo_cfg is not None:
+                undo_cfg()
+            raise
+
+        def undo():
+            stats.update(probe.summary())
+            wrap.remove()
+            undo_compile()
+            if undo_cfg is not None:
+                undo_cfg()
+        return undo
+
+    family = "compile" if cfg.family == "baseline" else cfg.family
+    gates = cfg.gates  # None: the family's gates (compile alone: the parallel gates, see settings.FAMILY_SECTION)
+    return Config(f"{cfg.name}+compile", family, apply, params={**cfg.params, "compile": stats}, gates=gates,
+                  notes=(cfg.notes + "; " if cfg.notes else "") + "repeated blocks compiled (regional torch.compile)")
+
+
+def compile_options(value) -> dict | None:
+    """The benchmark section's ``compile`` key: false/None (off), true (inductor), a backend name,
+    or a mapping of ``compiled_config`` keywords (backend, mode, fullgraph, dynamic, probe_calls)."""
+    if not value:
+        return None
+    if value is True:
+        return {}
+    if isinstance(value, str):
+        return {"backend": value}
+    if isinstance(value, dict):
+        allowed = {"backend", "mode", "fullgraph", "dynamic", "probe_calls"}
+        bad = set(value) - allowed
+        if bad:
+            raise ValueError(f"benchmark.compile: unknown keys {sorted(bad)} (allowed: {sorted(allowed)})")
+        return dict(value)
+    raise ValueError(f"benchmark.compile: expected a bool, a backend name or a mapping, got {value!r}")
+
+
+__all__ = ["CompileProbe", "compile_options", "compile_regions", "compiled_config"]
