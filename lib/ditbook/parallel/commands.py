@@ -13,9 +13,13 @@ from pathlib import Path
 
 
 def refusal(card_path: str, plans: list[str], arch: str | None, overrides: dict) -> list[str]:
-    """Reasons the feasibility table gives against these plans (empty when none, or no report)."""
-    if not arch:
-        return []
+    """Reasons against these plans: ditbook's own refusals (``plans.refusal``), then the
+    feasibility table's (when a report is given)."""
+    from .plans import parse_plan as _parse, refusal as plan_refusal
+
+    refused = [f"{p}: not run — {plan_refusal(_parse(p))}" for p in plans if plan_refusal(_parse(p))]
+    if refused or not arch:
+        return refused
     from ..inspect.report import ArchReport
     from ..card import load_card
     from .feasibility import feasibility

@@ -1,0 +1,100 @@
+"""What each rank's blocks really received, and the check that a parallel plan split the
+sequence (parity alone cannot see a plan that splits nothing: every rank then computes the
+whole image, and the images agree at 100 dB).
+
+``BlockInputRecorder`` wraps every block of every block list (``ditbook.hooks``), installed
+*before* the plan's own hooks so that it sees what the block's forward gets after any split,
+and records per list the sequence length (dim 1) of each ``[B, S, ...]`` tensor argument.
+``check_sharding(record, expected, degree)`` raises ``ShardingError`` unless, on every rank,
+the image stream of every main block list had ``full // degree`` tokens in every block call.
+"""
+
+from __future__ import annotations
+
+from ..hooks import WrapError, wrap_method
+
+WRAP_NAME = "ditbook_sharding_record"
+
+
+class ShardingError(RuntimeError):
+    """A parallel plan's blocks did not run on ``full length / degree`` tokens (it split nothing,
+    split too late, or split twice)."""
+
+
+class BlockInputRecorder:
+    """Per block list: block calls, and for each argument the set of sequence lengths seen."""
+
+    def __init__(self, transformer, lists: list[str] | None = None):
+        from .cp_plan import block_lists
+
+        self.lists = lists if lists is not None else block_lists(transformer)
+        self.calls: dict[str, int] = {}
+        self.lengths: dict[str, dict[str, set[int]]] = {}
+        self.handles = []
+        for name in self.lists:
+            for block in transformer.get_submodule(name):
+                self.handles.append(wrap_method(block, WRAP_NAME, self._wrapper(name, block)))
+
+    def _wrapper(self, lname: str, block):
+        from .cp_plan import _tensors, bind_inputs
+
+        def record(original, *args, **kwargs):
+            self.calls[lname] = self.calls.get(lname, 0) + 1
+            per = self.lengths.setdefault(lname, {})
+            for param, value in bind_inputs(block, args, kwargs).items():
+                ts = _tensors(value)
+                if ts and len(ts) == 1 and ts[0].dim() == 3:
+                    per.setdefault(param, set()).add(int(ts[0].shape[1]))
+            return original(*args, **kwargs)
+        return record
+
+    def to_dict(self) -> dict:
+        """{list: {"calls": n, "seq_lens": {argument: [lengths]}}} for the lists that were called."""
+        return {n: {"calls": self.calls[n], "seq_lens": {p: sorted(v) for p, v in self.lengths.get(n, {}).items()}}
+                for n in self.lists if self.calls.get(n)}
+
+    def reset(self) -> None:
+        self.calls, self.lengths = {}, {}
+
+    def remove(self) -> None:
+        for h in self.handles:
+            try:
+                h.remove()
+            except WrapError:  # a plan's own hooks wrapped the block after us: it goes with the model
+                pass
+        self.handles = []
+
+
+def expected_lengths(trace, streams) -> dict[str, dict]:
+    """From an unsplit traced forward: per main block list, the image argument and its full length."""
+    out = {}
+    for name in streams.lists:
+        lt = trace.lists[name]
+        three = {k: v[0][1] for k, v in lt.inputs.items() if v and len(v) == 1 and len(v[0]) == 3}
+        param = max(three, key=three.get) if three else None
+        if param is not None:
+            out[name] = {"argument": param, "full": three[param]}
+    return out
+
+
+def check_sharding(ranks: list[dict], expected: dict[str, dict], degree: int) -> dict:
+    """``ranks``: each rank's ``BlockInputRecorder.to_dict()``. Returns a summary; raises
+    ``ShardingError`` when a main list's blocks did not get ``full // degree`` tokens on a rank."""
+    if not expected:
+        raise ShardingError("no block list with [batch, sequence, width] inputs to check the split on")
+    problems, seen = [], {}
+    for name, e in expected.items():
+        want = e["full"] // degree
+        if e["full"] % degree:
+            problems.append(f"'{name}': {e['full']} tokens do not divide by {degree}")
+        for r, rec in enumerate(ranks):
+            got = rec.get(name, {}).get("seq_lens", {}).get(e["argument"])
+            seen.setdefault(name, []).append(got)
+            if not got:
+                problems.append(f"rank {r}: the blocks of '{name}' never received '{e['argument']}'")
+            elif got != [want]:
+                problems.append(f"rank {r}: the blocks of '{name}' received '{e['argument']}' with {got} tokens, "
+                                f"expected {want} (= {e['full']} / {degree})")
+    if problems:
+        raise ShardingError("the plan did not split the blocks' sequence: " + "; ".join(problems))
+    return {"degree": degree, "expected": expected, "per_rank": seen}
