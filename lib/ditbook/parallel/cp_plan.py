@@ -456,7 +456,9 @@ def derive_cp_plan(transformer, args, kwargs, attention_kind: str | None = None,
                 # a second [B, S_img, .] stream (e.g. a skip input): split like the image
                 dims = [1]
             else:
-                dims = [next((d for d, L in enumerate(s) if L == s_img), None) for s in shapes]
+                # the position axis, never the last (feature) axis: a [B, D] embedding whose width
+                # happens to equal the token count is not a table of positions
+                dims = [next((d for d, L in enumerate(s[:-1]) if L == s_img), None) for s in shapes]
             if any(d is None for d in dims):
                 continue  # no image-length axis: the same on every rank (timestep embedding, ...)
             prod = _producer(tr, ids, before)

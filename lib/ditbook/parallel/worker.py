@@ -86,7 +86,7 @@ def apply_plan(pipe, card, spec, *, cfg_style: str | None, cp_plan_file: str | N
                gqa_path: str, out_dir: Path | None, heartbeat=None) -> dict:
     """Apply one plan to a freshly loaded pipeline on this rank; returns what was applied."""
     from .attention import route_attention
-    from .cache_sync import agree_cache_decisions, dbcache_config
+    from .cache_sync import agree_cache_decisions, dbcache_config, split_at_cached_units
     from .cfg import apply_cfg_parallel, detect_cfg_style
     from .cp_plan import capture_transformer_call, resolve_cp_plan, write_plan_code
 
@@ -118,31 +118,43 @@ def apply_plan(pipe, card, spec, *, cfg_style: str | None, cp_plan_file: str | N
         import cache_dit
 
         cache_cfg = dbcache_config(spec.options.get("cache")) if spec.cache else None
-        if cp_mesh is None:
+        target, info["cache_adapter"] = cache_target(pipe, card) if spec.cache else (pipe, None)
+        if cp_mesh is None and target is pipe:
             from cache_dit import ParallelismConfig
 
             pc = ParallelismConfig(ulysses_size=spec.ulysses if spec.ulysses > 1 else None,
                                    ring_size=spec.ring if spec.ring > 1 else None, cp_plan=cp.plan)
-            target, info["cache_adapter"] = cache_target(pipe, card) if spec.cache else (pipe, None)
-            cache_dit.enable_cache(target, cache_config=cache_cfg, parallelism_config=pc)
+            cache_dit.enable_cache(pipe, cache_config=cache_cfg, parallelism_config=pc)
         else:
-            # cfg x CP: the CP mesh is one slice of a (cfg, ring, ulysses) mesh, which cache-dit's
-            # public ParallelismConfig cannot take, so its runtime entry is called with that mesh.
+            # cfg x CP (the CP mesh is one slice of a (cfg, ring, ulysses) mesh, which cache-dit's
+            # public ParallelismConfig cannot take), or ditbook's cache adapter: the cache first,
+            # then cache-dit's runtime CP entry with an explicit mesh; splits at a block list's
+            # first block move onto cache-dit's cached unit of that list (cache_sync)
             from cache_dit.attention import _maybe_register_custom_attn_backends
             from cache_dit.distributed.core import _ContextParallelConfig, _enable_context_parallelism
+            from cache_dit.distributed.core._context_parallel import _apply_context_parallel
 
+            plan, units, unit_plans = cp.plan, {}, {}
+            if cache_cfg is not None:
+                cache_dit.enable_cache(target, cache_config=cache_cfg)
+                plan, units, unit_plans = split_at_cached_units(tr, cp.plan, cp.facts)
+                info["cp_split_at_cached_units"] = sorted(unit_plans)
+            if cp_mesh is None:
+                from torch.distributed.device_mesh import init_device_mesh
+
+                dev_type = "cuda" if str(tr.device).startswith("cuda") else "cpu"
+                cp_mesh = init_device_mesh(dev_type, (spec.ring, spec.ulysses), mesh_dim_names=("ring", "ulysses"))
             _maybe_register_custom_attn_backends()
             cpc = _ContextParallelConfig(ulysses_degree=spec.ulysses, ring_degree=spec.ring)
             cpc.setup(dist.get_rank(), dist.get_world_size(), tr.device, mesh=cp_mesh)
-            _enable_context_parallelism(tr, config=cpc, cp_plan=cp.plan)
+            _enable_context_parallelism(tr, config=cpc, cp_plan=plan)
+            for name, unit_plan in unit_plans.items():
+                _apply_context_parallel(units[name], cpc, unit_plan)
             if hasattr(tr, "set_attention_backend"):
                 try:
                     tr.set_attention_backend("native")
                 except Exception:  # noqa: BLE001 - models without diffusers attention
                     pass
-            if cache_cfg is not None:
-                target, info["cache_adapter"] = cache_target(pipe, card)
-                cache_dit.enable_cache(target, cache_config=cache_cfg)
         if spec.cache:
             info["cache_agreement"] = agree_cache_decisions(pipe)
     elif spec.cache:
@@ -163,6 +175,10 @@ def apply_plan(pipe, card, spec, *, cfg_style: str | None, cp_plan_file: str | N
     return info
 
 
+class CacheRefused(RuntimeError):
+    """A +cache plan on a model with no cache adapter (neither cache-dit's nor ditbook's)."""
+
+
 def cache_target(pipe, card):
     """What ``cache_dit.enable_cache`` is given: the pipeline where cache-dit registers an adapter
     for it, else ditbook's generated adapter (``cache.build_cache_adapter`` on an inspection of
@@ -175,6 +191,9 @@ def cache_target(pipe, card):
 
     report = run_inspection(pipe, card).report
     adapter = build_cache_adapter(pipe, report, card.name, prefer_registered=False)
+    if not adapter.info.block_lists:
+        raise CacheRefused(f"+cache: cache-dit has no adapter for {type(pipe).__name__} and the inspection found "
+                           f"no block list for ditbook's own adapter to cache")
     return adapter.block_adapter(), f"ditbook ({adapter.info.module_name})"
 
 
