@@ -129,7 +129,7 @@ def test_registered_planner_is_called_with_the_transformer():
             seen["transformer"] = transformer
             # a real planner reads the instance (its config, its modules): fails without it
             n = transformer.config.num_layers
-            return {f"blocks.0": {"hidden_states": ContextParallelInput(split_dim=1, expected_dims=3)},
+            return {"blocks.0": {"hidden_states": ContextParallelInput(split_dim=1, expected_dims=3)},
                     "norm_out": ContextParallelOutput(gather_dim=1, expected_dims=3), "_n": n}
 
     _ensure_cp_planners_activated()
@@ -171,11 +171,15 @@ def test_ulysses_with_cache_on_an_unregistered_model_uses_ditbooks_adapter(tmp_p
     ov = {"generation.steps": 6, "generation.prompts": ["a red circle"], "generation.seeds": [0],
           "runtime.device": "cpu", "runtime.dtype": "float32",
           "parallel.cache": {"residual_diff_threshold": 1.0, "max_warmup_steps": 1}}
-    results, _ = run_plans(card, ["ulysses2+cache"], 2, tmp_path / "run", overrides=ov, timeout=90)
-    (r,) = results
+    results, _ = run_plans(card, ["ulysses2+cache", "cfg2+cache"], 2, tmp_path / "run", overrides=ov, timeout=90)
+    r, c = results
     d = r.details
     assert d["cache_adapter"].startswith("ditbook"), d.get("cache_adapter")
     assert r.passed, (r.quality["reasons"], r.error)
     assert d["sharding"]["error"] is None
     assert d["sharding"]["check"]["per_rank"] == {"blocks": [[32], [32]]}  # 64 image tokens / 2
     assert d["cache_agreement"]["skips"] > 0 and d["cache_agreement"]["disagreements"] == 0
+    # cache together with CFG parallel: each rank caches its own branch
+    assert c.passed, c.quality["reasons"]
+    assert c.details["cache_adapter"].startswith("ditbook") and c.details["cached_steps"]
+    assert c.details["cfg_stats"]["exchanges"] > 0

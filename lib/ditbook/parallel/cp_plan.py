@@ -36,7 +36,6 @@ Derivation, in named steps (no model names anywhere):
 
 from __future__ import annotations
 
-import inspect
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +44,8 @@ from typing import Any
 import torch
 
 from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+
+from .sharding import _tensors, bind_inputs, block_lists, expected_lengths
 
 # names of a block's *parameters* (not of models): which token stream is which
 _IMAGE_NAMES = re.compile(r"^(hidden_states|x|img|image|latents?|h|tokens)$")
@@ -160,37 +161,9 @@ def capture_transformer_call(pipe, card, **render_overrides) -> tuple[tuple, dic
     return box["args"], box["kwargs"]
 
 
-def _tensors(value) -> list[torch.Tensor] | None:
-    """The tensor, or the tensors of a tuple/list of tensors (None entries skipped), else None."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)) and value and all(isinstance(v, torch.Tensor) or v is None for v in value):
-        return [v for v in value if v is not None]
-    if hasattr(value, "sample") and isinstance(getattr(value, "sample"), torch.Tensor):
-        return [value.sample]
-    return None
-
-
 def _shapes(value) -> list[list[int]] | None:
     ts = _tensors(value)
     return None if ts is None else [list(t.shape) for t in ts]
-
-
-def bind_inputs(module, args, kwargs) -> dict[str, Any]:
-    """A call's arguments by parameter name (positional ones bound through the signature)."""
-    try:
-        params = [p for p in inspect.signature(module.forward).parameters]
-    except (TypeError, ValueError):
-        params = []
-    named = {(params[i] if i < len(params) else f"arg{i}"): a for i, a in enumerate(args)}
-    named.update(kwargs)
-    return named
-
-
-def block_lists(transformer) -> list[str]:
-    """Names of every non-empty ``nn.ModuleList`` of the transformer, outermost first (which of
-    them the forward really calls as blocks is what ``trace_forward`` finds)."""
-    return [n for n, m in transformer.named_modules() if n and isinstance(m, torch.nn.ModuleList) and len(m)]
 
 
 @dataclass
@@ -306,7 +279,7 @@ def trace_forward(transformer, args, kwargs) -> ForwardTrace:
                               {k: _shapes(v) for k, v in named.items()}, f.get("outputs", []), f["keywords"],
                               {k: [id(t) for t in _tensors(v)] for k, v in named.items()},
                               {k for k, v in named.items() if isinstance(v, (tuple, list))})
-    del keep
+    keep.clear()
     return ForwardTrace([c for c in calls if not _inside(c.name, called)], traced, producers,
                         {k: v for k, v in counts.items() if not _inside(k, called)})
 
@@ -384,8 +357,6 @@ def _producer(tr: ForwardTrace, ids: list[int], before: int) -> tuple[str, list[
 def derive_cp_plan(transformer, args, kwargs, attention_kind: str | None = None, degree: int | None = None) -> CPPlan:
     """A CP plan for a transformer nobody has planned, from one traced forward call (steps 1-4
     of the module docstring); checked by ``check_plan_sites`` (step 5) before it is returned."""
-    from .sharding import expected_lengths
-
     tr = trace_forward(transformer, args, kwargs)
     st = find_streams(tr, attention_kind)
     first = tr.lists[st.lists[0]]
@@ -536,8 +507,6 @@ def resolve_cp_plan(transformer, capture=None, attention_kind: str | None = None
     the transformer call's (args, kwargs)) the plan is checked against a traced forward
     (``check_plan_sites``) and ``facts["sharding_expected"]`` says what each main block list must
     receive (``parallel.sharding``)."""
-    from .sharding import expected_lengths
-
     notes = []
     if plan_file is not None:
         reg = load_plan_code(plan_file)

@@ -11,9 +11,42 @@ the image stream of every main block list had ``full // degree`` tokens in every
 
 from __future__ import annotations
 
+import inspect
+from typing import Any
+
+import torch
+
 from ..hooks import WrapError, wrap_method
 
 WRAP_NAME = "ditbook_sharding_record"
+
+
+def _tensors(value) -> list[torch.Tensor] | None:
+    """The tensor, or the tensors of a tuple/list of tensors (None entries skipped), else None."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)) and value and all(isinstance(v, torch.Tensor) or v is None for v in value):
+        return [v for v in value if v is not None]
+    if hasattr(value, "sample") and isinstance(getattr(value, "sample"), torch.Tensor):
+        return [value.sample]
+    return None
+
+
+def bind_inputs(module, args, kwargs) -> dict[str, Any]:
+    """A call's arguments by parameter name (positional ones bound through the signature)."""
+    try:
+        params = [p for p in inspect.signature(module.forward).parameters]
+    except (TypeError, ValueError):
+        params = []
+    named = {(params[i] if i < len(params) else f"arg{i}"): a for i, a in enumerate(args)}
+    named.update(kwargs)
+    return named
+
+
+def block_lists(transformer) -> list[str]:
+    """Names of every non-empty ``nn.ModuleList`` of the transformer, outermost first (which of
+    them the forward really calls as blocks is what ``trace_forward`` finds)."""
+    return [n for n, m in transformer.named_modules() if n and isinstance(m, torch.nn.ModuleList) and len(m)]
 
 
 class ShardingError(RuntimeError):
@@ -25,8 +58,6 @@ class BlockInputRecorder:
     """Per block list: block calls, and for each argument the set of sequence lengths seen."""
 
     def __init__(self, transformer, lists: list[str] | None = None):
-        from .cp_plan import block_lists
-
         self.lists = lists if lists is not None else block_lists(transformer)
         self.calls: dict[str, int] = {}
         self.lengths: dict[str, dict[str, set[int]]] = {}
@@ -36,8 +67,6 @@ class BlockInputRecorder:
                 self.handles.append(wrap_method(block, WRAP_NAME, self._wrapper(name, block)))
 
     def _wrapper(self, lname: str, block):
-        from .cp_plan import _tensors, bind_inputs
-
         def record(original, *args, **kwargs):
             self.calls[lname] = self.calls.get(lname, 0) + 1
             per = self.lengths.setdefault(lname, {})
