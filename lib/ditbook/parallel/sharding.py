@@ -64,13 +64,25 @@ class BlockInputRecorder:
         self.handles = []
         for name in self.lists:
             for block in transformer.get_submodule(name):
-                self.handles.append(wrap_method(block, WRAP_NAME, self._wrapper(name, block)))
+                try:
+                    signature = inspect.signature(block.forward)
+                except (TypeError, ValueError):
+                    signature = None
+                self.handles.append(wrap_method(block, WRAP_NAME, self._wrapper(name, block, signature)))
+                if signature is not None:
+                    # libraries read a block's forward signature (cache-dit matches its forward
+                    # pattern by parameter names): the wrapped forward keeps the block's
+                    block.forward.__signature__ = signature
 
-    def _wrapper(self, lname: str, block):
+    def _wrapper(self, lname: str, block, signature):
+        params = list(signature.parameters) if signature is not None else []
+
         def record(original, *args, **kwargs):
             self.calls[lname] = self.calls.get(lname, 0) + 1
             per = self.lengths.setdefault(lname, {})
-            for param, value in bind_inputs(block, args, kwargs).items():
+            named = {(params[i] if i < len(params) else f"arg{i}"): a for i, a in enumerate(args)}
+            named.update(kwargs)
+            for param, value in named.items():
                 ts = _tensors(value)
                 if ts and len(ts) == 1 and ts[0].dim() == 3:
                     per.setdefault(param, set()).add(int(ts[0].shape[1]))
