@@ -84,11 +84,11 @@ def execute_cp_plan(transformer, args, kwargs, plan: dict, expected: dict, degre
         p.start()
     got = {}
     try:
-        for _ in range(degree):
-            rank, status, a, b = queue.get(timeout=timeout)
+        for i in range(degree):
+            # after a first error the peers fail soon (their collective loses its partner)
+            rank, status, a, b = queue.get(timeout=timeout if not any(s == "error" for s, _, _ in got.values())
+                                           else 15)
             got[rank] = (status, a, b)
-            if status == "error":
-                break
     except Exception:  # noqa: BLE001 - queue.Empty: a rank hung or died
         pass
     finally:
@@ -97,7 +97,9 @@ def execute_cp_plan(transformer, args, kwargs, plan: dict, expected: dict, degre
             if p.is_alive():
                 p.kill()
                 p.join()
-    errors = [f"rank {r}: {a}" for r, (s, a, _) in sorted(got.items()) if s == "error"]
+    # the cause first: a rank's own error before a peer's lost connection
+    errors = sorted((f"rank {r}: {a}" for r, (s, a, _) in got.items() if s == "error"),
+                    key=lambda e: ("Connection" in e or "pair.cc" in e, e))
     if errors or len(got) < degree:
         return {"outcome": "crash", "reason": "; ".join(errors) or f"a rank did not finish within {timeout:.0f}s",
                 "seq_lens": None}
@@ -126,7 +128,7 @@ def coverage_cp(transformer, args, kwargs, degree: int = 2, plan: dict | None = 
     source=plan source)``. ``plan`` overrides the plan (its sites are still checked)."""
     from .cp_plan import (PlanDerivationError, RegisteredPlanError, find_streams, check_plan_sites,
                           resolve_cp_plan, trace_forward)
-    from .sharding import expected_lengths
+    from .cp_plan import expected_lengths
 
     try:
         if plan is None:

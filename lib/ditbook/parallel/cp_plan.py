@@ -45,7 +45,7 @@ import torch
 
 from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
 
-from .sharding import _tensors, bind_inputs, block_lists, expected_lengths
+from .sharding import _tensors, bind_inputs, block_lists
 
 # names of a block's *parameters* (not of models): which token stream is which
 _IMAGE_NAMES = re.compile(r"^(hidden_states|x|img|image|latents?|h|tokens)$")
@@ -340,6 +340,18 @@ def find_streams(tr: ForwardTrace, attention_kind: str | None = None) -> Streams
         attention_kind = "joint" if updated else ("cross" if txt else "self")
     return Streams(main, img, shape, txt, tshape, attention_kind == "joint",
                    [n for n in tr.lists if n not in main])
+
+
+def expected_lengths(tr: ForwardTrace, streams: Streams) -> dict[str, dict]:
+    """Per main block list: its image-token argument and that argument's full (unsplit) length,
+    what ``sharding.check_sharding`` holds each rank's record against."""
+    out = {}
+    for name in streams.lists:
+        lt = tr.lists[name]
+        param = streams.image if name == streams.lists[0] else _image_of(lt)
+        if param is not None:
+            out[name] = {"argument": param, "full": _token_inputs(lt)[param][1]}
+    return out
 
 
 def _producer(tr: ForwardTrace, ids: list[int], before: int) -> tuple[str, list[int]] | None:

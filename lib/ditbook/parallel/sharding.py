@@ -106,18 +106,6 @@ class BlockInputRecorder:
         self.handles = []
 
 
-def expected_lengths(trace, streams) -> dict[str, dict]:
-    """From an unsplit traced forward: per main block list, the image argument and its full length."""
-    out = {}
-    for name in streams.lists:
-        lt = trace.lists[name]
-        three = {k: v[0][1] for k, v in lt.inputs.items() if v and len(v) == 1 and len(v[0]) == 3}
-        param = max(three, key=three.get) if three else None
-        if param is not None:
-            out[name] = {"argument": param, "full": three[param]}
-    return out
-
-
 def check_sharding(ranks: list[dict], expected: dict[str, dict], degree: int) -> dict:
     """``ranks``: each rank's ``BlockInputRecorder.to_dict()``. Returns a summary; raises
     ``ShardingError`` when a main list's blocks did not get ``full // degree`` tokens on a rank."""

@@ -90,7 +90,9 @@ def block_sequence_lengths(sharding: dict | None) -> dict | None:
     return {"per_rank": [{name: rec["seq_lens"] for name, rec in (r or {}).get("block_inputs", {}).items()}
                          for r in sharding.get("ranks") or []],
             "sharded_parameters": [len((r or {}).get("sharded_parameters") or []) for r in sharding.get("ranks") or []],
-            "verified": bool(sharding.get("check")) and not sharding.get("error"), "error": sharding.get("error")}
+            # None: not a sequence split (one process, or CFG parallel: each rank its own branch)
+            "verified": (bool(sharding.get("check")) and not sharding.get("error")) if (sharding.get("degree") or 1) > 1
+            else None, "error": sharding.get("error")}
 
 
 def stage_results(table: FeasibilityTable, results, launch, gqa: dict | None, not_run: list[dict],
