@@ -122,6 +122,36 @@ def execute_cp_plan(transformer, args, kwargs, plan: dict, expected: dict, degre
 
 def coverage_cp(transformer, args, kwargs, degree: int = 2, plan: dict | None = None,
                 timeout: float = 120.0) -> dict:
+    """Like ``_coverage_cp`` (below), run in a forked process: registered planners may patch
+    library classes process-wide (cache-dit's PixArt planner patches diffusers'
+    ``AttnProcessor2_0.__call__``), which must not leak into the caller's next model."""
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+
+    def driver():
+        try:
+            torch.set_num_threads(1)  # an OpenMP pool inherited through fork must not be used
+            queue.put(_coverage_cp(transformer, args, kwargs, degree, plan, timeout))
+        except BaseException as exc:  # noqa: BLE001
+            queue.put({"outcome": "crash", "reason": f"{type(exc).__name__}: {exc}", "seq_lens": None,
+                       "source": None})
+
+    proc = ctx.Process(target=driver)
+    proc.start()
+    try:
+        result = queue.get(timeout=timeout * 2 + 60)
+    except Exception:  # noqa: BLE001 - queue.Empty
+        result = {"outcome": "crash", "reason": f"no result within {timeout * 2 + 60:.0f}s", "seq_lens": None,
+                  "source": None}
+    proc.join(timeout=10)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+    return result
+
+
+def _coverage_cp(transformer, args, kwargs, degree: int = 2, plan: dict | None = None,
+                 timeout: float = 120.0) -> dict:
     """Derive or look up the CP plan of a bare ``transformer`` for the call ``(args, kwargs)`` and
     execute it on ``degree`` gloo ranks with the sharding check. Returns
     ``dict(outcome=correct|refused|crash|wrong, reason=..., seq_lens={list: [per-rank lengths]},
@@ -130,6 +160,12 @@ def coverage_cp(transformer, args, kwargs, degree: int = 2, plan: dict | None = 
                           resolve_cp_plan, trace_forward)
     from .cp_plan import expected_lengths
 
+    try:
+        with torch.no_grad():  # before any planner touches the model
+            reference = _output(transformer(*args, **kwargs)).detach().float().clone()
+    except Exception as exc:  # noqa: BLE001
+        return {"outcome": "crash", "reason": f"the one-process forward failed: {type(exc).__name__}: {exc}",
+                "seq_lens": None, "source": None}
     try:
         if plan is None:
             cp = resolve_cp_plan(transformer, capture=lambda: (args, kwargs), degree=degree)
@@ -143,6 +179,6 @@ def coverage_cp(transformer, args, kwargs, degree: int = 2, plan: dict | None = 
         return {"outcome": "refused", "reason": f"{type(exc).__name__}: {exc}", "seq_lens": None, "source": None}
     except Exception as exc:  # noqa: BLE001 - a crash of the derivation is a crash row
         return {"outcome": "crash", "reason": f"{type(exc).__name__}: {exc}", "seq_lens": None, "source": None}
-    result = execute_cp_plan(transformer, args, kwargs, plan, expected, degree, timeout)
+    result = execute_cp_plan(transformer, args, kwargs, plan, expected, degree, timeout, reference)
     result["source"] = source
     return result

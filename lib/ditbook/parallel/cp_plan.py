@@ -366,10 +366,11 @@ def _producer(tr: ForwardTrace, ids: list[int], before: int) -> tuple[str, list[
     return name, [s[1] for s in sites]
 
 
-def derive_cp_plan(transformer, args, kwargs, attention_kind: str | None = None, degree: int | None = None) -> CPPlan:
+def derive_cp_plan(transformer, args, kwargs, attention_kind: str | None = None, degree: int | None = None,
+                   trace: ForwardTrace | None = None) -> CPPlan:
     """A CP plan for a transformer nobody has planned, from one traced forward call (steps 1-4
     of the module docstring); checked by ``check_plan_sites`` (step 5) before it is returned."""
-    tr = trace_forward(transformer, args, kwargs)
+    tr = trace if trace is not None else trace_forward(transformer, args, kwargs)
     st = find_streams(tr, attention_kind)
     first = tr.lists[st.lists[0]]
     before = first.first_order
@@ -520,6 +521,13 @@ def resolve_cp_plan(transformer, capture=None, attention_kind: str | None = None
     (``check_plan_sites``) and ``facts["sharding_expected"]`` says what each main block list must
     receive (``parallel.sharding``)."""
     notes = []
+    # the unsplit trace first: some registered planners change the attention processors of the
+    # model (cache-dit's patch a processor class to read a CP config the runtime sets later)
+    traced = None
+    if capture is not None:
+        args, kwargs = capture()
+        tr = trace_forward(transformer, args, kwargs)
+        traced = (args, kwargs, tr, find_streams(tr, attention_kind))
     if plan_file is not None:
         reg = load_plan_code(plan_file)
     else:
@@ -527,19 +535,18 @@ def resolve_cp_plan(transformer, capture=None, attention_kind: str | None = None
             reg = registered_cp_plan(transformer, degree)
         except RegisteredPlanError as exc:
             reg, notes = None, [f"registered planner not used: {exc}"]
-    if capture is None:
+    if traced is None:
         if reg is not None:
             return reg
         raise PlanDerivationError(f"{type(transformer).__name__} has no registered CP plan and no call to trace")
-    args, kwargs = capture()
+    args, kwargs, tr, st = traced
     if reg is None:
-        cp = derive_cp_plan(transformer, args, kwargs, attention_kind, degree)
+        cp = derive_cp_plan(transformer, args, kwargs, attention_kind, degree, trace=tr)
         cp.notes[:0] = notes
         return cp
-    tr = trace_forward(transformer, args, kwargs)
-    st = find_streams(tr, attention_kind)
     check_plan_sites(reg.plan, tr, st)
     reg.facts.update({"block_lists": st.lists, "image_seq_len": st.s_img, "text_seq_len": st.s_txt,
+                      "image_input": st.image, "text_input": st.text,
                       "sharding_expected": expected_lengths(tr, st)})
     return reg
 
