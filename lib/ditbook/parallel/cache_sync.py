@@ -7,6 +7,10 @@ cache-dit averages the difference over the world before deciding; ditbook adds a
 agreement on the decision itself: a per-instance wrapper around the context manager's
 ``can_cache`` all-reduces the boolean (MIN: skip only when every rank may skip) and counts the
 times a rank's local answer differed from the agreed one.
+
+With ditbook's own cache adapter (models cache-dit registers none for), cache-dit runs each
+block list as one cached unit that compares what enters the list with what leaves it, so a CP
+split planned at a list's first block moves onto that unit (``split_at_cached_units``).
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ Grammar (parts joined by ``_``, options after ``+``)::
 
     single | cfg2 | ulysses<N> | ring<N> | usp<R>x<U> (ring R x ulysses U)
     cfg2_ulysses<N> | cfg2_ring<N> | cfg2_usp<R>x<U>
-    ...+cache       (cache-dit DBCache on top, skip decision agreed across ranks)
+    ...+cache       (cache-dit DBCache on top, skip decision agreed across ranks; through cache-dit's
+                     adapter where it registers the pipeline, else ditbook's generated one)
     ...+compile     (regional torch.compile of the repeated blocks, after the parallel hooks)
     ...+graph       (each transformer call replayed as a CUDA graph, ``parallel.graphs``;
                      GPU only, and not with +cache, whose skips are decided in Python per step)
