@@ -183,3 +183,21 @@ def test_ulysses_with_cache_on_an_unregistered_model_uses_ditbooks_adapter(tmp_p
     assert c.passed, c.quality["reasons"]
     assert c.details["cache_adapter"].startswith("ditbook") and c.details["cached_steps"]
     assert c.details["cfg_stats"]["exchanges"] > 0
+
+
+def test_judge_fails_a_launched_plan_that_splits_nothing(tmp_path):
+    """End to end: a plan file whose only split never applies (a 2-D output, 3 dims expected)
+    runs under torchrun with exact parity; the judge fails it with the ShardingError."""
+    from ditbook import zoo
+    from ditbook.parallel import run_plans
+    from ditbook.parallel.cp_plan import CPPlan, write_plan_code
+
+    card = zoo.build("thirdparty", tmp_path)
+    noop = CPPlan({"time_embed": {0: ContextParallelInput(split_dim=1, expected_dims=3, split_output=True)}}, "test")
+    plan_file = write_plan_code(noop, tmp_path / "plan", "noop", "GQATransformer2DModel")
+    ov = {"generation.prompts": ["a red circle"], "generation.seeds": [0], "runtime.device": "cpu",
+          "runtime.dtype": "float32"}
+    (r,) = run_plans(card, ["ulysses2"], 2, tmp_path / "run", overrides=ov, timeout=90, cp_plan_file=str(plan_file))[0]
+    assert r.quality["psnr_min"] > 60  # parity alone would pass it
+    assert not r.passed and r.error.startswith("ShardingError"), (r.passed, r.error)
+    assert r.details["sharding"]["ranks"][0]["block_inputs"]["blocks"]["seq_lens"]["hidden_states"] == [64]
