@@ -139,7 +139,9 @@ def test_thirdparty_derived_cp_plan(root, tmp_path):
     assert u["cp_plan"]["source"] == "derived"
     assert u["attention"]["cp_calls"] > 0 and u["attention"]["gqa_calls"] > 0
     code = load_plan_code(u["cp_plan_file"])
-    assert set(code.plan) == {"x_embedder", "context_embedder", "rotary", "proj_out"}
+    assert set(code.plan) == {"x_embedder", "context_embedder", "rotary", "norm_out"}
+    check = u["sharding"]["check"]
+    assert check and check["per_rank"] == {"blocks": [[8], [8]]}, u["sharding"]
 
 
 @pytest.mark.skipif(not REFERENCE.is_file(), reason="the zoo's reference model (models/reference.yaml) is not built")

@@ -4,7 +4,14 @@ written as code), CFG parallel, the GQA attention path, and multi-process launch
 Main entry points:
 
 - ``feasibility(report, card) -> FeasibilityTable`` (world sizes 1, 2, 4, 8, with reasons)
-- ``resolve_cp_plan`` / ``derive_cp_plan`` / ``write_plan_code`` (``parallel/cp_plan_<model>.py``)
+- ``resolve_cp_plan`` / ``derive_cp_plan`` / ``write_plan_code`` (``parallel/cp_plan_<model>.py``):
+  plans split before the first block (``check_plan_sites`` rejects a split after the blocks)
+- ``sharding``: what each rank's blocks received (``BlockInputRecorder``), ``check_sharding``
+  raising ``ShardingError`` when it is not the full length / degree; every launched plan records
+  it (``details.sharding``) and the judge fails a CP plan whose split is not verified
+- ``coverage_cp(transformer, args, kwargs) -> dict(outcome, reason, seq_lens, source)``: the CP
+  plan of a bare transformer, executed on 2 gloo ranks with the sharding check
+- ``plans.refusal``: plans ditbook refuses before launch (tensor parallel: nothing would be sharded)
 - ``apply_cfg_parallel(transformer, style, group)``
 - ``time_gqa(...)`` and ``route_attention(transformer, gqa_path)``
 - ``run_plans(card, plans, nproc, out_dir) -> ([PlanResult], LaunchResult)`` — also the
@@ -14,6 +21,14 @@ Main entry points:
 from .feasibility import Feasibility, FeasibilityTable, feasibility
 from .launch import LaunchResult, ParallelRunError, PlanResult, launch, run_plans
 from .plans import PlanSpec, parse_plan, plan_name
+from .sharding import ShardingError
+
+
+def coverage_cp(transformer, args, kwargs, degree: int = 2, plan: dict | None = None, timeout: float = 120.0) -> dict:
+    """See ``parallel.coverage.coverage_cp`` (imported on use: it forks gloo processes)."""
+    from .coverage import coverage_cp as run
+
+    return run(transformer, args, kwargs, degree=degree, plan=plan, timeout=timeout)
 
 __all__ = ["Feasibility", "FeasibilityTable", "feasibility", "LaunchResult", "ParallelRunError", "PlanResult",
-           "launch", "run_plans", "PlanSpec", "parse_plan", "plan_name"]
+           "launch", "run_plans", "PlanSpec", "parse_plan", "plan_name", "ShardingError", "coverage_cp"]

@@ -7,6 +7,10 @@ cache-dit averages the difference over the world before deciding; ditbook adds a
 agreement on the decision itself: a per-instance wrapper around the context manager's
 ``can_cache`` all-reduces the boolean (MIN: skip only when every rank may skip) and counts the
 times a rank's local answer differed from the agreed one.
+
+With ditbook's own cache adapter (models cache-dit registers none for), cache-dit runs each
+block list as one cached unit that compares what enters the list with what leaves it, so a CP
+split planned at a list's first block moves onto that unit (``split_at_cached_units``).
 """
 
 from __future__ import annotations
@@ -73,3 +77,72 @@ def cache_summary(pipe) -> dict:
         return {"cached_steps": [list(getattr(s, "cached_steps", [])) for s in stats]}
     except Exception as exc:  # noqa: BLE001
         return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+class CacheSplitError(RuntimeError):
+    """A CP plan that splits at a block's input cannot be moved onto cache-dit's cached unit."""
+
+
+def cached_block_units(transformer) -> dict[str, torch.nn.Module]:
+    """cache-dit's cached units of this transformer, by block-list name.
+
+    cache-dit swaps each block list for a one-element list holding its cached unit only while the
+    transformer's forward runs (``unittest.mock``), so the unit is not a submodule the rest of
+    the time; it is reached through the forward cache-dit installed on this instance (the
+    closures of ``mock_transformer``'s ``new_forward``). Raises ``CacheSplitError`` when the
+    layout is not the one expected (a cache-dit version that keeps them elsewhere)."""
+    seen, found = set(), {}
+
+    def walk(fn, depth):
+        if fn is None or id(fn) in seen or depth > 4:
+            return
+        seen.add(id(fn))
+        if isinstance(fn, functools.partial):
+            walk(fn.func, depth + 1)
+            return
+        cells = {}
+        code = getattr(fn, "__code__", None)
+        for name, cell in zip(getattr(code, "co_freevars", ()), getattr(fn, "__closure__", None) or ()):
+            try:
+                cells[name] = cell.cell_contents
+            except ValueError:
+                continue
+        if {"blocks_name", "unique_blocks_name", "unified_blocks"} <= set(cells):
+            for b, u in zip(cells["blocks_name"], cells["unique_blocks_name"]):
+                found[b] = cells["unified_blocks"][u][0]
+        for v in cells.values():
+            if callable(v):
+                walk(v, depth + 1)
+
+    walk(transformer.__dict__.get("forward"), 0)
+    if not found:
+        raise CacheSplitError("cache-dit's cached block units were not found on this transformer's forward")
+    return found
+
+
+def split_at_cached_units(transformer, plan: dict, facts: dict) -> tuple[dict, dict[str, torch.nn.Module], dict]:
+    """Move a plan's splits at a block list's first block (``<list>.0``) onto cache-dit's cached
+    unit of that list, whose forward takes ``(hidden_states, encoder_hidden_states, ...)``.
+
+    With a cache, the cached unit compares what enters the block list with what leaves it; a split
+    inside the first block would make those two of different lengths. Returns (the rest of the
+    plan, unit by list, unit plan by list)."""
+    units = None
+    rest, unit_plans = {}, {}
+    roles = {facts.get("image_input"): "hidden_states", facts.get("text_input"): "encoder_hidden_states"}
+    for key, value in plan.items():
+        head, _, tail = key.rpartition(".")
+        if tail == "0" and isinstance(value, dict):
+            units = units if units is not None else cached_block_units(transformer)
+            if head not in units:
+                raise CacheSplitError(f"the plan splits at '{key}', and cache-dit has no cached unit for '{head}'")
+            mapped = {}
+            for param, cpi in value.items():
+                if param not in roles or roles[param] is None:
+                    raise CacheSplitError(f"'{key}' input '{param}' is neither the image nor the text stream; "
+                                          f"the cached unit of '{head}' cannot split it")
+                mapped[roles[param]] = cpi
+            unit_plans[head] = {"": mapped}
+        else:
+            rest[key] = value
+    return rest, (units or {}), unit_plans

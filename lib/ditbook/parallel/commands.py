@@ -13,9 +13,19 @@ from pathlib import Path
 
 
 def refusal(card_path: str, plans: list[str], arch: str | None, overrides: dict) -> list[str]:
-    """Reasons the feasibility table gives against these plans (empty when none, or no report)."""
-    if not arch:
-        return []
+    """Reasons against these plans: ditbook's own refusals (``plans.refusal``), then the
+    feasibility table's (when a report is given)."""
+    from .plans import PlanNameError, parse_plan as _parse, refusal as plan_refusal
+
+    refused = []
+    for p in plans:
+        try:
+            if plan_refusal(_parse(p)):
+                refused.append(f"{p}: not run — {plan_refusal(_parse(p))}")
+        except PlanNameError as exc:
+            refused.append(str(exc))
+    if refused or not arch:
+        return refused
     from ..inspect.report import ArchReport
     from ..card import load_card
     from .feasibility import feasibility

@@ -1,33 +1,41 @@
 """Context-parallel plans in diffusers' ``_cp_plan`` format: registered ones where they exist,
-otherwise derived from a traced forward of the transformer, and written out as code.
+otherwise derived from a traced forward of the transformer; every plan is checked against the
+trace (``check_plan_sites``) and written out as code.
 
 A plan maps module names to ``ContextParallelInput`` (split an input, or with
 ``split_output=True`` an output, along the sequence) and ``ContextParallelOutput`` (gather the
-sequence back). The derivation splits where the token sequences are *made* — the outputs of
-the image and text embedders and of the RoPE module — so that everything the forward does
-with them afterwards (extra work in the block loop, skip connections) sees the same local
-shard, and gathers at the last module that still emits image tokens (``proj_out``).
+sequence back). A plan is only useful if the blocks run on a shard of the sequence, so every
+split happens **before the first block** and the gather after the last one; what the blocks
+really received is measured on every run (``parallel.sharding``).
 
-Rules of the derivation (no model names anywhere):
+Derivation, in named steps (no model names anywhere):
 
-- image tokens: the first module outside the block lists whose output is ``[B, S_img, D]``
-  (D = the blocks' hidden width) is split on dim 1;
-- text tokens: in joint attention (text and image attend together) the text embedder's output
-  ``[B, S_txt, D]`` is split on dim 1 too, since every rank must hold a matching slice of the
-  joint sequence; in cross attention the text stays whole (each rank attends its image shard
-  to the full text);
-- RoPE: a module output with a dimension of length ``S_img`` (image-only rotary tables) is
-  split on that dimension, the same slices as the tokens; rotary tables passed to the blocks
-  without a producing module are split at every block's input (``blocks.*``);
-- masks: a ``[B, S_txt]`` text mask given to the blocks is split with the text in joint
-  attention and left whole in cross attention; a full ``[B, ., S, S]`` mask stops the derivation;
-- output: the last module outside the block lists whose output is ``[B, S_img, C]`` is gathered
-  on dim 1.
+1. ``trace_forward``: one forward call, recording in call order every module outside the block
+   lists (shapes of what it takes and returns) and every block call of every block list (a
+   ``nn.ModuleList`` whose elements the forward calls, not inside a block of another list).
+2. ``find_streams``: what enters the first block of each list — image tokens ``[B, S_img, D]``
+   (the input named like the image, else the first not named like text), text tokens
+   ``[B, S_txt, W]``, positional tables (tensors or tuples of tensors with an axis of length
+   ``S_img``), masks. The *main* lists are those whose image stream is the longest; a list that
+   only ever sees the text (a token refiner) stays whole.
+3. split sites, all before the first block of the first main list: each stream is split at the
+   module that produced exactly that tensor (called once, before the blocks; ``split_output``),
+   else at the first block's input. Joint attention (the blocks update the text): the text is
+   split with the image, so each rank holds a matching slice of the joint sequence; cross
+   attention: the text stays whole on every rank. Positional tables are split on their
+   image-length axis, at their producer or at every block of every main list (``<list>.*``); a
+   table whose axis covers text and image together is refused (a rank holds
+   [text shard, image shard], which one split of a joint table cannot match).
+4. gather: the first module called after the last block of the last main list that takes and
+   returns ``[B, S_img, ...]`` (the final norm, typically), gathered on dim 1; everything after
+   it runs on the whole sequence.
+5. ``check_plan_sites``: every split site of a plan — derived, registered or read from a file —
+   is a block or runs before the first block; a split at a module after the blocks, or a plan
+   that splits nothing, raises ``PlanSiteError``.
 """
 
 from __future__ import annotations
 
-import inspect
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,9 +45,11 @@ import torch
 
 from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
 
+from .sharding import _tensors, bind_inputs, block_lists
+
+# names of a block's *parameters* (not of models): which token stream is which
 _IMAGE_NAMES = re.compile(r"^(hidden_states|x|img|image|latents?|h|tokens)$")
 _TEXT_NAMES = re.compile(r"(encoder|context|txt|text|cond|caption|prompt)")
-_ROPE_NAMES = re.compile(r"(rotary|rope|freqs|pos_emb|position)")
 _MASK_NAMES = re.compile(r"mask")
 
 
@@ -47,10 +57,15 @@ class PlanDerivationError(RuntimeError):
     """The traced forward does not show where to split or gather; the message says what is missing."""
 
 
+class PlanSiteError(PlanDerivationError):
+    """A plan splits at a module that runs after the blocks (or splits nothing): every rank would
+    run the blocks on the whole sequence."""
+
+
 @dataclass
 class CPPlan:
     plan: dict
-    source: str  # "diffusers:<Class>._cp_plan", "cache-dit:<Planner>", "derived"
+    source: str  # "diffusers:<Class>._cp_plan", "cache-dit:<Planner>", "derived", "file:<path>"
     notes: list[str] = field(default_factory=list)
     facts: dict = field(default_factory=dict)
 
@@ -59,11 +74,19 @@ class CPPlan:
                 "plan": plan_to_jsonable(self.plan)}
 
 
+def _is_input(v) -> bool:
+    return isinstance(v, ContextParallelInput) or type(v).__name__.endswith("ContextParallelInput")
+
+
+def _is_output(v) -> bool:
+    return isinstance(v, ContextParallelOutput) or type(v).__name__.endswith("ContextParallelOutput")
+
+
 def plan_to_jsonable(plan: dict) -> dict:
     def one(v):
-        if isinstance(v, ContextParallelInput) or type(v).__name__.endswith("ContextParallelInput"):
+        if _is_input(v):
             return {"split_dim": v.split_dim, "expected_dims": v.expected_dims, "split_output": v.split_output}
-        if isinstance(v, ContextParallelOutput) or type(v).__name__.endswith("ContextParallelOutput"):
+        if _is_output(v):
             return {"gather_dim": v.gather_dim, "expected_dims": v.expected_dims}
         if isinstance(v, dict):
             return {str(k): one(x) for k, x in v.items()}
@@ -73,25 +96,37 @@ def plan_to_jsonable(plan: dict) -> dict:
     return {k: one(v) for k, v in plan.items()}
 
 
-def registered_cp_plan(transformer) -> CPPlan | None:
-    """diffusers' class ``_cp_plan`` or cache-dit's registered planner for this class, if any."""
+class RegisteredPlanError(RuntimeError):
+    """A planner is registered for this class but failed on this transformer instance."""
+
+
+def registered_cp_plan(transformer, degree: int = 2) -> CPPlan | None:
+    """diffusers' class ``_cp_plan``, or cache-dit's registered planner called with this very
+    transformer (planners read its config: heads, RoPE, text length); None when neither exists.
+
+    A planner that exists but fails raises ``RegisteredPlanError`` (never a silent fallback)."""
     cls = type(transformer)
     plan = getattr(cls, "_cp_plan", None)
     if plan:
         return CPPlan(dict(plan), f"diffusers:{cls.__name__}._cp_plan")
     try:  # cache-dit's planners import optional packages (einops); absent -> no planner
+        from cache_dit import ParallelismConfig
         from cache_dit.distributed.transformers.dispatch import _ensure_cp_planners_activated
         from cache_dit.distributed.transformers.register import ContextParallelismPlannerRegister
-        from cache_dit import ParallelismConfig
 
         _ensure_cp_planners_activated()
         planner = ContextParallelismPlannerRegister.get_planner(transformer)
-        plan = planner()._apply(transformer=None, parallelism_config=ParallelismConfig(ulysses_size=2))
-        if plan:
-            return CPPlan(dict(plan), f"cache-dit:{planner.__name__}")
     except Exception:  # noqa: BLE001 - no planner registered, or planners not importable
         return None
-    return None
+    try:
+        # _apply, not apply: apply() also stores the plan on the instance
+        plan = planner()._apply(transformer=transformer, parallelism_config=ParallelismConfig(ulysses_size=degree))
+    except Exception as exc:  # noqa: BLE001 - reported, the caller decides
+        raise RegisteredPlanError(f"cache-dit planner {planner.__name__} failed on {cls.__name__}: "
+                                  f"{type(exc).__name__}: {exc}") from exc
+    if not plan:
+        raise RegisteredPlanError(f"cache-dit planner {planner.__name__} returned no plan for {cls.__name__}")
+    return CPPlan(dict(plan), f"cache-dit:{planner.__name__}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -126,207 +161,394 @@ def capture_transformer_call(pipe, card, **render_overrides) -> tuple[tuple, dic
     return box["args"], box["kwargs"]
 
 
-def _shapes(value) -> list[list[int] | None] | None:
-    if isinstance(value, torch.Tensor):
-        return [list(value.shape)]
-    if isinstance(value, (tuple, list)) and value and all(isinstance(v, torch.Tensor) or v is None for v in value):
-        return [list(v.shape) if v is not None else None for v in value]
-    if hasattr(value, "sample") and isinstance(getattr(value, "sample"), torch.Tensor):
-        return [list(value.sample.shape)]
-    return None
+def _shapes(value) -> list[list[int]] | None:
+    ts = _tensors(value)
+    return None if ts is None else [list(t.shape) for t in ts]
 
 
-def block_lists(transformer) -> list[str]:
-    """Names of the transformer's ``nn.ModuleList`` children (its block lists)."""
-    return [n for n, m in transformer.named_children() if isinstance(m, torch.nn.ModuleList) and len(m)]
+@dataclass
+class ModuleCall:
+    name: str
+    order: int
+    inputs: list[list[int]]  # shapes of the tensors it took
+    outputs: list[list[int]] | None  # shapes of what it returned (None: not tensors)
+
+
+@dataclass
+class ListTrace:
+    name: str
+    length: int
+    first_order: int  # when its first block was called
+    last_order: int  # when its last block call returned
+    inputs: dict[str, list[list[int]]]  # parameter -> shapes, first block's first call
+    outputs: list[list[int]]
+    keywords: list[str]
+    input_ids: dict[str, list[int]]  # parameter -> id() of each tensor
+    sequences: set[str] = field(default_factory=set)  # parameters given as a tuple/list of tensors
 
 
 @dataclass
 class ForwardTrace:
-    modules: list[tuple[str, list]]  # (name, output shapes) in call order, outside the block lists
-    block_inputs: dict[str, dict[str, list]]  # block list -> parameter -> shapes, first block's first call
-    block_outputs: dict[str, list]
-    block_keywords: dict[str, list[str]]  # parameter names passed by keyword
+    calls: list[ModuleCall]  # modules outside the block lists, in call order
+    lists: dict[str, ListTrace]  # the block lists the forward calls, in call order
+    producers: dict[int, tuple[str, int]]  # id(tensor) -> (module, output index), before the blocks
+    call_counts: dict[str, int]
+
+    def first_call(self, name: str) -> int | None:
+        return next((c.order for c in self.calls if c.name == name), None)
+
+
+def _inside(name: str, prefixes) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
 def trace_forward(transformer, args, kwargs) -> ForwardTrace:
+    """Step 1: one forward call with hooks on every module and every block."""
     lists = block_lists(transformer)
-    mods: list[tuple[str, list]] = []
-    binputs: dict[str, dict] = {}
-    boutputs: dict[str, list] = {}
-    bkeywords: dict[str, list[str]] = {}
+    counter = {"n": 0}
+    calls: list[ModuleCall] = []
+    counts: dict[str, int] = {}
+    firsts: dict[str, dict] = {}
+    lasts: dict[str, int] = {}
+    producers: dict[int, tuple[str, int]] = {}
+    keep: list[torch.Tensor] = []  # keeps ids unique while the trace runs
     handles = []
 
-    def inside_blocks(name: str) -> bool:
-        return any(name == b or name.startswith(b + ".") for b in lists)
+    def tick() -> int:
+        counter["n"] += 1
+        return counter["n"]
 
+    element_of = {}
+    for lname in lists:
+        for i, blk in enumerate(transformer.get_submodule(lname)):
+            element_of[id(blk)] = (lname, i)
     for name, mod in transformer.named_modules():
-        if not name or inside_blocks(name):
+        if not name:
+            continue
+        if id(mod) in element_of:
+            lname, i = element_of[id(mod)]
+
+            def bpre(m, a, kw, _l=lname):
+                order = tick()
+                if _l not in firsts:
+                    named = bind_inputs(m, a, kw)
+                    firsts[_l] = {"order": order, "named": {k: v for k, v in named.items() if _tensors(v) is not None},
+                                  "keywords": list(kw)}
+
+            def bpost(m, a, kw, out, _l=lname):
+                lasts[_l] = tick()
+                if "outputs" not in firsts[_l]:
+                    firsts[_l]["outputs"] = _shapes(out) or []
+            handles.append(mod.register_forward_pre_hook(bpre, with_kwargs=True))
+            handles.append(mod.register_forward_hook(bpost, with_kwargs=True))
             continue
 
-        def post(m, a, out, _name=name):
-            s = _shapes(out)
-            if s is not None:
-                mods.append((_name, s))
+        def pre(m, a, kw, _n=name):
+            counts[_n] = counts.get(_n, 0) + 1
+            ins = []
+            for v in list(a) + list(kw.values()):
+                ins += [list(t.shape) for t in (_tensors(v) or [])]
+            calls.append(ModuleCall(_n, tick(), ins, None))
+            m.__dict__.setdefault("_ditbook_trace_calls", []).append(calls[-1])
+
+        def post(m, a, out, _n=name):
+            rec = m.__dict__["_ditbook_trace_calls"].pop()
+            rec.outputs = _shapes(out)
+            if not firsts:  # before any block: remember which module made which tensor
+                for i, t in enumerate(_tensors(out) or []):
+                    keep.append(t)
+                    producers.setdefault(id(t), (_n, i))
+        handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(mod.register_forward_hook(post))
-
-    for b in lists:
-        first = getattr(transformer, b)[0]
-        params = list(inspect.signature(first.forward).parameters)
-
-        def pre(m, a, kw, _b=b, _params=params):
-            if _b in binputs:
-                return
-            named = dict(zip(_params, a))
-            named.update(kw)
-            binputs[_b] = {k: _shapes(v) for k, v in named.items() if _shapes(v) is not None}
-            bkeywords[_b] = list(kw)
-
-        def post(m, a, out, _b=b):
-            if _b not in boutputs:
-                boutputs[_b] = _shapes(out) or []
-        handles.append(first.register_forward_pre_hook(pre, with_kwargs=True))
-        handles.append(first.register_forward_hook(post))
     try:
         with torch.no_grad():
             transformer(*args, **kwargs)
     finally:
         for h in handles:
             h.remove()
-    return ForwardTrace(mods, binputs, boutputs, bkeywords)
+        for m in transformer.modules():
+            m.__dict__.pop("_ditbook_trace_calls", None)
+    called = [n for n in lists if n in firsts]
+    # a list inside a block of another called list belongs to that block
+    called = [n for n in called if not any(n != o and n.startswith(o + ".") for o in called)]
+    traced: dict[str, ListTrace] = {}
+    for n in sorted(called, key=lambda n: firsts[n]["order"]):
+        f = firsts[n]
+        named = f["named"]
+        traced[n] = ListTrace(n, len(transformer.get_submodule(n)), f["order"], lasts[n],
+                              {k: _shapes(v) for k, v in named.items()}, f.get("outputs", []), f["keywords"],
+                              {k: [id(t) for t in _tensors(v)] for k, v in named.items()},
+                              {k for k, v in named.items() if isinstance(v, (tuple, list))})
+    keep.clear()
+    return ForwardTrace([c for c in calls if not _inside(c.name, called)], traced, producers,
+                        {k: v for k, v in counts.items() if not _inside(k, called)})
 
 
-def derive_cp_plan(transformer, args, kwargs, attention_kind: str | None = None) -> CPPlan:
-    """A CP plan for a transformer nobody has planned, from one traced forward call."""
-    tr = trace_forward(transformer, args, kwargs)
-    lists = block_lists(transformer)
-    if not lists:
-        raise PlanDerivationError("the transformer has no nn.ModuleList of blocks to find the sequence in")
-    first = lists[0]
-    inputs = tr.block_inputs.get(first)
-    if not inputs:
-        raise PlanDerivationError(f"the first block of '{first}' was never called")
-    three_d = {k: v[0] for k, v in inputs.items() if v and len(v) == 1 and v[0] is not None and len(v[0]) == 3}
-    if not three_d:
-        raise PlanDerivationError(f"no [batch, sequence, width] input to '{first}.0': {inputs}")
-    img_name = next((k for k in three_d if _IMAGE_NAMES.match(k)), None) or next(
-        (k for k in three_d if not _TEXT_NAMES.search(k)), None)
-    if img_name is None:
-        raise PlanDerivationError(f"cannot tell the image tokens among {list(three_d)} of '{first}.0'")
-    batch, s_img, width = three_d[img_name]
-    txt_name = next((k for k in three_d if k != img_name and _TEXT_NAMES.search(k)), None)
-    s_txt = three_d[txt_name][1] if txt_name else None
-    # text given to the blocks in the width of the blocks and updated by them -> joint attention
+@dataclass
+class Streams:
+    """Step 2: what enters the first block of the first main list."""
+
+    lists: list[str]  # main lists, in call order
+    image: str
+    image_shape: list[int]
+    text: str | None
+    text_shape: list[int] | None
+    joint: bool
+    left_whole: list[str]  # lists that never see the image tokens
+
+    @property
+    def s_img(self) -> int:
+        return self.image_shape[1]
+
+    @property
+    def s_txt(self) -> int | None:
+        return self.text_shape[1] if self.text_shape else None
+
+
+def _token_inputs(lt: ListTrace) -> dict[str, list[int]]:
+    return {k: v[0] for k, v in lt.inputs.items() if v and len(v) == 1 and len(v[0]) == 3}
+
+
+def _image_of(lt: ListTrace) -> str | None:
+    three = _token_inputs(lt)
+    return next((k for k in three if _IMAGE_NAMES.match(k)), None) or next(
+        (k for k in three if not _TEXT_NAMES.search(k)), None)
+
+
+def find_streams(tr: ForwardTrace, attention_kind: str | None = None) -> Streams:
+    if not tr.lists:
+        raise PlanDerivationError("the forward calls no block list (nn.ModuleList of blocks) to split the "
+                                  "sequence for")
+    images = {n: _image_of(lt) for n, lt in tr.lists.items()}
+    lengths = {n: _token_inputs(tr.lists[n])[p][1] for n, p in images.items() if p}
+    if not lengths:
+        desc = {n: lt.inputs for n, lt in tr.lists.items()}
+        raise PlanDerivationError(f"no block list takes [batch, sequence, width] image tokens: {desc}")
+    s_main = max(lengths.values())
+    main = [n for n in tr.lists if lengths.get(n) == s_main]
+    first = tr.lists[main[0]]
+    img = images[main[0]]
+    three = _token_inputs(first)
+    shape = three[img]
+    txt = next((k for k in three if k != img and _TEXT_NAMES.search(k)), None) or next(
+        (k for k in three if k != img and three[k][0] == shape[0]), None)
+    tshape = three[txt] if txt else None
     if attention_kind is None:
-        outs = tr.block_outputs.get(first, [])
-        joint = bool(txt_name and three_d[txt_name][2] == width
-                     and any(o and len(o) == 3 and o[1] == s_txt for o in outs))
-        attention_kind = "joint" if joint else ("cross" if txt_name else "self")
-    joint = attention_kind == "joint"
-    notes = [f"block list '{first}': image tokens '{img_name}' {three_d[img_name]}"
-             + (f", text '{txt_name}' {three_d[txt_name]}" if txt_name else "") + f"; attention {attention_kind}"]
+        outs = [o for o in first.outputs if len(o) == 3]
+        updated = bool(tshape and any(o[1] == tshape[1] for o in outs)
+                       and (tshape[1] != shape[1] or len(outs) >= 2))
+        attention_kind = "joint" if updated else ("cross" if txt else "self")
+    return Streams(main, img, shape, txt, tshape, attention_kind == "joint",
+                   [n for n in tr.lists if n not in main])
 
+
+def expected_lengths(tr: ForwardTrace, streams: Streams) -> dict[str, dict]:
+    """Per main block list: its image-token argument and that argument's full (unsplit) length,
+    what ``sharding.check_sharding`` holds each rank's record against."""
+    out = {}
+    for name in streams.lists:
+        lt = tr.lists[name]
+        param = streams.image if name == streams.lists[0] else _image_of(lt)
+        if param is not None:
+            out[name] = {"argument": param, "full": _token_inputs(lt)[param][1]}
+    return out
+
+
+def _producer(tr: ForwardTrace, ids: list[int], before: int) -> tuple[str, list[int]] | None:
+    """The one module (called once, before ``before``) that returned exactly these tensors."""
+    sites = [tr.producers.get(i) for i in ids]
+    if not sites or any(s is None for s in sites) or len({s[0] for s in sites}) != 1:
+        return None
+    name = sites[0][0]
+    first = tr.first_call(name)
+    if tr.call_counts.get(name) != 1 or first is None or first >= before:
+        return None
+    return name, [s[1] for s in sites]
+
+
+def derive_cp_plan(transformer, args, kwargs, attention_kind: str | None = None, degree: int | None = None,
+                   trace: ForwardTrace | None = None) -> CPPlan:
+    """A CP plan for a transformer nobody has planned, from one traced forward call (steps 1-4
+    of the module docstring); checked by ``check_plan_sites`` (step 5) before it is returned."""
+    tr = trace if trace is not None else trace_forward(transformer, args, kwargs)
+    st = find_streams(tr, attention_kind)
+    first = tr.lists[st.lists[0]]
+    before = first.first_order
+    s_img, s_txt = st.s_img, st.s_txt
+    kind = "joint" if st.joint else ("cross" if st.text else "self")
+    notes = [f"block lists {st.lists}: image tokens '{st.image}' {st.image_shape}"
+             + (f", text '{st.text}' {st.text_shape}" if st.text else "") + f"; attention {kind}"]
+    if st.left_whole:
+        notes.append(f"block lists {st.left_whole} never see the image tokens: they run whole on every rank")
+    if degree:
+        if s_img % degree:
+            raise PlanDerivationError(f"{s_img} image tokens do not divide into {degree} equal shards")
+        if st.joint and s_txt and s_txt % degree:
+            raise PlanDerivationError(f"joint attention: {s_txt} text tokens do not divide into {degree} equal "
+                                      f"shards, and the text must be split with the image")
     plan: dict[str, Any] = {}
 
-    def site(name: str, index: int, dim: int, ndims: int) -> None:
-        entry = plan.setdefault(name, {})
-        entry[index] = ContextParallelInput(split_dim=dim, expected_dims=ndims, split_output=True)
+    def split_stream(param: str, dim: int, what: str) -> None:
+        ids, shapes = first.input_ids[param], first.inputs[param]
+        prod = _producer(tr, ids, before)
+        if prod is not None:
+            entry = plan.setdefault(prod[0], {})
+            for i, s in zip(prod[1], shapes):
+                entry[i] = ContextParallelInput(split_dim=dim, expected_dims=len(s), split_output=True)
+            notes.append(f"split {what} at the output of '{prod[0]}' (dim {dim}), before the first block")
+        else:
+            plan.setdefault(f"{first.name}.0", {})[param] = ContextParallelInput(split_dim=dim,
+                                                                                 expected_dims=len(shapes[0]))
+            notes.append(f"split {what} '{param}' where it enters '{first.name}.0' (dim {dim})")
 
-    # image and text token producers
-    img_site = next(((n, i) for n, shapes in tr.modules for i, s in enumerate(shapes)
-                     if s == [batch, s_img, width]), None)
-    if img_site is None:
-        raise PlanDerivationError(f"no module outside the blocks emits the image tokens [{batch}, {s_img}, {width}]")
-    site(img_site[0], img_site[1], 1, 3)
-    notes.append(f"split image tokens at the output of '{img_site[0]}' (dim 1)")
-    if txt_name and s_txt is not None:
-        txt_site = next(((n, i) for n, shapes in tr.modules for i, s in enumerate(shapes)
-                         if s == [batch, s_txt, three_d[txt_name][2]] and n != img_site[0]), None)
-        if joint:
-            if txt_site is None:
-                plan.setdefault(f"{first}.0", {})[txt_name] = ContextParallelInput(split_dim=1, expected_dims=3)
-                notes.append(f"split text tokens at '{first}.0' input '{txt_name}' (no producing module)")
-            else:
-                site(txt_site[0], txt_site[1], 1, 3)
-                notes.append(f"split text tokens at the output of '{txt_site[0]}' (dim 1): joint attention")
+    # step 3: token streams
+    split_stream(st.image, 1, "image tokens")
+    if st.text:
+        if st.joint:
+            split_stream(st.text, 1, "text tokens (joint attention: each rank holds a matching slice)")
         else:
             notes.append("text kept whole: cross attention reads the full text on every rank")
-    # RoPE: outputs holding an image-length axis that are not token tensors
-    rope_done = False
-    for n, shapes in tr.modules:
-        if n in (img_site[0],) or n.startswith(img_site[0] + "."):
-            continue
-        for i, s in enumerate(shapes):
-            if s is None or s == [batch, s_img, width] or (len(s) == 3 and s[0] == batch and s[1] == s_img):
+    # step 3: positional tables and masks, at every main list
+    covered: set[int] = set()
+    for lname in st.lists:
+        lt = tr.lists[lname]
+        for param, shapes in lt.inputs.items():
+            if param in (st.image, st.text) or not shapes:
                 continue
-            dims = [d for d, L in enumerate(s) if L == s_img]
-            if dims and _ROPE_NAMES.search(n):
-                site(n, i, dims[0], len(s))
-                rope_done = True
-                notes.append(f"split RoPE table {i} of '{n}' {s} on dim {dims[0]} (image positions)")
-            elif s_txt and any(L == s_img + s_txt for L in s) and _ROPE_NAMES.search(n):
-                raise PlanDerivationError(
-                    f"RoPE table of '{n}' {s} covers text and image in one axis; a derived plan cannot "
-                    f"split it consistently — register a plan that splits the position ids instead")
-    # rotary tables and masks handed to the blocks without a producing module
-    for b in lists:
-        for name, shapes in tr.block_inputs.get(b, {}).items():
-            if name in (img_name, txt_name) or not shapes:
+            ids = lt.input_ids[param]
+            if all(i in covered for i in ids):
                 continue
-            if _ROPE_NAMES.search(name) and not rope_done:
-                entries = []
-                for s in shapes:
-                    dims = [d for d, L in enumerate(s or []) if L == s_img]
-                    if not dims:
-                        entries = None
-                        break
-                    entries.append(ContextParallelInput(split_dim=dims[0], expected_dims=len(s)))
-                if entries:
-                    plan.setdefault(f"{b}.*", {})[name] = entries if len(entries) > 1 else entries[0]
-                    notes.append(f"split RoPE '{name}' {shapes} at every block of '{b}' (image positions)")
-            elif _MASK_NAMES.search(name):
+            if _MASK_NAMES.search(param):
                 s = shapes[0]
-                if s and len(s) == 2 and s_txt and s[1] == s_txt:
-                    if joint:
-                        plan.setdefault(f"{b}.*", {})[name] = ContextParallelInput(split_dim=1, expected_dims=2)
-                        notes.append(f"text mask '{name}' {s} split with the text at every block of '{b}'")
+                if len(s) == 2 and s_txt and s[1] == s_txt and s_txt != s_img:
+                    if st.joint:
+                        plan.setdefault(f"{lname}.*", {})[param] = ContextParallelInput(split_dim=1, expected_dims=2)
+                        notes.append(f"text mask '{param}' {s} split with the text at every block of '{lname}'")
                     else:
-                        notes.append(f"text mask '{name}' {s} kept whole (cross attention)")
-                elif s and len(s) == 4:
-                    raise PlanDerivationError(f"mask '{name}' {s} covers the whole sequence; a derived plan "
-                                              f"does not split it")
-        if rope_done:
+                        notes.append(f"text mask '{param}' {s} kept whole (cross attention)")
+                    continue
+                if len(s) >= 2 and any(L in (s_img, s_img + (s_txt or 0)) for L in s[1:]):
+                    raise PlanDerivationError(f"mask '{param}' {s} of '{lname}' covers the image sequence; a "
+                                              f"derived plan does not split masks over it")
+                continue
+            if s_txt and any(L == s_img + s_txt for s in shapes for L in s):
+                raise PlanDerivationError(
+                    f"positional table '{param}' {shapes} of '{lname}' covers text and image in one axis; a "
+                    f"derived plan cannot split it consistently — register a plan that splits the position ids")
+            if len(shapes) == 1 and len(shapes[0]) == 3 and shapes[0][0] == st.image_shape[0] \
+                    and shapes[0][1] == s_img:
+                # a second [B, S_img, .] stream (e.g. a skip input): split like the image
+                dims = [1]
+            else:
+                # the position axis, never the last (feature) axis: a [B, D] embedding whose width
+                # happens to equal the token count is not a table of positions
+                dims = [next((d for d, L in enumerate(s[:-1]) if L == s_img), None) for s in shapes]
+            if any(d is None for d in dims):
+                continue  # no image-length axis: the same on every rank (timestep embedding, ...)
+            prod = _producer(tr, ids, before)
+            if prod is not None and prod[0] not in plan:
+                entry = plan.setdefault(prod[0], {})
+                for i, s, d in zip(prod[1], shapes, dims):
+                    entry[i] = ContextParallelInput(split_dim=d, expected_dims=len(s), split_output=True)
+                covered.update(ids)
+                notes.append(f"split positional table(s) of '{prod[0]}' {shapes} on dims {dims} (image "
+                             f"positions), before the first block")
+            else:
+                cps = [ContextParallelInput(split_dim=d, expected_dims=len(s)) for s, d in zip(shapes, dims)]
+                plan.setdefault(f"{lname}.*", {})[param] = cps if param in lt.sequences else cps[0]
+                notes.append(f"split '{param}' {shapes} on dims {dims} at every block of '{lname}' (image positions)")
+    # step 4: gather after the last block of the last main list
+    end = max(tr.lists[n].last_order for n in st.lists)
+    site = None
+    for c in tr.calls:
+        if c.order <= end or not c.outputs:
+            continue
+        if any(len(s) >= 2 and s[1] == s_img for s in c.inputs) and any(len(s) >= 2 and s[1] == s_img
+                                                                        for s in c.outputs):
+            site = c
             break
-    if not rope_done and not any(k.endswith(".*") and any(_ROPE_NAMES.search(str(p)) for p in v)
-                                 for k, v in plan.items()):
-        notes.append("no RoPE table found with an image-length axis (model without RoPE, or RoPE computed "
-                     "inside the blocks from split inputs)")
-    # gather: the last module outside the blocks that emits image tokens
-    out_site = None
-    for n, shapes in tr.modules:
-        for i, s in enumerate(shapes):
-            if s and len(s) == 3 and s[0] == batch and s[1] == s_img:
-                out_site = (n, i, len(shapes))
-    if out_site is None or out_site[0] == img_site[0]:
-        raise PlanDerivationError("no module after the blocks emits the image tokens to gather")
-    n, i, count = out_site
-    plan[n] = ContextParallelOutput(gather_dim=1, expected_dims=3) if count == 1 else tuple(
-        ContextParallelOutput(gather_dim=1, expected_dims=3) if j == i else None for j in range(count))
-    notes.append(f"gather image tokens at the output of '{n}' (dim 1)")
-    facts = {"image_seq_len": s_img, "text_seq_len": s_txt, "width": width, "attention_kind": attention_kind,
-             "block_list": first, "keyword_called": tr.block_keywords.get(first, [])}
-    return CPPlan(plan, "derived", notes, facts)
+    if site is None:
+        raise PlanDerivationError("no module after the blocks takes and returns the image tokens; nowhere to "
+                                  "gather them")
+    if tr.call_counts.get(site.name) != 1:
+        raise PlanDerivationError(f"'{site.name}' (where the image tokens would be gathered) is called "
+                                  f"{tr.call_counts.get(site.name)} times per forward")
+    outs = [ContextParallelOutput(gather_dim=1, expected_dims=len(s)) if len(s) >= 2 and s[1] == s_img else None
+            for s in site.outputs]
+    plan[site.name] = outs[0] if len(outs) == 1 else tuple(outs)
+    notes.append(f"gather image tokens at the output of '{site.name}' (dim 1), the first module after the blocks")
+    facts = {"image_seq_len": s_img, "text_seq_len": s_txt, "width": st.image_shape[2], "attention_kind": kind,
+             "block_lists": st.lists, "block_list": st.lists[0], "keyword_called": first.keywords,
+             "image_input": st.image, "text_input": st.text, "gather_site": site.name,
+             "sharding_expected": expected_lengths(tr, st)}
+    cp = CPPlan(plan, "derived", notes, facts)
+    check_plan_sites(cp.plan, tr, st)
+    return cp
 
 
-def resolve_cp_plan(transformer, capture=None, attention_kind: str | None = None) -> CPPlan:
-    """The registered plan when there is one, else a derived one (``capture()`` gives (args, kwargs))."""
-    reg = registered_cp_plan(transformer)
-    if reg is not None:
-        return reg
-    if capture is None:
+def check_plan_sites(plan: dict, tr: ForwardTrace, streams: Streams | None = None) -> list[str]:
+    """Step 5: every split of ``plan`` happens at the transformer's input, at a block, or at a
+    module that runs before the first block of the first main list. Returns the split sites;
+    raises ``PlanSiteError`` for a split after the blocks or a plan without any split."""
+    streams = streams or find_streams(tr)
+    first = tr.lists[streams.lists[0]].first_order
+    sites = []
+    for key, value in plan.items():
+        if not isinstance(value, dict) or not any(_is_input(v) or (isinstance(v, (list, tuple)) and any(
+                _is_input(x) for x in v)) for v in value.values()):
+            continue
+        sites.append(key)
+        if key == "" or _inside(key.split(".*")[0] if "*" in key else key, tr.lists):
+            continue
+        order = tr.first_call(key)
+        if order is None:
+            continue  # never called in this configuration: splits nothing here
+        if order > first:
+            raise PlanSiteError(f"the plan splits at '{key}', which runs after the first block of "
+                                f"'{streams.lists[0]}': every rank would run the blocks on the whole sequence")
+    effective = [k for k in sites if k == "" or "*" in k or _inside(k, tr.lists) or tr.first_call(k) is not None]
+    if not effective:
+        raise PlanSiteError("the plan splits nothing that this forward runs: every rank would run the whole "
+                            "sequence")
+    return sites
+
+
+def resolve_cp_plan(transformer, capture=None, attention_kind: str | None = None, degree: int = 2,
+                    plan_file: str | Path | None = None) -> CPPlan:
+    """The plan of ``plan_file`` if given, else the registered plan when there is one (a failing
+    planner is noted, never silently replaced), else a derived one. With ``capture()`` (giving
+    the transformer call's (args, kwargs)) the plan is checked against a traced forward
+    (``check_plan_sites``) and ``facts["sharding_expected"]`` says what each main block list must
+    receive (``parallel.sharding``)."""
+    notes = []
+    # the unsplit trace first: some registered planners change the attention processors of the
+    # model (cache-dit's patch a processor class to read a CP config the runtime sets later)
+    traced = None
+    if capture is not None:
+        args, kwargs = capture()
+        tr = trace_forward(transformer, args, kwargs)
+        traced = (args, kwargs, tr, find_streams(tr, attention_kind))
+    if plan_file is not None:
+        reg = load_plan_code(plan_file)
+    else:
+        try:
+            reg = registered_cp_plan(transformer, degree)
+        except RegisteredPlanError as exc:
+            reg, notes = None, [f"registered planner not used: {exc}"]
+    if traced is None:
+        if reg is not None:
+            return reg
         raise PlanDerivationError(f"{type(transformer).__name__} has no registered CP plan and no call to trace")
-    args, kwargs = capture()
-    return derive_cp_plan(transformer, args, kwargs, attention_kind)
+    args, kwargs, tr, st = traced
+    if reg is None:
+        cp = derive_cp_plan(transformer, args, kwargs, attention_kind, degree, trace=tr)
+        cp.notes[:0] = notes
+        return cp
+    check_plan_sites(reg.plan, tr, st)
+    reg.facts.update({"block_lists": st.lists, "image_seq_len": st.s_img, "text_seq_len": st.s_txt,
+                      "image_input": st.image, "text_input": st.text,
+                      "sharding_expected": expected_lengths(tr, st)})
+    return reg
 
 
 # ---------------------------------------------------------------------------------------------

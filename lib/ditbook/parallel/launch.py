@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from ..quality import Gates, compare_sets
-from .plans import parse_plan
+from .plans import parse_plan, refusal
 
 
 class ParallelRunError(RuntimeError):
@@ -130,6 +130,10 @@ def _failure_message(log: str, rc: int | None) -> str:
     return "; ".join(parts) if parts else f"torchrun exited with code {rc}"
 
 
+class PlanRefused(ValueError):
+    """A plan ditbook does not run (``plans.refusal`` says why); nothing was launched."""
+
+
 def launch(card: str | Path, plans: list[str], nproc: int, out_dir: str | Path, *, overrides: dict | None = None,
            timeout: float = 300.0, total_timeout: float | None = None, env: dict | None = None, **worker_opts) -> LaunchResult:
     """Run plans (all of world size 1 or ``nproc``) in one torchrun; raise ``ParallelRunError`` on failure."""
@@ -138,6 +142,8 @@ def launch(card: str | Path, plans: list[str], nproc: int, out_dir: str | Path, 
     nodes = worker_opts.get("nodes") or Nodes()
     world = nproc * nodes.count
     for p in plans:
+        if refusal(parse_plan(p)):
+            raise PlanRefused(f"plan {p}: {refusal(parse_plan(p))}")
         ws = parse_plan(p).world_size
         if ws not in (1, world):
             raise ParallelRunError(f"plan {p} needs {ws} processes; this launch has {world} "
@@ -209,11 +215,30 @@ def judge(result: LaunchResult, plans: list[str], gates: Gates | None = None,
         details["baseline_seconds"] = base_s
         bq = compare_sets(result.images(name), base, cache_gates).to_dict() \
             if spec.cache and base is not None else None
-        out.append(PlanResult(name=name, world_size=spec.world_size, passed=q.passed, quality=q.to_dict(),
+        quality = q.to_dict()
+        sharding_problem = sharding_failure(spec, entry.get("sharding"))
+        if sharding_problem:  # parity cannot see a plan that splits nothing: this can
+            quality["reasons"] = list(quality.get("reasons") or []) + [sharding_problem]
+        out.append(PlanResult(name=name, world_size=spec.world_size, passed=q.passed and not sharding_problem,
+                              quality=quality,
                               seconds=s, speedup=(ref_s / s) if ref_s and s else None, reference=ref_name,
-                              baseline_quality=bq, details=details,
+                              baseline_quality=bq, details=details, error=sharding_problem,
                               gates={"quality": gates.to_dict(), "baseline_quality": cache_gates.to_dict()}))
     return out
+
+
+def sharding_failure(spec, sharding: dict | None) -> str | None:
+    """Why the plan's recorded block inputs show it did not split (None when they show it did).
+    A CP plan without a record fails too: it cannot show that it split anything."""
+    if not spec.uses_cp:
+        return None
+    if not sharding:
+        return "ShardingError: the run recorded no block input lengths, so the split is unproven"
+    if sharding.get("error"):
+        return sharding["error"]
+    if not sharding.get("check"):
+        return "ShardingError: the block input lengths were not checked"
+    return None
 
 
 def _cuda_available() -> bool:

@@ -8,11 +8,15 @@ Grammar (parts joined by ``_``, options after ``+``)::
 
     single | cfg2 | ulysses<N> | ring<N> | usp<R>x<U> (ring R x ulysses U)
     cfg2_ulysses<N> | cfg2_ring<N> | cfg2_usp<R>x<U>
-    ...+cache       (cache-dit DBCache on top, skip decision agreed across ranks)
+    ...+cache       (cache-dit DBCache on top, skip decision agreed across ranks; through cache-dit's
+                     adapter where it registers the pipeline, else ditbook's generated one)
     ...+compile     (regional torch.compile of the repeated blocks, after the parallel hooks)
     ...+graph       (each transformer call replayed as a CUDA graph, ``parallel.graphs``;
                      GPU only, and not with +cache, whose skips are decided in Python per step)
-    tp<N>           (tensor parallel: judged by the feasibility table, not launched by ditbook)
+    tp<N>           (tensor parallel: judged by the feasibility table; ``refusal`` refuses to launch
+                     it, since ditbook does not shard parameters yet and every rank would run the
+                     whole model)
+    vae<N>, te<N>   (VAE / text-encoder parallel: refused by ``parse_plan`` with the reason)
 """
 
 from __future__ import annotations
@@ -21,6 +25,23 @@ import re
 from dataclasses import asdict, dataclass, field
 
 _PART = re.compile(r"^(cfg|ulysses|ring|usp|tp)(\d+)(?:x(\d+))?$")
+_NOT_RUN = {
+    "vae": "VAE parallel is not run by ditbook: cache-dit's VAE planner broke parity (16 dB) and was 60x "
+           "slower in our GPU runs, and ditbook has no patch-parallel decode of its own yet",
+    "te": "text-encoder parallel is not run by ditbook: cache-dit's text-encoder planners are listed by the "
+          "feasibility table but never enabled and checked for parity",
+    "text_encoder": "text-encoder parallel is not run by ditbook: cache-dit's text-encoder planners are listed "
+                    "by the feasibility table but never enabled and checked for parity",
+}
+TP_REFUSAL = ("tensor parallel is not implemented by ditbook: no parameter would be sharded, so every rank would "
+              "run the whole model and parity would prove nothing")
+
+
+def refusal(spec: "PlanSpec") -> str | None:
+    """Why ditbook will not launch this plan (None when it can): checked before any process starts."""
+    if spec.tp > 1:
+        return TP_REFUSAL
+    return None
 
 
 class PlanNameError(ValueError):
@@ -79,6 +100,9 @@ def parse_plan(name: str) -> PlanSpec:
     kw: dict = {}
     for part in base.split("_"):
         m = _PART.match(part)
+        kind_name = re.sub(r"\d+$", "", part)
+        if not m and kind_name in _NOT_RUN:
+            raise PlanNameError(f"plan {name!r}: {_NOT_RUN[kind_name]}")
         if not m:
             raise PlanNameError(f"plan {name!r}: cannot read {part!r}; expected one of "
                                 f"cfg2, ulysses<N>, ring<N>, usp<R>x<U>, tp<N>, single")

@@ -9,7 +9,11 @@
   per image), ``speedup`` (against that single-process run), ``reference``, ``details``;
 - ``not_run``: plans asked for but ruled out, with their reason;
 - ``gqa``: the GQA timing (``GqaTiming`` dict, or null for a model without GQA) and ``applied``;
-- ``launch``: command, processes, wall seconds; ``cp_plan_file``: the emitted plan code.
+- ``launch``: command, processes, wall seconds; ``cp_plan_file``: the emitted plan code;
+- ``sharding``: per plan, per rank, the sequence lengths each block list's blocks received, the
+  number of sharded parameters per rank, and whether the split was verified (a CP plan whose
+  blocks did not get full length / degree fails with a ``ShardingError``; the full record is
+  in each plan's ``details.sharding``).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from pathlib import Path
 from .attention import model_gqa_shapes, time_gqa
 from .feasibility import FeasibilityTable
 from .launch import run_plans
-from .plans import parse_plan
+from .plans import parse_plan, refusal
 
 
 def choose_plans(table: FeasibilityTable, nproc: int, wanted: list[str] | None = None,
@@ -32,7 +36,9 @@ def choose_plans(table: FeasibilityTable, nproc: int, wanted: list[str] | None =
         run, skipped = [], []
         for p in wanted:
             row = table.check(p)
-            if parse_plan(p).world_size != nproc:
+            if refusal(parse_plan(p)):
+                skipped.append({"name": p, "reason": refusal(parse_plan(p))})
+            elif parse_plan(p).world_size != nproc:
                 skipped.append({"name": p, "reason": f"needs {parse_plan(p).world_size} processes, run has {nproc}"})
             elif row is None or not row.feasible or not row.launchable:
                 skipped.append({"name": p, "reason": row.reason if row else "not in the feasibility table"})
@@ -40,12 +46,14 @@ def choose_plans(table: FeasibilityTable, nproc: int, wanted: list[str] | None =
                 run.append(p)
         return run, skipped
     base = [p for p in table.feasible_plans(nproc) if p != "single"]
+    skipped = [{"name": p, "reason": refusal(parse_plan(p))} for p in base if refusal(parse_plan(p))]
+    base = [p for p in base if not refusal(parse_plan(p))]
     run = list(base)
     if with_cache:
-        run += [f"{p}+cache" for p in base if parse_plan(p).cfg == 1 and parse_plan(p).uses_cp]
+        run += [f"{p}+cache" for p in base if parse_plan(p).uses_cp or parse_plan(p).cfg > 1]
     if with_graph:
         run += [f"{p}+compile+graph" for p in base]
-    return run, []
+    return run, skipped
 
 
 def graph_plans_apply(ctx) -> bool:
@@ -75,6 +83,19 @@ def run_stage_plans(ctx, report, plans: list[str], nproc: int, gqa: dict | None,
                      gates=ctx.card.parallel.gates, cache_gates=ctx.card.cache.gates)
 
 
+def block_sequence_lengths(sharding: dict | None) -> dict | None:
+    """Per rank, per block list: the sequence lengths its blocks received (and, for a CP plan,
+    whether they were the full length / degree)."""
+    if not sharding:
+        return None
+    return {"per_rank": [{name: rec["seq_lens"] for name, rec in (r or {}).get("block_inputs", {}).items()}
+                         for r in sharding.get("ranks") or []],
+            "sharded_parameters": [len((r or {}).get("sharded_parameters") or []) for r in sharding.get("ranks") or []],
+            # None: not a sequence split (one process, or CFG parallel: each rank its own branch)
+            "verified": (bool(sharding.get("check")) and not sharding.get("error")) if (sharding.get("degree") or 1) > 1
+            else None, "error": sharding.get("error")}
+
+
 def stage_results(table: FeasibilityTable, results, launch, gqa: dict | None, not_run: list[dict],
                   stage_dir: Path) -> dict:
     files = sorted(p.name for p in Path(stage_dir).glob("cp_plan_*.py"))
@@ -86,6 +107,7 @@ def stage_results(table: FeasibilityTable, results, launch, gqa: dict | None, no
         "launch": {"command": launch.command if launch else None, "nproc": launch.nproc if launch else None,
                    "seconds": round(launch.seconds, 2) if launch else None},
         "cp_plan_file": files[0] if files else None,
+        "sharding": {r.name: block_sequence_lengths(r.details.get("sharding")) for r in results},
         "passed": all(r.passed for r in results),
     }
 

@@ -86,9 +86,9 @@ def apply_plan(pipe, card, spec, *, cfg_style: str | None, cp_plan_file: str | N
                gqa_path: str, out_dir: Path | None, heartbeat=None) -> dict:
     """Apply one plan to a freshly loaded pipeline on this rank; returns what was applied."""
     from .attention import route_attention
-    from .cache_sync import agree_cache_decisions, dbcache_config
+    from .cache_sync import agree_cache_decisions, dbcache_config, split_at_cached_units
     from .cfg import apply_cfg_parallel, detect_cfg_style
-    from .cp_plan import capture_transformer_call, load_plan_code, resolve_cp_plan, write_plan_code
+    from .cp_plan import capture_transformer_call, resolve_cp_plan, write_plan_code
 
     info: dict = {"plan": spec.name}
     tr = pipe.transformer
@@ -110,46 +110,58 @@ def apply_plan(pipe, card, spec, *, cfg_style: str | None, cp_plan_file: str | N
         if style not in ("separate", "batched"):
             raise RuntimeError(f"plan {spec.name}: the pipeline shows CFG style '{style}' — no second branch")
     if spec.uses_cp:
-        if cp_plan_file:
-            cp = load_plan_code(cp_plan_file)
-        else:
-            cp = resolve_cp_plan(tr, capture=lambda: capture_transformer_call(pipe, card),
-                                 attention_kind=attention_kind)
+        cp = resolve_cp_plan(tr, capture=lambda: capture_transformer_call(pipe, card), attention_kind=attention_kind,
+                             degree=spec.cp, plan_file=cp_plan_file)
         info["cp_plan"] = cp.to_dict()
         if out_dir is not None and dist.get_rank() == 0:
             info["cp_plan_file"] = str(write_plan_code(cp, out_dir, card.name, type(tr).__name__))
         import cache_dit
 
         cache_cfg = dbcache_config(spec.options.get("cache")) if spec.cache else None
-        if cp_mesh is None:
+        target, info["cache_adapter"] = cache_target(pipe, card) if spec.cache else (pipe, None)
+        if cp_mesh is None and target is pipe:
             from cache_dit import ParallelismConfig
 
             pc = ParallelismConfig(ulysses_size=spec.ulysses if spec.ulysses > 1 else None,
                                    ring_size=spec.ring if spec.ring > 1 else None, cp_plan=cp.plan)
             cache_dit.enable_cache(pipe, cache_config=cache_cfg, parallelism_config=pc)
         else:
-            # cfg x CP: the CP mesh is one slice of a (cfg, ring, ulysses) mesh, which cache-dit's
-            # public ParallelismConfig cannot take, so its runtime entry is called with that mesh.
+            # cfg x CP (the CP mesh is one slice of a (cfg, ring, ulysses) mesh, which cache-dit's
+            # public ParallelismConfig cannot take), or ditbook's cache adapter: the cache first,
+            # then cache-dit's runtime CP entry with an explicit mesh; splits at a block list's
+            # first block move onto cache-dit's cached unit of that list (cache_sync)
             from cache_dit.attention import _maybe_register_custom_attn_backends
             from cache_dit.distributed.core import _ContextParallelConfig, _enable_context_parallelism
+            from cache_dit.distributed.core._context_parallel import _apply_context_parallel
 
+            plan, units, unit_plans = cp.plan, {}, {}
+            if cache_cfg is not None:
+                cache_dit.enable_cache(target, cache_config=cache_cfg)
+                plan, units, unit_plans = split_at_cached_units(tr, cp.plan, cp.facts)
+                info["cp_split_at_cached_units"] = sorted(unit_plans)
+            if cp_mesh is None:
+                from torch.distributed.device_mesh import init_device_mesh
+
+                dev_type = "cuda" if str(tr.device).startswith("cuda") else "cpu"
+                cp_mesh = init_device_mesh(dev_type, (spec.ring, spec.ulysses), mesh_dim_names=("ring", "ulysses"))
             _maybe_register_custom_attn_backends()
             cpc = _ContextParallelConfig(ulysses_degree=spec.ulysses, ring_degree=spec.ring)
             cpc.setup(dist.get_rank(), dist.get_world_size(), tr.device, mesh=cp_mesh)
-            _enable_context_parallelism(tr, config=cpc, cp_plan=cp.plan)
+            _enable_context_parallelism(tr, config=cpc, cp_plan=plan)
+            for name, unit_plan in unit_plans.items():
+                _apply_context_parallel(units[name], cpc, unit_plan)
             if hasattr(tr, "set_attention_backend"):
                 try:
                     tr.set_attention_backend("native")
                 except Exception:  # noqa: BLE001 - models without diffusers attention
                     pass
-            if cache_cfg is not None:
-                raise RuntimeError("cache with CFG parallel is not supported (the cache contexts are per branch)")
         if spec.cache:
             info["cache_agreement"] = agree_cache_decisions(pipe)
     elif spec.cache:
         import cache_dit
 
-        cache_dit.enable_cache(pipe, cache_config=dbcache_config(spec.options.get("cache")))
+        target, info["cache_adapter"] = cache_target(pipe, card)
+        cache_dit.enable_cache(target, cache_config=dbcache_config(spec.options.get("cache")))
     if spec.compile:
         info["compiled"] = compile_repeated_blocks(tr)
     if spec.graph:
@@ -161,6 +173,28 @@ def apply_plan(pipe, card, spec, *, cfg_style: str | None, cp_plan_file: str | N
         info["cfg_stats"] = apply_cfg_parallel(tr, info["cfg_style"], group=cfg_group, heartbeat=heartbeat)
     info["route"] = route
     return info
+
+
+class CacheRefused(RuntimeError):
+    """A +cache plan on a model with no cache adapter (neither cache-dit's nor ditbook's)."""
+
+
+def cache_target(pipe, card):
+    """What ``cache_dit.enable_cache`` is given: the pipeline where cache-dit registers an adapter
+    for it, else ditbook's generated adapter (``cache.build_cache_adapter`` on an inspection of
+    this pipeline) as a ``BlockAdapter``. Returns (target, which)."""
+    from ..cache.adapter import build_cache_adapter, cache_dit_registered
+
+    if cache_dit_registered(pipe):
+        return pipe, "cache-dit"
+    from ..inspect.stage import run_inspection
+
+    report = run_inspection(pipe, card).report
+    adapter = build_cache_adapter(pipe, report, card.name, prefer_registered=False)
+    if not adapter.info.block_lists:
+        raise CacheRefused(f"+cache: cache-dit has no adapter for {type(pipe).__name__} and the inspection found "
+                           f"no block list for ditbook's own adapter to cache")
+    return adapter.block_adapter(), f"ditbook ({adapter.info.module_name})"
 
 
 def compile_repeated_blocks(tr) -> str:
@@ -186,7 +220,8 @@ def run(args) -> int:
     from ..card import load_card
     from ..loading import Placement, choose_placement, load_pipeline
     from ..render import render_all, save_renders
-    from .plans import parse_plan
+    from .plans import parse_plan, refusal
+    from .sharding import BlockInputRecorder
 
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -209,6 +244,8 @@ def run(args) -> int:
     try:
         for name in args.plans.split(","):
             spec = parse_plan(name)
+            if refusal(spec):
+                raise RuntimeError(f"plan {name}: {refusal(spec)}")
             if spec.cache and "cache" not in spec.options and card.parallel.cache:
                 spec = type(spec)(**{**spec.__dict__, "options": {"cache": card.parallel.cache}})
             if spec.world_size not in (1, world):
@@ -232,9 +269,12 @@ def run(args) -> int:
                     pipe = load_pipeline(card, placement)
                 else:
                     pipe = copy.deepcopy(pristine)
+                # installed before the plan's hooks, so it sees what each block gets after any split
+                recorder = BlockInputRecorder(pipe.transformer)
                 info = apply_plan(pipe, card, spec, cfg_style=args.cfg_style, cp_plan_file=args.cp_plan_file,
                                   attention_kind=args.attention_kind, gqa_path=args.gqa_path,
                                   out_dir=out_dir, heartbeat=dog.beat)
+                recorder.reset()  # the plan's own traced call ran the blocks whole
                 _fault_hook(pipe.transformer, rank)
                 pipe.transformer.register_forward_pre_hook(lambda *a, **k: dog.beat(f"plan {name}: transformer call"))
                 for _ in range(args.warmup):
@@ -255,6 +295,8 @@ def run(args) -> int:
                 if spec.cache:
                     info["cached_steps"] = [int(s) for s in (getattr(pipe.transformer, "_cached_steps", None) or [])]
                 entry.update(info)
+                entry["sharding"] = sharding_record(pipe.transformer, recorder, spec, info.get("cp_plan"))
+                recorder.remove()
                 if rank == 0:
                     entry["images"] = save_renders(renders, out_dir / _folder(name))
                 del pipe, renders
@@ -271,6 +313,25 @@ def run(args) -> int:
         (out_dir / "worker.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
     dist.destroy_process_group()
     return 0
+
+
+def sharding_record(transformer, recorder, spec, cp_plan: dict | None) -> dict:
+    """Every rank's block input lengths and sharded parameters, gathered on every rank; for a CP
+    plan, ``check_sharding`` against the unsplit trace (``error`` names a ``ShardingError``)."""
+    from .sharding import ShardingError, check_sharding
+
+    mine = {"block_inputs": recorder.to_dict(),
+            "sharded_parameters": [n for n, p in transformer.named_parameters() if type(p.data).__name__ == "DTensor"]}
+    ranks: list = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, mine)
+    out = {"ranks": ranks, "degree": spec.cp, "check": None, "error": None}
+    if spec.uses_cp:
+        try:
+            out["check"] = check_sharding([r["block_inputs"] for r in ranks],
+                                          (cp_plan or {}).get("facts", {}).get("sharding_expected") or {}, spec.cp)
+        except ShardingError as exc:
+            out["error"] = f"ShardingError: {exc}"
+    return out
 
 
 def _folder(plan: str) -> str:

@@ -1,0 +1,184 @@
+"""``coverage_cp``: does context parallel really work on a bare transformer?
+
+For the coverage table (one row per transformer class): take the registered plan or derive one
+(``cp_plan.resolve_cp_plan``), then EXECUTE it in a 2-process gloo run on the CPU (two forked
+processes, so the transformer needs no pickling), each rank recording what its blocks received
+(``sharding.BlockInputRecorder``), and compare rank 0's output with the one-process output.
+
+Outcome: ``correct`` (split verified: every main block list got ``S / degree`` tokens on every
+rank, and the output matches), ``refused`` (no plan can be made or the plan splits after the
+blocks; the named reason), ``wrong`` (it ran but did not split, or the output differs),
+``crash`` (a rank raised or did not finish).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+import traceback
+
+import torch
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _output(out) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)):
+        return out[0]
+    return getattr(out, "sample", None) if hasattr(out, "sample") else out[0]
+
+
+def _rank(rank, world, port, transformer, args, kwargs, plan, queue) -> None:
+    try:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from .attention import route_attention
+        from .sharding import BlockInputRecorder
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        from cache_dit.attention import _maybe_register_custom_attn_backends
+        from cache_dit.distributed.core import _ContextParallelConfig, _enable_context_parallelism
+
+        _maybe_register_custom_attn_backends()
+        route_attention(transformer)
+        recorder = BlockInputRecorder(transformer)  # before the plan's hooks: sees the split inputs
+        mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("ring", "ulysses"))
+        cpc = _ContextParallelConfig(ulysses_degree=world, ring_degree=1)
+        cpc.setup(rank, world, torch.device("cpu"), mesh=mesh)
+        _enable_context_parallelism(transformer, config=cpc, cp_plan=plan)
+        if hasattr(transformer, "set_attention_backend"):
+            try:
+                transformer.set_attention_backend("native")
+            except Exception:  # noqa: BLE001 - models without diffusers attention
+                pass
+        with torch.no_grad():
+            out = _output(transformer(*args, **kwargs))
+        queue.put((rank, "ok", recorder.to_dict(), out.detach().float().numpy().copy() if rank == 0 else None))
+        dist.destroy_process_group()
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        queue.put((rank, "error", f"{type(exc).__name__}: {exc}", traceback.format_exc()[-2000:]))
+
+
+def execute_cp_plan(transformer, args, kwargs, plan: dict, expected: dict, degree: int = 2,
+                    timeout: float = 120.0, reference: torch.Tensor | None = None) -> dict:
+    """Run ``plan`` on ``degree`` forked gloo ranks; judge the split and the output."""
+    from .sharding import ShardingError, check_sharding
+
+    if reference is None:
+        with torch.no_grad():
+            reference = _output(transformer(*args, **kwargs)).detach().float().clone()
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank, args=(r, degree, port, transformer, args, kwargs, plan, queue), daemon=True)
+             for r in range(degree)]
+    for p in procs:
+        p.start()
+    got = {}
+    try:
+        for i in range(degree):
+            # after a first error the peers fail soon (their collective loses its partner)
+            rank, status, a, b = queue.get(timeout=timeout if not any(s == "error" for s, _, _ in got.values())
+                                           else 15)
+            got[rank] = (status, a, b)
+    except Exception:  # noqa: BLE001 - queue.Empty: a rank hung or died
+        pass
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    # the cause first: a rank's own error before a peer's lost connection
+    errors = sorted((f"rank {r}: {a}" for r, (s, a, _) in got.items() if s == "error"),
+                    key=lambda e: ("Connection" in e or "pair.cc" in e, e))
+    if errors or len(got) < degree:
+        return {"outcome": "crash", "reason": "; ".join(errors) or f"a rank did not finish within {timeout:.0f}s",
+                "seq_lens": None}
+    ranks = [got[r][1] for r in range(degree)]
+    seq = {name: [rec.get(name, {}).get("seq_lens") for rec in ranks] for name in expected}
+    try:
+        check_sharding(ranks, expected, degree)
+    except ShardingError as exc:
+        return {"outcome": "wrong", "reason": f"ShardingError: {exc}", "seq_lens": seq}
+    out = torch.from_numpy(got[0][2])
+    if out.shape != reference.shape:
+        return {"outcome": "wrong", "reason": f"output shape {list(out.shape)} != {list(reference.shape)}",
+                "seq_lens": seq}
+    err = (out - reference).abs().max().item() / max(reference.abs().max().item(), 1e-6)
+    if not torch.isfinite(out).all() or err > 1e-3:
+        return {"outcome": "wrong", "reason": f"output differs from one process: max rel. error {err:.2e}",
+                "seq_lens": seq}
+    return {"outcome": "correct", "reason": f"split verified, max rel. error {err:.1e}", "seq_lens": seq}
+
+
+def coverage_cp(transformer, args, kwargs, degree: int = 2, plan: dict | None = None,
+                timeout: float = 120.0) -> dict:
+    """Like ``_coverage_cp`` (below), run in a forked process: registered planners may patch
+    library classes process-wide (cache-dit's PixArt planner patches diffusers'
+    ``AttnProcessor2_0.__call__``), which must not leak into the caller's next model."""
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+
+    def driver():
+        try:
+            torch.set_num_threads(1)  # an OpenMP pool inherited through fork must not be used
+            queue.put(_coverage_cp(transformer, args, kwargs, degree, plan, timeout))
+        except BaseException as exc:  # noqa: BLE001
+            queue.put({"outcome": "crash", "reason": f"{type(exc).__name__}: {exc}", "seq_lens": None,
+                       "source": None})
+
+    proc = ctx.Process(target=driver)
+    proc.start()
+    try:
+        result = queue.get(timeout=timeout * 2 + 60)
+    except Exception:  # noqa: BLE001 - queue.Empty
+        result = {"outcome": "crash", "reason": f"no result within {timeout * 2 + 60:.0f}s", "seq_lens": None,
+                  "source": None}
+    proc.join(timeout=10)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+    return result
+
+
+def _coverage_cp(transformer, args, kwargs, degree: int = 2, plan: dict | None = None,
+                 timeout: float = 120.0) -> dict:
+    """Derive or look up the CP plan of a bare ``transformer`` for the call ``(args, kwargs)`` and
+    execute it on ``degree`` gloo ranks with the sharding check. Returns
+    ``dict(outcome=correct|refused|crash|wrong, reason=..., seq_lens={list: [per-rank lengths]},
+    source=plan source)``. ``plan`` overrides the plan (its sites are still checked)."""
+    from .cp_plan import (PlanDerivationError, RegisteredPlanError, find_streams, check_plan_sites,
+                          resolve_cp_plan, trace_forward)
+    from .cp_plan import expected_lengths
+
+    try:
+        with torch.no_grad():  # before any planner touches the model
+            reference = _output(transformer(*args, **kwargs)).detach().float().clone()
+    except Exception as exc:  # noqa: BLE001
+        return {"outcome": "crash", "reason": f"the one-process forward failed: {type(exc).__name__}: {exc}",
+                "seq_lens": None, "source": None}
+    try:
+        if plan is None:
+            cp = resolve_cp_plan(transformer, capture=lambda: (args, kwargs), degree=degree)
+            plan, source, expected = cp.plan, cp.source, cp.facts["sharding_expected"]
+        else:
+            tr = trace_forward(transformer, args, kwargs)
+            st = find_streams(tr)
+            check_plan_sites(plan, tr, st)
+            source, expected = "given", expected_lengths(tr, st)
+    except (PlanDerivationError, RegisteredPlanError) as exc:
+        return {"outcome": "refused", "reason": f"{type(exc).__name__}: {exc}", "seq_lens": None, "source": None}
+    except Exception as exc:  # noqa: BLE001 - a crash of the derivation is a crash row
+        return {"outcome": "crash", "reason": f"{type(exc).__name__}: {exc}", "seq_lens": None, "source": None}
+    result = execute_cp_plan(transformer, args, kwargs, plan, expected, degree, timeout, reference)
+    result["source"] = source
+    return result

@@ -1,0 +1,129 @@
+"""What each rank's blocks really received, and the check that a parallel plan split the
+sequence (parity alone cannot see a plan that splits nothing: every rank then computes the
+whole image, and the images agree at 100 dB).
+
+``BlockInputRecorder`` wraps every block of every block list (``ditbook.hooks``), installed
+*before* the plan's own hooks so that it sees what the block's forward gets after any split,
+and records per list the sequence length (dim 1) of each ``[B, S, ...]`` tensor argument.
+``check_sharding(record, expected, degree)`` raises ``ShardingError`` unless, on every rank,
+the image stream of every main block list had ``full // degree`` tokens in every block call.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+from ..hooks import WrapError, wrap_method
+
+WRAP_NAME = "ditbook_sharding_record"
+
+
+def _tensors(value) -> list[torch.Tensor] | None:
+    """The tensor, or the tensors of a tuple/list of tensors (None entries skipped), else None."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)) and value and all(isinstance(v, torch.Tensor) or v is None for v in value):
+        return [v for v in value if v is not None]
+    if hasattr(value, "sample") and isinstance(getattr(value, "sample"), torch.Tensor):
+        return [value.sample]
+    return None
+
+
+def bind_inputs(module, args, kwargs) -> dict[str, Any]:
+    """A call's arguments by parameter name (positional ones bound through the signature)."""
+    try:
+        params = [p for p in inspect.signature(module.forward).parameters]
+    except (TypeError, ValueError):
+        params = []
+    named = {(params[i] if i < len(params) else f"arg{i}"): a for i, a in enumerate(args)}
+    named.update(kwargs)
+    return named
+
+
+def block_lists(transformer) -> list[str]:
+    """Names of every non-empty ``nn.ModuleList`` of the transformer, outermost first (which of
+    them the forward really calls as blocks is what ``trace_forward`` finds)."""
+    return [n for n, m in transformer.named_modules() if n and isinstance(m, torch.nn.ModuleList) and len(m)]
+
+
+class ShardingError(RuntimeError):
+    """A parallel plan's blocks did not run on ``full length / degree`` tokens (it split nothing,
+    split too late, or split twice)."""
+
+
+class BlockInputRecorder:
+    """Per block list: block calls, and for each argument the set of sequence lengths seen."""
+
+    def __init__(self, transformer, lists: list[str] | None = None):
+        self.lists = lists if lists is not None else block_lists(transformer)
+        self.calls: dict[str, int] = {}
+        self.lengths: dict[str, dict[str, set[int]]] = {}
+        self.handles = []
+        for name in self.lists:
+            for block in transformer.get_submodule(name):
+                try:
+                    signature = inspect.signature(block.forward)
+                except (TypeError, ValueError):
+                    signature = None
+                self.handles.append(wrap_method(block, WRAP_NAME, self._wrapper(name, block, signature)))
+                if signature is not None:
+                    # libraries read a block's forward signature (cache-dit matches its forward
+                    # pattern by parameter names): the wrapped forward keeps the block's
+                    block.forward.__signature__ = signature
+
+    def _wrapper(self, lname: str, block, signature):
+        params = list(signature.parameters) if signature is not None else []
+
+        def record(original, *args, **kwargs):
+            self.calls[lname] = self.calls.get(lname, 0) + 1
+            per = self.lengths.setdefault(lname, {})
+            named = {(params[i] if i < len(params) else f"arg{i}"): a for i, a in enumerate(args)}
+            named.update(kwargs)
+            for param, value in named.items():
+                ts = _tensors(value)
+                if ts and len(ts) == 1 and ts[0].dim() == 3:
+                    per.setdefault(param, set()).add(int(ts[0].shape[1]))
+            return original(*args, **kwargs)
+        return record
+
+    def to_dict(self) -> dict:
+        """{list: {"calls": n, "seq_lens": {argument: [lengths]}}} for the lists that were called."""
+        return {n: {"calls": self.calls[n], "seq_lens": {p: sorted(v) for p, v in self.lengths.get(n, {}).items()}}
+                for n in self.lists if self.calls.get(n)}
+
+    def reset(self) -> None:
+        self.calls, self.lengths = {}, {}
+
+    def remove(self) -> None:
+        for h in self.handles:
+            try:
+                h.remove()
+            except WrapError:  # a plan's own hooks wrapped the block after us: it goes with the model
+                pass
+        self.handles = []
+
+
+def check_sharding(ranks: list[dict], expected: dict[str, dict], degree: int) -> dict:
+    """``ranks``: each rank's ``BlockInputRecorder.to_dict()``. Returns a summary; raises
+    ``ShardingError`` when a main list's blocks did not get ``full // degree`` tokens on a rank."""
+    if not expected:
+        raise ShardingError("no block list with [batch, sequence, width] inputs to check the split on")
+    problems, seen = [], {}
+    for name, e in expected.items():
+        want = e["full"] // degree
+        if e["full"] % degree:
+            problems.append(f"'{name}': {e['full']} tokens do not divide by {degree}")
+        for r, rec in enumerate(ranks):
+            got = rec.get(name, {}).get("seq_lens", {}).get(e["argument"])
+            seen.setdefault(name, []).append(got)
+            if not got:
+                problems.append(f"rank {r}: the blocks of '{name}' never received '{e['argument']}'")
+            elif got != [want]:
+                problems.append(f"rank {r}: the blocks of '{name}' received '{e['argument']}' with {got} tokens, "
+                                f"expected {want} (= {e['full']} / {degree})")
+    if problems:
+        raise ShardingError("the plan did not split the blocks' sequence: " + "; ".join(problems))
+    return {"degree": degree, "expected": expected, "per_rank": seen}
