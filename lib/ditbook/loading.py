@@ -94,7 +94,7 @@ def load_transformer(card: ModelCard, placement: Placement | None = None, **kwar
     if not (Path(card.path) / sub).is_dir():
         raise ModelFolderError(f"model folder {card.path} has no '{sub}' folder for the transformer (card field transformer.subfolder)")
     return cls.from_pretrained(
-        str(card.path), subfolder=sub, torch_dtype=placement.torch_dtype, local_files_only=True, **kwargs
+        str(card.path), subfolder=sub, dtype=placement.torch_dtype, local_files_only=True, **kwargs
     )
 
 
@@ -106,7 +106,7 @@ def load_pipeline(card: ModelCard, placement: Placement | None = None, *, transf
     if transformer is None:
         transformer = load_transformer(card, placement)
     pipe = pipe_cls.from_pretrained(
-        str(card.path), transformer=transformer, torch_dtype=placement.torch_dtype, local_files_only=True
+        str(card.path), transformer=transformer, dtype=placement.torch_dtype, local_files_only=True
     )
     pipe.to(placement.device)
     if hasattr(pipe, "set_progress_bar_config"):
