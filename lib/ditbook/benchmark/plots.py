@@ -252,7 +252,7 @@ def image_grid(baseline: dict[str, np.ndarray], images: dict[str, dict[str, np.n
             mappable = axes[i][2 * j + 1].imshow(np.nan_to_num(d, nan=vmax, posinf=vmax), cmap="magma", vmin=0,
                                                  vmax=vmax)
             p = psnr(img, baseline[key])
-            axes[i][2 * j + 1].set_title(f"|Δ|  {p:.1f} dB", fontsize=6.5)
+            axes[i][2 * j + 1].set_title(f"|Δ|, PSNR {p:.1f} dB", fontsize=6.5)
     fig.tight_layout(rect=(0, 0, 0.93, 1))
     if mappable is not None:
         cax = fig.add_axes((0.945, 0.15, 0.015, 0.7))

@@ -70,8 +70,8 @@ def verdict(benchmark: dict | None, cache: dict | None) -> dict:
     elif out["speedup"] is None:
         out["reason"] = f"the benchmark did not time {name}; speed-up unknown"
     elif out["speedup"] < MIN_USEFUL_SPEEDUP:
-        out["reason"] = (f"{out['speedup']:.2f}× is within the noise of the baseline (needs ≥ {MIN_USEFUL_SPEEDUP:g}×); "
-                         "ship the baseline")
+        out["reason"] = (f"{out['speedup']:.2f}× does not beat the baseline by the {MIN_USEFUL_SPEEDUP:g}× a change "
+                         "must gain over the timing noise; ship the baseline")
     else:
         out["ship"] = True
         out["reason"] = "chosen by the cache stage, confirmed on held-out seeds, timed by the benchmark"
