@@ -103,9 +103,9 @@ def _failure_details(exc: BaseException) -> tuple[str, str | None]:
     return f"{type(exc).__name__}: {exc}", None
 
 
-# Library loggers that write into every executed notebook; a stage kernel starts with them at
+# Library loggers that would write into every executed notebook: a stage kernel starts them at
 # ERROR unless the user set them (cache-dit and transformers read these at import).
-KERNEL_LOG_ENV = {"CACHE_DIT_LOG_LEVEL": "ERROR", "TRANSFORMERS_VERBOSITY": "error"}
+KERNEL_LOG_ENV = {"CACHE_DIT_LOG_LEVEL": "error", "TRANSFORMERS_VERBOSITY": "error"}
 
 
 @contextmanager
