@@ -27,13 +27,20 @@ _STAGE_RE = re.compile(r"^(\d+)_([a-z0-9_]+)\.ipynb$")
 
 
 def notebooks_dir() -> Path:
+    """``$DITBOOK_NOTEBOOKS``, else the stage notebooks shipped in the package (``ditbook/notebooks``:
+    in a checkout a link to ``notebooks/``, in an installed wheel a copy)."""
     env = os.environ.get("DITBOOK_NOTEBOOKS")
-    return Path(env) if env else REPO_ROOT / "notebooks"
+    if env:
+        return Path(env)
+    shipped = PACKAGE_ROOT / "notebooks"
+    return shipped if shipped.is_dir() else REPO_ROOT / "notebooks"
 
 
 def outputs_dir() -> Path:
+    """``$DITBOOK_OUTPUTS``, else ``outputs/`` in the current directory (the repository root for
+    ``make demo``)."""
     env = os.environ.get("DITBOOK_OUTPUTS")
-    return Path(env) if env else REPO_ROOT / "outputs"
+    return Path(env) if env else Path.cwd() / "outputs"
 
 
 @dataclass
