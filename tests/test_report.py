@@ -85,3 +85,35 @@ def test_cli_compare_shows_deltas_and_notebook_diff(runs, capsys):
     gentle = next(d for d in data["deltas"] if d["name"] == "gentle")
     assert gentle["psnr_min"]["delta"] is not None
     assert main(["compare", str(ok), str(ok / "nope")]) == 2
+
+
+def test_compare_is_short_and_leaves_out_widget_state_and_outputs(runs, capsys):
+    """Two runs whose notebooks carry ipywidgets state and outputs that differ: compare names
+    what differs (a card field, stage status, metrics, the verdicts, a source change) in under
+    200 lines, and none of the widget state or outputs."""
+    import nbformat
+
+    ok, failed, _ = runs
+    for run, tag in ((ok, "A"), (failed, "B")):
+        path = run / "05_benchmark.ipynb"
+        nb = nbformat.read(str(path), as_version=4)
+        nb.metadata["widgets"] = {"application/vnd.jupyter.widget-state+json": {
+            "state": {f"model-{tag}-{i}": {"model_name": "FloatProgressModel", "state": {"value": i}}
+                      for i in range(300)}}}
+        nb.cells[-1].outputs = [nbformat.v4.new_output("stream", name="stdout",
+                                                       text="".join(f"line {tag} {i}\n" for i in range(300)))]
+        nbformat.write(nb, str(path))
+    meta = json.loads((failed / "run.json").read_text())
+    meta["card"]["generation"]["steps"] = 7
+    (failed / "run.json").write_text(json.dumps(meta))
+    assert main(["compare", str(ok), str(failed)]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert len(lines) < 200, len(lines)
+    assert re.search(r"card.generation.steps: \d+ -> 7", out)
+    assert re.search(r"cache\s+-\s+-\s+->\s+failed", out)
+    assert "gentle:" in out and "verdict:" in out and re.search(r"^  A: (Ship|Do not ship|Ship the)", out, re.M)
+    assert "FloatProgressModel" not in out and "line A 1" not in out and "widget-state" not in out
+    # with outputs asked for, the outputs are there: the filter above is what kept them out
+    assert main(["compare", str(ok), str(failed), "--outputs"]) == 0
+    assert "line A 1" in capsys.readouterr().out
