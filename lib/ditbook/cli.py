@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -110,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # transformers' notices (e.g. an image processor falling back without torchvision) are not
+    # about the user's model; the command shows its errors only unless the user set a level
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
