@@ -332,7 +332,9 @@ def report_html(run_dir: str | Path) -> str:
     else:
         rows = res.get("summary") or summary_rows(res)
         bdir = run.stage_dir("benchmark", create=False)
-        labels = res.get("labels") or {}
+        from .plots import short_labels
+
+        labels = res.get("labels") or short_labels(rows)
         plot = bdir / (res.get("plots") or {}).get("tradeoff_psnr", "plots/tradeoff_psnr.png")
         parts.append('<h2 id="plot">Speed vs quality</h2><div class="twocol">')
         if plot.is_file():
