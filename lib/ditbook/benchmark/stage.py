@@ -13,9 +13,13 @@
 - ``intake_agreement``: the baseline rendered here against the intake stage's stored images;
 - ``recorded``: ``{"cache": rows, "parallel": rows}`` — figures of the earlier stages;
 - ``inputs``: which earlier results existed; ``residual_changes``: ``{name: [per step]}``;
-- ``images``: ``{config: [{key, png, npy}]}``; ``plots``: ``{name: path}``; ``sheets``: paths
-  (every path relative to the ``benchmark/`` folder);
-- ``summary`` (rows of :func:`~ditbook.benchmark.summary.summary_rows`) and ``recommendation``.
+- ``images``: ``{config: [{key, png, npy}]}``; ``plots``: ``{name: path}`` (``tradeoff_psnr``: the
+  speed-vs-quality plot); ``grid``: the image grid; ``labels``: the plot's short key per
+  configuration; ``sheets``: ``[]`` (no longer drawn); every path relative to ``benchmark/``;
+- ``summary`` (rows of :func:`~ditbook.benchmark.summary.summary_rows`), ``recommendation`` (the
+  fastest row passing its gates, kept for reference) and ``verdict``
+  (:func:`~ditbook.benchmark.verdict.verdict`: the cache stage's choice, timed here, with its
+  held-out quality — what the report and ``result.md`` say to ship).
 """
 
 from __future__ import annotations
