@@ -40,7 +40,7 @@ def pareto_frontier(points: list[tuple[float, float]]) -> list[int]:
     return sorted(idx, key=lambda i: points[i][0])
 
 
-def diff_map(image, reference, gain: float = 8.0) -> np.ndarray:
+def diff_map(image, reference, gain: float = 10.0) -> np.ndarray:
     """|image - reference| averaged over channels, amplified by ``gain``, as an RGB heat image
     in [0, 1] (black: equal; yellow: large). NaN/Inf show as magenta."""
     a = np.asarray(image, dtype=np.float64)
@@ -169,7 +169,7 @@ def plot_scaling(rows: list[dict], path: str | Path) -> Path:
 
 
 def contact_sheet(key: str, baseline: np.ndarray, images: dict[str, np.ndarray], path: str | Path,
-                  quality: dict[str, dict] | None = None, gain: float = 8.0) -> Path:
+                  quality: dict[str, dict] | None = None, gain: float = 10.0) -> Path:
     """One prompt's sheet: a row per configuration with baseline, configuration and difference
     map (×``gain``); the row title carries its PSNR/SSIM against the baseline."""
     plt = _plt()
@@ -199,8 +199,9 @@ def contact_sheet(key: str, baseline: np.ndarray, images: dict[str, np.ndarray],
     return _save(fig, path)
 
 
-# one gain for every difference map in the report: |difference| of 1/DIFF_GAIN or more is full scale
-DIFF_GAIN = 8.0
+# one gain for every difference map in the report, the cache stage's ×10 (cache.plots.image_grid):
+# |difference| of 1/DIFF_GAIN or more is full scale
+DIFF_GAIN = 10.0
 
 
 def image_grid(baseline: dict[str, np.ndarray], images: dict[str, dict[str, np.ndarray]], path: str | Path,
