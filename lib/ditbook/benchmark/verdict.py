@@ -42,7 +42,8 @@ def verdict(benchmark: dict | None, cache: dict | None) -> dict:
            "speedup": None, "e2e_ms": None, "holdout": None, "gates": {"psnr": gates.psnr, "ssim": gates.ssim},
            "passes_gates": None, "chosen_by": "cache stage", "reason": ""}
     if not cache:
-        out["reason"] = "the cache stage recorded no results, so no configuration was chosen; ship the baseline"
+        out["name"] = out["short"] = "none"
+        out["reason"] = "the cache stage recorded no results, so no configuration was chosen"
         return out
     chosen = cache.get("chosen")
     if not chosen:
@@ -88,8 +89,10 @@ def headline(v: dict) -> str:
     sp = f"{v['speedup']:.2f}× end to end" if v.get("speedup") is not None else "speed-up not measured"
     if v["ship"]:
         return f"Ship {v['name']}: {sp}, {q}."
+    if v["name"] == "none":
+        return f"No verdict: {v['reason']}."
     if v["name"] == "baseline":
-        return f"Ship the baseline: {v['reason']}."
+        return f"Ship the baseline: {v['reason'].removesuffix('; ship the baseline')}."
     return f"Do not ship {v['name']} ({sp}, {q}): {v['reason']}."
 
 
@@ -195,7 +198,7 @@ def _noise_item(cache: dict | None, benchmark: dict | None) -> dict:
 def _holdout_item(v: dict, cache: dict | None) -> dict:
     if not cache:
         return _item("held-out confirmation", None, NOT_RECORDED)
-    if v["name"] == "baseline":
+    if v["name"] in ("baseline", "none"):
         return _item("held-out confirmation", False, "no configuration passed on held-out seeds")
     h, g = v.get("holdout") or {}, v["gates"]
     if not h:
