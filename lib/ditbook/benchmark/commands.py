@@ -39,7 +39,7 @@ def cmd_compare(args) -> int:
 def register(subparsers) -> None:
     p = subparsers.add_parser("report", help="rebuild result.md and report.html of a run folder")
     p.add_argument("run_dir", help="run folder (outputs/<model>/<run-id>)")
-    p.add_argument("--no-figures", action="store_true", help="keep the existing plots and contact sheets")
+    p.add_argument("--no-figures", action="store_true", help="keep the existing plot and image grid (do not redraw them)")
     p.set_defaults(func=cmd_report)
 
     p = subparsers.add_parser("compare", help="what changed between two runs: card, versions, stages, metrics, verdict, notebook sources")

@@ -1,5 +1,6 @@
 """Benchmark plots as PNG files (matplotlib, Agg backend): trade-offs with the Pareto frontier,
-residual change per step, parallel scaling with the ideal line, and contact sheets with
+residual change per step, parallel scaling with the ideal line, the image grid (configurations x
+prompts, one difference scale) and per-prompt contact sheets with
 difference maps."""
 
 from __future__ import annotations
