@@ -221,3 +221,27 @@ def test_image_grid_has_a_row_per_configuration_and_a_column_pair_per_prompt(tmp
     three = image_grid(base, {n: {k: v + 0.01 for k, v in base.items()} for n in "abc"}, tmp_path / "g3.png")
     (w1, h1), (w3, h3) = _png_size(one), _png_size(three)
     assert abs(w1 - w3) < 40 and h3 > 1.6 * h1  # more configurations: more rows, same columns
+
+
+def test_tradeoff_marks_the_verdict_and_keeps_capped_points_from_squashing_the_range(tmp_path, monkeypatch):
+    from ditbook.benchmark import plots
+
+    seen = {}
+    save = plots._save
+
+    def spy(fig, path, **kw):
+        ax = fig.axes[0]
+        seen["ylim"] = ax.get_ylim()
+        seen["legend"] = [t.get_text() for t in ax.get_legend().get_texts()]
+        seen["texts"] = [t.get_text() for t in ax.texts]
+        return save(fig, path, **kw)
+
+    monkeypatch.setattr(plots, "_save", spy)
+    rows = [{"name": "baseline", "family": "baseline", "speedup": 1.0, "psnr_min": 100.0},
+            {"name": "exact", "family": "parallel", "nproc": 2, "speedup": 0.9, "psnr_min": 100.0},
+            {"name": "a", "family": "cache/x", "speedup": 1.4, "psnr_min": 41.0},
+            {"name": "b", "family": "cache/y", "speedup": 3.5, "psnr_min": 37.0}]
+    plots.plot_tradeoff(rows, "psnr_min", tmp_path / "t.png", gate=30, highlight="a")
+    assert "verdict" in seen["legend"]
+    assert seen["ylim"][1] < 60  # the range near the gate is not squashed by the 100 dB points
+    assert any("base" in t and "A" in t for t in seen["texts"])  # capped points named in one note

@@ -93,15 +93,15 @@ def plot_tradeoff(rows: list[dict], metric: str, path: str | Path, gate: float |
     labels = labels if labels is not None else short_labels(rows)
     pts = [(r, _num(r.get("speedup")), _num(r.get(metric))) for r in rows]
     pts = [(r, x, y) for r, x, y in pts if x is not None and y is not None]
-    # a point far above the others (identical images at the PSNR cap: the baseline) would squash
-    # the range that matters; it is drawn at the top edge, its value written beside its key
-    others = [y for r, _, y in pts if r.get("family") != "baseline"]
+    # points at the PSNR cap (identical images: the baseline, exact parallel plans) would squash
+    # the range that matters: they are drawn on a line at the top edge, their keys in one note
+    others = [y for _, _, y in pts if metric != "psnr_min" or y < PSNR_CAP - 1e-6]
     lows = others + ([gate] if gate is not None else [])
     top = None
-    if others and metric == "psnr_min":
+    if others and len(others) < len(pts):
         span = max(max(others) - min(lows), 1.0)
-        top = max(others) + 0.35 * span
-    raised = {id(r): y for r, _, y in pts if top is not None and y > top}
+        top = max(others) + 0.3 * span
+    raised = {id(r) for r, _, y in pts if top is not None and y > top}
     pts = [(r, x, min(y, top) if top is not None else y) for r, x, y in pts]
     fig, ax = plt.subplots(figsize=(7.2, 4.4), dpi=200)
     families = sorted({str(r.get("family", "?")) for r, _, _ in pts})
@@ -116,12 +116,22 @@ def plot_tradeoff(rows: list[dict], metric: str, path: str | Path, gate: float |
         sel = [(r, x, y) for r, x, y in pts if str(r.get("family", "?")) == fam]
         ax.scatter([x for _, x, _ in sel], [y for _, _, y in sel], label=fam, marker=markers[k % len(markers)],
                    s=48, zorder=3)
+    capped = []
     for r, x, y in pts:
         key = "base" if r.get("family") == "baseline" else labels.get(row_id(r), "?")
+        if highlight is not None and str(r.get("name")) == highlight:
+            ax.scatter([x], [y], marker="*", s=320, color="gold", edgecolors="k", lw=0.8, zorder=5,
+                       label="verdict")
         if id(r) in raised:
-            key += f" ({raised[id(r)]:.0f} dB, off scale)"
-        ax.annotate(key, (x, y), fontsize=8, fontweight="bold", xytext=(6, -10 if id(r) in raised else 4),
-                    textcoords="offset points", zorder=4)
+            capped.append(key)
+            continue
+        ax.annotate(key, (x, y), fontsize=8, fontweight="bold", xytext=(6, 4), textcoords="offset points",
+                    zorder=4)
+    if capped:
+        ax.axhline(top, color="0.6", lw=0.8, ls="--", zorder=0)
+        ax.annotate(f"identical to the baseline ({PSNR_CAP:g} dB): " + ", ".join(capped), (0.01, top),
+                    xycoords=("axes fraction", "data"), xytext=(0, 6), textcoords="offset points", fontsize=7.5,
+                    fontweight="bold", va="bottom")
         if highlight is not None and str(r.get("name")) == highlight:
             ax.scatter([x], [y], marker="*", s=320, color="gold", edgecolors="k", lw=0.8, zorder=5,
                        label="verdict")
@@ -132,7 +142,7 @@ def plot_tradeoff(rows: list[dict], metric: str, path: str | Path, gate: float |
         xpad = max(0.05, (max(xs) - min(xs)) * 0.08)
         ypad = max(1e-3, (max(ys) - min(ys)) * 0.08)
         ax.set_xlim(min(xs) - xpad, max(xs) + 2.5 * xpad)
-        ax.set_ylim(min(ys) - ypad, max(ys) + 2 * ypad)
+        ax.set_ylim(min(ys) - ypad, max(ys) + (3 if capped else 2) * ypad)
     label = {"psnr_min": "worst-image PSNR (dB)", "ssim_min": "worst-image SSIM"}.get(metric, metric)
     ax.set_xlabel("speed-up vs baseline, end to end (×)")
     ax.set_ylabel(label)

@@ -191,7 +191,7 @@ td{overflow-wrap:break-word}th{background:#f3f3f3}
 .ok{color:#176f2c}.bad{color:#a11}.nr{color:#777}
 pre{background:#f7f7f7;padding:.5em;overflow-x:auto;font-size:.85em;white-space:pre-wrap;overflow-wrap:anywhere}
 img{max-width:100%;height:auto}figure{margin:.6em 0}figcaption{font-size:.85em;color:#555}
-.twocol{display:flex;flex-wrap:wrap;gap:1em;align-items:flex-start}.twocol>figure{flex:1 1 640px;min-width:0}.twocol>.box{flex:1 1 360px}#plot-key td:first-child{white-space:nowrap}
+.twocol{display:flex;flex-wrap:wrap;gap:1em;align-items:flex-start}.twocol>figure{flex:1 1 640px;min-width:0}.twocol>.box{flex:1 1 360px}#plot-key td:first-child{white-space:nowrap}#plot-key td:nth-child(2){overflow-wrap:anywhere;min-width:10em}
 nav.toc{font-size:.9em}nav.toc ol{margin:.2em 0;padding-left:1.4em;columns:2}
 .nb{border-top:1px solid #bbb;margin-top:.6em}.jp-InputPrompt,.jp-OutputPrompt,.prompt{display:none}
 .nb .input_area,.nb .jp-InputArea-editor{background:#f7f7f7}
