@@ -75,11 +75,11 @@ def _v(v) -> str:
 
 
 def flatten(d, prefix: str = "") -> dict:
-    """Nested mappings as dotted keys (lists are values)."""
+    """Nested mappings as dotted keys (lists are values; an empty mapping is the same as none)."""
     out = {}
     for k, v in (d or {}).items():
         key = f"{prefix}{k}"
-        if isinstance(v, dict) and v:
+        if isinstance(v, dict):
             out.update(flatten(v, key + "."))
         else:
             out[key] = v
