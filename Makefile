@@ -25,12 +25,12 @@ $(BIN)/python:
 		{ echo "ditbook needs Python 3.11 or 3.12; $(PYTHON) is $$($(PYTHON) -V 2>&1). Set PYTHON=python3.11"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 
+# nbdime's git drivers are set by absolute path: `git diff` works without activating the venv
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q --index-url "$(TORCH_INDEX)" "$(TORCH)"
 	$(BIN)/python -m pip install -q -e ".[test]"
 	$(BIN)/nbdime config-git --enable >/dev/null 2>&1 || true
-	# nbdime's git drivers by absolute path: `git diff` works without activating the venv
 	git config diff.jupyternotebook.command "$(abspath $(BIN))/git-nbdiffdriver diff" || true
 	git config merge.jupyternotebook.driver "$(abspath $(BIN))/git-nbmergedriver merge %O %A %B %L %P" || true
 	touch $(STAMP)
