@@ -1,24 +1,38 @@
 # ditbook — `make demo` runs the playbook on the shipped reference model; `make test` runs the tests.
-# Both create .venv when missing and install everything (torch first, pinned, so a CPU build is
-# taken here; on a GPU machine set TORCH= to your CUDA build or use environment.yml).
+# Both create .venv when missing and install everything. torch: pyproject.toml asks for a range
+# (torch>=2.7.1,<3) that an existing CUDA build satisfies, so a venv that already has torch keeps
+# it; only a venv without torch gets the pinned CPU build below (TORCH/TORCH_INDEX). On a GPU
+# machine use environment.yml, or set TORCH_INDEX to your CUDA index, e.g.
+#   make install TORCH_INDEX=https://download.pytorch.org/whl/cu130
+# Python 3.11 or 3.12 (diffusers 0.42 needs 3.11 or newer).
 
-PYTHON ?= python3
-VENV   ?= .venv
-BIN    := $(VENV)/bin
-TORCH  ?= torch==2.13.0
-STAMP  := $(VENV)/.ditbook-installed
-CARD   ?= models/reference.yaml
+PYTHON      ?= python3
+VENV        ?= .venv
+BIN         := $(VENV)/bin
+TORCH       ?= torch==2.13.0
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+STAMP       := $(VENV)/.ditbook-installed
+CARD        ?= models/reference.yaml
+# extra arguments for `make lab`; on a remote host: make lab LAB_ARGS="--ip=0.0.0.0 --no-browser"
+LAB_ARGS    ?=
+# JupyterLab refuses to start as root unless told
+ROOT_ARGS   := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
 .PHONY: install demo test test-fast chromium clean-outputs lab
 
 $(BIN)/python:
+	@$(PYTHON) -c 'import sys; sys.exit(not ((3, 11) <= sys.version_info[:2] <= (3, 12)))' || \
+		{ echo "ditbook needs Python 3.11 or 3.12; $(PYTHON) is $$($(PYTHON) -V 2>&1). Set PYTHON=python3.11"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 
+# nbdime's git drivers are set by absolute path: `git diff` works without activating the venv
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q --index-url "$(TORCH_INDEX)" "$(TORCH)"
 	$(BIN)/python -m pip install -q -e ".[test]"
 	$(BIN)/nbdime config-git --enable >/dev/null 2>&1 || true
+	git config diff.jupyternotebook.command "$(abspath $(BIN))/git-nbdiffdriver diff" || true
+	git config merge.jupyternotebook.driver "$(abspath $(BIN))/git-nbmergedriver merge %O %A %B %L %P" || true
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -36,9 +50,9 @@ test: install chromium
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow"
 
-# JupyterLab on this environment (the notebooks' kernel is this venv's python3)
+# JupyterLab on this environment (the notebooks' kernel is this venv's python3, "Python 3 (ipykernel)")
 lab: install
-	$(BIN)/jupyter lab notebooks/
+	$(BIN)/jupyter lab $(ROOT_ARGS) $(LAB_ARGS) notebooks/
 
 clean-outputs:
 	find outputs -mindepth 1 -maxdepth 1 ! -name README.md -exec rm -rf {} +

@@ -119,3 +119,135 @@ def test_progress_is_plain_log_when_not_interactive():
     lines = []
     assert list(progress(["a", "b"], False, "config", log=lines.append)) == ["a", "b"]
     assert lines == ["config 1/2: a", "config 2/2: b"]
+
+
+# -- the verdict, the plot's keys and the image grid ---------------------------------------------
+def _cache(psnr=33.1, ssim=0.95, chosen=True):
+    ch = {"name": "dbcache_taylorseer", "family": "cache-dit DBCache", "config": {"threshold": 0.24, "Fn": 1}}
+    return {"gates": {"psnr": 30.0, "ssim": 0.9},
+            "chosen": ch if chosen else None,
+            "chosen_detail": {**ch, "skipped_fraction": 0.5,
+                              "holdout_quality": {"n": 4, "psnr_min": psnr, "ssim_min": ssim}} if chosen else None}
+
+
+def _bench(speedup=1.9):
+    return {"summary": [
+        {"name": "baseline", "family": "baseline", "source": "measured here", "speedup": 1.0, "psnr_min": 100.0},
+        # faster, and better on the benchmark's (calibration) seeds: still not the verdict
+        {"name": "teacache_fitted[threshold=0.3]", "family": "cache/teacache_fitted", "source": "measured here",
+         "speedup": 2.6, "psnr_min": 37.61, "ssim_min": 0.97, "passed": True},
+        {"name": "dbcache_taylorseer[Fn=1,threshold=0.24]", "family": "cache/dbcache_taylorseer",
+         "source": "measured here", "speedup": speedup, "psnr_min": 35.0, "ssim_min": 0.96, "passed": True}]}
+
+
+def test_verdict_is_the_cache_stages_choice_with_held_out_quality():
+    from ditbook.benchmark.verdict import headline, verdict
+
+    v = verdict(_bench(), _cache())
+    assert v["ship"] and v["name"] == "dbcache_taylorseer[Fn=1,threshold=0.24]" and v["speedup"] == 1.9
+    text = headline(v)
+    assert text.startswith("Ship dbcache_taylorseer") and "held-out worst PSNR 33.10 dB (gate > 30)" in text
+    assert "37.61" not in text and "teacache" not in text
+
+
+def test_verdict_refuses_what_the_evidence_does_not_support():
+    from ditbook.benchmark.verdict import headline, verdict
+
+    # held-out quality below the gate
+    v = verdict(_bench(), _cache(psnr=29.0))
+    assert not v["ship"] and "does not meet the gates" in v["reason"]
+    # not faster than the baseline by more than the noise
+    v = verdict(_bench(speedup=1.01), _cache())
+    assert not v["ship"] and "ship the baseline" in v["reason"]
+    # nothing confirmed on held-out seeds
+    v = verdict(_bench(), _cache(chosen=False))
+    assert v["name"] == "baseline" and not v["ship"] and headline(v).startswith("Ship the baseline")
+    # the benchmark did not time the chosen configuration
+    b = _bench()
+    b["summary"] = b["summary"][:2]
+    v = verdict(b, _cache())
+    assert not v["ship"] and "speed-up unknown" in v["reason"]
+
+
+def test_checklist_reads_the_stages_and_says_not_recorded():
+    from ditbook.benchmark.verdict import NOT_RECORDED, checklist
+
+    meta = {"card": {"approved_plan": "abc"}, "stages": {"intake": {"status": "passed"}}}
+    cache = _cache()
+    cache["adapter_checks"] = [{"name": "dbcache", "checked": True, "reproduces": True, "max_abs": 0.0}]
+    cache["noise_floor"] = {"rerun_vs_intake": {"psnr_min": 100.0}, "rerun_max_abs": 0.0}
+    parallel = {"plans": [{"name": "ulysses2", "passed": True, "quality": {"psnr_min": 48.0}}]}
+    results = {"intake": {"images": [1, 2]}, "inspect": {"plan_hash": "abc"}, "cache": cache,
+               "parallel": parallel, "benchmark": _bench()}
+    items = {c["item"]: c for c in checklist(meta, results)}
+    assert [c["ok"] for c in items.values()] == [True, True, True, None, True, True]
+    assert NOT_RECORDED in items["parity per plan, sharding verified"]["figure"]
+    # each check can fail
+    parallel["plans"][0]["details"] = {"sharding": {"verified": True}}
+    assert {c["item"]: c for c in checklist(meta, results)}["parity per plan, sharding verified"]["ok"] is True
+    # the record the parallel stage writes (ditbook.parallel.sharding): verified, and a plan that split nothing
+    item = "parity per plan, sharding verified"
+    parallel["plans"][0]["details"] = {"sharding": {"error": None, "check": {"degree": 2}}}
+    assert {c["item"]: c for c in checklist(meta, results)}[item]["ok"] is True
+    parallel["plans"][0]["details"] = {"sharding": {"error": "ShardingError: blocks saw 64, expected 32", "check": None}}
+    assert {c["item"]: c for c in checklist(meta, results)}[item]["ok"] is False
+    parallel["plans"][0]["details"] = {"sharding": {"verified": False}}
+    cache["adapter_checks"][0]["reproduces"] = False
+    results["inspect"]["plan_hash"] = "def"
+    results["cache"] = {**cache, **_cache(psnr=25.0)}
+    bad = {c["item"]: c["ok"] for c in checklist(meta, results)}
+    assert bad["plan approved"] is False and bad["caching off reproduces the baseline"] is False
+    assert bad["parity per plan, sharding verified"] is False and bad["held-out confirmation"] is False
+    meta["stages"]["intake"]["status"] = "failed"
+    assert checklist(meta, results)[0]["ok"] is False
+
+
+def test_short_labels_distinguish_process_counts_and_the_plot_is_2x(tmp_path):
+    from ditbook.benchmark.plots import row_id, short_labels
+
+    rows = [{"name": "baseline", "family": "baseline", "speedup": 1.0, "psnr_min": 100.0},
+            {"name": "ulysses", "family": "parallel", "nproc": 2, "speedup": 1.7, "psnr_min": 48.0},
+            {"name": "ulysses", "family": "parallel", "nproc": 4, "speedup": 2.5, "psnr_min": 47.0},
+            {"name": "a_very_long_configuration_name[Fn=1,Bn=0,threshold=0.24,max_warmup_steps=2]",
+             "family": "cache/dbcache", "speedup": 1.9, "psnr_min": 33.0}]
+    labels = short_labels(rows)
+    assert list(labels.values()) == ["A", "B", "C"] and row_id(rows[2]) in labels
+    w, h = _png_size(plot_tradeoff(rows, "psnr_min", tmp_path / "t.png", gate=30, labels=labels,
+                                   highlight=rows[3]["name"]))
+    assert w >= 1280 and h >= 800  # 2x resolution; the legend outside the axes is kept (tight box)
+
+
+def test_image_grid_has_a_row_per_configuration_and_a_column_pair_per_prompt(tmp_path):
+    from ditbook.benchmark.plots import image_grid
+
+    rng = np.random.default_rng(0)
+    base = {f"p{i}_s0": rng.random((16, 16, 3)).astype(np.float32) for i in range(3)}
+    one = image_grid(base, {"a": {k: v + 0.01 for k, v in base.items()}}, tmp_path / "g1.png",
+                     {k: "a prompt" for k in base})
+    three = image_grid(base, {n: {k: v + 0.01 for k, v in base.items()} for n in "abc"}, tmp_path / "g3.png")
+    (w1, h1), (w3, h3) = _png_size(one), _png_size(three)
+    assert abs(w1 - w3) < 40 and h3 > 1.6 * h1  # more configurations: more rows, same columns
+
+
+def test_tradeoff_marks_the_verdict_and_keeps_capped_points_from_squashing_the_range(tmp_path, monkeypatch):
+    from ditbook.benchmark import plots
+
+    seen = {}
+    save = plots._save
+
+    def spy(fig, path, **kw):
+        ax = fig.axes[0]
+        seen["ylim"] = ax.get_ylim()
+        seen["legend"] = [t.get_text() for t in ax.get_legend().get_texts()]
+        seen["texts"] = [t.get_text() for t in ax.texts]
+        return save(fig, path, **kw)
+
+    monkeypatch.setattr(plots, "_save", spy)
+    rows = [{"name": "baseline", "family": "baseline", "speedup": 1.0, "psnr_min": 100.0},
+            {"name": "exact", "family": "parallel", "nproc": 2, "speedup": 0.9, "psnr_min": 100.0},
+            {"name": "a", "family": "cache/x", "speedup": 1.4, "psnr_min": 41.0},
+            {"name": "b", "family": "cache/y", "speedup": 3.5, "psnr_min": 37.0}]
+    plots.plot_tradeoff(rows, "psnr_min", tmp_path / "t.png", gate=30, highlight="a")
+    assert "verdict" in seen["legend"]
+    assert seen["ylim"][1] < 60  # the range near the gate is not squashed by the 100 dB points
+    assert any("base" in t and "A" in t for t in seen["texts"])  # capped points named in one note

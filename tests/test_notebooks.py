@@ -37,3 +37,59 @@ def test_hygiene_catches_and_strips_outputs(tmp_path):
 def test_git_diff_of_notebooks_is_configured():
     assert "*.ipynb diff=jupyternotebook" in (ROOT / ".gitattributes").read_text()
     assert (ROOT / "nbdime_config.json").is_file()
+
+
+def test_committed_kernelspec_is_ipykernels(tmp_path):
+    """A notebook whose kernelspec differs from ipykernel's is named (JupyterLab would rewrite it
+    on opening), and ``strip`` sets it."""
+    path = tmp_path / "k.ipynb"
+    nb = nbformat.read(str(NOTEBOOKS[0]), as_version=4)
+    nb.metadata["kernelspec"] = {"display_name": "Python 3", "language": "python", "name": "python3"}
+    nbformat.write(nb, str(path))
+    assert any("kernelspec" in p for p in problems(path))
+    strip(path)
+    assert problems(path) == []
+
+
+def _executed(tmp_path, outputs):
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x = 1", outputs=outputs, execution_count=1)])
+    path = tmp_path / "e.ipynb"
+    nbformat.write(nb, str(path))
+    return path
+
+
+def test_noise_finds_logs_warnings_and_stuck_bars(tmp_path):
+    from ditbook.notebook_hygiene import noise
+
+    out = nbformat.v4.new_output
+    clean = _executed(tmp_path, [out("stream", name="stdout", text="baseline: 8/8 p3_s1 (6.2s)\n")])
+    assert noise(clean) == []
+    for bad in (out("stream", name="stdout", text="[12-01 05:11:46] [Cache-DiT] Skipped Forward Pattern Check\n"),
+                out("stream", name="stderr", text="x.py:23: FutureWarning: `torch_dtype` is deprecated\n"),
+                out("stream", name="stdout", text="Loading weights:   0%|          | 0/36\n"),
+                out("display_data", data={"application/vnd.jupyter.widget-view+json": {"model_id": "a"},
+                                          "text/plain": "Loading weights:   0%|"})):
+        assert noise(_executed(tmp_path, [bad])), bad
+
+
+@pytest.mark.slow
+def test_an_executed_stage_notebook_has_no_log_or_warning_lines(tmp_path, monkeypatch, capfd):
+    """The intake stage on the shipped reference model through the runner: the executed notebook
+    carries no library log lines, warnings or stuck progress bars, and the run's own output has
+    neither the kernel's unencrypted-TCP warning nor nbconvert's missing alt text."""
+    from ditbook.notebook_hygiene import noise
+    from ditbook.runner import start_run
+
+    monkeypatch.delenv("DITBOOK_NOTEBOOKS", raising=False)
+    for var in ("CACHE_DIT_LOG_LEVEL", "TRANSFORMERS_VERBOSITY"):
+        monkeypatch.delenv(var, raising=False)
+    light = {"device": "cpu", "generation.prompts": ["a red circle on the left"], "generation.seeds": [0],
+             "generation.steps": 2}
+    outcome = start_run(ROOT / "models" / "reference.yaml", stages=["intake"], overrides=light, run_id="quiet",
+                        outputs_root=tmp_path, log=lambda s: None)
+    assert outcome.ok, outcome.failure
+    assert noise(outcome.run.path / "01_intake.ipynb") == []
+    captured = capfd.readouterr()
+    assert "without encryption" not in captured.err + captured.out
+    assert "Alternative text" not in captured.err + captured.out
+    assert (outcome.run.path / "report.html").is_file()

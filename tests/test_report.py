@@ -25,9 +25,11 @@ def test_result_md_has_commands_environment_table_readout_and_plots(runs):
     assert "ditbook run " in md and "-p generation.steps=3" in md and f"ditbook report {ok}" in md
     assert "| torch |" in md and "| cpu_count |" in md
     assert "| name | family | source |" in md and "| gentle | cache/fake | measured here |" in md
-    assert "## Readout" in md and "Ship **" in md
-    for p in ("plots/tradeoff_psnr.png", "plots/tradeoff_ssim.png", "plots/residuals.png", "plots/scaling.png",
-              "sheets/p0_s0.png"):
+    # the verdict comes first and names the cache stage's choice, with its held-out quality
+    assert md.index("## Verdict") < md.index("## Reproduce") < md.index("## Summary")
+    assert re.search(r"\*\*(Ship|Do not ship) gentle\b", md) and "held-out worst PSNR 41.50 dB" in md
+    assert "| held-out confirmation | ✔ |" in md and "| plan approved | – | not recorded |" in md
+    for p in ("plots/tradeoff_psnr.png", "plots/residuals.png", "plots/scaling.png", "plots/grid.png"):
         assert f"benchmark/{p}" in md
         assert (ok / "benchmark" / p).is_file()
 
@@ -35,9 +37,12 @@ def test_result_md_has_commands_environment_table_readout_and_plots(runs):
 def test_report_html_is_self_contained(runs):
     ok, _, _ = runs
     html = build_report(ok).read_text()
-    assert 'id="summary-table"' in html and "Readout" in html
+    assert 'id="summary-table"' in html and 'id="verdict"' in html and 'id="checklist"' in html
     srcs = re.findall(r"<img[^>]*\ssrc=\"([^\"]*)\"", html)
-    assert len(srcs) >= 6 and all(s.startswith("data:image/") for s in srcs)
+    assert len(srcs) >= 4 and all(s.startswith("data:image/") for s in srcs)
+    assert len(srcs) == len(set(srcs))  # no image twice: the notebook's copies link to the ones above
+    assert html.index('id="verdict"') < html.index('id="plot"') < html.index('id="grid"') < html.index('id="summary"')
+    assert "<details open" not in html and 'id="toc"' in html
     assert not re.search(r"<(script|link)[^>]*(src|href)=\"?(https?:)?//", html)
     assert "nb-01_intake" in html and "hello" in html  # the executed notebooks are in it
 
@@ -71,11 +76,44 @@ def test_cli_compare_shows_deltas_and_notebook_diff(runs, capsys):
     nb.write_text(nb.read_text().replace("print('hello')", "print('hello again')"))
     assert main(["compare", str(ok), str(failed)]) == 0
     out = capsys.readouterr().out
-    assert "metrics (B - A):" in out and "gentle:" in out and "speedup" in out
+    assert "metrics per configuration" in out and "gentle:" in out and "speedup" in out
     assert "cache" in out and "passed" in out and "failed" in out  # stage status change
-    assert "=== nbdime diff of 01_intake.ipynb" in out and "hello again" in out
+    assert "=== notebook 01_intake.ipynb: source diff" in out and "hello again" in out
+    assert "card.path:" in out and "verdict:" in out and "A: " in out
     assert main(["compare", str(ok), str(failed), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     gentle = next(d for d in data["deltas"] if d["name"] == "gentle")
     assert gentle["psnr_min"]["delta"] is not None
     assert main(["compare", str(ok), str(ok / "nope")]) == 2
+
+
+def test_compare_is_short_and_leaves_out_widget_state_and_outputs(runs, capsys):
+    """Two runs whose notebooks carry ipywidgets state and outputs that differ: compare names
+    what differs (a card field, stage status, metrics, the verdicts, a source change) in under
+    200 lines, and none of the widget state or outputs."""
+    import nbformat
+
+    ok, failed, _ = runs
+    for run, tag in ((ok, "A"), (failed, "B")):
+        path = run / "05_benchmark.ipynb"
+        nb = nbformat.read(str(path), as_version=4)
+        nb.metadata["widgets"] = {"application/vnd.jupyter.widget-state+json": {
+            "state": {f"model-{tag}-{i}": {"model_name": "FloatProgressModel", "state": {"value": i}}
+                      for i in range(300)}}}
+        nb.cells[-1].outputs = [nbformat.v4.new_output("stream", name="stdout",
+                                                       text="".join(f"line {tag} {i}\n" for i in range(300)))]
+        nbformat.write(nb, str(path))
+    meta = json.loads((failed / "run.json").read_text())
+    meta["card"]["generation"]["steps"] = 7
+    (failed / "run.json").write_text(json.dumps(meta))
+    assert main(["compare", str(ok), str(failed)]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert len(lines) < 200, len(lines)
+    assert re.search(r"card.generation.steps: \d+ -> 7", out)
+    assert re.search(r"cache\s+-\s+-\s+->\s+failed", out)
+    assert "gentle:" in out and "verdict:" in out and re.search(r"^  A: (Ship|Do not ship|Ship the)", out, re.M)
+    assert "FloatProgressModel" not in out and "line A 1" not in out and "widget-state" not in out
+    # with outputs asked for, the outputs are there: the filter above is what kept them out
+    assert main(["compare", str(ok), str(failed), "--outputs"]) == 0
+    assert "line A 1" in capsys.readouterr().out

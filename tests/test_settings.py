@@ -311,10 +311,10 @@ def test_benchmark_summary_and_result_md_apply_the_cards_gates(tmp_path):
         assert results["gates"]["parallel"]["psnr"] == card.parallel.gates.psnr
         out[psnr] = (results["recommendation"], write_result_md(run_dir).read_text())
     (rec30, md30), (rec34, md34) = out[30], out[34]
-    assert rec30["name"] == "recorded-dbcache" and "cache PSNR > 30 dB" in md30 and "PSNR > 34" not in md30
+    assert rec30["name"] == "recorded-dbcache" and "(gate > 30)" in md30 and "gate > 34" not in md30
     assert rec34["name"] == "baseline"
     assert any(r.startswith("recorded-dbcache") and "not above 34" in r for r in rec34["rejected"])
-    assert "cache PSNR > 34 dB" in md34 and "not above 34" in md34
+    assert "(gate > 34)" in md34  # the verdict judges the chosen configuration by the gates in force
 
 
 # -- approval covers the gates and the weights ------------------------------------------------

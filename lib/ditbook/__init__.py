@@ -2,9 +2,10 @@
 
 import os as _os
 
-# cache-dit logs every hook it installs at INFO; executed notebooks and the CLI keep its warnings
-# only (export CACHE_DIT_LOG_LEVEL=info to see them all). Read by cache-dit when it is imported.
-_os.environ.setdefault("CACHE_DIT_LOG_LEVEL", "warning")
+# cache-dit logs every hook it installs (INFO) and its routine decisions (WARNING) into every
+# executed notebook; ditbook records what it decided itself, so only cache-dit's errors are shown
+# (export CACHE_DIT_LOG_LEVEL=info to see them all). Read by cache-dit when it is imported.
+_os.environ.setdefault("CACHE_DIT_LOG_LEVEL", "error")
 
 __version__ = "0.1.0"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -72,10 +73,13 @@ def cmd_stages(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ditbook", description=__doc__.splitlines()[0] if __doc__ else None)
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"ditbook {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("check", help="run the gate check of a model card (exit 0 when it passes)")
-    p.add_argument("card")
+    p.add_argument("card", help="model card (models/<name>.yaml)")
     p.add_argument("-p", "--param", action="append", metavar="KEY=VALUE", help="override a card field")
     p.set_defaults(func=cmd_check)
 
@@ -84,21 +88,21 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("-p", "--param", action="append", metavar="KEY=VALUE",
                        help="override a card field, e.g. -p generation.steps=4 -p device=cpu")
         p.add_argument("--kernel", help="Jupyter kernel name (default: the notebook's)")
-        p.add_argument("--outputs", help="outputs root (default: outputs/ in the repository, or $DITBOOK_OUTPUTS)")
+        p.add_argument("--outputs", help="outputs root (default: $DITBOOK_OUTPUTS, else outputs/ in the current directory)")
 
     p = sub.add_parser("run", help="execute the stage notebooks into a new run folder")
-    p.add_argument("card", nargs="?")
+    p.add_argument("card", nargs="?", help="model card (models/<name>.yaml); not needed with --resume")
     p.add_argument("--run-id", help="name of the new run folder (default: a timestamp)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue an unfinished run from its first unfinished stage")
     run_options(p)
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("batch", help="run several models one after another; ends with a table")
-    p.add_argument("cards", nargs="+")
+    p.add_argument("cards", nargs="+", help="model cards, run in the order given")
     run_options(p)
     p.set_defaults(func=cmd_batch)
 
-    p = sub.add_parser("stages", help="list the stages found in notebooks/")
+    p = sub.add_parser("stages", help="list the stage notebooks (shipped with the package, or $DITBOOK_NOTEBOOKS)")
     p.set_defaults(func=cmd_stages)
 
     for module in COMMAND_MODULES:
@@ -107,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # transformers' notices (e.g. an image processor falling back without torchvision) are not
+    # about the user's model; the command shows its errors only unless the user set a level
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

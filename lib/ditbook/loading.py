@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -92,9 +93,27 @@ def load_transformer(card: ModelCard, placement: Placement | None = None, **kwar
     sub = card.transformer.subfolder or "transformer"
     if not (Path(card.path) / sub).is_dir():
         raise ModelFolderError(f"model folder {card.path} has no '{sub}' folder for the transformer (card field transformer.subfolder)")
-    return cls.from_pretrained(
-        str(card.path), subfolder=sub, torch_dtype=placement.torch_dtype, local_files_only=True, **kwargs
-    )
+    with _loading_bars(False):
+        return cls.from_pretrained(
+            str(card.path), subfolder=sub, dtype=placement.torch_dtype, local_files_only=True, **kwargs
+        )
+
+
+@contextmanager
+def _loading_bars(show: bool):
+    """diffusers' and transformers' loading bars on or off for one load, then as they were: a
+    local load takes a second, and in a saved notebook the bar stays a widget frozen at 0%."""
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    saved = [(m, m.is_progress_bar_enabled()) for m in (diffusers_logging, transformers_logging)]
+    for m, _ in saved:
+        m.enable_progress_bar() if show else m.disable_progress_bar()
+    try:
+        yield
+    finally:
+        for m, was in saved:
+            m.enable_progress_bar() if was else m.disable_progress_bar()
 
 
 def load_pipeline(card: ModelCard, placement: Placement | None = None, *, transformer=None, progress: bool = False):
@@ -104,9 +123,10 @@ def load_pipeline(card: ModelCard, placement: Placement | None = None, *, transf
     pipe_cls = import_class(card.resolve_source(card.pipeline.source), card.pipeline.cls)
     if transformer is None:
         transformer = load_transformer(card, placement)
-    pipe = pipe_cls.from_pretrained(
-        str(card.path), transformer=transformer, torch_dtype=placement.torch_dtype, local_files_only=True
-    )
+    with _loading_bars(progress):
+        pipe = pipe_cls.from_pretrained(
+            str(card.path), transformer=transformer, dtype=placement.torch_dtype, local_files_only=True
+        )
     pipe.to(placement.device)
     if hasattr(pipe, "set_progress_bar_config"):
         pipe.set_progress_bar_config(disable=not progress)

@@ -4,12 +4,52 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
 import nbformat
 
 REQUIRED_PARAMETERS = ("CARD", "RUN_DIR", "OVERRIDES", "INTERACTIVE")
+# the kernelspec ipykernel installs (JupyterLab rewrites any other one on opening, and the
+# notebook shows as modified before anyone touched it)
+KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
+
+# what a reader of an executed notebook should not have to wade through: library log lines,
+# warnings, and progress bars saved mid-way
+_NOISE = re.compile(r"^\s*\[[^\]]*\]\s*\[Cache-DiT\]|\[Cache-DiT\]|^\[transformers\]|"
+                    r"\b(Future|Deprecation|User|Runtime|Resource)Warning\b|^\s*warnings\.warn\(|"
+                    r"\bWARNING\b\s*[|:]|^\s*(DEBUG|INFO|WARNING)\s*[:|]", re.MULTILINE)
+_BAR = re.compile(r"\d+%\|")
+
+
+def noise(path: str | Path) -> list[str]:
+    """Lines in an executed notebook's outputs that are library logs or warnings (anything on
+    stderr, cache-dit/transformers log lines, ``*Warning``), progress bars that did not reach
+    100%, and saved widget state; ``[]`` for a notebook a person can read."""
+    nb = nbformat.read(str(path), as_version=4)
+    found = []
+    if nb.metadata.get("widgets"):
+        found.append("notebook metadata holds widget state (a progress bar or widget was left in it)")
+    for i, cell in enumerate(nb.cells):
+        for out in cell.get("outputs", []):
+            if out.get("output_type") == "stream":
+                text = out.get("text", "")
+                if out.get("name") == "stderr" and text.strip():
+                    found += [f"cell {i} stderr: {ln}" for ln in text.splitlines() if ln.strip()][:5]
+                    continue
+                found += [f"cell {i}: {ln}" for ln in text.splitlines() if _NOISE.search(ln)]
+                found += [f"cell {i} progress bar: {ln}" for ln in text.replace("\r", "\n").splitlines()
+                          if _BAR.search(ln) and "100%|" not in ln]
+            else:
+                data = out.get("data") or {}
+                if any("widget-view" in k for k in data):
+                    found.append(f"cell {i}: a widget output ({str(data.get('text/plain', ''))[:80]})")
+                plain = str(data.get("text/plain", ""))
+                if out.get("output_type") == "error":
+                    continue
+                found += [f"cell {i}: {ln}" for ln in plain.splitlines() if _NOISE.search(ln)]
+    return found
 
 
 def problems(path: str | Path) -> list[str]:
@@ -28,6 +68,9 @@ def problems(path: str | Path) -> list[str]:
         uncommented = [l.split("=")[0].strip() for l in lines if "#" not in l]
         if uncommented:
             out.append(f"parameters without a comment: {uncommented}")
+    spec = nb.metadata.get("kernelspec")
+    if spec != KERNELSPEC:
+        out.append(f"kernelspec is {spec}, not ipykernel's {KERNELSPEC} (JupyterLab would mark it modified)")
     if not nb.cells or nb.cells[0].cell_type != "markdown" or not nb.cells[0].source.lstrip().startswith("# "):
         out.append("first cell must be a markdown title")
     for i, cell in enumerate(nb.cells):
@@ -45,6 +88,8 @@ def problems(path: str | Path) -> list[str]:
 def strip(path: str | Path) -> None:
     nb = nbformat.read(str(path), as_version=4)
     nb.metadata.pop("papermill", None)
+    nb.metadata.pop("widgets", None)
+    nb.metadata["kernelspec"] = dict(KERNELSPEC)
     for cell in nb.cells:
         for key in ("papermill", "execution"):
             cell.metadata.pop(key, None)

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import os
 import re
+import sys
+import tempfile
 import time
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -24,13 +27,20 @@ _STAGE_RE = re.compile(r"^(\d+)_([a-z0-9_]+)\.ipynb$")
 
 
 def notebooks_dir() -> Path:
+    """``$DITBOOK_NOTEBOOKS``, else the stage notebooks shipped in the package (``ditbook/notebooks``:
+    in a checkout a link to ``notebooks/``, in an installed wheel a copy)."""
     env = os.environ.get("DITBOOK_NOTEBOOKS")
-    return Path(env) if env else REPO_ROOT / "notebooks"
+    if env:
+        return Path(env)
+    shipped = PACKAGE_ROOT / "notebooks"
+    return shipped if shipped.is_dir() else REPO_ROOT / "notebooks"
 
 
 def outputs_dir() -> Path:
+    """``$DITBOOK_OUTPUTS``, else ``outputs/`` in the current directory (the repository root for
+    ``make demo``)."""
     env = os.environ.get("DITBOOK_OUTPUTS")
-    return Path(env) if env else REPO_ROOT / "outputs"
+    return Path(env) if env else Path.cwd() / "outputs"
 
 
 @dataclass
@@ -100,6 +110,32 @@ def _failure_details(exc: BaseException) -> tuple[str, str | None]:
     return f"{type(exc).__name__}: {exc}", None
 
 
+# Library loggers that would write into every executed notebook: a stage kernel starts them at
+# ERROR unless the user set them (cache-dit and transformers read these at import).
+KERNEL_LOG_ENV = {"CACHE_DIT_LOG_LEVEL": "error", "TRANSFORMERS_VERBOSITY": "error"}
+
+
+@contextmanager
+def kernel_environment():
+    """The stage kernel's settings: quiet library loggers (``KERNEL_LOG_ENV``, values the user
+    set win), and IPC transport in a private temporary folder — the kernel runs on this machine,
+    so its sockets need no TCP port (and ipykernel has no unencrypted-TCP warning to print)."""
+    from traitlets.config import Config
+
+    saved = {k: os.environ.get(k) for k in KERNEL_LOG_ENV}
+    for k, v in KERNEL_LOG_ENV.items():
+        os.environ.setdefault(k, v)
+    with tempfile.TemporaryDirectory(prefix="ditbook-kernel-") as sockets:
+        try:
+            yield Config({"KernelManager": {"transport": "ipc", "ip": os.path.join(sockets, "kernel")}})
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
 def execute_stage(stage: Stage, run: RunFolder, card: ModelCard, overrides: dict, *,
                   kernel_name: str | None = None, log: Callable[[str], None] = print) -> StageOutcome:
     import papermill as pm
@@ -108,13 +144,16 @@ def execute_stage(stage: Stage, run: RunFolder, card: ModelCard, overrides: dict
     run.update_stage(stage.name, status="running", notebook=out_nb.name, started=time.time())
     start = time.perf_counter()
     try:
-        pm.execute_notebook(
-            str(stage.notebook), str(out_nb),
-            parameters={"CARD": str(card.card_path), "RUN_DIR": str(run.path), "OVERRIDES": overrides,
-                        "INTERACTIVE": False},
-            kernel_name=kernel_name, cwd=str(run.path), progress_bar=False, log_output=False,
-            request_save_on_cell_execute=True,
-        )
+        with kernel_environment() as kernel_config:
+            pm.execute_notebook(
+                str(stage.notebook), str(out_nb),
+                parameters={"CARD": str(card.card_path), "RUN_DIR": str(run.path), "OVERRIDES": overrides,
+                            "INTERACTIVE": False},
+                kernel_name=kernel_name, cwd=str(run.path), log_output=False,
+                # cell n of m on stderr while the stage runs; the bar is removed when it ends
+                progress_bar={"desc": f"[{stage.order:02d} {stage.name}]", "leave": False, "file": sys.stderr},
+                request_save_on_cell_execute=True, config=kernel_config,
+            )
     except Exception as exc:  # papermill raises PapermillExecutionError; anything else is recorded too
         seconds = time.perf_counter() - start
         error, cell = _failure_details(exc)

@@ -64,6 +64,39 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+def source_revision(root: str | Path | None = None) -> dict:
+    """The git revision of the ditbook checkout that ran (``revision``, ``dirty``: uncommitted
+    changes to tracked files, ``root``: the checkout, against which reproduce lines are written);
+    ``{"revision": None}`` for an installed copy outside git."""
+    import subprocess
+
+    root = Path(root or Path(__file__).resolve().parent)
+
+    def git(*args: str) -> str | None:
+        try:
+            proc = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=20)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return proc.stdout.strip() if proc.returncode == 0 else None
+
+    revision = git("rev-parse", "HEAD")
+    if not revision:
+        return {"revision": None, "dirty": None, "root": None}
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"revision": revision, "dirty": bool(status) if status is not None else None,
+            "root": git("rev-parse", "--show-toplevel")}
+
+
+def _environment_as_run() -> dict:
+    """``environment()`` with ``offline`` as the stages load: every load goes through
+    ``ditbook.loading``, which sets ``HF_HUB_OFFLINE=1`` whatever the shell said; the shell's own
+    value is kept beside it (``hf_hub_offline_env``, None when unset)."""
+    env = environment()
+    env["hf_hub_offline_env"] = os.environ.get("HF_HUB_OFFLINE")
+    env["offline"] = True
+    return env
+
+
 class RunFolder:
     """One run of the playbook on one model."""
 
@@ -91,7 +124,8 @@ class RunFolder:
             "card": card.to_dict(),
             "card_hash": card.content_hash(),
             "overrides": overrides or {},
-            "environment": environment(),
+            "environment": _environment_as_run(),
+            "source": source_revision(),
             "status": "running",
             "stages": {},
         })

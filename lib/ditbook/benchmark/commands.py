@@ -38,13 +38,13 @@ def cmd_compare(args) -> int:
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("report", help="rebuild result.md and report.html of a run folder")
-    p.add_argument("run_dir")
-    p.add_argument("--no-figures", action="store_true", help="keep the existing plots and contact sheets")
+    p.add_argument("run_dir", help="run folder (outputs/<model>/<run-id>)")
+    p.add_argument("--no-figures", action="store_true", help="keep the existing plot and image grid (do not redraw them)")
     p.set_defaults(func=cmd_report)
 
-    p = subparsers.add_parser("compare", help="metric deltas and notebook diffs between two runs of a model")
-    p.add_argument("run_a")
-    p.add_argument("run_b")
+    p = subparsers.add_parser("compare", help="what changed between two runs: card, versions, stages, metrics, verdict, notebook sources")
+    p.add_argument("run_a", help="the earlier run folder (A)")
+    p.add_argument("run_b", help="the later run folder (B); deltas are B - A")
     p.add_argument("--outputs", action="store_true", help="diff cell outputs too (left out by default)")
     p.add_argument("--json", action="store_true", help="print the comparison as JSON")
     p.set_defaults(func=cmd_compare)

@@ -1,4 +1,6 @@
-"""What changed between two runs of a model: metric deltas and the nbdime diff of each notebook."""
+"""What changed between two runs: card differences, versions and git revision, per-stage status
+and time, metric deltas per configuration, the verdicts; then the notebooks' source diff
+through nbdime (outputs, execution counts and widget state left out unless asked for)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from pathlib import Path
 from ..runs import RunFolder
 from .report import notebooks
 from .summary import summary_rows
+from .verdict import headline, verdict
 
 METRICS = ("speedup", "e2e_ms", "psnr_min", "ssim_min")
 
@@ -20,35 +23,45 @@ class RunComparison:
     run_b: str
     model_a: str
     model_b: str
-    deltas: list[dict] = field(default_factory=list)  # per configuration: a, b, b - a per metric
-    stage_status: list[dict] = field(default_factory=list)
-    notebook_diffs: dict[str, str] = field(default_factory=dict)  # notebook -> pretty nbdime diff
+    card_changes: list[dict] = field(default_factory=list)  # {key, a, b}
+    version_changes: list[dict] = field(default_factory=list)  # {item, a, b}
+    stage_status: list[dict] = field(default_factory=list)  # {stage, a, b, seconds_a, seconds_b}
+    deltas: list[dict] = field(default_factory=list)  # per configuration: {name, metric: {a, b, delta}}
     only_in: dict[str, list[str]] = field(default_factory=dict)
+    verdicts: dict[str, str] = field(default_factory=dict)  # A/B -> headline
+    notebook_diffs: dict[str, str] = field(default_factory=dict)  # notebook -> pretty nbdime diff
 
     def to_dict(self) -> dict:
-        return {"run_a": self.run_a, "run_b": self.run_b, "model_a": self.model_a, "model_b": self.model_b,
-                "deltas": self.deltas, "stage_status": self.stage_status, "only_in": self.only_in,
-                "notebook_diffs": self.notebook_diffs}
+        return dict(self.__dict__)
 
     def format(self) -> str:
         out = [f"A: {self.run_a} ({self.model_a})", f"B: {self.run_b} ({self.model_b})"]
         if self.model_a != self.model_b:
             out.append("warning: the runs are of different models")
-        out += ["", "stages:"]
-        out += [f"  {r['stage']:10s} {r['a'] or '-':8s} -> {r['b'] or '-'}" for r in self.stage_status]
-        out += ["", "metrics (B - A):"]
+        out += ["", "card:" + ("" if self.card_changes else " identical")]
+        out += [f"  {c['key']}: {_v(c['a'])} -> {_v(c['b'])}" for c in self.card_changes]
+        out += ["", "versions:" + ("" if self.version_changes else " identical")]
+        out += [f"  {c['item']}: {_v(c['a'])} -> {_v(c['b'])}" for c in self.version_changes]
+        out += ["", "stages (status, seconds):"]
+        out += [f"  {r['stage']:10s} {r['a'] or '-':8s} {_f(r['seconds_a']):>8s}  ->  {r['b'] or '-':8s} "
+                f"{_f(r['seconds_b']):>8s}" for r in self.stage_status]
+        out += ["", "metrics per configuration, A -> B (delta):"]
         for d in self.deltas:
             cells = []
             for m in METRICS:
                 a, b, delta = d[m]["a"], d[m]["b"], d[m]["delta"]
-                cells.append(f"{m} {_f(a)} -> {_f(b)} ({'+' if (delta or 0) >= 0 else ''}{_f(delta)})" if delta is not None
-                             else f"{m} {_f(a)} -> {_f(b)}")
+                cells.append(f"{m} {_f(a)} -> {_f(b)}" + (f" ({'+' if delta >= 0 else ''}{_f(delta)})"
+                                                           if delta is not None else ""))
             out.append(f"  {d['name']}: " + "; ".join(cells))
         for side, names in self.only_in.items():
             if names:
                 out.append(f"  only in {side}: {', '.join(names)}")
+        out += ["", "verdict:"] + [f"  {side}: {text}" for side, text in self.verdicts.items()]
         for name, diff in self.notebook_diffs.items():
-            out += ["", f"=== nbdime diff of {name}", diff.rstrip() or "(no differences)"]
+            body = diff.rstrip()
+            out += ["", f"=== notebook {name}: " + ("no source differences" if not body else "source diff (nbdime)")]
+            if body:
+                out.append(body)
         return "\n".join(out) + "\n"
 
 
@@ -56,15 +69,59 @@ def _f(v) -> str:
     return "-" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
+def _v(v) -> str:
+    text = json.dumps(v) if not isinstance(v, str) else v
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def flatten(d, prefix: str = "") -> dict:
+    """Nested mappings as dotted keys (lists are values; an empty mapping is the same as none)."""
+    out = {}
+    for k, v in (d or {}).items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def changes(a: dict, b: dict) -> list[tuple[str, object, object]]:
+    fa, fb = flatten(a), flatten(b)
+    return [(k, fa.get(k), fb.get(k)) for k in dict.fromkeys([*fa, *fb]) if fa.get(k) != fb.get(k)]
+
+
 def _rows(run: RunFolder) -> dict[str, dict]:
     if not run.has_results("benchmark"):
         return {}
-    return {r["name"]: r for r in summary_rows(run.read_results("benchmark"))}
+    from .plots import row_id
+
+    return {row_id(r): r for r in summary_rows(run.read_results("benchmark"))}
+
+
+def _verdict(run: RunFolder) -> str:
+    bench = run.read_results("benchmark") if run.has_results("benchmark") else None
+    cache = run.read_results("cache") if run.has_results("cache") else None
+    return headline(verdict(bench, cache))
+
+
+def _source_only(nb) -> None:
+    """Keep what a person wrote: sources and tags; drop outputs, counts, and notebook/cell
+    metadata (ipywidgets state, papermill timings)."""
+    nb.metadata = {k: v for k, v in nb.metadata.items() if k in ("kernelspec",)}
+    for i, cell in enumerate(nb.cells):
+        if "id" in cell:
+            cell["id"] = f"cell-{i}"  # random per save: not a change anyone made
+        tags = cell.metadata.get("tags")
+        cell.metadata = {"tags": tags} if tags else {}
+        if cell.cell_type == "code":
+            cell.outputs = []
+            cell.execution_count = None
 
 
 def notebook_diff(path_a: Path, path_b: Path, outputs: bool = False) -> str:
-    """nbdime's diff of two notebooks, pretty-printed without colour; outputs left out unless
-    ``outputs`` (images and timings differ on every run)."""
+    """nbdime's diff of two notebooks, pretty-printed without colour; only the sources (and tags)
+    unless ``outputs`` (images and timings differ on every run; widget state is noise)."""
     import nbdime
     import nbformat
     from nbdime.prettyprint import PrettyPrintConfig, pretty_print_diff
@@ -73,14 +130,10 @@ def notebook_diff(path_a: Path, path_b: Path, outputs: bool = False) -> str:
     b = nbformat.read(str(path_b), as_version=4)
     if not outputs:
         for nb in (a, b):
-            for cell in nb.cells:
-                if cell.cell_type == "code":
-                    cell.outputs = []
-                    cell.execution_count = None
-                cell.metadata.pop("papermill", None)
-                cell.metadata.pop("execution", None)
-            nb.metadata.pop("papermill", None)
+            _source_only(nb)
     diff = nbdime.diff_notebooks(a, b)
+    if not diff:
+        return ""
     buf = io.StringIO()
     pretty_print_diff(a, diff, "", PrettyPrintConfig(out=buf, use_color=False, use_git=False))
     return buf.getvalue()
@@ -90,9 +143,20 @@ def compare_runs(run_a: str | Path, run_b: str | Path, outputs: bool = False) ->
     a, b = RunFolder(run_a), RunFolder(run_b)
     ma, mb = a.read_meta(), b.read_meta()
     cmp = RunComparison(str(a.path), str(b.path), ma.get("model", "?"), mb.get("model", "?"))
-    stages = list(dict.fromkeys([*(ma.get("stages") or {}), *(mb.get("stages") or {})]))
-    cmp.stage_status = [{"stage": s, "a": (ma.get("stages") or {}).get(s, {}).get("status"),
-                         "b": (mb.get("stages") or {}).get(s, {}).get("status")} for s in stages]
+    cmp.card_changes = [{"key": k, "a": va, "b": vb} for k, va, vb in
+                        changes({"card": ma.get("card"), "overrides": ma.get("overrides")},
+                                {"card": mb.get("card"), "overrides": mb.get("overrides")})]
+    ea, eb = ma.get("environment") or {}, mb.get("environment") or {}
+    sa, sb = ma.get("source") or {}, mb.get("source") or {}
+    cmp.version_changes = [{"item": k, "a": va, "b": vb} for k, va, vb in changes(
+        {**(ea.get("versions") or {}), **(ea.get("hardware") or {}), "git revision": sa.get("revision"),
+         "git dirty": sa.get("dirty"), "offline": ea.get("offline")},
+        {**(eb.get("versions") or {}), **(eb.get("hardware") or {}), "git revision": sb.get("revision"),
+         "git dirty": sb.get("dirty"), "offline": eb.get("offline")})]
+    sta, stb = ma.get("stages") or {}, mb.get("stages") or {}
+    cmp.stage_status = [{"stage": s, "a": sta.get(s, {}).get("status"), "b": stb.get(s, {}).get("status"),
+                         "seconds_a": sta.get(s, {}).get("seconds"), "seconds_b": stb.get(s, {}).get("seconds")}
+                        for s in dict.fromkeys([*sta, *stb])]
     ra, rb = _rows(a), _rows(b)
     for name in [n for n in ra if n in rb]:
         d = {"name": name}
@@ -102,6 +166,7 @@ def compare_runs(run_a: str | Path, run_b: str | Path, outputs: bool = False) ->
             d[m] = {"a": va, "b": vb, "delta": None if delta is None else round(float(delta), 6)}
         cmp.deltas.append(d)
     cmp.only_in = {"A": [n for n in ra if n not in rb], "B": [n for n in rb if n not in ra]}
+    cmp.verdicts = {"A": _verdict(a), "B": _verdict(b)}
     nbs_b = {p.name: p for p in notebooks(b)}
     for p in notebooks(a):
         if p.name in nbs_b:
@@ -109,4 +174,4 @@ def compare_runs(run_a: str | Path, run_b: str | Path, outputs: bool = False) ->
     return cmp
 
 
-__all__ = ["RunComparison", "compare_runs", "notebook_diff", "json"]
+__all__ = ["RunComparison", "compare_runs", "notebook_diff", "flatten", "changes"]

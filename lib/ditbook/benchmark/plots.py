@@ -1,5 +1,6 @@
 """Benchmark plots as PNG files (matplotlib, Agg backend): trade-offs with the Pareto frontier,
-residual change per step, parallel scaling with the ideal line, and contact sheets with
+residual change per step, parallel scaling with the ideal line, the image grid (configurations x
+prompts, one difference scale) and per-prompt contact sheets with
 difference maps."""
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def pareto_frontier(points: list[tuple[float, float]]) -> list[int]:
     return sorted(idx, key=lambda i: points[i][0])
 
 
-def diff_map(image, reference, gain: float = 4.0) -> np.ndarray:
+def diff_map(image, reference, gain: float = 10.0) -> np.ndarray:
     """|image - reference| averaged over channels, amplified by ``gain``, as an RGB heat image
     in [0, 1] (black: equal; yellow: large). NaN/Inf show as magenta."""
     a = np.asarray(image, dtype=np.float64)
@@ -57,32 +58,98 @@ def diff_map(image, reference, gain: float = 4.0) -> np.ndarray:
     return rgb.astype(np.float32)
 
 
-def plot_tradeoff(rows: list[dict], metric: str, path: str | Path, gate: float | None = None) -> Path:
-    """Speedup (x) against ``metric`` (``psnr_min`` or ``ssim_min``, y) per family, with the Pareto
-    frontier of all points and the baseline at (1, best)."""
+def row_id(r: dict) -> str:
+    """A row's name, with its process count when it ran on more than one (a plan appears once per
+    world size)."""
+    n = int(r.get("nproc") or 1)
+    return str(r.get("name")) + (f" ×{n} proc" if n > 1 else "")
+
+
+def short_labels(rows: list[dict]) -> dict[str, str]:
+    """A short key per configuration (A, B, ..., Z, AA, ...) in row order, the baseline excepted,
+    keyed by :func:`row_id`: the plot carries the keys, a table beside it the full names."""
+    out: dict[str, str] = {}
+    for r in rows:
+        name = row_id(r)
+        if r.get("family") == "baseline" or name in out:
+            continue
+        i, key = len(out), ""
+        while True:
+            key = chr(ord("A") + i % 26) + key
+            i = i // 26 - 1
+            if i < 0:
+                break
+        out[name] = key
+    return out
+
+
+def plot_tradeoff(rows: list[dict], metric: str, path: str | Path, gate: float | None = None,
+                  labels: dict[str, str] | None = None, highlight: str | None = None) -> Path:
+    """Speedup (x) against ``metric`` (``psnr_min`` or ``ssim_min``, y), one marker per family,
+    each point labelled with its short key (:func:`short_labels`); the Pareto front drawn and
+    its points ringed; ``highlight`` (the verdict's configuration) starred. Saved at 2x
+    resolution with the legend outside the axes, nothing clipped."""
     plt = _plt()
+    labels = labels if labels is not None else short_labels(rows)
     pts = [(r, _num(r.get("speedup")), _num(r.get(metric))) for r in rows]
     pts = [(r, x, y) for r, x, y in pts if x is not None and y is not None]
-    fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=100)
-    families = sorted({r.get("family", "?") for r, _, _ in pts})
-    markers = "osD^v<>pP*X"
-    for k, fam in enumerate(families):
-        sel = [(r, x, y) for r, x, y in pts if r.get("family") == fam]
-        ax.scatter([x for _, x, _ in sel], [y for _, _, y in sel], label=fam, marker=markers[k % len(markers)], s=46)
-        for r, x, y in sel:
-            ax.annotate(str(r.get("name")), (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    # points at the PSNR cap (identical images: the baseline, exact parallel plans) would squash
+    # the range that matters: they are drawn on a line at the top edge, their keys in one note
+    others = [y for _, _, y in pts if metric != "psnr_min" or y < PSNR_CAP - 1e-6]
+    lows = others + ([gate] if gate is not None else [])
+    top = None
+    if others and len(others) < len(pts):
+        span = max(max(others) - min(lows), 1.0)
+        top = max(others) + 0.3 * span
+    raised = {id(r) for r, _, y in pts if top is not None and y > top}
+    pts = [(r, x, min(y, top) if top is not None else y) for r, x, y in pts]
+    fig, ax = plt.subplots(figsize=(7.2, 4.4), dpi=200)
+    families = sorted({str(r.get("family", "?")) for r, _, _ in pts})
+    markers = "osD^v<>pPX"
     if pts:
         front = pareto_frontier([(x, y) for _, x, y in pts])
-        ax.plot([pts[i][1] for i in front], [pts[i][2] for i in front], "k--", lw=1, label="Pareto frontier")
+        ax.plot([pts[i][1] for i in front], [pts[i][2] for i in front], "-", color="0.3", lw=1.2, zorder=1,
+                label="Pareto front")
+        ax.scatter([pts[i][1] for i in front], [pts[i][2] for i in front], s=170, facecolors="none",
+                   edgecolors="0.3", lw=1.2, zorder=2)
+    for k, fam in enumerate(families):
+        sel = [(r, x, y) for r, x, y in pts if str(r.get("family", "?")) == fam]
+        ax.scatter([x for _, x, _ in sel], [y for _, _, y in sel], label=fam, marker=markers[k % len(markers)],
+                   s=48, zorder=3)
+    capped = []
+    for r, x, y in pts:
+        key = "base" if r.get("family") == "baseline" else labels.get(row_id(r), "?")
+        if highlight is not None and str(r.get("name")) == highlight:
+            ax.scatter([x], [y], marker="*", s=320, color="gold", edgecolors="k", lw=0.8, zorder=5,
+                       label="verdict")
+        if id(r) in raised:
+            capped.append(key)
+            continue
+        ax.annotate(key, (x, y), fontsize=8, fontweight="bold", xytext=(6, 4), textcoords="offset points",
+                    zorder=4)
+    if capped:
+        ax.axhline(top, color="0.6", lw=0.8, ls="--", zorder=0)
+        ax.annotate(f"identical to the baseline ({PSNR_CAP:g} dB): " + ", ".join(capped), (0.01, top),
+                    xycoords=("axes fraction", "data"), xytext=(0, 6), textcoords="offset points", fontsize=7.5,
+                    fontweight="bold", va="bottom")
+        if highlight is not None and str(r.get("name")) == highlight:
+            ax.scatter([x], [y], marker="*", s=320, color="gold", edgecolors="k", lw=0.8, zorder=5,
+                       label="verdict")
     if gate is not None:
-        ax.axhline(gate, color="tab:red", lw=0.8, ls=":", label=f"gate {gate:g}")
+        ax.axhline(gate, color="tab:red", lw=1, ls=":", label=f"gate {gate:g}")
+    if pts:
+        xs, ys = [x for _, x, _ in pts], [y for _, _, y in pts] + ([gate] if gate is not None else [])
+        xpad = max(0.05, (max(xs) - min(xs)) * 0.08)
+        ypad = max(1e-3, (max(ys) - min(ys)) * 0.08)
+        ax.set_xlim(min(xs) - xpad, max(xs) + 2.5 * xpad)
+        ax.set_ylim(min(ys) - ypad, max(ys) + (3 if capped else 2) * ypad)
     label = {"psnr_min": "worst-image PSNR (dB)", "ssim_min": "worst-image SSIM"}.get(metric, metric)
-    ax.set_xlabel("speedup vs baseline (end to end, ×)")
+    ax.set_xlabel("speed-up vs baseline, end to end (×)")
     ax.set_ylabel(label)
-    if metric == "psnr_min":
-        ax.set_title(f"speed vs quality (identical images plotted at {PSNR_CAP:g} dB)", fontsize=9)
+    ax.set_title("speed vs worst-image quality" + (f" (identical images count as {PSNR_CAP:g} dB)"
+                                                    if metric == "psnr_min" else ""), fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="best")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, frameon=False)
     return _save(fig, path)
 
 
@@ -124,7 +191,7 @@ def plot_scaling(rows: list[dict], path: str | Path) -> Path:
 
 
 def contact_sheet(key: str, baseline: np.ndarray, images: dict[str, np.ndarray], path: str | Path,
-                  quality: dict[str, dict] | None = None, gain: float = 4.0) -> Path:
+                  quality: dict[str, dict] | None = None, gain: float = 10.0) -> Path:
     """One prompt's sheet: a row per configuration with baseline, configuration and difference
     map (×``gain``); the row title carries its PSNR/SSIM against the baseline."""
     plt = _plt()
@@ -154,15 +221,82 @@ def contact_sheet(key: str, baseline: np.ndarray, images: dict[str, np.ndarray],
     return _save(fig, path)
 
 
-def _save(fig, path) -> Path:
+# one gain for every difference map in the report, the cache stage's ×10 (cache.plots.image_grid):
+# |difference| of 1/DIFF_GAIN or more is full scale
+DIFF_GAIN = 10.0
+
+
+def image_grid(baseline: dict[str, np.ndarray], images: dict[str, dict[str, np.ndarray]], path: str | Path,
+               prompts: dict[str, str] | None = None, labels: dict[str, str] | None = None,
+               gain: float = DIFF_GAIN) -> Path:
+    """Configurations as rows, prompts as columns: the baseline once (first row), then per
+    configuration its image and, beside it, its difference map against the baseline, all maps
+    on one fixed scale (``gain``) with one colour bar. ``baseline``/``images[name]`` map a case
+    key to an image; ``prompts`` maps a case key to its prompt text (the column titles)."""
+    import textwrap
+
+    from ..quality import psnr
+
+    plt = _plt()
+    keys = list(baseline)
+    names = list(images)
+    ncols = 2 * max(1, len(keys))
+    nrows = 1 + len(names)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(1.45 * ncols + 1.2, 1.75 * nrows + 0.6), dpi=200,
+                             squeeze=False)
+    for row in axes:
+        for ax in row:
+            ax.set_xticks([])
+            ax.set_yticks([])
+            for spine in ax.spines.values():
+                spine.set_visible(False)
+    vmax = 1.0 / gain
+    mappable = None
+    for j, key in enumerate(keys):
+        text = (prompts or {}).get(key, key)
+        title = "\n".join(textwrap.wrap(f"{key}: {text}", 30)[:3])
+        axes[0][2 * j].imshow(np.clip(baseline[key], 0, 1))
+        axes[0][2 * j].set_title(title, fontsize=6.5, loc="left")
+        axes[0][2 * j + 1].axis("off")
+    axes[0][0].set_ylabel("baseline", fontsize=8)
+    for i, name in enumerate(names, start=1):
+        short = (labels or {}).get(name)
+        rowname = "\n".join(textwrap.wrap(name, 18)[:3])
+        axes[i][0].set_ylabel(f"{short}: {rowname}" if short else rowname, fontsize=6.5)
+        for j, key in enumerate(keys):
+            img = images[name].get(key)
+            if img is None:
+                axes[i][2 * j].axis("off")
+                axes[i][2 * j + 1].axis("off")
+                continue
+            axes[i][2 * j].imshow(np.clip(np.nan_to_num(img), 0, 1))
+            d = np.abs(np.asarray(img, dtype=np.float64) - np.asarray(baseline[key], dtype=np.float64))
+            d = d.mean(axis=-1) if d.ndim == 3 else d
+            mappable = axes[i][2 * j + 1].imshow(np.nan_to_num(d, nan=vmax, posinf=vmax), cmap="magma", vmin=0,
+                                                 vmax=vmax)
+            p = psnr(img, baseline[key])
+            axes[i][2 * j + 1].set_title(f"|Δ|, PSNR {p:.1f} dB", fontsize=6.5)
+    fig.tight_layout(rect=(0, 0, 0.93, 1))
+    if mappable is not None:
+        cax = fig.add_axes((0.945, 0.15, 0.015, 0.7))
+        bar = fig.colorbar(mappable, cax=cax)
+        bar.set_label(f"|difference| (×{gain:g}: full scale = {vmax:g})", fontsize=7)
+        bar.ax.tick_params(labelsize=6)
+    return _save(fig, path, tight=False)
+
+
+def _save(fig, path, tight: bool = True) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, format="png")
+    if tight:
+        fig.tight_layout()
+    # bbox_inches="tight": labels and the legend outside the axes are never cut off
+    fig.savefig(path, format="png", bbox_inches="tight", pad_inches=0.08)
     import matplotlib.pyplot as plt
 
     plt.close(fig)
     return path
 
 
-__all__ = ["pareto_frontier", "diff_map", "plot_tradeoff", "plot_residuals", "plot_scaling", "contact_sheet"]
+__all__ = ["pareto_frontier", "diff_map", "short_labels", "plot_tradeoff", "plot_residuals", "plot_scaling",
+           "contact_sheet", "image_grid", "row_id", "DIFF_GAIN"]

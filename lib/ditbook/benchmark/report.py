@@ -20,7 +20,8 @@ import shlex
 from pathlib import Path
 
 from ..runs import RunFolder
-from .summary import markdown_table, recommend, summary_rows
+from .summary import markdown_table, summary_rows
+from .verdict import NOT_RECORDED, checklist, headline, read_stage_results, verdict
 
 RESULT_MD = "result.md"
 REPORT_HTML = "report.html"
@@ -51,20 +52,37 @@ def notebooks(run: RunFolder) -> list[Path]:
     return sorted(found, key=lambda p: int(_NB_RE.match(p.name).group(1)))
 
 
+def relative_path(path: str | Path, meta: dict) -> str:
+    """``path`` relative to the checkout that made the run (``run.json`` ``source.root``), else to
+    the current directory; unchanged when it lies outside both."""
+    roots = [r for r in [((meta.get("source") or {}).get("root")), str(Path.cwd())] if r]
+    for root in roots:
+        try:
+            return str(Path(path).resolve().relative_to(Path(root).resolve()))
+        except (ValueError, OSError):
+            continue
+    return str(path)
+
+
 def reproduce_commands(meta: dict, run: RunFolder) -> list[str]:
-    card = meta.get("card_path", "CARD")
+    card = relative_path(meta.get("card_path", "CARD"), meta)
     cmd = ["ditbook", "run", card]
     if meta.get("requested_stages"):
         cmd += ["--stages", ",".join(meta["requested_stages"])]
     for k, v in (meta.get("overrides") or {}).items():
         cmd += ["-p", f"{k}={json.dumps(v) if not isinstance(v, str) else v}"]
-    return [shlex.join(cmd), shlex.join(["ditbook", "report", str(run.path)])]
+    return [shlex.join(cmd), shlex.join(["ditbook", "report", relative_path(run.path, meta)])]
 
 
 def environment_rows(meta: dict) -> list[tuple[str, str]]:
     env = meta.get("environment") or {}
     rows = [(k, str(v)) for k, v in (env.get("versions") or {}).items()]
     rows += [(k, str(v)) for k, v in (env.get("hardware") or {}).items()]
+    src = meta.get("source") or {}
+    rows.append(("git revision", (src.get("revision") or NOT_RECORDED) +
+                 (" (uncommitted changes)" if src.get("dirty") else "")))
+    if "offline" in env:
+        rows.append(("offline", str(env["offline"])))
     return rows
 
 
@@ -107,6 +125,10 @@ def timing_lines(res: dict) -> list[str]:
     return lines
 
 
+def _mark(ok: bool | None) -> str:
+    return "✔" if ok is True else "✘" if ok is False else "–"
+
+
 # -- result.md ------------------------------------------------------------------------------
 def result_markdown(run_dir: str | Path) -> str:
     run = RunFolder(run_dir)
@@ -114,6 +136,11 @@ def result_markdown(run_dir: str | Path) -> str:
     res = benchmark_results(run)
     out = [f"# {meta.get('model', '?')} — run {meta.get('run_id', run.path.name)}", ""]
     out.append(f"Status: **{meta.get('status', 'unknown')}**. Written {_dt.datetime.now().isoformat(timespec='seconds')}.")
+    stage_results = read_stage_results(run)
+    v = verdict(res, stage_results.get("cache"))
+    out += ["", "## Verdict", "", f"**{headline(v)}**", "", "| check | | figure |", "| --- | --- | --- |"]
+    out += [f"| {c['item']} | {_mark(c['ok'])} | {c['figure'].replace('|', '/')} |"
+            for c in checklist(meta, stage_results, v)]
     for f in failures(meta):
         out += ["", f"**Stage `{f['stage']}` failed**: {f['error']}"]
         if f.get("failing_cell"):
@@ -132,17 +159,14 @@ def result_markdown(run_dir: str | Path) -> str:
                 "nothing was measured."]
         return "\n".join(out) + "\n"
     rows = res.get("summary") or summary_rows(res)
-    rec = res.get("recommendation") or recommend(rows, res.get("gates")).to_dict()
     out += ["", "## Summary", "", markdown_table(rows), ""]
     out += ["Speedups are end to end against the baseline measured in the same process (rows "
             "'measured here'); rows from the cache and parallel stages carry the figures those stages recorded.", ""]
     out += [f"- {line}" for line in timing_lines(res)]
-    out += ["", "## Readout", "", f"Ship **{rec['name']}**: {rec['reason']}."]
-    if rec.get("rejected"):
-        out += ["", "Faster but rejected:", *[f"- {r}" for r in rec["rejected"]]]
     out += ["", "## Plots", ""]
     out += [f"- {k}: `benchmark/{p}`" for k, p in (res.get("plots") or {}).items()]
-    out += [f"- contact sheet: `benchmark/{p}`" for p in res.get("sheets") or []]
+    if res.get("grid"):
+        out.append(f"- image grid: `benchmark/{res['grid']}`")
     return "\n".join(out) + "\n"
 
 
@@ -154,12 +178,25 @@ def write_result_md(run_dir: str | Path) -> Path:
 
 # -- report.html ----------------------------------------------------------------------------
 CSS = """
-body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}
-table{border-collapse:collapse;margin:.6em 0;font-size:.9em}th,td{border:1px solid #ccc;padding:.25em .5em;text-align:left}
-th{background:#f3f3f3}.fail{background:#fde8e8;border:1px solid #e0a0a0;padding:.6em 1em;margin:1em 0}
-.ok{color:#176f2c}.bad{color:#a11}pre{background:#f7f7f7;padding:.5em;overflow-x:auto;font-size:.85em}
-img{max-width:100%}.nb{border-top:2px solid #888;margin-top:2em}.jp-InputPrompt,.jp-OutputPrompt{display:none}
-.jp-InputArea-editor,.input_area{background:#f7f7f7}details>summary{cursor:pointer;font-weight:600}
+*{box-sizing:border-box}
+body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;max-width:1180px;margin:0 auto;padding:.8em 1.2em;color:#222;line-height:1.4}
+h1{font-size:1.3em;margin:.2em 0 .5em}h2{font-size:1.15em;margin:1.4em 0 .4em;border-bottom:1px solid #ddd}
+.box{overflow-x:auto;max-width:100%;margin:.5em 0}
+table{border-collapse:collapse;font-size:.88em}th,td{border:1px solid #ccc;padding:.2em .45em;text-align:left;vertical-align:top}
+td{overflow-wrap:break-word}th{background:#f3f3f3}
+.verdict{border:2px solid #176f2c;background:#eef8f0;padding:.55em .9em;margin:.4em 0;font-size:1.02em}
+.verdict.no{border-color:#a11;background:#fdf0f0}
+#checklist td:nth-child(2){text-align:center;font-weight:700;width:2em}
+.fail{background:#fde8e8;border:1px solid #e0a0a0;padding:.6em 1em;margin:1em 0}
+.ok{color:#176f2c}.bad{color:#a11}.nr{color:#777}
+pre{background:#f7f7f7;padding:.5em;overflow-x:auto;font-size:.85em;white-space:pre-wrap;overflow-wrap:anywhere}
+img{max-width:100%;height:auto}figure{margin:.6em 0}figcaption{font-size:.85em;color:#555}
+.twocol{display:flex;flex-wrap:wrap;gap:1em;align-items:flex-start}.twocol>figure{flex:1 1 640px;min-width:0}.twocol>.box{flex:1 1 360px}#plot-key td:first-child{white-space:nowrap}#plot-key td:nth-child(2){overflow-wrap:anywhere;min-width:10em}
+nav.toc{font-size:.9em}nav.toc ol{margin:.2em 0;padding-left:1.4em;columns:2}
+.nb{border-top:1px solid #bbb;margin-top:.6em}.jp-InputPrompt,.jp-OutputPrompt,.prompt{display:none}
+.nb .input_area,.nb .jp-InputArea-editor{background:#f7f7f7}
+.nb div.output_subarea,.nb .jp-OutputArea-output{overflow-x:auto;max-width:100%}
+details>summary{cursor:pointer;font-weight:600;padding:.3em 0}
 """
 
 
@@ -168,7 +205,8 @@ def _data_uri(path: Path) -> str:
 
 
 def table_html(rows: list[dict], columns: list[str] | None = None, table_id: str | None = None) -> str:
-    """Rows of dicts as an HTML table (the notebooks display it; there is no pandas here)."""
+    """Rows of dicts as an HTML table in its own scrolling box (the notebooks display it; there is
+    no pandas here)."""
     columns = columns or list(dict.fromkeys(k for r in rows for k in r))
     def cell(v):
         if isinstance(v, bool):
@@ -179,15 +217,44 @@ def table_html(rows: list[dict], columns: list[str] | None = None, table_id: str
     head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
     body = "".join("<tr>" + "".join(f"<td>{cell(r.get(c))}</td>" for c in columns) + "</tr>" for r in rows)
     ident = f' id="{table_id}"' if table_id else ""
-    return f"<table{ident}><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    return f'<div class="box"><table{ident}><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>'
 
 
-def notebook_html(path: Path, run_dir: Path) -> str:
-    """One executed notebook as an HTML fragment, images embedded, nothing loaded remotely."""
+def _alt_text(nb) -> None:
+    """Give every image output an alt text (output metadata ``alt``, which nbconvert's template
+    writes) from the nearest heading above it, so the exported page is accessible and nbconvert
+    has no missing alt text to warn about."""
+    heading = nb.metadata.get("title") or ""
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            for line in cell.source.splitlines():
+                if line.lstrip().startswith("#"):
+                    heading = line.lstrip("# ").strip()
+                    break
+            continue
+        for out in cell.get("outputs", []):
+            data = out.get("data") or {}
+            for mime in ("image/png", "image/jpeg", "image/svg+xml"):
+                if mime in data:
+                    md = out.setdefault("metadata", {}).setdefault(mime, {})
+                    md.setdefault("alt", f"figure: {heading}" if heading else "figure")
+
+
+def notebook_html(path: Path, run_dir: Path, known_images: dict[str, tuple[str, str]] | None = None) -> str:
+    """One executed notebook as an HTML fragment, images embedded, nothing loaded remotely. An
+    image output identical to one in ``known_images`` (base64 PNG -> (anchor, label)) is
+    replaced by a link to it, so no image appears twice in the report."""
     import nbformat
     from nbconvert import HTMLExporter
 
     nb = nbformat.read(str(path), as_version=4)
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            png = (out.get("data") or {}).get("image/png")
+            if png and known_images and png.replace("\n", "") in known_images:
+                anchor, label = known_images[png.replace("\n", "")]
+                out["data"] = {"text/html": f'<p><a href="#{anchor}">{html.escape(label)}: shown above</a></p>'}
+    _alt_text(nb)
     exporter = HTMLExporter(template_name="basic")
     exporter.embed_images = True
     body, _ = exporter.from_notebook_node(nb, resources={"metadata": {"path": str(run_dir), "name": path.stem}})
@@ -203,64 +270,124 @@ def _strip_remote(text: str) -> str:
     return _REMOTE_TAG.sub("", text)
 
 
+def _checklist_html(items: list[dict]) -> str:
+    rows = []
+    for c in items:
+        mark = ('<span class="ok">✔</span>' if c["ok"] is True else '<span class="bad">✘</span>' if c["ok"] is False
+                else '<span class="nr">–</span>')
+        rows.append(f"<tr><td>{html.escape(c['item'])}</td><td>{mark}</td><td>{html.escape(c['figure'])}</td></tr>")
+    return ('<div class="box"><table id="checklist"><thead><tr><th>acceptance check</th><th></th><th>figure</th></tr>'
+            f"</thead><tbody>{''.join(rows)}</tbody></table></div>")
+
+
+def _key_table(rows: list[dict], labels: dict[str, str], chosen: str | None) -> str:
+    key_rows = []
+    from .plots import row_id
+
+    for r in rows:
+        name = row_id(r)
+        key = "base" if r.get("family") == "baseline" else labels.get(name)
+        if key is None:
+            continue
+        num = lambda x, nd: None if not isinstance(x, (int, float)) else round(float(x), nd)  # noqa: E731
+        key_rows.append({"key": key + (" ★" if name == chosen else ""), "configuration": name,
+                         "speed-up": num(r.get("speedup"), 2), "PSNR": num(r.get("psnr_min"), 1),
+                         "SSIM": num(r.get("ssim_min"), 3),
+                         "from": str(r.get("source") or "").replace(" stage", "").replace("measured ", "")})
+    return table_html(key_rows, ["key", "configuration", "speed-up", "PSNR", "SSIM", "from"], "plot-key")
+
+
 def report_html(run_dir: str | Path) -> str:
     run = RunFolder(run_dir)
     meta = run.read_meta()
     res = benchmark_results(run)
-    title = f"ditbook report — {meta.get('model', '?')} / {meta.get('run_id', run.path.name)}"
-    parts = [f"<h1>{html.escape(title)}</h1>",
-             f"<p>Run status: <b>{html.escape(str(meta.get('status', 'unknown')))}</b>; "
-             f"card <code>{html.escape(str(meta.get('card_path', '')))}</code>; created {html.escape(str(meta.get('created', '')))}.</p>"]
+    stage_results = read_stage_results(run)
+    v = verdict(res, stage_results.get("cache"))
+    status = str(meta.get("status", "unknown"))
+    title = f"{meta.get('model', '?')} · run {meta.get('run_id', run.path.name)} · {status}"
+    parts = [f'<h1 id="title">ditbook report — {html.escape(title)}</h1>']
+    g = v["gates"]
+    parts.append(f'<div class="verdict{"" if v["ship"] else " no"}" id="verdict"><b>{html.escape(headline(v))}</b>'
+                 f'<br><span id="gates">Gates (cache, on held-out seeds): worst-image PSNR &gt; {g["psnr"]:g} dB and '
+                 f'SSIM &gt; {g["ssim"]:g}. Chosen once, by the cache stage; the benchmark times it.</span></div>')
+    parts.append(_checklist_html(checklist(meta, stage_results, v)))
     for f in failures(meta):
         cell = f"<pre>{html.escape(f['failing_cell'])}</pre>" if f.get("failing_cell") else ""
         parts.append(f'<div class="fail" id="failed-{html.escape(f["stage"])}"><b>Stage <code>{html.escape(f["stage"])}</code> '
                      f"failed:</b> {html.escape(str(f['error']))}{cell}"
                      f"<p>The executed notebook with the full traceback is included below"
                      f" (<code>{html.escape(str(f.get('notebook') or ''))}</code>).</p></div>")
-    parts.append("<h2>Stages</h2>" + table_html(stage_rows(meta), ["stage", "status", "seconds", "error"], "stages-table"))
-    parts.append("<h2>Summary</h2>")
+    nbs = notebooks(run)
+    toc = [("plot", "Speed vs quality"), ("grid", "Images"), ("summary", "Summary table"), ("stages", "Stages"),
+           ("environment", "Hardware and versions"), ("reproduce", "Reproduce")]
+    toc += [(f"nb-{nb.stem}", f"Notebook {nb.name}") for nb in nbs]
+    parts.append('<nav class="toc" id="toc"><b>Contents</b><ol>' +
+                 "".join(f'<li><a href="#{a}">{html.escape(t)}</a></li>' for a, t in toc) + "</ol></nav>")
+    known: dict[str, tuple[str, str]] = {}
     if res is None:
-        parts.append('<p id="no-benchmark">The benchmark stage wrote no results in this run, so there is no '
-                     'timing summary; see the stage table above.</p>')
-        parts.append(table_html([], ["name", "family", "speedup"], "summary-table"))
+        parts.append('<h2 id="plot">Speed vs quality</h2><p id="no-benchmark">The benchmark stage wrote no results '
+                     "in this run, so nothing was timed; see the stages table.</p>")
+        parts.append('<h2 id="grid">Images</h2><p>No benchmark images.</p>')
+        parts.append('<h2 id="summary">Summary table</h2>' + table_html([], ["name", "family", "speedup"], "summary-table"))
     else:
         rows = res.get("summary") or summary_rows(res)
-        rec = res.get("recommendation") or recommend(rows, res.get("gates")).to_dict()
-        parts.append(table_html(rows, ["name", "family", "source", "nproc", "speedup", "e2e_ms", "psnr_min",
-                                        "ssim_min", "passed"], "summary-table"))
-        parts.append("<ul>" + "".join(f"<li>{html.escape(x)}</li>" for x in timing_lines(res)) + "</ul>")
-        parts.append(f'<h2>Readout</h2><p id="readout">Ship <b>{html.escape(rec["name"])}</b>: '
-                     f"{html.escape(rec['reason'])}.</p>")
-        if rec.get("rejected"):
-            parts.append("<p>Faster but rejected:</p><ul>" +
-                         "".join(f"<li>{html.escape(r)}</li>" for r in rec["rejected"]) + "</ul>")
         bdir = run.stage_dir("benchmark", create=False)
-        figs = [(k, bdir / p) for k, p in (res.get("plots") or {}).items()]
-        figs += [(f"contact sheet {Path(p).stem}", bdir / p) for p in res.get("sheets") or []]
-        if figs:
-            parts.append("<h2>Plots and contact sheets</h2>")
-        for label, p in figs:
-            if p.is_file():
-                parts.append(f"<figure><img alt=\"{html.escape(label)}\" src=\"{_data_uri(p)}\">"
-                             f"<figcaption>{html.escape(label)} (<code>benchmark/{html.escape(str(p.relative_to(bdir)))}</code>)"
-                             f"</figcaption></figure>")
-    parts.append("<h2>Hardware and versions</h2>" +
-                 table_html([{"item": k, "value": v} for k, v in environment_rows(meta)], ["item", "value"]))
-    parts.append("<h2>Reproduce</h2><pre>" + html.escape("\n".join(reproduce_commands(meta, run))) + "</pre>")
-    for nb in notebooks(run):
-        status = (meta.get("stages") or {}).get(_NB_RE.match(nb.name).group(2), {}).get("status", "?")
+        from .plots import short_labels
+
+        labels = res.get("labels") or short_labels(rows)
+        plot = bdir / (res.get("plots") or {}).get("tradeoff_psnr", "plots/tradeoff_psnr.png")
+        parts.append('<h2 id="plot">Speed vs quality</h2><div class="twocol">')
+        if plot.is_file():
+            uri = _data_uri(plot)
+            known[uri.split(",", 1)[1]] = ("plot", "speed vs quality plot")
+            parts.append(f'<figure><img id="plot-img" alt="speed-up against worst-image PSNR per configuration, '
+                         f'Pareto front ringed, the verdict starred" src="{uri}"><figcaption>Worst-image PSNR on '
+                         "the benchmark's cases against end-to-end speed-up; ringed: the Pareto front; ★: the "
+                         "verdict; dotted: the gate.</figcaption></figure>")
+        parts.append(_key_table(rows, labels, v.get("name")) + "</div>")
+        grid = bdir / res["grid"] if res.get("grid") else None
+        parts.append('<h2 id="grid">Images</h2>')
+        if grid is not None and grid.is_file():
+            uri = _data_uri(grid)
+            known[uri.split(",", 1)[1]] = ("grid", "image grid")
+            parts.append(f'<figure><img id="grid-img" alt="baseline once, then each configuration and its difference '
+                         f'map per prompt" src="{uri}"><figcaption>Rows: the baseline, then each configuration (key, '
+                         "name) with its difference map beside each image, all maps on one scale (colour bar). "
+                         "Columns: one case per prompt.</figcaption></figure>")
+        else:
+            parts.append("<p>No image grid (no stored images).</p>")
+        parts.append('<h2 id="summary">Summary table</h2>' +
+                     table_html(rows, ["name", "family", "source", "nproc", "speedup", "e2e_ms", "psnr_min",
+                                       "ssim_min", "passed"], "summary-table"))
+        parts.append("<ul>" + "".join(f"<li>{html.escape(x)}</li>" for x in timing_lines(res)) + "</ul>")
+        for k, p in (res.get("plots") or {}).items():
+            if k != "tradeoff_psnr" and (bdir / p).is_file():
+                uri = _data_uri(bdir / p)
+                known[uri.split(",", 1)[1]] = (f"fig-{k}", f"{k} plot")
+                parts.append(f'<details id="fig-{html.escape(k)}"><summary>{html.escape(k)} plot</summary><figure>'
+                             f'<img alt="{html.escape(k)} plot" src="{uri}"></figure></details>')
+    parts.append('<h2 id="stages">Stages</h2>' +
+                 table_html(stage_rows(meta), ["stage", "status", "seconds", "error"], "stages-table"))
+    parts.append('<h2 id="environment">Hardware and versions</h2>' +
+                 table_html([{"item": k, "value": v_} for k, v_ in environment_rows(meta)], ["item", "value"]))
+    parts.append('<h2 id="reproduce">Reproduce</h2><pre>' + html.escape("\n".join(reproduce_commands(meta, run))) + "</pre>")
+    if nbs:
+        parts.append("<h2>Executed notebooks</h2>")
+    for nb in nbs:
+        st = (meta.get("stages") or {}).get(_NB_RE.match(nb.name).group(2), {}).get("status", "?")
         try:
-            frag = notebook_html(nb, run.path)
+            frag = notebook_html(nb, run.path, known)
         except Exception as exc:  # an unreadable notebook is reported, not fatal to the report
             frag = f"<p class=bad>could not convert {html.escape(nb.name)}: {html.escape(str(exc))}</p>"
         note = " (built while this stage was still running; <code>ditbook report</code> rebuilds it)" \
-            if status == "running" else ""
-        parts.append(f'<section class="nb" id="nb-{html.escape(nb.stem)}"><details open><summary>{html.escape(nb.name)} '
-                     f"— {html.escape(status)}{note}</summary>{frag}</details></section>")
+            if st == "running" else ""
+        parts.append(f'<section class="nb" id="nb-{html.escape(nb.stem)}"><details><summary>{html.escape(nb.name)} '
+                     f"— {html.escape(st)}{note}</summary>{frag}</details></section>")
     from pygments.formatters import HtmlFormatter
 
     style = CSS + HtmlFormatter().get_style_defs(".highlight")
-    doc = (f"<!DOCTYPE html><html lang=en><head><meta charset=utf-8><title>{html.escape(title)}</title>"
+    doc = (f"<!DOCTYPE html><html lang=en><head><meta charset=utf-8>"
+           f'<meta name="viewport" content="width=device-width, initial-scale=1"><title>{html.escape(title)}</title>'
            f"<style>{style}</style></head><body>{''.join(parts)}</body></html>\n")
     return _strip_remote(doc)
 

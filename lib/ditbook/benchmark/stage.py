@@ -13,9 +13,13 @@
 - ``intake_agreement``: the baseline rendered here against the intake stage's stored images;
 - ``recorded``: ``{"cache": rows, "parallel": rows}`` — figures of the earlier stages;
 - ``inputs``: which earlier results existed; ``residual_changes``: ``{name: [per step]}``;
-- ``images``: ``{config: [{key, png, npy}]}``; ``plots``: ``{name: path}``; ``sheets``: paths
-  (every path relative to the ``benchmark/`` folder);
-- ``summary`` (rows of :func:`~ditbook.benchmark.summary.summary_rows`) and ``recommendation``.
+- ``images``: ``{config: [{key, png, npy}]}``; ``plots``: ``{name: path}`` (``tradeoff_psnr``: the
+  speed-vs-quality plot); ``grid``: the image grid; ``labels``: the plot's short key per
+  configuration; ``sheets``: ``[]`` (no longer drawn); every path relative to ``benchmark/``;
+- ``summary`` (rows of :func:`~ditbook.benchmark.summary.summary_rows`), ``recommendation`` (the
+  fastest row passing its gates, kept for reference) and ``verdict``
+  (:func:`~ditbook.benchmark.verdict.verdict`: the cache stage's choice, timed here, with its
+  held-out quality — what the report and ``result.md`` say to ship).
 """
 
 from __future__ import annotations
@@ -134,49 +138,63 @@ def save(ctx, report: BenchmarkReport, inputs: StageInputs,
     results["summary"] = summary_rows(results)
     results["gates"] = gates_dict(gate_overrides(ctx.card))
     results["recommendation"] = recommend(results["summary"], gate_overrides(ctx.card)).to_dict()
+    # the verdict is the cache stage's choice, timed here (one decision, made once: verdict.py)
+    from .verdict import verdict
+
+    results["verdict"] = verdict(results, inputs.get("cache"))
     ctx.run.write_results(STAGE, results)
     return results
 
 
 def make_figures(run, results: dict | None = None) -> dict:
-    """Plots and contact sheets from ``benchmark/results.json`` and the stored images; updates
-    ``plots`` and ``sheets`` in the results. Rebuildable at any time (``ditbook report``)."""
-    from .plots import contact_sheet, plot_residuals, plot_scaling, plot_tradeoff
+    """The speed-vs-quality plot and the image grid (plus residual and scaling plots) from
+    ``benchmark/results.json`` and the stored images; updates ``plots``, ``grid``, ``labels`` and
+    ``sheets`` (no longer drawn: ``[]``) in the results. Rebuildable at any time
+    (``ditbook report``)."""
+    from .plots import image_grid, plot_residuals, plot_scaling, plot_tradeoff, short_labels
+    from .verdict import verdict
 
     results = results if results is not None else run.read_results(STAGE)
     d = run.stage_dir(STAGE)
     rows = results.get("summary") or summary_rows(results)
+    if "verdict" not in results:
+        results["verdict"] = verdict(results, run.read_results("cache") if run.has_results("cache") else None)
+    labels = short_labels(rows)
     plots = {}
     cache_gate = gates_for_family("cache", results.get("gates"))
-    plots["tradeoff_psnr"] = plot_tradeoff(rows, "psnr_min", d / "plots" / "tradeoff_psnr.png", cache_gate.psnr)
-    plots["tradeoff_ssim"] = plot_tradeoff(rows, "ssim_min", d / "plots" / "tradeoff_ssim.png", cache_gate.ssim)
+    plots["tradeoff_psnr"] = plot_tradeoff(rows, "psnr_min", d / "plots" / "tradeoff_psnr.png", cache_gate.psnr,
+                                           labels=labels, highlight=results["verdict"].get("name"))
     if results.get("residual_changes"):
         plots["residuals"] = plot_residuals(results["residual_changes"], d / "plots" / "residuals.png")
     par = [r for r in rows if str(r.get("family", "")).endswith("parallel")]
     if par:
         plots["scaling"] = plot_scaling(par, d / "plots" / "scaling.png")
-    sheets = []
     images = results.get("images") or {}
-    base_rows = {r["key"]: r for r in images.get("baseline", [])}
-    for key, brow in base_rows.items():
-        base = np.load(d / brow["npy"])
-        imgs, quality = {}, {}
-        for name, rows_ in images.items():
-            if name == "baseline":
-                continue
-            row = next((r for r in rows_ if r["key"] == key), None)
-            if row is None:
-                continue
-            imgs[name] = np.load(d / row["npy"])
-        # per-image quality, recomputed from the stored arrays
-        from ..quality import compare
-
-        for name, img in imgs.items():
-            q = compare(img, base, Gates())
-            quality[name] = {"psnr": q.psnr, "ssim": q.ssim}
-        sheets.append(contact_sheet(key, base, imgs, d / "sheets" / f"{_slug(key)}.png", quality))
+    base_rows = images.get("baseline", [])
+    # one case per prompt (its first seed): the columns of the grid
+    per_prompt: dict[str, dict] = {}
+    for r in base_rows:
+        m = re.match(r"^(p\d+)_", r["key"])
+        per_prompt.setdefault(m.group(1) if m else r["key"], r)
+    meta = run.read_meta()
+    prompt_list = (((meta.get("card") or {}).get("generation") or {}).get("prompts")) or []
+    prompts = {}
+    for pk, r in per_prompt.items():
+        m = re.match(r"^p(\d+)$", pk)
+        if m and int(m.group(1)) < len(prompt_list):
+            prompts[r["key"]] = str(prompt_list[int(m.group(1))])
+    baseline = {r["key"]: np.load(d / r["npy"]) for r in per_prompt.values()}
+    grid_images: dict[str, dict] = {}
+    for name, rows_ in images.items():
+        if name == "baseline":
+            continue
+        by_key = {r["key"]: r for r in rows_}
+        grid_images[name] = {k: np.load(d / by_key[k]["npy"]) for k in baseline if k in by_key}
+    grid = image_grid(baseline, grid_images, d / "plots" / "grid.png", prompts, labels) if baseline else None
     results["plots"] = {k: str(Path(p).relative_to(d)) for k, p in plots.items()}
-    results["sheets"] = [str(Path(p).relative_to(d)) for p in sheets]
+    results["grid"] = str(Path(grid).relative_to(d)) if grid else None
+    results["labels"] = labels
+    results["sheets"] = []
     run.write_results(STAGE, results)
     return results
 

@@ -176,7 +176,16 @@ def make_synthetic_run(root: str | Path, *, failed_stage: str | None = None, ben
                                  "placement": {"device": "cpu", "dtype": "float32"}})
     run.write_results("cache", {"tuned": [{"name": "recorded-dbcache", "family": "cache/dbcache", "speedup": 1.6,
                                            "psnr_min": 33.0, "ssim_min": 0.95, "passed": True}],
-                                "residual_changes": {"calibration": [0.3, 0.2, 0.1]}})
+                                "residual_changes": {"calibration": [0.3, 0.2, 0.1]},
+                                # the cache stage's one decision, confirmed on held-out seeds
+                                "gates": card.cache.gates.to_dict(),
+                                "chosen": {"name": "gentle", "family": "cache/fake", "config": {}},
+                                "chosen_detail": {"name": "gentle", "family": "cache/fake", "config": {},
+                                                  "skipped_fraction": 0.5,
+                                                  "holdout_quality": {"n": 2, "psnr_min": 41.5, "ssim_min": 0.99}},
+                                "adapter_checks": [{"name": "gentle", "checked": True, "max_abs": 0.0,
+                                                    "reproduces": True}],
+                                "noise_floor": {"rerun_vs_intake": {"psnr_min": 100.0}, "rerun_max_abs": 0.0}})
     if parallel:
         run.write_results("parallel", {"baseline_seconds": 2.0, "plans": [
             {"name": "ulysses", "nproc": 2, "seconds": 1.2, "psnr_min": 48.0, "ssim_min": 0.999, "passed": True},

@@ -54,10 +54,10 @@ def cmd_cache(args) -> int:
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("cache", help="run the cache stage (adapter, strategies, verification, tuning) on a run")
-    p.add_argument("card", nargs="?")
+    p.add_argument("card", nargs="?", help="model card (models/<name>.yaml); not needed with --list")
     p.add_argument("--run", metavar="RUN_DIR", help="run folder (default: the newest one with inspect results)")
     p.add_argument("--strategies", help="comma-separated strategy names (default: the card's or all)")
     p.add_argument("--max-configs", type=int, help="configurations tried per strategy")
-    p.add_argument("--outputs", help="outputs root (default: outputs/ or $DITBOOK_OUTPUTS)")
+    p.add_argument("--outputs", help="outputs root (default: $DITBOOK_OUTPUTS, else outputs/ in the current directory)")
     p.add_argument("--list", action="store_true", help="list the registered strategies")
     p.set_defaults(func=cmd_cache)

@@ -86,18 +86,18 @@ def cmd_approve(args) -> int:
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("inspect", help="inspect and trace a model; print its architecture facts and plan")
-    p.add_argument("card")
+    p.add_argument("card", help="model card (models/<name>.yaml)")
     p.add_argument("--json", action="store_true", help="print the report, code surface and plan as JSON")
     p.add_argument("--steps", type=int, help="denoising steps of the traced run (default 2, or card inspect.trace_steps)")
     p.add_argument("--size", type=int, help="height and width of the traced run (default: the card's)")
     p.add_argument("--no-save", action="store_true", help="do not write a run folder")
-    p.add_argument("--outputs", help="outputs root (default: outputs/ or $DITBOOK_OUTPUTS)")
+    p.add_argument("--outputs", help="outputs root (default: $DITBOOK_OUTPUTS, else outputs/ in the current directory)")
     p.add_argument("-p", "--param", action="append", metavar="KEY=VALUE", help="override a card field")
     p.set_defaults(func=cmd_inspect)
 
     p = subparsers.add_parser("approve", help="show the newest integration plan and write its hash into the card")
-    p.add_argument("card")
+    p.add_argument("card", help="model card to write the approved plan hash into")
     p.add_argument("--run", metavar="RUN_DIR", help="approve the plan of this run (default: the newest inspected run)")
     p.add_argument("--yes", action="store_true", help="approve without asking")
-    p.add_argument("--outputs", help="outputs root (default: outputs/ or $DITBOOK_OUTPUTS)")
+    p.add_argument("--outputs", help="outputs root (default: $DITBOOK_OUTPUTS, else outputs/ in the current directory)")
     p.set_defaults(func=cmd_approve)

@@ -7,7 +7,7 @@ import copy
 import re
 from pathlib import Path
 
-from ..card import gate_problems, read_card_mapping, write_card
+from ..card import gate_problems, read_card_mapping
 
 FORM_FIELDS = ("path", "pipeline.class", "pipeline.source", "transformer.class", "transformer.source")
 _FIELD_RE = re.compile(r"^(path|pipeline\.class|pipeline\.source|transformer\.class|transformer\.source|pipeline|transformer)\b")
@@ -42,12 +42,52 @@ def complete_card(raw: dict, answers: dict[str, str]) -> dict:
     return data
 
 
+def _round_trip_yaml():
+    from ruamel.yaml import YAML
+
+    y = YAML()  # round-trip mode: comments, key order, quoting and flow style survive a rewrite
+    y.preserve_quotes = True
+    y.width = 4096  # never re-wrap a long line the user wrote
+    return y
+
+
+def complete_card_text(text: str, answers: dict[str, str]) -> str:
+    """The card's YAML text with the non-empty answers filled in, its comments and layout kept
+    (ruamel.yaml round trip); a missing section is added at the end of the mapping."""
+    import io
+
+    y = _round_trip_yaml()
+    data = y.load(text) if text.strip() else None
+    if data is None:
+        from ruamel.yaml.comments import CommentedMap
+
+        data = CommentedMap()
+    for key, value in answers.items():
+        if value is None or str(value).strip() == "":
+            continue
+        node = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        node[parts[-1]] = str(value).strip()
+    buf = io.StringIO()
+    y.dump(data, buf)
+    return buf.getvalue()
+
+
 def save_answers(card_path: str | Path, answers: dict[str, str], out_path: str | Path | None = None) -> tuple[Path, list[str]]:
-    """Write the completed card (to ``out_path`` or over the card) and re-run the gate."""
+    """Write the completed card (to ``out_path`` or over the card), keeping its comments and
+    layout, and re-run the gate."""
     card_path = Path(card_path)
-    raw = read_card_mapping(card_path) if card_path.is_file() else {}
+    if card_path.is_file():
+        read_card_mapping(card_path)  # a card that is not a YAML mapping is refused with its reason
+        text = card_path.read_text()
+    else:
+        text = ""
     target = Path(out_path or card_path)
-    write_card(target, complete_card(raw, answers))
+    target.write_text(complete_card_text(text, answers))
     _, problems = gate_problems(target)
     return target, problems
 

@@ -52,6 +52,17 @@ def refusal(card_path: str, plans: list[str], arch: str | None, overrides: dict)
     return out
 
 
+def default_out(args) -> Path:
+    """Without ``--out``: ``RUN/parallel/runs`` with ``--run``, else a fresh folder under the
+    outputs root (``outputs/<card>/parallel-<time>``), never a stray folder in the cwd."""
+    if args.run:
+        return Path(args.run) / "parallel" / "runs"
+    from ..runner import outputs_dir
+    from ..runs import new_run_id
+
+    return outputs_dir() / Path(args.card).stem / f"parallel-{new_run_id()}"
+
+
 def cmd_parallel(args) -> int:
     from ..card import parse_overrides
     from .launch import Nodes, ParallelRunError, run_plans
@@ -65,7 +76,7 @@ def cmd_parallel(args) -> int:
     if reasons:
         print("ditbook parallel: not attempted:\n" + "\n".join(f"  - {r}" for r in reasons), file=sys.stderr)
         return 3
-    out = Path(args.out) if args.out else (Path(args.run) / "parallel" / "runs" if args.run else Path("parallel_runs"))
+    out = Path(args.out) if args.out else default_out(args)
     try:
         nodes = Nodes(args.nnodes, args.node_rank, args.master)
     except ValueError as exc:
@@ -87,14 +98,15 @@ def cmd_parallel(args) -> int:
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("parallel", help="run parallel plans under torchrun and check parity with one process")
-    p.add_argument("card")
+    p.add_argument("card", help="model card (models/<name>.yaml)")
     p.add_argument("--plan", action="append", required=True,
                    help="plan name(s): ulysses2, ring2, usp2x2, cfg2, cfg2_ulysses2, ulysses2+cache, "
                         "ulysses2+compile+graph (GPU) (repeat or comma-separate)")
     p.add_argument("--nproc", type=int, required=True, help="processes (one per GPU; gloo on CPU)")
     p.add_argument("--run", help="run folder: reads inspect/arch.json for the feasibility check, writes parallel/runs")
     p.add_argument("--arch", help="inspect/arch.json to check feasibility against")
-    p.add_argument("--out", help="output folder for images, logs and worker.json")
+    p.add_argument("--out", help="output folder for images, logs and worker.json (default: RUN/parallel/runs with --run, "
+                                      "else outputs/<card>/parallel-<time>)")
     p.add_argument("--timeout", type=float, default=300.0, help="collective / no-progress timeout per rank (s)")
     p.add_argument("--total-timeout", type=float, default=None, help="wall-clock limit of the whole launch (s)")
     p.add_argument("--warmup", type=int, default=1, help="untimed renders before the timed ones")

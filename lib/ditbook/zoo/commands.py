@@ -27,6 +27,6 @@ def register(subparsers) -> None:
     sub = p.add_subparsers(dest="zoo_command", required=True)
     sub.add_parser("list", help="the models the zoo can build")
     b = sub.add_parser("build", help="build one model with save_pretrained into DIR, with its card")
-    b.add_argument("name")
-    b.add_argument("dir")
+    b.add_argument("name", help="a model name from 'ditbook zoo list'")
+    b.add_argument("dir", help="folder to write the model and its card into")
     p.set_defaults(func=cmd_zoo)

@@ -1,0 +1,237 @@
+"""The verdict of a run and its acceptance checklist, read from the stages' results.
+
+One decision, made once: the cache stage chooses the configuration (``cache/results.json``
+``chosen``, confirmed on held-out seeds). The benchmark stage does not choose again; it times
+that configuration beside the baseline. The verdict is that configuration, its measured
+speed-up and its held-out quality against the cache gates, and whether it is worth shipping.
+
+The checklist reads what each stage recorded; an item a stage does not record is ``None``
+("not recorded"), never a green check.
+"""
+
+from __future__ import annotations
+
+from ..configuration import config_label
+from ..quality import Gates
+from ..settings import CacheSettings
+from .summary import MIN_USEFUL_SPEEDUP
+
+NOT_RECORDED = "not recorded"
+
+
+def _f(v, nd: int = 2) -> str:
+    return "-" if v is None else f"{v:.{nd}f}"
+
+
+def chosen_row_name(chosen: dict) -> str:
+    """The name the benchmark gives the cache stage's chosen configuration
+    (``ditbook.cache.benchmark_configs``: ``name[label]``)."""
+    label = config_label(chosen.get("config") or {})
+    return f"{chosen['name']}[{label}]" if label else str(chosen["name"])
+
+
+def cache_gates(cache: dict | None) -> Gates:
+    g = (cache or {}).get("gates") or {}
+    return Gates.from_dict(g) if g else CacheSettings().gates
+
+
+def verdict(benchmark: dict | None, cache: dict | None) -> dict:
+    """The configuration to ship (the cache stage's choice), its speed-up measured by the
+    benchmark and its held-out quality against the gates in force (the benchmark's record of the
+    card's ``cache.gates``, else the cache stage's); ``ship`` False names why not."""
+    bench_gates = ((benchmark or {}).get("gates") or {}).get("cache")
+    gates = Gates.from_dict(bench_gates) if bench_gates else cache_gates(cache)
+    out = {"name": "baseline", "short": "baseline", "family": "baseline", "config": None, "ship": False,
+           "speedup": None, "e2e_ms": None, "holdout": None, "gates": {"psnr": gates.psnr, "ssim": gates.ssim},
+           "passes_gates": None, "chosen_by": "cache stage", "reason": ""}
+    if not cache:
+        out["name"] = out["short"] = "none"
+        out["reason"] = "the cache stage recorded no results, so no configuration was chosen"
+        return out
+    chosen = cache.get("chosen")
+    if not chosen:
+        out["reason"] = "no cache configuration passed the gates on held-out seeds; ship the baseline"
+        return out
+    detail = cache.get("chosen_detail") or {}
+    hq = detail.get("holdout_quality") or {}
+    name = chosen_row_name(chosen)
+    out.update(name=name, short=str(chosen["name"]), family=str(chosen.get("family")), config=chosen.get("config"),
+               skipped_fraction=detail.get("skipped_fraction"))
+    if hq:
+        out["holdout"] = {"psnr_min": hq.get("psnr_min"), "ssim_min": hq.get("ssim_min"), "n": hq.get("n")}
+        p, s = hq.get("psnr_min"), hq.get("ssim_min")
+        out["passes_gates"] = bool(p is not None and s is not None and p > gates.psnr and s > gates.ssim)
+    rows = {r.get("name"): r for r in ((benchmark or {}).get("summary") or [])}
+    row = rows.get(name)
+    if row is not None and row.get("source") == "measured here":
+        out["speedup"], out["e2e_ms"] = row.get("speedup"), row.get("e2e_ms")
+        out["measured_psnr_min"], out["measured_ssim_min"] = row.get("psnr_min"), row.get("ssim_min")
+    if out["passes_gates"] is not True:
+        out["reason"] = (f"{name} has no held-out quality record" if not hq else
+                         f"{name} does not meet the gates on held-out seeds")
+    elif benchmark is None:
+        out["reason"] = "the benchmark stage has not timed it; speed-up unknown"
+    elif out["speedup"] is None:
+        out["reason"] = f"the benchmark did not time {name}; speed-up unknown"
+    elif out["speedup"] < MIN_USEFUL_SPEEDUP:
+        out["reason"] = (f"{out['speedup']:.2f}× does not beat the baseline by the {MIN_USEFUL_SPEEDUP:g}× a change "
+                         "must gain over the timing noise; ship the baseline")
+    else:
+        out["ship"] = True
+        out["reason"] = "chosen by the cache stage, confirmed on held-out seeds, timed by the benchmark"
+    return out
+
+
+def headline(v: dict) -> str:
+    """One sentence: what to ship, how much faster, at what held-out quality against the gates."""
+    g = v["gates"]
+    h = v.get("holdout") or {}
+    q = (f"held-out worst PSNR {_f(h.get('psnr_min'))} dB (gate > {g['psnr']:g}), "
+         f"SSIM {_f(h.get('ssim_min'), 4)} (gate > {g['ssim']:g})" + (f" on {h['n']} images" if h.get("n") else "")
+         if h else "no held-out quality recorded")
+    sp = f"{v['speedup']:.2f}× end to end" if v.get("speedup") is not None else "speed-up not measured"
+    if v["ship"]:
+        return f"Ship {v['name']}: {sp}, {q}."
+    if v["name"] == "none":
+        return f"No verdict: {v['reason']}."
+    if v["name"] == "baseline":
+        return f"Ship the baseline: {v['reason'].removesuffix('; ship the baseline')}."
+    return f"Do not ship {v['name']} ({sp}, {q}): {v['reason']}."
+
+
+# -- the acceptance checklist -----------------------------------------------------------------
+def _item(item: str, ok: bool | None, figure: str) -> dict:
+    return {"item": item, "ok": ok, "figure": figure}
+
+
+def _gate_item(meta: dict, intake: dict | None) -> dict:
+    st = ((meta.get("stages") or {}).get("intake") or {})
+    if st.get("status") == "failed":
+        return _item("gate check", False, str(st.get("error") or "intake failed"))
+    if st.get("status") != "passed":
+        return _item("gate check", None, NOT_RECORDED)
+    n = len((intake or {}).get("images") or [])
+    return _item("gate check", True, f"card complete; intake loaded the model offline and rendered {n} baseline images")
+
+
+def _plan_item(meta: dict, inspect: dict | None) -> dict:
+    approved = (meta.get("card") or {}).get("approved_plan")
+    made = (inspect or {}).get("plan_hash")
+    if not made:
+        return _item("plan approved", None, NOT_RECORDED)
+    if approved == made:
+        return _item("plan approved", True, f"plan {made} approved in the card")
+    return _item("plan approved", False, f"the card approves {approved or 'nothing'}, the inspection made {made}")
+
+
+def _caching_off_item(cache: dict | None) -> dict:
+    checks = (cache or {}).get("adapter_checks")
+    if not checks:
+        return _item("caching off reproduces the baseline", None, NOT_RECORDED)
+    checked = [c for c in checks if c.get("checked")]
+    bad = [c["name"] for c in checked if not c.get("reproduces")]
+    worst = max((c.get("max_abs") or 0.0 for c in checked), default=None)
+    if not checked:
+        return _item("caching off reproduces the baseline", None, "no strategy could be checked")
+    if bad:
+        return _item("caching off reproduces the baseline", False, f"differs for {', '.join(bad)} (max abs diff {worst:.3g})")
+    return _item("caching off reproduces the baseline", True, f"{len(checked)} strategies, max abs diff {worst:.3g}")
+
+
+def _sharding_verified(plan: dict) -> bool | None:
+    s = (plan.get("details") or {}).get("sharding")
+    if s is None:
+        return None
+    if isinstance(s, bool):
+        return s
+    if isinstance(s, dict) and ("error" in s or "check" in s):  # parallel.sharding's record
+        if s.get("error"):
+            return False
+        return True if s.get("check") else None
+    if isinstance(s, dict):
+        for key in ("verified", "passed", "ok"):
+            if isinstance(s.get(key), bool):
+                return s[key]
+    return None
+
+
+def _parity_item(parallel: dict | None, meta: dict) -> dict:
+    name = "parity per plan, sharding verified"
+    st = ((meta.get("stages") or {}).get("parallel") or {}).get("status")
+    plans = [p for p in ((parallel or {}).get("plans") or []) if isinstance(p, dict)]
+    if st == "failed":
+        return _item(name, False, str(((meta.get("stages") or {}).get("parallel") or {}).get("error")))
+    if not plans:
+        return _item(name, None, NOT_RECORDED if parallel is None else "no plan was run")
+    failed = [str(p.get("name")) for p in plans if not p.get("passed")]
+    q = [((p.get("quality") or {}).get("psnr_min", p.get("psnr_min"))) for p in plans]
+    q = [x for x in q if x is not None]
+    parity = f"{len(plans) - len(failed)}/{len(plans)} plans pass parity" + (f" (worst PSNR {min(q):.1f} dB)" if q else "")
+    sharding = [_sharding_verified(p) for p in plans]
+    if failed:
+        return _item(name, False, f"{parity}; failing: {', '.join(failed)}")
+    if any(s is False for s in sharding):
+        bad = [str(p.get("name")) for p, s in zip(plans, sharding) if s is False]
+        return _item(name, False, f"{parity}; sharding not as planned: {', '.join(bad)}")
+    if any(s is None for s in sharding):
+        return _item(name, None, f"{parity}; sharding {NOT_RECORDED}")
+    return _item(name, True, f"{parity}; sharding verified on every plan")
+
+
+def _noise_item(cache: dict | None, benchmark: dict | None) -> dict:
+    nf = (cache or {}).get("noise_floor") or {}
+    g = cache_gates(cache)
+    parts, floors = [], []
+    if nf.get("rerun_vs_intake"):
+        p = nf["rerun_vs_intake"].get("psnr_min")
+        floors.append(p)
+        parts.append(f"re-run vs intake {_f(p, 1)} dB (max abs diff {nf.get('rerun_max_abs', 0):.3g})")
+    if nf.get("backend_vs_rerun"):
+        p = nf["backend_vs_rerun"].get("psnr_min")
+        floors.append(p)
+        parts.append(f"backend {nf.get('other_backend')} {_f(p, 1)} dB")
+    bnf = (benchmark or {}).get("noise_floor")
+    if bnf and bnf.get("psnr_min") is not None:
+        floors.append(bnf["psnr_min"])
+        parts.append(f"benchmark re-render {_f(bnf['psnr_min'], 1)} dB")
+    if not parts:
+        return _item("noise floor", None, NOT_RECORDED)
+    floors = [f for f in floors if f is not None]
+    ok = bool(floors) and min(floors) > g.psnr
+    return _item("noise floor", ok, "; ".join(parts) + (f" — above the {g.psnr:g} dB gate" if ok else
+                                                        f" — not above the {g.psnr:g} dB gate"))
+
+
+def _holdout_item(v: dict, cache: dict | None) -> dict:
+    if not cache:
+        return _item("held-out confirmation", None, NOT_RECORDED)
+    if v["name"] in ("baseline", "none"):
+        return _item("held-out confirmation", False, "no configuration passed on held-out seeds")
+    h, g = v.get("holdout") or {}, v["gates"]
+    if not h:
+        return _item("held-out confirmation", None, NOT_RECORDED)
+    return _item("held-out confirmation", bool(v.get("passes_gates")),
+                 f"{v['short']}: worst PSNR {_f(h.get('psnr_min'))} dB (> {g['psnr']:g}), "
+                 f"SSIM {_f(h.get('ssim_min'), 4)} (> {g['ssim']:g})" + (f", {h['n']} images" if h.get("n") else ""))
+
+
+def checklist(meta: dict, results: dict[str, dict | None], v: dict | None = None) -> list[dict]:
+    """The acceptance checklist: ``[{item, ok (True/False/None), figure}]``. ``results`` maps a
+    stage name to its ``results.json`` (None when absent)."""
+    v = v or verdict(results.get("benchmark"), results.get("cache"))
+    return [
+        _gate_item(meta, results.get("intake")),
+        _plan_item(meta, results.get("inspect")),
+        _caching_off_item(results.get("cache")),
+        _parity_item(results.get("parallel"), meta),
+        _noise_item(results.get("cache"), results.get("benchmark")),
+        _holdout_item(v, results.get("cache")),
+    ]
+
+
+def read_stage_results(run) -> dict[str, dict | None]:
+    return {s: (run.read_results(s) if run.has_results(s) else None)
+            for s in ("intake", "inspect", "cache", "parallel", "benchmark")}
+
+
+__all__ = ["verdict", "headline", "checklist", "read_stage_results", "chosen_row_name", "NOT_RECORDED"]
