@@ -9,7 +9,7 @@ TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.ditbook-installed
 CARD   ?= models/reference.yaml
 
-.PHONY: install demo test test-fast chromium clean-outputs lab
+.PHONY: install demo test test-fast chromium clean clean-outputs lab
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,13 @@ test-fast: install
 # JupyterLab on this environment (the notebooks' kernel is this venv's python3)
 lab: install
 	$(BIN)/jupyter lab notebooks/
+
+# build and cache folders only: never outputs/ (run folders) nor the virtual environment
+clean:
+	rm -rf build dist .pytest_cache
+	find . \( -path ./outputs -o -path ./$(VENV) -o -path ./.git \) -prune -o \
+	  -type d \( -name __pycache__ -o -name '*.egg-info' -o -name .pytest_cache -o -name .ipynb_checkpoints \) \
+	  -prune -exec rm -rf {} +
 
 clean-outputs:
 	find outputs -mindepth 1 -maxdepth 1 ! -name README.md -exec rm -rf {} +
