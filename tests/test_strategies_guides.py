@@ -103,3 +103,32 @@ def test_blockdance_depth_follows_measured_change(session):
     assert set(depths[1e-6]) == {0}
     assert max(depths[100.0]) == n - 1
     _untouched(s)
+
+
+def test_pab_runs_on_third_party_attention(session):
+    """PAB hooks the attention modules the inspection finds (TinyGQAAttention is no diffusers
+    class): it skips attention evaluations, its disabled config reproduces, undo leaves no hook;
+    a model whose blocks have no attention is refused with the reason."""
+    from ditbook.cache import strategies
+    from ditbook.cache.strategies.diffusers_pab import attention_targets
+
+    s = session
+    pab = strategies.get("diffusers_pab")
+    assert pab.applicable(s.adapter) is None
+    targets = attention_targets(s.adapter.original_blocks())
+    assert [type(m).__name__ for m in targets] == ["TinyGQAAttention"] * s.adapter.info.block_lists[0].length
+    off = _eval(s, "diffusers_pab", pab.disabled(s.adapter, s.card.generation.steps))
+    assert off.error is None and off.quality["max_abs"] == 0.0 and off.attention_skipped_fraction == 0.0, off
+    on = _eval(s, "diffusers_pab", pab.Config(skip_range=2, window_low=50, window_high=950))
+    assert on.error is None and on.attention_skipped_fraction > 0.2, on
+    for m in s.pipe.transformer.modules():
+        assert not hasattr(m, "_diffusers_hook") or not m._diffusers_hook.hooks
+    _untouched(s)
+
+    class NoAttention:
+        def original_blocks(self):
+            import torch
+
+            return [torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU())]
+
+    assert "no self-attention module" in pab.applicable(NoAttention())

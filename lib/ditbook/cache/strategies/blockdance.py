@@ -170,8 +170,9 @@ class BlockDance(Strategy):
 
     @classmethod
     def grid(cls, adapter, steps):
+        # most promising first, so a max_configs budget keeps a spread of thresholds and intervals
         return [BlockDanceSettings(threshold=t, interval=k, warmup_steps=2)
-                for k in (1, 2) for t in (1.0, 2.0, 4.0, 0.5)]
+                for t, k in ((1.0, 1), (2.0, 1), (2.0, 2), (4.0, 1), (1.0, 2), (4.0, 2), (0.5, 1), (0.5, 2))]
 
     @classmethod
     def disabled(cls, adapter, steps):

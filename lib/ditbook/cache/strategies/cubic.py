@@ -69,8 +69,9 @@ class Cubic(Strategy):
 
     @classmethod
     def grid(cls, adapter, steps):
+        # most promising first, so a max_configs budget keeps a spread of thresholds and run lengths
         return [CubicSettings(threshold=t, warmup_steps=4, max_consecutive=k)
-                for k in (1, 2) for t in (0.5, 1.0, 0.25, 2.0)]
+                for t, k in ((0.5, 1), (1.0, 2), (0.25, 1), (0.5, 2), (1.0, 1), (2.0, 1), (2.0, 2), (0.25, 2))]
 
     @classmethod
     def disabled(cls, adapter, steps):

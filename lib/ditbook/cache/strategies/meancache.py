@@ -68,8 +68,9 @@ class MeanCache(Strategy):
 
     @classmethod
     def grid(cls, adapter, steps):
+        # most promising first, so a max_configs budget keeps a spread of thresholds and run lengths
         return [MeanCacheSettings(threshold=t, warmup_steps=2, max_consecutive=k)
-                for k in (1, 2) for t in (2.0, 1.0, 3.0, 0.5)]
+                for t, k in ((2.0, 1), (3.0, 2), (1.0, 1), (1.0, 2), (2.0, 2), (3.0, 1), (0.5, 1), (0.5, 2))]
 
     @classmethod
     def disabled(cls, adapter, steps):
