@@ -49,3 +49,16 @@ def test_make_clean_removes_build_and_caches_not_outputs(tmp_path):
         assert not (tmp_path / rel).exists(), rel
     for rel in kept:
         assert (tmp_path / rel).exists(), rel
+
+
+def test_importing_generated_adapter_source_leaves_no_temp_folder():
+    """Issue 17: importing a generated adapter left /tmp/ditbook_adapter_* folders behind."""
+    import tempfile
+
+    from ditbook.cache.adapter import import_adapter_module
+
+    before = {p.name for p in Path(tempfile.gettempdir()).iterdir()}
+    module = import_adapter_module("VALUE = 17\n", None, "cleanup_probe")
+    assert module.VALUE == 17
+    after = {p.name for p in Path(tempfile.gettempdir()).iterdir()}
+    assert not [n for n in after - before if n.startswith("ditbook")]
