@@ -17,7 +17,7 @@ from test_cache import prepared_run, session_for, tiny_card  # noqa: E402
 
 NAMES = ["meancache", "cubic", "blockdance"]
 # one grid point each that skips on this model (the grid is walked by the stage, not here)
-SKIPPING = {"meancache": dict(threshold=3.0, max_consecutive=2), "cubic": dict(threshold=0.5, max_consecutive=2),
+SKIPPING = {"meancache": dict(threshold=3.0, max_consecutive=2), "cubic": dict(threshold=2.0, max_consecutive=2),
             "blockdance": dict(threshold=2.0, interval=2)}
 
 
