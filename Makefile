@@ -18,7 +18,7 @@ LAB_ARGS    ?=
 # JupyterLab refuses to start as root unless told
 ROOT_ARGS   := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: install demo test test-fast chromium clean-outputs lab
+.PHONY: install demo test test-fast chromium clean clean-outputs lab
 
 $(BIN)/python:
 	@$(PYTHON) -c 'import sys; sys.exit(not ((3, 11) <= sys.version_info[:2] <= (3, 12)))' || \
@@ -53,6 +53,13 @@ test-fast: install
 # JupyterLab on this environment (the notebooks' kernel is this venv's python3, "Python 3 (ipykernel)")
 lab: install
 	$(BIN)/jupyter lab $(ROOT_ARGS) $(LAB_ARGS) notebooks/
+
+# build and cache folders only: never outputs/ (run folders) nor the virtual environment
+clean:
+	rm -rf build dist .pytest_cache
+	find . \( -path ./outputs -o -path ./$(VENV) -o -path ./.git \) -prune -o \
+	  -type d \( -name __pycache__ -o -name '*.egg-info' -o -name .pytest_cache -o -name .ipynb_checkpoints \) \
+	  -prune -exec rm -rf {} +
 
 clean-outputs:
 	find outputs -mindepth 1 -maxdepth 1 ! -name README.md -exec rm -rf {} +

@@ -30,6 +30,10 @@ class ModelFolderError(FileNotFoundError):
     """The model folder is missing or lacks a component the pipeline needs."""
 
 
+class DeviceUnavailableError(RuntimeError):
+    """The card's ``runtime.device`` asks for a device this machine does not have."""
+
+
 @dataclass
 class Placement:
     device: str
@@ -54,8 +58,14 @@ def choose_placement(card: ModelCard | None = None, device: str | None = None, d
     dt = dtype or (card.runtime.dtype if card is not None else "auto")
     if dev == "auto":
         dev = "cuda" if torch.cuda.is_available() else "cpu"
-    if dev.startswith("cuda") and not torch.cuda.is_available():
-        raise RuntimeError(f"runtime.device is {dev!r} but torch sees no CUDA device")
+    if dev.startswith("cuda"):  # asked for a GPU: run there or stop, never fall back to the CPU
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = int(dev.split(":", 1)[1]) if ":" in dev and dev.split(":", 1)[1].isdigit() else 0
+        if index >= count:
+            raise DeviceUnavailableError(
+                f"runtime.device is {dev!r} but torch sees {count} CUDA device(s) "
+                f"(torch {torch.__version__}, CUDA build {torch.version.cuda or 'none'}): run on a GPU machine, "
+                f"or set runtime.device to 'cpu' (or 'auto') in the card")
     if dt == "auto":
         dt = "bfloat16" if dev.startswith("cuda") else "float32"
     return Placement(dev, dt)

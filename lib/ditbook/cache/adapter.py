@@ -234,12 +234,14 @@ def import_adapter_module(source: str, path: str | Path | None = None, name: str
     mod_name = f"ditbook_generated_{name}_{digest}"
     if mod_name in sys.modules:
         return sys.modules[mod_name]
+    temp_dir = None
     if existing is not None:
         path = existing
     elif path is None:
         import tempfile
 
-        path = Path(tempfile.mkdtemp(prefix="ditbook_adapter_")) / f"{name}.py"
+        temp_dir = tempfile.mkdtemp(prefix="ditbook_adapter_")
+        path = Path(temp_dir) / f"{name}.py"
     path = Path(path)
     if existing is None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -247,7 +249,13 @@ def import_adapter_module(source: str, path: str | Path | None = None, name: str
     spec = importlib.util.spec_from_file_location(mod_name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[mod_name] = module
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        if temp_dir is not None:  # the file was only there to be imported: leave nothing behind
+            import shutil
+
+            shutil.rmtree(temp_dir, ignore_errors=True)
     return module
 
 

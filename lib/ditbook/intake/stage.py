@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from ..display import Table, image_grid, save_figure
 from .environment import environment_rows
+from .reference import reference_facts, write_reference
 from ..render import render_all, save_renders
 from ..context import StageContext
 
@@ -19,6 +20,7 @@ class IntakeResult:
     placement: dict
     grid: str
     pipeline_components: dict = field(default_factory=dict)
+    reference: dict = field(default_factory=dict)  # license, model card, pipeline defaults, baseline command
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -58,5 +60,8 @@ def run_intake(ctx: StageContext, progress=None) -> tuple[IntakeResult, object]:
         placement=ctx.placement.to_dict(), grid=str(grid.relative_to(ctx.dir)),
         pipeline_components=components(pipe),
     )
+    facts = reference_facts(ctx, pipe)
+    write_reference(ctx.dir, facts)
+    result.reference = facts.to_dict()
     ctx.write_results(result.to_dict())
     return result, pipe

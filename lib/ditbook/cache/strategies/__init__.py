@@ -26,5 +26,5 @@ def names() -> list[str]:
 
 
 def _load():
-    from . import (dbcache, dbcache_taylorseer, diffusers_fastercache, diffusers_fbc, diffusers_magcache,  # noqa: F401
-                   diffusers_pab, diffusers_taylorseer, scm, teacache_fitted)
+    from . import (blockdance, cubic, dbcache, dbcache_taylorseer, diffusers_fastercache, diffusers_fbc,  # noqa: F401
+                   diffusers_magcache, diffusers_pab, diffusers_taylorseer, meancache, scm, teacache_fitted)

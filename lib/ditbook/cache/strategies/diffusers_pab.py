@@ -1,12 +1,22 @@
 """diffusers Pyramid Attention Broadcast: inside a timestep window, attention outputs are
-reused for ``skip_range`` - 1 steps out of ``skip_range``."""
+reused for ``skip_range`` - 1 steps out of ``skip_range``.
+
+diffusers' ``apply_pyramid_attention_broadcast`` only looks at its own attention classes and
+finds them by name patterns; its docs invite custom layers to be hooked the same way. Here the
+attention modules are the ones the inspection finds in the blocks
+(``inspect.static.attention_modules``: modules with q/k/v or fused qkv projections, or
+``nn.MultiheadAttention``), of any class, and each gets diffusers' own
+``PyramidAttentionBroadcastHook`` through its ``HookRegistry`` — the same hook diffusers
+registers on its ``Attention``. Cross-attention modules (``is_cross_attention``) are left alone,
+as diffusers does for the spatial setting used here.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from .registry import Strategy, register
-from ._diffusers_hooks import finish_install, has_diffusers_attention, needs_top_level, timestep_callback
+from ._diffusers_hooks import finish_install, timestep_callback
 
 
 @dataclass
@@ -14,6 +24,24 @@ class PABSettings:
     skip_range: int = 2
     window_low: int = 100
     window_high: int = 800
+
+
+def attention_targets(blocks) -> list:
+    """The outermost attention modules inside ``blocks`` (the inspection's definition), self
+    attention only."""
+    from ...inspect.static import attention_modules
+
+    out = []
+    for block in blocks:
+        found = attention_modules(block)
+        names = [n for n, _ in found]
+        for name, module in found:
+            if any(name.startswith(other + ".") for other in names if other != name):
+                continue  # inside another attention module: the outer one is hooked
+            if getattr(module, "is_cross_attention", False):
+                continue
+            out.append(module)
+    return out
 
 
 @register
@@ -24,22 +52,23 @@ class DiffusersPAB(Strategy):
 
     @classmethod
     def applicable(cls, adapter):
-        return has_diffusers_attention(adapter) or needs_top_level(adapter)
+        if not attention_targets(adapter.original_blocks()):
+            return "the inspection finds no self-attention module (q/k/v projections) in the blocks"
+        return None
 
     @classmethod
     def apply(cls, pipe, adapter, config, steps=None):
-        from diffusers.hooks import PyramidAttentionBroadcastConfig, apply_pyramid_attention_broadcast
+        from diffusers.hooks import HookRegistry
         from diffusers.hooks import pyramid_attention_broadcast as pab
 
         adapter.patch()
         current, handle = timestep_callback(pipe, pipe.transformer)
-        names = tuple(p.path for p in adapter.info.block_lists)
-        cfg = PyramidAttentionBroadcastConfig(
-            spatial_attention_block_skip_range=config.skip_range,
-            spatial_attention_timestep_skip_range=(config.window_low, config.window_high),
-            spatial_attention_block_identifiers=names,
-            current_timestep_callback=current)
-        apply_pyramid_attention_broadcast(pipe.transformer, cfg)
+        # a registry on the transformer too: removal (and diffusers' cache contexts) recurse from there
+        HookRegistry.check_if_exists_or_initialize(pipe.transformer)
+        for module in attention_targets(adapter.original_blocks()):
+            hook = pab.PyramidAttentionBroadcastHook((config.window_low, config.window_high), config.skip_range,
+                                                     current)
+            HookRegistry.check_if_exists_or_initialize(module).register_hook(hook, pab._PYRAMID_ATTENTION_BROADCAST_HOOK)
         return finish_install(pipe, adapter, (pab._PYRAMID_ATTENTION_BROADCAST_HOOK,), handle)
 
     @classmethod

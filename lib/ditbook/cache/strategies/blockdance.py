@@ -1,0 +1,182 @@
+"""BlockDance: in the later, structure-settled steps, reuse the output of the first (shallow,
+structure-focused) blocks from the last fully computed step and compute only the blocks after
+them.
+
+BlockDance (Zhang et al., CVPR 2025) observes that the features of the shallow blocks become
+structurally similar between adjacent steps once the layout of the image has formed, while the
+deep blocks still refine detail. It alternates *cache steps* (every block runs, their outputs
+are kept) with up to ``interval`` *reuse steps* (the first ``depth`` blocks are not run: the
+output of block ``depth - 1`` is taken from the cache step, the rest run on it).
+
+``depth`` is calibrated on the model, per generation: on each cache step every block's output is
+compared with its output on the previous cache step (relative L1); the leading blocks whose
+change is below ``threshold`` times the median change measured so far in this generation are
+the settled ones. Early steps change a lot, so nothing is reused there; ``threshold = 0`` never
+reuses and reproduces the uncached output exactly. Only the first block list is used (the
+structure-focused blocks are the shallow ones), and its last block always runs. The blocks'
+``forward`` and the transformer's are wrapped per instance (``ditbook.hooks``).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+from ... import hooks
+from ..adapter import PATTERN_OUTPUT_INDEX
+from ._forecast import calls_per_step, rel_l1, timestep_reader
+from .registry import Strategy, register
+from .teacache_fitted import _split_inputs
+
+
+@dataclass
+class BlockDanceSettings:
+    threshold: float = 0.5  # a block is settled when its change is below this x the median change
+    interval: int = 1  # reuse steps after each cache step
+    warmup_steps: int = 2  # first calls (per CFG slot) always computed in full
+
+
+@dataclass
+class _Slot:
+    calls: int = 0
+    outputs: list = field(default_factory=list)  # per block: its output on the last cache step
+    changes: list = field(default_factory=list)  # every block change measured on cache steps
+    depth: int = 0
+    reuse_run: int = 0
+
+
+class BlockReuser:
+    def __init__(self, adapter, config: BlockDanceSettings, slots: int):
+        self.config = config
+        self.slots = max(1, slots)
+        self.state = [_Slot() for _ in range(self.slots)]
+        self.call = -1
+        self.last_t = None
+        self.mode = "cache"
+        self.depth = 0
+        self.reused_calls = 0
+        self.depths: list[int] = []
+        transformer = adapter.pipe.transformer
+        self.read_t = timestep_reader(transformer)
+        _, blocks, pattern = adapter.block_lists()[0]
+        self.n = len(blocks)
+        self.hs_i, self.ehs_i = PATTERN_OUTPUT_INDEX[pattern]
+        self.handles = [hooks.wrap_method(transformer, "ditbook-blockdance", self._on_call)]
+        for bi, block in enumerate(blocks):
+            self.handles.append(hooks.wrap_method(block, "ditbook-blockdance", self._block(bi)))
+
+    def _hidden(self, out):
+        return out if self.ehs_i is None else out[self.hs_i]
+
+    def _pack(self, h, e):
+        if self.ehs_i is None:
+            return h
+        out = [None, None]
+        out[self.hs_i], out[self.ehs_i] = h, e
+        return tuple(out)
+
+    def _on_call(self, original, *args, **kwargs):
+        t = self.read_t(args, kwargs)
+        if t is not None and self.last_t is not None and t > self.last_t + 1e-9 and self.call % self.slots == self.slots - 1:
+            self.state = [_Slot() for _ in range(self.slots)]
+            self.call = -1
+        self.last_t = t
+        self.call += 1
+        st = self.state[self.call % self.slots]
+        st.calls += 1
+        cfg = self.config
+        if (cfg.threshold > 0 and st.calls > cfg.warmup_steps and st.depth > 0 and st.outputs
+                and st.reuse_run < cfg.interval):
+            self.mode, self.depth = "reuse", st.depth
+            st.reuse_run += 1
+            self.reused_calls += 1
+        else:
+            self.mode, self.depth = "cache", 0
+            st.reuse_run = 0
+        self._fresh = []
+        return original(*args, **kwargs)
+
+    def _block(self, bi):
+        def forward(original, *args, **kwargs):
+            st = self.state[self.call % self.slots]
+            if self.mode == "reuse" and bi < self.depth:
+                if bi < self.depth - 1:
+                    return self._pack(*_split_inputs(args, kwargs))  # not run: replaced below
+                return st.outputs[bi]
+            out = original(*args, **kwargs)
+            if self.mode == "cache":
+                self._fresh.append(out)
+                if bi == self.n - 1:
+                    self._end_cache_step(st)
+            return out
+
+        return forward
+
+    def _end_cache_step(self, st: _Slot):
+        fresh = self._fresh
+        if len(fresh) != self.n:
+            st.outputs, st.depth = fresh, 0
+            return
+        now = [self._hidden(o).detach().float() for o in fresh]
+        if st.outputs and all(self._hidden(o).shape == h.shape for o, h in zip(st.outputs, now)):
+            change = [rel_l1(h, self._hidden(o).float()) for h, o in zip(now, st.outputs)]
+            st.changes += change
+            limit = self.config.threshold * statistics.median(st.changes)
+            depth = 0
+            while depth < self.n - 1 and change[depth] < limit:
+                depth += 1
+            st.depth = depth
+        else:
+            st.depth = 0
+        st.outputs = list(fresh)
+        self.depths.append(st.depth)
+
+    def remove(self):
+        for h in reversed(self.handles):
+            h.remove()
+        self.handles = []
+
+
+@register
+class BlockDance(Strategy):
+    name = "blockdance"
+    family = "BlockDance (shallow-block reuse, ditbook hooks)"
+    Config = BlockDanceSettings
+
+    @classmethod
+    def applicable(cls, adapter):
+        lists = adapter.info.block_lists
+        if not lists:
+            return "no block lists"
+        if lists[0].length < 2:
+            return "the first block list has one block: nothing before the last block to reuse"
+        return None
+
+    @classmethod
+    def apply(cls, pipe, adapter, config, steps=None):
+        adapter.patch()
+        try:
+            reuser = BlockReuser(adapter, config, calls_per_step(adapter))
+        except Exception:
+            adapter.unpatch()
+            raise
+
+        def undo():
+            reuser.remove()
+            adapter.unpatch()
+
+        undo.reuser = reuser
+        return undo
+
+    @classmethod
+    def grid(cls, adapter, steps):
+        # most promising first, so a max_configs budget keeps a spread of thresholds and intervals
+        return [BlockDanceSettings(threshold=t, interval=k, warmup_steps=2)
+                for t, k in ((1.0, 1), (2.0, 1), (2.0, 2), (4.0, 1), (1.0, 2), (4.0, 2), (0.5, 1), (0.5, 2))]
+
+    @classmethod
+    def disabled(cls, adapter, steps):
+        return BlockDanceSettings(threshold=0.0)
+
+
+__all__ = ["BlockDance", "BlockDanceSettings", "BlockReuser"]

@@ -1,0 +1,530 @@
+"""Code a cache-dit maintainer can merge: for the model of a cache stage, three plain files under
+``cache/upstream/`` of the run folder, in the layouts cache-dit 1.5 uses for its own models.
+
+- ``<model>_adapter.py`` — like ``cache_dit/caching/block_adapters/adapters.py``: a registration
+  function decorated with ``BlockAdapterRegister.register("<PipelineClass>")`` that returns the
+  ``BlockAdapter`` (block lists, forward patterns, separate-CFG flag), and, when the inspection
+  found loop work that cache-dit's cached blocks would skip, the patch functor as a
+  ``PatchFunctor`` class (like ``cache_dit/caching/patch_functors/functor_*.py``) whose loop-body
+  modules and folded forward are ordinary ``def``s — no ``exec``, no source strings, no generated
+  module names; the names the model's code uses are imported from the model's own module.
+- ``<model>_cp_planner.py`` — like ``cache_dit/distributed/transformers/<model>.py``: a
+  ``ContextParallelismPlanner`` subclass whose ``_apply`` returns the context-parallel plan with
+  cache-dit's ``_ContextParallelInput`` / ``_ContextParallelOutput``, and ``register_cp_planner()``
+  (cache-dit's registry refuses a name twice, so registering is a call, not an import effect).
+- ``<model>_example.py`` — like cache-dit's examples: load the pipeline, enable the cache with the
+  configuration the stage chose (or the best passing cache-dit one), render, save.
+
+They need diffusers, cache-dit and the model's own code, never ditbook. ``write_upstream`` reads
+the stage's ``AdapterInfo`` and ``CPPlan`` objects; the folded loop is written from the same loop
+analysis (``loopfold``) as the adapter the stage ran.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import json
+import re
+import sys
+import textwrap
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .. import hooks
+from .adapter import AdapterInfo
+
+
+@dataclass
+class UpstreamFiles:
+    folder: str
+    adapter_module: str
+    example: str
+    cp_planner: str | None = None
+    cp_plan_source: str | None = None
+    cp_planner_reason: str | None = None
+    example_strategy: dict = field(default_factory=dict)
+    notes: list = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def safe_name(text: str) -> str:
+    name = re.sub(r"[^A-Za-z0-9_]+", "_", text).strip("_").lower()
+    return name if name and not name[0].isdigit() else f"m_{name}"
+
+
+def _snake(cls_name: str) -> str:
+    base = cls_name[: -len("Pipeline")] if cls_name.endswith("Pipeline") and cls_name != "Pipeline" else cls_name
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", base).lower()
+
+
+def importable_module(cls) -> tuple[str, str | None]:
+    """The name a plain interpreter imports ``cls``'s module by, and the folder that must be on
+    ``sys.path`` for it (None when the module is importable by its own name, e.g. diffusers')."""
+    name = cls.__module__
+    file = getattr(sys.modules.get(name), "__file__", None)
+    if file is None:
+        return name, None
+    stem = Path(file).with_suffix("").as_posix()
+    if stem.endswith("/" + name.replace(".", "/")) or stem.endswith("/" + name.replace(".", "/") + "/__init__"):
+        return name, None
+    return Path(file).stem, str(Path(file).parent)  # loaded from a file under another name
+
+
+# --------------------------------------------------------------------------------------------
+# the adapter module
+
+
+def _free_names(source: str) -> list[str]:
+    """Names a function reads that it neither binds nor gets from builtins."""
+    tree = ast.parse(source)
+    bound, loaded = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.Lambda, ast.AsyncFunctionDef)):
+            a = node.args
+            for arg in a.posonlyargs + a.args + a.kwonlyargs + [x for x in (a.vararg, a.kwarg) if x]:
+                bound.add(arg.arg)
+        elif isinstance(node, ast.Name):
+            if isinstance(node.ctx, (ast.Store, ast.Del)):
+                bound.add(node.id)
+            elif node.id not in loaded:
+                loaded.append(node.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                bound.add((alias.asname or alias.name).split(".")[0])
+        elif isinstance(node, ast.comprehension):
+            for n in ast.walk(node.target):
+                if isinstance(n, ast.Name):
+                    bound.add(n.id)
+    return [n for n in loaded if n not in bound and not hasattr(builtins, n)]
+
+
+def _rename_def(source: str, new: str) -> str:
+    return re.sub(r"^def \w+\(", f"def {new}(", source, count=1)
+
+
+def adapter_module_source(pipe, info: AdapterInfo) -> str:
+    """The text of ``<model>_adapter.py`` (see the module docstring)."""
+    from .loopfold import _body_function_source, _rewritten_forward_source, plan_fold
+
+    tcls = type(pipe.transformer)
+    folded = [p for p in info.block_lists if p.folded]
+    folds = [plan_fold(tcls, p.path) for p in folded]
+    fn_name = f"{_snake(info.pipeline_class)}_adapter"
+    functor = f"{tcls.__name__}PatchFunctor" if folds else None
+    header = [
+        f'"""cache-dit adapter for {info.transformer_class} ({info.pipeline_class}).',
+        "",
+        f"Written by ditbook from the inspection of model {info.model!r}, in the layout of cache-dit's own",
+        "adapters (caching/block_adapters/adapters.py) and patch functors (caching/patch_functors/).",
+        "",
+        f"    from {safe_name(info.model)}_adapter import {fn_name}",
+        f"    cache_dit.enable_cache({fn_name}(pipe), cache_config=cache_dit.DBCacheConfig(...))",
+        "",
+        "Block lists and forward patterns: "
+        + ", ".join(f"{p.path} ({p.pattern}{', folded' if p.folded else ''})" for p in info.block_lists) + ".",
+    ]
+    if functor:
+        header += ["", f"{functor} folds the per-block work of the transformer's loop into its blocks, because:"]
+        header += [f"- {r}" for r in (info.functor_reasons or ["forced"])]
+    header += ['"""', "", "import types" if functor else None, "", "import torch" if functor else None,
+               "from cache_dit import BlockAdapter, BlockAdapterRegister, ForwardPattern"
+               + (", PatchFunctor" if functor else "")]
+    lines = [h for h in header if h is not None]
+    body: list[str] = []
+    if functor:
+        mod_name, folder = importable_module(tcls)
+        pieces, body_classes = [], {}
+        for p, fold in zip(folded, folds):
+            name = f"_{safe_name(p.path)}_loop_body"
+            pieces.append((p, fold, name, _rename_def(_body_function_source(fold), name)))
+        forward_src = _rename_def(_rewritten_forward_source(tcls, folds), "_folded_forward")
+        model_globals = vars(sys.modules[tcls.__module__])
+        wanted, missing = [], []
+        for src in [forward_src] + [s for *_, s in pieces]:
+            for n in _free_names(src):
+                if n in ("torch", "types") or n in wanted:
+                    continue
+                (wanted if n in model_globals else missing).append(n)
+        if folder:
+            lines.append(f"# {tcls.__name__} is third-party code: put {folder} on sys.path (PYTHONPATH)")
+        if wanted:
+            lines.append(f"from {mod_name} import {', '.join(sorted(wanted))}  # names the model's loop uses")
+        if missing:
+            lines.append(f"# not found in {mod_name}: {', '.join(missing)}")
+        for p, fold, name, src in pieces:
+            cname = f"{tcls.__name__}{''.join(s.capitalize() for s in re.split(r'[._]', p.path))}LoopBody"
+            p_cls = cname
+            two = len(fold.carried) == 2
+            body += ["", "", src.rstrip(), "", "",
+                     f"class {p_cls}(torch.nn.Module):",
+                     f'    """Block i of ``{p.path}`` with the loop\'s work for it; returns '
+                     f'{"(hidden_states, encoder_hidden_states)" if two else "hidden_states"} ({fold.pattern})."""',
+                     "",
+                     "    def __init__(self, block, index, owner):",
+                     "        super().__init__()",
+                     "        self.inner = block  # not named 'block': cache-dit inspects that name",
+                     "        self.index = index",
+                     '        object.__setattr__(self, "_owner", owner)  # not a submodule: no cycle',
+                     "",
+                     f"    def forward(self, hidden_states{', encoder_hidden_states=None' if two else ''}, **loop_inputs):",
+                     f"        return {name}(self._owner, self.index, self.inner, hidden_states"
+                     f"{', encoder_hidden_states' if two else ''}, **loop_inputs)"]
+            body_classes[p.path] = p_cls
+        folded_map = ", ".join(f"{path!r}: {c}" for path, c in body_classes.items())
+        body += ["", "", forward_src.rstrip(), "", "",
+                 f"FOLDED = {{{folded_map}}}  # block list -> loop-body class", "", "",
+                 "def _get(obj, path):",
+                 '    for part in path.split("."):',
+                 "        obj = getattr(obj, part)",
+                 "    return obj", "", "",
+                 f"class {functor}(PatchFunctor):",
+                 f'    """Folds the per-block loop work of {tcls.__name__}.forward into its blocks, per instance."""',
+                 "",
+                 "    @classmethod",
+                 "    def is_from_diffusers(cls, transformer):",
+                 "        return True  # written for this transformer class",
+                 "",
+                 "    def _apply(self, transformer, **kwargs):",
+                 "        for path, body_cls in FOLDED.items():",
+                 "            blocks = _get(transformer, path)",
+                 "            for i in range(len(blocks)):",
+                 "                blocks[i] = body_cls(blocks[i], i, transformer)",
+                 "        transformer.forward = types.MethodType(_folded_forward, transformer)",
+                 "        transformer._is_patched = True",
+                 "        return transformer", "", "",
+                 "def unpatch(transformer):",
+                 f'    """Undo {functor} on one transformer instance."""',
+                 '    if not getattr(transformer, "_is_patched", False):',
+                 "        return transformer",
+                 "    for path in FOLDED:",
+                 "        blocks = _get(transformer, path)",
+                 "        for i in range(len(blocks)):",
+                 "            blocks[i] = blocks[i].inner",
+                 '    transformer.__dict__.pop("forward", None)',
+                 "    del transformer._is_patched",
+                 "    return transformer"]
+    blocks = ", ".join(f"pipe.transformer.{p.path}" for p in info.block_lists)
+    patterns = ", ".join(f"ForwardPattern.{p.pattern}" for p in info.block_lists)
+    body += ["", "",
+             f"@BlockAdapterRegister.register({info.pipeline_class!r})",
+             f"def {fn_name}(pipe, **kwargs) -> BlockAdapter:",
+             f'    """{info.pipeline_class}: {len(info.block_lists)} block list(s) of {info.transformer_class}."""',
+             "    return BlockAdapter(",
+             "        pipe=pipe,",
+             "        transformer=pipe.transformer,",
+             f"        blocks=[{blocks}],",
+             f"        forward_pattern=[{patterns}],",
+             f"        patch_functor={functor + '()' if functor else 'None'},",
+             f"        has_separate_cfg={info.has_separate_cfg!r},",
+             "        check_forward_pattern=True,",
+             "        **kwargs,",
+             "    )", ""]
+    return "\n".join(lines + body)
+
+
+# --------------------------------------------------------------------------------------------
+# the CP planner
+
+
+def _cp_code(v) -> str:
+    kind = type(v).__name__
+    if kind.endswith("ContextParallelInput"):
+        return (f"_ContextParallelInput(split_dim={v.split_dim}, expected_dims={v.expected_dims}, "
+                f"split_output={v.split_output})")
+    if kind.endswith("ContextParallelOutput"):
+        return f"_ContextParallelOutput(gather_dim={v.gather_dim}, expected_dims={v.expected_dims})"
+    if v is None:
+        return "None"
+    if isinstance(v, dict):
+        inner = ",\n".join(f"{k!r}: {_cp_code(x)}" for k, x in v.items())
+        return "{\n" + textwrap.indent(inner, "    ") + ",\n}"
+    if isinstance(v, (list, tuple)):
+        items = ", ".join(_cp_code(x) for x in v)
+        return f"[{items}]" if isinstance(v, list) else f"({items},)"
+    raise TypeError(f"cannot write {type(v).__name__} in a CP plan")
+
+
+def cp_planner_source(plan: dict, source: str, notes: list, transformer_class: str, model: str) -> str:
+    cls_name = f"{transformer_class}ContextParallelismPlanner"
+    lines = [
+        f'"""Context-parallel planner for {transformer_class}, in the layout of cache-dit\'s planners',
+        "(cache_dit/distributed/transformers/<model>.py). Written by ditbook for model "
+        f"{model!r}; plan source: {source}.",
+        *([""] + [f"- {n}" for n in notes] if notes else []),
+        "",
+        "    from " + f"{safe_name(model)}_cp_planner import register_cp_planner",
+        "    register_cp_planner()  # then: cache_dit.enable_cache(pipe, ..., parallelism_config=ParallelismConfig(ulysses_size=N))",
+        '"""',
+        "",
+        "from cache_dit.distributed.core import _ContextParallelInput, _ContextParallelModelPlan, _ContextParallelOutput",
+        "from cache_dit.distributed.transformers.register import ContextParallelismPlanner, ContextParallelismPlannerRegister",
+        "",
+        "",
+        f"class {cls_name}(ContextParallelismPlanner):",
+        "",
+        "    def _apply(self, transformer=None, parallelism_config=None, **kwargs) -> _ContextParallelModelPlan:",
+        "        _cp_plan = " + textwrap.indent(_cp_code(plan), "        ").lstrip(),
+        "        return _cp_plan",
+        "",
+        "",
+        "def register_cp_planner():",
+        f'    """Register {cls_name} under {transformer_class!r} (once: cache-dit refuses a name twice)."""',
+        "    _, names = ContextParallelismPlannerRegister.supported_planners()",
+        f"    if {transformer_class!r} not in names:",
+        f"        ContextParallelismPlannerRegister.register({transformer_class!r})({cls_name})",
+        f"    return {cls_name}",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# the example
+
+
+def cache_dit_call(session, name: str, config: dict) -> dict | None:
+    """The ``cache_dit.enable_cache`` keyword arguments a strategy configuration really passes
+    (recorded by applying it once and undoing it; nothing is rendered), or None when the
+    strategy does not go through cache-dit."""
+    import cache_dit
+
+    from . import strategies
+
+    strat = strategies.get(name)
+    box: dict = {}
+
+    def record(original, *args, **kwargs):
+        box.update(kwargs)
+        return original(*args, **kwargs)
+
+    handle = hooks.wrap_method(cache_dit, "ditbook-upstream-record", record, attr="enable_cache")
+    try:
+        undo = strat.apply(session.pipe, session.adapter, strat.config(**config), steps=session.card.generation.steps)
+        undo()
+    finally:
+        handle.remove()
+    return box or None
+
+
+def example_strategy(session) -> dict:
+    """The configuration the example runs: the chosen one when it goes through cache-dit, else
+    the held-out-confirmed (then calibration-passing) cache-dit configuration that skips most."""
+    chosen = session.chosen
+    if chosen:
+        call = cache_dit_call(session, chosen["name"], chosen["config"])
+        if call:
+            return {"name": chosen["name"], "config": chosen["config"], "why": "the configuration the stage chose",
+                    "call": call}
+    for split in ("holdout", "calibration"):
+        rows = sorted([r for r in session.results if r.split == split and r.passed],
+                      key=lambda r: (-r.skipped_fraction, -r.quality["psnr_min"]))
+        for r in rows:
+            call = cache_dit_call(session, r.name, r.config)
+            if call:
+                why = (f"best passing cache-dit configuration ({split})"
+                       + (f"; the stage chose {chosen['name']}, which is not a cache-dit strategy" if chosen else ""))
+                return {"name": r.name, "config": r.config, "why": why, "call": call}
+    call = cache_dit_call(session, "dbcache", {})
+    return {"name": "dbcache", "config": {}, "why": "no cache-dit configuration passed: ditbook's DBCache defaults",
+            "call": call}
+
+
+def _config_expr(obj) -> str:
+    """``cache_dit.<Config>(field=value, ...)`` with the fields that differ from its defaults."""
+    import dataclasses
+
+    import cache_dit
+
+    cls = type(obj)
+    if getattr(cache_dit, cls.__name__, None) is not cls:
+        raise ValueError(f"{cls.__name__} is not exported by cache_dit")
+    default = cls()
+    kw = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.init
+          and getattr(obj, f.name) != getattr(default, f.name)}
+    text = repr(kw)
+    ast.literal_eval(text)  # only literals are written
+    return f"cache_dit.{cls.__name__}(**{text})"
+
+
+def _enable_lines(call: dict, adapter_expr: str) -> list[str]:
+    args = [adapter_expr]
+    for key in ("cache_config", "calibrator_config"):
+        value = call.get(key)
+        args.append(f"{key}={_config_expr(value) if value is not None else 'None'}")
+    return [f"        cache_dit.enable_cache({', '.join(args)})"]
+
+
+def _findable(module: str) -> bool:
+    """Whether a fresh interpreter finds ``module`` on its path (modules only in this process's
+    ``sys.modules``, e.g. loaded from a file under another name, are not)."""
+    import importlib.machinery
+
+    return importlib.machinery.PathFinder.find_spec(module.split(".")[0]) is not None
+
+
+def _unfindable_components(pipe, card) -> list[tuple[str, type]]:
+    """Components whose library, as ``model_index.json`` records it, a fresh interpreter cannot
+    import: the example loads those (and so every component) explicitly."""
+    index_file = Path(card.path) / "model_index.json"
+    index = json.loads(index_file.read_text()) if index_file.is_file() else {}
+    out = []
+    for name, value in index.items():
+        if name.startswith("_") or not isinstance(value, list) or value[0] is None:
+            continue
+        if not _findable(value[0]) and getattr(pipe, name, None) is not None:
+            out.append((name, type(getattr(pipe, name))))
+    return out
+
+
+def _components(pipe) -> list[tuple[str, type]]:
+    return [(n, type(c)) for n, c in getattr(pipe, "components", {}).items() if c is not None]
+
+
+def _class_imports(pipe, card, pcls, tcls) -> list[str]:
+    classes = [pcls, tcls] + ([c for _, c in _components(pipe)] if _unfindable_components(pipe, card) else [])
+    lines = []
+    for cls in dict.fromkeys(classes):
+        mod, _ = importable_module(cls)
+        line = f"from {mod} import {cls.__name__}  # noqa: E402"
+        if line not in lines:
+            lines.append(line)
+    return lines
+
+
+def _load_lines(pipe, card, pcls, tcls, sub) -> list[str]:
+    import torch
+
+    load_t = f"    transformer = {tcls.__name__}.from_pretrained(args.model_path, subfolder={sub!r}, torch_dtype=dtype)"
+    bad = _unfindable_components(pipe, card)
+    if not bad:
+        return [load_t, f"    pipe = {pcls.__name__}.from_pretrained(args.model_path, transformer=transformer, "
+                        "torch_dtype=dtype)"]
+    lines = [f"    # model_index.json names {', '.join(sorted({n for n, _ in bad}))}'s library as a module only "
+             "the process that saved it had:", "    # every component is loaded from its own subfolder instead",
+             load_t]
+    names = []
+    for name, cls in _components(pipe):
+        names.append(name)
+        if name == "transformer":
+            continue
+        dt = ", torch_dtype=dtype" if issubclass(cls, torch.nn.Module) else ""
+        lines.append(f"    {name} = {cls.__name__}.from_pretrained(args.model_path, subfolder={name!r}{dt})")
+    lines.append(f"    pipe = {pcls.__name__}({', '.join(f'{n}={n}' for n in names)})")
+    return lines
+
+
+def example_source(session, info: AdapterInfo, strategy: dict) -> str:
+    from ..render import call_kwargs
+
+    card, pipe = session.card, session.pipe
+    pcls, tcls = type(pipe), type(pipe.transformer)
+    _, p_dir = importable_module(pcls)
+    _, t_dir = importable_module(tcls)
+    adapter_mod = f"{safe_name(info.model)}_adapter"
+    fn_name = f"{_snake(info.pipeline_class)}_adapter"
+    folders = sorted({d for d in (p_dir, t_dir) if d})
+    kwargs = {k: v for k, v in call_kwargs(pipe, card).items()}
+    sub = card.transformer.subfolder or "transformer"
+    uses_registered = info.used == "cache-dit"
+    adapter_expr = "pipe" if uses_registered else f"{fn_name}(pipe)"
+    lines = [
+        f'"""{info.pipeline_class} with cache-dit: {strategy["name"]} {json.dumps(strategy["config"])}.',
+        "",
+        f"Written by ditbook for model {info.model!r} ({strategy['why']}); in the style of cache-dit's examples.",
+        f"    python {safe_name(info.model)}_example.py --model-path PATH --out OUT [--no-cache]",
+        "Renders every prompt x seed of the model card and saves each image as OUT/p<prompt>_s<seed>.npy.",
+        '"""',
+        "",
+        "import argparse",
+        "import os",
+        "import sys",
+        "",
+        "import numpy as np",
+        "import torch",
+        "",
+        "import cache_dit",
+        "",
+        "HERE = os.path.dirname(os.path.abspath(__file__))",
+        "sys.path.insert(0, HERE)",
+        *[f"sys.path.insert(0, {d!r})  # the model's own code" for d in folders],
+        "",
+        f"from {adapter_mod} import {fn_name}  # noqa: E402  (registers the adapter with cache-dit)",
+        *_class_imports(pipe, card, pcls, tcls),
+        "",
+        f"PROMPTS = {list(card.generation.prompts)!r}",
+        f"SEEDS = {list(card.generation.seeds)!r}",
+        f"CALL_KWARGS = {kwargs!r}",
+        "",
+        "",
+        "def main():",
+        "    parser = argparse.ArgumentParser()",
+        f"    parser.add_argument('--model-path', default={str(card.path)!r})",
+        "    parser.add_argument('--out', default='outputs')",
+        f"    parser.add_argument('--device', default={session.ctx.placement.device!r})",
+        f"    parser.add_argument('--dtype', default={session.ctx.placement.dtype!r})",
+        "    parser.add_argument('--no-cache', action='store_true')",
+        "    args = parser.parse_args()",
+        "    dtype = getattr(torch, args.dtype)",
+        *_load_lines(pipe, card, pcls, tcls, sub),
+        "    pipe.to(args.device)",
+        "    pipe.set_progress_bar_config(disable=True)",
+        "    if not args.no_cache:",
+        *_enable_lines(strategy["call"], adapter_expr),
+        "    os.makedirs(args.out, exist_ok=True)",
+        "    for i, prompt in enumerate(PROMPTS):",
+        "        for seed in SEEDS:",
+        "            out = pipe(prompt=prompt, generator=torch.Generator('cpu').manual_seed(seed), **CALL_KWARGS)",
+        "            image = np.asarray(out.images[0], dtype=np.float32)",
+        "            np.save(os.path.join(args.out, f'p{i}_s{seed}.npy'), image)",
+        "    if not args.no_cache:",
+        "        cache_dit.summary(pipe)",
+        "        cache_dit.disable_cache(pipe)",
+        "",
+        "",
+        'if __name__ == "__main__":',
+        "    main()",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def write_upstream(session, folder: str | Path | None = None) -> UpstreamFiles:
+    """Write the three files for the session's model under ``cache/upstream/`` (or ``folder``)."""
+    from copy import deepcopy
+
+    from ..parallel.cp_plan import PlanDerivationError, capture_transformer_call, resolve_cp_plan
+
+    info = deepcopy(session.adapter.info)
+    folder = Path(folder) if folder else session.ctx.dir / "upstream"
+    folder.mkdir(parents=True, exist_ok=True)
+    base = safe_name(info.model)
+    adapter_path = folder / f"{base}_adapter.py"
+    adapter_path.write_text(adapter_module_source(session.pipe, info))
+    out = UpstreamFiles(folder=str(folder), adapter_module=adapter_path.name, example="")
+    try:
+        cp = resolve_cp_plan(session.pipe.transformer,
+                             capture=lambda: capture_transformer_call(session.pipe, session.card))
+        planner = folder / f"{base}_cp_planner.py"
+        planner.write_text(cp_planner_source(cp.plan, cp.source, cp.notes, info.transformer_class, info.model))
+        out.cp_planner, out.cp_plan_source = planner.name, cp.source
+    except (PlanDerivationError, TypeError) as exc:
+        out.cp_planner_reason = f"{type(exc).__name__}: {exc}"
+    strategy = example_strategy(session)
+    example = folder / f"{base}_example.py"
+    example.write_text(example_source(session, info, strategy))
+    out.example, out.example_strategy = example.name, {k: v for k, v in strategy.items() if k != "call"}
+    if info.used == "cache-dit":
+        out.notes.append(f"cache-dit has its own registration for {info.pipeline_class} "
+                         f"({info.cache_dit_registered}); the example uses it, as the stage did")
+    (folder / "upstream.json").write_text(json.dumps(out.to_dict(), indent=2))
+    return out
+
+
+__all__ = ["UpstreamFiles", "write_upstream", "adapter_module_source", "cp_planner_source", "example_source",
+           "importable_module", "cache_dit_call"]
