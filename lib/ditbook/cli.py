@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import traceback
 from pathlib import Path
@@ -166,6 +167,11 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             traceback.print_exc()
         print(f"ditbook: {exc}", file=sys.stderr)
+        return 2
+    except json.JSONDecodeError as exc:  # a JSON file read outside RunFolder (a plan, a report input)
+        if debug:
+            traceback.print_exc()
+        print(f"ditbook {args.command}: unreadable JSON ({exc}); a file may be truncated", file=sys.stderr)
         return 2
     except OSError as exc:  # outputs folder read-only or a file, a model folder missing a part, ...
         if debug:
