@@ -117,6 +117,7 @@ def torchrun_command(card: str | Path, plans: list[str], nproc: int, out_dir: Pa
 
 
 _BLOCK_RE = re.compile(r"^\s*rank\s*:\s*(\d+)(?:\s*\(local_rank:\s*(\d+)\))?[^\n]*\n\s*exitcode\s*:\s*(-?\d+)", re.M)
+_TQDM_RE = re.compile(r"\d+%\|")  # progress bars say nothing about a failure
 _PREFIX_RE = re.compile(r"^\[[A-Za-z_]*(\d+)\]:(.*)$")  # torchrun --tee: "[default1]:text"
 
 
@@ -127,8 +128,9 @@ def _rank_lines(log: str, local_rank: int | None, last: int = 6) -> list[str]:
     lines = []
     for line in log.splitlines():
         m = _PREFIX_RE.match(line)
-        if m and int(m.group(1)) == local_rank and m.group(2).strip():
-            lines.append(m.group(2).rstrip())
+        text = m.group(2).rstrip() if m else ""
+        if m and int(m.group(1)) == local_rank and text.strip() and not _TQDM_RE.search(text):
+            lines.append(text)
     return lines[-last:]
 
 
@@ -158,7 +160,7 @@ def _failure_message(log: str, rc: int | None) -> str:
         code, local = blocks[r]
         head = f"rank {r} ended (killed by signal {-code})" if code < 0 else f"rank {r} failed (exit code {code})"
         said = list(dict.fromkeys(text for text, who in worker_lines if who == r))
-        tail = [ln for ln in _rank_lines(log, local) if ln not in said]
+        tail = [ln for ln in _rank_lines(log, local) if not any(t in ln for t in said)]
         parts.append(head + ("".join(f"\n    {t}" for t in said)) + ("".join(f"\n    | {t}" for t in tail)))
     if not blocks:  # no torchrun summary: the worker's own lines, or the exit code
         said = list(dict.fromkeys(text for text, _ in worker_lines))
