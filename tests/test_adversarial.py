@@ -387,20 +387,23 @@ def test_model_folder_wrong_transformer_subfolder(tmp_path, capsys, zoo):
 # runs: never overwritten, never raced, never outside the outputs folder
 
 
-@pytest.mark.parametrize("run_id", [".", "..", "../escape", "/tmp/abs", "a/b", ""])
+@pytest.mark.parametrize("run_id", [".", "..", "../escape", "ABSOLUTE", "a/b", ""])
 def test_run_id_must_be_one_safe_component(tmp_path, capsys, run_id):
+    run_id = str(tmp_path / "abs") if run_id == "ABSOLUTE" else run_id
     code, _, err = cli(capsys, "run", synthetic_card(tmp_path), "--run-id", run_id, "--stages", "intake")
     assert code == 2 and "run id" in err
     assert not (tmp_path / "outputs" / "synthetic").exists() or not any((tmp_path / "outputs" / "synthetic").iterdir())
-    assert not (tmp_path / "escape").exists() and not Path("/tmp/abs").exists()
+    assert not (tmp_path / "escape").exists() and not (tmp_path / "abs").exists()
 
 
-@pytest.mark.parametrize("name", ["../../x", "/tmp/ditbook-abs-name", "a/b", "."])
+@pytest.mark.parametrize("name", ["../../x", "ABSOLUTE", "a/b", "."])
 def test_model_name_must_be_one_safe_component(tmp_path, capsys, name):
+    absolute = tmp_path / "elsewhere" / "abs-name"  # old code wrote its run folder here
+    name = str(absolute) if name == "ABSOLUTE" else name
     card = synthetic_card(tmp_path, lambda d: d.update(name=name))
     code, _, err = cli(capsys, "run", card, "--stages", "intake")
     assert code == 2 and "model name" in err
-    assert not (tmp_path.parent / "x").exists() and not Path("/tmp/ditbook-abs-name").exists()
+    assert not (tmp_path.parent / "x").exists() and not absolute.exists()
 
 
 def test_run_id_taken_is_refused_and_kept(tmp_path, capsys):
