@@ -101,7 +101,9 @@ def test_overrides_and_hash(tmp_path, good_card_text):
 
 
 def test_check_command_exit_codes(tmp_path, good_card_text, capsys):
-    assert main(["check", str(_card(tmp_path, good_card_text))]) == 0
+    # the card is complete but its model folder is empty: check reads the folder too (issue 18)
+    assert main(["check", str(_card(tmp_path, good_card_text))]) == 2
+    assert "model_index.json" in capsys.readouterr().err
     bad = _card(tmp_path, good_card_text.replace("  class: FluxTransformer2DModel\n", ""), "bad.yaml")
     assert main(["check", str(bad)]) != 0
     assert "transformer.class" in capsys.readouterr().err

@@ -320,7 +320,9 @@ def gate_problems(path: str | Path, overrides: dict[str, Any] | None = None) -> 
             problems.append(f"{key}.source: module {spec.source!r} cannot be imported ({exc})")
         except ImportError as exc:
             problems.append(f"{key}.class: {exc}")
-        except Exception as exc:  # the user's file raised while importing
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # the user's file raised, or called sys.exit(), while importing
             problems.append(f"{key}.source: importing {source} raised {type(exc).__name__}: {exc}")
 
     if not card.generation.prompts and not any(k == "generation.prompts" for k, _ in schema):
@@ -353,6 +355,13 @@ def set_card_field(path: str | Path, key: str, value: Any) -> None:
         text = pattern.sub(line, text)
     else:
         text = text.rstrip("\n") + "\n" + line + "\n"
+    before = yaml.safe_load(path.read_text()) or {}
+    try:
+        after = yaml.safe_load(text)
+    except yaml.YAMLError:
+        after = None
+    if after != {**before, key: value}:  # e.g. a card in flow style: re-dump the mapping instead
+        text = yaml.safe_dump({**before, key: value}, sort_keys=False, allow_unicode=True)
     path.write_text(text)
 
 

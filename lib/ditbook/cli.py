@@ -7,10 +7,13 @@ import argparse
 import json
 import os
 import sys
+import traceback
 from pathlib import Path
 
+import yaml
 
 from .card import CardError, GateError, gate_problems, parse_overrides
+from .processes import Interrupted, signals_end_children
 from .runs import RunError
 
 from .benchmark import commands as benchmark_commands
@@ -25,6 +28,10 @@ COMMAND_MODULES = (zoo_commands, inspect_commands, cache_commands, parallel_comm
 
 def cmd_check(args) -> int:
     card, problems = gate_problems(args.card, parse_overrides(args.param))
+    if not problems:  # the card is complete: now what the stages will read from the model folder
+        from .loading import model_folder_problems
+
+        problems = model_folder_problems(card)
     if problems:
         print(GateError(args.card, problems), file=sys.stderr)
         return 2
@@ -36,6 +43,12 @@ def cmd_run(args) -> int:
     from .runner import resume_run, start_run
 
     if args.resume:
+        ignored = [flag for flag, value in (("CARD", args.card), ("--stages", args.stages), ("-p", args.param),
+                                            ("--run-id", args.run_id), ("--outputs", args.outputs)) if value]
+        if ignored:
+            raise RunError(f"--resume continues {args.resume} with its own card, stages and overrides; "
+                           f"{', '.join(ignored)} would be ignored — drop {'it' if len(ignored) == 1 else 'them'}, "
+                           f"or start a new run with them")
         outcome = resume_run(args.resume, kernel_name=args.kernel)
     else:
         if not args.card:
@@ -72,7 +85,8 @@ def cmd_stages(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ditbook", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(prog="ditbook", description=__doc__.splitlines()[0] if __doc__ else None,
+                                     epilog="--debug (anywhere on the line) shows the traceback of an error")
     from . import __version__
 
     parser.add_argument("--version", action="version", version=f"ditbook {__version__}")
@@ -110,20 +124,76 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _bad_param(args) -> str | None:
+    """The first ``-p`` value that is not valid YAML, as a one-line message."""
+    for item in getattr(args, "param", None) or []:
+        if "=" not in item:
+            continue
+        value = item.split("=", 1)[1]
+        try:
+            yaml.safe_load(value)
+        except yaml.YAMLError as exc:
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            return f"-p {item!r}: the value is not valid YAML ({problem}); quote it to pass a string"
+    return None
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. Every error it can meet ends in a message and a non-zero exit, never a
+    traceback (``--debug``, anywhere on the line, shows it): 2 for what the user gave (card, run
+    folder, files), 1 for a stage or check that failed, 130 for Ctrl-C / SIGTERM, after every
+    process the command started has been ended."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
     # transformers' notices (e.g. an image processor falling back without torchvision) are not
     # about the user's model; the command shows its errors only unless the user set a level
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     parser = build_parser()
     args = parser.parse_args(argv)
+    bad = _bad_param(args)
+    if bad:
+        print(f"ditbook: {bad}", file=sys.stderr)
+        return 2
     try:
-        return int(args.func(args) or 0)
+        with signals_end_children():
+            return int(args.func(args) or 0)
+    except KeyboardInterrupt as exc:
+        signame = getattr(exc, "signame", "SIGINT")
+        detail = exc.message if isinstance(exc, Interrupted) and exc.message else "every process it started was ended"
+        if debug:
+            traceback.print_exc()
+        print(f"ditbook {args.command}: interrupted by {signame}; {detail}", file=sys.stderr)
+        return 130
     except (GateError, CardError, RunError) as exc:
+        if debug:
+            traceback.print_exc()
         print(f"ditbook: {exc}", file=sys.stderr)
         return 2
-    except json.JSONDecodeError as exc:
-        print(f"ditbook: unreadable JSON: {exc}", file=sys.stderr)
+    except json.JSONDecodeError as exc:  # a JSON file read outside RunFolder (a plan, a report input)
+        if debug:
+            traceback.print_exc()
+        print(f"ditbook {args.command}: unreadable JSON ({exc}); a file may be truncated", file=sys.stderr)
         return 2
+    except OSError as exc:  # outputs folder read-only or a file, a model folder missing a part, ...
+        if debug:
+            traceback.print_exc()
+        where = f"{exc.filename}: " if getattr(exc, "filename", None) and str(exc.filename) not in str(exc) else ""
+        print(f"ditbook {args.command}: {where}{_one_line(exc)}", file=sys.stderr)
+        return 2
+    except SystemExit:
+        raise
+    except Exception as exc:
+        if debug:
+            traceback.print_exc()
+        hint = "" if debug else " (--debug shows the traceback)"
+        print(f"ditbook {args.command}: {type(exc).__name__}: {_one_line(exc)}{hint}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -51,6 +51,25 @@ class StageContext:
         return check_approval(self.card, self.run)
 
 
+def _refuse_foreign_lock(run: RunFolder) -> None:
+    """A stage may write a locked run only on behalf of the lock's holder (the runner that
+    started this kernel, or this process itself)."""
+    import os
+
+    holder = run.lock_holder()
+    if holder is None or holder == os.getpid():
+        return
+    try:
+        import psutil
+
+        ancestors = {p.pid for p in psutil.Process().parents()}
+    except Exception:  # no process table to read: trust the lock file alone
+        ancestors = set()
+    if holder not in ancestors:
+        raise RunError(f"{run.path} is being written by process {holder} (lock file {run.lock_path}); "
+                       f"two processes never write one run")
+
+
 def open_stage(card_path: str, run_dir: str | None, stage: str, overrides: dict | None = None,
                outputs_root: str | Path | None = None) -> StageContext:
     overrides = dict(overrides or {})
@@ -59,6 +78,8 @@ def open_stage(card_path: str, run_dir: str | None, stage: str, overrides: dict 
         run = RunFolder(run_dir)
         if not run.exists():
             raise RunError(f"RUN_DIR {run_dir} is not a run folder")
+        run.refuse_finished(f"the {stage} stage")
+        _refuse_foreign_lock(run)
     else:
         from .runner import outputs_dir
 

@@ -97,6 +97,91 @@ def check_model_folder(path: Path) -> dict:
     return index
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf")
+
+
+def _weights_problem(file: Path) -> str | None:
+    """Why a weights file cannot be opened, else None. safetensors files are opened (header and
+    size checked, no tensor read); other formats must at least hold bytes."""
+    try:
+        size = file.stat().st_size
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or exc})"
+    if size == 0:
+        return "is empty"
+    if file.suffix == ".safetensors":
+        try:
+            from safetensors import safe_open
+
+            with safe_open(str(file), framework="pt") as fh:
+                fh.keys()
+        except Exception as exc:  # safetensors raises its own error types
+            return f"does not open as safetensors ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+    return None
+
+
+def component_problems(folder: Path, name: str) -> list[str]:
+    """What is missing or broken in one component folder of a saved pipeline."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return [f"{name}: folder {folder} is missing"]
+    files = [f for f in folder.iterdir() if f.is_file()]
+    if not files:
+        return [f"{name}: folder {folder} is empty"]
+    problems = []
+    for f in sorted(files):
+        if f.suffix == ".json":
+            try:
+                json.loads(f.read_text())
+            except (OSError, ValueError) as exc:
+                problems.append(f"{name}: {f.name} is not readable JSON ({exc})")
+    config = folder / "config.json"
+    weights = sorted(f for f in files if f.name.endswith(WEIGHT_SUFFIXES))
+    index_files = sorted(f for f in files if f.name.endswith(".index.json"))
+    for idx in index_files:  # sharded weights: every shard the index names must be there
+        try:
+            shards = set(json.loads(idx.read_text()).get("weight_map", {}).values())
+        except (OSError, ValueError, AttributeError):
+            continue  # reported above as unreadable JSON
+        for shard in sorted(shards):
+            if not (folder / shard).is_file():
+                problems.append(f"{name}: weights shard {shard} named by {idx.name} is missing")
+    if config.is_file() and not weights:
+        problems.append(f"{name}: {folder} has config.json but no weights file ({', '.join(WEIGHT_SUFFIXES)})")
+    for f in weights:
+        why = _weights_problem(f)
+        if why:
+            problems.append(f"{name}: weights file {f.name} {why}")
+    return problems
+
+
+def model_folder_problems(card: ModelCard) -> list[str]:
+    """Everything the stages will need from the model folder that is missing or unreadable:
+    ``model_index.json``, each listed component's folder and JSON configs, weights files that
+    open, and the transformer's subfolder. Empty when the folder looks complete."""
+    path = card.path
+    if path is None or not Path(path).is_dir():
+        return [f"path: model folder {path} does not exist"]
+    path = Path(path)
+    index_file = path / "model_index.json"
+    if not index_file.is_file():
+        return [f"path: {path} has no model_index.json — save the pipeline there with pipeline.save_pretrained(...)"]
+    try:
+        index = json.loads(index_file.read_text())
+    except (OSError, ValueError) as exc:
+        return [f"path: {index_file} is not readable JSON ({exc})"]
+    if not isinstance(index, dict):
+        return [f"path: {index_file} must hold a JSON object"]
+    problems = []
+    names = [n for n, v in index.items() if not n.startswith("_") and isinstance(v, list) and v and v[0] is not None]
+    sub = card.transformer.subfolder or "transformer"
+    if sub not in names:
+        names.append(sub)
+    for name in names:
+        problems += [f"path: component {p}" for p in component_problems(path / name, name)]
+    return problems
+
+
 def load_transformer(card: ModelCard, placement: Placement | None = None, **kwargs: Any):
     placement = placement or choose_placement(card)
     cls = import_class(card.resolve_source(card.transformer.source), card.transformer.cls)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from .card import GateError, ModelCard, gate_check
+from .processes import Interrupted, end_descendants, received
 from .runs import RunError, RunFolder
 
 PACKAGE_ROOT = Path(__file__).resolve().parent
@@ -154,8 +155,22 @@ def execute_stage(stage: Stage, run: RunFolder, card: ModelCard, overrides: dict
                 progress_bar={"desc": f"[{stage.order:02d} {stage.name}]", "leave": False, "file": sys.stderr},
                 request_save_on_cell_execute=True, config=kernel_config,
             )
-    except Exception as exc:  # papermill raises PapermillExecutionError; anything else is recorded too
+    except BaseException as exc:  # papermill raises PapermillExecutionError; anything else is recorded too
         seconds = time.perf_counter() - start
+        signame = received()
+        if isinstance(exc, KeyboardInterrupt) or signame:
+            # Ctrl-C or SIGTERM: the command's handler has ended the kernel and what it started
+            # (torchrun, ranks); without that handler (library use) end them here
+            signame = signame or getattr(exc, "signame", None) or "SIGINT"
+            if received() is None:
+                end_descendants()
+            run.update_stage(stage.name, status="interrupted", seconds=round(seconds, 2),
+                             error=f"interrupted by {signame}", failing_cell=None)
+            run.set_status("interrupted")
+            raise Interrupted(signame, f"stage '{stage.name}' interrupted by {signame}; {run.path} is marked "
+                                       f"interrupted — continue it with: ditbook run --resume {run.path}") from None
+        if not isinstance(exc, Exception):
+            raise
         error, cell = _failure_details(exc)
         run.update_stage(stage.name, status="failed", seconds=round(seconds, 2), error=error, failing_cell=cell,
                          traceback=traceback.format_exception_only(type(exc), exc)[-1].strip())
@@ -216,19 +231,28 @@ def start_run(card_path: str | Path, *, stages: list[str] | None = None, overrid
     if not chosen:
         raise RunError(f"no stage notebooks found in {notebooks_dir()}")
     run = RunFolder.create(card, outputs_root or outputs_dir(), run_id, overrides)
-    meta = run.read_meta()
-    meta["requested_stages"] = [s.name for s in chosen]
-    run.write_meta(meta)
-    log(f"run folder: {run.path}")
-    return run_stages(run, card, chosen, overrides, kernel_name=kernel_name, log=log)
+    with run.acquire("ditbook run"):
+        meta = run.read_meta()
+        meta["requested_stages"] = [s.name for s in chosen]
+        run.write_meta(meta)
+        log(f"run folder: {run.path}")
+        return run_stages(run, card, chosen, overrides, kernel_name=kernel_name, log=log)
 
 
 def resume_run(run_dir: str | Path, *, kernel_name: str | None = None, log: Callable[[str], None] = print) -> RunOutcome:
     """Continue a run from its first unfinished stage, if its card is unchanged."""
     run = RunFolder(run_dir)
+    run.refuse_finished("--resume")
+    with run.acquire("ditbook run --resume"):
+        return _resume(run, kernel_name=kernel_name, log=log)
+
+
+def _resume(run: RunFolder, *, kernel_name: str | None, log: Callable[[str], None]) -> RunOutcome:
     meta = run.read_meta()
-    if meta.get("status") == "finished":
+    if meta.get("status") == "finished":  # finished by another process before the lock was ours
         raise RunError(f"{run.path} is finished; a finished run is never overwritten — start a new run")
+    if "card_path" not in meta:
+        raise RunError(f"{run.meta_path} has no 'card_path'; it is not a run ditbook can resume")
     overrides = meta.get("overrides") or {}
     card = gate_check(meta["card_path"], overrides)
     if card.content_hash() != meta.get("card_hash"):

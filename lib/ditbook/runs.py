@@ -25,6 +25,50 @@ class RunError(RuntimeError):
     pass
 
 
+LOCK_FILE = ".lock"
+_SAFE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def safe_component(value, what: str) -> str:
+    """``value`` as one safe path component (a model name or a run id), or ``RunError``.
+
+    Letters, digits, '.', '_' and '-', starting with a letter or digit: no separators, no
+    ``.``/``..``, no absolute paths, so a run folder always lies inside the outputs folder."""
+    text = str(value) if value is not None else ""
+    if not _SAFE_RE.fullmatch(text) or text in (".", ".."):
+        raise RunError(f"{what} {text!r} must be one path component of letters, digits, '.', '_' and '-' "
+                       f"starting with a letter or digit (it names a folder under the outputs folder)")
+    return text
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def _read_json(path: Path, what: str) -> dict:
+    """A JSON file, or ``RunError`` naming the file and what is wrong with it."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise RunError(f"cannot read {what} {path}: {exc.strerror or exc}") from exc
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise RunError(f"{what} {path} is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}); "
+                       f"it may be truncated — restore it or start a new run") from exc
+    if not isinstance(data, dict):
+        raise RunError(f"{what} {path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
 def new_run_id() -> str:
     return _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
 
@@ -107,14 +151,32 @@ class RunFolder:
     @classmethod
     def create(cls, card: ModelCard, outputs_root: str | Path, run_id: str | None = None,
                overrides: dict | None = None) -> "RunFolder":
-        run_id = run_id or new_run_id()
-        if not re.fullmatch(r"[A-Za-z0-9._-]+", run_id):
-            raise RunError(f"run id {run_id!r} may hold letters, digits, '.', '_' and '-' only")
-        path = Path(outputs_root) / card.name / run_id
-        if path.exists():
-            raise RunError(f"run folder {path} already exists; a finished or started run is never "
-                           f"overwritten — pick another --run-id or continue it with --resume {path}")
-        path.mkdir(parents=True)
+        model = safe_component(card.name, "model name (card field 'name')")
+        chosen = safe_component(run_id, "run id") if run_id is not None else None
+        root = Path(outputs_root)
+        if root.exists() and not root.is_dir():
+            raise RunError(f"outputs folder {root} is not a folder")
+        try:
+            (root / model).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise RunError(f"cannot create the outputs folder {root / model}: {exc.strerror or exc}") from exc
+        # mkdir without exist_ok is the claim: of two processes creating one id, one gets it and
+        # the other gets a clear refusal (explicit id) or the next free id (a timestamp id)
+        base = chosen or new_run_id()
+        for attempt in range(1 if chosen else 100):
+            path = root / model / (base if attempt == 0 else f"{base}-{attempt + 1}")
+            try:
+                path.mkdir()
+                break
+            except FileExistsError:
+                if chosen:
+                    raise RunError(f"run folder {path} already exists; a finished or started run is never "
+                                   f"overwritten — pick another --run-id or continue it with --resume {path}") from None
+            except OSError as exc:
+                raise RunError(f"cannot create run folder {path}: {exc.strerror or exc}") from exc
+        else:
+            raise RunError(f"no free run id under {root / model} after 100 tries")
+        run_id = path.name
         run = cls(path)
         run.write_meta({
             "model": card.name,
@@ -142,7 +204,7 @@ class RunFolder:
     def read_meta(self) -> dict:
         if not self.exists():
             raise RunError(f"{self.path} is not a run folder (no {RUN_FILE})")
-        return json.loads(self.meta_path.read_text())
+        return _read_json(self.meta_path, "run file")
 
     def write_meta(self, meta: dict) -> None:
         _atomic_write(self.meta_path, json.dumps(_jsonable(meta), indent=2, sort_keys=False) + "\n")
@@ -162,6 +224,30 @@ class RunFolder:
     @property
     def status(self) -> str:
         return self.read_meta().get("status", "unknown")
+
+    def refuse_finished(self, command: str = "this command") -> None:
+        """``RunError`` when the run is finished: a finished run is never written again."""
+        if self.read_meta().get("status") == "finished":
+            raise RunError(f"{self.path} is a finished run; {command} would overwrite its results — a finished run "
+                           f"is never overwritten: start a new run (ditbook run CARD) instead")
+
+    # -- the lock: one writer per run folder ----------------------------------------------
+    @property
+    def lock_path(self) -> Path:
+        return self.path / LOCK_FILE
+
+    def lock_holder(self) -> int | None:
+        """The pid of the live process holding this run's lock, else None."""
+        try:
+            pid = int(self.lock_path.read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            return None
+        return pid if _pid_alive(pid) else None
+
+    def acquire(self, command: str = "ditbook") -> "RunLock":
+        """Take the run's lock (a file holding our pid) or raise ``RunError`` naming its holder.
+        A lock left by a dead process is taken over. Use as ``with run.acquire(): ...``."""
+        return RunLock(self, command)
 
     def stage_status(self, stage: str) -> str | None:
         return self.read_meta().get("stages", {}).get(stage, {}).get("status")
@@ -188,13 +274,68 @@ class RunFolder:
         if not path.is_file():
             raise RunError(f"stage '{stage}' has no results in {self.path} — run it first "
                            f"(ditbook run CARD --stages ...,{stage})")
-        return json.loads(path.read_text())
+        return _read_json(path, f"results of stage '{stage}'")
 
     def has_results(self, stage: str) -> bool:
         return self.results_path(stage).is_file()
 
     def __repr__(self) -> str:
         return f"RunFolder({str(self.path)!r})"
+
+
+class RunLock:
+    """``<run>/.lock`` with the holder's pid, created exclusively; reentrant within a process
+    (a command that locks and calls another locking step keeps one lock)."""
+
+    _held: dict[str, int] = {}
+
+    def __init__(self, run: RunFolder, command: str):
+        self.run = run
+        self.command = command
+        key = str(run.path)
+        if RunLock._held.get(key):
+            RunLock._held[key] += 1
+            return
+        for _ in range(3):
+            try:
+                fd = os.open(run.lock_path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = run.lock_holder()
+                if holder is not None and holder != os.getpid():
+                    raise RunError(f"{run.path} is being written by process {holder} (lock file {run.lock_path}); "
+                                   f"wait for it to end, or stop it — two processes never write one run") from None
+                # a stale lock (its process is gone) or an unreadable one: take it over
+                try:
+                    run.lock_path.unlink()
+                except FileNotFoundError:
+                    pass
+                continue
+            except OSError as exc:
+                raise RunError(f"cannot lock {run.path}: {exc.strerror or exc}") from exc
+            with os.fdopen(fd, "w") as fh:
+                fh.write(f"{os.getpid()} {command}\n")
+            RunLock._held[key] = 1
+            return
+        raise RunError(f"could not take the lock {run.lock_path}: another process keeps taking it")
+
+    def release(self) -> None:
+        key = str(self.run.path)
+        count = RunLock._held.get(key, 0)
+        if count > 1:
+            RunLock._held[key] = count - 1
+            return
+        RunLock._held.pop(key, None)
+        try:
+            if self.run.lock_path.read_text().split()[0] == str(os.getpid()):
+                self.run.lock_path.unlink()
+        except (OSError, IndexError):
+            pass
+
+    def __enter__(self) -> "RunLock":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 def latest_run(outputs_root: str | Path, model: str, with_stage: str | None = None) -> RunFolder | None:
@@ -205,5 +346,11 @@ def latest_run(outputs_root: str | Path, model: str, with_stage: str | None = No
     runs = [RunFolder(p) for p in root.iterdir() if (p / RUN_FILE).is_file()]
     if with_stage:
         runs = [r for r in runs if r.has_results(with_stage)]
-    runs.sort(key=lambda r: (r.read_meta().get("created", ""), r.path.name))
+    def created(r: RunFolder) -> str:
+        try:
+            return r.read_meta().get("created", "")
+        except RunError:  # an unreadable run.json never hides the other runs
+            return ""
+
+    runs.sort(key=lambda r: (created(r), r.path.name))
     return runs[-1] if runs else None

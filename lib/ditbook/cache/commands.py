@@ -4,6 +4,7 @@ inspect results, or list the registered strategies."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 
@@ -19,23 +20,38 @@ def cmd_cache(args) -> int:
         print("ditbook cache: give a model card (or --list)")
         return 2
     from ..card import gate_check
-    from ..runner import discover_stages, execute_stage, outputs_dir
+    from ..runner import outputs_dir
     from ..runs import RunFolder, latest_run
 
+    wanted = [n.strip() for n in (args.strategies or "").split(",") if n.strip()]
+    unknown = [n for n in wanted if n not in strategies.names()]
+    if unknown or (args.strategies is not None and not wanted):
+        print(f"ditbook cache: unknown strategy name(s) {unknown or [args.strategies]}; registered: "
+              f"{', '.join(strategies.names())} (ditbook cache --list)", file=sys.stderr)
+        return 2
     card = gate_check(args.card)
     outputs = Path(args.outputs) if args.outputs else outputs_dir()
     run = RunFolder(args.run) if args.run else latest_run(outputs, card.name, with_stage="inspect")
     if run is None or not run.exists():
         print(f"no run folder of {card.name} with inspect results under {outputs}: run "
-              f"'ditbook run {args.card} --stages intake,inspect' and 'ditbook approve {args.card}' first")
+              f"'ditbook run {args.card} --stages intake,inspect' and 'ditbook approve {args.card}' first",
+              file=sys.stderr)
         return 1
+    run.refuse_finished("ditbook cache")  # its cache results and notebook are never rewritten
+    with run.acquire("ditbook cache"):
+        return _run_cache(args, card, run, wanted)
+
+
+def _run_cache(args, card, run, wanted: list[str]) -> int:
+    from ..runner import discover_stages, execute_stage
+
     stage = next((s for s in discover_stages() if s.name == "cache"), None)
     if stage is None:
         print("notebooks/03_cache.ipynb not found")
         return 1
     overrides = {}
-    if args.strategies:
-        overrides["cache.strategies"] = args.strategies.split(",")
+    if wanted:
+        overrides["cache.strategies"] = wanted
     if args.max_configs:
         overrides["cache.max_configs"] = args.max_configs
     outcome = execute_stage(stage, run, card, overrides)

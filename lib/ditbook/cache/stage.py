@@ -28,6 +28,10 @@ from .adapter import CacheAdapter, build_cache_adapter
 from .verify import StrategyResult, counted_render, disabled_check, evaluate, max_abs, noise_floor
 
 
+class NoiseFloorError(RuntimeError):
+    """The baseline rendered twice does not agree with itself: no quality gate can be read."""
+
+
 def gates_from_card(card) -> Gates:
     return card.cache.gates
 
@@ -109,6 +113,11 @@ class CacheSession:
     def noise_floor(self, other_backend: bool = True) -> dict:
         self.floor, rerun, self.baseline_counts = noise_floor(self.pipe, self.card, self.adapter, self.baseline,
                                                               self.gates, other_backend=other_backend)
+        again = self.floor["rerun_vs_intake"]
+        if not again["passed"]:  # the same config run twice must reproduce intake, or no gate means anything
+            raise NoiseFloorError(f"noise floor failed: the baseline rendered again here does not match intake's "
+                                  f"images ({'; '.join(again['reasons'][:3])}); the model is not deterministic "
+                                  f"on this machine or intake's images are stale — rerun intake")
         prompts, seeds = holdout_cases(self.card)
         self.holdout_refs, self.holdout_counts = counted_render(self.pipe, self.card, self.adapter, prompts, seeds)
         return self.floor

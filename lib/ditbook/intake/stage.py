@@ -5,7 +5,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ..display import Table, image_grid, save_figure
+from ..quality import is_blank
 from .environment import environment_rows
 from .reference import reference_facts, write_reference
 from ..render import render_all, save_renders
@@ -43,6 +46,33 @@ def components(pipe) -> dict:
     return out
 
 
+class BaselineError(RuntimeError):
+    """A baseline image holds NaN/Inf or is blank: every later comparison would be meaningless."""
+
+
+def baseline_problems(renders) -> list[str]:
+    """Each baseline image that is not a usable reference, by key, with why."""
+    problems = []
+    for r in renders:
+        img = np.asarray(r.image, dtype=np.float64)
+        bad = int((~np.isfinite(img)).sum())
+        if bad:
+            problems.append(f"{r.key} ({r.prompt[:40]!r}, seed {r.seed}): {bad} of {img.size} values are NaN/Inf")
+        elif is_blank(img):
+            problems.append(f"{r.key} ({r.prompt[:40]!r}, seed {r.seed}): blank (one flat value, "
+                            f"std {float(img.std()):.2g})")
+    return problems
+
+
+def check_baseline(renders) -> None:
+    """``BaselineError`` naming every unusable baseline image."""
+    problems = baseline_problems(renders)
+    if problems:
+        raise BaselineError(f"{len(problems)} of {len(renders)} baseline image(s) are unusable — the model or its "
+                            f"settings produce no picture, so no stage can be judged against them:\n  "
+                            + "\n  ".join(problems))
+
+
 def run_intake(ctx: StageContext, progress=None) -> tuple[IntakeResult, object]:
     """Load the model and render the baseline; writes ``intake/results.json``. Returns the
     result and the loaded pipeline."""
@@ -52,6 +82,7 @@ def run_intake(ctx: StageContext, progress=None) -> tuple[IntakeResult, object]:
     start = time.perf_counter()
     renders = render_all(pipe, ctx.card, progress=progress)
     render_seconds = time.perf_counter() - start
+    check_baseline(renders)  # before anything is written: no results.json for later stages to trust
     rows = save_renders(renders, ctx.dir / "images")
     fig = image_grid([r.image for r in renders], [f"{r.key}: {r.prompt[:40]}" for r in renders])
     grid = save_figure(fig, ctx.dir / "baseline_grid.png")

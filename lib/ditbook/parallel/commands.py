@@ -63,19 +63,73 @@ def default_out(args) -> Path:
     return outputs_dir() / Path(args.card).stem / f"parallel-{new_run_id()}"
 
 
+def static_refusal(card, plans: list[str]) -> list[str]:
+    """Without an inspected run: what the model's config alone rules out — the head count split
+    by Ulysses or TP (the transformer built on the meta device, no weights read)."""
+    from ..inspect.static import inspect_transformer
+    from ..loading import build_meta_transformer
+    from .plans import parse_plan
+
+    try:
+        heads = inspect_transformer(build_meta_transformer(card), card.pipeline.cls, support=False).attention.heads
+    except Exception as exc:  # the worker meets the same problem and names it; say why nothing was pre-checked
+        print(f"ditbook parallel: no feasibility pre-check (static inspection failed: {type(exc).__name__}: {exc}); "
+              f"pass --run RUN_DIR of an inspected run for the full check", file=sys.stderr)
+        return []
+    out = []
+    for p in plans:
+        spec = parse_plan(p)
+        for kind, n in (("ulysses", spec.ulysses), ("tp", spec.tp)):
+            if n > 1 and heads and heads % n:
+                out.append(f"{p}: not feasible — {heads} attention heads are not divisible by {kind} {n}")
+    return out
+
+
 def cmd_parallel(args) -> int:
-    from ..card import parse_overrides
-    from .launch import Nodes, ParallelRunError, run_plans
+    from ..card import gate_check, parse_overrides
+    from ..loading import choose_placement
+    from .launch import Nodes, ParallelRunError, ranks_present, run_plans
+    from .plans import PlanNameError, parse_plan
 
     overrides = parse_overrides(args.param)
+    card = gate_check(args.card, overrides)
     plans = [p for item in args.plan for p in item.split(",") if p]
+    try:
+        specs = {p: parse_plan(p) for p in plans}
+    except PlanNameError as exc:
+        print(f"ditbook parallel: {exc}", file=sys.stderr)
+        return 2
+    if args.nproc < 1:
+        print(f"ditbook parallel: --nproc {args.nproc}: give at least 1 process", file=sys.stderr)
+        return 2
+    present = ranks_present(choose_placement(card).device)
+    if present is not None and args.nproc > present:  # rank N would ask for a GPU that is not there
+        print(f"ditbook parallel: --nproc {args.nproc} needs {args.nproc} GPUs, {present} present on this machine; "
+              f"not launched", file=sys.stderr)
+        return 2
+    run = None
+    if args.run:
+        from ..runs import RunFolder
+
+        run = RunFolder(args.run)
+        run.refuse_finished("ditbook parallel --run")
     arch = args.arch or (str(Path(args.run) / "inspect" / "arch.json") if args.run else None)
     if arch and not Path(arch).is_file():
         arch = None
-    reasons = refusal(args.card, plans, arch, overrides)
+    wrong = [f"{p}: needs {s.world_size} processes, --nproc {args.nproc} x --nnodes {args.nnodes} gives "
+             f"{args.nproc * args.nnodes}" for p, s in specs.items()
+             if s.world_size not in (1, args.nproc * args.nnodes)]
+    reasons = wrong or refusal(args.card, plans, arch, overrides) or ([] if arch else static_refusal(card, plans))
     if reasons:
         print("ditbook parallel: not attempted:\n" + "\n".join(f"  - {r}" for r in reasons), file=sys.stderr)
         return 3
+    if run is not None:
+        with run.acquire("ditbook parallel"):
+            return _launch(args, plans, overrides, Nodes, ParallelRunError, run_plans)
+    return _launch(args, plans, overrides, Nodes, ParallelRunError, run_plans)
+
+
+def _launch(args, plans, overrides, Nodes, ParallelRunError, run_plans) -> int:
     out = Path(args.out) if args.out else default_out(args)
     try:
         nodes = Nodes(args.nnodes, args.node_rank, args.master)

@@ -102,6 +102,7 @@ def torchrun_command(card: str | Path, plans: list[str], nproc: int, out_dir: Pa
     nodes = nodes or Nodes()
     cmd = [sys.executable, "-m", "torch.distributed.run", *nodes.torchrun_args(),
            "--nproc_per_node", str(nproc), "--max_restarts", "0", "--monitor_interval", "0.5",
+           "--tee", "3",  # each rank's lines prefixed [default<local_rank>]: so a failure quotes its own rank
            "-m", "ditbook.parallel.worker", "--card", str(card), "--plans", ",".join(plans),
            "--out", str(out_dir), "--timeout", str(timeout), "--warmup", str(warmup), "--gqa-path", gqa_path]
     if overrides:
@@ -115,19 +116,62 @@ def torchrun_command(card: str | Path, plans: list[str], nproc: int, out_dir: Pa
     return cmd
 
 
+_BLOCK_RE = re.compile(r"^\s*rank\s*:\s*(\d+)(?:\s*\(local_rank:\s*(\d+)\))?[^\n]*\n\s*exitcode\s*:\s*(-?\d+)", re.M)
+_TQDM_RE = re.compile(r"\d+%\|")  # progress bars say nothing about a failure
+_PREFIX_RE = re.compile(r"^\[[A-Za-z_]*(\d+)\]:(.*)$")  # torchrun --tee: "[default1]:text"
+
+
+def _rank_lines(log: str, local_rank: int | None, last: int = 6) -> list[str]:
+    """The last lines one local rank wrote (torchrun prefixes them with ``[default<local_rank>]:``)."""
+    if local_rank is None:
+        return []
+    lines = []
+    for line in log.splitlines():
+        m = _PREFIX_RE.match(line)
+        text = m.group(2).rstrip() if m else ""
+        if m and int(m.group(1)) == local_rank and text.strip() and not _TQDM_RE.search(text):
+            lines.append(text)
+    return lines[-last:]
+
+
 def _failure_message(log: str, rc: int | None) -> str:
-    """Name the rank that caused the failure. A rank killed by a signal is the cause even when
-    torchrun observes a peer's error first (the peer fails *because* its partner died)."""
+    """Name the rank that caused the failure, with its last lines of output.
+
+    torchrun stops the other ranks with SIGTERM once one fails, so a rank that ended by SIGTERM
+    is never the cause (unless every rank did: then the run was stopped from outside). A rank
+    killed by another signal (SIGKILL: out of memory, a crash) is the cause even when torchrun
+    observes a peer's error first (the peer fails *because* its partner died); then the rank of
+    torchrun's "Root Cause" block; then any other rank that exited non-zero."""
+    blocks: dict[str, tuple[int, int | None]] = {}  # global rank -> (exit code, local rank)
+    for rank, local, code in _BLOCK_RE.findall(log):
+        blocks.setdefault(rank, (int(code), int(local) if local else None))
+    root = None
+    if "Root Cause" in log:
+        m = _BLOCK_RE.search(log, log.index("Root Cause"))
+        root = m.group(1) if m else None
+    sigterm = -int(signal.SIGTERM)
+    stopped = [r for r, (code, _) in blocks.items() if code == sigterm]
+    killed = [r for r, (code, _) in blocks.items() if code < 0 and code != sigterm]
+    failed = [r for r, (code, _) in blocks.items() if code > 0]
+    causes = list(dict.fromkeys(killed + ([root] if root in failed else []) + failed))
+    worker_lines = re.findall(r"ditbook parallel: (rank (\d+) .*)", log)
     parts = []
-    # torchrun's failure blocks: "  rank      : 1 (local_rank: 1)" then "  exitcode  : -9 (pid: ...)"
-    ended = re.findall(r"^\s*rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)", log, re.M)
-    for rank, code in dict.fromkeys(ended):
-        if int(code) < 0:
-            parts.append(f"rank {rank} ended (killed by signal {-int(code)})")
-    parts += list(dict.fromkeys(re.findall(r"ditbook parallel: (rank \d+ .*)", log)))
-    if not parts:
-        parts = [f"rank {rank} ended (exit code {code})" for rank, code in dict.fromkeys(ended)]
-    return "; ".join(parts) if parts else f"torchrun exited with code {rc}"
+    for r in causes:
+        code, local = blocks[r]
+        head = f"rank {r} ended (killed by signal {-code})" if code < 0 else f"rank {r} failed (exit code {code})"
+        said = list(dict.fromkeys(text for text, who in worker_lines if who == r))
+        tail = [ln for ln in _rank_lines(log, local) if not any(t in ln for t in said)]
+        parts.append(head + ("".join(f"\n    {t}" for t in said)) + ("".join(f"\n    | {t}" for t in tail)))
+    if not blocks:  # no torchrun summary: the worker's own lines, or the exit code
+        said = list(dict.fromkeys(text for text, _ in worker_lines))
+        return "; ".join(said) if said else f"torchrun exited with code {rc}"
+    if not causes:
+        return (f"every rank was stopped by SIGTERM ({', '.join(stopped)}) — the run was interrupted or "
+                f"timed out, no rank failed by itself")
+    msg = "\n  ".join(parts)
+    if stopped:
+        msg += f"\n  (rank{'s' if len(stopped) > 1 else ''} {', '.join(stopped)} stopped by torchrun after that)"
+    return msg
 
 
 class PlanRefused(ValueError):
@@ -164,6 +208,9 @@ def launch(card: str | Path, plans: list[str], nproc: int, out_dir: str | Path, 
             text = log_path.read_text(errors="replace")
             raise ParallelRunError(f"parallel run of {plans} did not finish within {total_timeout:.0f}s; "
                                    f"all ranks were ended", text[-4000:], None) from None
+        except BaseException:  # Ctrl-C / SIGTERM on the caller: torchrun's own session is not told
+            _kill_group(proc)
+            raise
     seconds = time.perf_counter() - start
     text = log_path.read_text(errors="replace")
     if rc != 0:
@@ -175,17 +222,30 @@ def launch(card: str | Path, plans: list[str], nproc: int, out_dir: str | Path, 
     return LaunchResult(out_dir, nproc, seconds, worker, cmd)
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def _kill_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    """End torchrun's process group (its own session: torchrun and every rank) — SIGTERM, then
+    SIGKILL for what is left after ``grace`` seconds. Ranks that left the group are ended too
+    (found as torchrun's descendants before anything is signalled)."""
+    try:
+        from ..processes import descendants
+
+        ranks = descendants(proc.pid)
+    except Exception:  # no psutil or torchrun already gone: the group signal alone
+        ranks = []
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
+        except (ProcessLookupError, PermissionError):
+            break
         try:
-            proc.wait(timeout=10)
-            return
+            proc.wait(timeout=grace)
+            break
         except subprocess.TimeoutExpired:
             continue
+    if ranks:
+        from ..processes import end_processes
+
+        end_processes([r for r in ranks if r.is_running()], grace=grace)
 
 
 def judge(result: LaunchResult, plans: list[str], gates: Gates | None = None,
@@ -239,6 +299,23 @@ def sharding_failure(spec, sharding: dict | None) -> str | None:
     if not sharding.get("check"):
         return "ShardingError: the block input lengths were not checked"
     return None
+
+
+def ranks_present(device: str | None) -> int | None:
+    """How many ranks this machine can give a device of their own: ``$DITBOOK_GPUS`` when set
+    (a GPU count to assume, e.g. to try the one-GPU machine on a CPU), else the CUDA devices
+    torch sees when the model runs on CUDA; None when ranks run on the CPU (gloo, any number)."""
+    env = os.environ.get("DITBOOK_GPUS", "").strip()
+    if env:
+        try:
+            return max(0, int(env))
+        except ValueError:
+            raise ValueError(f"DITBOOK_GPUS={env!r} is not a whole number of GPUs") from None
+    if device is None or not str(device).startswith("cuda"):
+        return None
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def _cuda_available() -> bool:

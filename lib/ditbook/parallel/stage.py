@@ -27,11 +27,31 @@ from .plans import parse_plan, refusal
 
 
 def choose_plans(table: FeasibilityTable, nproc: int, wanted: list[str] | None = None,
-                 with_cache: bool = False, with_graph: bool = False) -> tuple[list[str], list[dict]]:
+                 with_cache: bool = False, with_graph: bool = False,
+                 present: int | None = None) -> tuple[list[str], list[dict]]:
     """Plans to launch at ``nproc`` processes, and those ruled out with their reason.
 
     ``with_graph`` adds each feasible plan again as ``+compile+graph`` (regional compile, each
-    transformer call replayed as a CUDA graph: GPU only, see ``parallel.graphs``)."""
+    transformer call replayed as a CUDA graph: GPU only, see ``parallel.graphs``). ``present``
+    is the number of GPUs the ranks can use (``launch.ranks_present``; None on the CPU): a plan
+    needing more is listed as not run, "needs 2 GPUs, 1 present", and never launched."""
+    run, skipped = _choose_plans(table, nproc, wanted, with_cache, with_graph)
+    if present is not None and nproc > present:
+        skipped += [{"name": p, "reason": f"not run: needs {parse_plan(p).world_size} GPUs, {present} present"}
+                    for p in run]
+        run = []
+    return run, skipped
+
+
+def ranks_for(ctx) -> int | None:
+    """GPUs this stage's ranks can use (None when they run on the CPU)."""
+    from .launch import ranks_present
+
+    return ranks_present(ctx.placement.device)
+
+
+def _choose_plans(table: FeasibilityTable, nproc: int, wanted: list[str] | None,
+                  with_cache: bool, with_graph: bool) -> tuple[list[str], list[dict]]:
     if wanted:
         run, skipped = [], []
         for p in wanted:
