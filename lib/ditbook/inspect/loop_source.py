@@ -199,7 +199,21 @@ def read_loops(module, block_paths: list[str]) -> LoopSource:
     fn = tree.body[0]
     args = {a.arg for a in fn.args.args + fn.args.kwonlyargs} - {"self"}
     out = LoopSource(file=file)
-    for node in ast.walk(fn):
+    # forward, then the methods it calls as self.<name>(...) (a loop may live in a helper)
+    methods = _method_asts(cls)
+    bodies: list[tuple[ast.AST, int]] = [(fn, start)]
+    seen, todo = {"forward"}, [fn]
+    while todo:
+        cur = todo.pop()
+        for n in ast.walk(cur):
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name) \
+                    and n.func.value.id == "self" and n.func.attr in methods and n.func.attr not in seen:
+                seen.add(n.func.attr)
+                helper, off = methods[n.func.attr]
+                bodies.append((helper, off + 1))
+                todo.append(helper)
+                args |= {a.arg for a in helper.args.args + helper.args.kwonlyargs} - {"self"}
+    for node, start in ((n, st) for body, st in bodies for n in ast.walk(body)):
         if not isinstance(node, ast.For):
             continue
         paths = {p for p in (_attr_path(n) for n in ast.walk(node.iter)) if p}
@@ -230,3 +244,104 @@ def read_loops(module, block_paths: list[str]) -> LoopSource:
             reader.read(node.body)
         out.work.extend(reader.work)
     return out
+
+
+@dataclass
+class ListUses:
+    """Every place the transformer's code touches ``self.<path>`` (forward and the methods it
+    calls as ``self.<method>(...)``, one level deep and then recursively)."""
+
+    path: str
+    loops: list[str] = field(default_factory=list)  # "forward:123" per plain for-loop over the list
+    other: list[str] = field(default_factory=list)  # "method:line: code" per other use
+    in_body: list[str] = field(default_factory=list)  # uses inside the loop's own body (len, indexing)
+    loop_flow: list[str] = field(default_factory=list)  # break/continue/return/else inside a loop
+
+    def unsafe(self) -> str:
+        """Why replacing the list by one cached unit would change what the code does ('' if safe)."""
+        if self.other:
+            return (f"the code touches self.{self.path} outside its loop ({'; '.join(self.other[:3])}): a cache that "
+                    f"stands in one unit for the list would change what that code sees")
+        if len(self.loops) > 1:
+            return f"the code loops over self.{self.path} {len(self.loops)} times ({', '.join(self.loops)})"
+        if self.loop_flow:
+            return f"the loop over self.{self.path} uses {', '.join(self.loop_flow)}: a cached unit cannot stop early"
+        if not self.loops:
+            return f"no loop over self.{self.path} found in the transformer's code"
+        return ""
+
+
+def _method_asts(cls) -> dict[str, tuple[ast.FunctionDef, int]]:
+    out = {}
+    for klass in cls.__mro__:
+        if klass.__module__.startswith("torch."):
+            break
+        for name, fn in vars(klass).items():
+            if name in out or not inspect.isfunction(fn):
+                continue
+            try:
+                src, start = inspect.getsourcelines(inspect.unwrap(fn))
+                node = ast.parse(textwrap.dedent("".join(src))).body[0]
+            except (OSError, TypeError, SyntaxError, IndexError):
+                continue
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                out[name] = (node, start - 1)
+    return out
+
+
+def _loop_iter_lists(it: ast.AST) -> list[ast.AST]:
+    """The ``self.<x>`` nodes a for-loop's iterable runs over one by one: ``self.x`` itself or
+    ``enumerate(self.x)``; anything else (``zip``, ``range(len(...))``) is not a plain loop."""
+    if isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "enumerate" and len(it.args) == 1:
+        it = it.args[0]
+    return [it] if _attr_path(it) else []
+
+
+def list_uses(cls, paths: list[str]) -> dict[str, ListUses]:
+    """Where the code of ``cls`` (``forward`` and methods reached from it) touches each list."""
+    methods = _method_asts(cls)
+    uses = {p: ListUses(p) for p in paths}
+    seen: set[str] = set()
+    todo = ["forward"]
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in methods:
+            continue
+        seen.add(name)
+        fn, offset = methods[name]
+        loop_nodes: set[int] = set()
+        body_nodes: dict[int, str] = {}
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                    isinstance(node.func.value, ast.Name) and node.func.value.id == "self":
+                todo.append(node.func.attr)
+            if isinstance(node, ast.For):
+                for it in _loop_iter_lists(node.iter):
+                    p = _attr_path(it)
+                    if p in uses:
+                        loop_nodes.add(id(it))
+                        uses[p].loops.append(f"{name}:{offset + node.lineno}")
+                        body_nodes.update({id(n): p for st in node.body for n in ast.walk(st)})
+                        flow = sorted({type(n).__name__.lower() for s in node.body for n in ast.walk(s)
+                                       if isinstance(n, (ast.Break, ast.Continue, ast.Return))})
+                        if node.orelse:
+                            flow.append("for-else")
+                        uses[p].loop_flow += flow
+        parents = {id(c): n for n in ast.walk(fn) for c in ast.iter_child_nodes(n)}
+        for node in ast.walk(fn):
+            if not isinstance(node, ast.Attribute) or id(node) in loop_nodes:
+                continue
+            p = _attr_path(node)
+            if p not in uses:
+                continue
+            parent = parents.get(id(node))
+            if isinstance(parent, ast.Attribute) and _attr_path(parent):
+                continue  # counted at the outermost self.a.b
+            if isinstance(parent, ast.Call) and parent.func is node:
+                continue  # self.blocks(...)? not a list use
+            if getattr(node, "ctx", None).__class__ is ast.Store:
+                continue  # assignment in __init__-like helpers
+            line = ast.unparse(parent if parent is not None else node)
+            where = uses[p].in_body if body_nodes.get(id(node)) == p else uses[p].other
+            where.append(f"{name}:{offset + node.lineno}: {line[:80]}")
+    return uses
