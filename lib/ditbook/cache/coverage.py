@@ -41,7 +41,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 LAYER_WORDS = ("layers", "layer", "depth", "num_blocks", "blocks")
-FACTORS = (8, 4, 2)
+# (width divisor, head count cap): few heads first (fast), then the class's own head counts
+# for classes whose widths are tied to heads x head dim
+LADDER = ((8, 2), (4, 2), (8, None), (4, None), (2, None))
 STEPS = 6
 TOLERANCE = 1e-5
 
@@ -100,9 +102,14 @@ def _is_layer_count(name: str) -> bool:
     return any(w in low for w in LAYER_WORDS) and "dim" not in low and "size" not in low
 
 
-def shrink_config(cls: type, factor: int) -> dict:
-    """Constructor keywords: layer counts 2, ints/int tuples >= 32 divided by ``factor`` (when
-    they divide exactly; left alone otherwise)."""
+def _is_head_count(name: str) -> bool:
+    low = name.lower()
+    return "heads" in low and "dim" not in low
+
+
+def shrink_config(cls: type, factor: int, heads: int | None = None) -> dict:
+    """Constructor keywords: layer counts 2, head counts at most ``heads`` (when given), other
+    ints/int tuples >= 32 divided by ``factor`` (when they divide exactly; left alone otherwise)."""
     out = {}
     for p in inspect.signature(cls.__init__).parameters.values():
         d = p.default
@@ -113,6 +120,8 @@ def shrink_config(cls: type, factor: int) -> dict:
         if isinstance(d, int):
             if _is_layer_count(p.name):
                 out[p.name] = min(d, 2) if d > 0 else d
+            elif heads and _is_head_count(p.name) and d > heads:
+                out[p.name] = heads
             elif d >= 32 and d % factor == 0:
                 out[p.name] = d // factor
         elif isinstance(d, (tuple, list)) and d and all(isinstance(x, int) and not isinstance(x, bool) for x in d):
@@ -123,25 +132,26 @@ def shrink_config(cls: type, factor: int) -> dict:
     return out
 
 
-def build_tiny(cls: type, factors=FACTORS):
-    """(instance, factor): the first shrink factor the constructor accepts."""
-    for model, f in tiny_instances(cls, factors):
+def build_tiny(cls: type, ladder=LADDER):
+    """(instance, factor): the first rung of the ladder the constructor accepts."""
+    for model, f in tiny_instances(cls, ladder):
         return model, f
     raise AssertionError("unreachable")
 
 
-def tiny_instances(cls: type, factors=FACTORS):
-    """Instances for each shrink factor the constructor accepts, smallest first; Refused when none."""
+def tiny_instances(cls: type, ladder=LADDER):
+    """Instances for each rung (width divisor, head cap) the constructor accepts, smallest
+    first; Refused when none."""
     errors = []
     built = False
-    for f in factors:
-        kwargs = shrink_config(cls, f)
+    for f, heads in ladder:
+        kwargs = shrink_config(cls, f, heads)
         try:
             torch.manual_seed(0)
             with contextlib.redirect_stdout(io.StringIO()):
                 model = cls(**kwargs)
         except Exception as exc:
-            errors.append(f"/{f}: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}")
+            errors.append(f"/{f}{f' heads<={heads}' if heads else ''}: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}")
             continue
         built = True
         yield model.float().eval(), f
@@ -149,10 +159,10 @@ def tiny_instances(cls: type, factors=FACTORS):
         raise Refused("cannot be built small: " + "; ".join(errors))
 
 
-def tiny_with_inputs(cls: type, factors=FACTORS):
-    """(instance, factor, keyword inputs): the smallest shrink factor whose instance runs."""
+def tiny_with_inputs(cls: type, ladder=LADDER):
+    """(instance, factor, keyword inputs): the first rung whose instance runs."""
     last = None
-    for model, f in tiny_instances(cls, factors):
+    for model, f in tiny_instances(cls, ladder):
         try:
             kwargs, _ = find_inputs(model)
             return model, f, kwargs

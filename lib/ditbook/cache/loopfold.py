@@ -186,7 +186,15 @@ def plan_fold(cls, path: str) -> LoopFold:
         raise FoldError(f"{cls.__name__}.forward has no loop 'for ... in self.{path}' "
                         f"(or enumerate(self.{path})) to fold")
     if len(loops) > 1:
-        raise FoldError(f"{cls.__name__}.forward loops over self.{path} {len(loops)} times")
+        from ..inspect.loop_source import _branches, exclusive_branches
+
+        branches = _branches(fn)
+        if not all(exclusive_branches(branches, a, b) for i, a in enumerate(loops) for b in loops[i + 1:]):
+            raise FoldError(f"{cls.__name__}.{method} loops over self.{path} {len(loops)} times")
+        # alternatives of one ``if`` (the gradient-checkpointing switch): fold the one that calls
+        # the block itself; the rewrite below reduces every one of them to the block call
+        direct = [lp for lp in loops if any(isinstance(c.func, ast.Name) for c in _block_calls(lp.body, _loop_list(lp)[1]))]
+        loops = direct or loops
     loop = loops[0]
     _, block_var, index_var = _loop_list(loop)
     if loop.orelse or any(isinstance(n, (ast.Break, ast.Continue, ast.Return, ast.Yield)) for s in loop.body

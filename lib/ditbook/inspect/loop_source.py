@@ -253,6 +253,7 @@ class ListUses:
 
     path: str
     loops: list[str] = field(default_factory=list)  # "forward:123" per plain for-loop over the list
+    exclusive: bool = False  # the loops sit in different branches of one ``if`` (only one runs per call)
     other: list[str] = field(default_factory=list)  # "method:line: code" per other use
     in_body: list[str] = field(default_factory=list)  # uses inside the loop's own body (len, indexing)
     loop_flow: list[str] = field(default_factory=list)  # break/continue/return/else inside a loop
@@ -262,7 +263,7 @@ class ListUses:
         if self.other:
             return (f"the code touches self.{self.path} outside its loop ({'; '.join(self.other[:3])}): a cache that "
                     f"stands in one unit for the list would change what that code sees")
-        if len(self.loops) > 1:
+        if len(self.loops) > 1 and not self.exclusive:
             return f"the code loops over self.{self.path} {len(self.loops)} times ({', '.join(self.loops)})"
         if self.loop_flow:
             return f"the loop over self.{self.path} uses {', '.join(self.loop_flow)}: a cached unit cannot stop early"
@@ -289,6 +290,32 @@ def _method_asts(cls) -> dict[str, tuple[ast.FunctionDef, int]]:
     return out
 
 
+def _branches(fn: ast.AST) -> dict[int, list[tuple[int, str]]]:
+    """For every node, the ``if`` statements above it and which branch it is in."""
+    out: dict[int, list[tuple[int, str]]] = {}
+
+    def visit(node, chain):
+        out[id(node)] = chain
+        if isinstance(node, ast.If):
+            visit(node.test, chain)
+            for s in node.body:
+                visit(s, chain + [(id(node), "body")])
+            for s in node.orelse:
+                visit(s, chain + [(id(node), "orelse")])
+            return
+        for c in ast.iter_child_nodes(node):
+            visit(c, chain)
+
+    visit(fn, [])
+    return out
+
+
+def exclusive_branches(branches: dict, a: ast.AST, b: ast.AST) -> bool:
+    """True when ``a`` and ``b`` sit in different branches of one ``if``."""
+    ca, cb = dict(branches.get(id(a), [])), dict(branches.get(id(b), []))
+    return any(k in cb and cb[k] != v for k, v in ca.items())
+
+
 def _loop_iter_lists(it: ast.AST) -> list[ast.AST]:
     """The ``self.<x>`` nodes a for-loop's iterable runs over one by one: ``self.x`` itself or
     ``enumerate(self.x)``; anything else (``zip``, ``range(len(...))``) is not a plain loop."""
@@ -311,6 +338,8 @@ def list_uses(cls, paths: list[str]) -> dict[str, ListUses]:
         fn, offset = methods[name]
         loop_nodes: set[int] = set()
         body_nodes: dict[int, str] = {}
+        branches = _branches(fn)
+        loops_by_list: dict[str, list[ast.For]] = {}
         for node in ast.walk(fn):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
                     isinstance(node.func.value, ast.Name) and node.func.value.id == "self":
@@ -320,6 +349,7 @@ def list_uses(cls, paths: list[str]) -> dict[str, ListUses]:
                     p = _attr_path(it)
                     if p in uses:
                         loop_nodes.add(id(it))
+                        loops_by_list.setdefault(p, []).append(node)
                         uses[p].loops.append(f"{name}:{offset + node.lineno}")
                         body_nodes.update({id(n): p for st in node.body for n in ast.walk(st)})
                         flow = sorted({type(n).__name__.lower() for s in node.body for n in ast.walk(s)
@@ -327,6 +357,10 @@ def list_uses(cls, paths: list[str]) -> dict[str, ListUses]:
                         if node.orelse:
                             flow.append("for-else")
                         uses[p].loop_flow += flow
+        for p, found in loops_by_list.items():
+            if len(found) > 1 and len(uses[p].loops) == len(found):
+                uses[p].exclusive = all(exclusive_branches(branches, a, b)
+                                        for i, a in enumerate(found) for b in found[i + 1:])
         parents = {id(c): n for n in ast.walk(fn) for c in ast.iter_child_nodes(n)}
         for node in ast.walk(fn):
             if not isinstance(node, ast.Attribute) or id(node) in loop_nodes:
