@@ -530,6 +530,10 @@ def build_cache_adapter(pipe, report: ArchReport, model: str | None = None, *, w
     info.cache_dit_registered = cache_dit_registered(pipe)
     if info.cache_dit_registered:
         info.differences = compare_with_registered(pipe, info)
+        usable = not any(d.startswith("cache-dit's registered adapter could not be built") for d in info.differences)
         if prefer_registered and pattern_overrides is None and force_fold is None:
-            info.used = "cache-dit"
+            # cache-dit's registration matches pipeline names by prefix: a class that merely shares
+            # a prefix may be refused by its factory; then ours is used (the stage's caching-off
+            # check also falls back to ours when cache-dit's changes the output)
+            info.used = "cache-dit" if usable else "ditbook"
     return CacheAdapter(pipe, report, info, module, source)
