@@ -205,6 +205,9 @@ def generate_adapter_source(pipe, report: ArchReport, model: str, *, force_fold:
                 continue
             plans.append(BlockListPlan(bl.path, len(_get(transformer, bl.path)), bl.block_class, pattern,
                                        reason=bl.pattern_reason or "from the inspection report"))
+        if u.conditional:
+            plans[-1].reason += ("; the code also reads the list outside its loop in an optional mode, which is "
+                                 "unsafe with the cache on: " + "; ".join(u.conditional[:2]))
     info.uncached = uncached
     if not plans:
         raise CacheRefused("no block list of " + tcls.__name__ + " can be cached safely: " + "; ".join(uncached))

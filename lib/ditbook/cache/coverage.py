@@ -253,8 +253,18 @@ def make_inputs(model, cand: dict, text_len: int = 8, seed: int = 0) -> dict:
         if (n in ("encoder_hidden_states", "context", "txt", "text_states", "prompt_embeds", "y")
                 or (required and ("encoder_hidden" in n or ("text" in n and "emb" in n)))) and td:
             kwargs[p.name] = torch.randn((1, text_len, td), generator=g)
-        elif "timestep" in n or n in ("t", "time", "sigma", "sigmas"):
+        elif n in ("timestep", "timesteps", "t", "time", "sigma", "sigmas") or (required and "timestep" in n):
             kwargs[p.name] = torch.full((1,), 500.0)
+        elif required and ("text" in n or "context" in n or "encoder" in n) and "len" not in n and td:
+            kwargs[p.name] = torch.randn((1, text_len, td), generator=g)
+        elif "label" in n or n in ("class_labels", "classes"):
+            kwargs[p.name] = torch.zeros(1, dtype=torch.long)
+        elif required and ("len" in n):
+            kwargs[p.name] = torch.full((1,), text_len, dtype=torch.long)
+        elif required and ("size" in n or "coord" in n):
+            # image-size conditioning (original/target size, crop corner): pixels of the latent grid
+            full = 8 * hidden[-1] if len(hidden) >= 4 else 64
+            kwargs[p.name] = torch.zeros(1, 2) if "coord" in n else torch.full((1, 2), float(full))
         elif "pooled" in n:
             dims = _ints(cfg, "pooled") or ([td] if td else [])
             if dims:

@@ -256,6 +256,7 @@ class ListUses:
     exclusive: bool = False  # the loops sit in different branches of one ``if`` (only one runs per call)
     other: list[str] = field(default_factory=list)  # "method:line: code" per other use
     in_body: list[str] = field(default_factory=list)  # uses inside the loop's own body (len, indexing)
+    conditional: list[str] = field(default_factory=list)  # other uses only under a test of an optional argument
     loop_flow: list[str] = field(default_factory=list)  # break/continue/return/else inside a loop
 
     def unsafe(self) -> str:
@@ -310,6 +311,21 @@ def _branches(fn: ast.AST) -> dict[int, list[tuple[int, str]]]:
     return out
 
 
+def _optional_guard(fn, ifs: dict, chain: list) -> str:
+    """The test of an enclosing ``if`` that reads a parameter defaulting to None or False (an
+    optional mode the caller must ask for), '' when there is none."""
+    a = fn.args
+    pos = a.posonlyargs + a.args
+    defaults = dict(zip([x.arg for x in pos[len(pos) - len(a.defaults):]], a.defaults))
+    defaults.update({x.arg: d for x, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None})
+    optional = {k for k, d in defaults.items() if isinstance(d, ast.Constant) and d.value in (None, False)}
+    for if_id, branch in chain:
+        node = ifs.get(if_id)
+        if node is not None and branch == "body" and _names(node.test) & optional:
+            return ast.unparse(node.test)
+    return ""
+
+
 def exclusive_branches(branches: dict, a: ast.AST, b: ast.AST) -> bool:
     """True when ``a`` and ``b`` sit in different branches of one ``if``."""
     ca, cb = dict(branches.get(id(a), [])), dict(branches.get(id(b), []))
@@ -339,6 +355,7 @@ def list_uses(cls, paths: list[str]) -> dict[str, ListUses]:
         loop_nodes: set[int] = set()
         body_nodes: dict[int, str] = {}
         branches = _branches(fn)
+        ifs = {id(n): n for n in ast.walk(fn) if isinstance(n, ast.If)}
         loops_by_list: dict[str, list[ast.For]] = {}
         for node in ast.walk(fn):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
@@ -377,5 +394,9 @@ def list_uses(cls, paths: list[str]) -> dict[str, ListUses]:
                 continue  # assignment in __init__-like helpers
             line = ast.unparse(parent if parent is not None else node)
             where = uses[p].in_body if body_nodes.get(id(node)) == p else uses[p].other
+            guard = _optional_guard(fn, ifs, branches.get(id(node), []))
+            if where is uses[p].other and guard:
+                where = uses[p].conditional
+                line = f"{line} [only when {guard}]"
             where.append(f"{name}:{offset + node.lineno}: {line[:80]}")
     return uses
