@@ -317,3 +317,30 @@ def test_attention_traced_without_rebinding_sdpa():
         model(torch.randn(1, 5, 8), torch.full((1,), 10.0))
     assert len(tracer.sdpa) == 3 and tracer.sdpa[0]["q"] == [1, 2, 5, 8]
     assert tracer.sdpa[0]["block"] == ("blocks", 0)
+
+
+class OutputTakenAsIs(Base):
+    def forward(self, hidden_states, timestep, return_dict: bool = False):
+        x, temb = self.embed(hidden_states, timestep)
+        for block in self.blocks:
+            out = block(x, temb)
+            x = out
+        return (self.proj_out(self.norm_out(x)),)
+
+
+def test_taking_the_block_output_is_not_loop_work():
+    from ditbook.inspect.loop_source import read_loops
+
+    loops = read_loops(OutputTakenAsIs(), ["blocks"])
+    assert "blocks" in loops.loops and loops.work == []  # before: `x = out` was reported as loop work
+    # a real step in the loop still is
+    assert [w.code for w in read_loops(OutputScaled(), ["blocks"]).work] == ["x = out * 0.5"]
+
+
+class OutputScaled(Base):
+    def forward(self, hidden_states, timestep, return_dict: bool = False):
+        x, temb = self.embed(hidden_states, timestep)
+        for block in self.blocks:
+            out = block(x, temb)
+            x = out * 0.5
+        return (self.proj_out(self.norm_out(x)),)

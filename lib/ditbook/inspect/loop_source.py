@@ -120,6 +120,7 @@ class _LoopReader:
         self.index_vars = index_vars
         self.block_vars = block_vars
         self.local_names: set[str] = set()
+        self.block_outputs: set[str] = set()  # names a block call's result was assigned to
         self.work: list[LoopWork] = []
 
     def _condition(self, test: ast.AST) -> tuple[bool, str]:
@@ -154,9 +155,23 @@ class _LoopReader:
             if _calls_block(s, self.block_vars):
                 self._block_call(s, active, condition)
                 continue
+            if self._passes_output_on(s):
+                continue  # ``x = out`` / ``x, c = out``: the block's output taken as is, no work
             self._add(s, active, condition)
 
+    def _passes_output_on(self, s: ast.stmt) -> bool:
+        if not isinstance(s, ast.Assign):
+            return False
+        v = s.value
+        if isinstance(v, ast.Subscript) and isinstance(v.slice, ast.Constant) and isinstance(v.slice.value, int):
+            v = v.value  # ``x = out[0]``
+        return (isinstance(v, ast.Name) and v.id in self.block_outputs) or (
+            isinstance(v, ast.Tuple) and all(isinstance(e, ast.Name) and e.id in self.block_outputs for e in v.elts))
+
     def _block_call(self, stmt: ast.stmt, active: bool, condition: str) -> None:
+        if isinstance(stmt, ast.Assign):
+            for t in stmt.targets:
+                self.block_outputs |= _names(t)
         for call in (n for n in ast.walk(stmt) if isinstance(n, ast.Call)):
             if not (isinstance(call.func, ast.Name) and call.func.id in self.block_vars):
                 continue
