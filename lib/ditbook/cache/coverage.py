@@ -503,6 +503,11 @@ def markdown(rows: list[ClassOutcome], seconds: float | None = None, command: st
              "`lib/ditbook/cache/coverage.py` for the rules.", "",
              "Versions: " + ", ".join(f"{k} {val}" for k, val in v.items()) + ".", "",
              f"Totals ({len(rows)} classes): " + ", ".join(f"**{k}** {c} ({c / n:.0%})" for k, c in t.items()) + "."]
+    probe = sum(1 for r in rows if r.outcome == "refused" and r.stage == "build+inputs")
+    if t["refused"]:
+        lines.append(f"Of the refused, {probe} are refusals of this probe (it could not build the class small or "
+                     f"make inputs that run its forward: stage `build+inputs`), {t['refused'] - probe} are "
+                     f"refusals by ditbook's integration (inspection/adapter found no safe way to cache).")
     if seconds is not None:
         lines.append(f"Wall time of this run: {seconds:.0f} s.")
     lines += ["", "| class | outcome | stage | reason | block lists | folded | caching off max abs | skipped | cp | s |",
