@@ -4,7 +4,6 @@ stages' checks (``make test``); the full table is ``python benchmarks/coverage.p
 from __future__ import annotations
 
 import diffusers
-
 from ditbook.cache import coverage
 
 # one cross-attention image model, one joint two-stream model, one video model
@@ -18,8 +17,8 @@ def test_fast_subset_has_no_crash_and_no_wrong():
     for r in rows:
         assert r.outcome == "correct", r
         assert r.off_max_abs <= coverage.TOLERANCE
-        ran, total = (int(v) for v in r.skipped.split(" of "))
-        assert 0 < ran < total  # caching on really skipped block evaluations
+        skipped, total = (int(v) for v in r.skipped.split(" of "))
+        assert 0 < skipped < total  # caching on really skipped block evaluations
     md = coverage.markdown(rows, 1.0)
     assert "| PixArtTransformer2DModel | correct |" in md and "diffusers " + diffusers.__version__ in md
     assert "not run" in md  # the cp column says so while ditbook.parallel has no coverage_cp

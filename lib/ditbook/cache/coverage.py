@@ -370,11 +370,11 @@ def _refusal_types() -> tuple:
 
 def check_class(cls: type, steps: int = STEPS, cp: bool = True) -> ClassOutcome:
     """Run the stages' checks on a tiny instance of ``cls`` (see the module docstring)."""
+    from ..inspect.static import inspect_transformer
+    from ..inspect.trace import trace_calls
     from . import strategies
     from .adapter import build_cache_adapter
     from .counting import EvalCounter
-    from ..inspect.static import inspect_transformer
-    from ..inspect.trace import trace_calls
 
     row = ClassOutcome(cls.__name__, "crash")
     start = time.perf_counter()

@@ -63,13 +63,11 @@ def shaped_projections(m: nn.Module) -> dict:
         by_in.setdefault(lin.in_features, []).append(lin)
     for width, group in by_in.items():
         if len(group) >= 3:
-            outs = [g.out_features for g in group]
-            for i, q in enumerate(group):
+            for q in group:
                 same = [g for g in group if g is not q and g.out_features == q.out_features]
                 if same and q.out_features <= 4 * width:
                     rest = [g for g in group if g is not q and g is not same[0]]
                     return {"q": q, "k": same[0], "v": rest[0]}
-            del outs
     for _, lin in lins:
         if lin.out_features == 3 * lin.in_features and any(
                 o is not lin and o.in_features == lin.in_features for _, o in lins):
