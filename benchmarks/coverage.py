@@ -42,7 +42,9 @@ def main(argv=None) -> int:
         rows = sorted((coverage.ClassOutcome(**r) for d in data for r in d["rows"]), key=lambda r: r.name)
         seconds = max(d["seconds"] for d in data)
         out = args.out or "docs/coverage.md"
-        Path(out).write_text(coverage.markdown(rows, seconds, f"{len(data)} shards, wall time of the longest"))
+        how = (f"run as {len(data)} parallel shards (`--shard K/{len(data)} --json ...`), merged with `--merge`; "
+               f"the wall time is the longest shard's")
+        Path(out).write_text(coverage.markdown(rows, seconds, how))
         print(coverage.totals(rows), f"wrote {out}")
         return 0
     classes = coverage.transformer_classes()
@@ -71,8 +73,8 @@ def main(argv=None) -> int:
     print(coverage.totals(rows), f"{seconds:.0f} s")
     out = args.out or (None if (wanted or args.shard) else "docs/coverage.md")
     if out:
-        cmd = "python benchmarks/coverage.py " + " ".join(argv if argv is not None else sys.argv[1:])
-        Path(out).write_text(coverage.markdown(rows, seconds, cmd.strip()))
+        cmd = "`python benchmarks/coverage.py " + " ".join(argv if argv is not None else sys.argv[1:]).strip() + "`"
+        Path(out).write_text(coverage.markdown(rows, seconds, cmd))
         print(f"wrote {out}")
     return 0
 
