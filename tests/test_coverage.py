@@ -35,8 +35,9 @@ def test_shrink_rules_are_generic():
                   "joint_attention_dim": 1024, "axes_dims_rope": (4, 14, 14)}
 
 
-def test_a_wrong_integration_is_reported_wrong(monkeypatch):
-    # a deliberately wrong adapter (the image stream declared second): the check must not pass it
+def test_a_wrong_pattern_is_never_reported_correct(monkeypatch):
+    # a deliberately wrong adapter (the image stream declared second): here cache-dit cannot even
+    # call the blocks (crash); the check must never pass it
     from ditbook.cache import adapter as adapter_mod
 
     original = adapter_mod.build_cache_adapter
@@ -57,3 +58,28 @@ def test_cp_column_uses_the_parallel_stage_when_it_provides_a_check(monkeypatch)
     assert coverage.run_cp(None, {}) == ("correct", "split 2 ways")
     monkeypatch.delattr(parallel, "coverage_cp")
     assert coverage.run_cp(None, {})[0] == "not run"
+
+
+def test_a_dropped_loop_step_is_reported_wrong(monkeypatch):
+    # a folded adapter whose loop body uses block 0's gate for every block: it runs, and
+    # silently changes the output; the caching-off comparison must call it wrong
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_integration_mechanisms import LoopWorkInHelper
+
+    from ditbook.cache import adapter as adapter_mod
+
+    original = adapter_mod.build_cache_adapter
+
+    def dropped(pipe, report, model=None, **kw):
+        good = original(pipe, report, model)
+        assert "owner.gates[i]" in good.source
+        source = good.source.replace("owner.gates[i]", "owner.gates[0]")
+        module = adapter_mod.import_adapter_module(source, None, "dropped_step")
+        return adapter_mod.CacheAdapter(pipe, report, good.info, module, source)
+
+    monkeypatch.setattr(adapter_mod, "build_cache_adapter", dropped)
+    row = coverage.check_class(LoopWorkInHelper, cp=False)
+    assert row.outcome == "wrong" and "caching off differs" in row.reason, row
