@@ -257,3 +257,113 @@ def test_reference_model_skips_40pct_with_quality_on_holdout(tmp_path):
     assert all(h["psnr_min"] >= 30 and h["ssim_min"] >= 0.9 and h["skipped_fraction"] >= 0.4 for h in hits)
     chosen = s.choose()
     assert chosen and chosen["skipped_fraction"] >= 0.4
+
+
+# --- issue 13: the caching-off check is a hard gate; a refusal lets the run go on -----------------
+
+def _dropped_step_adapter(pipe, report):
+    """A deliberately wrong adapter: the folded loop body hands every block the first block's
+    embedding (``owner.block_embed[0]`` for ``[i]``): it runs, and silently changes the output."""
+    from ditbook.cache.adapter import CacheAdapter, build_cache_adapter, import_adapter_module
+
+    good = build_cache_adapter(pipe, report, "tiny-dropped-step")
+    assert "owner.block_embed[i]" in good.source
+    source = good.source.replace("owner.block_embed[i]", "owner.block_embed[0]")
+    return CacheAdapter(pipe, report, good.info, import_adapter_module(source, None, "tiny_dropped_step"), source)
+
+
+def test_wrong_adapter_stops_the_cache_stage(tiny_run):
+    from ditbook.cache.stage import AdapterCheckFailed
+
+    card, run, pipe, report = tiny_run
+    s = session_for(card, run, pipe, report, only=["dbcache"])
+    s.noise_floor(other_backend=False)
+    assert s.adapter_checks()[0]["reproduces"]  # the generated adapter passes the gate
+    s.adapter = _dropped_step_adapter(pipe, report)
+    with pytest.raises(AdapterCheckFailed, match="does not reproduce the baseline"):
+        s.adapter_checks()
+    assert s.results == []  # nothing was tuned on it
+
+
+def test_refused_adapter_lets_the_run_go_on(tiny_run, monkeypatch):
+    from ditbook.cache import benchmark_configs, stage
+    from ditbook.cache.adapter import CacheRefused
+
+    card, run, pipe, report = tiny_run
+
+    def refuse(*a, **k):
+        raise CacheRefused("inspection found no block list in TinyGQATransformer")
+
+    monkeypatch.setattr(stage, "build_cache_adapter", refuse)
+    s = session_for(card, run, pipe, report)
+    assert s.refused and "no block list" in s.refused
+    # every step the notebook runs, in its order
+    floor = s.noise_floor()
+    assert floor["rerun_vs_intake"]["psnr_min"] is None
+    assert s.adapter_checks() == [] and s.calibrate() == {} and s.tune() == [] and s.choose() is None
+    assert (s.ctx.dir / f"{s.adapter.info.module_name}.py").read_text().startswith('"""No cache-dit adapter')
+    assert not s.reproduce()["ran"]
+    res = s.write_results()
+    assert "no block list" in res["refused"] and res["strategies"] == [] and res["chosen"] is None
+    assert benchmark_configs(s.ctx, res) == []  # the benchmark runs without cache configurations
+
+
+def test_failed_fold_leaves_the_instance_as_it_was(tiny_run):
+    import torch
+
+    card, run, pipe, report = tiny_run
+    from ditbook.cache.adapter import build_cache_adapter
+
+    adapter = build_cache_adapter(pipe, report, "tiny-atomic")
+    t = pipe.transformer
+    blocks = list(t.blocks)
+    adapter.module.FORWARD_SOURCE = "def forward(self:\n"  # fails to compile, after nothing changed
+    with pytest.raises(SyntaxError):
+        adapter.patch()
+    assert list(t.blocks) == blocks and "forward" not in t.__dict__ and not getattr(t, "_ditbook_folded", False)
+    body = getattr(adapter.module, adapter.info.block_lists[0].block_class)
+
+    class Boom(body):  # a wrapper that fails on the third block: half the list would be swapped
+        def __init__(self, block, index, owner, originals=None):
+            if index == 2:
+                raise RuntimeError("boom")
+            super().__init__(block, index, owner, originals)
+
+    adapter.module.FORWARD_SOURCE = type(adapter.module.FORWARD_SOURCE)(
+        build_cache_adapter(pipe, report, "tiny-atomic2").module.FORWARD_SOURCE)
+    setattr(adapter.module, adapter.info.block_lists[0].block_class, Boom)
+    with pytest.raises(RuntimeError, match="boom"):
+        adapter.patch()
+    assert list(t.blocks) == blocks and "forward" not in t.__dict__
+    x = torch.randn(1, 4, 8, 8)
+    assert t is pipe.transformer and all(type(b).__name__ == type(blocks[0]).__name__ for b in t.blocks)
+    del x
+
+
+def test_generated_adapter_import_leaves_no_temp_folder():
+    import tempfile
+
+    from ditbook.cache.adapter import import_adapter_module
+
+    tmp = Path(tempfile.gettempdir())
+    before = set(tmp.glob("ditbook_adapter_*"))
+    mod = import_adapter_module("X = 41 + 1\n", None, "probe_no_temp")
+    assert mod.X == 42
+    assert set(tmp.glob("ditbook_adapter_*")) == before
+
+
+def test_prefix_only_cache_dit_registration_falls_back_to_ours(tiny_run):
+    # cache-dit matches registrations by pipeline-name prefix: a pipeline that merely starts with
+    # "Flux" gets cache-dit's Flux factory, which refuses this transformer; ditbook's adapter is used
+    from ditbook.cache.adapter import build_cache_adapter
+
+    card, run, pipe, report = tiny_run
+    original = type(pipe)
+    pipe.__class__ = type("FluxLikeTinyPipeline", (original,), {})
+    try:
+        adapter = build_cache_adapter(pipe, report, "tiny-prefix")
+    finally:
+        pipe.__class__ = original
+    assert adapter.info.cache_dit_registered == "Flux"
+    assert adapter.info.used == "ditbook"
+    assert any("could not be built" in d for d in adapter.info.differences)

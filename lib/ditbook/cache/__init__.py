@@ -29,7 +29,15 @@ dict), skipped_fraction, attention_skipped_fraction, cached_steps, passed, split
 ``frontier`` / ``frontier_holdout`` (compute saved vs worst PSNR, Pareto set), ``noise_floor``,
 ``adapter_checks`` (caching disabled reproduces the baseline), ``adapter`` (AdapterInfo),
 ``adapter_module`` (relative path of the generated module), ``calibration``,
-``passing_at_40pct``, ``reproduction`` (the generated module rerun in a fresh process).
+``passing_at_40pct``, ``reproduction`` (the generated module rerun in a fresh process),
+``refused`` (null, or why no cache strategy can be applied safely: the stage still passes and
+the benchmark runs without cache configurations), ``adapter_fallback`` (why cache-dit's
+registered adapter was replaced by ditbook's: it failed the caching-off check).
+
+The caching-off check is a hard gate: a strategy that runs with caching off but does not
+reproduce the baseline stops the stage (``stage.AdapterCheckFailed``). ``coverage`` runs the
+same checks on a tiny instance of every transformer class diffusers exports
+(``benchmarks/coverage.py`` -> ``docs/coverage.md``).
 """
 
 from __future__ import annotations

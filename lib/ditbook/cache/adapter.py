@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..inspect.report import ArchReport
+from ..inspect.loop_source import list_uses
 from .loopfold import FoldError, LoopFold, fold_source, plan_fold
 
 # (hidden_states index, encoder_hidden_states index) in a block's returned tuple
@@ -32,6 +33,11 @@ PATTERN_OUTPUT_INDEX = {
     "Pattern_3": (0, None), "Pattern_4": (0, 1), "Pattern_5": (1, 0),
 }
 STANDARD_INPUTS = {"hidden_states", "encoder_hidden_states"}
+
+
+class CacheRefused(ValueError):
+    """No cache strategy can be applied safely to this model; the message names why. The cache
+    stage records it and passes (later stages run without cache configurations)."""
 
 
 @dataclass
@@ -59,6 +65,8 @@ class AdapterInfo:
     differences: list[str] = field(default_factory=list)
     diffusers_hooks: dict = field(default_factory=dict)  # block class -> registered / reason
     module_name: str = ""
+    refused: str | None = None  # why no adapter could be made safely (then block_lists is empty)
+    uncached: list[str] = field(default_factory=list)  # block lists left uncached, each with why
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -87,6 +95,26 @@ def _pattern_from_report(bl) -> str | None:
     return None
 
 
+def _contradicts_trace(bl, pattern: str) -> str:
+    """Why ``pattern`` disagrees with what the traced call showed ('' when it agrees or nothing
+    was traced): the block's outputs (count, roles, shapes) must be the pattern's."""
+    from ..inspect.patterns import PATTERNS
+
+    call = bl.call
+    if call is None or bl.pattern_source != "traced":
+        return ""
+    outs = list(PATTERNS[pattern][1])
+    if call.outputs != len(outs) or list(call.output_roles) != outs:
+        return (f"pattern {pattern} declares outputs {outs} but the traced block returned {call.outputs} "
+                f"value(s) with roles {call.output_roles}")
+    shapes = call.input_shapes or {}
+    for role, shape in zip(call.output_roles, call.output_shapes):
+        want = shapes.get(role)
+        if want is not None and list(shape) != list(want):
+            return f"the traced block's {role} output has shape {shape}, its input {want}"
+    return ""
+
+
 def needs_fold(report: ArchReport, bl, fold: LoopFold | None) -> list[str]:
     """Why the loop over ``bl`` must be folded into its blocks (empty: it need not)."""
     reasons = []
@@ -96,6 +124,15 @@ def needs_fold(report: ArchReport, bl, fold: LoopFold | None) -> list[str]:
         mine = [r for r in report.loop_extra_work_reasons if bl.path in r] or report.loop_extra_work_reasons
         reasons += [f"inspection: {r}" for r in mine] or [
             f"the loop over {bl.path} does {fold.extra_statements} statement(s) of extra work per block"]
+    pattern = _pattern_from_report(bl)
+    if pattern is not None and bl.signature:
+        from ..inspect.patterns import PATTERNS
+
+        missing = [n for n in PATTERNS[pattern][0] if n not in bl.signature]
+        if missing:
+            reasons.append(f"blocks of {bl.path} name their streams {bl.signature[:2]}, not {missing}: cache-dit "
+                           f"passes {list(PATTERNS[pattern][0])} by name, so the loop body is folded into a block "
+                           f"that takes them")
     kws = set(fold.call_keywords if fold else (bl.call.keywords if bl.call else []))
     pos = fold is None or not fold.keyword_call
     if kws and not pos and not ({"hidden_states"} <= kws):
@@ -115,7 +152,21 @@ def generate_adapter_source(pipe, report: ArchReport, model: str, *, force_fold:
                        has_separate_cfg=report.cfg.style == "separate")
     folds: list[LoopFold] = []
     plans: list[BlockListPlan] = []
+    if not report.block_lists:
+        raise CacheRefused(f"inspection found no block list in {tcls.__name__} (no ModuleList whose modules "
+                           f"the forward calls and that run attention): nothing for a block cache to skip")
+    uses = list_uses(tcls, [b.path for b in report.block_lists])
+    uncached: list[str] = []
     for bl in report.block_lists:
+        u = uses[bl.path]
+        if "." in bl.path and not u.loops:
+            uncached.append(f"{bl.path}: nested inside {bl.path.rsplit('.', 1)[0]}, whose own code runs the loop; "
+                            f"cache-dit swaps block lists by attribute of the transformer, so it is left uncached")
+            continue
+        unsafe = u.unsafe()
+        if unsafe:
+            uncached.append(f"{bl.path}: {unsafe}")
+            continue
         try:
             fold = plan_fold(tcls, bl.path)
             fold_problem = ""
@@ -124,9 +175,18 @@ def generate_adapter_source(pipe, report: ArchReport, model: str, *, force_fold:
         reasons = needs_fold(report, bl, fold)
         if report.loop_extra_work and fold is None:
             reasons.append(f"inspection reports loop work but the loop cannot be folded: {fold_problem}")
+        if u.in_body:
+            reasons.append(f"the loop body reads self.{bl.path} itself ({'; '.join(u.in_body[:2])}); folded, it "
+                           f"sees the original list")
+        if bl.call is not None and getattr(bl.call, "returns_tuple", False) and bl.call.outputs == 1:
+            reasons.append(f"blocks of {bl.path} return a 1-tuple that the loop unpacks; folded, the loop body "
+                           f"does the unpacking")
         do_fold = bool(reasons) if force_fold is None else force_fold
         if do_fold and fold is None:
-            raise FoldError(f"{bl.path}: {fold_problem}")
+            if force_fold:
+                raise FoldError(f"{bl.path}: {fold_problem}")
+            uncached.append(f"{bl.path}: the loop must be folded ({reasons[0]}) but cannot be: {fold_problem}")
+            continue
         if do_fold:
             folds.append(fold)
             plans.append(BlockListPlan(bl.path, len(_get(transformer, bl.path)),
@@ -136,10 +196,21 @@ def generate_adapter_source(pipe, report: ArchReport, model: str, *, force_fold:
         else:
             pattern = _pattern_from_report(bl)
             if pattern is None:
-                raise ValueError(f"the report has no forward pattern for {bl.path} "
-                                 f"(inspection stage: BlockList.forward_pattern)")
+                uncached.append(f"{bl.path}: no cache-dit forward pattern fits its traced call "
+                                f"({bl.pattern_reason or 'outputs ' + str(bl.call.output_roles if bl.call else None)})")
+                continue
+            contradiction = _contradicts_trace(bl, pattern)
+            if contradiction:
+                uncached.append(f"{bl.path}: {contradiction}")
+                continue
             plans.append(BlockListPlan(bl.path, len(_get(transformer, bl.path)), bl.block_class, pattern,
                                        reason=bl.pattern_reason or "from the inspection report"))
+        if u.conditional:
+            plans[-1].reason += ("; the code also reads the list outside its loop in an optional mode, which is "
+                                 "unsafe with the cache on: " + "; ".join(u.conditional[:2]))
+    info.uncached = uncached
+    if not plans:
+        raise CacheRefused("no block list of " + tcls.__name__ + " can be cached safely: " + "; ".join(uncached))
     for p in plans:
         if pattern_overrides and p.path in pattern_overrides:
             p.pattern = pattern_overrides[p.path]
@@ -229,19 +300,31 @@ def load_adapter_file(path: str | Path):
 
 def import_adapter_module(source: str, path: str | Path | None = None, name: str = "adapter",
                           existing: Path | None = None):
-    """Import generated adapter source (written to ``path`` when given) as a fresh module."""
+    """Import generated adapter source as a fresh module. Written to ``path`` when given (and
+    imported from there); without a path it is compiled from memory under a pseudo file name
+    registered with ``linecache`` (tracebacks and ``inspect`` still show the source), so no
+    temporary folder is left behind."""
+    import linecache
+    import types
+
     digest = hashlib.sha1(source.encode()).hexdigest()[:10]
     mod_name = f"ditbook_generated_{name}_{digest}"
     if mod_name in sys.modules:
         return sys.modules[mod_name]
-    temp_dir = None
     if existing is not None:
         path = existing
-    elif path is None:
-        import tempfile
-
-        temp_dir = tempfile.mkdtemp(prefix="ditbook_adapter_")
-        path = Path(temp_dir) / f"{name}.py"
+    if path is None:
+        filename = f"<ditbook generated adapter {name} {digest}>"
+        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+        module = types.ModuleType(mod_name)
+        module.__file__ = None
+        sys.modules[mod_name] = module
+        try:
+            exec(compile(source, filename, "exec"), module.__dict__)
+        except BaseException:
+            sys.modules.pop(mod_name, None)
+            raise
+        return module
     path = Path(path)
     if existing is None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -251,12 +334,16 @@ def import_adapter_module(source: str, path: str | Path | None = None, name: str
     sys.modules[mod_name] = module
     try:
         spec.loader.exec_module(module)
-    finally:
-        if temp_dir is not None:  # the file was only there to be imported: leave nothing behind
-            import shutil
-
-            shutil.rmtree(temp_dir, ignore_errors=True)
+    except BaseException:
+        sys.modules.pop(mod_name, None)
+        raise
     return module
+
+
+def refused_module_source(info: AdapterInfo) -> str:
+    """The text written in place of the adapter module when the adapter is refused."""
+    return (f'"""No cache-dit adapter for {info.transformer_class} ({info.pipeline_class}): refused by ditbook.\n\n'
+            f'{info.refused}\n"""\n\nREFUSED = {info.refused!r}\nBLOCK_LISTS = []\n')
 
 
 class CacheAdapter:
@@ -268,6 +355,20 @@ class CacheAdapter:
         self.info = info
         self.module = module
         self.source = source
+
+    @classmethod
+    def refused(cls, pipe, report: ArchReport, model: str, reason: str,
+                write_to: str | Path | None = None) -> "CacheAdapter":
+        """An adapter with no block lists that records why none could be made; every strategy
+        finds nothing to apply (``applicable`` says so) and the stage records the refusal."""
+        info = AdapterInfo(model=model, transformer_class=type(pipe.transformer).__name__,
+                           pipeline_class=type(pipe).__name__, refused=reason,
+                           module_name=f"adapter_{model}".replace("-", "_").replace(".", "_"))
+        source = refused_module_source(info)
+        if write_to is not None:
+            Path(write_to).mkdir(parents=True, exist_ok=True)
+            (Path(write_to) / f"{info.module_name}.py").write_text(source)
+        return cls(pipe, report, info, None, source)
 
     @classmethod
     def from_module(cls, pipe, report: ArchReport, module, used: str = "ditbook") -> "CacheAdapter":
@@ -298,7 +399,8 @@ class CacheAdapter:
         return self
 
     def unpatch(self):
-        self.module.unpatch(self.pipe.transformer)
+        if self.module is not None:
+            self.module.unpatch(self.pipe.transformer)
         return self
 
     @contextlib.contextmanager
@@ -431,6 +533,10 @@ def build_cache_adapter(pipe, report: ArchReport, model: str | None = None, *, w
     info.cache_dit_registered = cache_dit_registered(pipe)
     if info.cache_dit_registered:
         info.differences = compare_with_registered(pipe, info)
+        usable = not any(d.startswith("cache-dit's registered adapter could not be built") for d in info.differences)
         if prefer_registered and pattern_overrides is None and force_fold is None:
-            info.used = "cache-dit"
+            # cache-dit's registration matches pipeline names by prefix: a class that merely shares
+            # a prefix may be refused by its factory; then ours is used (the stage's caching-off
+            # check also falls back to ours when cache-dit's changes the output)
+            info.used = "cache-dit" if usable else "ditbook"
     return CacheAdapter(pipe, report, info, module, source)

@@ -48,6 +48,7 @@ class LoopFold:
     keyword_call: bool  # the block is called with keyword arguments
     call_keywords: list[str] = field(default_factory=list)
     body_source: str = ""
+    method: str = "forward"  # the method of the transformer that holds the loop
 
     @property
     def pattern(self) -> str:
@@ -60,14 +61,23 @@ class LoopFold:
         return d
 
 
-def _forward_function(cls) -> tuple[ast.FunctionDef, str]:
-    fn = inspect.unwrap(cls.forward)
+def _forward_function(cls, method: str = "forward") -> tuple[ast.FunctionDef, str]:
+    fn = inspect.unwrap(getattr(cls, method))
     src = textwrap.dedent(inspect.getsource(fn))
     tree = ast.parse(src)
     node = tree.body[0]
     if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-        raise FoldError(f"{cls.__name__}.forward is not a plain function")
+        raise FoldError(f"{cls.__name__}.{method} is not a plain function")
     return node, src
+
+
+def loop_method(cls, path: str) -> str:
+    """The method that loops over ``self.<path>``: ``forward`` or a method it calls as
+    ``self.<name>(...)`` (found from the source, any depth)."""
+    from ..inspect.loop_source import list_uses
+
+    loops = list_uses(cls, [path])[path].loops
+    return loops[0].split(":")[0] if loops else "forward"
 
 
 def _names(node: ast.AST, ctx) -> list[str]:
@@ -168,14 +178,23 @@ def _is_checkpoint_branch(stmt: ast.stmt) -> bool:
 
 
 def plan_fold(cls, path: str) -> LoopFold:
-    """Read the loop over ``self.<path>`` in ``cls.forward``."""
-    fn, _ = _forward_function(cls)
+    """Read the loop over ``self.<path>`` in ``cls.forward`` (or the helper method that has it)."""
+    method = loop_method(cls, path)
+    fn, _ = _forward_function(cls, method)
     loops = [n for n in ast.walk(fn) if isinstance(n, ast.For) and _loop_list(n)[0] == path]
     if not loops:
         raise FoldError(f"{cls.__name__}.forward has no loop 'for ... in self.{path}' "
                         f"(or enumerate(self.{path})) to fold")
     if len(loops) > 1:
-        raise FoldError(f"{cls.__name__}.forward loops over self.{path} {len(loops)} times")
+        from ..inspect.loop_source import _branches, exclusive_branches
+
+        branches = _branches(fn)
+        if not all(exclusive_branches(branches, a, b) for i, a in enumerate(loops) for b in loops[i + 1:]):
+            raise FoldError(f"{cls.__name__}.{method} loops over self.{path} {len(loops)} times")
+        # alternatives of one ``if`` (the gradient-checkpointing switch): fold the one that calls
+        # the block itself; the rewrite below reduces every one of them to the block call
+        direct = [lp for lp in loops if any(isinstance(c.func, ast.Name) for c in _block_calls(lp.body, _loop_list(lp)[1]))]
+        loops = direct or loops
     loop = loops[0]
     _, block_var, index_var = _loop_list(loop)
     if loop.orelse or any(isinstance(n, (ast.Break, ast.Continue, ast.Return, ast.Yield)) for s in loop.body
@@ -219,7 +238,7 @@ def plan_fold(cls, path: str) -> LoopFold:
     extra = [s for s in loop.body if not _is_checkpoint_branch(s) and not (
         isinstance(s, (ast.Assign, ast.Expr)) and any(c is call for c in ast.walk(s)))]
     body_src = "\n".join(ast.unparse(s) for s in loop.body)
-    return LoopFold(path=path, block_var=block_var, index_var=index_var, carried=carried, inputs=inputs,
+    return LoopFold(path=path, method=method, block_var=block_var, index_var=index_var, carried=carried, inputs=inputs,
                     extra_statements=len(extra), keyword_call=bool(call.keywords) and not call.args,
                     call_keywords=[k.arg for k in call.keywords if k.arg], body_source=body_src)
 
@@ -242,11 +261,24 @@ def _class_name(cls, path: str) -> str:
     return f"{cls.__name__}_{path.replace('.', '_')}_LoopBody"
 
 
+class _OriginalList(ast.NodeTransformer):
+    """``self.<path>`` in a loop body -> ``_original_list`` (the blocks as they were)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def visit_Attribute(self, node):
+        if _self_attr(node) == self.path:
+            return ast.copy_location(ast.Name(id="_original_list", ctx=ast.Load()), node)
+        self.generic_visit(node)
+        return node
+
+
 def _body_function_source(fold: LoopFold) -> str:
     body = ast.parse(fold.body_source).body
-    body = [_RenameSelf().visit(s) for s in body]
+    body = [_RenameSelf().visit(_OriginalList(fold.path).visit(s)) for s in body]
     args = ", ".join(["owner", "index", "block", *fold.carried] + [f"{n}=None" for n in fold.inputs[:0]])
-    kw = "".join(f", {n}=None" for n in fold.inputs)
+    kw = "".join(f", {n}=None" for n in fold.inputs) + ", _original_list=None"
     lines = [f"def loop_body({args}, *{kw}):"]
     if fold.index_var:
         lines.append(f"    {fold.index_var} = index")
@@ -257,8 +289,16 @@ def _body_function_source(fold: LoopFold) -> str:
     return "\n".join(lines) + "\n"
 
 
+def fold_method(folds: list[LoopFold]) -> str:
+    methods = sorted({f.method for f in folds})
+    if len(methods) > 1:
+        raise FoldError(f"the folded loops live in different methods {methods}; one method can be rewritten")
+    return methods[0] if methods else "forward"
+
+
 def _rewritten_forward_source(cls, folds: list[LoopFold]) -> str:
-    fn, _ = _forward_function(cls)
+    method = fold_method(folds)
+    fn, _ = _forward_function(cls, method)
     fn.decorator_list = []
     by_path = {f.path: f for f in folds}
     for loop in [n for n in ast.walk(fn) if isinstance(n, ast.For)]:
@@ -270,7 +310,7 @@ def _rewritten_forward_source(cls, folds: list[LoopFold]) -> str:
         kws = [f"{role}={var}" for role, var in zip(names, fold.carried)] + [f"{n}={n}" for n in fold.inputs]
         target = ", ".join(fold.carried)
         loop.body = ast.parse(f"{target} = {block_var}({', '.join(kws)})").body
-    fn.name = "forward"
+    fn.name = method
     if fn.body and isinstance(fn.body[0], ast.Expr) and isinstance(getattr(fn.body[0], "value", None), ast.Constant) \
             and isinstance(fn.body[0].value.value, str):
         fn.body = fn.body[1:]  # the docstring
@@ -283,7 +323,8 @@ def fold_source(cls, folds: list[LoopFold], functor_name: str) -> str:
     out = []
     mod = cls.__module__
     out.append(f"MODEL_MODULE = {mod!r}  # the module that defines {cls.__name__}; its globals run the code below\n")
-    out.append("# the transformer's forward with each folded loop reduced to one block call per block\n"
+    out.append(f"METHOD = {fold_method(folds)!r}  # the method of {cls.__name__} that runs the loop\n")
+    out.append("# that method with each folded loop reduced to one block call per block\n"
                f"FORWARD_SOURCE = {code_literal(_rewritten_forward_source(cls, folds))}\n")
     for fold in folds:
         cname = _class_name(cls, fold.path)
@@ -307,17 +348,21 @@ def fold_source(cls, folds: list[LoopFold], functor_name: str) -> str:
             "    BODY_SOURCE = {body_literal}",
             "    _body = None",
             "",
-            "    def __init__(self, block, index, owner):",
+            "    def __init__(self, block, index, owner, originals=None):",
             "        super().__init__()",
             '        self.inner = block  # not named "block": cache-dit would inspect it instead of this wrapper',
             "        self.index = index",
             '        object.__setattr__(self, "_owner", owner)  # not a submodule: no cycle',
+            "        # the original blocks, for a loop body that reads the list itself (len, indexing):",
+            "        # while cached, the transformer's attribute holds cache-dit's one-unit stand-in",
+            '        object.__setattr__(self, "_originals", originals)',
             "",
             f"    def forward(self, hidden_states{enc_arg}, **loop_inputs):",
             "        cls = type(self)",
             "        if cls._body is None:",
             '            cls._body = _compile(cls.BODY_SOURCE, "loop_body")',
-            f"        return cls._body(self._owner, self.index, self.inner, hidden_states{enc_pass}, **loop_inputs)",
+            f"        return cls._body(self._owner, self.index, self.inner, hidden_states{enc_pass}, "
+            "_original_list=self._originals, **loop_inputs)",
             "",
         ])
         out.append(piece.replace("{body_literal}", textwrap.indent(code_literal(body_src), "    ").lstrip()))
@@ -349,14 +394,37 @@ def fold_source(cls, folds: list[LoopFold], functor_name: str) -> str:
             def _apply(self, transformer, *args, **kwargs):
                 if getattr(transformer, "_ditbook_folded", False):
                     return transformer
-                for path, cname in FOLDED.items():
-                    blocks = _get(transformer, path)
-                    body_cls = globals()[cname]
-                    for i in range(len(blocks)):
-                        blocks[i] = body_cls(blocks[i], i, transformer)
-                transformer.forward = types.MethodType(_compile(FORWARD_SOURCE, "forward"), transformer)
-                transformer._ditbook_folded = True
-                transformer._is_patched = True
+                # atomic: everything that can fail (compiling, wrapping) happens before the
+                # instance changes; the swap itself is undone if it fails half-way
+                forward = types.MethodType(_compile(FORWARD_SOURCE, METHOD), transformer)
+                lists = {{path: _get(transformer, path) for path in FOLDED}}
+                wrapped = {{path: [globals()[cname](b, i, transformer, list(lists[path]))
+                                  for i, b in enumerate(lists[path])]
+                           for path, cname in FOLDED.items()}}
+                saved = {{path: list(blocks) for path, blocks in lists.items()}}
+                had_forward = METHOD in transformer.__dict__
+                old_forward = transformer.__dict__.get(METHOD)
+                had_patched = "_is_patched" in transformer.__dict__
+                old_patched = transformer.__dict__.get("_is_patched")
+                try:
+                    for path, blocks in lists.items():
+                        for i, w in enumerate(wrapped[path]):
+                            blocks[i] = w
+                    setattr(transformer, METHOD, forward)
+                    transformer._ditbook_folded = True
+                    transformer._is_patched = True
+                except BaseException:
+                    for path, blocks in lists.items():
+                        for i, b in enumerate(saved[path]):
+                            blocks[i] = b
+                    transformer.__dict__.pop(METHOD, None)
+                    if had_forward:
+                        setattr(transformer, METHOD, old_forward)
+                    transformer.__dict__.pop("_ditbook_folded", None)
+                    transformer.__dict__.pop("_is_patched", None)
+                    if had_patched:
+                        transformer._is_patched = old_patched
+                    raise
                 return transformer
 
 
@@ -368,7 +436,7 @@ def fold_source(cls, folds: list[LoopFold], functor_name: str) -> str:
                 blocks = _get(transformer, path)
                 for i in range(len(blocks)):
                     blocks[i] = blocks[i].inner
-            transformer.__dict__.pop("forward", None)
+            transformer.__dict__.pop(METHOD, None)
             del transformer._ditbook_folded
             transformer.__dict__.pop("_is_patched", None)
             return transformer

@@ -24,12 +24,18 @@ import numpy as np
 
 from ..quality import Gates
 from . import strategies
-from .adapter import CacheAdapter, build_cache_adapter
+from .adapter import CacheAdapter, CacheRefused, build_cache_adapter
+from .loopfold import FoldError
 from .verify import StrategyResult, counted_render, disabled_check, evaluate, max_abs, noise_floor
 
 
 class NoiseFloorError(RuntimeError):
     """The baseline rendered twice does not agree with itself: no quality gate can be read."""
+
+
+class AdapterCheckFailed(RuntimeError):
+    """A strategy with caching turned off does not reproduce the baseline: the adapter changes
+    the model's output, so no result of it can be trusted; the cache stage stops."""
 
 
 def gates_from_card(card) -> Gates:
@@ -81,15 +87,24 @@ class CacheSession:
     max_configs: int | None = None  # per strategy (None: the card's, else the whole grid)
     confirm_tries: int | None = None  # held-out confirmations per strategy (None: card.cache.confirm_tries)
     compiled: dict = field(default_factory=dict)  # the chosen configuration compiled (compiled_check)
+    refused: str | None = None  # why no cache strategy can be applied safely (the stage still passes)
+    fallback: list = field(default_factory=list)  # why cache-dit's registered adapter was replaced by ours
 
     # -- setup ---------------------------------------------------------------------------
     @classmethod
     def open(cls, ctx, report, pipe=None, only: list | None = None, max_configs: int | None = None,
              **adapter_kwargs) -> "CacheSession":
         pipe = pipe if pipe is not None else ctx.load_pipeline()
-        adapter = build_cache_adapter(pipe, report, ctx.card.name, write_to=ctx.dir, **adapter_kwargs)
+        refused = None
+        try:
+            adapter = build_cache_adapter(pipe, report, ctx.card.name, write_to=ctx.dir, **adapter_kwargs)
+        except (CacheRefused, FoldError) as exc:
+            # no safe adapter: record the named reason and let the run go on without caching
+            refused = f"{type(exc).__name__}: {exc}"
+            adapter = CacheAdapter.refused(pipe, report, ctx.card.name, refused, write_to=ctx.dir)
         return cls(ctx=ctx, report=report, pipe=pipe, adapter=adapter, gates=gates_from_card(ctx.card),
-                   baseline=ctx.baseline(), only=list(only) if only else None, max_configs=max_configs or None)
+                   baseline=ctx.baseline(), only=list(only) if only else None, max_configs=max_configs or None,
+                   refused=refused)
 
     @property
     def card(self):
@@ -100,8 +115,12 @@ class CacheSession:
         return [n for n in wanted if n in strategies.names()]
 
     def runnable(self) -> list[str]:
+        if self.refused:
+            return []
         out = []
         for name in self.strategy_names():
+            if name in self.skipped:
+                continue
             why = strategies.get(name).applicable(self.adapter)
             if why:
                 self.skipped[name] = why
@@ -111,6 +130,10 @@ class CacheSession:
 
     # -- evidence ------------------------------------------------------------------------
     def noise_floor(self, other_backend: bool = True) -> dict:
+        if self.refused:
+            self.floor = {"rerun_max_abs": None, "rerun_vs_intake": {"psnr_min": None},
+                          "other_backend": "not measured (cache refused)"}
+            return self.floor
         self.floor, rerun, self.baseline_counts = noise_floor(self.pipe, self.card, self.adapter, self.baseline,
                                                               self.gates, other_backend=other_backend)
         again = self.floor["rerun_vs_intake"]
@@ -123,11 +146,40 @@ class CacheSession:
         return self.floor
 
     def adapter_checks(self) -> list[dict]:
-        """Every runnable strategy with caching turned off must reproduce the baseline."""
+        """Every runnable strategy with caching turned off must reproduce the baseline: a hard
+        gate. A strategy that cannot run at all is skipped (named); one that runs but changes the
+        output stops the stage (``AdapterCheckFailed``) — after falling back from cache-dit's
+        registered adapter to ditbook's generated one when the failure was cache-dit's."""
+        if self.refused:
+            self.checks = []
+            return self.checks
         gen = self.card.generation
         tol = self.card.cache.reproduce_tolerance
-        self.checks = [disabled_check(self.pipe, self.card, self.adapter, n, self.baseline, self.baseline_counts,
-                                      self.gates, gen.prompts, gen.seeds, tol) for n in self.runnable()]
+
+        def run_checks():
+            return [disabled_check(self.pipe, self.card, self.adapter, n, self.baseline, self.baseline_counts,
+                                   self.gates, gen.prompts, gen.seeds, tol) for n in self.runnable()]
+
+        self.checks = run_checks()
+        bad = [c for c in self.checks if c.get("checked") and not c.get("reproduces")]
+        if bad and self.adapter.info.used == "cache-dit" and self.adapter.module is not None:
+            self.fallback = [f"{c['name']}: {c.get('error') or 'max abs ' + format(c.get('max_abs'), '.3g')}"
+                             for c in bad]
+            self.adapter.info.used = "ditbook"
+            self.adapter.info.differences.append(
+                "cache-dit's registered adapter failed the caching-off check (" + "; ".join(self.fallback)
+                + "); ditbook's generated adapter is used instead")
+            self.checks = run_checks()
+        for c in self.checks:
+            if c.get("checked") and not c.get("reproduces") and c.get("error"):
+                self.skipped[c["name"]] = f"caching-off check could not run: {c['error']}"
+        wrong = [c for c in self.checks if c.get("checked") and not c.get("reproduces") and not c.get("error")]
+        if wrong:
+            raise AdapterCheckFailed(
+                "caching turned off does not reproduce the baseline for "
+                + ", ".join(f"{c['name']} (max abs {c['max_abs']:.3g} > {tol:g})" for c in wrong)
+                + f" with the {self.adapter.info.used} adapter: the adapter changes the model's output, "
+                  "so the cache stage stops and no later stage uses it")
         return self.checks
 
     def calibrate(self) -> dict:
@@ -136,6 +188,9 @@ class CacheSession:
         from .strategies.diffusers_magcache import DiffusersMagCache
         from .strategies.teacache_fitted import TeaCacheFitted
 
+        if self.refused:
+            self.calibration = {"records": []}
+            return {}
         gen = self.card.generation
         run = lambda: counted_render(self.pipe, self.card, self.adapter, gen.prompts, gen.seeds)  # noqa: E731
         coeffs, records = TeaCacheFitted.calibrate(self.pipe, self.adapter, run)
@@ -301,7 +356,8 @@ class CacheSession:
         """Import the generated adapter module in a fresh Python process, rerun the chosen
         configuration and compare with the images verified here."""
         if not self.chosen:
-            self.reproduction = {"ran": False, "reason": "no configuration passed on held-out cases"}
+            self.reproduction = {"ran": False, "reason": f"cache refused: {self.refused}" if self.refused
+                                 else "no configuration passed on held-out cases"}
             return self.reproduction
         spec = {"card": str(self.card.card_path), "overrides": self.ctx.overrides,
                 "adapter_module": str(self.ctx.dir / f"{self.adapter.info.module_name}.py"),
@@ -329,6 +385,8 @@ class CacheSession:
     def write_results(self) -> dict:
         adapter_rel = f"{self.adapter.info.module_name}.py"
         res = {
+            "refused": self.refused,  # why no cache strategy could be applied safely (null: none refused)
+            "adapter_fallback": self.fallback,
             "adapter": self.adapter.info.to_dict(),
             "adapter_module": adapter_rel,
             "gates": self.gates.to_dict(),

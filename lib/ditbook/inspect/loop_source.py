@@ -120,6 +120,7 @@ class _LoopReader:
         self.index_vars = index_vars
         self.block_vars = block_vars
         self.local_names: set[str] = set()
+        self.block_outputs: set[str] = set()  # names a block call's result was assigned to
         self.work: list[LoopWork] = []
 
     def _condition(self, test: ast.AST) -> tuple[bool, str]:
@@ -154,9 +155,23 @@ class _LoopReader:
             if _calls_block(s, self.block_vars):
                 self._block_call(s, active, condition)
                 continue
+            if self._passes_output_on(s):
+                continue  # ``x = out`` / ``x, c = out``: the block's output taken as is, no work
             self._add(s, active, condition)
 
+    def _passes_output_on(self, s: ast.stmt) -> bool:
+        if not isinstance(s, ast.Assign):
+            return False
+        v = s.value
+        if isinstance(v, ast.Subscript) and isinstance(v.slice, ast.Constant) and isinstance(v.slice.value, int):
+            v = v.value  # ``x = out[0]``
+        return (isinstance(v, ast.Name) and v.id in self.block_outputs) or (
+            isinstance(v, ast.Tuple) and all(isinstance(e, ast.Name) and e.id in self.block_outputs for e in v.elts))
+
     def _block_call(self, stmt: ast.stmt, active: bool, condition: str) -> None:
+        if isinstance(stmt, ast.Assign):
+            for t in stmt.targets:
+                self.block_outputs |= _names(t)
         for call in (n for n in ast.walk(stmt) if isinstance(n, ast.Call)):
             if not (isinstance(call.func, ast.Name) and call.func.id in self.block_vars):
                 continue
@@ -199,7 +214,21 @@ def read_loops(module, block_paths: list[str]) -> LoopSource:
     fn = tree.body[0]
     args = {a.arg for a in fn.args.args + fn.args.kwonlyargs} - {"self"}
     out = LoopSource(file=file)
-    for node in ast.walk(fn):
+    # forward, then the methods it calls as self.<name>(...) (a loop may live in a helper)
+    methods = _method_asts(cls)
+    bodies: list[tuple[ast.AST, int]] = [(fn, start)]
+    seen, todo = {"forward"}, [fn]
+    while todo:
+        cur = todo.pop()
+        for n in ast.walk(cur):
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name) \
+                    and n.func.value.id == "self" and n.func.attr in methods and n.func.attr not in seen:
+                seen.add(n.func.attr)
+                helper, off = methods[n.func.attr]
+                bodies.append((helper, off + 1))
+                todo.append(helper)
+                args |= {a.arg for a in helper.args.args + helper.args.kwonlyargs} - {"self"}
+    for node, start in ((n, st) for body, st in bodies for n in ast.walk(body)):
         if not isinstance(node, ast.For):
             continue
         paths = {p for p in (_attr_path(n) for n in ast.walk(node.iter)) if p}
@@ -230,3 +259,159 @@ def read_loops(module, block_paths: list[str]) -> LoopSource:
             reader.read(node.body)
         out.work.extend(reader.work)
     return out
+
+
+@dataclass
+class ListUses:
+    """Every place the transformer's code touches ``self.<path>`` (forward and the methods it
+    calls as ``self.<method>(...)``, one level deep and then recursively)."""
+
+    path: str
+    loops: list[str] = field(default_factory=list)  # "forward:123" per plain for-loop over the list
+    exclusive: bool = False  # the loops sit in different branches of one ``if`` (only one runs per call)
+    other: list[str] = field(default_factory=list)  # "method:line: code" per other use
+    in_body: list[str] = field(default_factory=list)  # uses inside the loop's own body (len, indexing)
+    conditional: list[str] = field(default_factory=list)  # other uses only under a test of an optional argument
+    loop_flow: list[str] = field(default_factory=list)  # break/continue/return/else inside a loop
+
+    def unsafe(self) -> str:
+        """Why replacing the list by one cached unit would change what the code does ('' if safe)."""
+        if self.other:
+            return (f"the code touches self.{self.path} outside its loop ({'; '.join(self.other[:3])}): a cache that "
+                    f"stands in one unit for the list would change what that code sees")
+        if len(self.loops) > 1 and not self.exclusive:
+            return f"the code loops over self.{self.path} {len(self.loops)} times ({', '.join(self.loops)})"
+        if self.loop_flow:
+            return f"the loop over self.{self.path} uses {', '.join(self.loop_flow)}: a cached unit cannot stop early"
+        if not self.loops:
+            return f"no loop over self.{self.path} found in the transformer's code"
+        return ""
+
+
+def _method_asts(cls) -> dict[str, tuple[ast.FunctionDef, int]]:
+    out = {}
+    for klass in cls.__mro__:
+        if klass.__module__.startswith("torch."):
+            break
+        for name, fn in vars(klass).items():
+            if name in out or not inspect.isfunction(fn):
+                continue
+            try:
+                src, start = inspect.getsourcelines(inspect.unwrap(fn))
+                node = ast.parse(textwrap.dedent("".join(src))).body[0]
+            except (OSError, TypeError, SyntaxError, IndexError):
+                continue
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                out[name] = (node, start - 1)
+    return out
+
+
+def _branches(fn: ast.AST) -> dict[int, list[tuple[int, str]]]:
+    """For every node, the ``if`` statements above it and which branch it is in."""
+    out: dict[int, list[tuple[int, str]]] = {}
+
+    def visit(node, chain):
+        out[id(node)] = chain
+        if isinstance(node, ast.If):
+            visit(node.test, chain)
+            for s in node.body:
+                visit(s, chain + [(id(node), "body")])
+            for s in node.orelse:
+                visit(s, chain + [(id(node), "orelse")])
+            return
+        for c in ast.iter_child_nodes(node):
+            visit(c, chain)
+
+    visit(fn, [])
+    return out
+
+
+def _optional_guard(fn, ifs: dict, chain: list) -> str:
+    """The test of an enclosing ``if`` that reads a parameter defaulting to None or False (an
+    optional mode the caller must ask for), '' when there is none."""
+    a = fn.args
+    pos = a.posonlyargs + a.args
+    defaults = dict(zip([x.arg for x in pos[len(pos) - len(a.defaults):]], a.defaults))
+    defaults.update({x.arg: d for x, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None})
+    optional = {k for k, d in defaults.items() if isinstance(d, ast.Constant) and d.value in (None, False)}
+    for if_id, branch in chain:
+        node = ifs.get(if_id)
+        if node is not None and branch == "body" and _names(node.test) & optional:
+            return ast.unparse(node.test)
+    return ""
+
+
+def exclusive_branches(branches: dict, a: ast.AST, b: ast.AST) -> bool:
+    """True when ``a`` and ``b`` sit in different branches of one ``if``."""
+    ca, cb = dict(branches.get(id(a), [])), dict(branches.get(id(b), []))
+    return any(k in cb and cb[k] != v for k, v in ca.items())
+
+
+def _loop_iter_lists(it: ast.AST) -> list[ast.AST]:
+    """The ``self.<x>`` nodes a for-loop's iterable runs over one by one: ``self.x`` itself or
+    ``enumerate(self.x)``; anything else (``zip``, ``range(len(...))``) is not a plain loop."""
+    if isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "enumerate" and len(it.args) == 1:
+        it = it.args[0]
+    return [it] if _attr_path(it) else []
+
+
+def list_uses(cls, paths: list[str]) -> dict[str, ListUses]:
+    """Where the code of ``cls`` (``forward`` and methods reached from it) touches each list."""
+    methods = _method_asts(cls)
+    uses = {p: ListUses(p) for p in paths}
+    seen: set[str] = set()
+    todo = ["forward"]
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in methods:
+            continue
+        seen.add(name)
+        fn, offset = methods[name]
+        loop_nodes: set[int] = set()
+        body_nodes: dict[int, str] = {}
+        branches = _branches(fn)
+        ifs = {id(n): n for n in ast.walk(fn) if isinstance(n, ast.If)}
+        loops_by_list: dict[str, list[ast.For]] = {}
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                    isinstance(node.func.value, ast.Name) and node.func.value.id == "self":
+                todo.append(node.func.attr)
+            if isinstance(node, ast.For):
+                for it in _loop_iter_lists(node.iter):
+                    p = _attr_path(it)
+                    if p in uses:
+                        loop_nodes.add(id(it))
+                        loops_by_list.setdefault(p, []).append(node)
+                        uses[p].loops.append(f"{name}:{offset + node.lineno}")
+                        body_nodes.update({id(n): p for st in node.body for n in ast.walk(st)})
+                        flow = sorted({type(n).__name__.lower() for s in node.body for n in ast.walk(s)
+                                       if isinstance(n, (ast.Break, ast.Continue, ast.Return))})
+                        if node.orelse:
+                            flow.append("for-else")
+                        uses[p].loop_flow += flow
+        for p, found in loops_by_list.items():
+            if len(found) > 1 and len(uses[p].loops) == len(found):
+                uses[p].exclusive = all(exclusive_branches(branches, a, b)
+                                        for i, a in enumerate(found) for b in found[i + 1:])
+        parents = {id(c): n for n in ast.walk(fn) for c in ast.iter_child_nodes(n)}
+        for node in ast.walk(fn):
+            if not isinstance(node, ast.Attribute) or id(node) in loop_nodes:
+                continue
+            p = _attr_path(node)
+            if p not in uses:
+                continue
+            parent = parents.get(id(node))
+            if isinstance(parent, ast.Attribute) and _attr_path(parent):
+                continue  # counted at the outermost self.a.b
+            if isinstance(parent, ast.Call) and parent.func is node:
+                continue  # self.blocks(...)? not a list use
+            if getattr(node, "ctx", None).__class__ is ast.Store:
+                continue  # assignment in __init__-like helpers
+            line = ast.unparse(parent if parent is not None else node)
+            where = uses[p].in_body if body_nodes.get(id(node)) == p else uses[p].other
+            guard = _optional_guard(fn, ifs, branches.get(id(node), []))
+            if where is uses[p].other and guard:
+                where = uses[p].conditional
+                line = f"{line} [only when {guard}]"
+            where.append(f"{name}:{offset + node.lineno}: {line[:80]}")
+    return uses

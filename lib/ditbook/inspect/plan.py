@@ -122,6 +122,23 @@ def _divisors(n: int | None, options=(2, 4, 8)) -> list[int]:
     return [d for d in options if n and n % d == 0]
 
 
+def structural_risks(report: ArchReport) -> list[dict]:
+    """Risks that decide whether a block cache can apply at all; they come first in the plan."""
+    out = []
+    if not report.block_lists:
+        out.append(_risk("no_block_list", "high",
+                         f"inspection found no block list in {report.transformer_class} (no ModuleList of modules "
+                         f"that the forward calls and that run attention)",
+                         "the cache stage refuses with this reason (nothing for a block cache to skip) and the run "
+                         "goes on without cache configurations"))
+    for note in report.notes:
+        if "outside its loop" in note or "no loop over" in note:
+            out.append(_risk("block_list_use", "high", note,
+                             "that list is left uncached (a cached unit standing in for it would change what the "
+                             "code sees)"))
+    return out
+
+
 def build_plan(report: ArchReport, surface: CodeSurface | None, card) -> dict:
     att, cfg, sup = report.attention, report.cfg, report.support
     lists = [{
@@ -170,7 +187,7 @@ def build_plan(report: ArchReport, surface: CodeSurface | None, card) -> dict:
         parallel.append({"kind": "tensor", "degrees": _divisors(heads),
                          "via": "diffusers _tp_plan" if sup.diffusers_tp_plan else f"cache-dit TP planner {sup.cache_dit_tp_planner!r}"})
 
-    risks = []
+    risks = structural_risks(report)
     if att.masks:
         risks.append(_risk("masks_under_cp", "high" if any(p["kind"] in ("ulysses", "ring") for p in parallel) else "medium",
                            f"attention masks enter at {att.masks}; under context parallelism they must be split or "

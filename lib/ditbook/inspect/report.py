@@ -26,6 +26,7 @@ class CallConvention:
     positional: list[str] = field(default_factory=list)  # parameter names bound positionally, in order
     keywords: list[str] = field(default_factory=list)  # parameter names passed as keywords
     outputs: int = 1  # arity of the returned value (1 for a bare tensor)
+    returns_tuple: bool = False  # the block returns a tuple/list (a 1-tuple has outputs == 1 too)
     output_roles: list[str] = field(default_factory=list)  # e.g. ["encoder_hidden_states", "hidden_states"]
     input_shapes: dict[str, list[int]] = field(default_factory=dict)
     output_shapes: list[list[int]] = field(default_factory=list)

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .loop_source import read_loops
+from .loop_source import list_uses, read_loops
 from .patterns import diffusers_block_metadata, forward_params, match_pattern, static_output_roles
 from .report import ArchReport, AttentionFacts, BlockList, CallConvention
 
@@ -48,15 +48,45 @@ def _linear_in(m) -> int | None:
     return getattr(m, "in_features", None)
 
 
+def _linear_children(m: nn.Module) -> list[tuple[str, nn.Linear]]:
+    return [(n, c) for n, c in m.named_children() if isinstance(c, nn.Linear)]
+
+
+def shaped_projections(m: nn.Module) -> dict:
+    """q/k/v recognised by shape, whatever their names: three or more direct Linear children
+    reading the same width where two of them (query and key) write the same width; or one
+    direct Linear writing three times its input width (a fused qkv) next to a Linear that
+    reads the same width (the output projection; an MLP's down projection reads the wide one)."""
+    lins = _linear_children(m)
+    by_in: dict[int, list[nn.Linear]] = {}
+    for _, lin in lins:
+        by_in.setdefault(lin.in_features, []).append(lin)
+    for width, group in by_in.items():
+        if len(group) >= 3:
+            for q in group:
+                same = [g for g in group if g is not q and g.out_features == q.out_features]
+                if same and q.out_features <= 4 * width:
+                    rest = [g for g in group if g is not q and g is not same[0]]
+                    return {"q": q, "k": same[0], "v": rest[0]}
+    for _, lin in lins:
+        if lin.out_features == 3 * lin.in_features and any(
+                o is not lin and o.in_features == lin.in_features for _, o in lins):
+            return {"qkv": lin}
+    return {}
+
+
 def projections(m: nn.Module) -> dict:
-    """q/k/v (or fused) projection layers of an attention module, {} when it is none."""
+    """q/k/v (or fused) projection layers of an attention module, {} when it is none: by the
+    usual names first, then by shape (``shaped_projections``)."""
     for q, k, v in QK_NAMES:
         if isinstance(getattr(m, q, None), nn.Module) and isinstance(getattr(m, k, None), nn.Module):
             return {"q": getattr(m, q), "k": getattr(m, k), "v": getattr(m, v, None)}
     for name in FUSED_NAMES:
         if isinstance(getattr(m, name, None), nn.Linear):
             return {"qkv": getattr(m, name)}
-    return {}
+    if isinstance(m, nn.ModuleList):
+        return {}
+    return shaped_projections(m)
 
 
 def is_attention(m: nn.Module) -> bool:
@@ -67,8 +97,19 @@ def attention_modules(m: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(n, s) for n, s in m.named_modules() if n and is_attention(s)]
 
 
+def is_container(m: nn.Module) -> bool:
+    """A module that is never called itself (its class defines no ``forward``): a stage that
+    only holds block lists."""
+    return type(m).forward is nn.Module.forward
+
+
 def is_block(m: nn.Module) -> bool:
-    return not is_attention(m) and bool(attention_modules(m))
+    """A module the forward calls that runs attention: attention below it, or attention
+    inlined in the module itself (its own q/k/v projections)."""
+    if is_container(m):
+        return False
+    return bool(attention_modules(m)) or (is_attention(m) and not isinstance(m, nn.MultiheadAttention)
+                                          and any(True for _ in m.children()) and len(_linear_children(m)) >= 4)
 
 
 def param_count(m: nn.Module) -> int:
@@ -127,6 +168,9 @@ def find_block_lists(module: nn.Module) -> tuple[list[tuple[str, nn.ModuleList]]
         if children and all(is_block(c) for c in children):
             blocks.append((name, m))
             taken.append(name)
+        elif children and all(is_container(c) for c in children):
+            others.append(f"{name} ({len(children)} x {'/'.join(sorted({type(c).__name__ for c in children}))}): "
+                          f"containers that are never called themselves; their block lists are searched instead")
         else:
             kinds = sorted({type(c).__name__ for c in children})
             others.append(f"{name} ({len(children)} x {'/'.join(kinds) or 'empty'}): no attention inside, not blocks")
@@ -251,6 +295,15 @@ def inspect_transformer(module: nn.Module, pipeline_class: str | None = None, su
         if path not in loops.loops and not loops.error:
             report.notes.append(f"no loop over self.{path} found in {report.transformer_class}.forward; "
                                 f"the blocks are called elsewhere (check before caching)")
+    try:
+        uses = list_uses(type(module), [b.path for b in block_lists])
+    except Exception as exc:  # unreadable source: said, not fatal
+        uses = {}
+        report.notes.append(f"the code's uses of the block lists could not be read: {type(exc).__name__}: {exc}")
+    for path, u in uses.items():
+        unsafe = u.unsafe()
+        if unsafe and not unsafe.startswith("no loop over"):
+            report.notes.append(f"{path}: {unsafe}")
     report.loop_extra_work_reasons = [w.describe() for w in loops.active]
     report.loop_work_conditional = [w.describe() for w in loops.conditional]
     report.loop_extra_work = bool(loops.active)

@@ -44,6 +44,33 @@ def _same(a, b) -> bool:
     return a == b if isinstance(a, (int, float, str, bool, type(None))) else False
 
 
+class AttentionCallMode(torch.overrides.TorchFunctionMode):
+    """Sees every ``scaled_dot_product_attention`` call made while it is active (the torch
+    function, whatever name the caller reached it by, including diffusers' attention dispatch,
+    which ends in it on the native backends) and reports query/key/mask to ``record``."""
+
+    def __init__(self, record):
+        super().__init__()
+        self.record = record
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            q = args[0] if args else kwargs.get("query")
+            k = args[1] if len(args) > 1 else kwargs.get("key")
+            mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+            self.record(q, k, mask, kwargs.get("enable_gqa", False))
+        return func(*args, **kwargs)
+
+
+def attention_calls(module: nn.Module, run: Callable[[], Any]) -> list[dict]:
+    """The attention calls (query/key shapes) ``run()`` makes, seen by a TorchFunctionMode."""
+    seen: list[dict] = []
+    with AttentionCallMode(lambda q, k, m, g: seen.append({"q": list(q.shape), "k": list(k.shape)})):
+        run()
+    return seen
+
+
 class _Call:
     def __init__(self, path: str, index: int, bound: dict, positional: list[str], keywords: list[str]):
         self.path, self.index, self.bound = path, index, bound
@@ -66,6 +93,8 @@ class Tracer:
         self._pending: dict[int, _Call] = {}
         self.sdpa: list[dict] = []  # first forward only
         self.steps = 0
+        self._active: list[tuple[str, int]] = []  # block calls in progress (path, index)
+        self._mode = None
 
     # -- hooks ----------------------------------------------------------------------------
     def _t_pre(self, module, args, kwargs):
@@ -98,20 +127,24 @@ class Tracer:
             call.order = [p.name for p in params]
             self._pending[id(module)] = call
             self.calls.append(call)
+            self._active.append((path, index))
         return hook
 
     def _b_post(self, module, args, kwargs, output):
+        if self._active:
+            self._active.pop()
         call = self._pending.pop(id(module), None)
         if call is not None:
             call.outputs = list(output) if isinstance(output, (tuple, list)) else [output]
+            call.returns_tuple = isinstance(output, (tuple, list))
 
-    def _sdpa(self, original):
-        def wrapped(query, key, value, attn_mask=None, *a, **kw):
-            if self.forwards == 1:
-                self.sdpa.append({"q": list(query.shape), "k": list(key.shape), "mask": attn_mask is not None,
-                                  "enable_gqa": bool(kw.get("enable_gqa", False))})
-            return original(query, key, value, attn_mask, *a, **kw)
-        return wrapped
+    def _record_attention(self, query, key, attn_mask=None, enable_gqa=False, via: str = "sdpa") -> None:
+        if self.forwards == 1 and isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor):
+            self.sdpa.append({"q": list(query.shape), "k": list(key.shape), "mask": attn_mask is not None,
+                              "enable_gqa": bool(enable_gqa), "via": via, "block": self._current_block()})
+
+    def _current_block(self):
+        return self._active[-1] if self._active else None
 
     def __enter__(self):
         self.handles.append(self.transformer.register_forward_pre_hook(self._t_pre, with_kwargs=True))
@@ -119,12 +152,16 @@ class Tracer:
             for i, block in enumerate(self.transformer.get_submodule(path)):
                 self.handles.append(block.register_forward_pre_hook(self._b_pre(path, i), with_kwargs=True))
                 self.handles.append(block.register_forward_hook(self._b_post, with_kwargs=True))
-        self._orig_sdpa = torch.nn.functional.scaled_dot_product_attention
-        torch.nn.functional.scaled_dot_product_attention = self._sdpa(self._orig_sdpa)
+        # attention calls are seen through a TorchFunctionMode for the traced call only: nothing
+        # in torch is rebound, so other threads and other code paths are never affected
+        self._mode = AttentionCallMode(self._record_attention)
+        self._mode.__enter__()
         return self
 
     def __exit__(self, *exc):
-        torch.nn.functional.scaled_dot_product_attention = self._orig_sdpa
+        if self._mode is not None:
+            self._mode.__exit__(*exc)
+            self._mode = None
         for h in self.handles:
             h.remove()
         self.handles.clear()
@@ -236,6 +273,7 @@ def analyse_calls(tracer: Tracer, transformer: nn.Module, report: ArchReport) ->
         b.pattern_source = "traced"
         b.call = CallConvention(
             positional=list(first.positional), keywords=list(first.keywords), outputs=len(first.outputs),
+            returns_tuple=bool(getattr(first, "returns_tuple", False)),
             output_roles=roles,
             input_shapes={k: _shape(v) for k, v in first.bound.items() if isinstance(v, torch.Tensor)},
             output_shapes=[_shape(o) or [] for o in first.outputs], calls_per_forward=len(calls),

@@ -1,0 +1,536 @@
+"""Coverage: every transformer class the installed diffusers exports, integrated the way the
+stages integrate a new model, on a tiny random instance.
+
+Per class (``check_class``):
+
+1. **build** a tiny instance from its ``__init__`` defaults shrunk by generic rules
+   (``shrink_config``): int parameters that count layers/blocks/depth become 2, every other int
+   (and int tuple) of 32 or more is divided by one common factor (8, then 4, then 2), so the
+   ratios between widths, head dims and RoPE axes stay what the class expects. A class that no
+   factor builds is ``refused`` with the constructor's error.
+2. **inputs** from the forward signature (``make_inputs``): the parameters are matched by name
+   to tensors whose shapes come from the config (image latents as 4-D, 5-D or packed 3-D,
+   text states with the width of a text/caption/joint/cross config entry, pooled vectors,
+   timesteps, position ids); the first combination whose forward runs is kept. None runs:
+   ``refused`` with the last error.
+3. **inspection** (``ditbook.inspect``): static report plus a traced call.
+4. **cache adapter** (``build_cache_adapter``) and the dbcache strategy with caching off: every
+   step's output equal to the plain forward (max abs diff <= 1e-5, fp32); then with caching on,
+   several steps with slowly changing inputs: finite outputs and block evaluations really
+   skipped (counted on the original blocks).
+5. **cp**: ``ditbook.parallel.coverage_cp(transformer, args, kwargs)`` when the parallel stage
+   provides it, else "not run".
+
+Outcomes: ``correct``; ``refused`` (a named reason: ditbook declined to integrate); ``crash``
+(an exception that is not a named refusal: a bug in ditbook, cache-dit or the probe);
+``wrong`` (caching off differs from the plain forward, non-finite output, or nothing skipped).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+import io
+import math
+import pkgutil
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+LAYER_WORDS = ("layers", "layer", "depth", "num_blocks", "blocks")
+# (width divisor, head count cap): few heads first (fast), then the class's own head counts
+# for classes whose widths are tied to heads x head dim
+LADDER = ((8, 2), (4, 2), (8, None), (4, None), (2, None))
+STEPS = 6
+TOLERANCE = 1e-5
+
+
+# optional int knobs that some classes leave None by default (one of several input modes): set
+# to what a small latent-image model uses, so the class builds in its continuous-latent mode
+OPTIONAL_SHAPE_DEFAULTS = {"in_channels": 4, "patch_size": 2, "sample_size": 8}
+
+
+class Refused(Exception):
+    """ditbook (or the probe) declines this class, with a named reason."""
+
+
+@dataclass
+class ClassOutcome:
+    name: str
+    outcome: str  # correct / refused / crash / wrong
+    reason: str = ""
+    stage: str = ""  # where it stopped: build / inputs / inspect / adapter / cache-off / cache-on
+    factor: int | None = None
+    block_lists: list[str] = field(default_factory=list)
+    folded: bool = False
+    used: str = ""
+    off_max_abs: float | None = None
+    skipped: str = ""  # "k of n block evaluations"
+    cp: str = "not run"
+    cp_reason: str = ""
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# --- discovery ---------------------------------------------------------------------------------
+
+def transformer_classes() -> list[type]:
+    """Every ``ModelMixin`` subclass defined under ``diffusers.models.transformers`` and
+    exported in diffusers' top-level namespace, sorted by name."""
+    import diffusers
+    import diffusers.models.transformers as pkg
+    from diffusers import ModelMixin
+
+    exported = set(dir(diffusers))
+    out: dict[str, type] = {}
+    for info in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
+        try:
+            mod = importlib.import_module(info.name)
+        except Exception:  # an optional dependency missing: its classes are not exported either
+            continue
+        for name, obj in vars(mod).items():
+            if inspect.isclass(obj) and issubclass(obj, ModelMixin) and obj.__module__ == mod.__name__ \
+                    and name in exported:
+                out[name] = obj
+    return [out[n] for n in sorted(out)]
+
+
+# --- a tiny instance ---------------------------------------------------------------------------
+
+def _is_layer_count(name: str) -> bool:
+    low = name.lower()
+    return any(w in low for w in LAYER_WORDS) and "dim" not in low and "size" not in low
+
+
+def _is_head_count(name: str) -> bool:
+    low = name.lower()
+    return "heads" in low and "dim" not in low
+
+
+def shrink_config(cls: type, factor: int, heads: int | None = None) -> dict:
+    """Constructor keywords: layer counts 2, head counts at most ``heads`` (when given), other
+    ints/int tuples >= 32 divided by ``factor`` (when they divide exactly; left alone otherwise)."""
+    out = {}
+    for p in inspect.signature(cls.__init__).parameters.values():
+        d = p.default
+        if p.name == "self" or d is inspect.Parameter.empty:
+            continue
+        if d is None and "int" in str(p.annotation) and p.name in OPTIONAL_SHAPE_DEFAULTS:
+            # an optional size left unset by default: the value a latent image model would use
+            out[p.name] = OPTIONAL_SHAPE_DEFAULTS[p.name]
+            continue
+        if isinstance(d, bool):
+            continue
+        if isinstance(d, int):
+            if _is_layer_count(p.name):
+                out[p.name] = 2 if d > 0 else d  # two blocks: the least a block cache can skip in
+            elif heads and _is_head_count(p.name) and d > heads:
+                out[p.name] = heads
+            elif d >= 32 and d % factor == 0:
+                out[p.name] = d // factor
+        elif isinstance(d, (tuple, list)) and d and all(isinstance(x, int) and not isinstance(x, bool) for x in d):
+            if _is_layer_count(p.name):
+                out[p.name] = type(d)(min(x, 2) for x in d)
+            elif max(d) >= 16 and all(x % factor == 0 for x in d):
+                out[p.name] = type(d)(x // factor for x in d)
+    return out
+
+
+def build_tiny(cls: type, ladder=LADDER):
+    """(instance, factor): the first rung of the ladder the constructor accepts."""
+    for model, f in tiny_instances(cls, ladder):
+        return model, f
+    raise AssertionError("unreachable")
+
+
+def tiny_instances(cls: type, ladder=LADDER):
+    """Instances for each rung (width divisor, head cap) the constructor accepts, smallest
+    first; Refused when none."""
+    errors = []
+    built = False
+    for f, heads in ladder:
+        kwargs = shrink_config(cls, f, heads)
+        try:
+            torch.manual_seed(0)
+            with contextlib.redirect_stdout(io.StringIO()):
+                model = cls(**kwargs)
+        except Exception as exc:
+            errors.append(f"/{f}{f' heads<={heads}' if heads else ''}: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}")
+            continue
+        built = True
+        yield model.float().eval(), f
+    if not built:
+        raise Refused("cannot be built small: " + "; ".join(errors))
+
+
+def tiny_with_inputs(cls: type, ladder=LADDER):
+    """(instance, factor, keyword inputs): the first rung whose instance runs."""
+    last = None
+    for model, f in tiny_instances(cls, ladder):
+        try:
+            kwargs, _ = find_inputs(model)
+            return model, f, kwargs
+        except Refused as exc:
+            last = exc
+    raise Refused(f"{last}")
+
+
+# --- inputs ------------------------------------------------------------------------------------
+
+def _config(model) -> dict:
+    cfg = getattr(model, "config", None)
+    return dict(cfg) if cfg is not None else {}
+
+
+def _ints(cfg: dict, *words: str, exclude: tuple = ()) -> list[int]:
+    out = []
+    for k, v in cfg.items():
+        low = k.lower()
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0 and any(w in low for w in words) \
+                and not any(x in low for x in exclude):
+            if v not in out:
+                out.append(v)
+    return out
+
+
+def _patch(cfg: dict) -> tuple[int, int]:
+    """(spatial, temporal) patch sizes from the config (1 when absent)."""
+    p = cfg.get("patch_size") or 1
+    if isinstance(p, (tuple, list)):
+        t, s = (p[0], p[-1]) if len(p) == 3 else (1, p[-1])
+    else:
+        t, s = cfg.get("patch_size_t") or 1, p
+    return int(s or 1), int(t or 1)
+
+
+def input_candidates(model) -> list[dict]:
+    """Combinations of shapes to try, most likely first."""
+    cfg = _config(model)
+    s, t = _patch(cfg)
+    side = 4 * s
+    frames = max(2, t) if t > 1 else 2
+    chans = _ints(cfg, "in_channels", "in_dim", "in_chans", "latent_channels", "input_dim")[:1] or [4]
+    c = chans[0]
+    text_dims = _ints(cfg, "text", "caption", "joint", "cross", "context", "encoder", "prompt",
+                      exclude=("layer", "len", "head", "num_", "seq", "max", "vocab"))
+    hs = [("4d", (1, c, side, side)), ("5d", (1, c, frames, side, side)), ("5d-fc", (1, frames, c, side, side)),
+          ("3d", (1, 16, c))]
+    return [{"hidden": h, "text_dim": td} for h in hs for td in (text_dims or [None])[:3]]
+
+
+def _tokens(hidden: tuple, cfg: dict) -> int:
+    s, t = _patch(cfg)
+    if len(hidden) == 3:
+        return hidden[1]
+    if len(hidden) == 4:
+        return (hidden[2] // s) * (hidden[3] // s)
+    f = hidden[2] if hidden[1] not in (2,) or hidden[2] == hidden[3] else hidden[1]
+    return max(1, f // t) * (hidden[-2] // s) * (hidden[-1] // s)
+
+
+def make_inputs(model, cand: dict, text_len: int = 8, seed: int = 0) -> dict:
+    """Keyword inputs for ``model.forward`` by parameter name (generic rules, no class names)."""
+    cfg = _config(model)
+    g = torch.Generator().manual_seed(seed)
+    hidden = cand["hidden"][1]
+    td = cand["text_dim"]
+    kwargs: dict = {}
+    params = [p for p in inspect.signature(model.forward).parameters.values() if p.name != "self"]
+    first = True
+    axes = next((v for k, v in cfg.items() if "axes" in k.lower() and isinstance(v, (tuple, list))), None)
+    n_axes = len(axes) if axes else 3
+    for p in params:
+        n = p.name.lower()
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        if first or n in ("hidden_states", "x", "sample", "latents", "img"):
+            kwargs[p.name] = torch.randn(hidden, generator=g)
+            first = False
+            continue
+        if "mask" in n and p.default is inspect.Parameter.empty:
+            kwargs[p.name] = torch.ones(1, text_len if ("encoder" in n or "text" in n) else _tokens(hidden, cfg))
+            continue
+        if "mask" in n or "rotary" in n or "rope" in n or n.startswith("return") or "kwargs" in n \
+                or "controlnet" in n or "cache" in n:
+            continue
+        required = p.default is inspect.Parameter.empty
+        if (n in ("encoder_hidden_states", "context", "txt", "text_states", "prompt_embeds", "y")
+                or (required and ("encoder_hidden" in n or ("text" in n and "emb" in n)))) and td:
+            kwargs[p.name] = torch.randn((1, text_len, td), generator=g)
+        elif n in ("timestep", "timesteps", "t", "time", "sigma", "sigmas") or (required and "timestep" in n):
+            kwargs[p.name] = torch.full((1,), 500.0)
+        elif required and ("text" in n or "context" in n or "encoder" in n) and "len" not in n and td:
+            kwargs[p.name] = torch.randn((1, text_len, td), generator=g)
+        elif "label" in n or n in ("class_labels", "classes"):
+            kwargs[p.name] = torch.zeros(1, dtype=torch.long)
+        elif required and ("len" in n):
+            kwargs[p.name] = torch.full((1,), text_len, dtype=torch.long)
+        elif required and ("size" in n or "coord" in n):
+            # image-size conditioning (original/target size, crop corner): pixels of the latent grid
+            full = 8 * hidden[-1] if len(hidden) >= 4 else 64
+            kwargs[p.name] = torch.zeros(1, 2) if "coord" in n else torch.full((1, 2), float(full))
+        elif "pooled" in n:
+            dims = _ints(cfg, "pooled") or ([td] if td else [])
+            if dims:
+                kwargs[p.name] = torch.randn((1, dims[0]), generator=g)
+        elif n == "guidance":
+            if any("guidance" in k.lower() and v is True for k, v in cfg.items()):
+                kwargs[p.name] = torch.full((1,), 3.5)
+        elif n in ("num_frames", "frames", "height", "width") and len(hidden) == 3:
+            # packed latents: the grid they came from (frames x height x width == tokens)
+            side = int(math.isqrt(hidden[1]))
+            kwargs[p.name] = 1 if "frame" in n else side
+        elif n.endswith("_ids") and ("img" in n or "image" in n):
+            kwargs[p.name] = torch.zeros(_tokens(hidden, cfg), n_axes)
+        elif n.endswith("_ids") and ("txt" in n or "text" in n):
+            kwargs[p.name] = torch.zeros(text_len, n_axes)
+        elif p.default is inspect.Parameter.empty:
+            kwargs[p.name] = None  # required with no rule: the probe's error names it
+    if "return_dict" in {p.name for p in params}:
+        kwargs["return_dict"] = False
+    return kwargs
+
+
+def first_tensor(out):
+    """The main output: the first tensor of a tuple/list/ModelOutput, or the tensor itself."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if hasattr(out, "to_tuple"):
+        out = out.to_tuple()
+    if isinstance(out, dict):
+        out = list(out.values())
+    if isinstance(out, (tuple, list)):
+        for o in out:
+            t = first_tensor(o)
+            if t is not None:
+                return t
+    return None
+
+
+def find_inputs(model) -> tuple[dict, dict]:
+    """(keyword inputs, the candidate) of the first combination whose forward runs."""
+    errors: dict[str, str] = {}
+    for cand in input_candidates(model):
+        kwargs = make_inputs(model, cand)
+        try:
+            with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
+                out = first_tensor(model(**kwargs))
+        except Exception as exc:
+            errors.setdefault(cand["hidden"][0], f"{type(exc).__name__}: " +
+                              (str(exc).splitlines()[0][:120] if str(exc) else ""))
+            continue
+        if out is None or not torch.isfinite(out).all():
+            errors.setdefault(cand["hidden"][0], "the forward gave no finite tensor")
+            continue
+        return kwargs, cand
+    raise Refused("no inputs from the forward signature run it: " + "; ".join(f"{k}: {v}" for k, v in errors.items()))
+
+
+# --- the stages' checks ------------------------------------------------------------------------
+
+def _perturbed(kwargs: dict, step: int, hidden_name: str) -> dict:
+    """Step ``step`` of a slowly changing sequence: the image stream drifts by 0.1% a step and
+    the timestep decreases."""
+    out = dict(kwargs)
+    h = kwargs[hidden_name]
+    out[hidden_name] = h * (1.0 - 0.001 * step)
+    for k, v in kwargs.items():
+        if "timestep" in k.lower() and isinstance(v, torch.Tensor) and v.is_floating_point():
+            out[k] = v - 5.0 * step
+    return out
+
+
+def _steps_pipeline(transformer, kwargs: dict, hidden_name: str):
+    """A minimal pipeline object for cache-dit: ``pipe(num_inference_steps=n)`` calls the
+    transformer ``n`` times with slowly changing inputs and returns every step's main output."""
+
+    class CoveragePipeline:  # a class per call: cache-dit patches the pipeline class's __call__
+        def __init__(self, transformer):
+            self.transformer = transformer
+
+        def __call__(self, num_inference_steps: int = STEPS, **_):
+            outs = []
+            with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
+                for i in range(num_inference_steps):
+                    outs.append(first_tensor(self.transformer(**_perturbed(kwargs, i, hidden_name))).clone())
+            return outs
+
+    return CoveragePipeline(transformer)
+
+
+def _summary(exc: BaseException) -> str:
+    tb = traceback.extract_tb(exc.__traceback__)
+    where = next((f"{f.filename.split('site-packages/')[-1].split('lib/')[-1]}:{f.lineno}" for f in reversed(tb)), "")
+    msg = str(exc).splitlines()[0][:200] if str(exc) else ""
+    return f"{type(exc).__name__}: {msg} ({where})"
+
+
+def _refusal_types() -> tuple:
+    from .adapter import CacheRefused
+    from .loopfold import FoldError
+
+    return (Refused, CacheRefused, FoldError)
+
+
+def check_class(cls: type, steps: int = STEPS, cp: bool = True) -> ClassOutcome:
+    """Run the stages' checks on a tiny instance of ``cls`` (see the module docstring)."""
+    from ..inspect.static import inspect_transformer
+    from ..inspect.trace import trace_calls
+    from . import strategies
+    from .adapter import build_cache_adapter
+    from .counting import EvalCounter
+
+    row = ClassOutcome(cls.__name__, "crash")
+    start = time.perf_counter()
+    stage = "build"
+    try:
+        stage = "build+inputs"
+        model, row.factor, kwargs = tiny_with_inputs(cls)
+        hidden_name = next(iter(kwargs))
+        stage = "inspect"
+        report = inspect_transformer(model, None, support=False)
+        with contextlib.redirect_stdout(io.StringIO()):
+            report = trace_calls(model, lambda: model(**kwargs), report=report)
+        row.block_lists = [f"{b.path} x{b.length}" for b in report.block_lists]
+        if report.block_lists and max(b.length for b in report.block_lists) < 2:
+            raise Refused("every block list has a single block: a block cache always computes it, nothing to skip")
+        pipe = _steps_pipeline(model, kwargs, hidden_name)
+        with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
+            plain = pipe(steps)
+        stage = "adapter"
+        adapter = build_cache_adapter(pipe, report, f"coverage_{cls.__name__}")
+        row.folded = bool(adapter.info.patch_functor)
+        row.used = adapter.info.used
+        strat = strategies.get("dbcache")
+        stage = "cache-off"
+        off = _run_cached(pipe, adapter, strat, strat.disabled(adapter, steps), steps, EvalCounter)
+        diff = max(float((a - b).abs().max()) for a, b in zip(off[0], plain))
+        row.off_max_abs = diff
+        if not diff <= TOLERANCE:
+            row.outcome, row.stage = "wrong", stage
+            row.reason = f"caching off differs from the plain forward: max abs {diff:.3g} > {TOLERANCE:g}"
+            return row
+        stage = "cache-on"
+        on_cfg = strat.Config(Fn=1, Bn=0, threshold=1.0, max_warmup_steps=1)
+        outs, counts = _run_cached(pipe, adapter, strat, on_cfg, steps, EvalCounter)
+        total = off[1]["block_evals"]
+        ran = counts["block_evals"]
+        row.skipped = f"{total - ran} of {total}"
+        if not all(torch.isfinite(o).all() for o in outs):
+            row.outcome, row.stage, row.reason = "wrong", stage, "caching on gave non-finite outputs"
+            return row
+        if ran >= total:
+            row.outcome, row.stage = "wrong", stage
+            row.reason = f"caching on skipped no block evaluation ({ran} of {total} ran)"
+            return row
+        row.outcome, row.stage = "correct", ""
+    except _refusal_types() as exc:
+        row.outcome, row.stage, row.reason = "refused", stage, str(exc).splitlines()[0][:300]
+        return row
+    except Exception as exc:
+        row.outcome, row.stage, row.reason = "crash", stage, _summary(exc)
+        return row
+    finally:
+        row.seconds = round(time.perf_counter() - start, 2)
+    if cp:
+        row.cp, row.cp_reason = run_cp(model, kwargs)
+    row.seconds = round(time.perf_counter() - start, 2)
+    return row
+
+
+def _run_cached(pipe, adapter, strat, cfg, steps: int, counter_cls):
+    counter = counter_cls(pipe.transformer, adapter.original_blocks())
+    undo = None
+    try:
+        undo = strat.apply(pipe, adapter, cfg, steps=steps)
+        outs = pipe(steps)
+        return outs, counter.snapshot()
+    finally:
+        try:
+            if undo is not None:
+                undo()
+        finally:
+            counter.remove()
+
+
+def run_cp(model, kwargs) -> tuple[str, str]:
+    """The parallel stage's coverage check when it provides one (``coverage_cp``)."""
+    try:
+        from .. import parallel
+    except Exception as exc:
+        return "not run", f"ditbook.parallel does not import: {exc}"
+    fn = getattr(parallel, "coverage_cp", None)
+    if fn is None:
+        return "not run", "ditbook.parallel.coverage_cp does not exist"
+    try:
+        res = fn(model, (), dict(kwargs))
+        return str(res.get("outcome", "?")), str(res.get("reason", ""))
+    except Exception as exc:
+        return "crash", _summary(exc)
+
+
+def run_coverage(classes: list[type] | None = None, progress=None, cp: bool = True) -> list[ClassOutcome]:
+    rows = []
+    for cls in classes if classes is not None else transformer_classes():
+        row = check_class(cls, cp=cp)
+        rows.append(row)
+        if progress:
+            progress(row)
+    return rows
+
+
+def totals(rows: list[ClassOutcome]) -> dict:
+    out = {k: 0 for k in ("correct", "refused", "crash", "wrong")}
+    for r in rows:
+        out[r.outcome] = out.get(r.outcome, 0) + 1
+    return out
+
+
+def _versions() -> dict:
+    import cache_dit
+    import diffusers
+
+    from .. import __version__
+
+    return {"ditbook": __version__, "diffusers": diffusers.__version__,
+            "cache-dit": getattr(cache_dit, "__version__", "?"), "torch": torch.__version__}
+
+
+def markdown(rows: list[ClassOutcome], seconds: float | None = None, command: str = "") -> str:
+    t = totals(rows)
+    n = len(rows) or 1
+    v = _versions()
+    lines = ["# Coverage: diffusers transformer classes through ditbook", "",
+             "Generated by `python benchmarks/coverage.py`" + (f" ({command})" if command else "") + "; "
+             "do not edit by hand. Every transformer class the installed diffusers exports, built tiny "
+             "and random (fp32, CPU), run through traced inspection, the automatic cache adapter with caching "
+             f"off (max abs diff <= {TOLERANCE:g} against the plain forward, {STEPS} steps) and on (same "
+             "steps with slowly changing inputs: finite, block evaluations skipped). See "
+             "`lib/ditbook/cache/coverage.py` for the rules.", "",
+             "Versions: " + ", ".join(f"{k} {val}" for k, val in v.items()) + ".", "",
+             f"Totals ({len(rows)} classes): " + ", ".join(f"**{k}** {c} ({c / n:.0%})" for k, c in t.items()) + "."]
+    probe = sum(1 for r in rows if r.outcome == "refused" and r.stage == "build+inputs")
+    if t["refused"]:
+        lines.append(f"Of the refused, {probe} are refusals of this probe (it could not build the class small or "
+                     f"make inputs that run its forward: stage `build+inputs`), {t['refused'] - probe} are "
+                     f"refusals by ditbook's integration (inspection/adapter found no safe way to cache).")
+    if seconds is not None:
+        lines.append(f"Wall time of this run: {seconds:.0f} s.")
+    lines += ["", "| class | outcome | stage | reason | block lists | folded | caching off max abs | skipped | cp | s |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        reason = r.reason.replace("|", "\\|").replace("\n", " ")
+        cp = r.cp + (f": {r.cp_reason}" if r.cp_reason and r.cp != "not run" else "")
+        off = "" if r.off_max_abs is None else f"{r.off_max_abs:.1e}"
+        lines.append(f"| {r.name} | {r.outcome} | {r.stage} | {reason} | {', '.join(r.block_lists)} | "
+                     f"{'yes' if r.folded else ''} | {off} | {r.skipped} | {cp.replace('|', '/')} | {r.seconds} |")
+    return "\n".join(lines) + "\n"
+
+
+__all__ = ["ClassOutcome", "Refused", "build_tiny", "check_class", "find_inputs", "make_inputs", "markdown",
+           "run_coverage", "shrink_config", "totals", "transformer_classes"]
