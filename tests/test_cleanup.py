@@ -62,3 +62,16 @@ def test_importing_generated_adapter_source_leaves_no_temp_folder():
     assert module.VALUE == 17
     after = {p.name for p in Path(tempfile.gettempdir()).iterdir()}
     assert not [n for n in after - before if n.startswith("ditbook")]
+
+
+def test_adapter_file_is_written_even_when_the_same_source_was_imported_before(tmp_path):
+    # the run folder's adapter file is part of its record: a second run with the same model in the
+    # same process (same source, module already imported) must still get its file
+    from ditbook.cache.adapter import import_adapter_module
+
+    source = "VALUE = 42\n"
+    first = import_adapter_module(source, tmp_path / "a" / "adapter_x.py", name="x")
+    second = import_adapter_module(source, tmp_path / "b" / "adapter_x.py", name="x")
+    assert first is second and first.VALUE == 42
+    assert (tmp_path / "a" / "adapter_x.py").read_text() == source
+    assert (tmp_path / "b" / "adapter_x.py").read_text() == source

@@ -309,7 +309,10 @@ def import_adapter_module(source: str, path: str | Path | None = None, name: str
 
     digest = hashlib.sha1(source.encode()).hexdigest()[:10]
     mod_name = f"ditbook_generated_{name}_{digest}"
-    if mod_name in sys.modules:
+    if path is not None and existing is None:  # the file is part of the run's record: always written
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(source)
+    if mod_name in sys.modules:  # the same source imported before in this process
         return sys.modules[mod_name]
     if existing is not None:
         path = existing
@@ -326,9 +329,6 @@ def import_adapter_module(source: str, path: str | Path | None = None, name: str
             raise
         return module
     path = Path(path)
-    if existing is None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(source)
     spec = importlib.util.spec_from_file_location(mod_name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[mod_name] = module
