@@ -367,3 +367,24 @@ def test_prefix_only_cache_dit_registration_falls_back_to_ours(tiny_run):
     assert adapter.info.cache_dit_registered == "Flux"
     assert adapter.info.used == "ditbook"
     assert any("could not be built" in d for d in adapter.info.differences)
+
+
+def test_fold_skipped_by_a_foreign_patched_mark_is_an_error(tiny_run):
+    # cache-dit's PatchFunctor.apply skips an instance another functor marked _is_patched; the
+    # blocks would then not be the loop bodies the declared patterns describe
+    from ditbook.cache.loopfold import FoldError
+
+    card, run, pipe, report = tiny_run
+    s = session_for(card, run, pipe, report)
+    assert s.adapter.info.patch_functor
+    pipe.transformer._is_patched = True
+    try:
+        with pytest.raises(FoldError, match="_is_patched"):
+            s.adapter.patch()
+        assert "forward" not in pipe.transformer.__dict__
+    finally:
+        pipe.transformer.__dict__.pop("_is_patched", None)
+    s.adapter.patch()
+    assert pipe.transformer._ditbook_folded
+    s.adapter.unpatch()
+    assert "forward" not in pipe.transformer.__dict__

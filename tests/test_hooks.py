@@ -361,3 +361,22 @@ def test_part_timing_failing_half_way_leaves_the_pipeline_as_it_was():
     with pytest.raises(WrapError, match="already wrapped"):
         PartRecorder(pipe, Clock(False))
     assert pipe.__dict__["encode_prompt"] is own and "_ditbook_wraps" not in pipe.__dict__
+
+
+def test_snapshot_restores_what_a_third_party_patch_left_on_instances():
+    # the shape of cache-dit's patch functors: forward replaced on the root and on a child, the
+    # root marked _is_patched, nothing undone by its disable
+    from ditbook.hooks import snapshot_instance_attrs
+
+    root = torch.nn.Sequential(Doubler(), Doubler())
+    own = lambda x: x  # noqa: E731
+    root[1].forward = own
+    restore = snapshot_instance_attrs(root)
+    root.forward = lambda x: x * 0
+    root[0].forward = lambda x: x * 0
+    root[1].forward = lambda x: x * 0
+    root._is_patched = True
+    restore()
+    assert "forward" not in root.__dict__ and "_is_patched" not in root.__dict__
+    assert "forward" not in root[0].__dict__ and root[1].__dict__["forward"] is own
+    assert torch.equal(root(torch.ones(1)), torch.full((1,), 2.0))

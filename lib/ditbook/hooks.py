@@ -230,4 +230,24 @@ def remove_all(obj: Any) -> None:
             remove_wrap(obj, name, attr)
 
 
-__all__ = ["WrapError", "WrapHandle", "WrapGroup", "wrap_method", "remove_wrap", "is_wrapped", "wrap_names", "remove_all"]
+def snapshot_instance_attrs(root, attrs: tuple[str, ...] = ("forward", "_is_patched")) -> Callable[[], None]:
+    """For code ditbook does not own that patches instances and does not undo it all (cache-dit's
+    patch functors replace ``forward`` on a transformer and on some blocks and mark it
+    ``_is_patched``; ``disable_cache`` leaves both): record ``attrs`` in the instance ``__dict__``
+    of ``root`` and every submodule, and return ``restore()``, which puts each back exactly —
+    removed where it was absent, the very same object where it was present."""
+    modules = list(root.modules()) if hasattr(root, "modules") else [root]
+    saved = [(m, {a: m.__dict__.get(a, _MISSING) for a in attrs}) for m in modules]
+
+    def restore() -> None:
+        for m, values in saved:
+            for a, v in values.items():
+                if v is _MISSING:
+                    m.__dict__.pop(a, None)
+                else:
+                    object.__setattr__(m, a, v)
+
+    return restore
+
+
+__all__ = ["snapshot_instance_attrs", "WrapError", "WrapHandle", "WrapGroup", "wrap_method", "remove_wrap", "is_wrapped", "wrap_names", "remove_all"]

@@ -393,9 +393,17 @@ class CacheAdapter:
 
     # --- the patch functor -------------------------------------------------------------
     def patch(self):
-        """Fold the loop into the blocks of this transformer instance (no-op without functor)."""
+        """Fold the loop into the blocks of this transformer instance (no-op without functor).
+        cache-dit's ``PatchFunctor.apply`` skips an instance another functor marked
+        ``_is_patched``: then the blocks would not be the loop bodies whose patterns the plan
+        declares, so that is an error, never a silent no-op."""
         if self.info.patch_functor:
-            getattr(self.module, self.info.patch_functor)().apply(self.pipe.transformer)
+            transformer = self.pipe.transformer
+            getattr(self.module, self.info.patch_functor)().apply(transformer)
+            if not getattr(transformer, "_ditbook_folded", False):
+                raise FoldError(f"the loop fold of {type(transformer).__name__} was not applied: the instance is "
+                                f"marked _is_patched by another patch functor, so its blocks would not match the "
+                                f"declared forward patterns {[p.pattern for p in self.info.block_lists]}")
         return self
 
     def unpatch(self):

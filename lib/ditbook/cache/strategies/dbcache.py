@@ -22,8 +22,13 @@ def enable_dbcache(pipe, adapter, cache_config_kwargs: dict, calibrator=None):
     """Enable cache-dit on ``pipe`` through ``adapter``; returns the undo callable."""
     import cache_dit
 
+    from ...hooks import snapshot_instance_attrs
+
     transformer = pipe.transformer
     order = list(transformer._modules)
+    # cache-dit's registered patch functors replace forward on the transformer and on blocks and
+    # mark it _is_patched, and disable_cache leaves them: put the instances back exactly
+    restore_instances = snapshot_instance_attrs(transformer)
     block_adapter = adapter.block_adapter()
     cache_dit.enable_cache(block_adapter, cache_config=cache_dit.DBCacheConfig(**cache_config_kwargs),
                            calibrator_config=calibrator)
@@ -34,8 +39,8 @@ def enable_dbcache(pipe, adapter, cache_config_kwargs: dict, calibrator=None):
         # the module's child order; diffusers' block hooks rely on that order: restore it
         modules = transformer._modules
         transformer._modules = type(modules)((k, modules[k]) for k in order + [k for k in modules if k not in order])
-        transformer.__dict__.pop("forward", None)
         adapter.unpatch()
+        restore_instances()
 
     return undo
 
