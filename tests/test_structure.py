@@ -95,9 +95,6 @@ def test_no_library_module_loaded_through_importlib():
     assert offenders == [], f"ditbook modules loaded through importlib (hides the import graph): {offenders}"
 
 
-# lib/ditbook/inspect/trace.py is handled separately (its owner removes its rebinding in the
-# same round); every other file is checked here and must pass. Drop the exemption once it is gone.
-REBINDING_EXEMPT = {"lib/ditbook/inspect/trace.py"}
 REBINDING = re.compile(r"(torch\.nn\.functional|\bF)\.scaled_dot_product_attention\s*=[^=]")
 
 
@@ -108,7 +105,7 @@ def rebinding_offenders(files) -> list[str]:
 def test_no_process_wide_rebinding_of_torch_functions():
     files = [(str(p.relative_to(ROOT)), p.read_text())
              for p in list((LIB / "ditbook").rglob("*.py")) + list((ROOT / "benchmarks").rglob("*.py"))]
-    offenders = [f for f in rebinding_offenders(files) if f not in REBINDING_EXEMPT]
+    offenders = rebinding_offenders(files)
     assert offenders == [], f"scaled_dot_product_attention rebound process-wide in {offenders}"
 
 
