@@ -1,16 +1,16 @@
 # ditbook — `make demo` runs the playbook on the shipped reference model; `make test` runs the tests.
 # Both create .venv when missing and install everything. torch: pyproject.toml asks for a range
 # (torch>=2.7.1,<3) that an existing CUDA build satisfies, so a venv that already has torch keeps
-# it; only a venv without torch gets the pinned CPU build below (TORCH/TORCH_INDEX). On a GPU
-# machine use environment.yml, or set TORCH_INDEX to your CUDA index, e.g.
-#   make install TORCH_INDEX=https://download.pytorch.org/whl/cu130
+# it; only a venv without torch gets the pinned build below (TORCH; from the default index, which on
+# the build machines serves the CPU wheel from local disk). On a GPU machine use environment.yml,
+# or name a CUDA index, e.g. make install TORCH_INDEX=https://download.pytorch.org/whl/cu130
 # Python 3.11 or 3.12 (diffusers 0.42 needs 3.11 or newer).
 
 PYTHON      ?= python3
 VENV        ?= .venv
 BIN         := $(VENV)/bin
 TORCH       ?= torch==2.13.0
-TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?=
 STAMP       := $(VENV)/.ditbook-installed
 CARD        ?= models/reference.yaml
 # extra arguments for `make lab`; on a remote host: make lab LAB_ARGS="--ip=0.0.0.0 --no-browser"
@@ -28,7 +28,7 @@ $(BIN)/python:
 # nbdime's git drivers are set by absolute path: `git diff` works without activating the venv
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q --index-url "$(TORCH_INDEX)" "$(TORCH)"
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)") "$(TORCH)"
 	$(BIN)/python -m pip install -q -e ".[test]"
 	$(BIN)/nbdime config-git --enable >/dev/null 2>&1 || true
 	git config diff.jupyternotebook.command "$(abspath $(BIN))/git-nbdiffdriver diff" || true
