@@ -132,3 +132,18 @@ def test_pab_runs_on_third_party_attention(session):
             return [torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU())]
 
     assert "no self-attention module" in pab.applicable(NoAttention())
+
+
+@pytest.mark.parametrize("name", ["meancache", "cubic"])
+def test_forecaster_that_fails_to_install_leaves_the_model_as_it_was(session, name, monkeypatch):
+    from ditbook.cache import strategies
+    from ditbook.cache.strategies import _forecast
+
+    def broken(*a, **k):
+        raise RuntimeError("install failed half-way")
+
+    monkeypatch.setattr(_forecast, "CallForecaster", broken)
+    strat = strategies.get(name)
+    with pytest.raises(RuntimeError, match="half-way"):
+        strat.apply(session.pipe, session.adapter, strat.grid(session.adapter, 8)[0])
+    _untouched(session)

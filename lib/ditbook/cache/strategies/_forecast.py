@@ -153,3 +153,24 @@ class CallForecaster:
 
 def calls_per_step(adapter) -> int:
     return 2 if adapter.info.has_separate_cfg else 1
+
+
+def apply_forecaster(pipe, adapter, config, forecast, name: str):
+    """Patch the adapter and skip transformer calls by ``forecast``; returns the undo (with the
+    ``CallForecaster`` as ``undo.forecaster``). A failure on the way leaves the model as it was."""
+    adapter.patch()
+    try:
+        forecaster = CallForecaster(pipe.transformer, config, calls_per_step(adapter), forecast, name)
+    except BaseException:
+        adapter.unpatch()
+        raise
+
+    def undo():
+        try:
+            forecaster.remove()
+        finally:
+            adapter.unpatch()
+
+    undo.forecaster = forecaster
+    return undo
+

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ._forecast import CallForecaster, calls_per_step, rel_l1
+from ._forecast import apply_forecaster, rel_l1
 from .registry import Strategy, register
 
 
@@ -56,16 +56,7 @@ class Cubic(Strategy):
 
     @classmethod
     def apply(cls, pipe, adapter, config, steps=None):
-        adapter.patch()
-        forecaster = CallForecaster(pipe.transformer, config, calls_per_step(adapter), cubic_forecast,
-                                    "ditbook-cubic")
-
-        def undo():
-            forecaster.remove()
-            adapter.unpatch()
-
-        undo.forecaster = forecaster
-        return undo
+        return apply_forecaster(pipe, adapter, config, cubic_forecast, "ditbook-cubic")
 
     @classmethod
     def grid(cls, adapter, steps):

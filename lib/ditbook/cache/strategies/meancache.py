@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ._forecast import CallForecaster, calls_per_step, rel_l1
+from ._forecast import apply_forecaster, rel_l1
 from .registry import Strategy, register
 
 
@@ -55,16 +55,7 @@ class MeanCache(Strategy):
 
     @classmethod
     def apply(cls, pipe, adapter, config, steps=None):
-        adapter.patch()
-        forecaster = CallForecaster(pipe.transformer, config, calls_per_step(adapter), mean_velocity,
-                                    "ditbook-meancache")
-
-        def undo():
-            forecaster.remove()
-            adapter.unpatch()
-
-        undo.forecaster = forecaster
-        return undo
+        return apply_forecaster(pipe, adapter, config, mean_velocity, "ditbook-meancache")
 
     @classmethod
     def grid(cls, adapter, steps):
