@@ -7,21 +7,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from test_compiled_configs import tiny_flux as tiny_flux_inputs  # noqa: E402
+
 from ditbook.benchmark.attention_backends import (applicability, apply_backend, backend_config, measure_backends,
                                                   output_agreement)
 
 
 def tiny_flux():
-    from diffusers import FluxTransformer2DModel
-
-    torch.manual_seed(0)
-    tr = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
-                                num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=16,
-                                guidance_embeds=False, axes_dims_rope=(4, 6, 6)).eval()
-    g = torch.Generator().manual_seed(1)
-    kw = dict(hidden_states=torch.randn(1, 64, 16, generator=g), encoder_hidden_states=torch.randn(1, 8, 32, generator=g),
-              pooled_projections=torch.randn(1, 16, generator=g), timestep=torch.tensor([0.5]),
-              img_ids=torch.zeros(64, 3), txt_ids=torch.zeros(8, 3))
+    tr, kw = tiny_flux_inputs()  # the same tiny FLUX transformer the compile tests use
     return tr, (lambda: tr(**kw))
 
 

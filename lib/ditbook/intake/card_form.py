@@ -26,9 +26,9 @@ def fields_to_ask(problems: list[str]) -> list[str]:
     return out
 
 
-def complete_card(raw: dict, answers: dict[str, str]) -> dict:
-    """The card mapping with the non-empty answers filled in (dotted keys)."""
-    data = copy.deepcopy(raw)
+def _fill(data, answers: dict[str, str]) -> None:
+    """Set each non-empty answer at its dotted key in ``data`` (a dict or a round-trip mapping),
+    creating the sections it needs."""
     for key, value in answers.items():
         if value is None or str(value).strip() == "":
             continue
@@ -39,6 +39,12 @@ def complete_card(raw: dict, answers: dict[str, str]) -> dict:
                 node[part] = {}
             node = node[part]
         node[parts[-1]] = str(value).strip()
+
+
+def complete_card(raw: dict, answers: dict[str, str]) -> dict:
+    """The card mapping with the non-empty answers filled in (dotted keys)."""
+    data = copy.deepcopy(raw)
+    _fill(data, answers)
     return data
 
 
@@ -62,16 +68,7 @@ def complete_card_text(text: str, answers: dict[str, str]) -> str:
         from ruamel.yaml.comments import CommentedMap
 
         data = CommentedMap()
-    for key, value in answers.items():
-        if value is None or str(value).strip() == "":
-            continue
-        node = data
-        parts = key.split(".")
-        for part in parts[:-1]:
-            if not isinstance(node.get(part), dict):
-                node[part] = {}
-            node = node[part]
-        node[parts[-1]] = str(value).strip()
+    _fill(data, answers)
     buf = io.StringIO()
     y.dump(data, buf)
     return buf.getvalue()
