@@ -15,7 +15,7 @@ import json
 import os
 import re
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -266,30 +266,9 @@ def parse_overrides(items: list[str] | None) -> dict:
     return out
 
 
-def gate_problems(path: str | Path, overrides: dict[str, Any] | None = None) -> tuple[ModelCard | None, list[str]]:
-    """Every problem that stops a run, each naming the card field to fill. Runs no model code
-    beyond importing the named classes."""
+def _path_problems(card: ModelCard) -> list[str]:
+    """The model folder: present, existing, a folder."""
     problems: list[str] = []
-    try:
-        data = read_card_mapping(path)
-    except CardError as exc:
-        return None, [str(exc)]
-    missing_vars: list[str] = []
-    expand_env(data, missing_vars)
-    for var in sorted(set(missing_vars)):
-        problems.append(f"environment variable ${{{var}}} used in the card is not set (export {var}=...)")
-    try:
-        card, schema = parse_mapping(apply_overrides(data, overrides), Path(path).resolve())
-    except CardError as exc:
-        return None, problems + [str(exc)]
-    from_p = {override_key(k) for k in (overrides or {})}
-    for key, msg in schema:
-        by_p = any(key == k or key.startswith(k + ".") or k.startswith(key + ".") for k in from_p)
-        problems.append(f"{key}: {msg}" + (" (set by -p)" if by_p else ""))
-
-    unknown = set(card.raw) - KNOWN_TOP_LEVEL
-    if unknown:
-        problems.append(f"unknown top-level field(s) {sorted(unknown)}; known: {sorted(KNOWN_TOP_LEVEL)}")
     path_value = card.raw.get("path")
     if not path_value:
         problems.append("path: missing — set 'path' to the local folder of the model (absolute, ${VAR}, or relative to the card)")
@@ -297,7 +276,12 @@ def gate_problems(path: str | Path, overrides: dict[str, Any] | None = None) -> 
         problems.append(f"path: {card.path} does not exist — fix 'path' or create the model folder")
     elif card.path is not None and not card.path.is_dir():
         problems.append(f"path: {card.path} is not a folder — 'path' must name the saved pipeline's folder")
+    return problems
 
+
+def _class_problems(card: ModelCard) -> list[str]:
+    """The pipeline and transformer classes: named, with a source that imports."""
+    problems: list[str] = []
     for key in ("pipeline", "transformer"):
         section = card.raw.get(key)
         spec = getattr(card, key)
@@ -324,6 +308,35 @@ def gate_problems(path: str | Path, overrides: dict[str, Any] | None = None) -> 
             raise
         except BaseException as exc:  # the user's file raised, or called sys.exit(), while importing
             problems.append(f"{key}.source: importing {source} raised {type(exc).__name__}: {exc}")
+    return problems
+
+
+def gate_problems(path: str | Path, overrides: dict[str, Any] | None = None) -> tuple[ModelCard | None, list[str]]:
+    """Every problem that stops a run, each naming the card field to fill. Runs no model code
+    beyond importing the named classes."""
+    problems: list[str] = []
+    try:
+        data = read_card_mapping(path)
+    except CardError as exc:
+        return None, [str(exc)]
+    missing_vars: list[str] = []
+    expand_env(data, missing_vars)
+    for var in sorted(set(missing_vars)):
+        problems.append(f"environment variable ${{{var}}} used in the card is not set (export {var}=...)")
+    try:
+        card, schema = parse_mapping(apply_overrides(data, overrides), Path(path).resolve())
+    except CardError as exc:
+        return None, problems + [str(exc)]
+    from_p = {override_key(k) for k in (overrides or {})}
+    for key, msg in schema:
+        by_p = any(key == k or key.startswith(k + ".") or k.startswith(key + ".") for k in from_p)
+        problems.append(f"{key}: {msg}" + (" (set by -p)" if by_p else ""))
+
+    unknown = set(card.raw) - KNOWN_TOP_LEVEL
+    if unknown:
+        problems.append(f"unknown top-level field(s) {sorted(unknown)}; known: {sorted(KNOWN_TOP_LEVEL)}")
+    problems += _path_problems(card)
+    problems += _class_problems(card)
 
     if not card.generation.prompts and not any(k == "generation.prompts" for k, _ in schema):
         problems.append("generation.prompts: missing — list at least one prompt")

@@ -89,6 +89,7 @@ def plot_tradeoff(rows: list[dict], metric: str, path: str | Path, gate: float |
     each point labelled with its short key (:func:`short_labels`); the Pareto front drawn and
     its points ringed; ``highlight`` (the verdict's configuration) starred. Saved at 2x
     resolution with the legend outside the axes, nothing clipped."""
+    # long: one figure drawn layer by layer (points, front, highlight, gate, labels, legend)
     plt = _plt()
     labels = labels if labels is not None else short_labels(rows)
     pts = [(r, _num(r.get("speedup")), _num(r.get(metric))) for r in rows]

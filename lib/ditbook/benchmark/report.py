@@ -298,6 +298,7 @@ def _key_table(rows: list[dict], labels: dict[str, str], chosen: str | None) -> 
 
 
 def report_html(run_dir: str | Path) -> str:
+    # long: the page's sections in reading order (verdict, checklist, failures, plot, grid, tables, notebooks)
     run = RunFolder(run_dir)
     meta = run.read_meta()
     res = benchmark_results(run)

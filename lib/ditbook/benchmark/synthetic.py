@@ -145,6 +145,7 @@ def executed_notebook(path: Path, title: str, image: np.ndarray, error: str | No
 def make_synthetic_run(root: str | Path, *, failed_stage: str | None = None, benchmark: bool = True,
                        repeats: int = 2, parallel: bool = True) -> Path:
     """Write a run folder under ``root`` and return its path."""
+    # long: one run folder written stage by stage, as the real stages would, so a reader can follow it
     from ..card import load_card
     from ..intake.environment import environment
     from ..render import render_all, save_renders

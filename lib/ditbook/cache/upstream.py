@@ -107,6 +107,7 @@ def _rename_def(source: str, new: str) -> str:
 
 def adapter_module_source(pipe, info: AdapterInfo) -> str:
     """The text of ``<model>_adapter.py`` (see the module docstring)."""
+    # long: the generated module's text from top to bottom; split, one file's template would be scattered
     from .loopfold import _body_function_source, _rewritten_forward_source, plan_fold
 
     tcls = type(pipe.transformer)
@@ -417,6 +418,7 @@ def _load_lines(pipe, card, pcls, tcls, sub) -> list[str]:
 
 
 def example_source(session, info: AdapterInfo, strategy: dict) -> str:
+    # long: the example script's text from top to bottom, in the order a reader meets it
     from ..render import call_kwargs
 
     card, pipe = session.card, session.pipe

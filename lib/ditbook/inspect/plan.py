@@ -139,8 +139,9 @@ def structural_risks(report: ArchReport) -> list[dict]:
     return out
 
 
-def build_plan(report: ArchReport, surface: CodeSurface | None, card) -> dict:
-    att, cfg, sup = report.attention, report.cfg, report.support
+def _plan_facts(report: ArchReport) -> dict:
+    """What the inspection found, as the plan records it."""
+    att, cfg = report.attention, report.cfg
     lists = [{
         "path": b.path, "length": b.length, "block_class": b.block_class, "param_share": round(b.param_share, 3),
         "forward_pattern": b.forward_pattern, "compatible_patterns": b.compatible_patterns,
@@ -159,7 +160,13 @@ def build_plan(report: ArchReport, surface: CodeSurface | None, card) -> dict:
         "loop_work_conditional": report.loop_work_conditional,
         "traced": report.traced,
     }
-    separate = cfg.style == "separate"
+    return facts
+
+
+def _plan_cache_adapter(report: ArchReport) -> dict:
+    """How the cache stage will wire the model into cache-dit."""
+    sup = report.support
+    separate = report.cfg.style == "separate"
     needs_functor = report.loop_extra_work
     cache_adapter = {
         "source": (f"cache-dit registered adapter {sup.cache_dit_adapter!r}" if sup.cache_dit_adapter
@@ -171,6 +178,12 @@ def build_plan(report: ArchReport, surface: CodeSurface | None, card) -> dict:
         "patch_functor": sup.cache_dit_patch_functor if needs_functor else None,
         "has_separate_cfg": separate,
     }
+    return cache_adapter
+
+
+def _plan_parallel_candidates(report: ArchReport) -> list[dict]:
+    """The parallel kinds and degrees the architecture admits."""
+    att, cfg, sup = report.attention, report.cfg, report.support
     heads, kv = att.heads, att.kv_heads or att.heads
     parallel = []
     if cfg.style in ("separate", "batched"):
@@ -187,6 +200,14 @@ def build_plan(report: ArchReport, surface: CodeSurface | None, card) -> dict:
         parallel.append({"kind": "tensor", "degrees": _divisors(heads),
                          "via": "diffusers _tp_plan" if sup.diffusers_tp_plan else f"cache-dit TP planner {sup.cache_dit_tp_planner!r}"})
 
+    return parallel
+
+
+def _plan_risks(report: ArchReport, parallel: list[dict]) -> list[dict]:
+    """Structural risks first, then attention, call-convention, loop-work, CFG and GQA risks."""
+    att, cfg, sup = report.attention, report.cfg, report.support
+    separate = cfg.style == "separate"
+    heads, kv = att.heads, att.kv_heads or att.heads
     risks = structural_risks(report)
     if att.masks:
         risks.append(_risk("masks_under_cp", "high" if any(p["kind"] in ("ulysses", "ring") for p in parallel) else "medium",
@@ -230,6 +251,15 @@ def build_plan(report: ArchReport, surface: CodeSurface | None, card) -> dict:
     for a in sup.agreement:
         if "DISAGREE" in a or "differ" in a:
             risks.append(_risk("cache_dit_disagreement", "medium", a, "read both; trust the traced call"))
+    return risks
+
+
+def build_plan(report: ArchReport, surface: CodeSurface | None, card) -> dict:
+    sup = report.support
+    facts = _plan_facts(report)
+    cache_adapter = _plan_cache_adapter(report)
+    parallel = _plan_parallel_candidates(report)
+    risks = _plan_risks(report, parallel)
     gates = acceptance_gates(card)
     plan = {
         "model": card.name if card is not None else None,

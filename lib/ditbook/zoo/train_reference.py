@@ -147,6 +147,7 @@ def train_transformer(transformer, latents, scene_idx, text, cfg: TrainConfig, l
 
 
 def train(out: Path, cfg: TrainConfig) -> dict:
+    # long: one training loop with its logging, evaluation and save, kept together to read as a script
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     start = time.time()
