@@ -240,8 +240,10 @@ def test_plan_hash_stable_and_approval_invalidated_by_model_change(flux_pipe, tm
     run1, plan1 = inspected_run(tiny("flux")[0], "r1")
     run2, plan2 = inspected_run(tiny("flux")[0], "r2")
     assert plan1["hash"] == plan2["hash"] == plan_hash(plan1)  # same model + card: same hash
-    with pytest.raises(ApprovalError, match="ditbook approve"):
+    with pytest.raises(ApprovalError, match="ditbook approve") as refused:
         check_approval(card, run2)
+    # the command names the plan's run, so it works whatever outputs root the run used
+    assert f"--run {run2.path}" in str(refused.value)
     approve(card, run2.stage_dir("inspect") / "plan.json")
     card = load_card(card.card_path)
     assert card.approved_plan == plan2["hash"] and check_approval(card, run2)["hash"] == plan2["hash"]

@@ -202,3 +202,42 @@ def test_judge_fails_a_launched_plan_that_splits_nothing(tmp_path):
     assert r.quality["psnr_min"] > 60  # parity alone would pass it
     assert not r.passed and r.error.startswith("ShardingError"), (r.passed, r.error)
     assert r.details["sharding"]["ranks"][0]["block_inputs"]["blocks"]["seq_lens"]["hidden_states"] == [64]
+
+
+def test_cfg_split_check_fails_ranks_that_each_run_both_branches():
+    from ditbook.parallel.sharding import CfgSplitError, check_cfg_split
+
+    ref = {"blocks": {"entries": 20, "entry_calls": 20}}
+    split = [{"blocks": {"entries": 11}}, {"blocks": {"entries": 10}}]
+    assert check_cfg_split(split, ref, 2)["per_list"]["blocks"]["rows"] == [11, 10]
+    whole = [{"blocks": {"entries": 20}}] * 2
+    with pytest.raises(CfgSplitError, match="did not divide"):
+        check_cfg_split(whole, ref, 2)
+    with pytest.raises(CfgSplitError, match="never entered"):
+        check_cfg_split([split[0], {}], ref, 2)
+    with pytest.raises(CfgSplitError):
+        check_cfg_split(split, {}, 2)
+
+
+def test_judge_fails_a_cfg_plan_whose_ranks_compute_both_branches(tmp_path):
+    """End to end: the wrong CFG style for a pipeline that calls the transformer twice per step
+    ('batched' wrapper, batch of one: computed whole on every rank) gives exact parity; the
+    block-row record shows both ranks did the whole work and the judge fails the plan. With the
+    right style the same plan passes and is verified."""
+    from ditbook import zoo
+    from ditbook.parallel import run_plans
+    from ditbook.parallel.stage import block_sequence_lengths
+
+    card = zoo.build("thirdparty", tmp_path)
+    ov = {"generation.prompts": ["a red circle"], "generation.seeds": [0], "runtime.device": "cpu",
+          "runtime.dtype": "float32"}
+    (bad,) = run_plans(card, ["cfg2"], 2, tmp_path / "bad", overrides=ov, timeout=90, cfg_style="batched")[0]
+    assert bad.quality["psnr_min"] > 60  # parity alone would pass it
+    assert not bad.passed and bad.error.startswith("CfgSplitError"), (bad.passed, bad.error)
+    (good,) = run_plans(card, ["cfg2"], 2, tmp_path / "good", overrides=ov, timeout=90, cfg_style="separate")[0]
+    assert good.passed, good.error
+    rec = block_sequence_lengths(good.details["sharding"])
+    assert rec["verified"] is True
+    split = good.details["sharding"]["cfg_check"]["per_list"]["blocks"]
+    assert all(0 < r < split["reference_rows"] for r in split["rows"]), split
+    assert sum(rec["rows_per_rank"][0].values()) > 0

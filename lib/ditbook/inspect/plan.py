@@ -372,8 +372,11 @@ def find_plan_file(card, run=None, outputs_root: str | Path | None = None) -> Pa
     return None
 
 
-def approve_command(card) -> str:
-    return f"ditbook approve {card.card_path}"
+def approve_command(card, plan_path: Path | None = None) -> str:
+    """The command that approves the plan; it names the plan's run when one is known, so it works
+    whatever outputs root the run used."""
+    run = f" --run {Path(plan_path).parent.parent}" if plan_path is not None else ""
+    return f"ditbook approve {card.card_path}{run}"
 
 
 def check_approval(card, run) -> dict:
@@ -389,9 +392,9 @@ def check_approval(card, run) -> dict:
     if card.approved_plan != plan["hash"]:
         what = "has no approved plan" if not card.approved_plan else f"approves plan {card.approved_plan}"
         raise ApprovalError(f"{card.card_path} {what}, but the current plan ({path}) has hash {plan['hash']}; "
-                            f"review it and run: {approve_command(card)}")
+                            f"review it and run: {approve_command(card, path)}")
     again = (f"run the inspect stage again (ditbook run {card.card_path} --stages inspect) and approve the "
-             f"new plan: {approve_command(card)}")
+             f"new plan: {approve_command(card, path)}")
     looser = gates_looser_than_approved(card, plan)
     if looser:
         raise ApprovalError(f"the gates of this run are looser than the approved plan {plan['hash']}'s: "

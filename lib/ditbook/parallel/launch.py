@@ -276,7 +276,8 @@ def judge(result: LaunchResult, plans: list[str], gates: Gates | None = None,
         bq = compare_sets(result.images(name), base, cache_gates).to_dict() \
             if spec.cache and base is not None else None
         quality = q.to_dict()
-        sharding_problem = sharding_failure(spec, entry.get("sharding"))
+        sharding_problem = sharding_failure(spec, entry.get("sharding")) or cfg_split_failure(
+            spec, entry.get("sharding"), result.worker["plans"].get(ref_name, {}).get("sharding"))
         if sharding_problem:  # parity cannot see a plan that splits nothing: this can
             quality["reasons"] = list(quality.get("reasons") or []) + [sharding_problem]
         out.append(PlanResult(name=name, world_size=spec.world_size, passed=q.passed and not sharding_problem,
@@ -298,6 +299,26 @@ def sharding_failure(spec, sharding: dict | None) -> str | None:
         return sharding["error"]
     if not sharding.get("check"):
         return "ShardingError: the block input lengths were not checked"
+    return None
+
+
+def cfg_split_failure(spec, sharding: dict | None, reference: dict | None) -> str | None:
+    """Why the recorded block rows show that a CFG-parallel plan's ranks did not divide the
+    branches (None when they show they did, and for plans without CFG parallelism). The record
+    goes into ``sharding["cfg_check"]``."""
+    from .sharding import CfgSplitError, check_cfg_split
+
+    if spec.cfg <= 1:
+        return None
+    if not sharding or not reference:
+        return "CfgSplitError: the run recorded no block rows (plan or one-process reference), so the split is unproven"
+    try:
+        ref_ranks = reference.get("ranks") or [{}]
+        sharding["cfg_check"] = check_cfg_split([r.get("block_inputs") or {} for r in sharding.get("ranks") or []],
+                                                (ref_ranks[0] or {}).get("block_inputs") or {}, spec.cfg)
+    except CfgSplitError as exc:
+        sharding["cfg_check"] = None
+        return f"CfgSplitError: {exc}"
     return None
 
 

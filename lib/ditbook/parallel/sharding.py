@@ -60,6 +60,11 @@ class BlockInputRecorder:
     def __init__(self, transformer, lists: list[str] | None = None):
         self.lists = lists if lists is not None else block_lists(transformer)
         self.calls: dict[str, int] = {}
+        self.rows: dict[str, int] = {}  # batch rows the blocks evaluated (calls x batch)
+        # entries into the list: batch rows of its first block, which a block cache always computes
+        self.entries: dict[str, int] = {}
+        self.entry_calls: dict[str, int] = {}
+        self.sizes = {name: len(transformer.get_submodule(name)) for name in self.lists}
         self.lengths: dict[str, dict[str, set[int]]] = {}
         self.handles = []
         for name in self.lists:
@@ -68,13 +73,14 @@ class BlockInputRecorder:
                     signature = inspect.signature(block.forward)
                 except (TypeError, ValueError):
                     signature = None
-                self.handles.append(wrap_method(block, WRAP_NAME, self._wrapper(name, block, signature)))
+                self.handles.append(wrap_method(block, WRAP_NAME, self._wrapper(name, block, signature,
+                                                                                first=block is transformer.get_submodule(name)[0])))
                 if signature is not None:
                     # libraries read a block's forward signature (cache-dit matches its forward
                     # pattern by parameter names): the wrapped forward keeps the block's
                     block.forward.__signature__ = signature
 
-    def _wrapper(self, lname: str, block, signature):
+    def _wrapper(self, lname: str, block, signature, first: bool = False):
         params = list(signature.parameters) if signature is not None else []
 
         def record(original, *args, **kwargs):
@@ -82,20 +88,31 @@ class BlockInputRecorder:
             per = self.lengths.setdefault(lname, {})
             named = {(params[i] if i < len(params) else f"arg{i}"): a for i, a in enumerate(args)}
             named.update(kwargs)
+            batch = None
             for param, value in named.items():
                 ts = _tensors(value)
                 if ts and len(ts) == 1 and ts[0].dim() == 3:
                     per.setdefault(param, set()).add(int(ts[0].shape[1]))
+                    batch = int(ts[0].shape[0]) if batch is None else batch
+            rows = batch if batch is not None else 1
+            self.rows[lname] = self.rows.get(lname, 0) + rows
+            if first:
+                self.entries[lname] = self.entries.get(lname, 0) + rows
+                self.entry_calls[lname] = self.entry_calls.get(lname, 0) + 1
             return original(*args, **kwargs)
         return record
 
     def to_dict(self) -> dict:
-        """{list: {"calls": n, "seq_lens": {argument: [lengths]}}} for the lists that were called."""
-        return {n: {"calls": self.calls[n], "seq_lens": {p: sorted(v) for p, v in self.lengths.get(n, {}).items()}}
+        """{list: {"calls": n, "rows": batch rows evaluated, "entries"/"entry_calls": batch rows and
+        calls of its first block, "blocks": list length, "seq_lens": {argument: [lengths]}}} for the
+        lists that were called."""
+        return {n: {"calls": self.calls[n], "rows": self.rows.get(n, 0), "entries": self.entries.get(n, 0),
+                    "entry_calls": self.entry_calls.get(n, 0), "blocks": self.sizes.get(n),
+                    "seq_lens": {p: sorted(v) for p, v in self.lengths.get(n, {}).items()}}
                 for n in self.lists if self.calls.get(n)}
 
     def reset(self) -> None:
-        self.calls, self.lengths = {}, {}
+        self.calls, self.rows, self.lengths, self.entries, self.entry_calls = {}, {}, {}, {}, {}
 
     def remove(self) -> None:
         for h in self.handles:
@@ -127,3 +144,38 @@ def check_sharding(ranks: list[dict], expected: dict[str, dict], degree: int) ->
     if problems:
         raise ShardingError("the plan did not split the blocks' sequence: " + "; ".join(problems))
     return {"degree": degree, "expected": expected, "per_rank": seen}
+
+
+class CfgSplitError(RuntimeError):
+    """A CFG-parallel plan whose ranks did not divide the guidance branches between them (every
+    rank evaluated about as many block rows as the one-process run)."""
+
+
+def check_cfg_split(ranks: list[dict], reference: dict, degree: int) -> dict:
+    """``ranks``: each rank's ``BlockInputRecorder.to_dict()`` under a CFG-parallel plan;
+    ``reference``: the same record of the one-process run of the same renders. Counted are the
+    batch rows that enter each block list (its first block: a block cache always computes it, so
+    caching decisions do not change the count). Each rank may enter at most ``reference / degree``
+    rows plus one transformer call's rows (the call a rank computes once per new input shape to
+    learn its output's shape); raises ``CfgSplitError`` otherwise, or when a rank entered nothing."""
+    if not reference:
+        raise CfgSplitError("no one-process block record to compare the ranks' work with")
+    problems, per_list = [], {}
+    for name, ref in reference.items():
+        ref_rows, ref_calls = ref.get("entries") or 0, ref.get("entry_calls") or 0
+        if not ref_rows or not ref_calls:
+            continue
+        allowed = ref_rows / degree + ref_rows / ref_calls
+        rows = [((rec or {}).get(name) or {}).get("entries", 0) for rec in ranks]
+        per_list[name] = {"rows": rows, "reference_rows": ref_rows, "allowed": allowed}
+        for r, got in enumerate(rows):
+            if not got:
+                problems.append(f"rank {r}: the blocks of '{name}' were never entered")
+            elif got > allowed:
+                problems.append(f"rank {r}: '{name}' was entered with {got} batch rows, in the one-process run with "
+                                f"{ref_rows}; split {degree} ways a rank may enter at most {allowed:g}")
+    if not per_list:
+        raise CfgSplitError("the one-process run recorded no block entries to compare with")
+    if problems:
+        raise CfgSplitError("the ranks did not divide the CFG branches: " + "; ".join(problems))
+    return {"degree": degree, "per_list": per_list}

@@ -111,9 +111,19 @@ def block_sequence_lengths(sharding: dict | None) -> dict | None:
     return {"per_rank": [{name: rec["seq_lens"] for name, rec in (r or {}).get("block_inputs", {}).items()}
                          for r in sharding.get("ranks") or []],
             "sharded_parameters": [len((r or {}).get("sharded_parameters") or []) for r in sharding.get("ranks") or []],
-            # None: not a sequence split (one process, or CFG parallel: each rank its own branch)
-            "verified": (bool(sharding.get("check")) and not sharding.get("error")) if (sharding.get("degree") or 1) > 1
-            else None, "error": sharding.get("error")}
+            "rows_per_rank": [{name: rec.get("rows") for name, rec in (r or {}).get("block_inputs", {}).items()}
+                              for r in sharding.get("ranks") or []],
+            # a sequence split: every rank's blocks saw full / degree tokens; a CFG split: every
+            # rank's blocks evaluated at most its share of the one-process rows; None: neither
+            "verified": _verified(sharding), "error": sharding.get("error")}
+
+
+def _verified(sharding: dict) -> bool | None:
+    if (sharding.get("degree") or 1) > 1:
+        return bool(sharding.get("check")) and not sharding.get("error")
+    if "cfg_check" in sharding:
+        return bool(sharding["cfg_check"])
+    return None
 
 
 def stage_results(table: FeasibilityTable, results, launch, gqa: dict | None, not_run: list[dict],
