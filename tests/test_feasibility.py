@@ -88,10 +88,13 @@ def test_cfg_x_ulysses():
 
 def test_tp():
     r = judge_tp(facts(tp="diffusers _tp_plan", kv=8, fused=True), 2)
-    assert r.feasible and r.plan == "tp2" and not r.launchable
-    assert r.reason.startswith("plan: diffusers _tp_plan") and "fused QKV" in r.reason
+    assert r.feasible and r.plan == "tp2" and r.launchable and r.reason == "plan: diffusers _tp_plan"
+    ok, plan, why = row(judge_tp, facts(kv=8), 2)  # no registered plan: derived from the traced linears
+    assert ok and plan == "tp2" and why.startswith("plan derived from the traced linear layers")
     ok, _, why = row(judge_tp, facts(kv=2), 4)
-    assert not ok and "no TP plan registered" in why and "GQA: 2 KV heads" in why
+    assert not ok and why.startswith("GQA: 2 KV heads not divisible by 4")
+    ok, _, why = row(judge_tp, facts(kv=8, fused=True), 2)
+    assert not ok and "fused QKV without a diffusers _tp_plan" in why
     ok, _, why = row(judge_tp, facts(heads=6, tp="x"), 4)
     assert not ok and why == "6 heads not divisible by 4"
     assert row(judge_tp, facts(heads=None), 2)[2] == "head count unknown"

@@ -261,9 +261,10 @@ def judge_cfg_x_ulysses(f: ModelFacts, n: int) -> Feasibility:
 
 
 def judge_tp(f: ModelFacts, n: int) -> Feasibility:
-    """Tensor parallel: judged, not launched."""
+    """Tensor parallel of the transformer (``parallel.tensor``): the class's ``_tp_plan``, else a
+    plan derived from the traced linear layers; heads and KV heads must split evenly."""
     def no(why: str) -> Feasibility:
-        return Feasibility("tp", n, False, None, why, launchable=False)
+        return Feasibility("tp", n, False, None, why)
 
     if n == 1:
         return no("one process: nothing to shard")
@@ -271,16 +272,16 @@ def judge_tp(f: ModelFacts, n: int) -> Feasibility:
         return no("head count unknown")
     if f.heads % n:
         return no(f"{f.heads} heads not divisible by {n}")
-    notes = []
     if f.kv % n:
-        notes.append(f"GQA: {f.kv} KV heads not divisible by {n} -> replicate K/V projections on every "
-                     f"rank or shard the FFN only")
-    if f.att.fused_qkv:
-        notes.append("fused QKV: the packed projection needs block-wise column sharding")
-    if not f.tp_plan:
-        return no("no TP plan registered (diffusers _tp_plan / cache-dit planner); "
-                  + ("; ".join(notes) + "; " if notes else "") + "ditbook does not derive TP shard specs")
-    return Feasibility("tp", n, True, plan_name(tp=n), "; ".join([f"plan: {f.tp_plan}"] + notes), launchable=False)
+        return no(f"GQA: {f.kv} KV heads not divisible by {n}: the K/V projections cannot be split by head")
+    diffusers_plan = bool(f.tp_plan) and "_tp_plan" in f.tp_plan  # cache-dit's TP planners are not applied
+    if f.att.fused_qkv and not diffusers_plan:
+        return no("fused QKV without a diffusers _tp_plan: the packed projection needs block-wise column "
+                  "sharding, which ditbook does not derive")
+    how = ("plan: diffusers _tp_plan" if diffusers_plan else
+           "plan derived from the traced linear layers (attention in-projections colwise, out-projection rowwise; "
+           "MLP up colwise, down rowwise)")
+    return Feasibility("tp", n, True, plan_name(tp=n), how)
 
 
 def judge_text_encoder(f: ModelFacts, n: int) -> Feasibility:

@@ -171,8 +171,36 @@ def apply_plan(pipe, card, spec, *, cfg_style: str | None, cp_plan_file: str | N
         info["graphs"] = install_step_graphs(tr)
     if spec.cfg > 1:
         info["cfg_stats"] = apply_cfg_parallel(tr, info["cfg_style"], group=cfg_group, heartbeat=heartbeat)
+    info["kinds"] = apply_kinds(pipe, card, spec)
     info["route"] = route
     return info
+
+
+def noop_kinds() -> set[str]:
+    """``DITBOOK_PARALLEL_NOOP=tp,vae,te,ring`` (fault injection for the tests): those kinds are
+    planned and recorded but not applied, so every rank runs the whole part; the per-rank record
+    must then fail the run."""
+    return {k for k in os.environ.get("DITBOOK_PARALLEL_NOOP", "").split(",") if k}
+
+
+def apply_kinds(pipe, card, spec) -> dict:
+    """Tensor, VAE and text-encoder parallel: kind -> its recorder (``record()``, ``remove()``).
+    Each recorder reads what the model really holds and sees, whether or not the kind was applied."""
+    noop = noop_kinds()
+    out: dict = {}
+    if spec.tp > 1:
+        from ..inspect.static import inspect_transformer
+        from .cp_plan import capture_transformer_call
+        from .tensor import TensorRecorder, apply_tensor_parallel, resolve_tensor_plan
+
+        tr = pipe.transformer
+        att = inspect_transformer(tr, card.pipeline.cls, support=False).attention
+        call = None if getattr(type(tr), "_tp_plan", None) else capture_transformer_call(pipe, card)
+        plan = resolve_tensor_plan(tr, spec.tp, att.heads, att.kv_heads or att.heads, call)
+        if "tp" not in noop:
+            apply_tensor_parallel(tr, plan, spec.tp, heads=att.heads, kv_heads=att.kv_heads or att.heads)
+        out["tp"] = TensorRecorder(tr, plan, spec.tp)
+    return out
 
 
 class CacheRefused(RuntimeError):
@@ -284,6 +312,7 @@ def run(args) -> int:
                 secs = [r.seconds for r in renders]
                 entry.update({"seconds": secs, "median_seconds": statistics.median(secs)})
                 route = info.pop("route")
+                kinds = info.pop("kinds", {})
                 info["attention"].update({"calls": route.calls, "gqa_calls": route.gqa_calls,
                                           "cp_calls": route.cp_calls})
                 graphs = info.get("graphs")
@@ -295,8 +324,11 @@ def run(args) -> int:
                 if spec.cache:
                     info["cached_steps"] = [int(s) for s in (getattr(pipe.transformer, "_cached_steps", None) or [])]
                 entry.update(info)
-                entry["sharding"] = sharding_record(pipe.transformer, recorder, spec, info.get("cp_plan"))
+                entry["sharding"] = sharding_record(pipe.transformer, recorder, spec, info.get("cp_plan"),
+                                                    {k: r.record() for k, r in kinds.items()})
                 recorder.remove()
+                for r in kinds.values():
+                    r.remove()
                 if rank == 0:
                     entry["images"] = save_renders(renders, out_dir / _folder(name))
                 del pipe, renders
@@ -315,23 +347,42 @@ def run(args) -> int:
     return 0
 
 
-def sharding_record(transformer, recorder, spec, cp_plan: dict | None) -> dict:
+def sharding_record(transformer, recorder, spec, cp_plan: dict | None, kinds: dict | None = None) -> dict:
     """Every rank's block input lengths and sharded parameters, gathered on every rank; for a CP
-    plan, ``check_sharding`` against the unsplit trace (``error`` names a ``ShardingError``)."""
+    plan, ``check_sharding`` against the unsplit trace (``error`` names a ``ShardingError``); for
+    tensor / VAE / text-encoder parallel, each rank's record of that kind and its check
+    (``kinds[kind]``: ``check`` or ``error`` naming the ``ShardingError`` subclass)."""
     from .sharding import ShardingError, check_sharding
 
     mine = {"block_inputs": recorder.to_dict(),
-            "sharded_parameters": [n for n, p in transformer.named_parameters() if type(p.data).__name__ == "DTensor"]}
+            "sharded_parameters": [n for n, p in transformer.named_parameters() if type(p.data).__name__ == "DTensor"],
+            "kinds": kinds or {}}
     ranks: list = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, mine)
-    out = {"ranks": ranks, "degree": spec.cp, "check": None, "error": None}
+    out = {"ranks": ranks, "degree": spec.cp, "check": None, "error": None, "kinds": {}}
     if spec.uses_cp:
         try:
             out["check"] = check_sharding([r["block_inputs"] for r in ranks],
                                           (cp_plan or {}).get("facts", {}).get("sharding_expected") or {}, spec.cp)
         except ShardingError as exc:
             out["error"] = f"ShardingError: {exc}"
+    for kind in kinds or {}:
+        check = kind_check(kind)
+        try:
+            out["kinds"][kind] = {"check": check([r["kinds"].get(kind) for r in ranks], getattr(spec, kind)),
+                                  "error": None}
+        except ShardingError as exc:
+            out["kinds"][kind] = {"check": None, "error": f"{type(exc).__name__}: {exc}"}
     return out
+
+
+def kind_check(kind: str):
+    """The check of one kind's per-rank records: raises a ``ShardingError`` (subclass) naming what
+    was not split."""
+    if kind == "tp":
+        from .tensor import check_tensor_sharding
+        return check_tensor_sharding
+    raise KeyError(kind)
 
 
 def _folder(plan: str) -> str:
