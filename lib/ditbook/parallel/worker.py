@@ -200,6 +200,17 @@ def apply_kinds(pipe, card, spec) -> dict:
         if "tp" not in noop:
             apply_tensor_parallel(tr, plan, spec.tp, heads=att.heads, kv_heads=att.kv_heads or att.heads)
         out["tp"] = TensorRecorder(tr, plan, spec.tp)
+    if spec.vae > 1:
+        from .vae import VaeParallelRefused, VaeRecorder, apply_vae_parallel, plan_vae_decode
+
+        vae = getattr(pipe, "vae", None)
+        if vae is None:
+            raise VaeParallelRefused(f"{type(pipe).__name__} has no vae component")
+        plan_vae_decode(vae, spec.vae)
+        stats = None
+        if "vae" not in noop:
+            _, stats = apply_vae_parallel(vae, spec.vae)
+        out["vae"] = VaeRecorder(vae, stats)
     return out
 
 
@@ -382,6 +393,9 @@ def kind_check(kind: str):
     if kind == "tp":
         from .tensor import check_tensor_sharding
         return check_tensor_sharding
+    if kind == "vae":
+        from .vae import check_vae_sharding
+        return check_vae_sharding
     raise KeyError(kind)
 
 
