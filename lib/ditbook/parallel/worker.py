@@ -211,6 +211,12 @@ def apply_kinds(pipe, card, spec) -> dict:
         if "vae" not in noop:
             _, stats = apply_vae_parallel(vae, spec.vae)
         out["vae"] = VaeRecorder(vae, stats)
+    if spec.te > 1:
+        from .text_encoder import TextEncoderRecorder, apply_text_encoder_parallel
+
+        out["te"] = TextEncoderRecorder(pipe)  # before the parallel wraps: it sees only the calls that ran
+        if "te" not in noop:
+            apply_text_encoder_parallel(pipe, spec.te)
     return out
 
 
@@ -396,6 +402,9 @@ def kind_check(kind: str):
     if kind == "vae":
         from .vae import check_vae_sharding
         return check_vae_sharding
+    if kind == "te":
+        from .text_encoder import check_text_encoder_sharding
+        return check_text_encoder_sharding
     raise KeyError(kind)
 
 
