@@ -285,32 +285,27 @@ def judge_tp(f: ModelFacts, n: int) -> Feasibility:
 
 
 def judge_text_encoder(f: ModelFacts, n: int) -> Feasibility:
-    """Text encoders (cache-dit TP planners): judged, not launched."""
+    """Text-encoder parallel (``parallel.text_encoder``): the encoder calls spread over the ranks."""
     encoders = {k: v for k, v in f.components.items() if k.startswith("text_encoder")}
     if n == 1:
-        return Feasibility("text_encoder", 1, False, None, "one process", launchable=False)
+        return Feasibility("text_encoder", 1, False, None, "one process")
     if not encoders:
-        return Feasibility("text_encoder", n, False, None, "the pipeline has no text encoder component",
-                           launchable=False)
-    hits = {k: _prefix_registered(v, f.text_encoder_planners) for k, v in encoders.items()}
-    ok = [f"{k} ({encoders[k]})" for k, h in hits.items() if h]
-    miss = [f"{k} ({encoders[k]})" for k, h in hits.items() if not h]
-    why = (f"cache-dit TP planner for {', '.join(ok)}" if ok else "") + \
-          ((("; " if ok else "") + f"no cache-dit planner for {', '.join(miss)}") if miss else "")
-    return Feasibility("text_encoder", n, bool(ok), None, why, launchable=False)
+        return Feasibility("text_encoder", n, False, None, "the pipeline has no text encoder component")
+    listed = ", ".join(f"{k} ({v})" for k, v in encoders.items())
+    return Feasibility("text_encoder", n, True, plan_name(te=n),
+                       f"the calls of {listed} spread round-robin over {n} ranks, each result broadcast")
 
 
 def judge_vae(f: ModelFacts, n: int) -> Feasibility:
-    """The VAE (cache-dit data-parallel planners): judged, not launched."""
+    """Patch-parallel VAE decode (``parallel.vae``): judged on the decoder's layers at launch."""
     vae = f.components.get("vae")
     if n == 1:
-        return Feasibility("vae", 1, False, None, "one process", launchable=False)
+        return Feasibility("vae", 1, False, None, "one process")
     if not vae:
-        return Feasibility("vae", n, False, None, "the pipeline has no vae component", launchable=False)
-    hit = _prefix_registered(vae, f.vae_planners)
-    return Feasibility("vae", n, bool(hit), None,
-                       f"cache-dit data-parallel (tiled) planner for {vae}" if hit
-                       else f"no cache-dit planner for {vae}", launchable=False)
+        return Feasibility("vae", n, False, None, "the pipeline has no vae component")
+    return Feasibility("vae", n, True, plan_name(vae=n),
+                       f"{vae}: latent rows split over {n} ranks, halo rows per convolution, GroupNorm and attention "
+                       f"over the whole image; a decoder layer it cannot split is refused at launch by name")
 
 
 JUDGES: dict[str, Callable[[ModelFacts, int], Feasibility]] = {
