@@ -194,13 +194,15 @@ def ulysses_check(f: ModelFacts, n: int) -> tuple[bool, str]:
     return True, "; ".join(notes)
 
 
-def ring_check(f: ModelFacts, n: int) -> tuple[bool, str]:
+def ring_check(f: ModelFacts, n: int, own: bool = False) -> tuple[bool, str]:
+    """``own``: ditbook's ring (``parallel.ring``, plain ring<N> plans), which computes the
+    log-sum-exp itself and so runs on any device; else cache-dit's (inside USP)."""
     if f.heads is None:
         return False, "head count unknown (inspection found no attention)"
     s = f.seq_reason(n)
     if s:
         return False, s
-    if not f.device.startswith("cuda"):
+    if not own and not f.device.startswith("cuda"):
         return False, ("ring attention merges partial results by their log-sum-exp, which cache-dit takes "
                        "from the flash SDPA kernel — CUDA only (on CPU it raises NotImplementedError)")
     full_masks = [m for m in f.att.masks if "mask" in m.lower() and "encoder" not in m.lower()]
@@ -230,8 +232,10 @@ def judge_ulysses(f: ModelFacts, n: int) -> Feasibility:
 def judge_ring(f: ModelFacts, n: int) -> Feasibility:
     if n == 1:
         return Feasibility("ring", 1, False, None, "one process: nothing to split")
-    ok, why = ring_check(f, n)
-    return Feasibility("ring", n, ok, plan_name(ring=n), why)
+    ok, why = ring_check(f, n, own=True)
+    return Feasibility("ring", n, ok, plan_name(ring=n),
+                       f"ditbook's ring attention (partials merged by log-sum-exp, K/V over isend/irecv); {why}"
+                       if ok else why)
 
 
 def judge_ulysses_x_ring(f: ModelFacts, n: int) -> Feasibility:

@@ -290,9 +290,12 @@ def judge(result: LaunchResult, plans: list[str], gates: Gates | None = None,
 def sharding_failure(spec, sharding: dict | None) -> str | None:
     """Why the plan's recorded block inputs show it did not split (None when they show it did).
     A CP plan without a record fails too: it cannot show that it split anything. Tensor, VAE and
-    text-encoder parallel are judged by their own per-rank records (``sharding["kinds"]``)."""
-    for kind in ("tp", "vae", "te"):
-        if getattr(spec, kind, 1) > 1:
+    text-encoder parallel and ditbook's ring are judged by their own per-rank records
+    (``sharding["kinds"]``)."""
+    from .plans import own_ring
+
+    for kind in ("tp", "vae", "te", "ring"):
+        if getattr(spec, kind, 1) > 1 and (kind != "ring" or own_ring(spec)):
             rec = ((sharding or {}).get("kinds") or {}).get(kind)
             if not rec:
                 return f"ShardingError: the run recorded nothing of {kind} parallel, so its split is unproven"

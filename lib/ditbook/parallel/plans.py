@@ -7,6 +7,8 @@ whether a cache strategy rides on top. ``single`` is the one-process baseline.
 Grammar (parts joined by ``_``, options after ``+``)::
 
     single | cfg2 | ulysses<N> | ring<N> | usp<R>x<U> (ring R x ulysses U)
+                    (a plain ring<N> runs ditbook's own ring attention, ``parallel.ring``; rings
+                     in USP, CFG or +cache plans run cache-dit's, CUDA only)
     cfg2_ulysses<N> | cfg2_ring<N> | cfg2_usp<R>x<U>
     ...+cache       (cache-dit DBCache on top, skip decision agreed across ranks; through cache-dit's
                      adapter where it registers the pipeline, else ditbook's generated one)
@@ -36,6 +38,12 @@ def refusal(spec: "PlanSpec") -> str | None:
     if spec.tp > 1 and (spec.cfg > 1 or spec.uses_cp):
         return TP_COMPOSED
     return None
+
+
+def own_ring(spec: "PlanSpec") -> bool:
+    """Whether the plan's ring attention is ditbook's own (``parallel.ring``: any device): a plain
+    ``ring<N>``. Rings inside USP, CFG x ring or +cache plans go through cache-dit's (CUDA only)."""
+    return spec.ring > 1 and spec.ulysses == 1 and spec.cfg == 1 and spec.tp == 1 and not spec.cache
 
 
 class PlanNameError(ValueError):

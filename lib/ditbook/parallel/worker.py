@@ -109,7 +109,17 @@ def apply_plan(pipe, card, spec, *, cfg_style: str | None, cp_plan_file: str | N
         info["cfg_style"] = style
         if style not in ("separate", "batched"):
             raise RuntimeError(f"plan {spec.name}: the pipeline shows CFG style '{style}' — no second branch")
-    if spec.uses_cp:
+    from .plans import own_ring
+
+    ring_recorder = None
+    if own_ring(spec):  # ditbook's ring: the CP plan's split/gather hooks, attention sent round the ring
+        cp = resolve_cp_plan(tr, capture=lambda: capture_transformer_call(pipe, card), attention_kind=attention_kind,
+                             degree=spec.cp, plan_file=cp_plan_file)
+        info["cp_plan"] = cp.to_dict()
+        if out_dir is not None and dist.get_rank() == 0:
+            info["cp_plan_file"] = str(write_plan_code(cp, out_dir, card.name, type(tr).__name__))
+        info["ring_modules"], ring_recorder = apply_own_ring(tr, cp.plan, spec)
+    if spec.uses_cp and not own_ring(spec):
         cp = resolve_cp_plan(tr, capture=lambda: capture_transformer_call(pipe, card), attention_kind=attention_kind,
                              degree=spec.cp, plan_file=cp_plan_file)
         info["cp_plan"] = cp.to_dict()
@@ -172,8 +182,36 @@ def apply_plan(pipe, card, spec, *, cfg_style: str | None, cp_plan_file: str | N
     if spec.cfg > 1:
         info["cfg_stats"] = apply_cfg_parallel(tr, info["cfg_style"], group=cfg_group, heartbeat=heartbeat)
     info["kinds"] = apply_kinds(pipe, card, spec)
+    if ring_recorder is not None:
+        info["kinds"]["ring"] = ring_recorder
     info["route"] = route
     return info
+
+
+def apply_own_ring(tr, plan: dict, spec) -> tuple[list[str], object]:
+    """ditbook's ring attention on a plain ring<N> plan: cache-dit's split/gather hooks of the CP
+    plan (no cache-dit attention backend: ``tr._parallel_config`` stays unset, so attention runs
+    locally) and every attention module routed to ``parallel.ring``. Returns the routed modules and
+    the recorder (installed first, so it sees each call's local lengths)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from .ring import RingRecorder, attention_modules, route_ring_attention
+
+    noop = "ring" in noop_kinds()
+    dev_type = "cuda" if str(tr.device).startswith("cuda") else "cpu"
+    recorder = RingRecorder(tr)
+    if noop:
+        return [n for n, _ in attention_modules(tr)], recorder
+    from cache_dit.distributed.core import _ContextParallelConfig
+    from cache_dit.distributed.core._context_parallel import _apply_context_parallel
+
+    mesh = init_device_mesh(dev_type, (spec.ring, 1), mesh_dim_names=("ring", "ulysses"))
+    cpc = _ContextParallelConfig(ulysses_degree=1, ring_degree=spec.ring)
+    cpc.setup(dist.get_rank(), dist.get_world_size(), tr.device, mesh=mesh)
+    _apply_context_parallel(tr, cpc, plan)
+    _, stats, modules = route_ring_attention(tr, group=mesh["ring"].get_group())
+    recorder.stats = stats
+    return modules, recorder
 
 
 def noop_kinds() -> set[str]:
@@ -402,6 +440,9 @@ def kind_check(kind: str):
     if kind == "vae":
         from .vae import check_vae_sharding
         return check_vae_sharding
+    if kind == "ring":
+        from .ring import check_ring_sharding
+        return check_ring_sharding
     if kind == "te":
         from .text_encoder import check_text_encoder_sharding
         return check_text_encoder_sharding
