@@ -13,7 +13,9 @@
 - ``sharding``: per plan, per rank, the sequence lengths each block list's blocks received, the
   number of sharded parameters per rank, and whether the split was verified (a CP plan whose
   blocks did not get full length / degree fails with a ``ShardingError``; the full record is
-  in each plan's ``details.sharding``).
+  in each plan's ``details.sharding``); ``kinds``: for tp/vae/te/ring plans, that kind's check
+  of every rank's record (``check``, or ``error`` naming ``TensorShardingError``,
+  ``VaeShardingError``, ``TextEncoderShardingError`` or ``RingShardingError``).
 """
 
 from __future__ import annotations
@@ -113,7 +115,9 @@ def block_sequence_lengths(sharding: dict | None) -> dict | None:
             "sharded_parameters": [len((r or {}).get("sharded_parameters") or []) for r in sharding.get("ranks") or []],
             # None: not a sequence split (one process, or CFG parallel: each rank its own branch)
             "verified": (bool(sharding.get("check")) and not sharding.get("error")) if (sharding.get("degree") or 1) > 1
-            else None, "error": sharding.get("error")}
+            else None, "error": sharding.get("error"),
+            # tensor / VAE / text-encoder parallel and ditbook's ring: each kind's check over every rank's record
+            "kinds": sharding.get("kinds") or {}}
 
 
 def stage_results(table: FeasibilityTable, results, launch, gqa: dict | None, not_run: list[dict],
