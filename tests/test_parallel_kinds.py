@@ -171,3 +171,16 @@ def test_ring_merge_is_exact_and_a_wrong_merge_is_caught():
     for wrong in (averaged, unrescaled):
         err = (_blockwise(q, k, v, 2, wrong) - ref).abs().max()
         assert err > 0.1, (wrong.__name__, float(err))
+
+
+def test_a_vae_the_patch_decode_cannot_split_is_refused_before_launch(tmp_path, capsys):
+    """A video VAE (causal 3-D convolutions) is named in the refusal; nothing is launched."""
+    from ditbook import zoo
+    from ditbook.cli import main
+
+    card = zoo.build("wan", tmp_path)
+    rc = main(["parallel", str(card), "--plan", "vae2", "--nproc", "2", "--out", str(tmp_path / "out"),
+               "-p", "runtime.device=cpu"])
+    err = capsys.readouterr().err
+    assert rc == 3 and "vae2: not feasible — decoder.conv_in: WanCausalConv3d" in err, err
+    assert not (tmp_path / "out").exists()

@@ -150,6 +150,8 @@ class ModelFacts:
     components: dict[str, str] = field(default_factory=dict)
     text_encoder_planners: set[str] = field(default_factory=set)
     vae_planners: set[str] = field(default_factory=set)
+    vae_problem: str | None = None  # why the VAE's decoder cannot be split (parallel.vae), read on meta
+    latent_height: int | None = None  # latent rows at the card's height
 
     def seq_reason(self, n: int) -> str | None:
         bad = []
@@ -167,6 +169,9 @@ def model_facts(report: ArchReport, card: ModelCard, device: str) -> ModelFacts:
     att = report.attention
     sup = report.support
     cfg_ok, cfg_why = _cfg_active(report, card)
+    from .vae import vae_facts
+
+    vae_problem, latent_height = vae_facts(card.path, card.generation.height)
     return ModelFacts(
         att=att, heads=att.heads, kv=att.kv_heads or att.heads, s_img=att.image_seq_len,
         s_txt=att.text_seq_len, joint=att.kind == "joint", device=str(device),
@@ -174,7 +179,8 @@ def model_facts(report: ArchReport, card: ModelCard, device: str) -> ModelFacts:
         tp_plan=sup.cache_dit_tp_planner or ("diffusers _tp_plan" if sup.diffusers_tp_plan else None),
         cfg_ok=cfg_ok, cfg_why=cfg_why, components=model_components(card),
         text_encoder_planners=_cache_dit_registered("text_encoders", "TextEncoderTensorParallelismPlannerRegister"),
-        vae_planners=_cache_dit_registered("autoencoders", "AutoEncoderDataParallelismPlannerRegister"))
+        vae_planners=_cache_dit_registered("autoencoders", "AutoEncoderDataParallelismPlannerRegister"),
+        vae_problem=vae_problem, latent_height=latent_height)
 
 
 def ulysses_check(f: ModelFacts, n: int) -> tuple[bool, str]:
@@ -307,6 +313,10 @@ def judge_vae(f: ModelFacts, n: int) -> Feasibility:
         return Feasibility("vae", 1, False, None, "one process")
     if not vae:
         return Feasibility("vae", n, False, None, "the pipeline has no vae component")
+    if f.vae_problem:
+        return Feasibility("vae", n, False, None, f"{vae}: {f.vae_problem}")
+    if f.latent_height and f.latent_height % n:
+        return Feasibility("vae", n, False, None, f"{vae}: {f.latent_height} latent rows not divisible by {n}")
     return Feasibility("vae", n, True, plan_name(vae=n),
                        f"{vae}: latent rows split over {n} ranks, halo rows per convolution, GroupNorm and attention "
                        f"over the whole image; a decoder layer it cannot split is refused at launch by name")

@@ -275,3 +275,34 @@ def check_vae_sharding(ranks: list[dict], degree: int) -> dict:
             "halo_exchanges": [rec["halo_exchanges"] for rec in ranks],
             "norms_all_reduced": [rec["norms_all_reduced"] for rec in ranks],
             "attention_gathers": [rec["attention_gathers"] for rec in ranks]}
+
+
+def vae_facts(model_path, height: int | None) -> tuple[str | None, int | None]:
+    """Before any launch: (why the model folder's VAE cannot be decoded patch-parallel, or None;
+    the latent height at ``height`` pixels, or None when unknown). The VAE is built on the meta
+    device from its ``vae/config.json`` (no weights read); a VAE class that is not diffusers' is
+    left to the launch (None, None)."""
+    import json
+    from pathlib import Path
+
+    try:
+        config = json.loads((Path(model_path) / "vae" / "config.json").read_text())
+    except (OSError, TypeError, ValueError):
+        return None, None
+    import diffusers
+
+    cls = getattr(diffusers, str(config.get("_class_name")), None)
+    if cls is None:
+        return None, None
+    try:
+        with torch.device("meta"):
+            vae = cls.from_config(config)
+    except Exception:  # noqa: BLE001 - judged at launch instead
+        return None, None
+    channels = config.get("block_out_channels")
+    latent = height // 2 ** (len(channels) - 1) if height and channels else None
+    try:
+        plan_vae_decode(vae, 1)
+    except VaeParallelRefused as exc:
+        return str(exc), latent
+    return None, latent
