@@ -164,7 +164,7 @@ def derive_plan(transformer: nn.Module, events: list[tuple[str, str]]) -> Tensor
     seen: set[str] = set()
     for a, b in zip(order, order[1:]):
         la, lb = linears[a], linears[b]
-        if a in seen or b in seen or a.rsplit(".", 1)[0].rsplit(".", 1)[0] != b.rsplit(".", 1)[0].rsplit(".", 1)[0]:
+        if a in seen or b in seen or _block_of(transformer, a) is None or _block_of(transformer, a) != _block_of(transformer, b):
             continue
         if la.out_features == lb.in_features and la.in_features == lb.out_features and la.out_features > la.in_features:
             styles[a], styles[b] = "colwise", "rowwise"
@@ -173,6 +173,16 @@ def derive_plan(transformer: nn.Module, events: list[tuple[str, str]]) -> Tensor
         raise TensorParallelRefused("no linear layer pair to shard: the traced call shows no attention with input and "
                                     "output projections and no d -> h -> d MLP")
     return TensorPlan("derived from the traced linear layers", styles, attention, notes)
+
+
+def _block_of(model: nn.Module, path: str) -> str | None:
+    """The block (element of the outermost ``ModuleList``) that holds the module at ``path``, or None."""
+    parts = path.split(".")
+    for i in range(1, len(parts)):
+        if isinstance(model.get_submodule(".".join(parts[:i - 1])) if i > 1 else model, nn.ModuleList) and \
+                parts[i - 1].isdigit():
+            return ".".join(parts[:i])
+    return None
 
 
 def attention_of(styles: dict[str, object], transformer: nn.Module) -> list[str]:
