@@ -160,8 +160,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("parallel", help="run parallel plans under torchrun and check parity with one process")
     p.add_argument("card", help="model card (models/<name>.yaml)")
     p.add_argument("--plan", action="append", required=True,
-                   help="plan name(s): ulysses2, ring2, usp2x2, cfg2, cfg2_ulysses2, ulysses2+cache, "
-                        "ulysses2+compile+graph (GPU) (repeat or comma-separate)")
+                   help="plan name(s): ulysses2, ring2, usp2x2, cfg2, cfg2_ulysses2, ulysses2+cache, tp2, vae2, te2, "
+                        "ulysses2_vae2_te2, ulysses2+compile+graph (GPU) (repeat or comma-separate)")
     p.add_argument("--nproc", type=int, required=True, help="processes (one per GPU; gloo on CPU)")
     p.add_argument("--run", help="run folder: reads inspect/arch.json for the feasibility check, writes parallel/runs")
     p.add_argument("--arch", help="inspect/arch.json to check feasibility against")
