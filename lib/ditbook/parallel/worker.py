@@ -206,11 +206,20 @@ def apply_own_ring(tr, plan: dict, spec) -> tuple[list[str], object]:
     from cache_dit.distributed.core._context_parallel import _apply_context_parallel
 
     mesh = init_device_mesh(dev_type, (spec.ring, 1), mesh_dim_names=("ring", "ulysses"))
+    # the ring route before the split/gather hooks: cache-dit's hook registry then wraps on top
+    # of ditbook's wraps (``ditbook.hooks`` refuses to wrap on top of a foreign replacement)
+    _, stats, modules = route_ring_attention(tr, group=mesh["ring"].get_group())
+    recorder.stats = stats
     cpc = _ContextParallelConfig(ulysses_degree=1, ring_degree=spec.ring)
     cpc.setup(dist.get_rank(), dist.get_world_size(), tr.device, mesh=mesh)
     _apply_context_parallel(tr, cpc, plan)
-    _, stats, modules = route_ring_attention(tr, group=mesh["ring"].get_group())
-    recorder.stats = stats
+    # cache-dit's planners patch some processor classes to read ``_cp_config`` (set by its own
+    # enable path, which this one skips): None on each instance says "no CP attention here"
+    for module in tr.modules():
+        proc = getattr(module, "processor", None)
+        for attr in ("_cp_config", "_parallel_config"):
+            if proc is not None and not hasattr(proc, attr):
+                setattr(proc, attr, None)
     return modules, recorder
 
 
