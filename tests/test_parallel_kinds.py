@@ -37,6 +37,15 @@ def test_plan_names_of_the_new_kinds():
     assert refusal(parse_plan("tp2")) is None and refusal(parse_plan("tp2_vae2_te2")) is None
 
 
+def test_rings_that_are_cache_dits_are_refused_off_cuda():
+    from ditbook.parallel.feasibility import device_refusal
+
+    assert device_refusal(parse_plan("ring2"), "cpu") is None  # ditbook's own ring
+    for name in ("ring2+cache", "cfg2_ring2", "usp2x2"):
+        assert "CUDA only" in device_refusal(parse_plan(name), "cpu")
+        assert device_refusal(parse_plan(name), "cuda:0") is None
+
+
 @needs_reference
 def test_tp_vae_te_match_one_process_and_record_the_split(tmp_path):
     results, _ = run_plans(REFERENCE, KINDS, 2, tmp_path, overrides=OV, timeout=90, warmup=0)

@@ -47,7 +47,11 @@ def refusal(card_path: str, plans: list[str], arch: str | None, overrides: dict)
             except KeyError:
                 out.append(f"{p}: world size {spec.world_size} is not in the feasibility table")
                 continue
-        if not row.feasible or not row.launchable:
+        from .feasibility import device_refusal
+
+        if device_refusal(spec, table.facts.get("device")):
+            out.append(f"{p}: not feasible — {device_refusal(spec, table.facts.get('device'))}")
+        elif not row.feasible or not row.launchable:
             out.append(f"{p}: not feasible — {row.reason}" if not row.feasible else f"{p}: not launched by ditbook — {row.reason}")
     return out
 
@@ -76,9 +80,14 @@ def static_refusal(card, plans: list[str]) -> list[str]:
         print(f"ditbook parallel: no feasibility pre-check (static inspection failed: {type(exc).__name__}: {exc}); "
               f"pass --run RUN_DIR of an inspected run for the full check", file=sys.stderr)
         return []
+    from ..loading import choose_placement
+    from .feasibility import device_refusal
+
     out = []
     for p in plans:
         spec = parse_plan(p)
+        if device_refusal(spec, choose_placement(card).device):
+            out.append(f"{p}: not feasible — {device_refusal(spec, choose_placement(card).device)}")
         for kind, n in (("ulysses", spec.ulysses), ("tp", spec.tp)):
             if n > 1 and heads and heads % n:
                 out.append(f"{p}: not feasible — {heads} attention heads are not divisible by {kind} {n}")

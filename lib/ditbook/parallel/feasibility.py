@@ -15,7 +15,7 @@ from typing import Callable
 
 from ..inspect.report import ArchReport, AttentionFacts
 from ..card import ModelCard
-from .plans import plan_name
+from .plans import own_ring, plan_name
 
 WORLD_SIZES = (1, 2, 4, 8)
 KINDS = ("cfg", "ulysses", "ring", "ulysses_x_ring", "cfg_x_ulysses", "tp", "text_encoder", "vae")
@@ -198,6 +198,15 @@ def ulysses_check(f: ModelFacts, n: int) -> tuple[bool, str]:
         return False, s + ": uneven split needs padding (ulysses_anything)"
     notes.append(f.cp_how())
     return True, "; ".join(notes)
+
+
+def device_refusal(spec, device: str | None) -> str | None:
+    """Why this device cannot run the plan (None when it can): rings other than ditbook's own
+    (inside USP, CFG x ring or +cache plans) are cache-dit's, CUDA only."""
+    if spec.ring > 1 and not own_ring(spec) and not str(device or "").startswith("cuda"):
+        return ("cache-dit's ring attention (in USP, CFG x ring or +cache plans) takes the log-sum-exp from the "
+                "flash SDPA kernel: CUDA only; a plain ring<N> runs ditbook's own ring on any device")
+    return None
 
 
 def ring_check(f: ModelFacts, n: int, own: bool = False) -> tuple[bool, str]:

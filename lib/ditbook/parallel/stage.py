@@ -23,7 +23,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .attention import model_gqa_shapes, time_gqa
-from .feasibility import FeasibilityTable
+from .feasibility import FeasibilityTable, device_refusal
 from .launch import run_plans
 from .plans import parse_plan, refusal
 
@@ -60,6 +60,8 @@ def _choose_plans(table: FeasibilityTable, nproc: int, wanted: list[str] | None,
             row = table.check(p)
             if refusal(parse_plan(p)):
                 skipped.append({"name": p, "reason": refusal(parse_plan(p))})
+            elif device_refusal(parse_plan(p), table.facts.get("device")):
+                skipped.append({"name": p, "reason": device_refusal(parse_plan(p), table.facts.get("device"))})
             elif parse_plan(p).world_size != nproc:
                 skipped.append({"name": p, "reason": f"needs {parse_plan(p).world_size} processes, run has {nproc}"})
             elif row is None or not row.feasible or not row.launchable:
@@ -72,7 +74,10 @@ def _choose_plans(table: FeasibilityTable, nproc: int, wanted: list[str] | None,
     base = [p for p in base if not refusal(parse_plan(p))]
     run = list(base)
     if with_cache:
-        run += [f"{p}+cache" for p in base if parse_plan(p).uses_cp or parse_plan(p).cfg > 1]
+        cached = [f"{p}+cache" for p in base if parse_plan(p).uses_cp or parse_plan(p).cfg > 1]
+        skipped += [{"name": p, "reason": device_refusal(parse_plan(p), table.facts.get("device"))}
+                    for p in cached if device_refusal(parse_plan(p), table.facts.get("device"))]
+        run += [p for p in cached if not device_refusal(parse_plan(p), table.facts.get("device"))]
     if with_graph:
         run += [f"{p}+compile+graph" for p in base]
     return run, skipped
