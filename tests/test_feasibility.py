@@ -61,8 +61,10 @@ def test_ring():
     assert row(judge_ring, facts(cp=None), 2)[2] == own + "plan derived from the traced call conventions"
     ok, _, why = row(judge_ring, facts(device="cpu"), 2)  # ditbook's ring runs on the CPU too
     assert ok and why.startswith(own)
-    ok, _, why = row(judge_ring, facts(masks=["attention_mask"]), 2)
-    assert not ok and "ring attention takes no mask" in why
+    ok, _, why = row(judge_ring, facts(masks=["attention_mask"]), 2)  # ditbook's ring: the mask travels
+    assert ok and "travel round the ring with their keys" in why
+    ok, _, why = row(judge_ulysses_x_ring, facts(masks=["attention_mask"], heads=8), 4)  # cache-dit's ring
+    assert not ok
     assert row(judge_ring, facts(masks=["encoder_attention_mask"]), 2)[0]
     assert not row(judge_ring, facts(), 1)[0]
 

@@ -193,3 +193,20 @@ def test_a_vae_the_patch_decode_cannot_split_is_refused_before_launch(tmp_path, 
     err = capsys.readouterr().err
     assert rc == 3 and "vae2: not feasible — decoder.conv_in: WanCausalConv3d" in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_ring_merge_with_a_key_mask_matches_sdpa():
+    """A key-padding mask split with its keys (one block wholly masked for some rows) merges exactly."""
+    from ditbook.parallel.ring import merge_partials, partial_attention
+
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 8, 4, generator=g) for _ in range(3))
+    mask = torch.ones(1, 1, 8, 8, dtype=torch.bool)
+    mask[..., :3, 4:] = False  # rows 0-2 see nothing of the second key block
+    mask[..., 5, :4] = False
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    scale = 4 ** -0.5
+    o1, l1 = partial_attention(q, k[..., :4, :], v[..., :4, :], scale, mask[..., :4])
+    o2, l2 = partial_attention(q, k[..., 4:, :], v[..., 4:, :], scale, mask[..., 4:])
+    out, _ = merge_partials(o1, l1, o2, l2)
+    assert torch.allclose(out, ref, atol=1e-5)

@@ -221,6 +221,8 @@ def ring_check(f: ModelFacts, n: int, own: bool = False) -> tuple[bool, str]:
         return False, ("ring attention merges partial results by their log-sum-exp, which cache-dit takes "
                        "from the flash SDPA kernel — CUDA only (on CPU it raises NotImplementedError)")
     full_masks = [m for m in f.att.masks if "mask" in m.lower() and "encoder" not in m.lower()]
+    if full_masks and own:
+        return True, f"key mask(s) {full_masks} travel round the ring with their keys; " + f.cp_how()
     if full_masks:
         return False, f"attention mask(s) {full_masks} over the whole sequence: ring attention takes no mask"
     return True, f.cp_how()

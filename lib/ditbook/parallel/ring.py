@@ -22,7 +22,9 @@ hooks, without its attention backends), and the attention calls are sent to the 
 attention module: each module's forward is wrapped (``ditbook.hooks``) to enter a
 ``TorchFunctionMode`` that turns its ``scaled_dot_product_attention`` calls into ring attention —
 diffusers' processors reach it through their native backend, third-party code directly. Nothing
-is rebound globally. A mask, a causal flag or dropout is refused by name (``RingAttentionRefused``).
+is rebound globally. A mask over the keys (boolean or additive, SDPA's convention) travels round
+the ring with its keys; a causal flag, dropout, or a mask that does not cover the local keys is
+refused by name (``RingAttentionRefused``).
 
 ``RingRecorder`` records per rank each attention call's local query/key lengths (measured inside
 the module, before the ring) and the ring's own counts (blocks merged, key length merged);
@@ -49,18 +51,25 @@ _SDPA = F.scaled_dot_product_attention
 
 
 class RingAttentionRefused(RuntimeError):
-    """An attention call ring attention does not compute (mask, causal, dropout)."""
+    """An attention call ring attention does not compute (causal, dropout, a mask not over the keys)."""
 
 
 class RingShardingError(ShardingError):
     """A ring run whose attention calls did not go round the ring."""
 
 
-def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of ``q`` over one key/value block, in float32: (out, lse), lse of shape q[..., 0]."""
+def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                      mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``q`` over one key/value block, in float32: (out, lse), lse of shape q[..., 0].
+    ``mask`` (SDPA's convention: boolean True = attend, or a float added to the scores) covers this
+    block's keys; a row with every key of the block masked has lse -inf and out 0."""
     s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.float()
     lse = torch.logsumexp(s, dim=-1)
-    out = torch.matmul(torch.exp(s - lse[..., None]), v.float())
+    finite = torch.isfinite(lse)
+    p = torch.exp(s - torch.where(finite, lse, torch.zeros_like(lse))[..., None])
+    out = torch.matmul(torch.where(finite[..., None], p, torch.zeros_like(p)), v.float())
     return out, lse
 
 
@@ -68,7 +77,10 @@ def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor
                    lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Two partial attentions of the same queries over disjoint key blocks -> over their union."""
     lse = torch.logaddexp(lse_a, lse_b)
-    return out_a * torch.exp(lse_a - lse)[..., None] + out_b * torch.exp(lse_b - lse)[..., None], lse
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))  # both blocks masked: stays 0, -inf
+    wa = torch.where(torch.isfinite(lse_a), torch.exp(lse_a - safe), torch.zeros_like(lse_a))
+    wb = torch.where(torch.isfinite(lse_b), torch.exp(lse_b - safe), torch.zeros_like(lse_b))
+    return out_a * wa[..., None] + out_b * wb[..., None], lse
 
 
 @dataclass
@@ -86,32 +98,39 @@ class RingStats:
 
 
 def ring_attention(q, k, v, group=None, scale: float | None = None, stats: RingStats | None = None,
-                   merge=merge_partials):
-    """Attention of this rank's queries over every rank's keys/values: [..., S_local, D] each."""
+                   merge=merge_partials, mask: torch.Tensor | None = None):
+    """Attention of this rank's queries over every rank's keys/values: [..., S_local, D] each.
+    ``mask`` covers this rank's keys (last dim) and travels round the ring with them."""
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     nxt = dist.get_global_rank(group, (rank + 1) % world) if group is not None else (rank + 1) % world
     prv = dist.get_global_rank(group, (rank - 1) % world) if group is not None else (rank - 1) % world
-    cur_k, cur_v = k.contiguous(), v.contiguous()
+    travel = [k.contiguous(), v.contiguous()]
+    if mask is not None:
+        # the mask's key axis travels with the keys; on the gloo/NCCL wire as uint8 when boolean
+        travel.append(mask.contiguous().to(torch.uint8) if mask.dtype == torch.bool else mask.contiguous())
     out = lse = None
     merged = 0
     for step in range(world):
         reqs = []
         if step < world - 1:
-            nk, nv = torch.empty_like(cur_k), torch.empty_like(cur_v)
-            ops = [dist.P2POp(dist.isend, cur_k, nxt, group), dist.P2POp(dist.isend, cur_v, nxt, group),
-                   dist.P2POp(dist.irecv, nk, prv, group), dist.P2POp(dist.irecv, nv, prv, group)]
+            incoming = [torch.empty_like(t) for t in travel]
+            ops = [dist.P2POp(dist.isend, t, nxt, group) for t in travel] + \
+                  [dist.P2POp(dist.irecv, t, prv, group) for t in incoming]
             reqs = dist.batch_isend_irecv(ops)
-        o, l = partial_attention(q, cur_k, cur_v, scale)
+        block_mask = None
+        if mask is not None:
+            block_mask = travel[2].bool() if mask.dtype == torch.bool else travel[2]
+        o, l = partial_attention(q, travel[0], travel[1], scale, block_mask)
         out, lse = (o, l) if out is None else merge(out, lse, o, l)
-        merged += cur_k.shape[-2]
+        merged += travel[0].shape[-2]
         for r in reqs:
             r.wait()
         if reqs:
             if stats is not None:
                 stats.exchanges += 1
-            cur_k, cur_v = nk, nv
+            travel = incoming
     if stats is not None:
         stats.note(world, k.shape[-2], merged)
     return out.to(q.dtype)
@@ -129,8 +148,10 @@ class _RingMode(TorchFunctionMode):
         names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
         bound = dict(zip(names, args))
         bound.update(kwargs)
-        if bound.get("attn_mask") is not None:
-            raise RingAttentionRefused("an attention call with a mask: ring attention takes no mask")
+        mask = bound.get("attn_mask")
+        if mask is not None and mask.shape[-1] not in (1, bound["key"].shape[-2]):
+            raise RingAttentionRefused(f"an attention mask over {mask.shape[-1]} keys for {bound['key'].shape[-2]} "
+                                       f"local keys: it cannot travel with them")
         if bound.get("is_causal"):
             raise RingAttentionRefused("a causal attention call: ditbook's ring computes full attention only")
         if bound.get("dropout_p"):
@@ -139,7 +160,7 @@ class _RingMode(TorchFunctionMode):
         if k.shape[-3] != q.shape[-3]:  # GQA: the key/value heads repeated to the query heads
             rep = q.shape[-3] // k.shape[-3]
             k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
-        return ring_attention(q, k, v, self.group, bound.get("scale"), self.stats)
+        return ring_attention(q, k, v, self.group, bound.get("scale"), self.stats, mask=mask)
 
 
 def attention_modules(transformer) -> list[tuple[str, torch.nn.Module]]:
