@@ -33,7 +33,7 @@ def test_plan_names_of_the_new_kinds():
         parse_plan("ulysses2_vae4")
     with pytest.raises(PlanNameError, match="expected one of .*vae<N>, te<N>"):
         parse_plan("encoder2")
-    assert "not wired" in refusal(parse_plan("cfg2_tp2"))
+    assert "not wired" in refusal(parse_plan("cfg2_tp2")) and "not wired" in refusal(parse_plan("tp2+compile"))
     assert refusal(parse_plan("tp2")) is None and refusal(parse_plan("tp2_vae2_te2")) is None
 
 

@@ -37,6 +37,8 @@ def refusal(spec: "PlanSpec") -> str | None:
     """Why ditbook will not launch this plan (None when it can): checked before any process starts."""
     if spec.tp > 1 and (spec.cfg > 1 or spec.uses_cp):
         return TP_COMPOSED
+    if spec.tp > 1 and (spec.cache or spec.compile or spec.graph):
+        return "tensor parallel runs without +cache, +compile or +graph (their order with the sharding is not wired)"
     return None
 
 

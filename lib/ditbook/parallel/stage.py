@@ -79,7 +79,9 @@ def _choose_plans(table: FeasibilityTable, nproc: int, wanted: list[str] | None,
                     for p in cached if device_refusal(parse_plan(p), table.facts.get("device"))]
         run += [p for p in cached if not device_refusal(parse_plan(p), table.facts.get("device"))]
     if with_graph:
-        run += [f"{p}+compile+graph" for p in base]
+        graphed = [f"{p}+compile+graph" for p in base]
+        skipped += [{"name": p, "reason": refusal(parse_plan(p))} for p in graphed if refusal(parse_plan(p))]
+        run += [p for p in graphed if not refusal(parse_plan(p))]
     return run, skipped
 
 
