@@ -225,14 +225,23 @@ class VaeRecorder:
         self.full: list[int] = []
         self.first_conv: list[int] = []
         self.out_rows: list[int] = []
-        first = next((m for _, m in self.dec.named_modules() if isinstance(m, nn.Conv2d)), None)
-        if first is None:
+        convs = [m for m in self.dec.modules() if isinstance(m, nn.Conv2d)]
+        if not convs:
             raise VaeParallelRefused("the decoder has no convolution to record")
-        self.handles = [
-            self.dec.register_forward_pre_hook(lambda m, a: self.full.append(int(a[0].shape[-2])) and None),
-            first.register_forward_pre_hook(lambda m, a: self.first_conv.append(int(a[0].shape[-2])) and None),
-            self.dec.register_forward_hook(lambda m, a, o: self.out_rows.append(int(o.shape[-2])) and None),
-        ]
+        waiting = {"first": False}
+
+        def decoder_in(m, a):
+            self.full.append(int(a[0].shape[-2]))
+            waiting["first"] = True
+
+        def conv_in(m, a):  # the first convolution that runs in this decode sees the latent band
+            if waiting["first"]:
+                waiting["first"] = False
+                self.first_conv.append(int(a[0].shape[-2]))
+
+        self.handles = [self.dec.register_forward_pre_hook(decoder_in),
+                        self.dec.register_forward_hook(lambda m, a, o: self.out_rows.append(int(o.shape[-2])) and None)]
+        self.handles += [c.register_forward_pre_hook(conv_in) for c in convs]
 
     def record(self) -> dict:
         s = self.stats
