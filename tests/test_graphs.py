@@ -161,11 +161,14 @@ def test_the_stage_adds_graphed_plans_when_asked(tmp_path):
 
     table = feasibility(_report(heads=8, kv=2), load_card(models.tiny_flux(tmp_path)), device="cuda")
     plain, _ = choose_plans(table, 2, with_cache=True)
-    graphed, _ = choose_plans(table, 2, with_cache=True, with_graph=True)
+    graphed, not_run = choose_plans(table, 2, with_cache=True, with_graph=True)
     assert not any("graph" in p for p in plain)
     extra = [p for p in graphed if p not in plain]
     assert extra and all(p.endswith("+compile+graph") and "+cache" not in p for p in extra)
-    assert {p.split("+")[0] for p in extra} == {p for p in plain if "+" not in p}
+    from ditbook.parallel.plans import refusal
+
+    assert {p.split("+")[0] for p in extra} == {p for p in plain if "+" not in p and not refusal(parse_plan(p + "+graph"))}
+    assert {r["name"] for r in not_run} >= {"tp2+compile+graph"}  # tensor parallel is not graphed: refused by name
     for p in extra:
         parse_plan(p)  # every added name is a valid plan
 

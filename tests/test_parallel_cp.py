@@ -145,19 +145,21 @@ def test_registered_planner_is_called_with_the_transformer():
 
 
 def test_tp_plan_is_refused_before_launch(tmp_path, capsys):
+    """Tensor parallel runs alone (tests/test_parallel_kinds.py); composed with CFG it is refused
+    before any process starts."""
     from ditbook.cli import main
     from ditbook.parallel.launch import PlanRefused, run_plans
 
     card = models.tiny_thirdparty(tmp_path)
     start = time.perf_counter()
-    with pytest.raises(PlanRefused, match="every rank would run the whole model"):
-        run_plans(card, ["tp2"], 2, tmp_path / "run")
+    with pytest.raises(PlanRefused, match="composition with CFG or context parallel"):
+        run_plans(card, ["cfg2_tp2"], 4, tmp_path / "run")
     assert not (tmp_path / "run" / "launch.log").exists()
-    rc = main(["parallel", str(card), "--plan", "tp2", "--nproc", "2", "--out", str(tmp_path / "cli")])
+    rc = main(["parallel", str(card), "--plan", "cfg2_tp2", "--nproc", "4", "--out", str(tmp_path / "cli")])
     err = capsys.readouterr().err
-    assert rc == 3 and "tp2: not run — tensor parallel is not implemented" in err, err
-    rc = main(["parallel", str(card), "--plan", "vae2", "--nproc", "2", "--out", str(tmp_path / "cli")])
-    assert rc == 2 and "VAE parallel is not run by ditbook" in capsys.readouterr().err  # a plan name the grammar refuses
+    assert rc == 3 and "cfg2_tp2: not run — tensor parallel is run alone" in err, err
+    rc = main(["parallel", str(card), "--plan", "encoder2", "--nproc", "2", "--out", str(tmp_path / "cli")])
+    assert rc == 2 and "cannot read 'encoder2'" in capsys.readouterr().err  # a plan name the grammar refuses
     assert not (tmp_path / "cli").exists()
     assert time.perf_counter() - start < 20
 

@@ -47,7 +47,11 @@ def refusal(card_path: str, plans: list[str], arch: str | None, overrides: dict)
             except KeyError:
                 out.append(f"{p}: world size {spec.world_size} is not in the feasibility table")
                 continue
-        if not row.feasible or not row.launchable:
+        from .feasibility import device_refusal
+
+        if device_refusal(spec, table.facts.get("device")):
+            out.append(f"{p}: not feasible — {device_refusal(spec, table.facts.get('device'))}")
+        elif not row.feasible or not row.launchable:
             out.append(f"{p}: not feasible — {row.reason}" if not row.feasible else f"{p}: not launched by ditbook — {row.reason}")
     return out
 
@@ -76,12 +80,23 @@ def static_refusal(card, plans: list[str]) -> list[str]:
         print(f"ditbook parallel: no feasibility pre-check (static inspection failed: {type(exc).__name__}: {exc}); "
               f"pass --run RUN_DIR of an inspected run for the full check", file=sys.stderr)
         return []
+    from ..loading import choose_placement
+    from .feasibility import device_refusal
+
     out = []
     for p in plans:
         spec = parse_plan(p)
+        if device_refusal(spec, choose_placement(card).device):
+            out.append(f"{p}: not feasible — {device_refusal(spec, choose_placement(card).device)}")
         for kind, n in (("ulysses", spec.ulysses), ("tp", spec.tp)):
             if n > 1 and heads and heads % n:
                 out.append(f"{p}: not feasible — {heads} attention heads are not divisible by {kind} {n}")
+        if spec.vae > 1:  # the VAE's decoder, built on the meta device (parallel.vae)
+            from .vae import vae_facts
+
+            problem, rows = vae_facts(card.path, card.generation.height)
+            if problem or (rows and rows % spec.vae):
+                out.append(f"{p}: not feasible — {problem or f'{rows} latent rows not divisible by vae {spec.vae}'}")
     return out
 
 
@@ -154,8 +169,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("parallel", help="run parallel plans under torchrun and check parity with one process")
     p.add_argument("card", help="model card (models/<name>.yaml)")
     p.add_argument("--plan", action="append", required=True,
-                   help="plan name(s): ulysses2, ring2, usp2x2, cfg2, cfg2_ulysses2, ulysses2+cache, "
-                        "ulysses2+compile+graph (GPU) (repeat or comma-separate)")
+                   help="plan name(s): ulysses2, ring2, usp2x2, cfg2, cfg2_ulysses2, ulysses2+cache, tp2, vae2, te2, "
+                        "ulysses2_vae2_te2, ulysses2+compile+graph (GPU) (repeat or comma-separate)")
     p.add_argument("--nproc", type=int, required=True, help="processes (one per GPU; gloo on CPU)")
     p.add_argument("--run", help="run folder: reads inspect/arch.json for the feasibility check, writes parallel/runs")
     p.add_argument("--arch", help="inspect/arch.json to check feasibility against")

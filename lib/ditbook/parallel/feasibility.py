@@ -15,7 +15,7 @@ from typing import Callable
 
 from ..inspect.report import ArchReport, AttentionFacts
 from ..card import ModelCard
-from .plans import plan_name
+from .plans import own_ring, plan_name
 
 WORLD_SIZES = (1, 2, 4, 8)
 KINDS = ("cfg", "ulysses", "ring", "ulysses_x_ring", "cfg_x_ulysses", "tp", "text_encoder", "vae")
@@ -150,6 +150,8 @@ class ModelFacts:
     components: dict[str, str] = field(default_factory=dict)
     text_encoder_planners: set[str] = field(default_factory=set)
     vae_planners: set[str] = field(default_factory=set)
+    vae_problem: str | None = None  # why the VAE's decoder cannot be split (parallel.vae), read on meta
+    latent_height: int | None = None  # latent rows at the card's height
 
     def seq_reason(self, n: int) -> str | None:
         bad = []
@@ -167,6 +169,9 @@ def model_facts(report: ArchReport, card: ModelCard, device: str) -> ModelFacts:
     att = report.attention
     sup = report.support
     cfg_ok, cfg_why = _cfg_active(report, card)
+    from .vae import vae_facts
+
+    vae_problem, latent_height = vae_facts(card.path, card.generation.height)
     return ModelFacts(
         att=att, heads=att.heads, kv=att.kv_heads or att.heads, s_img=att.image_seq_len,
         s_txt=att.text_seq_len, joint=att.kind == "joint", device=str(device),
@@ -174,7 +179,8 @@ def model_facts(report: ArchReport, card: ModelCard, device: str) -> ModelFacts:
         tp_plan=sup.cache_dit_tp_planner or ("diffusers _tp_plan" if sup.diffusers_tp_plan else None),
         cfg_ok=cfg_ok, cfg_why=cfg_why, components=model_components(card),
         text_encoder_planners=_cache_dit_registered("text_encoders", "TextEncoderTensorParallelismPlannerRegister"),
-        vae_planners=_cache_dit_registered("autoencoders", "AutoEncoderDataParallelismPlannerRegister"))
+        vae_planners=_cache_dit_registered("autoencoders", "AutoEncoderDataParallelismPlannerRegister"),
+        vae_problem=vae_problem, latent_height=latent_height)
 
 
 def ulysses_check(f: ModelFacts, n: int) -> tuple[bool, str]:
@@ -194,16 +200,29 @@ def ulysses_check(f: ModelFacts, n: int) -> tuple[bool, str]:
     return True, "; ".join(notes)
 
 
-def ring_check(f: ModelFacts, n: int) -> tuple[bool, str]:
+def device_refusal(spec, device: str | None) -> str | None:
+    """Why this device cannot run the plan (None when it can): rings other than ditbook's own
+    (inside USP, CFG x ring or +cache plans) are cache-dit's, CUDA only."""
+    if spec.ring > 1 and not own_ring(spec) and not str(device or "").startswith("cuda"):
+        return ("cache-dit's ring attention (in USP, CFG x ring or +cache plans) takes the log-sum-exp from the "
+                "flash SDPA kernel: CUDA only; a plain ring<N> runs ditbook's own ring on any device")
+    return None
+
+
+def ring_check(f: ModelFacts, n: int, own: bool = False) -> tuple[bool, str]:
+    """``own``: ditbook's ring (``parallel.ring``, plain ring<N> plans), which computes the
+    log-sum-exp itself and so runs on any device; else cache-dit's (inside USP)."""
     if f.heads is None:
         return False, "head count unknown (inspection found no attention)"
     s = f.seq_reason(n)
     if s:
         return False, s
-    if not f.device.startswith("cuda"):
+    if not own and not f.device.startswith("cuda"):
         return False, ("ring attention merges partial results by their log-sum-exp, which cache-dit takes "
                        "from the flash SDPA kernel — CUDA only (on CPU it raises NotImplementedError)")
     full_masks = [m for m in f.att.masks if "mask" in m.lower() and "encoder" not in m.lower()]
+    if full_masks and own:
+        return True, f"key mask(s) {full_masks} travel round the ring with their keys; " + f.cp_how()
     if full_masks:
         return False, f"attention mask(s) {full_masks} over the whole sequence: ring attention takes no mask"
     return True, f.cp_how()
@@ -230,8 +249,10 @@ def judge_ulysses(f: ModelFacts, n: int) -> Feasibility:
 def judge_ring(f: ModelFacts, n: int) -> Feasibility:
     if n == 1:
         return Feasibility("ring", 1, False, None, "one process: nothing to split")
-    ok, why = ring_check(f, n)
-    return Feasibility("ring", n, ok, plan_name(ring=n), why)
+    ok, why = ring_check(f, n, own=True)
+    return Feasibility("ring", n, ok, plan_name(ring=n),
+                       f"ditbook's ring attention (partials merged by log-sum-exp, K/V over isend/irecv); {why}"
+                       if ok else why)
 
 
 def judge_ulysses_x_ring(f: ModelFacts, n: int) -> Feasibility:
@@ -261,9 +282,10 @@ def judge_cfg_x_ulysses(f: ModelFacts, n: int) -> Feasibility:
 
 
 def judge_tp(f: ModelFacts, n: int) -> Feasibility:
-    """Tensor parallel: judged, not launched."""
+    """Tensor parallel of the transformer (``parallel.tensor``): the class's ``_tp_plan``, else a
+    plan derived from the traced linear layers; heads and KV heads must split evenly."""
     def no(why: str) -> Feasibility:
-        return Feasibility("tp", n, False, None, why, launchable=False)
+        return Feasibility("tp", n, False, None, why)
 
     if n == 1:
         return no("one process: nothing to shard")
@@ -271,45 +293,44 @@ def judge_tp(f: ModelFacts, n: int) -> Feasibility:
         return no("head count unknown")
     if f.heads % n:
         return no(f"{f.heads} heads not divisible by {n}")
-    notes = []
     if f.kv % n:
-        notes.append(f"GQA: {f.kv} KV heads not divisible by {n} -> replicate K/V projections on every "
-                     f"rank or shard the FFN only")
-    if f.att.fused_qkv:
-        notes.append("fused QKV: the packed projection needs block-wise column sharding")
-    if not f.tp_plan:
-        return no("no TP plan registered (diffusers _tp_plan / cache-dit planner); "
-                  + ("; ".join(notes) + "; " if notes else "") + "ditbook does not derive TP shard specs")
-    return Feasibility("tp", n, True, plan_name(tp=n), "; ".join([f"plan: {f.tp_plan}"] + notes), launchable=False)
+        return no(f"GQA: {f.kv} KV heads not divisible by {n}: the K/V projections cannot be split by head")
+    diffusers_plan = bool(f.tp_plan) and "_tp_plan" in f.tp_plan  # cache-dit's TP planners are not applied
+    if f.att.fused_qkv and not diffusers_plan:
+        return no("fused QKV without a diffusers _tp_plan: the packed projection needs block-wise column "
+                  "sharding, which ditbook does not derive")
+    how = ("plan: diffusers _tp_plan" if diffusers_plan else
+           "plan derived from the traced linear layers (attention in-projections colwise, out-projection rowwise; "
+           "MLP up colwise, down rowwise)")
+    return Feasibility("tp", n, True, plan_name(tp=n), how)
 
 
 def judge_text_encoder(f: ModelFacts, n: int) -> Feasibility:
-    """Text encoders (cache-dit TP planners): judged, not launched."""
+    """Text-encoder parallel (``parallel.text_encoder``): the encoder calls spread over the ranks."""
     encoders = {k: v for k, v in f.components.items() if k.startswith("text_encoder")}
     if n == 1:
-        return Feasibility("text_encoder", 1, False, None, "one process", launchable=False)
+        return Feasibility("text_encoder", 1, False, None, "one process")
     if not encoders:
-        return Feasibility("text_encoder", n, False, None, "the pipeline has no text encoder component",
-                           launchable=False)
-    hits = {k: _prefix_registered(v, f.text_encoder_planners) for k, v in encoders.items()}
-    ok = [f"{k} ({encoders[k]})" for k, h in hits.items() if h]
-    miss = [f"{k} ({encoders[k]})" for k, h in hits.items() if not h]
-    why = (f"cache-dit TP planner for {', '.join(ok)}" if ok else "") + \
-          ((("; " if ok else "") + f"no cache-dit planner for {', '.join(miss)}") if miss else "")
-    return Feasibility("text_encoder", n, bool(ok), None, why, launchable=False)
+        return Feasibility("text_encoder", n, False, None, "the pipeline has no text encoder component")
+    listed = ", ".join(f"{k} ({v})" for k, v in encoders.items())
+    return Feasibility("text_encoder", n, True, plan_name(te=n),
+                       f"the calls of {listed} spread round-robin over {n} ranks, each result broadcast")
 
 
 def judge_vae(f: ModelFacts, n: int) -> Feasibility:
-    """The VAE (cache-dit data-parallel planners): judged, not launched."""
+    """Patch-parallel VAE decode (``parallel.vae``): judged on the decoder's layers at launch."""
     vae = f.components.get("vae")
     if n == 1:
-        return Feasibility("vae", 1, False, None, "one process", launchable=False)
+        return Feasibility("vae", 1, False, None, "one process")
     if not vae:
-        return Feasibility("vae", n, False, None, "the pipeline has no vae component", launchable=False)
-    hit = _prefix_registered(vae, f.vae_planners)
-    return Feasibility("vae", n, bool(hit), None,
-                       f"cache-dit data-parallel (tiled) planner for {vae}" if hit
-                       else f"no cache-dit planner for {vae}", launchable=False)
+        return Feasibility("vae", n, False, None, "the pipeline has no vae component")
+    if f.vae_problem:
+        return Feasibility("vae", n, False, None, f"{vae}: {f.vae_problem}")
+    if f.latent_height and f.latent_height % n:
+        return Feasibility("vae", n, False, None, f"{vae}: {f.latent_height} latent rows not divisible by {n}")
+    return Feasibility("vae", n, True, plan_name(vae=n),
+                       f"{vae}: latent rows split over {n} ranks, halo rows per convolution, GroupNorm and attention "
+                       f"over the whole image; a decoder layer it cannot split is refused at launch by name")
 
 
 JUDGES: dict[str, Callable[[ModelFacts, int], Feasibility]] = {

@@ -7,16 +7,19 @@ whether a cache strategy rides on top. ``single`` is the one-process baseline.
 Grammar (parts joined by ``_``, options after ``+``)::
 
     single | cfg2 | ulysses<N> | ring<N> | usp<R>x<U> (ring R x ulysses U)
+                    (a plain ring<N> runs ditbook's own ring attention, ``parallel.ring``; rings
+                     in USP, CFG or +cache plans run cache-dit's, CUDA only)
     cfg2_ulysses<N> | cfg2_ring<N> | cfg2_usp<R>x<U>
     ...+cache       (cache-dit DBCache on top, skip decision agreed across ranks; through cache-dit's
                      adapter where it registers the pipeline, else ditbook's generated one)
     ...+compile     (regional torch.compile of the repeated blocks, after the parallel hooks)
     ...+graph       (each transformer call replayed as a CUDA graph, ``parallel.graphs``;
                      GPU only, and not with +cache, whose skips are decided in Python per step)
-    tp<N>           (tensor parallel: judged by the feasibility table; ``refusal`` refuses to launch
-                     it, since ditbook does not shard parameters yet and every rank would run the
-                     whole model)
-    vae<N>, te<N>   (VAE / text-encoder parallel: refused by ``parse_plan`` with the reason)
+    tp<N>           (tensor parallel of the transformer's linear layers, ``parallel.tensor``)
+    vae<N>          (patch-parallel VAE decode: latent rows split over the ranks, ``parallel.vae``)
+    te<N>           (text-encoder calls spread over the ranks, ``parallel.text_encoder``)
+    vae<N>/te<N> ride on any plan of the same world size (``ulysses2_vae2_te2``); ``refusal`` names
+    the kinds ditbook does not run yet, before any process starts.
 """
 
 from __future__ import annotations
@@ -24,24 +27,25 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass, field
 
-_PART = re.compile(r"^(cfg|ulysses|ring|usp|tp)(\d+)(?:x(\d+))?$")
-_NOT_RUN = {
-    "vae": "VAE parallel is not run by ditbook: cache-dit's VAE planner broke parity (16 dB) and was 60x "
-           "slower in our GPU runs, and ditbook has no patch-parallel decode of its own yet",
-    "te": "text-encoder parallel is not run by ditbook: cache-dit's text-encoder planners are listed by the "
-          "feasibility table but never enabled and checked for parity",
-    "text_encoder": "text-encoder parallel is not run by ditbook: cache-dit's text-encoder planners are listed "
-                    "by the feasibility table but never enabled and checked for parity",
-}
-TP_REFUSAL = ("tensor parallel is not implemented by ditbook: no parameter would be sharded, so every rank would "
-              "run the whole model and parity would prove nothing")
+_PART = re.compile(r"^(cfg|ulysses|ring|usp|tp|vae|te)(\d+)(?:x(\d+))?$")
+_NOT_RUN: dict[str, str] = {}  # kind name -> why ditbook's grammar refuses it (none at present)
+TP_COMPOSED = ("tensor parallel is run alone (tp<N>, optionally with vae<N>/te<N>): its composition with CFG or "
+               "context parallel (a 2-D mesh) is not wired")
 
 
 def refusal(spec: "PlanSpec") -> str | None:
     """Why ditbook will not launch this plan (None when it can): checked before any process starts."""
-    if spec.tp > 1:
-        return TP_REFUSAL
+    if spec.tp > 1 and (spec.cfg > 1 or spec.uses_cp):
+        return TP_COMPOSED
+    if spec.tp > 1 and (spec.cache or spec.compile or spec.graph):
+        return "tensor parallel runs without +cache, +compile or +graph (their order with the sharding is not wired)"
     return None
+
+
+def own_ring(spec: "PlanSpec") -> bool:
+    """Whether the plan's ring attention is ditbook's own (``parallel.ring``: any device): a plain
+    ``ring<N>``. Rings inside USP, CFG x ring or +cache plans go through cache-dit's (CUDA only)."""
+    return spec.ring > 1 and spec.ulysses == 1 and spec.cfg == 1 and spec.tp == 1 and not spec.cache
 
 
 class PlanNameError(ValueError):
@@ -55,6 +59,8 @@ class PlanSpec:
     ulysses: int = 1
     ring: int = 1
     tp: int = 1
+    vae: int = 1  # ranks sharing one VAE decode (patch parallel)
+    te: int = 1  # ranks sharing the text-encoder calls
     cache: bool = False
     compile: bool = False
     graph: bool = False
@@ -67,7 +73,8 @@ class PlanSpec:
 
     @property
     def world_size(self) -> int:
-        return self.cfg * self.cp * self.tp
+        # the VAE and the text encoders run on the same ranks as the transformer's plan
+        return max(self.cfg * self.cp * self.tp, self.vae, self.te)
 
     @property
     def uses_cp(self) -> bool:
@@ -105,7 +112,7 @@ def parse_plan(name: str) -> PlanSpec:
             raise PlanNameError(f"plan {name!r}: {_NOT_RUN[kind_name]}")
         if not m:
             raise PlanNameError(f"plan {name!r}: cannot read {part!r}; expected one of "
-                                f"cfg2, ulysses<N>, ring<N>, usp<R>x<U>, tp<N>, single")
+                                f"cfg2, ulysses<N>, ring<N>, usp<R>x<U>, tp<N>, vae<N>, te<N>, single")
         kind, a, b = m.group(1), int(m.group(2)), m.group(3)
         if kind in kw or (kind == "usp" and ("ulysses" in kw or "ring" in kw)):
             raise PlanNameError(f"plan {name!r}: {kind} given twice")
@@ -117,6 +124,10 @@ def parse_plan(name: str) -> PlanSpec:
             raise PlanNameError(f"plan {name!r}: only usp takes RxU")
         else:
             kw[kind] = a
+    core = kw.get("cfg", 1) * kw.get("ulysses", 1) * kw.get("ring", 1) * kw.get("tp", 1)
+    for part in ("vae", "te"):
+        if kw.get(part, 1) > 1 and core > 1 and kw[part] != core:
+            raise PlanNameError(f"plan {name!r}: {part}{kw[part]} runs on the plan's {core} ranks, so it is {part}{core}")
     if kw.get("cfg", 1) not in (1, 2):
         raise PlanNameError(f"plan {name!r}: CFG parallel splits two branches, so cfg is 2")
     for k, v in kw.items():
@@ -126,7 +137,7 @@ def parse_plan(name: str) -> PlanSpec:
 
 
 def plan_name(cfg: int = 1, ulysses: int = 1, ring: int = 1, tp: int = 1, cache: bool = False,
-              compile: bool = False, graph: bool = False) -> str:
+              compile: bool = False, graph: bool = False, vae: int = 1, te: int = 1) -> str:
     parts = []
     if cfg > 1:
         parts.append(f"cfg{cfg}")
@@ -138,5 +149,9 @@ def plan_name(cfg: int = 1, ulysses: int = 1, ring: int = 1, tp: int = 1, cache:
         parts.append(f"ring{ring}")
     if tp > 1:
         parts.append(f"tp{tp}")
+    if vae > 1:
+        parts.append(f"vae{vae}")
+    if te > 1:
+        parts.append(f"te{te}")
     name = "_".join(parts) or "single"
     return name + "".join(f"+{o}" for o, on in (("cache", cache), ("compile", compile), ("graph", graph)) if on)

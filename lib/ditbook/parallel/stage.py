@@ -13,7 +13,9 @@
 - ``sharding``: per plan, per rank, the sequence lengths each block list's blocks received, the
   number of sharded parameters per rank, and whether the split was verified (a CP plan whose
   blocks did not get full length / degree fails with a ``ShardingError``; the full record is
-  in each plan's ``details.sharding``).
+  in each plan's ``details.sharding``); ``kinds``: for tp/vae/te/ring plans, that kind's check
+  of every rank's record (``check``, or ``error`` naming ``TensorShardingError``,
+  ``VaeShardingError``, ``TextEncoderShardingError`` or ``RingShardingError``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .attention import model_gqa_shapes, time_gqa
-from .feasibility import FeasibilityTable
+from .feasibility import FeasibilityTable, device_refusal
 from .launch import run_plans
 from .plans import parse_plan, refusal
 
@@ -58,6 +60,8 @@ def _choose_plans(table: FeasibilityTable, nproc: int, wanted: list[str] | None,
             row = table.check(p)
             if refusal(parse_plan(p)):
                 skipped.append({"name": p, "reason": refusal(parse_plan(p))})
+            elif device_refusal(parse_plan(p), table.facts.get("device")):
+                skipped.append({"name": p, "reason": device_refusal(parse_plan(p), table.facts.get("device"))})
             elif parse_plan(p).world_size != nproc:
                 skipped.append({"name": p, "reason": f"needs {parse_plan(p).world_size} processes, run has {nproc}"})
             elif row is None or not row.feasible or not row.launchable:
@@ -70,9 +74,14 @@ def _choose_plans(table: FeasibilityTable, nproc: int, wanted: list[str] | None,
     base = [p for p in base if not refusal(parse_plan(p))]
     run = list(base)
     if with_cache:
-        run += [f"{p}+cache" for p in base if parse_plan(p).uses_cp or parse_plan(p).cfg > 1]
+        cached = [f"{p}+cache" for p in base if parse_plan(p).uses_cp or parse_plan(p).cfg > 1]
+        skipped += [{"name": p, "reason": device_refusal(parse_plan(p), table.facts.get("device"))}
+                    for p in cached if device_refusal(parse_plan(p), table.facts.get("device"))]
+        run += [p for p in cached if not device_refusal(parse_plan(p), table.facts.get("device"))]
     if with_graph:
-        run += [f"{p}+compile+graph" for p in base]
+        graphed = [f"{p}+compile+graph" for p in base]
+        skipped += [{"name": p, "reason": refusal(parse_plan(p))} for p in graphed if refusal(parse_plan(p))]
+        run += [p for p in graphed if not refusal(parse_plan(p))]
     return run, skipped
 
 
@@ -111,19 +120,24 @@ def block_sequence_lengths(sharding: dict | None) -> dict | None:
     return {"per_rank": [{name: rec["seq_lens"] for name, rec in (r or {}).get("block_inputs", {}).items()}
                          for r in sharding.get("ranks") or []],
             "sharded_parameters": [len((r or {}).get("sharded_parameters") or []) for r in sharding.get("ranks") or []],
-            "rows_per_rank": [{name: rec.get("rows") for name, rec in (r or {}).get("block_inputs", {}).items()}
+            "rows_per_rank": [{name: rec.get("entries") for name, rec in (r or {}).get("block_inputs", {}).items()}
                               for r in sharding.get("ranks") or []],
-            # a sequence split: every rank's blocks saw full / degree tokens; a CFG split: every
-            # rank's blocks evaluated at most its share of the one-process rows; None: neither
-            "verified": _verified(sharding), "error": sharding.get("error")}
+            # True when every split the plan makes was checked on every rank's record: the block
+            # sequence (CP), the CFG branches (rows entering the blocks), each kind's own record
+            # (tensor / VAE / text-encoder parallel, ditbook's ring); None: the plan splits nothing
+            "verified": _verified(sharding), "error": sharding.get("error"),
+            "kinds": sharding.get("kinds") or {}}
 
 
 def _verified(sharding: dict) -> bool | None:
+    checks = []
     if (sharding.get("degree") or 1) > 1:
-        return bool(sharding.get("check")) and not sharding.get("error")
+        checks.append(bool(sharding.get("check")) and not sharding.get("error"))
     if "cfg_check" in sharding:
-        return bool(sharding["cfg_check"])
-    return None
+        checks.append(bool(sharding["cfg_check"]))
+    for rec in (sharding.get("kinds") or {}).values():
+        checks.append(bool((rec or {}).get("check")) and not (rec or {}).get("error"))
+    return all(checks) if checks else None
 
 
 def stage_results(table: FeasibilityTable, results, launch, gqa: dict | None, not_run: list[dict],

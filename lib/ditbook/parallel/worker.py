@@ -109,7 +109,17 @@ def apply_plan(pipe, card, spec, *, cfg_style: str | None, cp_plan_file: str | N
         info["cfg_style"] = style
         if style not in ("separate", "batched"):
             raise RuntimeError(f"plan {spec.name}: the pipeline shows CFG style '{style}' — no second branch")
-    if spec.uses_cp:
+    from .plans import own_ring
+
+    ring_recorder = None
+    if own_ring(spec):  # ditbook's ring: the CP plan's split/gather hooks, attention sent round the ring
+        cp = resolve_cp_plan(tr, capture=lambda: capture_transformer_call(pipe, card), attention_kind=attention_kind,
+                             degree=spec.cp, plan_file=cp_plan_file)
+        info["cp_plan"] = cp.to_dict()
+        if out_dir is not None and dist.get_rank() == 0:
+            info["cp_plan_file"] = str(write_plan_code(cp, out_dir, card.name, type(tr).__name__))
+        info["ring_modules"], ring_recorder = apply_own_ring(tr, cp.plan, spec)
+    if spec.uses_cp and not own_ring(spec):
         cp = resolve_cp_plan(tr, capture=lambda: capture_transformer_call(pipe, card), attention_kind=attention_kind,
                              degree=spec.cp, plan_file=cp_plan_file)
         info["cp_plan"] = cp.to_dict()
@@ -171,8 +181,90 @@ def apply_plan(pipe, card, spec, *, cfg_style: str | None, cp_plan_file: str | N
         info["graphs"] = install_step_graphs(tr)
     if spec.cfg > 1:
         info["cfg_stats"] = apply_cfg_parallel(tr, info["cfg_style"], group=cfg_group, heartbeat=heartbeat)
+    info["kinds"] = apply_kinds(pipe, card, spec)
+    if ring_recorder is not None:
+        info["kinds"]["ring"] = ring_recorder
     info["route"] = route
     return info
+
+
+def apply_own_ring(tr, plan: dict, spec) -> tuple[list[str], object]:
+    """ditbook's ring attention on a plain ring<N> plan: cache-dit's split/gather hooks of the CP
+    plan (no cache-dit attention backend: ``tr._parallel_config`` stays unset, so attention runs
+    locally) and every attention module routed to ``parallel.ring``. Returns the routed modules and
+    the recorder (installed first, so it sees each call's local lengths)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from .ring import RingRecorder, attention_modules, route_ring_attention
+
+    noop = "ring" in noop_kinds()
+    dev_type = "cuda" if str(tr.device).startswith("cuda") else "cpu"
+    recorder = RingRecorder(tr)
+    if noop:
+        return [n for n, _ in attention_modules(tr)], recorder
+    from cache_dit.distributed.core import _ContextParallelConfig
+    from cache_dit.distributed.core._context_parallel import _apply_context_parallel
+
+    mesh = init_device_mesh(dev_type, (spec.ring, 1), mesh_dim_names=("ring", "ulysses"))
+    # the ring route before the split/gather hooks: cache-dit's hook registry then wraps on top
+    # of ditbook's wraps (``ditbook.hooks`` refuses to wrap on top of a foreign replacement)
+    _, stats, modules = route_ring_attention(tr, group=mesh["ring"].get_group())
+    recorder.stats = stats
+    cpc = _ContextParallelConfig(ulysses_degree=1, ring_degree=spec.ring)
+    cpc.setup(dist.get_rank(), dist.get_world_size(), tr.device, mesh=mesh)
+    _apply_context_parallel(tr, cpc, plan)
+    # cache-dit's planners patch some processor classes to read ``_cp_config`` (set by its own
+    # enable path, which this one skips): None on each instance says "no CP attention here"
+    for module in tr.modules():
+        proc = getattr(module, "processor", None)
+        for attr in ("_cp_config", "_parallel_config"):
+            if proc is not None and not hasattr(proc, attr):
+                setattr(proc, attr, None)
+    return modules, recorder
+
+
+def noop_kinds() -> set[str]:
+    """``DITBOOK_PARALLEL_NOOP=tp,vae,te,ring`` (fault injection for the tests): those kinds are
+    planned and recorded but not applied, so every rank runs the whole part; the per-rank record
+    must then fail the run."""
+    return {k for k in os.environ.get("DITBOOK_PARALLEL_NOOP", "").split(",") if k}
+
+
+def apply_kinds(pipe, card, spec) -> dict:
+    """Tensor, VAE and text-encoder parallel: kind -> its recorder (``record()``, ``remove()``).
+    Each recorder reads what the model really holds and sees, whether or not the kind was applied."""
+    noop = noop_kinds()
+    out: dict = {}
+    if spec.tp > 1:
+        from ..inspect.static import inspect_transformer
+        from .cp_plan import capture_transformer_call
+        from .tensor import TensorRecorder, apply_tensor_parallel, resolve_tensor_plan
+
+        tr = pipe.transformer
+        att = inspect_transformer(tr, card.pipeline.cls, support=False).attention
+        call = None if getattr(type(tr), "_tp_plan", None) else capture_transformer_call(pipe, card)
+        plan = resolve_tensor_plan(tr, spec.tp, att.heads, att.kv_heads or att.heads, call)
+        if "tp" not in noop:
+            apply_tensor_parallel(tr, plan, spec.tp, heads=att.heads, kv_heads=att.kv_heads or att.heads)
+        out["tp"] = TensorRecorder(tr, plan, spec.tp)
+    if spec.vae > 1:
+        from .vae import VaeParallelRefused, VaeRecorder, apply_vae_parallel, plan_vae_decode
+
+        vae = getattr(pipe, "vae", None)
+        if vae is None:
+            raise VaeParallelRefused(f"{type(pipe).__name__} has no vae component")
+        plan_vae_decode(vae, spec.vae)
+        stats = None
+        if "vae" not in noop:
+            _, stats = apply_vae_parallel(vae, spec.vae)
+        out["vae"] = VaeRecorder(vae, stats)
+    if spec.te > 1:
+        from .text_encoder import TextEncoderRecorder, apply_text_encoder_parallel
+
+        out["te"] = TextEncoderRecorder(pipe)  # before the parallel wraps: it sees only the calls that ran
+        if "te" not in noop:
+            apply_text_encoder_parallel(pipe, spec.te)
+    return out
 
 
 class CacheRefused(RuntimeError):
@@ -284,6 +376,7 @@ def run(args) -> int:
                 secs = [r.seconds for r in renders]
                 entry.update({"seconds": secs, "median_seconds": statistics.median(secs)})
                 route = info.pop("route")
+                kinds = info.pop("kinds", {})
                 info["attention"].update({"calls": route.calls, "gqa_calls": route.gqa_calls,
                                           "cp_calls": route.cp_calls})
                 graphs = info.get("graphs")
@@ -295,8 +388,11 @@ def run(args) -> int:
                 if spec.cache:
                     info["cached_steps"] = [int(s) for s in (getattr(pipe.transformer, "_cached_steps", None) or [])]
                 entry.update(info)
-                entry["sharding"] = sharding_record(pipe.transformer, recorder, spec, info.get("cp_plan"))
+                entry["sharding"] = sharding_record(pipe.transformer, recorder, spec, info.get("cp_plan"),
+                                                    {k: r.record() for k, r in kinds.items()})
                 recorder.remove()
+                for r in kinds.values():
+                    r.remove()
                 if rank == 0:
                     entry["images"] = save_renders(renders, out_dir / _folder(name))
                 del pipe, renders
@@ -315,23 +411,51 @@ def run(args) -> int:
     return 0
 
 
-def sharding_record(transformer, recorder, spec, cp_plan: dict | None) -> dict:
+def sharding_record(transformer, recorder, spec, cp_plan: dict | None, kinds: dict | None = None) -> dict:
     """Every rank's block input lengths and sharded parameters, gathered on every rank; for a CP
-    plan, ``check_sharding`` against the unsplit trace (``error`` names a ``ShardingError``)."""
+    plan, ``check_sharding`` against the unsplit trace (``error`` names a ``ShardingError``); for
+    tensor / VAE / text-encoder parallel, each rank's record of that kind and its check
+    (``kinds[kind]``: ``check`` or ``error`` naming the ``ShardingError`` subclass)."""
     from .sharding import ShardingError, check_sharding
 
     mine = {"block_inputs": recorder.to_dict(),
-            "sharded_parameters": [n for n, p in transformer.named_parameters() if type(p.data).__name__ == "DTensor"]}
+            "sharded_parameters": [n for n, p in transformer.named_parameters() if type(p.data).__name__ == "DTensor"],
+            "kinds": kinds or {}}
     ranks: list = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, mine)
-    out = {"ranks": ranks, "degree": spec.cp, "check": None, "error": None}
+    out = {"ranks": ranks, "degree": spec.cp, "check": None, "error": None, "kinds": {}}
     if spec.uses_cp:
         try:
             out["check"] = check_sharding([r["block_inputs"] for r in ranks],
                                           (cp_plan or {}).get("facts", {}).get("sharding_expected") or {}, spec.cp)
         except ShardingError as exc:
             out["error"] = f"ShardingError: {exc}"
+    for kind in kinds or {}:
+        check = kind_check(kind)
+        try:
+            out["kinds"][kind] = {"check": check([r["kinds"].get(kind) for r in ranks], getattr(spec, kind)),
+                                  "error": None}
+        except ShardingError as exc:
+            out["kinds"][kind] = {"check": None, "error": f"{type(exc).__name__}: {exc}"}
     return out
+
+
+def kind_check(kind: str):
+    """The check of one kind's per-rank records: raises a ``ShardingError`` (subclass) naming what
+    was not split."""
+    if kind == "tp":
+        from .tensor import check_tensor_sharding
+        return check_tensor_sharding
+    if kind == "vae":
+        from .vae import check_vae_sharding
+        return check_vae_sharding
+    if kind == "ring":
+        from .ring import check_ring_sharding
+        return check_ring_sharding
+    if kind == "te":
+        from .text_encoder import check_text_encoder_sharding
+        return check_text_encoder_sharding
+    raise KeyError(kind)
 
 
 def _folder(plan: str) -> str:

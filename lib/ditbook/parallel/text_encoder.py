@@ -1,0 +1,198 @@
+"""Text-encoder parallel: the pipeline's text-encoder calls are spread over the ranks.
+
+Every call of any text-encoder component (the pipeline's ``text_encoder*`` modules: CLIP and T5 of
+FLUX, the prompt and the negative prompt of a true-CFG pipeline) gets the next call number ``i``;
+rank ``i % degree`` runs it and sends the result to the others, which do not run the encoder at
+all. The result travels as its structure (a ``ModelOutput`` or tuple with the tensors taken out,
+through ``broadcast_object_list``) plus each tensor by ``broadcast`` into a tensor allocated on the
+receiving rank's own device, so NCCL ranks never unpickle another GPU's tensors.
+
+Every rank must call the encoders in the same order (they run the same pipeline on the same
+prompts), which is what makes the call numbers agree.
+
+``TextEncoderRecorder`` counts every call at the module (a forward pre-hook) and marks the calls
+that really ran the encoder on this rank (a wrap installed *before* the parallel one, so it sits
+inside it); ``check_text_encoder_sharding`` fails with ``TextEncoderShardingError`` when a call
+ran on more than one rank (every rank ran the whole encoder) or on none.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..hooks import WrapGroup
+from .sharding import ShardingError
+
+TE_WRAP = "ditbook.text-encoder-parallel"
+RECORD_WRAP = "ditbook.text-encoder-record"
+
+
+class TextEncoderParallelRefused(RuntimeError):
+    """The pipeline has no text encoder to spread over the ranks."""
+
+
+class TextEncoderShardingError(ShardingError):
+    """A text-encoder-parallel run where a call ran on several ranks (or none)."""
+
+
+def text_encoders(pipe) -> dict[str, nn.Module]:
+    """The pipeline's text-encoder components (``text_encoder``, ``text_encoder_2``, ...)."""
+    comps = getattr(pipe, "components", {}) or {}
+    found = {k: v for k, v in comps.items() if k.startswith("text_encoder") and isinstance(v, nn.Module)}
+    if not found:
+        raise TextEncoderParallelRefused(f"{type(pipe).__name__} has no text_encoder component")
+    return dict(sorted(found.items()))
+
+
+def _take_tensors(obj, tensors: list):
+    """``obj`` with every tensor replaced by its index in ``tensors`` (shape, dtype kept)."""
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj)
+        return ("__tensor__", len(tensors) - 1, tuple(obj.shape), str(obj.dtype).replace("torch.", ""))
+    if isinstance(obj, dict):  # transformers' ModelOutput is an OrderedDict subclass
+        items = {k: _take_tensors(v, tensors) for k, v in obj.items()}
+        try:
+            return type(obj)(**items)
+        except TypeError:
+            return type(obj)(items)
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_take_tensors(v, tensors) for v in obj)
+    if isinstance(obj, list):
+        return [_take_tensors(v, tensors) for v in obj]
+    return obj
+
+
+def _put_tensors(obj, tensors: list):
+    if isinstance(obj, tuple) and len(obj) == 4 and obj[0] == "__tensor__":
+        return tensors[obj[1]]
+    if isinstance(obj, dict):
+        items = {k: _put_tensors(v, tensors) for k, v in obj.items()}
+        try:
+            return type(obj)(**items)
+        except TypeError:
+            return type(obj)(items)
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_put_tensors(v, tensors) for v in obj)
+    if isinstance(obj, list):
+        return [_put_tensors(v, tensors) for v in obj]
+    return obj
+
+
+def _shape_specs(obj, out: list) -> list:
+    if isinstance(obj, tuple) and len(obj) == 4 and obj[0] == "__tensor__":
+        out.append((obj[1], obj[2], obj[3]))
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _shape_specs(v, out)
+    elif isinstance(obj, (tuple, list)):
+        for v in obj:
+            _shape_specs(v, out)
+    return out
+
+
+def share_result(result, src: int, device, group=None):
+    """``result`` (meaningful on ``src`` only) on every rank."""
+    box = [None]
+    tensors: list = []
+    if dist.get_rank(group) == src:
+        box[0] = _take_tensors(result, tensors)
+    dist.broadcast_object_list(box, src=src, group=group)
+    skeleton = box[0]
+    if dist.get_rank(group) != src:
+        tensors = [None] * len(_shape_specs(skeleton, []))
+        for i, shape, dtype in _shape_specs(skeleton, []):
+            tensors[i] = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+    for t in tensors:
+        dist.broadcast(t.contiguous() if dist.get_rank(group) == src else t, src=src, group=group)
+    return result if dist.get_rank(group) == src else _put_tensors(skeleton, tensors)
+
+
+class TextEncoderRecorder:
+    """Per rank: every text-encoder call (its number, component and input shape) and whether this
+    rank ran the encoder for it. Install it before ``apply_text_encoder_parallel``."""
+
+    def __init__(self, pipe):
+        self.calls: list[dict] = []
+        self.handles = []
+        self.wraps = WrapGroup(RECORD_WRAP)
+        with self.wraps.applying():
+            for name, enc in text_encoders(pipe).items():
+                self.handles.append(enc.register_forward_pre_hook(self._counter(name), with_kwargs=True))
+                self.wraps.wrap(enc, self._ran)
+
+    def _counter(self, name: str):
+        def pre(module, args, kwargs):
+            first = args[0] if args else next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
+            self.calls.append({"call": len(self.calls), "component": name, "ran": False,
+                               "input": list(first.shape) if isinstance(first, torch.Tensor) else None})
+        return pre
+
+    def _ran(self, original, *args, **kwargs):
+        if self.calls:
+            self.calls[-1]["ran"] = True
+        return original(*args, **kwargs)
+
+    def record(self) -> dict:
+        return {"rank": dist.get_rank() if dist.is_initialized() else 0, "calls": self.calls}
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+        self.wraps.remove()
+
+
+def apply_text_encoder_parallel(pipe, degree: int, group=None) -> WrapGroup:
+    """Wrap every text encoder's forward so that call ``i`` runs on rank ``i % degree`` only and
+    its result is shared; returns the wraps (``remove()`` undoes them)."""
+    encoders = text_encoders(pipe)
+    counter = {"n": 0}
+    wraps = WrapGroup(TE_WRAP)
+
+    def make(enc: nn.Module):
+        def wrapped(original, *args, **kwargs):
+            i = counter["n"]
+            counter["n"] += 1
+            owner = i % degree
+            out = original(*args, **kwargs) if dist.get_rank(group) == owner else None
+            device = next(enc.parameters()).device
+            return share_result(out, owner, device, group)
+        return wrapped
+
+    with wraps.applying():
+        for enc in encoders.values():
+            wraps.wrap(enc, make(enc))
+    return wraps
+
+
+def check_text_encoder_sharding(ranks: list[dict], degree: int) -> dict:
+    """Each rank's ``TextEncoderRecorder.record()``: every call must have run on exactly one rank,
+    and more than one rank must have run calls when there were at least two."""
+    problems = []
+    lists = [(rec or {}).get("calls") or [] for rec in ranks]
+    if not lists or not lists[0]:
+        raise TextEncoderShardingError("the text encoders were never called")
+    if len({len(c) for c in lists}) != 1:
+        raise TextEncoderShardingError(f"the ranks made different numbers of text-encoder calls: "
+                                       f"{[len(c) for c in lists]}")
+    runs = [[r for r, calls in enumerate(lists) if calls[i]["ran"]] for i in range(len(lists[0]))]
+    many = [(i, who) for i, who in enumerate(runs) if len(who) > 1]
+    none = [i for i, who in enumerate(runs) if not who]
+    if many:
+        i, who = many[0]
+        problems.append(f"{len(many)} of {len(runs)} calls ran on several ranks (call {i}, "
+                        f"{lists[0][i]['component']}, on ranks {who}): every rank ran the encoder")
+    if none:
+        problems.append(f"call {none[0]} ran on no rank")
+    workers = {who[0] for who in runs if len(who) == 1}
+    if not problems and len(runs) > 1 and len(workers) < min(degree, len(runs)):
+        problems.append(f"only rank(s) {sorted(workers)} ran the encoders")
+    if problems:
+        raise TextEncoderShardingError("the text encoders were not spread over the ranks: " + "; ".join(problems))
+    by_rank: dict = {r: {} for r in range(len(lists))}
+    for i, who in enumerate(runs):
+        comp = lists[0][i]["component"]
+        by_rank[who[0]][comp] = by_rank[who[0]].get(comp, 0) + 1
+    return {"degree": degree, "calls": len(runs), "ran_by_rank": {str(k): v for k, v in by_rank.items()}}
