@@ -245,6 +245,7 @@ class ParallelSettings:
                            doc="each plan against the single-process run of the same launch")
     plans: list[str] | None = setting(None, optional(list_of(text())), "plan names to run (null: every feasible plan)")
     cache: dict | None = setting(None, optional(mapping()), "DBCache options of +cache plans (null: ditbook's defaults)")
+    compile_backend: str = setting("inductor", text(), "torch.compile backend of +compile plans (aot_eager: trace without kernels, a CPU check)")
 
 
 @dataclass

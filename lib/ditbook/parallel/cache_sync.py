@@ -41,6 +41,15 @@ def dbcache_config(options: dict | None = None):
     return DBCacheConfig(**{**DEFAULT_DBCACHE, **(options or {})})
 
 
+def static_schedule(mask) -> dict:
+    """``parallel.cache`` options of a static cache schedule: ``mask`` (1 = computed step, one entry
+    per step) decides alone which steps compute; the others reuse the cache (cache-dit's
+    ``steps_computation_policy="static"``). Such a schedule can ride with ``+graph``."""
+    mask = [int(m) for m in mask]
+    return {"steps_computation_mask": mask, "steps_computation_policy": "static", "num_inference_steps": len(mask),
+            "max_warmup_steps": 0}
+
+
 def agree_cache_decisions(pipe, group=None) -> CacheAgreement:
     """Wrap cache-dit's decision on this pipeline so every rank of ``group`` takes the same one."""
     cm = getattr(pipe, "_context_manager", None) or getattr(pipe.transformer, "_context_manager", None)

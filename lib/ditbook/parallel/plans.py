@@ -11,8 +11,15 @@ Grammar (parts joined by ``_``, options after ``+``)::
     ...+cache       (cache-dit DBCache on top, skip decision agreed across ranks; through cache-dit's
                      adapter where it registers the pipeline, else ditbook's generated one)
     ...+compile     (regional torch.compile of the repeated blocks, after the parallel hooks)
-    ...+graph       (each transformer call replayed as a CUDA graph, ``parallel.graphs``;
-                     GPU only, and not with +cache, whose skips are decided in Python per step)
+    ...+graph       (each transformer call replayed as a CUDA graph, ``parallel.graphs``; GPU only;
+                     with +cache: graphs of the computed steps only, and only for a static cache
+                     schedule, ``parallel.cache`` with a ``steps_computation_mask`` and
+                     ``steps_computation_policy: static`` — a dynamic cache is refused before launch
+                     by ``graphs.cache_graph_refusal``, naming why)
+
+Compositions: the options combine, e.g. ``ulysses2+cache+compile``, ``ulysses2+cache+compile+graph``,
+``cfg2+cache+compile``; each is judged like every plan, against the one-process run of the same
+cache (``single+cache``) with ``parallel.gates`` and against the uncached baseline with ``cache.gates``.
     tp<N>           (tensor parallel: judged by the feasibility table; ``refusal`` refuses to launch
                      it, since ditbook does not shard parameters yet and every rank would run the
                      whole model)
@@ -92,9 +99,6 @@ def parse_plan(name: str) -> PlanSpec:
         if flags[o]:
             raise PlanNameError(f"plan {name!r}: +{o} given twice")
         flags[o] = True
-    if flags["graph"] and flags["cache"]:
-        raise PlanNameError(f"plan {name!r}: +graph replays the same work every call, and +cache decides "
-                            "per step in Python which blocks run; use one of them")
     if base == "single":
         return PlanSpec(name=raw, **flags)
     kw: dict = {}
