@@ -130,6 +130,7 @@ def test_cache_graph_plans_are_refused_before_launch(root, tmp_path, monkeypatch
     assert not launched
 
 
+@pytest.mark.slow
 def test_ulysses_and_cfg_with_a_static_cache_and_compile_pass_parity(root, tmp_path):
     """2 gloo processes: ``ulysses2+cache+compile`` and ``cfg2+cache+compile`` against the one-process
     run of the same static schedule; the schedule's cached steps and the split are recorded."""

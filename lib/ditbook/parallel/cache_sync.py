@@ -108,7 +108,13 @@ def cached_block_units(transformer) -> dict[str, torch.nn.Module]:
         seen.add(id(fn))
         if isinstance(fn, functools.partial):
             walk(fn.func, depth + 1)
+            for a in fn.args:  # ditbook.hooks composes wraps as partial(wrapper, inner)
+                if callable(a):
+                    walk(a, depth + 1)
             return
+        inner = getattr(fn, "__wrapped__", None)  # a wrap installed over cache-dit's forward (ditbook.hooks)
+        if callable(inner):
+            walk(inner, depth + 1)
         cells = {}
         code = getattr(fn, "__code__", None)
         for name, cell in zip(getattr(code, "co_freevars", ()), getattr(fn, "__closure__", None) or ()):
