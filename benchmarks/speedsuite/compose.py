@@ -161,6 +161,7 @@ def reference_quality(card_path: Path, device: str, steps: int, make: Callable[[
     out: dict = {"card": str(card_path), "steps": steps, "seeds": seeds, "prompts": len(prompt_list),
                  "gates": gates.to_dict(), "compiled": compiled, "rows": {}}
     configs = make()
+    judged: dict[str, str] = {}  # uncompiled configuration -> the row that judged it
     for name in names:
         cfg = configs[name]
         if name == "eager":
@@ -170,6 +171,10 @@ def reference_quality(card_path: Path, device: str, steps: int, make: Callable[[
             continue
         if name == "compile" and not compiled:
             out["rows"][name] = {"status": "not judged", "reason": "uncompiled quality pass: this row is the eager model"}
+            continue
+        same = name.replace("+compile", "")  # uncompiled, cache+compile is cache: judged once
+        if not compiled and same != name and same in judged:
+            out["rows"][name] = {**out["rows"][judged[same]], "same_as": judged[same]}
             continue
         try:
             undo = cfg.apply(pipe)
@@ -182,6 +187,7 @@ def reference_quality(card_path: Path, device: str, steps: int, make: Callable[[
             if undo is not None:
                 undo()
         q = compare_sets(got, ref, gates).to_dict()
+        judged[name.replace("+compile", "")] = name
         out["rows"][name] = {"status": "measured", **{k: q[k] for k in ("psnr_min", "ssim_min", "worst_tile_psnr",
                                                                         "passed", "reasons")}}
         _log(f"  reference {name:26s} PSNR min {q['psnr_min']:.2f} dB, SSIM min {q['ssim_min']:.4f}"
