@@ -149,3 +149,28 @@ def test_ulysses_and_cfg_with_a_static_cache_and_compile_pass_parity(root, tmp_p
         assert r.baseline_quality is not None
     assert by["ulysses2+cache+compile"].details["sharding"]["check"], by["ulysses2+cache+compile"].details["sharding"]
     assert by["cfg2+cache+compile"].details["cfg_stats"]["exchanges"] > 0
+
+
+@pytest.mark.slow
+def test_graphs_of_the_computed_steps_under_ulysses_replay_exactly(tmp_path):
+    """cache-dit's Ulysses wraps the transformer's forward in diffusers' hook registry over cache-dit's
+    cached forward: the cached units must still be found, and the replayed images equal the plain ones."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    out = tmp_path / "graphs.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parent / "lib"), str(here.parent / "benchmarks"),
+                                                         str(here), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                           str(here / "compose_ulysses_graphs.py"), str(out)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["max_diff"] == 0.0, res
+    g = res["graphs"]
+    assert g["captured"] == 1 and g["disabled"] is None and g["replays"] == 2 * res["computed"] - 2, g
+    assert res["agreement"]["disagreements"] == 0 and res["agreement"]["skips"] > 0

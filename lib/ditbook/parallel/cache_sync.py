@@ -128,6 +128,13 @@ def cached_block_units(transformer) -> dict[str, torch.nn.Module]:
         for v in cells.values():
             if callable(v):
                 walk(v, depth + 1)
+            elif not isinstance(v, torch.nn.Module):
+                # a hook registry's reference to the forward it wraps (diffusers' HookFunctionReference,
+                # installed by the context-parallel hooks over cache-dit's forward)
+                for attr in ("forward", "original_forward"):
+                    inner_fn = getattr(v, attr, None)
+                    if callable(inner_fn) and not isinstance(inner_fn, torch.nn.Module):
+                        walk(inner_fn, depth + 1)
 
     walk(transformer.__dict__.get("forward"), 0)
     if not found:
