@@ -49,3 +49,18 @@ def test_a_compiled_twin_that_fails_a_check_or_is_slower_is_not_shipped():
 def test_without_a_compiled_twin_the_verdict_is_unchanged():
     v = verdict(_bench(), _cache())
     assert "compile" not in v and v["name"] == CHOSEN
+
+
+def test_the_benchmarks_compiled_twin_carries_the_name_the_verdict_looks_for():
+    """The cache stage's configuration reaches the benchmark as ``name[label]``; with
+    ``benchmark.compile`` its twin is ``name[label]+compile`` — the row ``compiled_twin`` reads."""
+    from ditbook.benchmark.variants import derived_configs
+    from ditbook.benchmark.verdict import chosen_row_name
+    from ditbook.configuration import Config
+
+    chosen = _cache()["chosen"]
+    name = chosen_row_name(chosen)
+    assert name == CHOSEN
+    configs, _ = derived_configs(None, None, [Config(name, "cache/dbcache_taylorseer", lambda p: None)],
+                                 compile="eager", fp8=False, log=lambda m: None)
+    assert [c.name for c in configs] == [CHOSEN, "baseline+compile", CHOSEN + "+compile"]

@@ -56,7 +56,7 @@ def test_static_schedule_is_recognised_and_a_dynamic_one_refused_with_the_reason
 def _flux(steps=8):
     from speedsuite.fullsize import flux_pipeline
 
-    return flux_pipeline("tiny", "cpu", torch.float32, height=64, width=64, steps=steps, text_tokens=16)
+    return flux_pipeline("tiny", "cpu", torch.float32, height=32, width=32, steps=steps, text_tokens=16)
 
 
 def test_graphs_of_the_computed_steps_replay_the_static_schedule_exactly():
