@@ -59,19 +59,53 @@ def _ulysses_cache_dit(fp, world: int, vae: bool = False, async_: bool = False, 
         ulysses_size=world, extra_parallel_modules=extra, ulysses_async=async_, ulysses_float8=float8))
 
 
-def _plus(apply, compile: bool = False, graph: bool = False):
+def _plus(apply, compile: bool = False, graph: bool = False, fp8: bool = False):
     """``apply`` (a Ulysses variant), then what the parallel stage's ``+compile`` and ``+graph``
     plan options add, in the same order (``parallel.worker.compile_repeated_blocks``, then each
-    transformer call replayed as a CUDA graph); returns the graphs, for their stats, or None."""
-    from ditbook.parallel.graphs import install_step_graphs
+    transformer call replayed as a CUDA graph — or, under a static cache schedule, the computed
+    steps' block work, ``install_cached_step_graphs``); with ``fp8`` the block linears in fp8
+    (``ditbook.benchmark.fp8``) before compiling. Returns the graphs, for their stats, or None."""
+    from ditbook.parallel.graphs import install_cached_step_graphs, install_step_graphs
     from ditbook.parallel.worker import compile_repeated_blocks
 
     def variant(fp, world):
         apply(fp, world)
+        if fp8:
+            from ditbook.benchmark.fp8 import apply_fp8
+
+            apply_fp8(fp.pipe.transformer)
         if compile:
-            compile_repeated_blocks(fp.pipe.transformer)
-        return install_step_graphs(fp.pipe.transformer) if graph else None
+            compile_repeated_blocks(fp.pipe.transformer, backend=os.environ.get("DITBOOK_COMPILE_BACKEND", "inductor"))
+        if not graph:
+            return None
+        schedule = getattr(fp, "schedule", None)
+        if schedule is not None:
+            from ditbook.parallel.cache_sync import static_schedule
+
+            return install_cached_step_graphs(fp.pipe.transformer, static_schedule(schedule.mask),
+                                              steps=schedule.steps)
+        return install_step_graphs(fp.pipe.transformer)
     return variant
+
+
+def _ulysses_with_schedule(fp, world: int):
+    """cache-dit's Ulysses with the static cache schedule ``benchmarks/schedule_quality.py`` chose
+    on the reference model (the single-GPU suite's ``cache`` row), decisions agreed across ranks
+    (``parallel.cache_sync``, as the parallel stage's ``+cache``); a static mask decides the same
+    on every rank, so the agreement must record no disagreement."""
+    import cache_dit
+    from cache_dit import ParallelismConfig
+
+    from ditbook.parallel.cache_sync import agree_cache_decisions
+    from .suite import chosen_schedule
+
+    steps = fp.call_kwargs["num_inference_steps"]
+    schedule = chosen_schedule(steps, Path(__file__).resolve().parents[2] / "docs" / "schedule_quality.json")
+    cache_dit.enable_cache(fp.pipe, cache_config=schedule.cache_config(),
+                           calibrator_config=schedule.calibrator_config(),
+                           parallelism_config=ParallelismConfig(ulysses_size=world))
+    fp.schedule = schedule
+    fp.agreement = agree_cache_decisions(fp.pipe)
 
 
 def _cache_dit(**options):
@@ -94,6 +128,13 @@ ULYSSES_VARIANTS = {
     # blocks' output all-to-all with their MLP; host-bound it could not show, graphed it can
     "ditbook-ulysses-async+compile+graph": _plus(_cache_dit(async_=True), compile=True, graph=True),
     "diffusers-ulysses+compile+graph": _plus(_ulysses_diffusers, compile=True, graph=True),
+    # composed (issue 16): the static cache schedule with Ulysses, compile, fp8 and graphs of the
+    # computed steps
+    "ditbook-ulysses+cache": _plus(_ulysses_with_schedule),
+    "ditbook-ulysses+cache+compile": _plus(_ulysses_with_schedule, compile=True),
+    "ditbook-ulysses+cache+compile+graph": _plus(_ulysses_with_schedule, compile=True, graph=True),
+    "ditbook-ulysses+cache+fp8+compile": _plus(_ulysses_with_schedule, compile=True, fp8=True),
+    "ditbook-ulysses+cache+fp8+compile+graph": _plus(_ulysses_with_schedule, compile=True, fp8=True, graph=True),
 }
 
 
@@ -178,6 +219,9 @@ def run_ulysses(args, world: int) -> list[dict]:
         row = {"name": name, "world_size": world, **t.to_dict()}
         if graphs:
             row["graphs"] = graphs
+        if getattr(fp, "schedule", None) is not None:
+            row["schedule"] = fp.schedule.to_dict()
+            row["cache_agreement"] = fp.agreement.to_dict()
         if dist.get_rank() == 0:
             row["parity"] = _parity(img, args.baseline)
             _log(f"  {name}: {t.end_to_end.median:.3f}s (step {t.parts['transformer_step'].median:.4f}s); "

@@ -142,6 +142,13 @@ def compile_choice() -> Check:
     return check
 
 
+def boolean() -> Check:
+    def check(v):
+        return (v, None) if isinstance(v, bool) else (v, f"must be true or false, {_got(v)}")
+    check.kind = "bool"
+    return check
+
+
 def setting(default=MISSING, check: Check | None = None, doc: str = "", factory=MISSING):
     meta = {"check": check, "doc": doc}
     if factory is not MISSING:
@@ -245,6 +252,7 @@ class ParallelSettings:
                            doc="each plan against the single-process run of the same launch")
     plans: list[str] | None = setting(None, optional(list_of(text())), "plan names to run (null: every feasible plan)")
     cache: dict | None = setting(None, optional(mapping()), "DBCache options of +cache plans (null: ditbook's defaults)")
+    compile_backend: str = setting("inductor", text(), "torch.compile backend of +compile plans (aot_eager: trace without kernels, a CPU check)")
 
 
 @dataclass
@@ -258,6 +266,7 @@ class BenchmarkSettings:
     configs: list[dict] = setting(check=list_of(mapping()), factory=list, doc="extra diffusers hook configurations")
     compile: bool | str | dict | None = setting(None, compile_choice(), "also measure every configuration compiled (regional), with its compile cost")
     attention_backend: str | None = setting(None, optional(text()), "auto: measure diffusers' attention backends and add the fastest correct one; or a backend name")
+    fp8: bool = setting(False, boolean(), "also measure every configuration with its block linears in fp8 (torchao float8; refused, with the reason, below CUDA capability 8.9)")
 
 
 SECTIONS: dict[str, type] = {

@@ -7,6 +7,11 @@
   (family ``attention``), so it is timed end to end and its images judged like every other row —
   only when an independent confirmation round agrees with the pick (within 3%);
   a backend name adds that backend without the table; None/false: off;
+- ``fp8`` (card ``benchmark.fp8``): each configuration, the baseline included, is measured a
+  second time with the block linears in fp8 (:mod:`ditbook.benchmark.fp8`, torchao float8), judged
+  by its family's gates (fp8 alone: the cache gates — it changes the result by design); with
+  ``compile`` the fp8 twins are compiled too (``cache+fp8+compile``). Where the device has no fp8
+  one ``fp8`` row records the refusal and its reason;
 - ``compile`` (card ``benchmark.compile``): each configuration, the baseline included, is
   measured a second time compiled (regional, :mod:`ditbook.benchmark.compiled`), with its
   one-time compile cost in ``params.compile``; see :func:`~ditbook.benchmark.compiled.compile_options`.
@@ -56,16 +61,37 @@ def attention_backend_configs(ctx, pipe, setting, *, log: Callable[[str], None] 
     return [backend_config(table.pick, table)], data
 
 
-def derived_configs(ctx, pipe, configs: list[Config], *, compile=None, attention_backend=None,
+def fp8_configs(pipe, configs: list[Config], *, log: Callable[[str], None] = print) -> list[Config]:
+    """fp8 twins of the baseline and of ``configs``, or, where fp8 cannot run, one ``fp8`` row whose
+    apply raises the refusal (so the table records it and its reason)."""
+    from .fp8 import Fp8Refused, fp8_config, fp8_refusal
+
+    p = next(pipe.transformer.parameters(), None)
+    why = fp8_refusal(p.device if p is not None else "cpu")
+    if why:
+        log(f"fp8: refused: {why}")
+
+        def refuse(_pipe):
+            raise Fp8Refused(why)
+        return [Config("fp8", "fp8", refuse, params={"fp8": {"refused": why}}, notes="refused on this device")]
+    return [fp8_config(c) for c in [baseline_config()] + list(configs)]
+
+
+def derived_configs(ctx, pipe, configs: list[Config], *, compile=None, attention_backend=None, fp8=None,
                     log: Callable[[str], None] = print, **measure_kw) -> tuple[list[Config], dict | None]:
-    """``configs`` plus the attention backend pick and, with ``compile``, a compiled twin of the
-    baseline and of every configuration. Returns (configurations, backend table or None)."""
+    """``configs`` plus the attention backend pick, with ``fp8`` (None: the card's
+    ``benchmark.fp8``) an fp8 twin of the baseline and of every configuration, and with
+    ``compile`` a compiled twin of all of them. Returns (configurations, backend table or None)."""
     added, table = attention_backend_configs(ctx, pipe, attention_backend, log=log, **measure_kw)
     out = list(configs) + added
+    if fp8 is None:
+        fp8 = bool(getattr(getattr(getattr(ctx, "card", None), "benchmark", None), "fp8", False))
+    if fp8:
+        out += fp8_configs(pipe, out, log=log)
     opts = compile_options(compile)
     if opts is not None:
-        out += [compiled_config(c, **opts) for c in [baseline_config()] + out]
+        out += [compiled_config(c, **opts) for c in [baseline_config()] + out if c.params.get("fp8", {}).get("refused") is None]
     return out, table
 
 
-__all__ = ["BACKENDS_FILE", "attention_backend_configs", "derived_configs"]
+__all__ = ["BACKENDS_FILE", "attention_backend_configs", "derived_configs", "fp8_configs"]

@@ -5,6 +5,14 @@ One decision, made once: the cache stage chooses the configuration (``cache/resu
 that configuration beside the baseline. The verdict is that configuration, its measured
 speed-up and its held-out quality against the cache gates, and whether it is worth shipping.
 
+Compiled (card ``benchmark.compile``, and ``cache.compile`` for the cache stage's own check): the
+benchmark also times ``<chosen>+compile``. The verdict ships that twin instead when it was measured
+here, passed its gates on the benchmark's images, the cache stage's compiled check (when it ran)
+found compiling does not change the chosen configuration's images, and it is faster — so the
+shipped configuration is the fastest correct one of the two, and its one-time compile cost is
+reported beside it (``compile``: ``compile_s``, ``first_call_s``, ``steady_call_s``,
+``uncompiled_speedup``). A faster twin that fails a check is not shipped and ``compile`` says why.
+
 The checklist reads what each stage recorded; an item a stage does not record is ``None``
 ("not recorded"), never a green check.
 """
@@ -66,6 +74,11 @@ def verdict(benchmark: dict | None, cache: dict | None) -> dict:
     if row is not None and row.get("source") == "measured here":
         out["speedup"], out["e2e_ms"] = row.get("speedup"), row.get("e2e_ms")
         out["measured_psnr_min"], out["measured_ssim_min"] = row.get("psnr_min"), row.get("ssim_min")
+    twin = compiled_twin(benchmark, cache, name, out["speedup"])
+    if twin is not None:
+        out["compile"] = twin
+        if twin.get("shipped") and out["passes_gates"] is True:
+            out.update(name=twin["name"], speedup=twin["speedup"], e2e_ms=twin["e2e_ms"])
     if out["passes_gates"] is not True:
         out["reason"] = (f"{name} has no held-out quality record" if not hq else
                          f"{name} does not meet the gates on held-out seeds")
@@ -79,6 +92,37 @@ def verdict(benchmark: dict | None, cache: dict | None) -> dict:
     else:
         out["ship"] = True
         out["reason"] = "chosen by the cache stage, confirmed on held-out seeds, timed by the benchmark"
+        if (out.get("compile") or {}).get("shipped"):
+            out["reason"] += "; compiled, the faster of the two correct forms"
+    return out
+
+
+def compiled_twin(benchmark: dict | None, cache: dict | None, name: str, speedup: float | None) -> dict | None:
+    """The benchmark's ``<name>+compile`` row beside the chosen configuration (None when it was not
+    measured): its speed-up, its compile cost, and ``shipped`` (faster and correct) or ``why_not``."""
+    twin_name = f"{name}+compile"
+    rows = {r.get("name"): r for r in ((benchmark or {}).get("summary") or [])}
+    row = rows.get(twin_name)
+    if row is None or row.get("source") != "measured here":
+        return None
+    configs = {c.get("name"): c for c in ((benchmark or {}).get("configs") or []) if isinstance(c, dict)}
+    cost = ((configs.get(twin_name) or {}).get("params") or {}).get("compile") or {}
+    out = {"name": twin_name, "speedup": row.get("speedup"), "e2e_ms": row.get("e2e_ms"),
+           "uncompiled_speedup": speedup, "psnr_min": row.get("psnr_min"), "ssim_min": row.get("ssim_min"),
+           "compile_s": cost.get("compile_s"), "first_call_s": cost.get("first_call_s"),
+           "steady_call_s": cost.get("steady_call_s"), "shipped": False, "why_not": None}
+    check = (cache or {}).get("compiled") or {}
+    if row.get("error") or not row.get("passed"):
+        out["why_not"] = f"{twin_name} did not pass its gates on the benchmark's images"
+    elif check.get("ran") and check.get("ok") is not True:
+        out["why_not"] = ("the cache stage's compiled check found the compiled images differ from the uncompiled "
+                          "ones" if check.get("quality") else f"the cache stage's compiled check failed: {check.get('error')}")
+    elif out["speedup"] is None or speedup is None:
+        out["why_not"] = "speed-up unknown"
+    elif out["speedup"] <= speedup:
+        out["why_not"] = f"not faster ({out['speedup']:.2f}× compiled against {speedup:.2f}× uncompiled)"
+    else:
+        out["shipped"] = True
     return out
 
 
@@ -90,6 +134,9 @@ def headline(v: dict) -> str:
          f"SSIM {_f(h.get('ssim_min'), 4)} (gate > {g['ssim']:g})" + (f" on {h['n']} images" if h.get("n") else "")
          if h else "no held-out quality recorded")
     sp = f"{v['speedup']:.2f}× end to end" if v.get("speedup") is not None else "speed-up not measured"
+    c = v.get("compile") or {}
+    if c.get("shipped") and c.get("compile_s") is not None:
+        sp += f" (one-time compile {c['compile_s']:.1f} s)"
     if v["ship"]:
         return f"Ship {v['name']}: {sp}, {q}."
     if v["name"] == "none":
@@ -234,4 +281,4 @@ def read_stage_results(run) -> dict[str, dict | None]:
             for s in ("intake", "inspect", "cache", "parallel", "benchmark")}
 
 
-__all__ = ["verdict", "headline", "checklist", "read_stage_results", "chosen_row_name", "NOT_RECORDED"]
+__all__ = ["verdict", "compiled_twin", "headline", "checklist", "read_stage_results", "chosen_row_name", "NOT_RECORDED"]

@@ -41,6 +41,15 @@ def dbcache_config(options: dict | None = None):
     return DBCacheConfig(**{**DEFAULT_DBCACHE, **(options or {})})
 
 
+def static_schedule(mask) -> dict:
+    """``parallel.cache`` options of a static cache schedule: ``mask`` (1 = computed step, one entry
+    per step) decides alone which steps compute; the others reuse the cache (cache-dit's
+    ``steps_computation_policy="static"``). Such a schedule can ride with ``+graph``."""
+    mask = [int(m) for m in mask]
+    return {"steps_computation_mask": mask, "steps_computation_policy": "static", "num_inference_steps": len(mask),
+            "max_warmup_steps": 0}
+
+
 def agree_cache_decisions(pipe, group=None) -> CacheAgreement:
     """Wrap cache-dit's decision on this pipeline so every rank of ``group`` takes the same one."""
     cm = getattr(pipe, "_context_manager", None) or getattr(pipe.transformer, "_context_manager", None)
@@ -99,7 +108,13 @@ def cached_block_units(transformer) -> dict[str, torch.nn.Module]:
         seen.add(id(fn))
         if isinstance(fn, functools.partial):
             walk(fn.func, depth + 1)
+            for a in fn.args:  # ditbook.hooks composes wraps as partial(wrapper, inner)
+                if callable(a):
+                    walk(a, depth + 1)
             return
+        inner = getattr(fn, "__wrapped__", None)  # a wrap installed over cache-dit's forward (ditbook.hooks)
+        if callable(inner):
+            walk(inner, depth + 1)
         cells = {}
         code = getattr(fn, "__code__", None)
         for name, cell in zip(getattr(code, "co_freevars", ()), getattr(fn, "__closure__", None) or ()):
@@ -113,6 +128,13 @@ def cached_block_units(transformer) -> dict[str, torch.nn.Module]:
         for v in cells.values():
             if callable(v):
                 walk(v, depth + 1)
+            elif not isinstance(v, torch.nn.Module):
+                # a hook registry's reference to the forward it wraps (diffusers' HookFunctionReference,
+                # installed by the context-parallel hooks over cache-dit's forward)
+                for attr in ("forward", "original_forward"):
+                    inner_fn = getattr(v, attr, None)
+                    if callable(inner_fn) and not isinstance(inner_fn, torch.nn.Module):
+                        walk(inner_fn, depth + 1)
 
     walk(transformer.__dict__.get("forward"), 0)
     if not found:

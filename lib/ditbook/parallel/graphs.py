@@ -23,9 +23,18 @@ How (the recipe of the PyTorch CUDA-graphs notes, applied to a module's forward)
   ``max_graphs`` signatures, falls back to eager for good and says why in ``stats``.
 
 Requirements a user must know: the replayed call must not change its work from call to call
-outside its tensor inputs (a cache that skips blocks by a Python decision cannot be graphed,
-so ``+graph`` refuses ``+cache``), and every rank must capture the same collectives in the same
-order (they do: every rank makes the same calls with the same signatures).
+outside its tensor inputs, and every rank must capture the same collectives in the same order
+(they do: every rank makes the same calls with the same signatures).
+
+With a cache (``+cache+graph``): a cache decides in Python, per step, which blocks run and keeps
+its buffers in Python, so the whole transformer call cannot be replayed. What can be: the work of
+a *computed* step inside each of cache-dit's cached units — ``call_Mn_blocks``, the loop over the
+blocks after the first ``Fn`` ones, pure tensor work with no decision in it — one graph per unit
+and signature ("graphs of the computed steps only"); the decision, the buffers and the cheap
+cached steps stay eager (``install_cached_step_graphs``). This is only offered for a cache whose
+schedule is fixed before the run (a static step mask, ``static_cache_mask``): with a dynamic
+threshold the set of computed steps depends on the run, and the plan is refused with the reason
+(``cache_graph_refusal``).
 
 The capture itself is a ``Capturer`` (``CudaCapturer`` on GPUs); tests hand in a recording
 capturer to check the keying, the static buffers and the output copies on a CPU.
@@ -119,15 +128,16 @@ class StepGraphs:
     WRAP = "ditbook.step-graphs"
 
     def __init__(self, module: torch.nn.Module, *, warmup: int = 2, max_graphs: int = 4,
-                 capturer: Capturer | None = None):
+                 capturer: Capturer | None = None, attr: str = "forward"):
         self.module = module
+        self.attr = attr
         self.warmup = warmup
         self.max_graphs = max_graphs
         self.capturer = capturer or CudaCapturer()
         self.stats = GraphStats()
         self._graphs: dict[tuple, _Entry] = {}
         self._seen: dict[tuple, int] = {}
-        self._handle = wrap_method(module, self.WRAP, self._call)
+        self._handle = wrap_method(module, self.WRAP, self._call, attr=attr)
 
     # -- the wrapper ------------------------------------------------------------------------
     def _eager(self, original, args, kwargs):
@@ -203,3 +213,88 @@ def install_step_graphs(module: torch.nn.Module, *, warmup: int = 2, max_graphs:
             raise GraphUnavailable(f"+graph replays CUDA work, and the transformer is on {dev.type}; "
                                    "run the plan on a GPU or drop +graph")
     return StepGraphs(module, warmup=warmup, max_graphs=max_graphs, capturer=capturer)
+
+
+# -- graphs of the computed steps of a static cache schedule ------------------------------------
+GRAPHED_CACHE_METHOD = "call_Mn_blocks"  # cache-dit's cached unit: the blocks of a computed step
+
+
+def static_cache_mask(options: dict | None) -> list[int] | None:
+    """The step mask of a cache-dit DBCache configuration whose computed steps are fixed before the
+    run (``steps_computation_mask`` with ``steps_computation_policy: static``), else None."""
+    o = options or {}
+    mask = o.get("steps_computation_mask")
+    if mask and str(o.get("steps_computation_policy", "dynamic")) == "static":
+        return [int(m) for m in mask]
+    return None
+
+
+def cache_graph_refusal(options: dict | None, steps: int | None = None) -> str | None:
+    """Why ``+cache+graph`` cannot run with these cache options (None when it can)."""
+    mask = static_cache_mask(options)
+    if mask is None:
+        return ("+graph with +cache needs a static cache schedule (parallel.cache with steps_computation_mask "
+                "and steps_computation_policy: static): with a dynamic threshold the cache decides at run time "
+                "which steps compute, so no fixed call pattern exists to capture; drop +graph or give a mask")
+    if steps is not None and len(mask) != steps:
+        return (f"+graph with +cache: the static mask has {len(mask)} entries and the generation {steps} steps; "
+                "a mask of another length would not say which steps compute")
+    if not any(mask):
+        return "+graph with +cache: the static mask computes no step"
+    return None
+
+
+class CachedStepGraphs:
+    """``StepGraphs`` on ``call_Mn_blocks`` of every cached unit cache-dit installed on a transformer."""
+
+    def __init__(self, units: dict[str, torch.nn.Module], mask: list[int], **kw):
+        self.mask = mask
+        self.graphs = {name: StepGraphs(unit, attr=GRAPHED_CACHE_METHOD, **kw) for name, unit in units.items()}
+
+    @property
+    def stats(self) -> GraphStats:
+        out = GraphStats()
+        for g in self.graphs.values():
+            s = g.stats
+            out.captured += s.captured
+            out.replays += s.replays
+            out.eager_calls += s.eager_calls
+            out.capture_seconds += s.capture_seconds
+            out.disabled = out.disabled or s.disabled
+        return out
+
+    def to_dict(self) -> dict:
+        return {**self.stats.to_dict(), "scope": f"computed steps: {GRAPHED_CACHE_METHOD} of each cached unit",
+                "units": {n: g.to_dict() for n, g in self.graphs.items()},
+                "computed_steps": sum(self.mask), "steps": len(self.mask)}
+
+    def remove(self) -> None:
+        for g in self.graphs.values():
+            g.remove()
+
+
+def install_cached_step_graphs(transformer: torch.nn.Module, cache_options: dict | None, *, steps: int | None = None,
+                               warmup: int = 2, max_graphs: int = 4, capturer: Capturer | None = None
+                               ) -> CachedStepGraphs:
+    """Replay the computed steps' block work of a static cache schedule as CUDA graphs (the cache
+    must already be enabled on ``transformer``); raises ``GraphUnavailable`` off the GPU, with a
+    dynamic cache, or when cache-dit's cached units cannot be found."""
+    reason = cache_graph_refusal(cache_options, steps)
+    if reason:
+        raise GraphUnavailable(reason)
+    if capturer is None:
+        dev = _module_device(transformer)
+        if dev.type != "cuda" or not torch.cuda.is_available():
+            raise GraphUnavailable(f"+graph replays CUDA work, and the transformer is on {dev.type}; "
+                                   "run the plan on a GPU or drop +graph")
+    from .cache_sync import CacheSplitError, cached_block_units
+
+    try:
+        units = cached_block_units(transformer)
+    except CacheSplitError as exc:
+        raise GraphUnavailable(f"+cache+graph: {exc}") from None
+    missing = [n for n, u in units.items() if not callable(getattr(u, GRAPHED_CACHE_METHOD, None))]
+    if missing:
+        raise GraphUnavailable(f"+cache+graph: cache-dit's cached units {missing} have no {GRAPHED_CACHE_METHOD}")
+    return CachedStepGraphs(units, static_cache_mask(cache_options), warmup=warmup, max_graphs=max_graphs,
+                            capturer=capturer)

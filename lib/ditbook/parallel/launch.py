@@ -366,6 +366,15 @@ def run_plans(card: str | Path, plans: list[str], nproc: int, out_dir: str | Pat
     run in the same launch; ``LaunchResult.worker`` holds every per-image time.
     """
     graphed = [p for p in plans if parse_plan(p).graph]
+    cached_graphs = [p for p in graphed if parse_plan(p).cache]
+    if cached_graphs:  # +cache+graph: only a static cache schedule has a fixed call pattern
+        from ..card import load_card
+        from .graphs import cache_graph_refusal
+
+        c = load_card(card, launch_opts.get("overrides"))
+        reason = cache_graph_refusal(c.parallel.cache, c.generation.steps)
+        if reason:
+            raise PlanRefused(f"plans {', '.join(cached_graphs)}: {reason}")
     if graphed and not _cuda_available():
         raise ValueError(f"plans {', '.join(graphed)} replay CUDA graphs and this machine has no CUDA GPU; "
                          "run them on a GPU host or drop +graph")

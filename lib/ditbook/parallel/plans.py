@@ -13,13 +13,20 @@ Grammar (parts joined by ``_``, options after ``+``)::
     ...+cache       (cache-dit DBCache on top, skip decision agreed across ranks; through cache-dit's
                      adapter where it registers the pipeline, else ditbook's generated one)
     ...+compile     (regional torch.compile of the repeated blocks, after the parallel hooks)
-    ...+graph       (each transformer call replayed as a CUDA graph, ``parallel.graphs``;
-                     GPU only, and not with +cache, whose skips are decided in Python per step)
+    ...+graph       (each transformer call replayed as a CUDA graph, ``parallel.graphs``; GPU only;
+                     with +cache: graphs of the computed steps only, and only for a static cache
+                     schedule, ``parallel.cache`` with a ``steps_computation_mask`` and
+                     ``steps_computation_policy: static`` — a dynamic cache is refused before launch
+                     by ``graphs.cache_graph_refusal``, naming why)
     tp<N>           (tensor parallel of the transformer's linear layers, ``parallel.tensor``)
     vae<N>          (patch-parallel VAE decode: latent rows split over the ranks, ``parallel.vae``)
     te<N>           (text-encoder calls spread over the ranks, ``parallel.text_encoder``)
     vae<N>/te<N> ride on any plan of the same world size (``ulysses2_vae2_te2``); ``refusal`` names
     the kinds ditbook does not run yet, before any process starts.
+
+Compositions: the options combine, e.g. ``ulysses2+cache+compile``, ``ulysses2+cache+compile+graph``,
+``cfg2+cache+compile``; each is judged like every plan, against the one-process run of the same
+cache (``single+cache``) with ``parallel.gates`` and against the uncached baseline with ``cache.gates``.
 """
 
 from __future__ import annotations
@@ -99,9 +106,6 @@ def parse_plan(name: str) -> PlanSpec:
         if flags[o]:
             raise PlanNameError(f"plan {name!r}: +{o} given twice")
         flags[o] = True
-    if flags["graph"] and flags["cache"]:
-        raise PlanNameError(f"plan {name!r}: +graph replays the same work every call, and +cache decides "
-                            "per step in Python which blocks run; use one of them")
     if base == "single":
         return PlanSpec(name=raw, **flags)
     kw: dict = {}

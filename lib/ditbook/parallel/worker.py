@@ -173,8 +173,14 @@ def apply_plan(pipe, card, spec, *, cfg_style: str | None, cp_plan_file: str | N
         target, info["cache_adapter"] = cache_target(pipe, card)
         cache_dit.enable_cache(target, cache_config=dbcache_config(spec.options.get("cache")))
     if spec.compile:
-        info["compiled"] = compile_repeated_blocks(tr)
-    if spec.graph:
+        info["compiled"] = compile_repeated_blocks(tr, backend=card.parallel.compile_backend)
+    if spec.graph and spec.cache:
+        from .graphs import install_cached_step_graphs
+
+        # a static cache schedule: the computed steps' block work of each cached unit is replayed;
+        # the cache's decisions and buffers stay eager (parallel.graphs)
+        info["graphs"] = install_cached_step_graphs(tr, spec.options.get("cache"), steps=card.generation.steps)
+    elif spec.graph:
         from .graphs import install_step_graphs
 
         # inside the CFG wrapper: each rank replays its own branch's transformer call
@@ -289,14 +295,17 @@ def cache_target(pipe, card):
     return adapter.block_adapter(), f"ditbook ({adapter.info.module_name})"
 
 
-def compile_repeated_blocks(tr) -> str:
+def compile_repeated_blocks(tr, backend: str = "inductor") -> str:
     """Regional torch.compile of the repeated blocks, after the parallel hooks (which stay outside
     the compiled regions): diffusers' ``compile_repeated_blocks`` where the class names its blocks,
     else every block of the block lists the inspection finds (``arch.static.find_block_lists``),
-    compiled in place. Returns which of the two it used."""
+    compiled in place. ``backend``: the card's ``parallel.compile_backend`` (inductor; a CPU check
+    may name ``aot_eager``, which traces the same graphs without generating kernels). Returns which
+    of the two it used, with the backend when it is not inductor."""
+    suffix = "" if backend == "inductor" else f" ({backend})"
     if getattr(tr, "_repeated_blocks", None) and hasattr(tr, "compile_repeated_blocks"):
-        tr.compile_repeated_blocks(fullgraph=False)
-        return "compile_repeated_blocks"
+        tr.compile_repeated_blocks(fullgraph=False, backend=backend)
+        return "compile_repeated_blocks" + suffix
     from ..inspect.static import find_block_lists
 
     lists, _ = find_block_lists(tr)
@@ -304,8 +313,8 @@ def compile_repeated_blocks(tr) -> str:
         raise RuntimeError(f"+compile: {type(tr).__name__} has no block lists to compile regionally")
     for _, blocks in lists:
         for block in blocks:
-            block.compile()
-    return "block lists: " + ", ".join(name for name, _ in lists)
+            block.compile(backend=backend)
+    return "block lists: " + ", ".join(name for name, _ in lists) + suffix
 
 
 def run(args) -> int:
@@ -340,6 +349,12 @@ def run(args) -> int:
                 raise RuntimeError(f"plan {name}: {refusal(spec)}")
             if spec.cache and "cache" not in spec.options and card.parallel.cache:
                 spec = type(spec)(**{**spec.__dict__, "options": {"cache": card.parallel.cache}})
+            if spec.cache and spec.graph:
+                from .graphs import cache_graph_refusal
+
+                why = cache_graph_refusal(spec.options.get("cache"), card.generation.steps)
+                if why:
+                    raise RuntimeError(f"plan {name}: {why}")
             if spec.world_size not in (1, world):
                 raise RuntimeError(f"plan {name} needs {spec.world_size} processes, this run has {world}")
             # a world-size-1 plan (the baseline) runs replicated on every rank: collectives that

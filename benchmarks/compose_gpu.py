@@ -1,0 +1,22 @@
+"""Speed, composed, on one GPU (issue 16): eager, a static cache schedule, compile, fp8 and CUDA
+graphs of the computed steps, alone and together, at the FLUX.1-dev shape, with each row's quality
+on the reference model. See ``speedsuite.compose`` for the rows and what is measured.
+
+    python3 benchmarks/compose_gpu.py --out OUT                      # one H200, ~6 minutes
+    python3 benchmarks/compose_gpu.py --out OUT --tiny --device cpu  # the code path on a CPU
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+for p in (ROOT / "benchmarks", ROOT / "lib"):  # appended: a ditbook already on the path (PYTHONPATH) wins
+    if str(p) not in sys.path:
+        sys.path.append(str(p))
+
+from speedsuite.compose import main  # noqa: E402
+
+if __name__ == "__main__":
+    raise SystemExit(main())

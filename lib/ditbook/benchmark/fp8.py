@@ -1,0 +1,164 @@
+"""fp8 as a measured configuration: torchao's float8 dynamic activation + float8 weight
+quantization of the transformer's linear layers, judged by the same gates as every other row.
+
+What is quantized: the ``nn.Linear`` layers inside the transformer's repeated blocks (the block
+lists of ``ditbook.inspect.static.find_block_lists`` — nearly all of a DiT's matmul work); the
+embedders and the final projection stay in the model's dtype (they are small and the most
+sensitive to precision). A layer whose in/out features are not multiples of 16 (what fp8 matmuls
+need) is left out. Each chosen layer gets torchao's
+``Float8DynamicActivationFloat8WeightConfig`` (e4m3 weights and activations, per-row scales, the
+kernel choice of cache-dit's ``float8_per_row``: ``torch._scaled_mm``) through
+``torchao.quantization.quantize_`` — the maintained library, used as its authors intend.
+
+Undo, exactly: ``quantize_`` replaces each layer's ``weight`` Parameter (and may set attributes on
+the instance); before quantizing, each chosen layer's instance ``__dict__`` and ``_parameters`` are
+copied (shallow), and the undo puts those back, so the original Parameter objects return untouched
+(their values were never changed).
+
+Where fp8 cannot run it is refused before anything is changed, with the reason
+(:func:`fp8_refusal`): a transformer not on CUDA, a GPU below compute capability 8.9 (fp8 tensor
+cores: Ada, Hopper and later), or torchao missing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+FP8_MIN_CAPABILITY = (8, 9)
+TORCHAO_VERSION = "0.18.0"  # the version pinned in pyproject.toml, and the GPU wheel bundle's
+
+
+class Fp8Refused(RuntimeError):
+    """fp8 cannot run here (the message says why)."""
+
+
+def _device(module: torch.nn.Module) -> torch.device:
+    p = next(module.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+def fp8_refusal(device: torch.device | str, *, capability: tuple[int, int] | None = None) -> str | None:
+    """Why fp8 linear layers cannot run on ``device`` (None when they can). ``capability``
+    stands in for the GPU's (tests)."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return (f"fp8 needs a CUDA GPU of compute capability >= {FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]} "
+                f"(fp8 tensor cores: Ada, Hopper or newer); the transformer is on {dev.type}")
+    if capability is None:
+        if not torch.cuda.is_available():
+            return "fp8 needs CUDA, and torch sees no CUDA device"
+        capability = torch.cuda.get_device_capability(dev)
+    if tuple(capability) < FP8_MIN_CAPABILITY:
+        return (f"fp8 needs compute capability >= {FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]}; this GPU has "
+                f"{capability[0]}.{capability[1]}")
+    try:
+        import torchao  # noqa: F401
+    except ImportError:
+        return f"torchao is not installed (pip install torchao=={TORCHAO_VERSION})"
+    return None
+
+
+def fp8_layers(transformer: torch.nn.Module) -> tuple[list[str], list[str]]:
+    """(names of the linear layers fp8 applies to, names left out because of their shape)."""
+    from ..inspect.static import find_block_lists
+
+    lists, _ = find_block_lists(transformer)
+    roots = [name for name, _ in lists] if lists else [""]
+    chosen, odd = [], []
+    for name, m in transformer.named_modules():
+        if not isinstance(m, torch.nn.Linear):
+            continue
+        if not any(name == r or name.startswith(r + ".") or r == "" for r in roots):
+            continue
+        (chosen if m.in_features % 16 == 0 and m.out_features % 16 == 0 else odd).append(name)
+    return chosen, odd
+
+
+def float8_config():
+    """torchao's float8 dynamic-activation, float8-weight config (per-row scales, e4m3)."""
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow
+    from torchao.quantization.quantize_.common import KernelPreference
+
+    return Float8DynamicActivationFloat8WeightConfig(activation_dtype=torch.float8_e4m3fn,
+                                                     weight_dtype=torch.float8_e4m3fn,
+                                                     granularity=(PerRow(), PerRow()),
+                                                     kernel_preference=KernelPreference.TORCH)
+
+
+def apply_fp8(transformer: torch.nn.Module, *, config: Any = None, check_device: bool = True
+              ) -> tuple[Callable[[], None], dict]:
+    """Quantize the chosen linear layers in place; returns (undo, record). ``config``: another
+    torchao config (tests on the CPU use one torchao runs there); ``check_device=False`` only
+    with such a config."""
+    if check_device:
+        why = fp8_refusal(_device(transformer))
+        if why:
+            raise Fp8Refused(why)
+    from torchao.quantization import quantize_
+
+    chosen, odd = fp8_layers(transformer)
+    if not chosen:
+        raise Fp8Refused(f"fp8: {type(transformer).__name__} has no linear layer in its blocks whose features are "
+                         "multiples of 16")
+    modules = dict(transformer.named_modules())
+    saved = {n: (dict(modules[n].__dict__), dict(modules[n]._parameters)) for n in chosen}
+    wanted = set(chosen)
+
+    def undo() -> None:
+        for n, (attrs, params) in saved.items():
+            m = modules[n]
+            m.__dict__.clear()
+            m.__dict__.update(attrs)
+            m._parameters.clear()
+            m._parameters.update(params)
+
+    cfg = config if config is not None else float8_config()
+    try:
+        quantize_(transformer, cfg, filter_fn=lambda m, fqn: fqn in wanted)
+    except BaseException:
+        undo()
+        raise
+    changed = sum(1 for n in chosen if modules[n].weight is not saved[n][1]["weight"])
+    record = {"library": "torchao", "config": type(cfg).__name__, "layers": len(chosen), "quantized": changed,
+              "left_out": odd, "scope": "linear layers of the block lists"}
+    return undo, record
+
+
+def fp8_config(cfg=None):
+    """A benchmark :class:`~ditbook.configuration.Config`: ``cfg`` (default: the baseline) with the
+    transformer's block linears in fp8 (name ``<cfg.name>+fp8``; gates: the family's, fp8 alone
+    is judged like a cache, by the cache gates, since it changes the result by design)."""
+    from ..configuration import Config, baseline_config
+
+    inner = cfg or baseline_config()
+    record: dict = {}
+
+    def apply(pipe):
+        why = fp8_refusal(_device(pipe.transformer))
+        if why:
+            raise Fp8Refused(why)
+        undo_inner = inner.apply(pipe)
+        try:
+            undo_fp8, rec = apply_fp8(pipe.transformer, check_device=False)
+        except BaseException:
+            if undo_inner is not None:
+                undo_inner()
+            raise
+        record.update(rec)
+
+        def undo():
+            undo_fp8()
+            if undo_inner is not None:
+                undo_inner()
+        return undo
+
+    family = "fp8" if inner.family == "baseline" else inner.family
+    return Config(f"{inner.name}+fp8" if inner.name != "baseline" else "fp8", family, apply,
+                  params={**inner.params, "fp8": record}, gates=inner.gates,
+                  notes=(inner.notes + "; " if inner.notes else "") + "block linears in fp8 (torchao float8)")
+
+
+__all__ = ["FP8_MIN_CAPABILITY", "Fp8Refused", "apply_fp8", "float8_config", "fp8_config", "fp8_layers",
+           "fp8_refusal"]
