@@ -34,12 +34,13 @@ def _output(out) -> torch.Tensor:
     return getattr(out, "sample", None) if hasattr(out, "sample") else out[0]
 
 
-def _rank(rank, world, port, transformer, args, kwargs, plan, queue) -> None:
+def _rank(rank, world, port, transformer, args, kwargs, plan, queue, scope=None) -> None:
     try:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
         from .attention import route_attention
+        from .cp_scope import limit_cp_to
         from .sharding import BlockInputRecorder
 
         torch.set_num_threads(1)
@@ -48,12 +49,13 @@ def _rank(rank, world, port, transformer, args, kwargs, plan, queue) -> None:
         from cache_dit.distributed.core import _ContextParallelConfig, _enable_context_parallelism
 
         _maybe_register_custom_attn_backends()
-        route_attention(transformer)
+        route = route_attention(transformer)
         recorder = BlockInputRecorder(transformer)  # before the plan's hooks: sees the split inputs
         mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("ring", "ulysses"))
         cpc = _ContextParallelConfig(ulysses_degree=world, ring_degree=1)
         cpc.setup(rank, world, torch.device("cpu"), mesh=mesh)
         _enable_context_parallelism(transformer, config=cpc, cp_plan=plan)
+        limit_cp_to(transformer, scope, route)  # attention outside the split lists stays local
         if hasattr(transformer, "set_attention_backend"):
             try:
                 transformer.set_attention_backend("native")
@@ -78,8 +80,9 @@ def execute_cp_plan(transformer, args, kwargs, plan: dict, expected: dict, degre
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, degree, port, transformer, args, kwargs, plan, queue), daemon=True)
-             for r in range(degree)]
+    scope = list(expected)  # CP attention only inside the lists whose tokens are split
+    procs = [ctx.Process(target=_rank, args=(r, degree, port, transformer, args, kwargs, plan, queue, scope),
+                         daemon=True) for r in range(degree)]
     for p in procs:
         p.start()
     got = {}

@@ -89,6 +89,7 @@ def apply_plan(pipe, card, spec, *, cfg_style: str | None, cp_plan_file: str | N
     from .cache_sync import agree_cache_decisions, dbcache_config, split_at_cached_units
     from .cfg import apply_cfg_parallel, detect_cfg_style
     from .cp_plan import capture_transformer_call, resolve_cp_plan, write_plan_code
+    from .cp_scope import limit_cp_to
 
     info: dict = {"plan": spec.name}
     tr = pipe.transformer
@@ -155,6 +156,8 @@ def apply_plan(pipe, card, spec, *, cfg_style: str | None, cp_plan_file: str | N
                     tr.set_attention_backend("native")
                 except Exception:  # noqa: BLE001 - models without diffusers attention
                     pass
+        # attention outside the split block lists (a text refiner) stays local on every rank
+        info["cp_local_attention"] = limit_cp_to(tr, cp.facts.get("block_lists"), route)
         if spec.cache:
             info["cache_agreement"] = agree_cache_decisions(pipe)
     elif spec.cache:
