@@ -146,16 +146,25 @@ def _dispatch_aware(module) -> bool:
     return proc is not None and hasattr(proc, "_attention_backend")
 
 
+_PROC_CALLS_SDPA: dict = {}  # processor __call__ function -> whether its own code calls SDPA
+
+
 def _processor_calls_sdpa(module) -> bool:
-    """A processor that has diffusers' ``_attention_backend`` attribute but whose own code calls
-    SDPA, never ``dispatch_attention_fn`` (a model's custom processor): its calls must be routed."""
+    """A processor whose ``__call__`` (as it is now: a planner may have replaced it) calls SDPA
+    itself and never a dispatch function (a model's custom processor, Mochi's): its calls must be
+    routed, even when it carries diffusers' ``_attention_backend`` attribute."""
     proc = getattr(module, "processor", None)
-    if proc is None or not _calls_sdpa(proc):
+    fn = getattr(type(proc), "__call__", None) if proc is not None else None
+    if fn is None:
         return False
-    try:
-        return "dispatch_attention_fn" not in inspect.getsource(type(proc))
-    except (OSError, TypeError):
-        return False
+    if fn not in _PROC_CALLS_SDPA:
+        try:
+            # the code object: getsource of a functools.wraps patch would show the original it wraps
+            src = inspect.getsource(getattr(fn, "__code__", fn))
+            _PROC_CALLS_SDPA[fn] = "scaled_dot_product_attention" in src and "dispatch_attention_fn" not in src
+        except (OSError, TypeError):
+            _PROC_CALLS_SDPA[fn] = False
+    return _PROC_CALLS_SDPA[fn]
 
 
 class SdpaRedirect(TorchFunctionMode):
@@ -243,18 +252,24 @@ def route_attention(transformer, gqa_path: str = "enable_gqa") -> AttentionRoute
     earlier ones off. ``route.remove()`` undoes it."""
     route = AttentionRoute(gqa_path=gqa_path)
 
-    def routed_as(name):
+    def routed_as(name, module):
+        # chosen for its processor alone: re-checked per call, since a CP planner may replace the
+        # processor's __call__ by one that dispatches itself (routing it too would split twice)
+        by_processor = _dispatch_aware(module) or not _calls_sdpa(module)
+
         def redirect(*args, **kwargs):
             return _redirect(route, transformer, *args, _module=name, **kwargs)
 
         def routed(original, *args, **kwargs):
+            if by_processor and not _processor_calls_sdpa(module):
+                return original(*args, **kwargs)
             with SdpaRedirect(redirect):
                 return original(*args, **kwargs)
         return routed
 
     with route.wraps.applying():
         for name, module in sdpa_callers(transformer):
-            route.wraps.wrap(module, routed_as(name))
+            route.wraps.wrap(module, routed_as(name, module))
             route.modules.append(name)
     return route
 

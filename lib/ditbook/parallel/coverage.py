@@ -14,16 +14,17 @@ blocks; the named reason), ``wrong`` (it ran but did not split, or the output di
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
+import os
+import re
+import shutil
+import tempfile
 import traceback
 
 import torch
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# what a rank says when its peer went away: never the cause, when the peer reported one
+_LOST_PEER = re.compile(r"Connection reset|Connection closed|Broken pipe|pair\.cc|DistNetworkError", re.I)
 
 
 def _output(out) -> torch.Tensor:
@@ -34,7 +35,14 @@ def _output(out) -> torch.Tensor:
     return getattr(out, "sample", None) if hasattr(out, "sample") else out[0]
 
 
-def _rank(rank, world, port, transformer, args, kwargs, plan, queue, scope=None) -> None:
+def _where(exc: BaseException) -> str:
+    """The innermost frame of ``exc`` as ``file:line``, to name where a rank failed."""
+    tb = traceback.extract_tb(exc.__traceback__)
+    return f"{tb[-1].filename.split('site-packages/')[-1].split('lib/')[-1]}:{tb[-1].lineno}" if tb else ""
+
+
+def _rank(rank, world, init_file, transformer, args, kwargs, plan, queue, scope=None) -> None:
+    reported = False
     try:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
@@ -44,7 +52,8 @@ def _rank(rank, world, port, transformer, args, kwargs, plan, queue, scope=None)
         from .sharding import BlockInputRecorder
 
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        # a file rendezvous: no TCP port to pick, so no race with other processes for it
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
         from cache_dit.attention import _maybe_register_custom_attn_backends
         from cache_dit.distributed.core import _ContextParallelConfig, _enable_context_parallelism
 
@@ -55,18 +64,22 @@ def _rank(rank, world, port, transformer, args, kwargs, plan, queue, scope=None)
         cpc = _ContextParallelConfig(ulysses_degree=world, ring_degree=1)
         cpc.setup(rank, world, torch.device("cpu"), mesh=mesh)
         _enable_context_parallelism(transformer, config=cpc, cp_plan=plan)
-        limit_cp_to(transformer, scope, route)  # attention outside the split lists stays local
         if hasattr(transformer, "set_attention_backend"):
             try:
                 transformer.set_attention_backend("native")
             except Exception:  # noqa: BLE001 - models without diffusers attention
                 pass
+        limit_cp_to(transformer, scope, route)  # attention outside the split lists stays local
         with torch.no_grad():
             out = _output(transformer(*args, **kwargs))
         queue.put((rank, "ok", recorder.to_dict(), out.detach().float().numpy().copy() if rank == 0 else None))
+        reported = True
+        dist.barrier()  # no rank tears the group down while a peer still talks to it
         dist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
-        queue.put((rank, "error", f"{type(exc).__name__}: {exc}", traceback.format_exc()[-2000:]))
+        if not reported:
+            queue.put((rank, "error", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} "
+                                      f"({_where(exc)})", traceback.format_exc()[-2000:]))
 
 
 def execute_cp_plan(transformer, args, kwargs, plan: dict, expected: dict, degree: int = 2,
@@ -79,9 +92,10 @@ def execute_cp_plan(transformer, args, kwargs, plan: dict, expected: dict, degre
             reference = _output(transformer(*args, **kwargs)).detach().float().clone()
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
-    port = _free_port()
+    folder = tempfile.mkdtemp(prefix="ditbook-cp-")
+    init_file = os.path.join(folder, "rendezvous")
     scope = list(expected)  # CP attention only inside the lists whose tokens are split
-    procs = [ctx.Process(target=_rank, args=(r, degree, port, transformer, args, kwargs, plan, queue, scope),
+    procs = [ctx.Process(target=_rank, args=(r, degree, init_file, transformer, args, kwargs, plan, queue, scope),
                          daemon=True) for r in range(degree)]
     for p in procs:
         p.start()
@@ -100,9 +114,13 @@ def execute_cp_plan(transformer, args, kwargs, plan: dict, expected: dict, degre
             if p.is_alive():
                 p.kill()
                 p.join()
-    # the cause first: a rank's own error before a peer's lost connection
+        shutil.rmtree(folder, ignore_errors=True)
+    # the cause first: a rank's own error before a peer's lost connection; a rank that died
+    # without a word is named with its exit code
     errors = sorted((f"rank {r}: {a}" for r, (s, a, _) in got.items() if s == "error"),
-                    key=lambda e: ("Connection" in e or "pair.cc" in e, e))
+                    key=lambda e: (_LOST_PEER.search(e) is not None, e))
+    errors += [f"rank {r} ended with exit code {p.exitcode} without a report" for r, p in enumerate(procs)
+               if r not in got and p.exitcode not in (0, None)]
     if errors or len(got) < degree:
         return {"outcome": "crash", "reason": "; ".join(errors) or f"a rank did not finish within {timeout:.0f}s",
                 "seq_lens": None}
