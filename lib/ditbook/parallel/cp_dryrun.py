@@ -350,7 +350,10 @@ def check_token_axes(tr: ForwardTrace, streams: Streams, run: DryRun, degree: in
         checked[lname] = sorted(p for p, sh in full.items() if any(n in counts for s in sh for n in s[:-1]))
         split = [p for p, sh in got.items() if sh and len(sh) == 1 and len(sh[0]) == 3
                  and sh[0][1] * degree in counts and full.get(p) and full[p][0][1] == sh[0][1] * degree]
+        own = expected_lengths(tr, streams).get(lname, {}).get("argument")
         for param, shapes in full.items():
+            if not streams.joint and param != own and (param == streams.text or shapes == [streams.text_shape]):
+                continue  # cross attention: the text is whole on every rank
             bad = _unsplit_axis(shapes, got.get(param), counts, degree)
             if bad is None:
                 continue

@@ -695,7 +695,8 @@ def resolve_cp_plan(transformer, capture=None, attention_kind: str | None = None
     (``check_plan_sites``) and ``facts["sharding_expected"]`` says what each main block list must
     receive (``parallel.sharding``), and with ``verify`` the plan passes the checks of
     ``cp_dryrun`` before any launch (a registered plan that fails them is noted and replaced by a
-    derived one, which must pass them too; ``facts["prelaunch"]`` records what they saw)."""
+    derived one, which must pass them too; ``facts["prelaunch"]`` records what they saw). A
+    ``plan_file`` is run as given (only its sites are checked)."""
     notes = []
     # the unsplit trace first: some registered planners change the attention processors of the
     # model (cache-dit's patch a processor class to read a CP config the runtime sets later)
@@ -718,6 +719,8 @@ def resolve_cp_plan(transformer, capture=None, attention_kind: str | None = None
     args, kwargs, tr, st = traced
     from .cp_dryrun import GridReshapeError, PlanCheckError, check_grid_reshape, verify_before_launch
 
+    # a plan file is the user's explicit plan: it runs, and the ranks' sharding check judges it
+    verify = verify and plan_file is None
     if verify:
         check_grid_reshape(transformer, tr, st)  # no plan of tensor splits can help there
     if reg is not None:
