@@ -530,7 +530,10 @@ def derive_cp_plan(transformer, args, kwargs, attention_kind: str | None = None,
         notes.append(f"block lists {st.left_whole} never see the image tokens: they run whole on every rank")
     if degree:
         if s_img % degree:
-            raise PlanDerivationError(f"{s_img} image tokens do not divide into {degree} equal shards")
+            layout = (f" (the blocks take '{st.image}' as {st.image_shape}: its dim 1, the token axis of a "
+                      f"[batch, sequence, width] input, has {s_img}; a sequence-first or per-frame layout is not "
+                      f"split by a derived plan)" if s_img < degree else "")
+            raise PlanDerivationError(f"{s_img} image tokens do not divide into {degree} equal shards{layout}")
         if st.joint and s_txt and s_txt % degree:
             raise PlanDerivationError(f"joint attention: {s_txt} text tokens do not divide into {degree} equal "
                                       f"shards, and the text must be split with the image")
