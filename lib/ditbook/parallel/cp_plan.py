@@ -12,15 +12,22 @@ Derivation, in named steps (no model names anywhere):
 
 1. ``trace_forward``: one forward call, recording in call order every module outside the block
    lists (shapes of what it takes and returns) and every block call of every block list (a
-   ``nn.ModuleList`` whose elements the forward calls, not inside a block of another list).
+   ``nn.ModuleList`` whose elements the forward calls, not inside a block of another list),
+   the integer arguments of each list's first block, and which modules took the transformer's
+   own inputs; then a second forward with the image input perturbed tells which lists *see
+   the image* (their first block's input changes).
 2. ``find_streams``: what enters the first block of each list — image tokens ``[B, S_img, D]``
    (the input named like the image, else the first not named like text), text tokens
    ``[B, S_txt, W]``, positional tables (tensors or tuples of tensors with an axis of length
-   ``S_img``), masks. The *main* lists are those whose image stream is the longest; a list that
-   only ever sees the text (a token refiner) stays whole.
+   ``S_img``), masks. The *main* lists (where the tokens are split) are the lists that see the
+   image — a later list may take text and image concatenated; a list that never sees it (a text
+   token refiner, a guidance MLP stack over a fixed table) stays whole on every rank, and so
+   does its attention (``cp_scope``). Without the probe: the lists with the longest image stream.
 3. split sites, all before the first block of the first main list: each stream is split at the
    module that produced exactly that tensor (called once, before the blocks; ``split_output``),
-   else at the first block's input. Joint attention (the blocks update the text): the text is
+   else at the first block's input (or, ``at_input``, at the transformer's own ``[B, S, C]``
+   input it is made from: tried when the first variant fails the checks of step 6, e.g. the
+   forward cuts the text off by the length of its text input). Joint attention (the blocks update the text): the text is
    split with the image, so each rank holds a matching slice of the joint sequence; cross
    attention: the text stays whole on every rank. Positional tables are split on their
    image-length axis, at their producer or at every block of every main list (``<list>.*``); a
@@ -33,6 +40,12 @@ Derivation, in named steps (no model names anywhere):
 5. ``check_plan_sites``: every split site of a plan — derived, registered or read from a file —
    is a block or runs before the first block; a split at a module after the blocks, or a plan
    that splits nothing, raises ``PlanSiteError``.
+6. before any launch (``resolve_cp_plan``, ``parallel.cp_dryrun``): blocks that reshape the
+   tokens into the full grid are refused; a one-process dry run of the plan shows what every
+   main list's blocks would receive, and every input with a full-length token axis must be
+   split with the tokens, and the output must come back whole — or the plan is refused with
+   the argument, the axis and the split named (a registered plan that fails is noted and a
+   derived one tried).
 """
 
 from __future__ import annotations
