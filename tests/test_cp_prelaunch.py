@@ -205,7 +205,7 @@ def test_joint_table_is_split_through_the_position_inputs_and_runs():
     assert made.plan[""]["img_ids"].split_dim == 0 and made.plan[""]["txt_ids"].split_dim == 0
     with pytest.raises(PlanCheckError, match=r"returns \[1, 8, 4\], one process returns \[1, 16, 4\]"):
         verify_before_launch(m, (), kw, made.plan, tr, st, 2)
-    cp = resolve_cp_plan(m, capture=lambda: ((), kw), degree=2)
+    cp = resolve_cp_plan(m, capture=lambda: ((), kw), degree=2, check=verify_before_launch)
     assert set(cp.plan[""]) == {"hidden_states", "encoder_hidden_states", "img_ids", "txt_ids"}
     assert cp.facts["prelaunch"]["block_inputs"]["single_blocks"]["hidden_states"] == [[1, 12, 16]]
     assert cp.facts["sharding_expected"]["single_blocks"] == {"argument": "hidden_states", "full": 24}
@@ -294,7 +294,7 @@ def test_blocks_that_reshape_tokens_into_the_grid_are_refused():
     m = GridDiT().eval()
     kw = dict(hidden_states=torch.randn(1, 4, 4, 4))
     with pytest.raises(GridReshapeError, match=r"'blocks' take the token grid \(height=4, width=4: 4 x 4 = 16"):
-        resolve_cp_plan(m, capture=lambda: ((), kw), degree=2)
+        resolve_cp_plan(m, capture=lambda: ((), kw), degree=2, check=verify_before_launch)
     tr = trace_forward(m, (), kw)
     st = find_streams(tr)
     old = derive_cp_plan(m, (), kw, degree=2, trace=tr)  # what the old code launched
@@ -304,7 +304,7 @@ def test_blocks_that_reshape_tokens_into_the_grid_are_refused():
     plain = GridDiT(reshape=False).eval()
     tr2 = trace_forward(plain, (), kw)
     check_grid_reshape(plain, tr2, find_streams(tr2))  # the same arguments, no reshape: fine
-    assert resolve_cp_plan(plain, capture=lambda: ((), kw), degree=2).facts["prelaunch"]["checked"]
+    assert resolve_cp_plan(plain, capture=lambda: ((), kw), degree=2, check=verify_before_launch).facts["prelaunch"]["checked"]
 
 
 def test_processor_that_calls_sdpa_itself_is_routed_unless_patched_to_dispatch():

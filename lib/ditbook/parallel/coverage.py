@@ -179,6 +179,7 @@ def _coverage_cp(transformer, args, kwargs, degree: int = 2, plan: dict | None =
     source=plan source)``. ``plan`` overrides the plan (its sites are still checked)."""
     from .cp_plan import (PlanDerivationError, RegisteredPlanError, find_streams, check_plan_sites,
                           resolve_cp_plan, trace_forward)
+    from .cp_dryrun import verify_before_launch
     from .cp_plan import expected_lengths
 
     try:
@@ -189,7 +190,8 @@ def _coverage_cp(transformer, args, kwargs, degree: int = 2, plan: dict | None =
                 "seq_lens": None, "source": None}
     try:
         if plan is None:
-            cp = resolve_cp_plan(transformer, capture=lambda: (args, kwargs), degree=degree)
+            cp = resolve_cp_plan(transformer, capture=lambda: (args, kwargs), degree=degree,
+                                 check=verify_before_launch)
             plan, source, expected = cp.plan, cp.source, cp.facts["sharding_expected"]
         else:
             tr = trace_forward(transformer, args, kwargs)

@@ -34,19 +34,17 @@ from dataclasses import dataclass, field
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .cp_plan import (ForwardTrace, PlanDerivationError, Streams, _is_input, _is_output, _main_output, _shapes,
+from .cp_plan import (ForwardTrace, PlanCheckError, Streams, _is_input, _is_output, _main_output, _shapes,
                       _tensors, expected_lengths)
 from .sharding import bind_inputs
 
 _SDPA = torch.nn.functional.scaled_dot_product_attention
 
 
-class PlanCheckError(PlanDerivationError):
-    """A plan that would crash or compute the wrong thing on the ranks, found before launch."""
-
-
 class GridReshapeError(PlanCheckError):
-    """The blocks reshape the token axis into the full spatial grid."""
+    """The blocks reshape the token axis into the full spatial grid (no plan of splits helps)."""
+
+    final = True
 
 
 class TokenAxisError(PlanCheckError):

@@ -71,6 +71,13 @@ class PlanDerivationError(RuntimeError):
     """The traced forward does not show where to split or gather; the message says what is missing."""
 
 
+class PlanCheckError(PlanDerivationError):
+    """A plan that would crash or compute the wrong thing on the ranks, found before launch
+    (``parallel.cp_dryrun``). ``final``: no other plan can help (the model itself is the reason)."""
+
+    final = False
+
+
 class PlanSiteError(PlanDerivationError):
     """A plan splits at a module that runs after the blocks (or splits nothing): every rank would
     run the blocks on the whole sequence."""
@@ -704,15 +711,17 @@ def check_plan_sites(plan: dict, tr: ForwardTrace, streams: Streams | None = Non
 
 
 def resolve_cp_plan(transformer, capture=None, attention_kind: str | None = None, degree: int = 2,
-                    plan_file: str | Path | None = None, verify: bool = True) -> CPPlan:
+                    plan_file: str | Path | None = None, check=None) -> CPPlan:
     """The plan of ``plan_file`` if given, else the registered plan when there is one (a failing
     planner is noted, never silently replaced), else a derived one. With ``capture()`` (giving
     the transformer call's (args, kwargs)) the plan is checked against a traced forward
     (``check_plan_sites``) and ``facts["sharding_expected"]`` says what each main block list must
-    receive (``parallel.sharding``), and with ``verify`` the plan passes the checks of
-    ``cp_dryrun`` before any launch (a registered plan that fails them is noted and replaced by a
-    derived one, which must pass them too; ``facts["prelaunch"]`` records what they saw). A
-    ``plan_file`` is run as given (only its sites are checked)."""
+    receive (``parallel.sharding``). ``check(transformer, args, kwargs, plan, trace, streams,
+    degree) -> dict`` (``cp_dryrun.verify_before_launch``) judges the plan before any launch: a
+    registered plan that fails it is noted and a derived one tried; the derived plan splitting the
+    streams where they are made, then the one splitting them at the transformer's inputs; the
+    first that passes is the plan (``facts["prelaunch"]``: what the check saw), else the
+    ``PlanCheckError`` names why. A ``plan_file`` is run as given (only its sites are checked)."""
     notes = []
     # the unsplit trace first: some registered planners change the attention processors of the
     # model (cache-dit's patch a processor class to read a CP config the runtime sets later)
@@ -723,6 +732,7 @@ def resolve_cp_plan(transformer, capture=None, attention_kind: str | None = None
         traced = (args, kwargs, tr, find_streams(tr, attention_kind))
     if plan_file is not None:
         reg = load_plan_code(plan_file)
+        check = None  # the user's explicit plan: it runs, and the ranks' sharding check judges it
     else:
         try:
             reg = registered_cp_plan(transformer, degree)
@@ -733,53 +743,43 @@ def resolve_cp_plan(transformer, capture=None, attention_kind: str | None = None
             return reg
         raise PlanDerivationError(f"{type(transformer).__name__} has no registered CP plan and no call to trace")
     args, kwargs, tr, st = traced
-    from .cp_dryrun import GridReshapeError, PlanCheckError, check_grid_reshape, verify_before_launch
-
-    # a plan file is the user's explicit plan: it runs, and the ranks' sharding check judges it
-    verify = verify and plan_file is None
-    if verify:
-        check_grid_reshape(transformer, tr, st)  # no plan of tensor splits can help there
     if reg is not None:
         check_plan_sites(reg.plan, tr, st)
         reg.facts.update({"block_lists": st.lists, "image_seq_len": st.s_img, "text_seq_len": st.s_txt,
                           "image_input": st.image, "text_input": st.text,
                           "sharding_expected": expected_lengths(tr, st)})
-        if not verify:
+        if check is None:
             return reg
         try:
-            reg.facts["prelaunch"] = verify_before_launch(transformer, args, kwargs, reg.plan, tr, st, degree)
+            reg.facts["prelaunch"] = check(transformer, args, kwargs, reg.plan, tr, st, degree)
             return reg
-        except GridReshapeError:
-            raise
         except PlanCheckError as exc:
-            if plan_file is not None:
+            if exc.final:
                 raise
             notes = [f"registered plan ({reg.source}) not used: {type(exc).__name__}: {exc}"]
-    # derived: the streams split where they are made, else (when that fails the checks) at the
-    # transformer's inputs; the first variant that passes is the plan
-    failures = []
+    failures: list[tuple[PlanCheckError, dict]] = []
     for at_input in (False, True):
         try:
             cp = derive_cp_plan(transformer, args, kwargs, attention_kind, degree, trace=tr, at_input=at_input)
-            if failures and plan_to_jsonable(cp.plan) == failures[-1][1]:
-                break  # the same plan again: no stream is an input of the transformer
-            if verify:
-                cp.facts["prelaunch"] = verify_before_launch(transformer, args, kwargs, cp.plan, tr, st, degree)
-        except (GridReshapeError, PlanSiteError):
-            raise
-        except PlanCheckError as exc:
-            failures.append((exc, plan_to_jsonable(cp.plan)))
-            continue
         except PlanDerivationError as exc:
             if notes:
                 raise type(exc)(f"{exc}; and {notes[0]}") from exc
             raise
+        if failures and plan_to_jsonable(cp.plan) == failures[-1][1]:
+            break  # the same plan again: no stream is made from an input of the transformer
+        try:
+            if check is not None:
+                cp.facts["prelaunch"] = check(transformer, args, kwargs, cp.plan, tr, st, degree)
+        except PlanCheckError as exc:
+            if exc.final:
+                raise
+            failures.append((exc, plan_to_jsonable(cp.plan)))
+            continue
         cp.notes[:0] = notes + [f"derived plan splitting where the streams are made not used: {type(e).__name__}: "
                                 f"{e}" for e, _ in failures]
         return cp
     exc = failures[0][0]
-    reasons = "; the plan splitting at the transformer's inputs: ".join(
-        f"{type(e).__name__}: {e}" for e, _ in failures)
+    reasons = "; the plan splitting at the transformer's inputs: ".join(f"{type(e).__name__}: {e}" for e, _ in failures)
     raise type(exc)(f"derived plan: {reasons}" + (f"; and {notes[0]}" if notes else "")) from exc
 
 
