@@ -369,3 +369,39 @@ def test_derivation_refuses_a_joint_table_without_position_inputs():
     kw = {k: kw[k] for k in ("hidden_states", "encoder_hidden_states", "timestep")}
     with pytest.raises(PlanDerivationError, match="positional table 'rotary'.*no separate text and image position"):
         derive_cp_plan(m, (), kw, degree=2)
+
+
+class TupleGridBlock(nn.Module):
+    """The grid comes as one tuple argument ``hw``."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.attn = Attn(dim)
+        self.conv = nn.Conv2d(dim, dim, 3, padding=1)
+
+    def forward(self, hidden_states, hw):
+        x = hidden_states + self.attn(hidden_states)
+        y = x.view(x.shape[0], *hw, -1).permute(0, 3, 1, 2)
+        return x + self.conv(y).flatten(2).transpose(1, 2)
+
+
+def test_grid_given_as_a_tuple_is_found_too():
+    class TupleGridDiT(GridDiT):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([TupleGridBlock(16) for _ in range(2)])
+
+        def forward(self, hidden_states):
+            b, c, h, w = hidden_states.shape
+            x = self.x_embedder(hidden_states.flatten(2).transpose(1, 2))
+            for blk in self.blocks:
+                x = blk(hidden_states=x, hw=(h, w))
+            return (self.proj_out(self.norm_out(x)).transpose(1, 2).reshape(b, c, h, w),)
+
+    torch.manual_seed(0)
+    m = TupleGridDiT().eval()
+    kw = dict(hidden_states=torch.randn(1, 4, 4, 4))
+    tr = trace_forward(m, (), kw)
+    assert tr.lists["blocks"].scalars == {"hw[0]": 4, "hw[1]": 4}
+    with pytest.raises(GridReshapeError, match=r"hw\[0\]=4, hw\[1\]=4"):
+        check_grid_reshape(m, tr, find_streams(tr))

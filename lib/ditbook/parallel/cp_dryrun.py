@@ -110,14 +110,15 @@ def check_grid_reshape(transformer, tr: ForwardTrace, streams: Streams) -> None:
                 prod = 1
                 for k in combo:
                     prod *= ints[k]
-                if prod == full and set(combo) <= used:
+                if prod == full and {k.split("[")[0] for k in combo} <= used:
                     grid = ", ".join(f"{k}={ints[k]}" for k in combo)
                     raise GridReshapeError(
                         f"the blocks of '{lname}' take the token grid ({grid}: {' x '.join(str(ints[k]) for k in combo)}"
                         f" = {full}, the full token count) and reshape the token axis into it in "
                         f"{type(block).__name__}.forward (a convolution over the tokens): a shard of the tokens "
-                        f"cannot take that shape; a plan would have to split the grid's leading axis and pass each "
-                        f"shard's '{combo[0]}', which a split of tensors cannot do")
+                        f"cannot take that shape; a plan would have to split the grid's leading axis, pass each "
+                        f"shard's '{combo[0]}' and exchange the rows at the shard borders, which a split of tensors "
+                        f"cannot do")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -265,8 +265,7 @@ def trace_forward(transformer, args, kwargs) -> ForwardTrace:
                     named = bind_inputs(m, a, kw)
                     firsts[_l] = {"order": order, "named": {k: v for k, v in named.items() if _tensors(v) is not None},
                                   "keywords": list(kw), "print": _fingerprint(named),
-                                  "scalars": {k: v for k, v in named.items()
-                                              if isinstance(v, int) and not isinstance(v, bool)}}
+                                  "scalars": _int_arguments(named)}
 
             def bpost(m, a, kw, out, _l=lname):
                 lasts[_l] = tick()
@@ -337,6 +336,17 @@ def _main_output(out) -> torch.Tensor | None:
     if isinstance(out, (tuple, list)):
         return next((o for o in out if isinstance(o, torch.Tensor)), None)
     return None
+
+
+def _int_arguments(named: dict) -> dict[str, int]:
+    """A call's integer arguments; those in a tuple/list of ints as ``name[i]``."""
+    out = {}
+    for k, v in named.items():
+        if isinstance(v, int) and not isinstance(v, bool):
+            out[k] = v
+        elif isinstance(v, (tuple, list)) and v and all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+            out.update({f"{k}[{i}]": x for i, x in enumerate(v)})
+    return out
 
 
 def _fingerprint(named: dict) -> dict[str, tuple]:
