@@ -405,3 +405,84 @@ def test_grid_given_as_a_tuple_is_found_too():
     assert tr.lists["blocks"].scalars == {"hw[0]": 4, "hw[1]": 4}
     with pytest.raises(GridReshapeError, match=r"hw\[0\]=4, hw\[1\]=4"):
         check_grid_reshape(m, tr, find_streams(tr))
+
+
+class ManualAttnBlock(nn.Module):
+    """Attention written by hand (no SDPA call: nothing routes it to the CP attention, so each
+    rank attends to its own shard only), behind an adaLN-zero style gate initialised to zero."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.gate = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, hidden_states):
+        q, k, v = self.qkv(hidden_states).chunk(3, dim=-1)
+        att = torch.softmax(q @ k.transpose(1, 2) / q.shape[-1] ** 0.5, dim=-1)
+        return hidden_states + self.gate * (att @ v)
+
+
+class GatedDiT(nn.Module):
+    def __init__(self, dim=16):
+        super().__init__()
+        self.x_embedder = nn.Linear(4, dim)
+        self.blocks = nn.ModuleList([ManualAttnBlock(dim) for _ in range(2)])
+        self.norm_out = nn.LayerNorm(dim)
+        self.proj_out = nn.Linear(dim, 4)
+
+    def forward(self, hidden_states):
+        x = self.x_embedder(hidden_states)
+        for blk in self.blocks:
+            x = blk(hidden_states=x)
+        return (self.proj_out(self.norm_out(x)),)
+
+
+def test_zero_initialised_gates_do_not_make_parity_vacuous(monkeypatch):
+    """With its gates at zero the blocks add nothing to the output, and a plan under which each
+    rank attends to its own shard only passed parity exactly. The CP probe fills all-zero
+    parameters first; the same plan is then found wrong."""
+    torch.manual_seed(0)
+    m = GatedDiT().eval()
+    kw = dict(hidden_states=torch.randn(1, 16, 4))
+    r = coverage_cp(m, (), kw, timeout=60)
+    assert r["outcome"] == "wrong" and "output differs" in r["reason"], r
+    assert r["filled_zero_parameters"] >= 2  # the gates (and the zero LayerNorm bias)
+    import ditbook.parallel.coverage as cov
+
+    monkeypatch.setattr(cov, "fill_zero_parameters", lambda t, scale=0.1: [])  # the old probe
+    old = coverage_cp(m, (), kw, timeout=60)
+    assert old["outcome"] == "correct", old  # a green check on attention that never crossed ranks
+
+
+class ConvOutDiT(nn.Module):
+    """The forward turns the tokens back into the grid right after the blocks and ends with a
+    convolution: no module after the blocks takes tokens."""
+
+    def __init__(self, dim=16):
+        super().__init__()
+        self.x_embedder = nn.Linear(4, dim)
+        self.blocks = nn.ModuleList([SingleBlock(dim) for _ in range(2)])
+        self.proj_out = nn.Conv2d(dim, 4, 1)
+
+    def forward(self, hidden_states):
+        b, c, h, w = hidden_states.shape
+        x = self.x_embedder(hidden_states.flatten(2).transpose(1, 2))
+        for blk in self.blocks:
+            x = blk(hidden_states=x, rotary=None)
+        return (self.proj_out(x.transpose(1, 2).reshape(b, -1, h, w)),)
+
+
+def test_gather_at_the_last_block_when_no_module_takes_the_tokens_after_it():
+    """The old derivation refused ("nowhere to gather them"); the plan now gathers at the last
+    block's output, passes the dry run (the output comes back whole), and a +cache run is
+    refused by name (a cached step skips that block and its gather)."""
+    from ditbook.parallel.cache_sync import CacheSplitError, split_at_cached_units
+
+    torch.manual_seed(0)
+    m = ConvOutDiT().eval()
+    kw = dict(hidden_states=torch.randn(1, 4, 4, 4))
+    cp = resolve_cp_plan(m, capture=lambda: ((), kw), degree=2, check=verify_before_launch)
+    assert "blocks.1" in cp.plan and cp.plan["blocks.1"].gather_dim == 1
+    assert cp.facts["prelaunch"]["block_inputs"]["blocks"]["hidden_states"] == [[1, 8, 16]]
+    with pytest.raises(CacheSplitError, match="gathers the tokens at the output of block 'blocks.1'"):
+        split_at_cached_units(m, cp.plan, cp.facts)

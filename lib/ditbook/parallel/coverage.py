@@ -182,6 +182,7 @@ def _coverage_cp(transformer, args, kwargs, degree: int = 2, plan: dict | None =
     from .cp_dryrun import verify_before_launch
     from .cp_plan import expected_lengths
 
+    filled = fill_zero_parameters(transformer)  # this is the forked driver's copy
     try:
         with torch.no_grad():  # before any planner touches the model
             reference = _output(transformer(*args, **kwargs)).detach().float().clone()
@@ -204,4 +205,20 @@ def _coverage_cp(transformer, args, kwargs, degree: int = 2, plan: dict | None =
         return {"outcome": "crash", "reason": f"{type(exc).__name__}: {exc}", "seq_lens": None, "source": None}
     result = execute_cp_plan(transformer, args, kwargs, plan, expected, degree, timeout, reference)
     result["source"] = source
+    result["filled_zero_parameters"] = len(filled)
     return result
+
+
+def fill_zero_parameters(transformer, scale: float = 0.1) -> list[str]:
+    """Give every all-zero parameter small random values (seeded). A tiny random instance keeps
+    its zero-initialised gates (adaLN-zero tables, zero output projections): its blocks then add
+    nothing to the output, and the one-process/CP parity cannot fail whatever the plan does to
+    them. Returns the names filled."""
+    g = torch.Generator().manual_seed(0)
+    filled = []
+    with torch.no_grad():
+        for name, p in transformer.named_parameters():
+            if p.numel() and p.is_floating_point() and not p.any():
+                p.copy_((torch.randn(p.shape, generator=g) * scale).to(p))
+                filled.append(name)
+    return filled

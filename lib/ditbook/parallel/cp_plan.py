@@ -675,15 +675,23 @@ def derive_cp_plan(transformer, args, kwargs, attention_kind: str | None = None,
             site = c
             break
     if site is None:
-        raise PlanDerivationError("no module after the blocks takes and returns the image tokens; nowhere to "
-                                  "gather them")
-    if tr.call_counts.get(site.name) != 1:
-        raise PlanDerivationError(f"'{site.name}' (where the image tokens would be gathered) is called "
-                                  f"{tr.call_counts.get(site.name)} times per forward")
+        # the forward reshapes the tokens right after the blocks (no module takes them as tokens):
+        # gather at the output of the last block itself
+        last = tr.lists[st.lists[-1]]
+        if not any(len(o) >= 2 and o[1] == s_img for o in last.outputs):
+            raise PlanDerivationError("no module after the blocks takes and returns the image tokens, and the last "
+                                      "block does not return them; nowhere to gather them")
+        site = ModuleCall(f"{last.name}.{last.length - 1}", last.last_order, [], last.outputs)
+        where = "the last block (the forward reshapes the tokens right after it)"
+    else:
+        where = "the first module after the blocks"
+        if tr.call_counts.get(site.name) != 1:
+            raise PlanDerivationError(f"'{site.name}' (where the image tokens would be gathered) is called "
+                                      f"{tr.call_counts.get(site.name)} times per forward")
     outs = [ContextParallelOutput(gather_dim=1, expected_dims=len(s)) if len(s) >= 2 and s[1] == s_img else None
             for s in site.outputs]
     plan[site.name] = outs[0] if len(outs) == 1 else tuple(outs)
-    notes.append(f"gather image tokens at the output of '{site.name}' (dim 1), the first module after the blocks")
+    notes.append(f"gather image tokens at the output of '{site.name}' (dim 1), {where}")
     facts = {"image_seq_len": s_img, "text_seq_len": s_txt, "width": st.image_shape[2], "attention_kind": kind,
              "block_lists": st.lists, "block_list": st.lists[0], "keyword_called": first.keywords,
              "image_input": st.image, "text_input": st.text, "gather_site": site.name,
