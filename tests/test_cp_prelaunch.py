@@ -486,3 +486,25 @@ def test_gather_at_the_last_block_when_no_module_takes_the_tokens_after_it():
     assert cp.facts["prelaunch"]["block_inputs"]["blocks"]["hidden_states"] == [[1, 8, 16]]
     with pytest.raises(CacheSplitError, match="gathers the tokens at the output of block 'blocks.1'"):
         split_at_cached_units(m, cp.plan, cp.facts)
+
+
+def test_registered_plan_failing_the_check_is_noted_and_a_derived_one_used():
+    """A class plan written for 3-D position ids (as diffusers' Flux 2 plan is) meets 2-D ids:
+    its id splits never apply. It used to be launched and crash in the ranks; now it is set
+    aside with the reason in the notes, and the derived plan (which passes) is the plan."""
+
+    class Registered(JointDiT):
+        _cp_plan = {"": {"hidden_states": ContextParallelInput(split_dim=1, expected_dims=3),
+                         "encoder_hidden_states": ContextParallelInput(split_dim=1, expected_dims=3),
+                         "img_ids": ContextParallelInput(split_dim=1, expected_dims=3),
+                         "txt_ids": ContextParallelInput(split_dim=1, expected_dims=3)},
+                    "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3)}
+
+    torch.manual_seed(0)
+    m = Registered().eval()
+    _, kw = _joint()
+    cp = resolve_cp_plan(m, capture=lambda: ((), kw), degree=2, check=verify_before_launch)
+    assert cp.source == "derived"
+    assert "registered plan (diffusers:Registered._cp_plan) not used: TokenAxisError" in cp.notes[0]
+    assert "'img_ids' at '<transformer>': expects 3 dims" in cp.notes[0]
+    assert resolve_cp_plan(m, capture=lambda: ((), kw), degree=2).source.startswith("diffusers:")  # unchecked
