@@ -5,10 +5,18 @@ For the coverage table (one row per transformer class): take the registered plan
 processes, so the transformer needs no pickling), each rank recording what its blocks received
 (``sharding.BlockInputRecorder``), and compare rank 0's output with the one-process output.
 
+Before the launch the plan passes ``cp_dryrun.verify_before_launch`` (blocks that reshape the
+tokens into the grid, a one-process dry run, every full-length token axis split, the output
+whole); a plan given by the caller runs as given. All-zero parameters of the (forked) instance
+are filled first, so that zero-initialised gates cannot make the parity vacuous. The ranks meet
+through a file rendezvous (no TCP port to race for) and only the attention inside the split
+block lists runs as CP attention (``cp_scope``).
+
 Outcome: ``correct`` (split verified: every main block list got ``S / degree`` tokens on every
-rank, and the output matches), ``refused`` (no plan can be made or the plan splits after the
-blocks; the named reason), ``wrong`` (it ran but did not split, or the output differs),
-``crash`` (a rank raised or did not finish).
+rank, and the output matches), ``refused`` (no plan can be made, the plan splits after the
+blocks, or it fails the checks before launch; the named reason), ``wrong`` (it ran but did not
+split, or the output differs), ``crash`` (a rank raised or did not finish: each rank's own error
+and where it was raised, a peer's lost connection last).
 """
 
 from __future__ import annotations
