@@ -118,6 +118,11 @@ class AttentionRoute:
     gqa_calls: int = 0
     cp_calls: int = 0
     modules: list[str] = field(default_factory=list)
+    # module-name prefixes (the block lists whose tokens a CP plan splits) whose SDPA calls go
+    # through the CP attention; None: every routed module. A module outside them (a text
+    # refiner, a pooling attention over the text) runs on whole sequences on every rank: an
+    # all-to-all there would mix unsplit sequences (set by ``parallel.cp_scope``)
+    cp_scope: list[str] | None = None
     wraps: WrapGroup = field(default_factory=lambda: WrapGroup(ROUTE_WRAP), repr=False, compare=False)
 
     def remove(self) -> None:
@@ -141,6 +146,27 @@ def _dispatch_aware(module) -> bool:
     return proc is not None and hasattr(proc, "_attention_backend")
 
 
+_PROC_CALLS_SDPA: dict = {}  # processor __call__ function -> whether its own code calls SDPA
+
+
+def _processor_calls_sdpa(module) -> bool:
+    """A processor whose ``__call__`` (as it is now: a planner may have replaced it) calls SDPA
+    itself and never a dispatch function (a model's custom processor, Mochi's): its calls must be
+    routed, even when it carries diffusers' ``_attention_backend`` attribute."""
+    proc = getattr(module, "processor", None)
+    fn = getattr(type(proc), "__call__", None) if proc is not None else None
+    if fn is None:
+        return False
+    if fn not in _PROC_CALLS_SDPA:
+        try:
+            # the code object: getsource of a functools.wraps patch would show the original it wraps
+            src = inspect.getsource(getattr(fn, "__code__", fn))
+            _PROC_CALLS_SDPA[fn] = "scaled_dot_product_attention" in src and "dispatch_attention_fn" not in src
+        except (OSError, TypeError):
+            _PROC_CALLS_SDPA[fn] = False
+    return _PROC_CALLS_SDPA[fn]
+
+
 class SdpaRedirect(TorchFunctionMode):
     """Within its dynamic extent (this thread only), calls of ``scaled_dot_product_attention``
     under any name (``F.``, ``torch.nn.functional.``, a name imported from it) go to ``fn``.
@@ -160,8 +186,16 @@ class SdpaRedirect(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _in_scope(name: str, scope: list[str] | None) -> bool:
+    """Whether a routed module's SDPA calls belong to the CP region ``scope`` (an outer caller that
+    contains the region cannot be told apart: it keeps the CP path)."""
+    if scope is None:
+        return True
+    return any(name == p or name.startswith(p + ".") or p.startswith(name + ".") or name == "" for p in scope)
+
+
 def _redirect(route: AttentionRoute, transformer, query, key, value, attn_mask=None, dropout_p=0.0,
-              is_causal=False, scale=None, enable_gqa=False, **extra):
+              is_causal=False, scale=None, enable_gqa=False, _module: str = "", **extra):
     """One routed SDPA call: GQA by ``route.gqa_path``; with a context-parallel config on the
     transformer, through ``dispatch_attention_fn`` (the CP backend's own SDPA call is the real
     one: the redirect mode is off while this runs)."""
@@ -169,6 +203,8 @@ def _redirect(route: AttentionRoute, transformer, query, key, value, attn_mask=N
     hq, hk = query.shape[-3], key.shape[-3]
     cfg = getattr(transformer, "_parallel_config", None)
     cp = getattr(cfg, "context_parallel_config", cfg) if cfg is not None else None
+    if cp is not None and not _in_scope(_module, route.cp_scope):
+        cp = None  # outside the split region: the whole sequence is on every rank
     if hk != hq:
         route.gqa_calls += 1
         # under CP, cache-dit's templated Ulysses/Ring attention takes no GQA: K/V are
@@ -196,7 +232,7 @@ def sdpa_callers(transformer) -> list[tuple[str, torch.nn.Module]]:
     outermost only — a caller inside another caller is already inside its redirect's extent."""
     found: list[tuple[str, torch.nn.Module]] = []
     for name, module in transformer.named_modules():
-        if _dispatch_aware(module) or not _calls_sdpa(module):
+        if not (_processor_calls_sdpa(module) or (not _dispatch_aware(module) and _calls_sdpa(module))):
             continue
         if any(outer == "" or name.startswith(outer + ".") for outer, _ in found):
             continue
@@ -216,16 +252,24 @@ def route_attention(transformer, gqa_path: str = "enable_gqa") -> AttentionRoute
     earlier ones off. ``route.remove()`` undoes it."""
     route = AttentionRoute(gqa_path=gqa_path)
 
-    def redirect(*args, **kwargs):
-        return _redirect(route, transformer, *args, **kwargs)
+    def routed_as(name, module):
+        # chosen for its processor alone: re-checked per call, since a CP planner may replace the
+        # processor's __call__ by one that dispatches itself (routing it too would split twice)
+        by_processor = _dispatch_aware(module) or not _calls_sdpa(module)
 
-    def routed(original, *args, **kwargs):
-        with SdpaRedirect(redirect):
-            return original(*args, **kwargs)
+        def redirect(*args, **kwargs):
+            return _redirect(route, transformer, *args, _module=name, **kwargs)
+
+        def routed(original, *args, **kwargs):
+            if by_processor and not _processor_calls_sdpa(module):
+                return original(*args, **kwargs)
+            with SdpaRedirect(redirect):
+                return original(*args, **kwargs)
+        return routed
 
     with route.wraps.applying():
         for name, module in sdpa_callers(transformer):
-            route.wraps.wrap(module, routed)
+            route.wraps.wrap(module, routed_as(name, module))
             route.modules.append(name)
     return route
 

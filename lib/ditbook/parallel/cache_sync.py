@@ -154,6 +154,9 @@ def split_at_cached_units(transformer, plan: dict, facts: dict) -> tuple[dict, d
     roles = {facts.get("image_input"): "hidden_states", facts.get("text_input"): "encoder_hidden_states"}
     for key, value in plan.items():
         head, _, tail = key.rpartition(".")
+        if tail.isdigit() and not isinstance(value, dict) and head in (facts.get("block_lists") or []):
+            raise CacheSplitError(f"the plan gathers the tokens at the output of block '{key}'; with a cache that "
+                                  f"block is skipped on cached steps and the gather with it")
         if tail == "0" and isinstance(value, dict):
             units = units if units is not None else cached_block_units(transformer)
             if head not in units:

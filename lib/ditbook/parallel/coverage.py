@@ -5,25 +5,34 @@ For the coverage table (one row per transformer class): take the registered plan
 processes, so the transformer needs no pickling), each rank recording what its blocks received
 (``sharding.BlockInputRecorder``), and compare rank 0's output with the one-process output.
 
+Before the launch the plan passes ``cp_dryrun.verify_before_launch`` (blocks that reshape the
+tokens into the grid, a one-process dry run, every full-length token axis split, the output
+whole); a plan given by the caller runs as given. All-zero parameters of the (forked) instance
+are filled first, so that zero-initialised gates cannot make the parity vacuous. The ranks meet
+through a file rendezvous (no TCP port to race for) and only the attention inside the split
+block lists runs as CP attention (``cp_scope``).
+
 Outcome: ``correct`` (split verified: every main block list got ``S / degree`` tokens on every
-rank, and the output matches), ``refused`` (no plan can be made or the plan splits after the
-blocks; the named reason), ``wrong`` (it ran but did not split, or the output differs),
-``crash`` (a rank raised or did not finish).
+rank, and the output matches), ``refused`` (no plan can be made, the plan splits after the
+blocks, or it fails the checks before launch; the named reason), ``wrong`` (it ran but did not
+split, or the output differs), ``crash`` (a rank raised or did not finish: each rank's own error
+and where it was raised, a peer's lost connection last).
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
+import os
+import re
+import shutil
+import tempfile
 import traceback
 
 import torch
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# what a rank says when its peer went away: never the cause, when the peer reported one
+_LOST_PEER = re.compile(r"Connection reset|Connection closed|Broken pipe|pair\.cc|DistNetworkError", re.I)
 
 
 def _output(out) -> torch.Tensor:
@@ -34,21 +43,30 @@ def _output(out) -> torch.Tensor:
     return getattr(out, "sample", None) if hasattr(out, "sample") else out[0]
 
 
-def _rank(rank, world, port, transformer, args, kwargs, plan, queue) -> None:
+def _where(exc: BaseException) -> str:
+    """The innermost frame of ``exc`` as ``file:line``, to name where a rank failed."""
+    tb = traceback.extract_tb(exc.__traceback__)
+    return f"{tb[-1].filename.split('site-packages/')[-1].split('lib/')[-1]}:{tb[-1].lineno}" if tb else ""
+
+
+def _rank(rank, world, init_file, transformer, args, kwargs, plan, queue, scope=None) -> None:
+    reported = False
     try:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
         from .attention import route_attention
+        from .cp_scope import limit_cp_to
         from .sharding import BlockInputRecorder
 
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        # a file rendezvous: no TCP port to pick, so no race with other processes for it
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
         from cache_dit.attention import _maybe_register_custom_attn_backends
         from cache_dit.distributed.core import _ContextParallelConfig, _enable_context_parallelism
 
         _maybe_register_custom_attn_backends()
-        route_attention(transformer)
+        route = route_attention(transformer)
         recorder = BlockInputRecorder(transformer)  # before the plan's hooks: sees the split inputs
         mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("ring", "ulysses"))
         cpc = _ContextParallelConfig(ulysses_degree=world, ring_degree=1)
@@ -59,12 +77,17 @@ def _rank(rank, world, port, transformer, args, kwargs, plan, queue) -> None:
                 transformer.set_attention_backend("native")
             except Exception:  # noqa: BLE001 - models without diffusers attention
                 pass
+        limit_cp_to(transformer, scope, route)  # attention outside the split lists stays local
         with torch.no_grad():
             out = _output(transformer(*args, **kwargs))
         queue.put((rank, "ok", recorder.to_dict(), out.detach().float().numpy().copy() if rank == 0 else None))
+        reported = True
+        dist.barrier()  # no rank tears the group down while a peer still talks to it
         dist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
-        queue.put((rank, "error", f"{type(exc).__name__}: {exc}", traceback.format_exc()[-2000:]))
+        if not reported:
+            queue.put((rank, "error", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} "
+                                      f"({_where(exc)})", traceback.format_exc()[-2000:]))
 
 
 def execute_cp_plan(transformer, args, kwargs, plan: dict, expected: dict, degree: int = 2,
@@ -77,9 +100,11 @@ def execute_cp_plan(transformer, args, kwargs, plan: dict, expected: dict, degre
             reference = _output(transformer(*args, **kwargs)).detach().float().clone()
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, degree, port, transformer, args, kwargs, plan, queue), daemon=True)
-             for r in range(degree)]
+    folder = tempfile.mkdtemp(prefix="ditbook-cp-")
+    init_file = os.path.join(folder, "rendezvous")
+    scope = list(expected)  # CP attention only inside the lists whose tokens are split
+    procs = [ctx.Process(target=_rank, args=(r, degree, init_file, transformer, args, kwargs, plan, queue, scope),
+                         daemon=True) for r in range(degree)]
     for p in procs:
         p.start()
     got = {}
@@ -97,9 +122,13 @@ def execute_cp_plan(transformer, args, kwargs, plan: dict, expected: dict, degre
             if p.is_alive():
                 p.kill()
                 p.join()
-    # the cause first: a rank's own error before a peer's lost connection
+        shutil.rmtree(folder, ignore_errors=True)
+    # the cause first: a rank's own error before a peer's lost connection; a rank that died
+    # without a word is named with its exit code
     errors = sorted((f"rank {r}: {a}" for r, (s, a, _) in got.items() if s == "error"),
-                    key=lambda e: ("Connection" in e or "pair.cc" in e, e))
+                    key=lambda e: (_LOST_PEER.search(e) is not None, e))
+    errors += [f"rank {r} ended with exit code {p.exitcode} without a report" for r, p in enumerate(procs)
+               if r not in got and p.exitcode not in (0, None)]
     if errors or len(got) < degree:
         return {"outcome": "crash", "reason": "; ".join(errors) or f"a rank did not finish within {timeout:.0f}s",
                 "seq_lens": None}
@@ -158,8 +187,10 @@ def _coverage_cp(transformer, args, kwargs, degree: int = 2, plan: dict | None =
     source=plan source)``. ``plan`` overrides the plan (its sites are still checked)."""
     from .cp_plan import (PlanDerivationError, RegisteredPlanError, find_streams, check_plan_sites,
                           resolve_cp_plan, trace_forward)
+    from .cp_dryrun import verify_before_launch
     from .cp_plan import expected_lengths
 
+    filled = fill_zero_parameters(transformer)  # this is the forked driver's copy
     try:
         with torch.no_grad():  # before any planner touches the model
             reference = _output(transformer(*args, **kwargs)).detach().float().clone()
@@ -168,7 +199,8 @@ def _coverage_cp(transformer, args, kwargs, degree: int = 2, plan: dict | None =
                 "seq_lens": None, "source": None}
     try:
         if plan is None:
-            cp = resolve_cp_plan(transformer, capture=lambda: (args, kwargs), degree=degree)
+            cp = resolve_cp_plan(transformer, capture=lambda: (args, kwargs), degree=degree,
+                                 check=verify_before_launch)
             plan, source, expected = cp.plan, cp.source, cp.facts["sharding_expected"]
         else:
             tr = trace_forward(transformer, args, kwargs)
@@ -181,4 +213,20 @@ def _coverage_cp(transformer, args, kwargs, degree: int = 2, plan: dict | None =
         return {"outcome": "crash", "reason": f"{type(exc).__name__}: {exc}", "seq_lens": None, "source": None}
     result = execute_cp_plan(transformer, args, kwargs, plan, expected, degree, timeout, reference)
     result["source"] = source
+    result["filled_zero_parameters"] = len(filled)
     return result
+
+
+def fill_zero_parameters(transformer, scale: float = 0.1) -> list[str]:
+    """Give every all-zero parameter small random values (seeded). A tiny random instance keeps
+    its zero-initialised gates (adaLN-zero tables, zero output projections): its blocks then add
+    nothing to the output, and the one-process/CP parity cannot fail whatever the plan does to
+    them. Returns the names filled."""
+    g = torch.Generator().manual_seed(0)
+    filled = []
+    with torch.no_grad():
+        for name, p in transformer.named_parameters():
+            if p.numel() and p.is_floating_point() and not p.any():
+                p.copy_((torch.randn(p.shape, generator=g) * scale).to(p))
+                filled.append(name)
+    return filled

@@ -12,26 +12,40 @@ Derivation, in named steps (no model names anywhere):
 
 1. ``trace_forward``: one forward call, recording in call order every module outside the block
    lists (shapes of what it takes and returns) and every block call of every block list (a
-   ``nn.ModuleList`` whose elements the forward calls, not inside a block of another list).
+   ``nn.ModuleList`` whose elements the forward calls, not inside a block of another list),
+   the integer arguments of each list's first block, and which modules took the transformer's
+   own inputs; then a second forward with the image input perturbed tells which lists *see
+   the image* (their first block's input changes).
 2. ``find_streams``: what enters the first block of each list — image tokens ``[B, S_img, D]``
    (the input named like the image, else the first not named like text), text tokens
    ``[B, S_txt, W]``, positional tables (tensors or tuples of tensors with an axis of length
-   ``S_img``), masks. The *main* lists are those whose image stream is the longest; a list that
-   only ever sees the text (a token refiner) stays whole.
+   ``S_img``), masks. The *main* lists (where the tokens are split) are the lists that see the
+   image — a later list may take text and image concatenated; a list that never sees it (a text
+   token refiner, a guidance MLP stack over a fixed table) stays whole on every rank, and so
+   does its attention (``cp_scope``). Without the probe: the lists with the longest image stream.
 3. split sites, all before the first block of the first main list: each stream is split at the
    module that produced exactly that tensor (called once, before the blocks; ``split_output``),
-   else at the first block's input. Joint attention (the blocks update the text): the text is
+   else at the first block's input (or, ``at_input``, at the transformer's own ``[B, S, C]``
+   input it is made from: tried when the first variant fails the checks of step 6, e.g. the
+   forward cuts the text off by the length of its text input). Joint attention (the blocks update the text): the text is
    split with the image, so each rank holds a matching slice of the joint sequence; cross
    attention: the text stays whole on every rank. Positional tables are split on their
    image-length axis, at their producer or at every block of every main list (``<list>.*``); a
-   table whose axis covers text and image together is refused (a rank holds
-   [text shard, image shard], which one split of a joint table cannot match).
+   table whose axis covers text and image together cannot be split in one piece (a rank holds
+   [text shard, image shard]): the transformer's separate text and image position inputs are
+   split instead (each rank then builds the table of its own tokens), or it is refused.
 4. gather: the first module called after the last block of the last main list that takes and
    returns ``[B, S_img, ...]`` (the final norm, typically), gathered on dim 1; everything after
    it runs on the whole sequence.
 5. ``check_plan_sites``: every split site of a plan — derived, registered or read from a file —
    is a block or runs before the first block; a split at a module after the blocks, or a plan
    that splits nothing, raises ``PlanSiteError``.
+6. before any launch (``resolve_cp_plan``, ``parallel.cp_dryrun``): blocks that reshape the
+   tokens into the full grid are refused; a one-process dry run of the plan shows what every
+   main list's blocks would receive, and every input with a full-length token axis must be
+   split with the tokens, and the output must come back whole — or the plan is refused with
+   the argument, the axis and the split named (a registered plan that fails is noted and a
+   derived one tried).
 """
 
 from __future__ import annotations
@@ -55,6 +69,13 @@ _MASK_NAMES = re.compile(r"mask")
 
 class PlanDerivationError(RuntimeError):
     """The traced forward does not show where to split or gather; the message says what is missing."""
+
+
+class PlanCheckError(PlanDerivationError):
+    """A plan that would crash or compute the wrong thing on the ranks, found before launch
+    (``parallel.cp_dryrun``). ``final``: no other plan can help (the model itself is the reason)."""
+
+    final = False
 
 
 class PlanSiteError(PlanDerivationError):
@@ -185,6 +206,8 @@ class ListTrace:
     keywords: list[str]
     input_ids: dict[str, list[int]]  # parameter -> id() of each tensor
     sequences: set[str] = field(default_factory=set)  # parameters given as a tuple/list of tensors
+    scalars: dict[str, int] = field(default_factory=dict)  # integer arguments (grid sizes, ...)
+    sees_image: bool | None = None  # its input changes with the transformer's image input (None: not probed)
 
 
 @dataclass
@@ -193,6 +216,11 @@ class ForwardTrace:
     lists: dict[str, ListTrace]  # the block lists the forward calls, in call order
     producers: dict[int, tuple[str, int]]  # id(tensor) -> (module, output index), before the blocks
     call_counts: dict[str, int]
+    roots: dict[str, list[list[int]]] = field(default_factory=dict)  # the transformer's tensor inputs: shapes
+    root_ids: dict[str, list[int]] = field(default_factory=dict)
+    image_root: str | None = None  # which of them is the image (perturbed to find the lists that see it)
+    consumers: dict[int, list[str]] = field(default_factory=dict)  # id(root input) -> modules that took it
+    output_shape: list[int] | None = None  # of the transformer's main output
 
     def first_call(self, name: str) -> int | None:
         return next((c.order for c in self.calls if c.name == name), None)
@@ -218,6 +246,9 @@ def trace_forward(transformer, args, kwargs) -> ForwardTrace:
         counter["n"] += 1
         return counter["n"]
 
+    root_named = {k: v for k, v in bind_inputs(transformer, args, kwargs).items() if _tensors(v)}
+    root_set = {id(t) for v in root_named.values() for t in _tensors(v)}
+    consumers: dict[int, list[str]] = {}
     element_of = {}
     for lname in lists:
         for i, blk in enumerate(transformer.get_submodule(lname)):
@@ -233,7 +264,8 @@ def trace_forward(transformer, args, kwargs) -> ForwardTrace:
                 if _l not in firsts:
                     named = bind_inputs(m, a, kw)
                     firsts[_l] = {"order": order, "named": {k: v for k, v in named.items() if _tensors(v) is not None},
-                                  "keywords": list(kw)}
+                                  "keywords": list(kw), "print": _fingerprint(named),
+                                  "scalars": _int_arguments(named)}
 
             def bpost(m, a, kw, out, _l=lname):
                 lasts[_l] = tick()
@@ -248,6 +280,10 @@ def trace_forward(transformer, args, kwargs) -> ForwardTrace:
             ins = []
             for v in list(a) + list(kw.values()):
                 ins += [list(t.shape) for t in (_tensors(v) or [])]
+                if True:  # root inputs stay alive: their ids are unique for the whole call
+                    for t in _tensors(v) or []:
+                        if id(t) in root_set:
+                            consumers.setdefault(id(t), []).append(_n)
             calls.append(ModuleCall(_n, tick(), ins, None))
             m.__dict__.setdefault("_ditbook_trace_calls", []).append(calls[-1])
 
@@ -262,12 +298,14 @@ def trace_forward(transformer, args, kwargs) -> ForwardTrace:
         handles.append(mod.register_forward_hook(post))
     try:
         with torch.no_grad():
-            transformer(*args, **kwargs)
+            output = _main_output(transformer(*args, **kwargs))
     finally:
         for h in handles:
             h.remove()
         for m in transformer.modules():
             m.__dict__.pop("_ditbook_trace_calls", None)
+    image_root = _image_root(transformer, root_named)
+    sees = _lists_that_see(transformer, args, kwargs, image_root, {n: f["print"] for n, f in firsts.items()})
     called = [n for n in lists if n in firsts]
     # a list inside a block of another called list belongs to that block
     called = [n for n in called if not any(n != o and n.startswith(o + ".") for o in called)]
@@ -278,10 +316,98 @@ def trace_forward(transformer, args, kwargs) -> ForwardTrace:
         traced[n] = ListTrace(n, len(transformer.get_submodule(n)), f["order"], lasts[n],
                               {k: _shapes(v) for k, v in named.items()}, f.get("outputs", []), f["keywords"],
                               {k: [id(t) for t in _tensors(v)] for k, v in named.items()},
-                              {k for k, v in named.items() if isinstance(v, (tuple, list))})
+                              {k for k, v in named.items() if isinstance(v, (tuple, list))},
+                              f["scalars"], sees.get(n) if sees is not None else None)
     keep.clear()
     return ForwardTrace([c for c in calls if not _inside(c.name, called)], traced, producers,
-                        {k: v for k, v in counts.items() if not _inside(k, called)})
+                        {k: v for k, v in counts.items() if not _inside(k, called)},
+                        {k: _shapes(v) for k, v in root_named.items()},
+                        {k: [id(t) for t in _tensors(v)] for k, v in root_named.items()}, image_root,
+                        {i: names for i, names in consumers.items()},
+                        list(output.shape) if output is not None else None)
+
+
+def _main_output(out) -> torch.Tensor | None:
+    """The transformer's main output: the tensor, or the first tensor of a tuple or ModelOutput."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if hasattr(out, "to_tuple"):
+        out = out.to_tuple()
+    if isinstance(out, (tuple, list)):
+        return next((o for o in out if isinstance(o, torch.Tensor)), None)
+    return None
+
+
+def _int_arguments(named: dict) -> dict[str, int]:
+    """A call's integer arguments; those in a tuple/list of ints as ``name[i]``."""
+    out = {}
+    for k, v in named.items():
+        if isinstance(v, int) and not isinstance(v, bool):
+            out[k] = v
+        elif isinstance(v, (tuple, list)) and v and all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+            out.update({f"{k}[{i}]": x for i, x in enumerate(v)})
+    return out
+
+
+def _fingerprint(named: dict) -> dict[str, tuple]:
+    """Per tensor argument: (sum, sum of abs) in float64, to tell whether an input changed."""
+    out = {}
+    for k, v in named.items():
+        ts = _tensors(v)
+        if ts:
+            out[k] = tuple((float(t.double().sum()), float(t.double().abs().sum())) for t in ts
+                           if t.is_floating_point())
+    return out
+
+
+def _image_root(transformer, root_named: dict) -> str | None:
+    """The transformer's image input: the floating tensor input named like the image (or
+    ``sample``), else its first floating tensor input."""
+    floats = [k for k, v in root_named.items() if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    return next((k for k in floats if _IMAGE_NAMES.match(k) or k == "sample"), floats[0] if floats else None)
+
+
+def _lists_that_see(transformer, args, kwargs, image_root: str | None, prints: dict) -> dict[str, bool] | None:
+    """Which block lists' first block input changes when the image input changes (one more
+    forward with the image input perturbed): a list that does not see the image (a text token
+    refiner, a guidance MLP stack over a fixed-length table) is not where the tokens are split."""
+    if image_root is None:
+        return None
+    params = list(bind_inputs(transformer, args, kwargs))
+    args = list(args)
+    if image_root in kwargs:
+        base = kwargs[image_root]
+    else:
+        base = args[params.index(image_root)]
+    g = torch.Generator().manual_seed(1234)
+    moved = base + (base.float().std().clamp_min(1.0) * torch.randn(base.shape, generator=g)).to(base)
+    kw = dict(kwargs)
+    if image_root in kw:
+        kw[image_root] = moved
+    else:
+        args[params.index(image_root)] = moved
+    seen: dict[str, dict] = {}
+    handles = []
+    lists = block_lists(transformer)
+    for lname in lists:
+        first = transformer.get_submodule(lname)[0]
+
+        def bpre(m, a, k, _l=lname):
+            if _l not in seen:
+                seen[_l] = _fingerprint(bind_inputs(m, a, k))
+        handles.append(first.register_forward_pre_hook(bpre, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            transformer(*args, **kw)
+    except Exception:  # noqa: BLE001 - a model that cannot take the moved input: unknown
+        return None
+    finally:
+        for h in handles:
+            h.remove()
+
+    def differs(a: tuple, b: tuple) -> bool:
+        return any(abs(x - y) > 1e-6 * max(1.0, abs(x), abs(y)) for p, q in zip(a, b) for x, y in zip(p, q))
+    return {n: any(differs(p, seen.get(n, {}).get(k, p)) for k, p in prints[n].items()) for n in prints}
 
 
 @dataclass
@@ -324,8 +450,14 @@ def find_streams(tr: ForwardTrace, attention_kind: str | None = None) -> Streams
     if not lengths:
         desc = {n: lt.inputs for n, lt in tr.lists.items()}
         raise PlanDerivationError(f"no block list takes [batch, sequence, width] image tokens: {desc}")
-    s_main = max(lengths.values())
-    main = [n for n in tr.lists if lengths.get(n) == s_main]
+    seeing = [n for n in tr.lists if n in lengths and tr.lists[n].sees_image]
+    if seeing:
+        # every list whose input follows the image tokens: their blocks must all get a shard (a
+        # list may see text and image concatenated, longer than the first one's image stream)
+        main = seeing
+    else:  # not probed (or nothing changed): the lists with the longest image stream
+        s_main = max(lengths.values())
+        main = [n for n in tr.lists if lengths.get(n) == s_main]
     first = tr.lists[main[0]]
     img = images[main[0]]
     three = _token_inputs(first)
@@ -366,10 +498,56 @@ def _producer(tr: ForwardTrace, ids: list[int], before: int) -> tuple[str, list[
     return name, [s[1] for s in sites]
 
 
+def _position_inputs(tr: ForwardTrace, st: Streams, first: ListTrace, before: int) -> dict[str, tuple[int, int]] | None:
+    """The transformer's own inputs that hold image positions (an axis of ``S_img``) and text
+    positions (an axis of ``S_txt``) and are not the token streams (not the image input, not
+    what the token streams' producers take, not passed to the blocks as a stream):
+    {input: (axis, dims)}, or None unless both kinds are there."""
+    stream_ids = set(first.input_ids.get(st.image, [])) | set(first.input_ids.get(st.text, []) if st.text else [])
+    # modules that make a token stream (their output has a stream's shape): their inputs are streams
+    shapes_of = [st.image_shape] + ([st.text_shape] if st.text_shape else [])
+    producers = {c.name for c in tr.calls if c.order < before and c.outputs and any(o in shapes_of for o in c.outputs)}
+    found: dict[str, tuple[int, int]] = {}
+    kinds = set()
+    for name, shapes in tr.roots.items():
+        ids = tr.root_ids.get(name, [])
+        if name == tr.image_root or len(shapes) != 1 or any(i in stream_ids for i in ids) \
+                or any(set(tr.consumers.get(i, [])) & producers for i in ids):
+            continue
+        s = shapes[0]
+        for axis, n in enumerate(s[:-1]):
+            if n == st.s_img and n != st.s_txt:
+                found[name], kind = (axis, len(s)), "image"
+            elif n == st.s_txt and n != st.s_img:
+                found[name], kind = (axis, len(s)), "text"
+            else:
+                continue
+            kinds.add(kind)
+            break
+    return found if kinds == {"image", "text"} else None
+
+
+def _stream_root(tr: ForwardTrace, first: ListTrace, param: str, before: int) -> str | None:
+    """The transformer input ``[B, S, C]`` that a token stream of the first block is made from
+    (passed as is, or taken by a module that returns the stream's shape before the blocks)."""
+    shape = first.inputs[param][0]
+    makers = {c.name for c in tr.calls if c.order < before and c.outputs and shape in c.outputs}
+    for name, shapes in tr.roots.items():
+        if len(shapes) != 1 or len(shapes[0]) != 3 or shapes[0][0] != shape[0] or shapes[0][1] != shape[1]:
+            continue
+        ids = tr.root_ids.get(name, [])
+        if any(i in first.input_ids[param] for i in ids) or any(set(tr.consumers.get(i, [])) & makers for i in ids):
+            return name
+    return None
+
+
 def derive_cp_plan(transformer, args, kwargs, attention_kind: str | None = None, degree: int | None = None,
-                   trace: ForwardTrace | None = None) -> CPPlan:
+                   trace: ForwardTrace | None = None, at_input: bool = False) -> CPPlan:
     """A CP plan for a transformer nobody has planned, from one traced forward call (steps 1-4
-    of the module docstring); checked by ``check_plan_sites`` (step 5) before it is returned."""
+    of the module docstring); checked by ``check_plan_sites`` (step 5) before it is returned.
+    ``at_input``: split the token streams at the transformer's own inputs where they are
+    ``[B, S, C]`` inputs (so that a token count the forward reads from them is the shard's), else
+    where they are made (the module that returns them, or the first block)."""
     tr = trace if trace is not None else trace_forward(transformer, args, kwargs)
     st = find_streams(tr, attention_kind)
     first = tr.lists[st.lists[0]]
@@ -382,7 +560,10 @@ def derive_cp_plan(transformer, args, kwargs, attention_kind: str | None = None,
         notes.append(f"block lists {st.left_whole} never see the image tokens: they run whole on every rank")
     if degree:
         if s_img % degree:
-            raise PlanDerivationError(f"{s_img} image tokens do not divide into {degree} equal shards")
+            layout = (f" (the blocks take '{st.image}' as {st.image_shape}: its dim 1, the token axis of a "
+                      f"[batch, sequence, width] input, has {s_img}; a sequence-first or per-frame layout is not "
+                      f"split by a derived plan)" if s_img < degree else "")
+            raise PlanDerivationError(f"{s_img} image tokens do not divide into {degree} equal shards{layout}")
         if st.joint and s_txt and s_txt % degree:
             raise PlanDerivationError(f"joint attention: {s_txt} text tokens do not divide into {degree} equal "
                                       f"shards, and the text must be split with the image")
@@ -390,6 +571,12 @@ def derive_cp_plan(transformer, args, kwargs, attention_kind: str | None = None,
 
     def split_stream(param: str, dim: int, what: str) -> None:
         ids, shapes = first.input_ids[param], first.inputs[param]
+        root = _stream_root(tr, first, param, before) if at_input else None
+        if root is not None:
+            plan.setdefault("", {})[root] = ContextParallelInput(split_dim=1, expected_dims=len(tr.roots[root][0]))
+            notes.append(f"split {what} at the transformer's input '{root}' (dim 1): what the forward reads from "
+                         f"that input (its token count) is then the shard's")
+            return
         prod = _producer(tr, ids, before)
         if prod is not None:
             entry = plan.setdefault(prod[0], {})
@@ -431,10 +618,30 @@ def derive_cp_plan(transformer, args, kwargs, attention_kind: str | None = None,
                     raise PlanDerivationError(f"mask '{param}' {s} of '{lname}' covers the image sequence; a "
                                               f"derived plan does not split masks over it")
                 continue
-            if s_txt and any(L == s_img + s_txt for s in shapes for L in s):
-                raise PlanDerivationError(
-                    f"positional table '{param}' {shapes} of '{lname}' covers text and image in one axis; a "
-                    f"derived plan cannot split it consistently — register a plan that splits the position ids")
+            if s_txt and len(shapes) == 1 and len(shapes[0]) == 3 and shapes[0][0] == st.image_shape[0] \
+                    and shapes[0][1] == s_img + s_txt and lname != first.name:
+                # text and image tokens concatenated by the model from the split streams: each rank
+                # holds [text shard, image shard] (what the dry run checks)
+                continue
+            if s_txt and any(L == s_img + s_txt for s in shapes for L in s[:-1]):
+                if not st.joint:
+                    raise PlanDerivationError(
+                        f"positional table '{param}' {shapes} of '{lname}' covers text and image in one axis, "
+                        f"and the text is kept whole: a derived plan cannot split it consistently")
+                pos = _position_inputs(tr, st, first, before)
+                if pos is None:
+                    raise PlanDerivationError(
+                        f"positional table '{param}' {shapes} of '{lname}' covers text and image in one axis; a "
+                        f"rank holds [text shard, image shard], which one split of the table cannot match, and "
+                        f"the transformer takes no separate text and image position inputs to split instead")
+                root = plan.setdefault("", {})
+                for name, (dim, nd) in pos.items():
+                    root[name] = ContextParallelInput(split_dim=dim, expected_dims=nd)
+                covered.update(ids)
+                notes.append(f"positional table '{param}' {shapes} covers text and image: split the position "
+                             f"inputs {', '.join(f'{k} (dim {d})' for k, (d, _) in pos.items())} of the transformer "
+                             f"instead, so each rank builds the table of its own [text shard, image shard]")
+                continue
             if len(shapes) == 1 and len(shapes[0]) == 3 and shapes[0][0] == st.image_shape[0] \
                     and shapes[0][1] == s_img:
                 # a second [B, S_img, .] stream (e.g. a skip input): split like the image
@@ -468,15 +675,23 @@ def derive_cp_plan(transformer, args, kwargs, attention_kind: str | None = None,
             site = c
             break
     if site is None:
-        raise PlanDerivationError("no module after the blocks takes and returns the image tokens; nowhere to "
-                                  "gather them")
-    if tr.call_counts.get(site.name) != 1:
-        raise PlanDerivationError(f"'{site.name}' (where the image tokens would be gathered) is called "
-                                  f"{tr.call_counts.get(site.name)} times per forward")
+        # the forward reshapes the tokens right after the blocks (no module takes them as tokens):
+        # gather at the output of the last block itself
+        last = tr.lists[st.lists[-1]]
+        if not any(len(o) >= 2 and o[1] == s_img for o in last.outputs):
+            raise PlanDerivationError("no module after the blocks takes and returns the image tokens, and the last "
+                                      "block does not return them; nowhere to gather them")
+        site = ModuleCall(f"{last.name}.{last.length - 1}", last.last_order, [], last.outputs)
+        where = "the last block (the forward reshapes the tokens right after it)"
+    else:
+        where = "the first module after the blocks"
+        if tr.call_counts.get(site.name) != 1:
+            raise PlanDerivationError(f"'{site.name}' (where the image tokens would be gathered) is called "
+                                      f"{tr.call_counts.get(site.name)} times per forward")
     outs = [ContextParallelOutput(gather_dim=1, expected_dims=len(s)) if len(s) >= 2 and s[1] == s_img else None
             for s in site.outputs]
     plan[site.name] = outs[0] if len(outs) == 1 else tuple(outs)
-    notes.append(f"gather image tokens at the output of '{site.name}' (dim 1), the first module after the blocks")
+    notes.append(f"gather image tokens at the output of '{site.name}' (dim 1), {where}")
     facts = {"image_seq_len": s_img, "text_seq_len": s_txt, "width": st.image_shape[2], "attention_kind": kind,
              "block_lists": st.lists, "block_list": st.lists[0], "keyword_called": first.keywords,
              "image_input": st.image, "text_input": st.text, "gather_site": site.name,
@@ -514,12 +729,17 @@ def check_plan_sites(plan: dict, tr: ForwardTrace, streams: Streams | None = Non
 
 
 def resolve_cp_plan(transformer, capture=None, attention_kind: str | None = None, degree: int = 2,
-                    plan_file: str | Path | None = None) -> CPPlan:
+                    plan_file: str | Path | None = None, check=None) -> CPPlan:
     """The plan of ``plan_file`` if given, else the registered plan when there is one (a failing
     planner is noted, never silently replaced), else a derived one. With ``capture()`` (giving
     the transformer call's (args, kwargs)) the plan is checked against a traced forward
     (``check_plan_sites``) and ``facts["sharding_expected"]`` says what each main block list must
-    receive (``parallel.sharding``)."""
+    receive (``parallel.sharding``). ``check(transformer, args, kwargs, plan, trace, streams,
+    degree) -> dict`` (``cp_dryrun.verify_before_launch``) judges the plan before any launch: a
+    registered plan that fails it is noted and a derived one tried; the derived plan splitting the
+    streams where they are made, then the one splitting them at the transformer's inputs; the
+    first that passes is the plan (``facts["prelaunch"]``: what the check saw), else the
+    ``PlanCheckError`` names why. A ``plan_file`` is run as given (only its sites are checked)."""
     notes = []
     # the unsplit trace first: some registered planners change the attention processors of the
     # model (cache-dit's patch a processor class to read a CP config the runtime sets later)
@@ -530,6 +750,7 @@ def resolve_cp_plan(transformer, capture=None, attention_kind: str | None = None
         traced = (args, kwargs, tr, find_streams(tr, attention_kind))
     if plan_file is not None:
         reg = load_plan_code(plan_file)
+        check = None  # the user's explicit plan: it runs, and the ranks' sharding check judges it
     else:
         try:
             reg = registered_cp_plan(transformer, degree)
@@ -540,15 +761,44 @@ def resolve_cp_plan(transformer, capture=None, attention_kind: str | None = None
             return reg
         raise PlanDerivationError(f"{type(transformer).__name__} has no registered CP plan and no call to trace")
     args, kwargs, tr, st = traced
-    if reg is None:
-        cp = derive_cp_plan(transformer, args, kwargs, attention_kind, degree, trace=tr)
-        cp.notes[:0] = notes
+    if reg is not None:
+        check_plan_sites(reg.plan, tr, st)
+        reg.facts.update({"block_lists": st.lists, "image_seq_len": st.s_img, "text_seq_len": st.s_txt,
+                          "image_input": st.image, "text_input": st.text,
+                          "sharding_expected": expected_lengths(tr, st)})
+        if check is None:
+            return reg
+        try:
+            reg.facts["prelaunch"] = check(transformer, args, kwargs, reg.plan, tr, st, degree)
+            return reg
+        except PlanCheckError as exc:
+            if exc.final:
+                raise
+            notes = [f"registered plan ({reg.source}) not used: {type(exc).__name__}: {exc}"]
+    failures: list[tuple[PlanCheckError, dict]] = []
+    for at_input in (False, True):
+        try:
+            cp = derive_cp_plan(transformer, args, kwargs, attention_kind, degree, trace=tr, at_input=at_input)
+        except PlanDerivationError as exc:
+            if notes:
+                raise type(exc)(f"{exc}; and {notes[0]}") from exc
+            raise
+        if failures and plan_to_jsonable(cp.plan) == failures[-1][1]:
+            break  # the same plan again: no stream is made from an input of the transformer
+        try:
+            if check is not None:
+                cp.facts["prelaunch"] = check(transformer, args, kwargs, cp.plan, tr, st, degree)
+        except PlanCheckError as exc:
+            if exc.final:
+                raise
+            failures.append((exc, plan_to_jsonable(cp.plan)))
+            continue
+        cp.notes[:0] = notes + [f"derived plan splitting where the streams are made not used: {type(e).__name__}: "
+                                f"{e}" for e, _ in failures]
         return cp
-    check_plan_sites(reg.plan, tr, st)
-    reg.facts.update({"block_lists": st.lists, "image_seq_len": st.s_img, "text_seq_len": st.s_txt,
-                      "image_input": st.image, "text_input": st.text,
-                      "sharding_expected": expected_lengths(tr, st)})
-    return reg
+    exc = failures[0][0]
+    reasons = "; the plan splitting at the transformer's inputs: ".join(f"{type(e).__name__}: {e}" for e, _ in failures)
+    raise type(exc)(f"derived plan: {reasons}" + (f"; and {notes[0]}" if notes else "")) from exc
 
 
 # ---------------------------------------------------------------------------------------------

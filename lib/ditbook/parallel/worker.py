@@ -89,6 +89,8 @@ def apply_plan(pipe, card, spec, *, cfg_style: str | None, cp_plan_file: str | N
     from .cache_sync import agree_cache_decisions, dbcache_config, split_at_cached_units
     from .cfg import apply_cfg_parallel, detect_cfg_style
     from .cp_plan import capture_transformer_call, resolve_cp_plan, write_plan_code
+    from .cp_dryrun import verify_before_launch
+    from .cp_scope import limit_cp_to
 
     info: dict = {"plan": spec.name}
     tr = pipe.transformer
@@ -121,7 +123,7 @@ def apply_plan(pipe, card, spec, *, cfg_style: str | None, cp_plan_file: str | N
         info["ring_modules"], ring_recorder = apply_own_ring(tr, cp.plan, spec)
     if spec.uses_cp and not own_ring(spec):
         cp = resolve_cp_plan(tr, capture=lambda: capture_transformer_call(pipe, card), attention_kind=attention_kind,
-                             degree=spec.cp, plan_file=cp_plan_file)
+                             degree=spec.cp, plan_file=cp_plan_file, check=verify_before_launch)
         info["cp_plan"] = cp.to_dict()
         if out_dir is not None and dist.get_rank() == 0:
             info["cp_plan_file"] = str(write_plan_code(cp, out_dir, card.name, type(tr).__name__))
@@ -165,6 +167,8 @@ def apply_plan(pipe, card, spec, *, cfg_style: str | None, cp_plan_file: str | N
                     tr.set_attention_backend("native")
                 except Exception:  # noqa: BLE001 - models without diffusers attention
                     pass
+        # attention outside the split block lists (a text refiner) stays local on every rank
+        info["cp_local_attention"] = limit_cp_to(tr, cp.facts.get("block_lists"), route)
         if spec.cache:
             info["cache_agreement"] = agree_cache_decisions(pipe)
     elif spec.cache:
