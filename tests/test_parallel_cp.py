@@ -243,3 +243,33 @@ def test_judge_fails_a_cfg_plan_whose_ranks_compute_both_branches(tmp_path):
     split = good.details["sharding"]["cfg_check"]["per_list"]["blocks"]
     assert all(0 < r < split["reference_rows"] for r in split["rows"]), split
     assert sum(rec["rows_per_rank"][0].values()) > 0
+
+
+def test_cfg_parallel_with_a_cache_makes_no_call_the_other_rank_does_not(tmp_path):
+    """cfg2+cache on a Wan pipeline (cache-dit's adapter, two transformer calls per step): rank 1
+    used to learn the output shape by one extra forward, which moved its cache one call ahead of
+    rank 0's, so cache-dit's world-wide all-reduce paired with the CFG exchange and the run hung
+    until the timeout. The placeholder now takes the input's shape; the run passes, verified."""
+    from ditbook import zoo
+    from ditbook.parallel import run_plans
+
+    card = zoo.build("wan", tmp_path)
+    ov = {"generation.prompts": ["a red circle"], "generation.seeds": [0], "runtime.device": "cpu",
+          "runtime.dtype": "float32", "generation.steps": 4}
+    (r,) = run_plans(card, ["cfg2+cache"], 2, tmp_path / "run", overrides=ov, timeout=90)[0]
+    assert r.passed, r.error
+    assert r.details["sharding"]["cfg_check"]["per_list"]
+
+
+def test_cfg_placeholder_from_the_input_is_checked_against_the_output():
+    """A rank that answers the other branch's first call with an input-shaped placeholder checks
+    it against its own output in the same step; an output shaped otherwise is a named error."""
+    from ditbook.parallel.cfg import CfgShapeError, CfgStats, _separate
+
+    stats = CfgStats(style="separate")
+    wrapper = _separate(stats, 1, None, None, shape_from_input=True)
+    x = torch.zeros(1, 4, 8)
+    out = wrapper(lambda **kw: (torch.zeros(1, 4, 8),), hidden_states=x, return_dict=False)
+    assert isinstance(out, tuple) and out[0].shape == x.shape and stats.computed == 0  # no extra forward
+    with pytest.raises(CfgShapeError, match="placeholder"):
+        wrapper(lambda **kw: (torch.zeros(1, 4, 16),), hidden_states=x, return_dict=False)

@@ -86,9 +86,36 @@ def _gather(local: torch.Tensor, group, size: int) -> list[torch.Tensor]:
     return out
 
 
-def _separate(stats: CfgStats, me: int, group, heartbeat):
-    """The wrapper for a pipeline that calls the transformer twice per step (cond, uncond)."""
-    state: dict = {"shapes": {}, "pending": None, "own0": None}
+class CfgShapeError(RuntimeError):
+    """Under CFG parallel with a cache, a rank answers the other branch's first call with a
+    placeholder shaped like the transformer's input; the transformer's output was shaped (or
+    wrapped) otherwise."""
+
+
+def _placeholder_like_input(args, kwargs):
+    """(placeholder output, its tensor): an empty tensor shaped like the image input, wrapped the
+    way the call asks (``return_dict=False``: a tuple; otherwise diffusers' output class)."""
+    t = kwargs.get("hidden_states")
+    if t is None:
+        t = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    ph = torch.empty_like(t)
+    if kwargs.get("return_dict", True) is False:
+        return (ph,), ph
+    from diffusers.models.modeling_outputs import Transformer2DModelOutput
+
+    return Transformer2DModelOutput(sample=ph), ph
+
+
+def _separate(stats: CfgStats, me: int, group, heartbeat, shape_from_input: bool = False):
+    """The wrapper for a pipeline that calls the transformer twice per step (cond, uncond).
+
+    A rank that does not compute a call returns a placeholder of the output's shape, learnt the
+    first time a new input shape comes: by one extra forward (default), or — with a cache,
+    ``shape_from_input`` — from the input's shape, checked against the rank's own output in the
+    same step. An extra forward would advance that rank's cache (its step count, and cache-dit's
+    world-wide all-reduce of the residual difference) one call ahead of the other rank's, and the
+    ranks' collectives would no longer pair (a hang)."""
+    state: dict = {"shapes": {}, "pending": None, "own0": None, "guessed": None}
 
     def separate(orig, *args, **kwargs):
         i = stats.calls
@@ -97,6 +124,14 @@ def _separate(stats: CfgStats, me: int, group, heartbeat):
             heartbeat()
         parity = i % 2
         key = _input_key(args, kwargs)
+        if parity == 0 and me != 0 and shape_from_input and key not in state["shapes"]:
+            template, ph = _placeholder_like_input(args, kwargs)
+            state["template"], state["guessed"] = template, (tuple(ph.shape), type(template))
+            stats.skipped += 1
+            state["own0"] = None
+            state["pending"] = ph
+            stats.notes.append(f"call {i + 1}: output shape taken from the input {tuple(ph.shape)}")
+            return template
         if parity == 0:
             if me == 0 or key not in state["shapes"]:
                 out = orig(*args, **kwargs)
@@ -121,6 +156,15 @@ def _separate(stats: CfgStats, me: int, group, heartbeat):
             stats.computed += 1
             state["template"] = out
             mine = _first_tensor(out)
+            if state["guessed"] is not None:
+                want = (tuple(mine.shape), type(out))
+                if want != state["guessed"]:
+                    raise CfgShapeError(
+                        f"CFG parallel with a cache: the transformer returned {type(out).__name__} {tuple(mine.shape)}, "
+                        f"but the placeholder for the other branch was {state['guessed'][1].__name__} "
+                        f"{state['guessed'][0]} (the input's shape); run this model's CFG parallel without the cache")
+                state["shapes"][key] = (tuple(mine.shape), mine.dtype, mine.device)
+                state["guessed"] = None
         else:
             out = None
             mine = state["own0"]
@@ -164,17 +208,20 @@ def _batched(stats: CfgStats, me: int, group, heartbeat):
     return batched
 
 
-def apply_cfg_parallel(transformer, style: str, group=None, heartbeat=None) -> CfgStats:
+def apply_cfg_parallel(transformer, style: str, group=None, heartbeat=None, cached: bool = False) -> CfgStats:
     """Wrap ``transformer.forward`` (this instance) for CFG parallel over ``group`` (2 ranks);
-    the returned stats' ``remove()`` undoes it."""
+    the returned stats' ``remove()`` undoes it. ``cached``: a cache runs inside the forward, so no
+    rank may make a call the other does not (see ``_separate``)."""
     if style not in ("separate", "batched"):
         raise ValueError(f"CFG parallel needs a 'separate' or 'batched' CFG style, got {style!r}")
     size = dist.get_world_size(group)
     if size != 2:
         raise ValueError(f"the CFG group must hold 2 ranks, it holds {size}")
     stats = CfgStats(style=style)
-    make = _separate if style == "separate" else _batched
-    stats.handle = wrap_method(transformer, WRAP, make(stats, dist.get_rank(group), group, heartbeat))
+    me = dist.get_rank(group)
+    wrapper = _separate(stats, me, group, heartbeat, shape_from_input=cached) if style == "separate" \
+        else _batched(stats, me, group, heartbeat)
+    stats.handle = wrap_method(transformer, WRAP, wrapper)
     return stats
 
 

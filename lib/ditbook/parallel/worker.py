@@ -190,7 +190,8 @@ def apply_plan(pipe, card, spec, *, cfg_style: str | None, cp_plan_file: str | N
         # inside the CFG wrapper: each rank replays its own branch's transformer call
         info["graphs"] = install_step_graphs(tr)
     if spec.cfg > 1:
-        info["cfg_stats"] = apply_cfg_parallel(tr, info["cfg_style"], group=cfg_group, heartbeat=heartbeat)
+        info["cfg_stats"] = apply_cfg_parallel(tr, info["cfg_style"], group=cfg_group, heartbeat=heartbeat,
+                                               cached=spec.cache)
     info["kinds"] = apply_kinds(pipe, card, spec)
     if ring_recorder is not None:
         info["kinds"]["ring"] = ring_recorder
