@@ -24,8 +24,8 @@ Derivation, in named steps (no model names anywhere):
    token refiner, a guidance MLP stack over a fixed table) stays whole on every rank, and so
    does its attention (``cp_scope``). Without the probe: the lists with the longest image stream.
 3. split sites (``_split_token_streams``, ``_split_block_inputs``), all before the first block
-   of the first main list: each stream is split at the module that produced exactly that tensor (called once, before the blocks; ``split_output``),
-   else at the first block's input (or, ``at_input``, at the transformer's own ``[B, S, C]``
+   of the first main list: each stream is split at the module that produced exactly that tensor
+   (called once, before the blocks; ``split_output``), else at the first block's input (or, ``at_input``, at the transformer's own ``[B, S, C]``
    input it is made from: tried when the first variant fails the checks of step 6, e.g. the
    forward cuts the text off by the length of its text input). Joint attention (the blocks update the text): the text is
    split with the image, so each rank holds a matching slice of the joint sequence; cross
@@ -35,8 +35,8 @@ Derivation, in named steps (no model names anywhere):
    [text shard, image shard]): the transformer's separate text and image position inputs are
    split instead (each rank then builds the table of its own tokens), or it is refused.
 4. gather (``_gather_site``): the first module called after the last block of the last main
-   list that takes and returns ``[B, S_img, ...]`` (the final norm, typically), gathered on dim 1; everything after
-   it runs on the whole sequence.
+   list that takes and returns ``[B, S_img, ...]`` (the final norm, typically), gathered on
+   dim 1; everything after it runs on the whole sequence.
 5. ``check_plan_sites``: every split site of a plan — derived, registered or read from a file —
    is a block or runs before the first block; a split at a module after the blocks, or a plan
    that splits nothing, raises ``PlanSiteError``.
