@@ -26,7 +26,8 @@ Derivation, in named steps (no model names anywhere):
 3. split sites (``_split_token_streams``, ``_split_block_inputs``), all before the first block
    of the first main list: each stream is split at the module that produced exactly that tensor
    (called once, before the blocks; ``split_output``), else at the first block's input (or,
-   ``at_input``, at the transformer's own ``[B, S, C]`` input it is made from: tried when the first variant fails the checks of step 6, e.g. the
+   ``at_input``, at the transformer's own ``[B, S, C]`` input it is made from: tried when the
+   first variant fails the checks of step 6, e.g. the
    forward cuts the text off by the length of its text input). Joint attention (the blocks update the text): the text is
    split with the image, so each rank holds a matching slice of the joint sequence; cross
    attention: the text stays whole on every rank. Positional tables are split on their
