@@ -27,8 +27,8 @@ Derivation, in named steps (no model names anywhere):
    of the first main list: each stream is split at the module that produced exactly that tensor
    (called once, before the blocks; ``split_output``), else at the first block's input (or,
    ``at_input``, at the transformer's own ``[B, S, C]`` input it is made from: tried when the
-   first variant fails the checks of step 6, e.g. the
-   forward cuts the text off by the length of its text input). Joint attention (the blocks update the text): the text is
+   first variant fails the checks of step 6, e.g. the forward cuts the text off by the length of
+   its text input). Joint attention (the blocks update the text): the text is
    split with the image, so each rank holds a matching slice of the joint sequence; cross
    attention: the text stays whole on every rank. Positional tables are split on their
    image-length axis, at their producer or at every block of every main list (``<list>.*``); a
