@@ -116,3 +116,53 @@ def test_rebinding_check_sees_a_rebinding():
                                 ("c.py", "ok = F.scaled_dot_product_attention == fn\n"
                                          "F.scaled_dot_product_attention(q, k, v)\n"
                                          "FF.scaled_dot_product_attention = 1\n")]) == ["a.py", "b.py"]
+
+
+# --- function length: over LONG_LINES lines only with a reason ---------------------------------
+
+LONG_LINES = 60
+LONG_MARK = "# long:"
+
+
+def long_functions_without_reason(source: str, limit: int = LONG_LINES) -> list[tuple[str, int, int]]:
+    """(name, first line, length) of each function longer than ``limit`` lines whose body does
+    not carry a ``# long: <reason>`` comment line and whose ``def`` is not directly preceded by
+    one."""
+    lines = source.splitlines()
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        n = node.end_lineno - node.lineno + 1
+        if n <= limit:
+            continue
+        first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+        above = lines[first - 2].strip() if first >= 2 else ""
+        body = lines[node.lineno - 1:node.end_lineno]
+        reasoned = above.startswith(LONG_MARK) and len(above) > len(LONG_MARK) + 8
+        reasoned = reasoned or any(ln.strip().startswith(LONG_MARK) and len(ln.strip()) > len(LONG_MARK) + 8
+                                   for ln in body)
+        if not reasoned:
+            out.append((node.name, node.lineno, n))
+    return out
+
+
+def test_no_long_function_without_a_reason():
+    offenders = []
+    for path in sorted((LIB / "ditbook").rglob("*.py")):
+        for name, line, n in long_functions_without_reason(path.read_text()):
+            offenders.append(f"{path.relative_to(ROOT)}:{line} {name} ({n} lines)")
+    assert not offenders, ("functions over %d lines need splitting or a '# long: <reason>' comment:\n  "
+                           % LONG_LINES) + "\n  ".join(offenders)
+
+
+def test_length_check_sees_a_long_function_and_accepts_a_reason():
+    body = "\n".join(f"    x{i} = {i}" for i in range(70))
+    bare = f"def f():\n{body}\n"
+    assert [(n, ln) for n, ln, _ in long_functions_without_reason(bare)] == [("f", 1)]
+    reasoned = f"def f():\n    # long: one straight sequence of steps, read top to bottom\n{body}\n"
+    assert long_functions_without_reason(reasoned) == []
+    above = f"# long: a template of the generated file\ndef f():\n{body}\n"
+    assert long_functions_without_reason(above) == []
+    empty_reason = f"def f():\n    # long:\n{body}\n"
+    assert len(long_functions_without_reason(empty_reason)) == 1

@@ -288,6 +288,113 @@ def _time_calls(call: Callable[[], Any], clock: Clock, n: int) -> list[float]:
     return out
 
 
+def _empty_table(transformer, report, seq_len: int | None, min_psnr: float, min_kernel_psnr: float,
+                 confirm_tolerance: float) -> BackendTable:
+    """The table before any measurement: device, dtype, head shapes, applicability, the backend in
+    effect and the sequence length the kernels are compared at."""
+    p = next(transformer.parameters())
+    device, dtype = p.device, p.dtype
+    ok, why = applicability(transformer)
+    try:
+        heads, kv_heads, head_dim = model_heads(transformer, report)
+    except ValueError:
+        if ok:
+            raise
+        heads = kv_heads = head_dim = 0  # not applicable: nothing is measured at these shapes
+    if seq_len is None and report is not None and report.attention.image_seq_len:
+        seq_len = report.attention.image_seq_len + (report.attention.text_seq_len or 0)
+    seq_len = int(seq_len or 256)
+    return BackendTable(str(device), str(dtype).replace("torch.", ""), heads, kv_heads, head_dim, ok, why,
+                        _backend_in_effect(transformer), min_psnr, min_kernel_psnr, seq_len,
+                        confirm_tolerance=confirm_tolerance)
+
+
+def _backends_to_try(table: BackendTable, backends: list[str] | None, reg) -> list[str]:
+    """The backends to measure, the default one first."""
+    todo = [b.value if hasattr(b, "value") else str(b) for b in (backends or reg.list_backends())]
+    if table.default not in todo:
+        todo.insert(0, table.default)
+    else:
+        todo.remove(table.default)
+        todo.insert(0, table.default)
+    return todo
+
+
+def _judge_agreement(row: BackendRow, kagree, agree, min_kernel_psnr: float, min_psnr: float) -> None:
+    """Reject a backend whose attention output or transformer output differs from the default's."""
+    if not kagree.passes(min_kernel_psnr):
+        row.status = "rejected"
+        row.reason = (f"attention output differs from the default backend's on the same inputs: "
+                      f"PSNR {kagree.psnr} dB < {min_kernel_psnr} dB" if kagree.finite
+                      else "attention output holds NaN/Inf")
+    elif not agree.passes(min_psnr):
+        row.status = "rejected"
+        row.reason = (f"transformer output differs from the default backend's: PSNR {agree.psnr} dB "
+                      f"< {min_psnr} dB" if agree.finite else "transformer output holds NaN/Inf")
+
+
+def _measure_backend(transformer, row: BackendRow, call: Callable[[], Any], qkv, kernel_ref, ref, clock: Clock, *,
+                     allow_hub: bool, warmup: int, repeats: int, min_psnr: float, min_kernel_psnr: float) -> bool:
+    """Fill ``row`` for its backend: unavailable, an error, rejected, or correct with its times.
+    True when the backend is correct (a candidate for the pick)."""
+    name = row.name
+    q, k, v = qkv
+    problem = backend_problem(name, q, k, v, allow_hub=allow_hub)
+    if problem:
+        row.reason = problem
+        return False
+    try:
+        undo = apply_backend(transformer, name)
+    except Exception as exc:  # noqa: BLE001
+        row.status, row.reason = "error", f"set_attention_backend: {type(exc).__name__}: {exc}"
+        return False
+    correct = False
+    try:
+        kagree = output_agreement(kernel_output(name, q, k, v), kernel_ref)
+        row.kernel_psnr, row.kernel_rel_err = kagree.psnr, kagree.rel_err
+        out = _first_tensor(call())
+        agree = output_agreement(out, ref)
+        row.psnr, row.max_abs, row.rel_err = agree.psnr, agree.max_abs, agree.rel_err
+        _judge_agreement(row, kagree, agree, min_kernel_psnr, min_psnr)
+        for _ in range(max(warmup - 1, 0)):
+            call()
+        ts = _time_calls(call, clock, repeats)
+        row.median_s, row.min_s, row.max_s = statistics.median(ts), min(ts), max(ts)
+        if row.status != "rejected":
+            row.status = "correct"
+            correct = True
+    except Exception as exc:  # noqa: BLE001 - a backend that raises is a finding
+        row.status, row.reason = "error", f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+    finally:
+        undo()
+    return correct
+
+
+def _confirm_pick(transformer, table: BackendTable, runnable: list[str], call: Callable[[], Any], clock: Clock,
+                  rounds: int, confirm_tolerance: float) -> None:
+    """An independent, interleaved confirmation round: is the pick still the fastest?"""
+    times: dict[str, list[float]] = {n: [] for n in runnable}
+    undos = {}
+    for _ in range(rounds):
+        for name in runnable:
+            undos[name] = apply_backend(transformer, name)
+            try:
+                call()  # settle after the switch
+                times[name] += _time_calls(call, clock, 1)
+            finally:
+                undos[name]()
+    for name in runnable:
+        table.row(name).confirm_median_s = statistics.median(times[name])
+    conf = {n: table.row(n).confirm_median_s for n in runnable}
+    table.fastest_confirmed = min(conf, key=conf.get)
+    fastest = conf[table.fastest_confirmed]
+    table.pick_over_fastest = round(conf[table.pick] / fastest, 4) if fastest > 0 else 1.0
+    if table.default in conf:
+        table.speedup_vs_default = round(conf[table.default] / conf[table.pick], 4) if conf[table.pick] > 0 \
+            else None
+    table.confirmed = table.pick_over_fastest <= 1.0 + confirm_tolerance
+
+
 def measure_backends(transformer, call: Callable[[], Any], *, report=None, backends: list[str] | None = None,
                      warmup: int = 2, repeats: int = 5, confirm_repeats: int | None = None,
                      min_psnr: float = DEFAULT_OUTPUT_PSNR, min_kernel_psnr: float = DEFAULT_KERNEL_PSNR,
@@ -301,33 +408,17 @@ def measure_backends(transformer, call: Callable[[], Any], *, report=None, backe
     confirmation round finds it within ``confirm_tolerance`` of the fastest correct backend;
     otherwise the timings disagree (a noisy device) and :mod:`ditbook.benchmark.variants` applies
     nothing, naming the reason."""
+    table = _empty_table(transformer, report, seq_len, min_psnr, min_kernel_psnr, confirm_tolerance)
+    if not table.applicable:
+        log(f"attention backends: {table.reason}")
+        return table
     p = next(transformer.parameters())
     device, dtype = p.device, p.dtype
-    ok, why = applicability(transformer)
-    try:
-        heads, kv_heads, head_dim = model_heads(transformer, report)
-    except ValueError:
-        if ok:
-            raise
-        heads = kv_heads = head_dim = 0  # not applicable: nothing is measured at these shapes
-    if seq_len is None and report is not None and report.attention.image_seq_len:
-        seq_len = report.attention.image_seq_len + (report.attention.text_seq_len or 0)
-    seq_len = int(seq_len or 256)
-    table = BackendTable(str(device), str(dtype).replace("torch.", ""), heads, kv_heads, head_dim, ok, why,
-                         _backend_in_effect(transformer), min_psnr, min_kernel_psnr, seq_len,
-                         confirm_tolerance=confirm_tolerance)
-    if not ok:
-        log(f"attention backends: {why}")
-        return table
+    heads, kv_heads, head_dim, seq_len = table.heads, table.kv_heads, table.head_dim, table.kernel_seq_len
     clock = clock or Clock(device.type == "cuda")
     names, reg = _registry()
     q, k, v = sample_qkv(heads, kv_heads, head_dim, device, dtype, seq_len)
-    todo = [b.value if hasattr(b, "value") else str(b) for b in (backends or reg.list_backends())]
-    if table.default not in todo:
-        todo.insert(0, table.default)
-    else:
-        todo.remove(table.default)
-        todo.insert(0, table.default)
+    todo = _backends_to_try(table, backends, reg)
 
     with torch.inference_mode():
         ref = _first_tensor(call()).clone()
@@ -338,68 +429,16 @@ def measure_backends(transformer, call: Callable[[], Any], *, report=None, backe
         for name in todo:
             row = BackendRow(name, "unavailable")
             table.rows.append(row)
-            problem = backend_problem(name, q, k, v, allow_hub=allow_hub)
-            if problem:
-                row.reason = problem
-                continue
-            try:
-                undo = apply_backend(transformer, name)
-            except Exception as exc:  # noqa: BLE001
-                row.status, row.reason = "error", f"set_attention_backend: {type(exc).__name__}: {exc}"
-                continue
-            try:
-                kagree = output_agreement(kernel_output(name, q, k, v), kernel_ref)
-                row.kernel_psnr, row.kernel_rel_err = kagree.psnr, kagree.rel_err
-                out = _first_tensor(call())
-                agree = output_agreement(out, ref)
-                row.psnr, row.max_abs, row.rel_err = agree.psnr, agree.max_abs, agree.rel_err
-                if not kagree.passes(min_kernel_psnr):
-                    row.status = "rejected"
-                    row.reason = (f"attention output differs from the default backend's on the same inputs: "
-                                  f"PSNR {kagree.psnr} dB < {min_kernel_psnr} dB" if kagree.finite
-                                  else "attention output holds NaN/Inf")
-                elif not agree.passes(min_psnr):
-                    row.status = "rejected"
-                    row.reason = (f"transformer output differs from the default backend's: PSNR {agree.psnr} dB "
-                                  f"< {min_psnr} dB" if agree.finite else "transformer output holds NaN/Inf")
-                for _ in range(max(warmup - 1, 0)):
-                    call()
-                ts = _time_calls(call, clock, repeats)
-                row.median_s, row.min_s, row.max_s = statistics.median(ts), min(ts), max(ts)
-                if row.status != "rejected":
-                    row.status = "correct"
-                    runnable.append(name)
-            except Exception as exc:  # noqa: BLE001 - a backend that raises is a finding
-                row.status, row.reason = "error", f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
-            finally:
-                undo()
+            if _measure_backend(transformer, row, call, (q, k, v), kernel_ref, ref, clock, allow_hub=allow_hub,
+                                warmup=warmup, repeats=repeats, min_psnr=min_psnr, min_kernel_psnr=min_kernel_psnr):
+                runnable.append(name)
             log(f"  {name:24s} {row.status:10s} "
                 f"{'' if row.median_s is None else f'{row.median_s * 1e3:9.3f} ms'} {row.reason}")
         if runnable:
             table.pick = min(runnable, key=lambda n: table.row(n).median_s)
             log(f"attention backends: selection picks {table.pick}; confirming")
-            # an independent, interleaved confirmation round: is the pick still the fastest?
             rounds = confirm_repeats if confirm_repeats is not None else repeats
-            times: dict[str, list[float]] = {n: [] for n in runnable}
-            undos = {}
-            for _ in range(rounds):
-                for name in runnable:
-                    undos[name] = apply_backend(transformer, name)
-                    try:
-                        call()  # settle after the switch
-                        times[name] += _time_calls(call, clock, 1)
-                    finally:
-                        undos[name]()
-            for name in runnable:
-                table.row(name).confirm_median_s = statistics.median(times[name])
-            conf = {n: table.row(n).confirm_median_s for n in runnable}
-            table.fastest_confirmed = min(conf, key=conf.get)
-            fastest = conf[table.fastest_confirmed]
-            table.pick_over_fastest = round(conf[table.pick] / fastest, 4) if fastest > 0 else 1.0
-            if table.default in conf:
-                table.speedup_vs_default = round(conf[table.default] / conf[table.pick], 4) if conf[table.pick] > 0 \
-                    else None
-            table.confirmed = table.pick_over_fastest <= 1.0 + confirm_tolerance
+            _confirm_pick(transformer, table, runnable, call, clock, rounds, confirm_tolerance)
     if gqa and kv_heads != heads:
         from ..parallel.attention import time_gqa
 

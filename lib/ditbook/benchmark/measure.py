@@ -194,6 +194,46 @@ def _ratio(base: Stat | None, other: Stat | None) -> float | None:
     return base.median / other.median
 
 
+def _render_cases(render: Callable[[str, int], np.ndarray], cases: list[tuple[str, str, int]]) -> dict[str, np.ndarray]:
+    """Every case rendered once: key -> image."""
+    return {key: render(prompt, seed) for key, prompt, seed in cases}
+
+
+def _measure_config(pipe, cfg: Config, render, cases, call: Callable[[], Any], warmup: int,
+                    repeats: int) -> ConfigResult:
+    """Apply ``cfg``, render every case and time the first, undo it; an error is recorded, not raised."""
+    res = ConfigResult(cfg.name, cfg.family, dict(cfg.params), notes=cfg.notes)
+    undo = None
+    try:
+        undo = cfg.apply(pipe)
+        res.images = _render_cases(render, cases)  # also warms up this configuration
+        res.timing = time_pipeline(pipe, call, warmup=warmup, repeats=repeats)
+    except Exception as exc:  # recorded, not fatal: the other configurations still run
+        res.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        if undo is not None:
+            try:
+                undo()
+            except Exception as exc:
+                res.error = (res.error + "; " if res.error else "") + f"undo failed: {type(exc).__name__}: {exc}"
+    return res
+
+
+def _compare_to_baseline(res: ConfigResult, baseline: ConfigResult, flops, peak_tflops, gates) -> None:
+    """A configuration's speedups, memory ratio and efficiency against the baseline, and its
+    images' quality under ``gates``."""
+    from ..quality import compare_sets
+
+    if res.timing is not None:
+        bt, ct = baseline.timing, res.timing
+        res.speedup = _ratio(bt.end_to_end, ct.end_to_end)
+        res.part_speedups = {p: _ratio(bt.parts.get(p), ct.parts.get(p)) for p in PARTS}
+        res.memory_ratio = ct.peak_memory_bytes / bt.peak_memory_bytes if bt.peak_memory_bytes else None
+        res.efficiency = efficiency(flops, ct, peak_tflops)
+    if res.images:
+        res.quality = compare_sets(res.images, baseline.images, gates).to_dict()
+
+
 def benchmark(pipe, configs: list[Config], render: Callable[[str, int], np.ndarray],
               cases: list[tuple[str, str, int]], *, warmup: int = 1, repeats: int = 3,
               peak_tflops: float | None = None, steps: int | None = None, count_flops: bool = True,
@@ -220,29 +260,8 @@ def benchmark(pipe, configs: list[Config], render: Callable[[str, int], np.ndarr
     if peak_tflops is None:
         peak_tflops = default_peak_tflops(device)
 
-    def render_cases() -> dict[str, np.ndarray]:
-        return {key: render(prompt, seed) for key, prompt, seed in cases}
-
-    def measure(cfg: Config) -> ConfigResult:
-        res = ConfigResult(cfg.name, cfg.family, dict(cfg.params), notes=cfg.notes)
-        undo = None
-        try:
-            undo = cfg.apply(pipe)
-            res.images = render_cases()  # also warms up this configuration
-            res.timing = time_pipeline(pipe, call, warmup=warmup, repeats=repeats)
-        except Exception as exc:  # recorded, not fatal: the other configurations still run
-            res.error = f"{type(exc).__name__}: {exc}"
-        finally:
-            if undo is not None:
-                try:
-                    undo()
-                except Exception as exc:
-                    res.error = (res.error + "; " if res.error else "") + f"undo failed: {type(exc).__name__}: {exc}"
-        return res
-
-    base_cfg = baseline_config()
     log(f"benchmark: baseline on {device} (warmup {warmup}, repeats {repeats})")
-    baseline = measure(base_cfg)
+    baseline = _measure_config(pipe, baseline_config(), render, cases, call, warmup, repeats)
     if baseline.error:
         raise RuntimeError(f"the baseline failed, nothing to compare against: {baseline.error}")
     baseline.speedup = 1.0
@@ -253,7 +272,7 @@ def benchmark(pipe, configs: list[Config], render: Callable[[str, int], np.ndarr
         except Exception as exc:
             log(f"benchmark: FLOP count failed ({type(exc).__name__}: {exc})")
     baseline.efficiency = efficiency(flops, baseline.timing, peak_tflops)
-    again = render_cases()
+    again = _render_cases(render, cases)
     noise = compare_sets(again, baseline.images, Gates()).to_dict()
     noise = {k: noise[k] for k in ("psnr_min", "ssim_min", "max_abs")}
     baseline.quality = compare_sets(baseline.images, baseline.images, Gates()).to_dict()
@@ -262,15 +281,8 @@ def benchmark(pipe, configs: list[Config], render: Callable[[str, int], np.ndarr
     for cfg in progress(configs):
         if per_config_log:
             log(f"benchmark: {cfg.name} ({cfg.family})")
-        res = measure(cfg)
-        if res.timing is not None:
-            bt, ct = baseline.timing, res.timing
-            res.speedup = _ratio(bt.end_to_end, ct.end_to_end)
-            res.part_speedups = {p: _ratio(bt.parts.get(p), ct.parts.get(p)) for p in PARTS}
-            res.memory_ratio = ct.peak_memory_bytes / bt.peak_memory_bytes if bt.peak_memory_bytes else None
-            res.efficiency = efficiency(flops, ct, peak_tflops)
-        if res.images:
-            res.quality = compare_sets(res.images, baseline.images, gates_for(cfg)).to_dict()
+        res = _measure_config(pipe, cfg, render, cases, call, warmup, repeats)
+        _compare_to_baseline(res, baseline, flops, peak_tflops, gates_for(cfg) if res.images else None)
         results.append(res)
 
     drift = None

@@ -181,101 +181,143 @@ def _modules_for(transformer, key: str) -> list:
     return [transformer.get_submodule(key)]
 
 
+def _shard(x: torch.Tensor, cpi, where: str, degree: int, run: DryRun) -> torch.Tensor:
+    """Rank 0's shard of ``x`` under one ``ContextParallelInput`` (a wrong rank count is skipped and noted)."""
+    if cpi.expected_dims is not None and x.dim() != cpi.expected_dims:
+        run.skipped.append(f"{where}: expects {cpi.expected_dims} dims, got {list(x.shape)}: not split")
+        return x
+    n = x.shape[cpi.split_dim]
+    if n % degree:
+        raise DryRunError(f"the plan splits {where} {list(x.shape)} on dim {cpi.split_dim}: {n} does not "
+                          f"divide into {degree} equal shards")
+    return x.chunk(degree, dim=cpi.split_dim)[0]
+
+
+def _split_hooks(key: str, spec: dict, module, degree: int, run: DryRun):
+    """The (pre, post) hooks that re-enact one plan entry of splits: named inputs before the
+    call, indexed outputs (``split_output``) after it."""
+    try:
+        params = list(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        params = []
+
+    def pre(m, a, kw):
+        a = list(a)
+        for name, cpi in spec.items():
+            if isinstance(name, int) or (_is_input(cpi) and cpi.split_output):
+                continue
+            if name in kw:
+                val, put = kw[name], (lambda v, _n=name: kw.__setitem__(_n, v))
+            elif name in params and params.index(name) < len(a):
+                i = params.index(name)
+                val, put = a[i], (lambda v, _i=i: a.__setitem__(_i, v))
+            else:
+                continue
+            where = f"'{name}' at '{key or '<transformer>'}'"
+            if isinstance(val, torch.Tensor):
+                put(_shard(val, cpi, where, degree, run))
+            elif isinstance(val, (list, tuple)):
+                put(type(val)(_shard(x, c, where, degree, run) if torch.is_tensor(x) and not c.split_output else x
+                              for x, c in zip(val, cpi)))
+        return tuple(a), kw
+
+    def post(m, a, out):
+        if not any(isinstance(i, int) for i in spec):
+            return None
+        outs = [out] if torch.is_tensor(out) else list(out)
+        for idx, cpi in spec.items():
+            if isinstance(idx, int) and _is_input(cpi) and cpi.split_output:
+                outs[idx] = _shard(outs[idx], cpi, f"output {idx} of '{key}'", degree, run)
+        return outs[0] if torch.is_tensor(out) else type(out)(outs)
+    return pre, post
+
+
+def _gather_hook(spec, degree: int):
+    """The post hook that re-enacts a gather: each gathered output repeated ``degree`` times."""
+    specs = [spec] if _is_output(spec) else list(spec)
+
+    def post(m, a, out):
+        outs = [out] if torch.is_tensor(out) else list(out)
+        for i, cpo in enumerate(specs):
+            if cpo is not None and i < len(outs):
+                outs[i] = torch.cat([outs[i]] * degree, dim=cpo.gather_dim)
+        return outs[0] if torch.is_tensor(out) else type(out)(outs)
+    return post
+
+
+def _hook_plan(transformer, plan: dict, degree: int, run: DryRun, handles: list) -> None:
+    """Register the plan's splits and gathers on their modules (handles appended as they are made)."""
+    for key, spec in plan.items():
+        for module in _modules_for(transformer, key):
+            if isinstance(spec, dict):
+                pre, post = _split_hooks(key, spec, module, degree, run)
+                handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+                handles.append(module.register_forward_hook(post))
+            elif _is_output(spec) or isinstance(spec, (list, tuple)):
+                handles.append(module.register_forward_hook(_gather_hook(spec, degree)))
+
+
+def _module_index(transformer, lists: list[str]) -> tuple[dict, dict, set]:
+    """id(module) -> name; id(first block) -> its list; ids of every block of the split lists."""
+    names = {id(m): n for n, m in transformer.named_modules()}
+    firsts = {id(transformer.get_submodule(n)[0]): n for n in lists}
+    split_blocks = {id(b) for n in lists for b in transformer.get_submodule(n)}
+    return names, firsts, split_blocks
+
+
+def _hook_recorder(transformer, index: tuple[dict, dict, set], run: DryRun, depth: dict, stack: list[str],
+                   handles: list) -> None:
+    """Hooks on every module: the stack of running modules (to name where a failure happens), the
+    depth inside split blocks (for ``_UlyssesShapes``), and the inputs of each list's first block."""
+    names, firsts, split_blocks = index
+
+    def enter(m, a, kw):
+        stack.append(names.get(id(m), "?"))
+        if id(m) in split_blocks:
+            depth["n"] += 1
+        lname = firsts.get(id(m))
+        if lname is not None and lname not in run.inputs:
+            run.inputs[lname] = {k: _shapes(v) for k, v in bind_inputs(m, a, kw).items() if _tensors(v)}
+
+    def leave(m, a, out):
+        stack.pop()
+        if id(m) in split_blocks:
+            depth["n"] -= 1
+    for m in transformer.modules():
+        handles.append(m.register_forward_pre_hook(enter, with_kwargs=True))
+        handles.append(m.register_forward_hook(leave))
+
+
+def _dry_run_failure(exc: Exception, stack: list[str], run: DryRun) -> Exception:
+    """The error to raise for a forward that failed under the plan: ``DryRunUnavailable`` when it
+    needs a process group, else a ``DryRunError`` naming the module that failed."""
+    if _needs_process_group(exc):
+        return DryRunUnavailable(f"the forward under the plan needs a process group (a planner's patched "
+                                 f"forward talks to the other ranks): {type(exc).__name__}: "
+                                 f"{str(exc).splitlines()[0][:160] if str(exc) else ''}")
+    where = stack[-1] if stack else "<transformer>"
+    skipped = f" (splits not applied: {'; '.join(run.skipped)})" if run.skipped else ""
+    err = DryRunError(f"one-process dry run of the plan fails in '{where or '<transformer>'}': "
+                      f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}{skipped}")
+    err.run = run  # what the blocks had received until then
+    err.short = f"in '{where or '<transformer>'}': {type(exc).__name__}: " + \
+        (str(exc).splitlines()[0][:200] if str(exc) else "")
+    return err
+
+
 def dry_run(transformer, args, kwargs, plan: dict, degree: int, lists: list[str]) -> DryRun:
     """Run the forward once with ``plan`` re-enacted for rank 0 of ``degree``; returns what the
     first block of each list received. Raises ``DryRunError`` naming the module that failed."""
     run = DryRun()
-    handles = []
+    handles: list = []
     depth = {"n": 0}
     stack: list[str] = []
-    names = {id(m): n for n, m in transformer.named_modules()}
-
-    def shard(x: torch.Tensor, cpi, where: str) -> torch.Tensor:
-        if cpi.expected_dims is not None and x.dim() != cpi.expected_dims:
-            run.skipped.append(f"{where}: expects {cpi.expected_dims} dims, got {list(x.shape)}: not split")
-            return x
-        n = x.shape[cpi.split_dim]
-        if n % degree:
-            raise DryRunError(f"the plan splits {where} {list(x.shape)} on dim {cpi.split_dim}: {n} does not "
-                              f"divide into {degree} equal shards")
-        return x.chunk(degree, dim=cpi.split_dim)[0]
-
-    def split_hooks(key: str, spec: dict, module):
-        try:
-            params = list(inspect.signature(module.forward).parameters)
-        except (TypeError, ValueError):
-            params = []
-
-        def pre(m, a, kw):
-            a = list(a)
-            for name, cpi in spec.items():
-                if isinstance(name, int) or (_is_input(cpi) and cpi.split_output):
-                    continue
-                if name in kw:
-                    val, put = kw[name], (lambda v, _n=name: kw.__setitem__(_n, v))
-                elif name in params and params.index(name) < len(a):
-                    i = params.index(name)
-                    val, put = a[i], (lambda v, _i=i: a.__setitem__(_i, v))
-                else:
-                    continue
-                where = f"'{name}' at '{key or '<transformer>'}'"
-                if isinstance(val, torch.Tensor):
-                    put(shard(val, cpi, where))
-                elif isinstance(val, (list, tuple)):
-                    put(type(val)(shard(x, c, where) if torch.is_tensor(x) and not c.split_output else x
-                                  for x, c in zip(val, cpi)))
-            return tuple(a), kw
-
-        def post(m, a, out):
-            if not any(isinstance(i, int) for i in spec):
-                return None
-            outs = [out] if torch.is_tensor(out) else list(out)
-            for idx, cpi in spec.items():
-                if isinstance(idx, int) and _is_input(cpi) and cpi.split_output:
-                    outs[idx] = shard(outs[idx], cpi, f"output {idx} of '{key}'")
-            return outs[0] if torch.is_tensor(out) else type(out)(outs)
-        return pre, post
-
-    def gather_hook(spec):
-        specs = [spec] if _is_output(spec) else list(spec)
-
-        def post(m, a, out):
-            outs = [out] if torch.is_tensor(out) else list(out)
-            for i, cpo in enumerate(specs):
-                if cpo is not None and i < len(outs):
-                    outs[i] = torch.cat([outs[i]] * degree, dim=cpo.gather_dim)
-            return outs[0] if torch.is_tensor(out) else type(out)(outs)
-        return post
-
-    firsts = {id(transformer.get_submodule(n)[0]): n for n in lists}
-    split_blocks = {id(b) for n in lists for b in transformer.get_submodule(n)}
+    index = _module_index(transformer, lists)
     old_cp = transformer.__dict__.get("_cp_config", _MISSING)
     try:
         # the plan's hooks first, so the recorder below sees what the blocks get after the split
-        for key, spec in plan.items():
-            for module in _modules_for(transformer, key):
-                if isinstance(spec, dict):
-                    pre, post = split_hooks(key, spec, module)
-                    handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
-                    handles.append(module.register_forward_hook(post))
-                elif _is_output(spec) or isinstance(spec, (list, tuple)):
-                    handles.append(module.register_forward_hook(gather_hook(spec)))
-
-        def enter(m, a, kw):
-            stack.append(names.get(id(m), "?"))
-            if id(m) in split_blocks:
-                depth["n"] += 1
-            lname = firsts.get(id(m))
-            if lname is not None and lname not in run.inputs:
-                run.inputs[lname] = {k: _shapes(v) for k, v in bind_inputs(m, a, kw).items() if _tensors(v)}
-
-        def leave(m, a, out):
-            stack.pop()
-            if id(m) in split_blocks:
-                depth["n"] -= 1
-        for m in transformer.modules():
-            handles.append(m.register_forward_pre_hook(enter, with_kwargs=True))
-            handles.append(m.register_forward_hook(leave))
+        _hook_plan(transformer, plan, degree, run, handles)
+        _hook_recorder(transformer, index, run, depth, stack, handles)
         transformer._cp_config = _StandInCP(degree)
         with torch.no_grad(), _UlyssesShapes(degree, depth, run):
             out = _main_output(transformer(*args, **kwargs))
@@ -283,18 +325,7 @@ def dry_run(transformer, args, kwargs, plan: dict, degree: int, lists: list[str]
     except PlanCheckError:
         raise
     except Exception as exc:  # noqa: BLE001 - the plan does not fit the model: named
-        if _needs_process_group(exc):
-            raise DryRunUnavailable(f"the forward under the plan needs a process group (a planner's patched "
-                                    f"forward talks to the other ranks): {type(exc).__name__}: "
-                                    f"{str(exc).splitlines()[0][:160] if str(exc) else ''}") from exc
-        where = stack[-1] if stack else "<transformer>"
-        skipped = f" (splits not applied: {'; '.join(run.skipped)})" if run.skipped else ""
-        err = DryRunError(f"one-process dry run of the plan fails in '{where or '<transformer>'}': "
-                          f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}{skipped}")
-        err.run = run  # what the blocks had received until then
-        err.short = f"in '{where or '<transformer>'}': {type(exc).__name__}: " + \
-            (str(exc).splitlines()[0][:200] if str(exc) else "")
-        raise err from exc
+        raise _dry_run_failure(exc, stack, run) from exc
     finally:
         for h in handles:
             h.remove()

@@ -23,20 +23,21 @@ Derivation, in named steps (no model names anywhere):
    image — a later list may take text and image concatenated; a list that never sees it (a text
    token refiner, a guidance MLP stack over a fixed table) stays whole on every rank, and so
    does its attention (``cp_scope``). Without the probe: the lists with the longest image stream.
-3. split sites, all before the first block of the first main list: each stream is split at the
-   module that produced exactly that tensor (called once, before the blocks; ``split_output``),
-   else at the first block's input (or, ``at_input``, at the transformer's own ``[B, S, C]``
-   input it is made from: tried when the first variant fails the checks of step 6, e.g. the
-   forward cuts the text off by the length of its text input). Joint attention (the blocks update the text): the text is
+3. split sites (``_split_token_streams``, ``_split_block_inputs``), all before the first block
+   of the first main list: each stream is split at the module that produced exactly that tensor
+   (called once, before the blocks; ``split_output``), else at the first block's input (or,
+   ``at_input``, at the transformer's own ``[B, S, C]`` input it is made from: tried when the
+   first variant fails the checks of step 6, e.g. the forward cuts the text off by the length of
+   its text input). Joint attention (the blocks update the text): the text is
    split with the image, so each rank holds a matching slice of the joint sequence; cross
    attention: the text stays whole on every rank. Positional tables are split on their
    image-length axis, at their producer or at every block of every main list (``<list>.*``); a
    table whose axis covers text and image together cannot be split in one piece (a rank holds
    [text shard, image shard]): the transformer's separate text and image position inputs are
    split instead (each rank then builds the table of its own tokens), or it is refused.
-4. gather: the first module called after the last block of the last main list that takes and
-   returns ``[B, S_img, ...]`` (the final norm, typically), gathered on dim 1; everything after
-   it runs on the whole sequence.
+4. gather (``_gather_site``): the first module called after the last block of the last main
+   list that takes and returns ``[B, S_img, ...]`` (the final norm, typically), gathered on
+   dim 1; everything after it runs on the whole sequence.
 5. ``check_plan_sites``: every split site of a plan — derived, registered or read from a file —
    is a block or runs before the first block; a split at a module after the blocks, or a plan
    that splits nothing, raises ``PlanSiteError``.
@@ -230,72 +231,109 @@ def _inside(name: str, prefixes) -> bool:
     return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
-def trace_forward(transformer, args, kwargs) -> ForwardTrace:
-    """Step 1: one forward call with hooks on every module and every block."""
-    lists = block_lists(transformer)
-    counter = {"n": 0}
-    calls: list[ModuleCall] = []
-    counts: dict[str, int] = {}
-    firsts: dict[str, dict] = {}
-    lasts: dict[str, int] = {}
-    producers: dict[int, tuple[str, int]] = {}
-    keep: list[torch.Tensor] = []  # keeps ids unique while the trace runs
-    handles = []
+@dataclass
+class _TraceState:
+    """What the hooks of ``trace_forward`` record while the forward runs."""
 
-    def tick() -> int:
-        counter["n"] += 1
-        return counter["n"]
+    root_set: set[int]  # ids of the transformer's own tensor inputs
+    n: int = 0
+    calls: list[ModuleCall] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=dict)
+    firsts: dict[str, dict] = field(default_factory=dict)  # block list -> its first block's first call
+    lasts: dict[str, int] = field(default_factory=dict)  # block list -> when its last block call returned
+    producers: dict[int, tuple[str, int]] = field(default_factory=dict)
+    keep: list[torch.Tensor] = field(default_factory=list)  # keeps ids unique while the trace runs
+    consumers: dict[int, list[str]] = field(default_factory=dict)
 
-    root_named = {k: v for k, v in bind_inputs(transformer, args, kwargs).items() if _tensors(v)}
-    root_set = {id(t) for v in root_named.values() for t in _tensors(v)}
-    consumers: dict[int, list[str]] = {}
+    def tick(self) -> int:
+        self.n += 1
+        return self.n
+
+
+def _hook_block(mod, lname: str, rec: _TraceState) -> list:
+    """Hooks on one block of list ``lname``: its first call's inputs, and when the list ends."""
+    def bpre(m, a, kw, _l=lname):
+        order = rec.tick()
+        if _l not in rec.firsts:
+            named = bind_inputs(m, a, kw)
+            rec.firsts[_l] = {"order": order, "named": {k: v for k, v in named.items() if _tensors(v) is not None},
+                              "keywords": list(kw), "print": _fingerprint(named),
+                              "scalars": _int_arguments(named)}
+
+    def bpost(m, a, kw, out, _l=lname):
+        rec.lasts[_l] = rec.tick()
+        if "outputs" not in rec.firsts[_l]:
+            rec.firsts[_l]["outputs"] = _shapes(out) or []
+    return [mod.register_forward_pre_hook(bpre, with_kwargs=True),
+            mod.register_forward_hook(bpost, with_kwargs=True)]
+
+
+def _hook_module(mod, name: str, rec: _TraceState) -> list:
+    """Hooks on one module outside the blocks: its call, shapes in and out, which root inputs it
+    took, and (before any block) which tensors it made."""
+    def pre(m, a, kw, _n=name):
+        rec.counts[_n] = rec.counts.get(_n, 0) + 1
+        ins = []
+        for v in list(a) + list(kw.values()):
+            ins += [list(t.shape) for t in (_tensors(v) or [])]
+            if True:  # root inputs stay alive: their ids are unique for the whole call
+                for t in _tensors(v) or []:
+                    if id(t) in rec.root_set:
+                        rec.consumers.setdefault(id(t), []).append(_n)
+        rec.calls.append(ModuleCall(_n, rec.tick(), ins, None))
+        m.__dict__.setdefault("_ditbook_trace_calls", []).append(rec.calls[-1])
+
+    def post(m, a, out, _n=name):
+        call = m.__dict__["_ditbook_trace_calls"].pop()
+        call.outputs = _shapes(out)
+        if not rec.firsts:  # before any block: remember which module made which tensor
+            for i, t in enumerate(_tensors(out) or []):
+                rec.keep.append(t)
+                rec.producers.setdefault(id(t), (_n, i))
+    return [mod.register_forward_pre_hook(pre, with_kwargs=True), mod.register_forward_hook(post)]
+
+
+def _install_trace_hooks(transformer, lists, rec: _TraceState) -> list:
+    """Hooks on every named module: block hooks on the elements of the block lists, module hooks
+    on everything else."""
     element_of = {}
     for lname in lists:
         for i, blk in enumerate(transformer.get_submodule(lname)):
             element_of[id(blk)] = (lname, i)
+    handles = []
     for name, mod in transformer.named_modules():
         if not name:
             continue
         if id(mod) in element_of:
-            lname, i = element_of[id(mod)]
+            handles += _hook_block(mod, element_of[id(mod)][0], rec)
+        else:
+            handles += _hook_module(mod, name, rec)
+    return handles
 
-            def bpre(m, a, kw, _l=lname):
-                order = tick()
-                if _l not in firsts:
-                    named = bind_inputs(m, a, kw)
-                    firsts[_l] = {"order": order, "named": {k: v for k, v in named.items() if _tensors(v) is not None},
-                                  "keywords": list(kw), "print": _fingerprint(named),
-                                  "scalars": _int_arguments(named)}
 
-            def bpost(m, a, kw, out, _l=lname):
-                lasts[_l] = tick()
-                if "outputs" not in firsts[_l]:
-                    firsts[_l]["outputs"] = _shapes(out) or []
-            handles.append(mod.register_forward_pre_hook(bpre, with_kwargs=True))
-            handles.append(mod.register_forward_hook(bpost, with_kwargs=True))
-            continue
+def _list_traces(transformer, lists, rec: _TraceState, sees: dict[str, bool] | None) -> dict[str, ListTrace]:
+    """The called block lists (not those inside a block of another called list), in call order."""
+    called = [n for n in lists if n in rec.firsts]
+    # a list inside a block of another called list belongs to that block
+    called = [n for n in called if not any(n != o and n.startswith(o + ".") for o in called)]
+    traced: dict[str, ListTrace] = {}
+    for n in sorted(called, key=lambda n: rec.firsts[n]["order"]):
+        f = rec.firsts[n]
+        named = f["named"]
+        traced[n] = ListTrace(n, len(transformer.get_submodule(n)), f["order"], rec.lasts[n],
+                              {k: _shapes(v) for k, v in named.items()}, f.get("outputs", []), f["keywords"],
+                              {k: [id(t) for t in _tensors(v)] for k, v in named.items()},
+                              {k for k, v in named.items() if isinstance(v, (tuple, list))},
+                              f["scalars"], sees.get(n) if sees is not None else None)
+    return traced
 
-        def pre(m, a, kw, _n=name):
-            counts[_n] = counts.get(_n, 0) + 1
-            ins = []
-            for v in list(a) + list(kw.values()):
-                ins += [list(t.shape) for t in (_tensors(v) or [])]
-                if True:  # root inputs stay alive: their ids are unique for the whole call
-                    for t in _tensors(v) or []:
-                        if id(t) in root_set:
-                            consumers.setdefault(id(t), []).append(_n)
-            calls.append(ModuleCall(_n, tick(), ins, None))
-            m.__dict__.setdefault("_ditbook_trace_calls", []).append(calls[-1])
 
-        def post(m, a, out, _n=name):
-            rec = m.__dict__["_ditbook_trace_calls"].pop()
-            rec.outputs = _shapes(out)
-            if not firsts:  # before any block: remember which module made which tensor
-                for i, t in enumerate(_tensors(out) or []):
-                    keep.append(t)
-                    producers.setdefault(id(t), (_n, i))
-        handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
-        handles.append(mod.register_forward_hook(post))
+def trace_forward(transformer, args, kwargs) -> ForwardTrace:
+    """Step 1: one forward call with hooks on every module and every block."""
+    lists = block_lists(transformer)
+    root_named = {k: v for k, v in bind_inputs(transformer, args, kwargs).items() if _tensors(v)}
+    rec = _TraceState({id(t) for v in root_named.values() for t in _tensors(v)})
+    handles = _install_trace_hooks(transformer, lists, rec)
     try:
         with torch.no_grad():
             output = _main_output(transformer(*args, **kwargs))
@@ -305,25 +343,15 @@ def trace_forward(transformer, args, kwargs) -> ForwardTrace:
         for m in transformer.modules():
             m.__dict__.pop("_ditbook_trace_calls", None)
     image_root = _image_root(transformer, root_named)
-    sees = _lists_that_see(transformer, args, kwargs, image_root, {n: f["print"] for n, f in firsts.items()})
-    called = [n for n in lists if n in firsts]
-    # a list inside a block of another called list belongs to that block
-    called = [n for n in called if not any(n != o and n.startswith(o + ".") for o in called)]
-    traced: dict[str, ListTrace] = {}
-    for n in sorted(called, key=lambda n: firsts[n]["order"]):
-        f = firsts[n]
-        named = f["named"]
-        traced[n] = ListTrace(n, len(transformer.get_submodule(n)), f["order"], lasts[n],
-                              {k: _shapes(v) for k, v in named.items()}, f.get("outputs", []), f["keywords"],
-                              {k: [id(t) for t in _tensors(v)] for k, v in named.items()},
-                              {k for k, v in named.items() if isinstance(v, (tuple, list))},
-                              f["scalars"], sees.get(n) if sees is not None else None)
-    keep.clear()
-    return ForwardTrace([c for c in calls if not _inside(c.name, called)], traced, producers,
-                        {k: v for k, v in counts.items() if not _inside(k, called)},
+    sees = _lists_that_see(transformer, args, kwargs, image_root, {n: f["print"] for n, f in rec.firsts.items()})
+    traced = _list_traces(transformer, lists, rec, sees)
+    called = list(traced)
+    rec.keep.clear()
+    return ForwardTrace([c for c in rec.calls if not _inside(c.name, called)], traced, rec.producers,
+                        {k: v for k, v in rec.counts.items() if not _inside(k, called)},
                         {k: _shapes(v) for k, v in root_named.items()},
                         {k: [id(t) for t in _tensors(v)] for k, v in root_named.items()}, image_root,
-                        {i: names for i, names in consumers.items()},
+                        {i: names for i, names in rec.consumers.items()},
                         list(output.shape) if output is not None else None)
 
 
@@ -541,130 +569,191 @@ def _stream_root(tr: ForwardTrace, first: ListTrace, param: str, before: int) ->
     return None
 
 
-def derive_cp_plan(transformer, args, kwargs, attention_kind: str | None = None, degree: int | None = None,
-                   trace: ForwardTrace | None = None, at_input: bool = False) -> CPPlan:
-    """A CP plan for a transformer nobody has planned, from one traced forward call (steps 1-4
-    of the module docstring); checked by ``check_plan_sites`` (step 5) before it is returned.
-    ``at_input``: split the token streams at the transformer's own inputs where they are
-    ``[B, S, C]`` inputs (so that a token count the forward reads from them is the shard's), else
-    where they are made (the module that returns them, or the first block)."""
-    tr = trace if trace is not None else trace_forward(transformer, args, kwargs)
-    st = find_streams(tr, attention_kind)
-    first = tr.lists[st.lists[0]]
-    before = first.first_order
-    s_img, s_txt = st.s_img, st.s_txt
-    kind = "joint" if st.joint else ("cross" if st.text else "self")
+@dataclass
+class _Draft:
+    """A plan being derived: the trace, its streams, and the plan entries and notes so far."""
+
+    tr: ForwardTrace
+    st: Streams
+    at_input: bool
+    plan: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    covered: set[int] = field(default_factory=set)  # ids of block inputs already split at their producer
+
+    @property
+    def first(self) -> ListTrace:
+        return self.tr.lists[self.st.lists[0]]
+
+    @property
+    def before(self) -> int:
+        return self.first.first_order
+
+
+def _attention_kind(st: Streams) -> str:
+    """"joint", "cross" or "self": how the main blocks' attention treats the text."""
+    return "joint" if st.joint else ("cross" if st.text else "self")
+
+
+def _stream_notes(st: Streams) -> list[str]:
+    """The notes that open a derived plan: the main lists, their streams, the attention kind."""
     notes = [f"block lists {st.lists}: image tokens '{st.image}' {st.image_shape}"
-             + (f", text '{st.text}' {st.text_shape}" if st.text else "") + f"; attention {kind}"]
+             + (f", text '{st.text}' {st.text_shape}" if st.text else "") + f"; attention {_attention_kind(st)}"]
     if st.left_whole:
         notes.append(f"block lists {st.left_whole} never see the image tokens: they run whole on every rank")
-    if degree:
-        if s_img % degree:
-            layout = (f" (the blocks take '{st.image}' as {st.image_shape}: its dim 1, the token axis of a "
-                      f"[batch, sequence, width] input, has {s_img}; a sequence-first or per-frame layout is not "
-                      f"split by a derived plan)" if s_img < degree else "")
-            raise PlanDerivationError(f"{s_img} image tokens do not divide into {degree} equal shards{layout}")
-        if st.joint and s_txt and s_txt % degree:
-            raise PlanDerivationError(f"joint attention: {s_txt} text tokens do not divide into {degree} equal "
-                                      f"shards, and the text must be split with the image")
-    plan: dict[str, Any] = {}
+    return notes
 
-    def split_stream(param: str, dim: int, what: str) -> None:
-        ids, shapes = first.input_ids[param], first.inputs[param]
-        root = _stream_root(tr, first, param, before) if at_input else None
-        if root is not None:
-            plan.setdefault("", {})[root] = ContextParallelInput(split_dim=1, expected_dims=len(tr.roots[root][0]))
-            notes.append(f"split {what} at the transformer's input '{root}' (dim 1): what the forward reads from "
-                         f"that input (its token count) is then the shard's")
-            return
-        prod = _producer(tr, ids, before)
-        if prod is not None:
-            entry = plan.setdefault(prod[0], {})
-            for i, s in zip(prod[1], shapes):
-                entry[i] = ContextParallelInput(split_dim=dim, expected_dims=len(s), split_output=True)
-            notes.append(f"split {what} at the output of '{prod[0]}' (dim {dim}), before the first block")
-        else:
-            plan.setdefault(f"{first.name}.0", {})[param] = ContextParallelInput(split_dim=dim,
-                                                                                 expected_dims=len(shapes[0]))
-            notes.append(f"split {what} '{param}' where it enters '{first.name}.0' (dim {dim})")
 
-    # step 3: token streams
-    split_stream(st.image, 1, "image tokens")
+def _check_shards_divide(st: Streams, degree: int | None) -> None:
+    """Refuse a degree that does not divide the image tokens (and the text, for joint attention)."""
+    if not degree:
+        return
+    s_img, s_txt = st.s_img, st.s_txt
+    if s_img % degree:
+        layout = (f" (the blocks take '{st.image}' as {st.image_shape}: its dim 1, the token axis of a "
+                  f"[batch, sequence, width] input, has {s_img}; a sequence-first or per-frame layout is not "
+                  f"split by a derived plan)" if s_img < degree else "")
+        raise PlanDerivationError(f"{s_img} image tokens do not divide into {degree} equal shards{layout}")
+    if st.joint and s_txt and s_txt % degree:
+        raise PlanDerivationError(f"joint attention: {s_txt} text tokens do not divide into {degree} equal "
+                                  f"shards, and the text must be split with the image")
+
+
+def _split_stream(d: _Draft, param: str, dim: int, what: str) -> None:
+    """Step 3 for one token stream: split it at the transformer's input (``at_input``), else at the
+    module that made it, else where it enters the first block."""
+    tr, first, plan = d.tr, d.first, d.plan
+    ids, shapes = first.input_ids[param], first.inputs[param]
+    root = _stream_root(tr, first, param, d.before) if d.at_input else None
+    if root is not None:
+        plan.setdefault("", {})[root] = ContextParallelInput(split_dim=1, expected_dims=len(tr.roots[root][0]))
+        d.notes.append(f"split {what} at the transformer's input '{root}' (dim 1): what the forward reads from "
+                       f"that input (its token count) is then the shard's")
+        return
+    prod = _producer(tr, ids, d.before)
+    if prod is not None:
+        entry = plan.setdefault(prod[0], {})
+        for i, s in zip(prod[1], shapes):
+            entry[i] = ContextParallelInput(split_dim=dim, expected_dims=len(s), split_output=True)
+        d.notes.append(f"split {what} at the output of '{prod[0]}' (dim {dim}), before the first block")
+    else:
+        plan.setdefault(f"{first.name}.0", {})[param] = ContextParallelInput(split_dim=dim,
+                                                                             expected_dims=len(shapes[0]))
+        d.notes.append(f"split {what} '{param}' where it enters '{first.name}.0' (dim {dim})")
+
+
+def _split_token_streams(d: _Draft) -> None:
+    """Step 3: the image tokens, and the text tokens with them under joint attention."""
+    st = d.st
+    _split_stream(d, st.image, 1, "image tokens")
     if st.text:
         if st.joint:
-            split_stream(st.text, 1, "text tokens (joint attention: each rank holds a matching slice)")
+            _split_stream(d, st.text, 1, "text tokens (joint attention: each rank holds a matching slice)")
         else:
-            notes.append("text kept whole: cross attention reads the full text on every rank")
-    # step 3: positional tables and masks, at every main list
-    covered: set[int] = set()
+            d.notes.append("text kept whole: cross attention reads the full text on every rank")
+
+
+def _split_mask(d: _Draft, lname: str, param: str, shapes: list[list[int]]) -> None:
+    """A mask argument of a main list: a text mask follows the text; one over the image is refused."""
+    st = d.st
+    s_img, s_txt = st.s_img, st.s_txt
+    s = shapes[0]
+    if len(s) == 2 and s_txt and s[1] == s_txt and s_txt != s_img:
+        if st.joint:
+            d.plan.setdefault(f"{lname}.*", {})[param] = ContextParallelInput(split_dim=1, expected_dims=2)
+            d.notes.append(f"text mask '{param}' {s} split with the text at every block of '{lname}'")
+        else:
+            d.notes.append(f"text mask '{param}' {s} kept whole (cross attention)")
+        return
+    if len(s) >= 2 and any(L in (s_img, s_img + (s_txt or 0)) for L in s[1:]):
+        raise PlanDerivationError(f"mask '{param}' {s} of '{lname}' covers the image sequence; a "
+                                  f"derived plan does not split masks over it")
+
+
+def _is_concatenated_stream(d: _Draft, lname: str, shapes: list[list[int]]) -> bool:
+    """Text and image tokens concatenated by the model from the split streams, entering a later
+    main list: each rank holds [text shard, image shard] (what the dry run checks)."""
+    st = d.st
+    s_txt = st.s_txt
+    return bool(s_txt and len(shapes) == 1 and len(shapes[0]) == 3 and shapes[0][0] == st.image_shape[0]
+                and shapes[0][1] == st.s_img + s_txt and lname != d.first.name)
+
+
+def _split_joint_table(d: _Draft, lname: str, param: str, shapes: list[list[int]], ids: list[int]) -> None:
+    """A positional table over text and image in one axis: split the transformer's separate text
+    and image position inputs instead, or refuse."""
+    if not d.st.joint:
+        raise PlanDerivationError(
+            f"positional table '{param}' {shapes} of '{lname}' covers text and image in one axis, "
+            f"and the text is kept whole: a derived plan cannot split it consistently")
+    pos = _position_inputs(d.tr, d.st, d.first, d.before)
+    if pos is None:
+        raise PlanDerivationError(
+            f"positional table '{param}' {shapes} of '{lname}' covers text and image in one axis; a "
+            f"rank holds [text shard, image shard], which one split of the table cannot match, and "
+            f"the transformer takes no separate text and image position inputs to split instead")
+    root = d.plan.setdefault("", {})
+    for name, (dim, nd) in pos.items():
+        root[name] = ContextParallelInput(split_dim=dim, expected_dims=nd)
+    d.covered.update(ids)
+    d.notes.append(f"positional table '{param}' {shapes} covers text and image: split the position "
+                   f"inputs {', '.join(f'{k} (dim {dd})' for k, (dd, _) in pos.items())} of the transformer "
+                   f"instead, so each rank builds the table of its own [text shard, image shard]")
+
+
+def _split_image_table(d: _Draft, lt: ListTrace, param: str, shapes: list[list[int]], ids: list[int]) -> None:
+    """An input with an image-length axis (positions, a second image stream): split on that axis
+    at its producer, else at every block of the list; one without such an axis stays whole."""
+    st, plan, lname = d.st, d.plan, lt.name
+    s_img = st.s_img
+    if len(shapes) == 1 and len(shapes[0]) == 3 and shapes[0][0] == st.image_shape[0] \
+            and shapes[0][1] == s_img:
+        # a second [B, S_img, .] stream (e.g. a skip input): split like the image
+        dims = [1]
+    else:
+        # the position axis, never the last (feature) axis: a [B, D] embedding whose width
+        # happens to equal the token count is not a table of positions
+        dims = [next((dd for dd, L in enumerate(s[:-1]) if L == s_img), None) for s in shapes]
+    if any(dd is None for dd in dims):
+        return  # no image-length axis: the same on every rank (timestep embedding, ...)
+    prod = _producer(d.tr, ids, d.before)
+    if prod is not None and prod[0] not in plan:
+        entry = plan.setdefault(prod[0], {})
+        for i, s, dd in zip(prod[1], shapes, dims):
+            entry[i] = ContextParallelInput(split_dim=dd, expected_dims=len(s), split_output=True)
+        d.covered.update(ids)
+        d.notes.append(f"split positional table(s) of '{prod[0]}' {shapes} on dims {dims} (image "
+                       f"positions), before the first block")
+    else:
+        cps = [ContextParallelInput(split_dim=dd, expected_dims=len(s)) for s, dd in zip(shapes, dims)]
+        plan.setdefault(f"{lname}.*", {})[param] = cps if param in lt.sequences else cps[0]
+        d.notes.append(f"split '{param}' {shapes} on dims {dims} at every block of '{lname}' (image positions)")
+
+
+def _split_block_inputs(d: _Draft) -> None:
+    """Step 3: the other inputs of every main list's blocks (masks, positional tables)."""
+    st = d.st
     for lname in st.lists:
-        lt = tr.lists[lname]
+        lt = d.tr.lists[lname]
         for param, shapes in lt.inputs.items():
             if param in (st.image, st.text) or not shapes:
                 continue
             ids = lt.input_ids[param]
-            if all(i in covered for i in ids):
+            if all(i in d.covered for i in ids):
                 continue
             if _MASK_NAMES.search(param):
-                s = shapes[0]
-                if len(s) == 2 and s_txt and s[1] == s_txt and s_txt != s_img:
-                    if st.joint:
-                        plan.setdefault(f"{lname}.*", {})[param] = ContextParallelInput(split_dim=1, expected_dims=2)
-                        notes.append(f"text mask '{param}' {s} split with the text at every block of '{lname}'")
-                    else:
-                        notes.append(f"text mask '{param}' {s} kept whole (cross attention)")
-                    continue
-                if len(s) >= 2 and any(L in (s_img, s_img + (s_txt or 0)) for L in s[1:]):
-                    raise PlanDerivationError(f"mask '{param}' {s} of '{lname}' covers the image sequence; a "
-                                              f"derived plan does not split masks over it")
+                _split_mask(d, lname, param, shapes)
+            elif _is_concatenated_stream(d, lname, shapes):
                 continue
-            if s_txt and len(shapes) == 1 and len(shapes[0]) == 3 and shapes[0][0] == st.image_shape[0] \
-                    and shapes[0][1] == s_img + s_txt and lname != first.name:
-                # text and image tokens concatenated by the model from the split streams: each rank
-                # holds [text shard, image shard] (what the dry run checks)
-                continue
-            if s_txt and any(L == s_img + s_txt for s in shapes for L in s[:-1]):
-                if not st.joint:
-                    raise PlanDerivationError(
-                        f"positional table '{param}' {shapes} of '{lname}' covers text and image in one axis, "
-                        f"and the text is kept whole: a derived plan cannot split it consistently")
-                pos = _position_inputs(tr, st, first, before)
-                if pos is None:
-                    raise PlanDerivationError(
-                        f"positional table '{param}' {shapes} of '{lname}' covers text and image in one axis; a "
-                        f"rank holds [text shard, image shard], which one split of the table cannot match, and "
-                        f"the transformer takes no separate text and image position inputs to split instead")
-                root = plan.setdefault("", {})
-                for name, (dim, nd) in pos.items():
-                    root[name] = ContextParallelInput(split_dim=dim, expected_dims=nd)
-                covered.update(ids)
-                notes.append(f"positional table '{param}' {shapes} covers text and image: split the position "
-                             f"inputs {', '.join(f'{k} (dim {d})' for k, (d, _) in pos.items())} of the transformer "
-                             f"instead, so each rank builds the table of its own [text shard, image shard]")
-                continue
-            if len(shapes) == 1 and len(shapes[0]) == 3 and shapes[0][0] == st.image_shape[0] \
-                    and shapes[0][1] == s_img:
-                # a second [B, S_img, .] stream (e.g. a skip input): split like the image
-                dims = [1]
+            elif st.s_txt and any(L == st.s_img + st.s_txt for s in shapes for L in s[:-1]):
+                _split_joint_table(d, lname, param, shapes, ids)
             else:
-                # the position axis, never the last (feature) axis: a [B, D] embedding whose width
-                # happens to equal the token count is not a table of positions
-                dims = [next((d for d, L in enumerate(s[:-1]) if L == s_img), None) for s in shapes]
-            if any(d is None for d in dims):
-                continue  # no image-length axis: the same on every rank (timestep embedding, ...)
-            prod = _producer(tr, ids, before)
-            if prod is not None and prod[0] not in plan:
-                entry = plan.setdefault(prod[0], {})
-                for i, s, d in zip(prod[1], shapes, dims):
-                    entry[i] = ContextParallelInput(split_dim=d, expected_dims=len(s), split_output=True)
-                covered.update(ids)
-                notes.append(f"split positional table(s) of '{prod[0]}' {shapes} on dims {dims} (image "
-                             f"positions), before the first block")
-            else:
-                cps = [ContextParallelInput(split_dim=d, expected_dims=len(s)) for s, d in zip(shapes, dims)]
-                plan.setdefault(f"{lname}.*", {})[param] = cps if param in lt.sequences else cps[0]
-                notes.append(f"split '{param}' {shapes} on dims {dims} at every block of '{lname}' (image positions)")
-    # step 4: gather after the last block of the last main list
+                _split_image_table(d, lt, param, shapes, ids)
+
+
+def _gather_site(tr: ForwardTrace, st: Streams) -> tuple[ModuleCall, str]:
+    """Step 4: where the image tokens are gathered (the first module after the last main block
+    that takes and returns them, else the last block itself) and a phrase saying which."""
+    s_img = st.s_img
     end = max(tr.lists[n].last_order for n in st.lists)
     site = None
     for c in tr.calls:
@@ -682,21 +771,47 @@ def derive_cp_plan(transformer, args, kwargs, attention_kind: str | None = None,
             raise PlanDerivationError("no module after the blocks takes and returns the image tokens, and the last "
                                       "block does not return them; nowhere to gather them")
         site = ModuleCall(f"{last.name}.{last.length - 1}", last.last_order, [], last.outputs)
-        where = "the last block (the forward reshapes the tokens right after it)"
-    else:
-        where = "the first module after the blocks"
-        if tr.call_counts.get(site.name) != 1:
-            raise PlanDerivationError(f"'{site.name}' (where the image tokens would be gathered) is called "
-                                      f"{tr.call_counts.get(site.name)} times per forward")
+        return site, "the last block (the forward reshapes the tokens right after it)"
+    if tr.call_counts.get(site.name) != 1:
+        raise PlanDerivationError(f"'{site.name}' (where the image tokens would be gathered) is called "
+                                  f"{tr.call_counts.get(site.name)} times per forward")
+    return site, "the first module after the blocks"
+
+
+def _add_gather(d: _Draft, site: ModuleCall, where: str) -> None:
+    """Step 4: gather every image-token output of ``site`` on dim 1."""
+    s_img = d.st.s_img
     outs = [ContextParallelOutput(gather_dim=1, expected_dims=len(s)) if len(s) >= 2 and s[1] == s_img else None
             for s in site.outputs]
-    plan[site.name] = outs[0] if len(outs) == 1 else tuple(outs)
-    notes.append(f"gather image tokens at the output of '{site.name}' (dim 1), {where}")
-    facts = {"image_seq_len": s_img, "text_seq_len": s_txt, "width": st.image_shape[2], "attention_kind": kind,
-             "block_lists": st.lists, "block_list": st.lists[0], "keyword_called": first.keywords,
-             "image_input": st.image, "text_input": st.text, "gather_site": site.name,
-             "sharding_expected": expected_lengths(tr, st)}
-    cp = CPPlan(plan, "derived", notes, facts)
+    d.plan[site.name] = outs[0] if len(outs) == 1 else tuple(outs)
+    d.notes.append(f"gather image tokens at the output of '{site.name}' (dim 1), {where}")
+
+
+def _plan_facts(d: _Draft, site: ModuleCall) -> dict:
+    """What the launch and the sharding check read from a derived plan."""
+    st = d.st
+    return {"image_seq_len": st.s_img, "text_seq_len": st.s_txt, "width": st.image_shape[2],
+            "attention_kind": _attention_kind(st), "block_lists": st.lists, "block_list": st.lists[0],
+            "keyword_called": d.first.keywords, "image_input": st.image, "text_input": st.text,
+            "gather_site": site.name, "sharding_expected": expected_lengths(d.tr, st)}
+
+
+def derive_cp_plan(transformer, args, kwargs, attention_kind: str | None = None, degree: int | None = None,
+                   trace: ForwardTrace | None = None, at_input: bool = False) -> CPPlan:
+    """A CP plan for a transformer nobody has planned, from one traced forward call (steps 1-4
+    of the module docstring); checked by ``check_plan_sites`` (step 5) before it is returned.
+    ``at_input``: split the token streams at the transformer's own inputs where they are
+    ``[B, S, C]`` inputs (so that a token count the forward reads from them is the shard's), else
+    where they are made (the module that returns them, or the first block)."""
+    tr = trace if trace is not None else trace_forward(transformer, args, kwargs)
+    st = find_streams(tr, attention_kind)
+    d = _Draft(tr, st, at_input, notes=_stream_notes(st))
+    _check_shards_divide(st, degree)
+    _split_token_streams(d)
+    _split_block_inputs(d)
+    site, where = _gather_site(tr, st)
+    _add_gather(d, site, where)
+    cp = CPPlan(d.plan, "derived", d.notes, _plan_facts(d, site))
     check_plan_sites(cp.plan, tr, st)
     return cp
 
@@ -728,53 +843,40 @@ def check_plan_sites(plan: dict, tr: ForwardTrace, streams: Streams | None = Non
     return sites
 
 
-def resolve_cp_plan(transformer, capture=None, attention_kind: str | None = None, degree: int = 2,
-                    plan_file: str | Path | None = None, check=None) -> CPPlan:
-    """The plan of ``plan_file`` if given, else the registered plan when there is one (a failing
-    planner is noted, never silently replaced), else a derived one. With ``capture()`` (giving
-    the transformer call's (args, kwargs)) the plan is checked against a traced forward
-    (``check_plan_sites``) and ``facts["sharding_expected"]`` says what each main block list must
-    receive (``parallel.sharding``). ``check(transformer, args, kwargs, plan, trace, streams,
-    degree) -> dict`` (``cp_dryrun.verify_before_launch``) judges the plan before any launch: a
-    registered plan that fails it is noted and a derived one tried; the derived plan splitting the
-    streams where they are made, then the one splitting them at the transformer's inputs; the
-    first that passes is the plan (``facts["prelaunch"]``: what the check saw), else the
-    ``PlanCheckError`` names why. A ``plan_file`` is run as given (only its sites are checked)."""
-    notes = []
-    # the unsplit trace first: some registered planners change the attention processors of the
-    # model (cache-dit's patch a processor class to read a CP config the runtime sets later)
-    traced = None
-    if capture is not None:
-        args, kwargs = capture()
-        tr = trace_forward(transformer, args, kwargs)
-        traced = (args, kwargs, tr, find_streams(tr, attention_kind))
+def _given_plan(transformer, plan_file, degree: int) -> tuple[CPPlan | None, list[str]]:
+    """The plan of ``plan_file``, else the registered plan (None when there is none); a failing
+    registered planner is noted."""
     if plan_file is not None:
-        reg = load_plan_code(plan_file)
-        check = None  # the user's explicit plan: it runs, and the ranks' sharding check judges it
-    else:
-        try:
-            reg = registered_cp_plan(transformer, degree)
-        except RegisteredPlanError as exc:
-            reg, notes = None, [f"registered planner not used: {exc}"]
-    if traced is None:
-        if reg is not None:
-            return reg
-        raise PlanDerivationError(f"{type(transformer).__name__} has no registered CP plan and no call to trace")
-    args, kwargs, tr, st = traced
-    if reg is not None:
-        check_plan_sites(reg.plan, tr, st)
-        reg.facts.update({"block_lists": st.lists, "image_seq_len": st.s_img, "text_seq_len": st.s_txt,
-                          "image_input": st.image, "text_input": st.text,
-                          "sharding_expected": expected_lengths(tr, st)})
-        if check is None:
-            return reg
-        try:
-            reg.facts["prelaunch"] = check(transformer, args, kwargs, reg.plan, tr, st, degree)
-            return reg
-        except PlanCheckError as exc:
-            if exc.final:
-                raise
-            notes = [f"registered plan ({reg.source}) not used: {type(exc).__name__}: {exc}"]
+        return load_plan_code(plan_file), []
+    try:
+        return registered_cp_plan(transformer, degree), []
+    except RegisteredPlanError as exc:
+        return None, [f"registered planner not used: {exc}"]
+
+
+def _checked_registered(reg: CPPlan, transformer, args, kwargs, tr: ForwardTrace, st: Streams, degree: int,
+                        check) -> tuple[CPPlan | None, list[str]]:
+    """A registered (or file) plan with its sites checked and the trace's facts added; with
+    ``check``, judged before launch: the plan if it passes, else None and a note saying why."""
+    check_plan_sites(reg.plan, tr, st)
+    reg.facts.update({"block_lists": st.lists, "image_seq_len": st.s_img, "text_seq_len": st.s_txt,
+                      "image_input": st.image, "text_input": st.text,
+                      "sharding_expected": expected_lengths(tr, st)})
+    if check is None:
+        return reg, []
+    try:
+        reg.facts["prelaunch"] = check(transformer, args, kwargs, reg.plan, tr, st, degree)
+        return reg, []
+    except PlanCheckError as exc:
+        if exc.final:
+            raise
+        return None, [f"registered plan ({reg.source}) not used: {type(exc).__name__}: {exc}"]
+
+
+def _derive_checked(transformer, args, kwargs, tr: ForwardTrace, st: Streams, attention_kind, degree: int,
+                    check, notes: list[str]) -> CPPlan:
+    """The derived plan splitting where the streams are made, else the one splitting at the
+    transformer's inputs: the first that passes ``check``; else ``PlanCheckError`` naming why."""
     failures: list[tuple[PlanCheckError, dict]] = []
     for at_input in (False, True):
         try:
@@ -799,6 +901,40 @@ def resolve_cp_plan(transformer, capture=None, attention_kind: str | None = None
     exc = failures[0][0]
     reasons = "; the plan splitting at the transformer's inputs: ".join(f"{type(e).__name__}: {e}" for e, _ in failures)
     raise type(exc)(f"derived plan: {reasons}" + (f"; and {notes[0]}" if notes else "")) from exc
+
+
+def resolve_cp_plan(transformer, capture=None, attention_kind: str | None = None, degree: int = 2,
+                    plan_file: str | Path | None = None, check=None) -> CPPlan:
+    """The plan of ``plan_file`` if given, else the registered plan when there is one (a failing
+    planner is noted, never silently replaced), else a derived one. With ``capture()`` (giving
+    the transformer call's (args, kwargs)) the plan is checked against a traced forward
+    (``check_plan_sites``) and ``facts["sharding_expected"]`` says what each main block list must
+    receive (``parallel.sharding``). ``check(transformer, args, kwargs, plan, trace, streams,
+    degree) -> dict`` (``cp_dryrun.verify_before_launch``) judges the plan before any launch: a
+    registered plan that fails it is noted and a derived one tried; the derived plan splitting the
+    streams where they are made, then the one splitting them at the transformer's inputs; the
+    first that passes is the plan (``facts["prelaunch"]``: what the check saw), else the
+    ``PlanCheckError`` names why. A ``plan_file`` is run as given (only its sites are checked)."""
+    # the unsplit trace first: some registered planners change the attention processors of the
+    # model (cache-dit's patch a processor class to read a CP config the runtime sets later)
+    traced = None
+    if capture is not None:
+        args, kwargs = capture()
+        tr = trace_forward(transformer, args, kwargs)
+        traced = (args, kwargs, tr, find_streams(tr, attention_kind))
+    reg, notes = _given_plan(transformer, plan_file, degree)
+    if plan_file is not None:
+        check = None  # the user's explicit plan: it runs, and the ranks' sharding check judges it
+    if traced is None:
+        if reg is not None:
+            return reg
+        raise PlanDerivationError(f"{type(transformer).__name__} has no registered CP plan and no call to trace")
+    args, kwargs, tr, st = traced
+    if reg is not None:
+        chosen, notes = _checked_registered(reg, transformer, args, kwargs, tr, st, degree, check)
+        if chosen is not None:
+            return chosen
+    return _derive_checked(transformer, args, kwargs, tr, st, attention_kind, degree, check, notes)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -147,47 +147,47 @@ class _DecoderMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def apply_vae_parallel(vae, degree: int, group=None) -> tuple[WrapGroup, VaeStats]:
-    """Install the patch decode on ``vae.decoder`` (per instance, ``ditbook.hooks``; undone by the
-    returned group's ``remove()``). Every rank must call the decoder the same number of times."""
-    plan = plan_vae_decode(vae, degree)
-    dec = decoder_of(vae)
-    stats = VaeStats()
-    wraps = WrapGroup(VAE_WRAP)
-    active = {"on": False}
+def _halo_conv(module: nn.Conv2d, stats: VaeStats, active: dict, group=None):
+    """The wrapper of one convolution: while the patch decode runs, convolve the band with its
+    neighbours' halo rows instead of zero padding."""
+    h = module.kernel_size[0] // 2
 
-    def make_conv(module: nn.Conv2d):
-        h = module.kernel_size[0] // 2
+    def wrapped(original, x, *a, **kw):
+        if not active["on"]:
+            return original(x, *a, **kw)
+        stats.halo_exchanges += 1
+        xe = _halo(x, h, group)
+        return F.conv2d(xe, module.weight, module.bias, module.stride, (0, module.padding[1]), module.dilation,
+                        module.groups)
+    return wrapped
 
-        def wrapped(original, x, *a, **kw):
-            if not active["on"]:
-                return original(x, *a, **kw)
-            stats.halo_exchanges += 1
-            xe = _halo(x, h, group)
-            return F.conv2d(xe, module.weight, module.bias, module.stride, (0, module.padding[1]), module.dilation,
-                            module.groups)
-        return wrapped
 
-    def make_norm(module: nn.GroupNorm):
-        def wrapped(original, x, *a, **kw):
-            if not active["on"]:
-                return original(x, *a, **kw)
-            stats.norms_reduced += 1
-            b, c = x.shape[0], x.shape[1]
-            g = module.num_groups
-            xg = x.reshape(b, g, -1).double()
-            sums = torch.stack([xg.sum(-1), (xg * xg).sum(-1),
-                                torch.full_like(xg[..., 0], xg.shape[-1])], dim=-1)
-            dist.all_reduce(sums, group=group)
-            mean = sums[..., 0] / sums[..., 2]
-            var = (sums[..., 1] / sums[..., 2] - mean * mean).clamp_min(0)
-            y = ((xg - mean[..., None]) / torch.sqrt(var[..., None] + module.eps)).to(x.dtype).reshape(x.shape)
-            if module.affine:
-                shape = (1, c) + (1,) * (x.dim() - 2)
-                y = y * module.weight.reshape(shape) + module.bias.reshape(shape)
-            return y
-        return wrapped
+def _band_group_norm(module: nn.GroupNorm, stats: VaeStats, active: dict, group=None):
+    """The wrapper of one GroupNorm: while the patch decode runs, its statistics are summed over
+    every rank's band (so each band is normalised like the whole image)."""
+    def wrapped(original, x, *a, **kw):
+        if not active["on"]:
+            return original(x, *a, **kw)
+        stats.norms_reduced += 1
+        b, c = x.shape[0], x.shape[1]
+        g = module.num_groups
+        xg = x.reshape(b, g, -1).double()
+        sums = torch.stack([xg.sum(-1), (xg * xg).sum(-1),
+                            torch.full_like(xg[..., 0], xg.shape[-1])], dim=-1)
+        dist.all_reduce(sums, group=group)
+        mean = sums[..., 0] / sums[..., 2]
+        var = (sums[..., 1] / sums[..., 2] - mean * mean).clamp_min(0)
+        y = ((xg - mean[..., None]) / torch.sqrt(var[..., None] + module.eps)).to(x.dtype).reshape(x.shape)
+        if module.affine:
+            shape = (1, c) + (1,) * (x.dim() - 2)
+            y = y * module.weight.reshape(shape) + module.bias.reshape(shape)
+        return y
+    return wrapped
 
+
+def _band_decode(stats: VaeStats, active: dict, group=None):
+    """The wrapper of the decoder's forward: decode this rank's band of latent rows with the
+    patches active, then gather the bands' images."""
     def decode(original, sample, *a, **kw):
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         rows = sample.shape[-2]
@@ -202,15 +202,25 @@ def apply_vae_parallel(vae, degree: int, group=None) -> tuple[WrapGroup, VaeStat
         finally:
             active["on"] = False
         return _gather_rows(out, group)
+    return decode
 
+
+def apply_vae_parallel(vae, degree: int, group=None) -> tuple[WrapGroup, VaeStats]:
+    """Install the patch decode on ``vae.decoder`` (per instance, ``ditbook.hooks``; undone by the
+    returned group's ``remove()``). Every rank must call the decoder the same number of times."""
+    plan = plan_vae_decode(vae, degree)
+    dec = decoder_of(vae)
+    stats = VaeStats()
+    wraps = WrapGroup(VAE_WRAP)
+    active = {"on": False}
     with wraps.applying():
         for name in plan["halo_convs"]:
             m = dec.get_submodule(name)
-            wraps.wrap(m, make_conv(m))
+            wraps.wrap(m, _halo_conv(m, stats, active, group))
         for name in plan["group_norms"]:
             m = dec.get_submodule(name)
-            wraps.wrap(m, make_norm(m))
-        wraps.wrap(dec, decode)
+            wraps.wrap(m, _band_group_norm(m, stats, active, group))
+        wraps.wrap(dec, _band_decode(stats, active, group))
     return wraps, stats
 
 

@@ -82,20 +82,9 @@ def _sync(device: str):
     return torch.cuda.synchronize if device.startswith("cuda") else None
 
 
-def apply_plan(pipe, card, spec, *, cfg_style: str | None, cp_plan_file: str | None, attention_kind: str | None,
-               gqa_path: str, out_dir: Path | None, heartbeat=None) -> dict:
-    """Apply one plan to a freshly loaded pipeline on this rank; returns what was applied."""
-    from .attention import route_attention
-    from .cache_sync import agree_cache_decisions, dbcache_config, split_at_cached_units
-    from .cfg import apply_cfg_parallel, detect_cfg_style
-    from .cp_plan import capture_transformer_call, resolve_cp_plan, write_plan_code
-    from .cp_dryrun import verify_before_launch
-    from .cp_scope import limit_cp_to
-
-    info: dict = {"plan": spec.name}
-    tr = pipe.transformer
-    route = route_attention(tr, gqa_path=gqa_path)
-    info["attention"] = {"patched_modules": route.modules, "gqa_path": gqa_path}
+def _cfg_groups(tr, spec):
+    """(the CFG process group, the CP device mesh or None) of a plan: with CFG and CP together one
+    (cfg, ring, ulysses) mesh, with CFG alone the whole world."""
     cfg_group = cp_mesh = None
     if spec.cfg > 1 and spec.uses_cp:
         from torch.distributed.device_mesh import init_device_mesh
@@ -106,78 +95,85 @@ def apply_plan(pipe, card, spec, *, cfg_style: str | None, cp_plan_file: str | N
         cp_mesh = mesh["ring", "ulysses"]
     elif spec.cfg > 1:
         cfg_group = dist.group.WORLD
-    if spec.cfg > 1:
-        style = cfg_style or detect_cfg_style(pipe, card)
-        info["cfg_style"] = style
-        if style not in ("separate", "batched"):
-            raise RuntimeError(f"plan {spec.name}: the pipeline shows CFG style '{style}' — no second branch")
-    from .plans import own_ring
+    return cfg_group, cp_mesh
 
-    ring_recorder = None
-    if own_ring(spec):  # ditbook's ring: the CP plan's split/gather hooks, attention sent round the ring
-        cp = resolve_cp_plan(tr, capture=lambda: capture_transformer_call(pipe, card), attention_kind=attention_kind,
-                             degree=spec.cp, plan_file=cp_plan_file)
-        info["cp_plan"] = cp.to_dict()
-        if out_dir is not None and dist.get_rank() == 0:
-            info["cp_plan_file"] = str(write_plan_code(cp, out_dir, card.name, type(tr).__name__))
-        info["ring_modules"], ring_recorder = apply_own_ring(tr, cp.plan, spec)
-    if spec.uses_cp and not own_ring(spec):
-        cp = resolve_cp_plan(tr, capture=lambda: capture_transformer_call(pipe, card), attention_kind=attention_kind,
-                             degree=spec.cp, plan_file=cp_plan_file, check=verify_before_launch)
-        info["cp_plan"] = cp.to_dict()
-        if out_dir is not None and dist.get_rank() == 0:
-            info["cp_plan_file"] = str(write_plan_code(cp, out_dir, card.name, type(tr).__name__))
-        import cache_dit
 
-        cache_cfg = dbcache_config(spec.options.get("cache")) if spec.cache else None
-        target, info["cache_adapter"] = cache_target(pipe, card) if spec.cache else (pipe, None)
-        if cp_mesh is None and target is pipe:
-            from cache_dit import ParallelismConfig
+def _resolve_plan(pipe, card, spec, *, attention_kind, cp_plan_file, out_dir, info: dict, check=None):
+    """The CP plan for this transformer (``cp_plan.resolve_cp_plan``), recorded in ``info`` and,
+    on rank 0, written as code to ``out_dir``."""
+    from .cp_plan import capture_transformer_call, resolve_cp_plan, write_plan_code
 
-            pc = ParallelismConfig(ulysses_size=spec.ulysses if spec.ulysses > 1 else None,
-                                   ring_size=spec.ring if spec.ring > 1 else None, cp_plan=cp.plan)
-            cache_dit.enable_cache(pipe, cache_config=cache_cfg, parallelism_config=pc)
-        else:
-            # cfg x CP (the CP mesh is one slice of a (cfg, ring, ulysses) mesh, which cache-dit's
-            # public ParallelismConfig cannot take), or ditbook's cache adapter: the cache first,
-            # then cache-dit's runtime CP entry with an explicit mesh; splits at a block list's
-            # first block move onto cache-dit's cached unit of that list (cache_sync)
-            from cache_dit.attention import _maybe_register_custom_attn_backends
-            from cache_dit.distributed.core import _ContextParallelConfig, _enable_context_parallelism
-            from cache_dit.distributed.core._context_parallel import _apply_context_parallel
+    tr = pipe.transformer
+    cp = resolve_cp_plan(tr, capture=lambda: capture_transformer_call(pipe, card), attention_kind=attention_kind,
+                         degree=spec.cp, plan_file=cp_plan_file, check=check)
+    info["cp_plan"] = cp.to_dict()
+    if out_dir is not None and dist.get_rank() == 0:
+        info["cp_plan_file"] = str(write_plan_code(cp, out_dir, card.name, type(tr).__name__))
+    return cp
 
-            plan, units, unit_plans = cp.plan, {}, {}
-            if cache_cfg is not None:
-                cache_dit.enable_cache(target, cache_config=cache_cfg)
-                plan, units, unit_plans = split_at_cached_units(tr, cp.plan, cp.facts)
-                info["cp_split_at_cached_units"] = sorted(unit_plans)
-            if cp_mesh is None:
-                from torch.distributed.device_mesh import init_device_mesh
 
-                dev_type = "cuda" if str(tr.device).startswith("cuda") else "cpu"
-                cp_mesh = init_device_mesh(dev_type, (spec.ring, spec.ulysses), mesh_dim_names=("ring", "ulysses"))
-            _maybe_register_custom_attn_backends()
-            cpc = _ContextParallelConfig(ulysses_degree=spec.ulysses, ring_degree=spec.ring)
-            cpc.setup(dist.get_rank(), dist.get_world_size(), tr.device, mesh=cp_mesh)
-            _enable_context_parallelism(tr, config=cpc, cp_plan=plan)
-            for name, unit_plan in unit_plans.items():
-                _apply_context_parallel(units[name], cpc, unit_plan)
-            if hasattr(tr, "set_attention_backend"):
-                try:
-                    tr.set_attention_backend("native")
-                except Exception:  # noqa: BLE001 - models without diffusers attention
-                    pass
-        # attention outside the split block lists (a text refiner) stays local on every rank
-        info["cp_local_attention"] = limit_cp_to(tr, cp.facts.get("block_lists"), route)
-        if spec.cache:
-            info["cache_agreement"] = agree_cache_decisions(pipe)
-    elif spec.cache:
-        import cache_dit
+def _enable_cp_on_mesh(tr, spec, cp, cache_cfg, target, cp_mesh, info: dict) -> None:
+    """cfg x CP (the CP mesh is one slice of a (cfg, ring, ulysses) mesh, which cache-dit's
+    public ParallelismConfig cannot take), or ditbook's cache adapter: the cache first, then
+    cache-dit's runtime CP entry with an explicit mesh; splits at a block list's first block move
+    onto cache-dit's cached unit of that list (cache_sync)."""
+    import cache_dit
+    from cache_dit.attention import _maybe_register_custom_attn_backends
+    from cache_dit.distributed.core import _ContextParallelConfig, _enable_context_parallelism
+    from cache_dit.distributed.core._context_parallel import _apply_context_parallel
 
-        target, info["cache_adapter"] = cache_target(pipe, card)
-        cache_dit.enable_cache(target, cache_config=dbcache_config(spec.options.get("cache")))
-    if spec.compile:
-        info["compiled"] = compile_repeated_blocks(tr, backend=card.parallel.compile_backend)
+    from .cache_sync import split_at_cached_units
+
+    plan, units, unit_plans = cp.plan, {}, {}
+    if cache_cfg is not None:
+        cache_dit.enable_cache(target, cache_config=cache_cfg)
+        plan, units, unit_plans = split_at_cached_units(tr, cp.plan, cp.facts)
+        info["cp_split_at_cached_units"] = sorted(unit_plans)
+    if cp_mesh is None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        dev_type = "cuda" if str(tr.device).startswith("cuda") else "cpu"
+        cp_mesh = init_device_mesh(dev_type, (spec.ring, spec.ulysses), mesh_dim_names=("ring", "ulysses"))
+    _maybe_register_custom_attn_backends()
+    cpc = _ContextParallelConfig(ulysses_degree=spec.ulysses, ring_degree=spec.ring)
+    cpc.setup(dist.get_rank(), dist.get_world_size(), tr.device, mesh=cp_mesh)
+    _enable_context_parallelism(tr, config=cpc, cp_plan=plan)
+    for name, unit_plan in unit_plans.items():
+        _apply_context_parallel(units[name], cpc, unit_plan)
+    if hasattr(tr, "set_attention_backend"):
+        try:
+            tr.set_attention_backend("native")
+        except Exception:  # noqa: BLE001 - models without diffusers attention
+            pass
+
+
+def _apply_library_cp(pipe, card, spec, cp, cp_mesh, route, info: dict) -> None:
+    """Context parallelism through cache-dit / diffusers (with the plan's cache, if any); the
+    attention outside the split block lists stays local; cache decisions agreed across ranks."""
+    import cache_dit
+
+    from .cache_sync import agree_cache_decisions, dbcache_config
+    from .cp_scope import limit_cp_to
+
+    tr = pipe.transformer
+    cache_cfg = dbcache_config(spec.options.get("cache")) if spec.cache else None
+    target, info["cache_adapter"] = cache_target(pipe, card) if spec.cache else (pipe, None)
+    if cp_mesh is None and target is pipe:
+        from cache_dit import ParallelismConfig
+
+        pc = ParallelismConfig(ulysses_size=spec.ulysses if spec.ulysses > 1 else None,
+                               ring_size=spec.ring if spec.ring > 1 else None, cp_plan=cp.plan)
+        cache_dit.enable_cache(pipe, cache_config=cache_cfg, parallelism_config=pc)
+    else:
+        _enable_cp_on_mesh(tr, spec, cp, cache_cfg, target, cp_mesh, info)
+    # attention outside the split block lists (a text refiner) stays local on every rank
+    info["cp_local_attention"] = limit_cp_to(tr, cp.facts.get("block_lists"), route)
+    if spec.cache:
+        info["cache_agreement"] = agree_cache_decisions(pipe)
+
+
+def _apply_graphs(tr, card, spec, info: dict) -> None:
+    """CUDA graphs of the transformer's steps (of the computed steps' block work, with a cache)."""
     if spec.graph and spec.cache:
         from .graphs import install_cached_step_graphs
 
@@ -189,6 +185,43 @@ def apply_plan(pipe, card, spec, *, cfg_style: str | None, cp_plan_file: str | N
 
         # inside the CFG wrapper: each rank replays its own branch's transformer call
         info["graphs"] = install_step_graphs(tr)
+
+
+def apply_plan(pipe, card, spec, *, cfg_style: str | None, cp_plan_file: str | None, attention_kind: str | None,
+               gqa_path: str, out_dir: Path | None, heartbeat=None) -> dict:
+    """Apply one plan to a freshly loaded pipeline on this rank; returns what was applied."""
+    from .attention import route_attention
+    from .cache_sync import dbcache_config
+    from .cfg import apply_cfg_parallel, detect_cfg_style
+    from .cp_dryrun import verify_before_launch
+    from .plans import own_ring
+
+    info: dict = {"plan": spec.name}
+    tr = pipe.transformer
+    route = route_attention(tr, gqa_path=gqa_path)
+    info["attention"] = {"patched_modules": route.modules, "gqa_path": gqa_path}
+    cfg_group, cp_mesh = _cfg_groups(tr, spec)
+    if spec.cfg > 1:
+        style = cfg_style or detect_cfg_style(pipe, card)
+        info["cfg_style"] = style
+        if style not in ("separate", "batched"):
+            raise RuntimeError(f"plan {spec.name}: the pipeline shows CFG style '{style}' — no second branch")
+    plan_args = {"attention_kind": attention_kind, "cp_plan_file": cp_plan_file, "out_dir": out_dir, "info": info}
+    ring_recorder = None
+    if own_ring(spec):  # ditbook's ring: the CP plan's split/gather hooks, attention sent round the ring
+        cp = _resolve_plan(pipe, card, spec, **plan_args)
+        info["ring_modules"], ring_recorder = apply_own_ring(tr, cp.plan, spec)
+    if spec.uses_cp and not own_ring(spec):
+        cp = _resolve_plan(pipe, card, spec, check=verify_before_launch, **plan_args)
+        _apply_library_cp(pipe, card, spec, cp, cp_mesh, route, info)
+    elif spec.cache:
+        import cache_dit
+
+        target, info["cache_adapter"] = cache_target(pipe, card)
+        cache_dit.enable_cache(target, cache_config=dbcache_config(spec.options.get("cache")))
+    if spec.compile:
+        info["compiled"] = compile_repeated_blocks(tr, backend=card.parallel.compile_backend)
+    _apply_graphs(tr, card, spec, info)
     if spec.cfg > 1:
         info["cfg_stats"] = apply_cfg_parallel(tr, info["cfg_style"], group=cfg_group, heartbeat=heartbeat,
                                                cached=spec.cache)
@@ -322,19 +355,10 @@ def compile_repeated_blocks(tr, backend: str = "inductor") -> str:
     return "block lists: " + ", ".join(name for name, _ in lists) + suffix
 
 
-def run(args) -> int:
-    from ..card import load_card
-    from ..loading import Placement, choose_placement, load_pipeline
-    from ..render import render_all, save_renders
-    from .plans import parse_plan, refusal
-    from .sharding import BlockInputRecorder
+def _init_group(card, args, local: int):
+    """This rank's placement (its own GPU under CUDA) and the process group (nccl, else gloo)."""
+    from ..loading import Placement, choose_placement
 
-    rank = int(os.environ.get("RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    dog = Watchdog(args.timeout, rank)
-    overrides = json.loads(args.overrides) if args.overrides else {}
-    card = load_card(args.card, overrides)
     placement = choose_placement(card)
     if placement.device.startswith("cuda"):
         torch.cuda.set_device(local)
@@ -343,80 +367,124 @@ def run(args) -> int:
     else:
         backend = "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout))
+    return placement, backend
+
+
+def _checked_spec(name: str, card, world: int):
+    """The plan named ``name``, with the card's cache settings; refused (RuntimeError) when it
+    cannot run here."""
+    from .plans import parse_plan, refusal
+
+    spec = parse_plan(name)
+    if refusal(spec):
+        raise RuntimeError(f"plan {name}: {refusal(spec)}")
+    if spec.cache and "cache" not in spec.options and card.parallel.cache:
+        spec = type(spec)(**{**spec.__dict__, "options": {"cache": card.parallel.cache}})
+    if spec.cache and spec.graph:
+        from .graphs import cache_graph_refusal
+
+        why = cache_graph_refusal(spec.options.get("cache"), card.generation.steps)
+        if why:
+            raise RuntimeError(f"plan {name}: {why}")
+    if spec.world_size not in (1, world):
+        raise RuntimeError(f"plan {name} needs {spec.world_size} processes, this run has {world}")
+    return spec
+
+
+def _fresh_pipeline(card, placement, pristine):
+    """(an untouched pipeline for the next plan, the new ``pristine``): loaded once per rank and
+    copied per plan (small models), or loaded again (models above REUSE_LIMIT parameters;
+    ``pristine`` is then False)."""
+    from ..loading import load_pipeline
+
+    if pristine is None:
+        pristine = load_pipeline(card, placement)
+        if sum(p.numel() for p in pristine.transformer.parameters()) > REUSE_LIMIT:
+            return pristine, False
+        return copy.deepcopy(pristine), pristine
+    if pristine is False:
+        return load_pipeline(card, placement), False
+    return copy.deepcopy(pristine), pristine
+
+
+def _finish_info(info: dict, pipe, spec) -> dict:
+    """What was applied, made JSON-ready after the renders: the attention routing's call counts,
+    the stats objects as dicts, the cached steps; the graphs removed. Returns the kind recorders."""
+    route = info.pop("route")
+    kinds = info.pop("kinds", {})
+    info["attention"].update({"calls": route.calls, "gqa_calls": route.gqa_calls,
+                              "cp_calls": route.cp_calls})
+    graphs = info.get("graphs")
+    for k in ("cfg_stats", "cache_agreement", "graphs"):
+        if k in info:
+            info[k] = info[k].to_dict()
+    if graphs is not None:
+        graphs.remove()  # captured NCCL work goes before the communicator does
+    if spec.cache:
+        info["cached_steps"] = [int(s) for s in (getattr(pipe.transformer, "_cached_steps", None) or [])]
+    return kinds
+
+
+def _run_plan(pipe, card, spec, name: str, args, rank: int, dog: Watchdog, out_dir: Path, entry: dict) -> None:
+    """Apply one plan to ``pipe``, render every case, and fill ``entry`` with the times, what was
+    applied, the sharding record and (rank 0) the saved images."""
+    from ..render import render_all, save_renders
+    from .sharding import BlockInputRecorder
+
+    # installed before the plan's hooks, so it sees what each block gets after any split
+    recorder = BlockInputRecorder(pipe.transformer)
+    info = apply_plan(pipe, card, spec, cfg_style=args.cfg_style, cp_plan_file=args.cp_plan_file,
+                      attention_kind=args.attention_kind, gqa_path=args.gqa_path,
+                      out_dir=out_dir, heartbeat=dog.beat)
+    recorder.reset()  # the plan's own traced call ran the blocks whole
+    _fault_hook(pipe.transformer, rank)
+    pipe.transformer.register_forward_pre_hook(lambda *a, **k: dog.beat(f"plan {name}: transformer call"))
+    for _ in range(args.warmup):
+        render_all(pipe, card, prompts=card.generation.prompts[:1], seeds=card.generation.seeds[:1])
+        dog.beat()
+    renders = render_all(pipe, card, progress=lambda *a: dog.beat())
+    secs = [r.seconds for r in renders]
+    entry.update({"seconds": secs, "median_seconds": statistics.median(secs)})
+    kinds = _finish_info(info, pipe, spec)
+    entry.update(info)
+    entry["sharding"] = sharding_record(pipe.transformer, recorder, spec, info.get("cp_plan"),
+                                        {k: r.record() for k, r in kinds.items()})
+    recorder.remove()
+    for r in kinds.values():
+        r.remove()
+    if rank == 0:
+        entry["images"] = save_renders(renders, out_dir / _folder(name))
+
+
+def run(args) -> int:
+    """This rank's whole run: join the process group, then per plan a fresh pipeline, the plan
+    applied, every case rendered; rank 0 writes ``worker.json``. A failing rank exits at once."""
+    from ..card import load_card
+
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    dog = Watchdog(args.timeout, rank)
+    overrides = json.loads(args.overrides) if args.overrides else {}
+    card = load_card(args.card, overrides)
+    placement, backend = _init_group(card, args, local)
     out_dir = Path(args.out)
     results: dict = {"world_size": world, "backend": backend, "placement": placement.to_dict(), "plans": {}}
     torch.set_grad_enabled(False)
     pristine = None
     try:
         for name in args.plans.split(","):
-            spec = parse_plan(name)
-            if refusal(spec):
-                raise RuntimeError(f"plan {name}: {refusal(spec)}")
-            if spec.cache and "cache" not in spec.options and card.parallel.cache:
-                spec = type(spec)(**{**spec.__dict__, "options": {"cache": card.parallel.cache}})
-            if spec.cache and spec.graph:
-                from .graphs import cache_graph_refusal
-
-                why = cache_graph_refusal(spec.options.get("cache"), card.generation.steps)
-                if why:
-                    raise RuntimeError(f"plan {name}: {why}")
-            if spec.world_size not in (1, world):
-                raise RuntimeError(f"plan {name} needs {spec.world_size} processes, this run has {world}")
+            spec = _checked_spec(name, card, world)
             # a world-size-1 plan (the baseline) runs replicated on every rank: collectives that
             # libraries issue whenever a process group exists (cache-dit's diff all-reduce) then
             # still pair up; rank 0's images and times are the ones reported
-            active = True
             dog.beat(f"plan {name}")
             entry: dict = {"world_size": spec.world_size}
-            if active:
-                # every plan starts from an untouched pipeline: loaded once per rank, copied per plan
-                # (small models), or loaded again (models above REUSE_LIMIT parameters)
-                if pristine is None:
-                    pristine = load_pipeline(card, placement)
-                    if sum(p.numel() for p in pristine.transformer.parameters()) > REUSE_LIMIT:
-                        pipe, pristine = pristine, False
-                    else:
-                        pipe = copy.deepcopy(pristine)
-                elif pristine is False:
-                    pipe = load_pipeline(card, placement)
-                else:
-                    pipe = copy.deepcopy(pristine)
-                # installed before the plan's hooks, so it sees what each block gets after any split
-                recorder = BlockInputRecorder(pipe.transformer)
-                info = apply_plan(pipe, card, spec, cfg_style=args.cfg_style, cp_plan_file=args.cp_plan_file,
-                                  attention_kind=args.attention_kind, gqa_path=args.gqa_path,
-                                  out_dir=out_dir, heartbeat=dog.beat)
-                recorder.reset()  # the plan's own traced call ran the blocks whole
-                _fault_hook(pipe.transformer, rank)
-                pipe.transformer.register_forward_pre_hook(lambda *a, **k: dog.beat(f"plan {name}: transformer call"))
-                for _ in range(args.warmup):
-                    render_all(pipe, card, prompts=card.generation.prompts[:1], seeds=card.generation.seeds[:1])
-                    dog.beat()
-                renders = render_all(pipe, card, progress=lambda *a: dog.beat())
-                secs = [r.seconds for r in renders]
-                entry.update({"seconds": secs, "median_seconds": statistics.median(secs)})
-                route = info.pop("route")
-                kinds = info.pop("kinds", {})
-                info["attention"].update({"calls": route.calls, "gqa_calls": route.gqa_calls,
-                                          "cp_calls": route.cp_calls})
-                graphs = info.get("graphs")
-                for k in ("cfg_stats", "cache_agreement", "graphs"):
-                    if k in info:
-                        info[k] = info[k].to_dict()
-                if graphs is not None:
-                    graphs.remove()  # captured NCCL work goes before the communicator does
-                if spec.cache:
-                    info["cached_steps"] = [int(s) for s in (getattr(pipe.transformer, "_cached_steps", None) or [])]
-                entry.update(info)
-                entry["sharding"] = sharding_record(pipe.transformer, recorder, spec, info.get("cp_plan"),
-                                                    {k: r.record() for k, r in kinds.items()})
-                recorder.remove()
-                for r in kinds.values():
-                    r.remove()
-                if rank == 0:
-                    entry["images"] = save_renders(renders, out_dir / _folder(name))
-                del pipe, renders
-                gc.collect()
+            # every plan starts from an untouched pipeline
+            pipe, pristine = _fresh_pipeline(card, placement, pristine)
+            _run_plan(pipe, card, spec, name, args, rank, dog, out_dir, entry)
+            del pipe
+            gc.collect()
             results["plans"][name] = entry
             dog.beat(f"barrier after {name}")
             dist.barrier()
