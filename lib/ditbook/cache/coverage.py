@@ -40,6 +40,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from . import coverage_inputs as ci
+
 LAYER_WORDS = ("layers", "layer", "depth", "num_blocks", "blocks")
 # (width divisor, head count cap): few heads first (fast), then the class's own head counts
 # for classes whose widths are tied to heads x head dim
@@ -116,7 +118,8 @@ def shrink_config(cls: type, factor: int, heads: int | None = None) -> dict:
     """Constructor keywords: layer counts 2, head counts at most ``heads`` (when given), other
     ints/int tuples >= 32 divided by ``factor`` (when they divide exactly; left alone otherwise)."""
     out = {}
-    for p in inspect.signature(cls.__init__).parameters.values():
+    params = inspect.signature(cls.__init__).parameters
+    for p in params.values():
         d = p.default
         if p.name == "self" or d is inspect.Parameter.empty:
             continue
@@ -134,11 +137,38 @@ def shrink_config(cls: type, factor: int, heads: int | None = None) -> dict:
             elif d >= 32 and d % factor == 0:
                 out[p.name] = d // factor
         elif isinstance(d, (tuple, list)) and d and all(isinstance(x, int) and not isinstance(x, bool) for x in d):
-            if _is_layer_count(p.name):
+            counts = [v.default for v in params.values() if _is_layer_count(v.name) and isinstance(v.default, int)
+                      and not isinstance(v.default, bool)]
+            if "layer" in p.name.lower() and len(d) > 1 and list(d) == sorted(set(d)) and counts \
+                    and max(d) < max(counts):
+                # indices into the layers (which layers get an extra input): the same places in 2 layers
+                out[p.name] = type(d)(sorted({x * 2 // max(counts) for x in d}))
+            elif _is_layer_count(p.name):
                 out[p.name] = type(d)(min(x, 2) for x in d)
             elif max(d) >= 16 and all(x % factor == 0 for x in d):
                 out[p.name] = type(d)(x // factor for x in d)
+                if ("axes" in p.name.lower() or "rope" in p.name.lower()) and all(x % 2 == 0 for x in d) \
+                        and any(x % 2 for x in out[p.name]):
+                    # rotary axes are pairs of dims: this factor cannot keep them even
+                    raise Refused(f"{p.name} {tuple(d)} /{factor} has odd rotary axes")
+    # rotary axes left None by default: two even halves of the head dim (they must sum to it)
+    for p in params.values():
+        if p.default is None and ("axes" in p.name.lower()) and p.name not in out:
+            head = _head_dim({**{k: v.default for k, v in params.items()}, **out})
+            if head and head % 4 == 0:
+                out[p.name] = (head // 2, head // 2)
     return out
+
+
+def _head_dim(cfg: dict) -> int | None:
+    hd = next((v for k, v in cfg.items() if "head_dim" in k.lower() and isinstance(v, int)), None)
+    if hd:
+        return hd
+    width = next((v for k, v in cfg.items() if k.lower() in ("hidden_size", "inner_dim", "dim", "hidden_dim", "width")
+                  and isinstance(v, int)), None)
+    heads = next((v for k, v in cfg.items() if _is_head_count(k) and "kv" not in k.lower() and isinstance(v, int)
+                  and v > 0), None)
+    return width // heads if width and heads and width % heads == 0 else None
 
 
 def build_tiny(cls: type, ladder=LADDER):
@@ -148,18 +178,104 @@ def build_tiny(cls: type, ladder=LADDER):
     raise AssertionError("unreachable")
 
 
+CTOR_REPAIRS = 4
+_GENERIC_TOKENS = {"num", "dim", "size", "of", "max", "n", "default"}
+
+
+def _init_usage(cls: type) -> dict[str, set]:
+    """How ``cls.__init__``'s code uses each parameter: ``{"int-index", "str-index"}`` when it
+    subscripts it with an int/str constant."""
+    import ast
+    import textwrap
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(cls.__init__))))
+    except (OSError, TypeError, SyntaxError):
+        return {}
+    out: dict[str, set] = {}
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) and isinstance(n.slice, ast.Constant):
+            kind = "str-index" if isinstance(n.slice.value, str) else "int-index"
+            out.setdefault(n.value.id, set()).add(kind)
+    return out
+
+
+def _similar_int(name: str, kwargs: dict, defaults: dict):
+    """The value of the constructor parameter whose name shares the most words with ``name``
+    (``out_channels`` -> ``in_channels``, ``num_kv_heads`` -> ``num_attention_heads``)."""
+    words = set(name.lower().split("_")) - _GENERIC_TOKENS
+    best, score = None, 0
+    for k in list(kwargs) + list(defaults):
+        v = kwargs.get(k, defaults.get(k))
+        if k == name or isinstance(v, bool) or not isinstance(v, int):
+            continue
+        sc = len(words & (set(k.lower().split("_")) - _GENERIC_TOKENS))
+        if sc > score:
+            best, score = v, sc
+    return best
+
+
+def ctor_repair(cls: type, kwargs: dict, exc: BaseException) -> dict | None:
+    """Constructor keywords that address ``exc``: a parameter whose default is None but which the
+    constructor's failing line uses gets a value derived from how the code uses it (subscripted by
+    an int: a tuple; otherwise an int: the value of the most similarly named parameter, else the
+    latent-image default). None when the error names no such parameter."""
+    sig = inspect.signature(cls.__init__).parameters
+    defaults = {k: v.default for k, v in sig.items() if v.default is not inspect.Parameter.empty}
+    frames = [f for f, _ in traceback.walk_tb(exc.__traceback__)]
+    own = [f for f in frames if f.f_code.co_name == "__init__" and isinstance(f.f_locals.get("self"), cls)]
+    if not own:
+        return None
+    frame = own[-1]
+    line = ci.statement_text(frame)
+    usage = _init_usage(cls)
+    new = dict(kwargs)
+    for name, val in frame.f_locals.items():
+        if val is not None or name not in defaults or defaults[name] is not None or name in kwargs:
+            continue
+        if not __import__("re").search(rf"\b{name}\b", line):
+            continue
+        uses = usage.get(name, set())
+        if "str-index" in uses:
+            continue  # a dict of settings: nothing generic to put in it
+        width = _similar_int(name, kwargs, defaults) or OPTIONAL_SHAPE_DEFAULTS.get(name) or 32
+        new[name] = (width, width) if "int-index" in uses else width
+    return new if new != kwargs else None
+
+
 def tiny_instances(cls: type, ladder=LADDER):
     """Instances for each rung (width divisor, head cap) the constructor accepts, smallest
     first; Refused when none."""
     errors = []
     built = False
     for f, heads in ladder:
-        kwargs = shrink_config(cls, f, heads)
         try:
-            torch.manual_seed(0)
-            with contextlib.redirect_stdout(io.StringIO()):
-                model = cls(**kwargs)
-        except Exception as exc:
+            kwargs = shrink_config(cls, f, heads)
+        except Refused as exc:
+            errors.append(f"/{f}: {exc}")
+            continue
+        model = exc = None
+        # with the optional latent-image sizes filled in, then (another input mode) without them
+        optional = {k for k in kwargs if k in OPTIONAL_SHAPE_DEFAULTS
+                    and inspect.signature(cls.__init__).parameters[k].default is None}
+        attempts = [kwargs] + [{k: v for k, v in kwargs.items() if k != o} for o in sorted(optional)]
+        for attempt in attempts:
+            kwargs = attempt
+            for _ in range(CTOR_REPAIRS + 1):
+                try:
+                    torch.manual_seed(0)
+                    with contextlib.redirect_stdout(io.StringIO()):
+                        model = cls(**kwargs)
+                    break
+                except Exception as e:
+                    exc = e
+                    fixed = ctor_repair(cls, kwargs, e)
+                    if fixed is None:
+                        break
+                    kwargs = fixed
+            if model is not None:
+                break
+        if model is None:
             errors.append(f"/{f}{f' heads<={heads}' if heads else ''}: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}")
             continue
         built = True
@@ -312,22 +428,173 @@ def first_tensor(out):
     return None
 
 
-def find_inputs(model) -> tuple[dict, dict]:
-    """(keyword inputs, the candidate) of the first combination whose forward runs."""
+def _grid(model, cand: dict) -> "ci.Grid":
+    cfg = _config(model)
+    s, t = _patch(cfg)
+    hidden = cand["hidden"][1]
+    side = hidden[-1] if len(hidden) >= 4 else 4 * s
+    chans = _ints(cfg, "in_channels", "in_dim", "in_chans", "latent_channels", "input_dim")[:1] or [4]
+    # a text length the config fixes (a positional table sized for it)
+    text = [v for v in _ints(cfg, "text", "caption", "prompt") if any(w in k.lower() for k in cfg for w in ("len", "seq"))
+            and any(cfg.get(k) == v and ("len" in k.lower() or "seq" in k.lower()) for k in cfg) and v <= 512]
+    return ci.Grid(frames=max(2, t), height=side, width=side, channels=chans[0], patch=s, patch_t=t,
+                   text=text[0] if text else ci.TEXT_LEN)
+
+
+def _default_roles(rank: int) -> list:
+    return {1: ["batch"], 2: ["batch", "dim"], 3: ["batch", "tokens", "dim"],
+            4: ["batch", "channels", "height", "width"],
+            5: ["batch", "channels", "frames", "height", "width"]}.get(rank, ["batch"] + [None] * (rank - 1))
+
+
+class _Maker:
+    """Builds a value for one forward parameter on demand (the repair loop asks it): what the
+    code asks of it (``forward_needs``), else a rule by the parameter's name."""
+
+    def __init__(self, model, cand: dict, needs: dict, seed: int = 0):
+        self.model, self.cand, self.needs = model, cand, needs
+        self.grid = _grid(model, cand)
+        self.gen = torch.Generator().manual_seed(seed + 1)
+        self.params = [p.name for p in inspect.signature(model.forward).parameters.values()
+                       if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        self.first = self.params[0] if self.params else None
+        self.annotations = {p.name: p.annotation for p in inspect.signature(model.forward).parameters.values()
+                            if p.annotation is not inspect.Parameter.empty}
+
+    def __call__(self, name: str, kwargs: dict, rank: int | None = None):
+        import copy
+
+        ann = self.annotations.get(name)
+        if ann is not None and rank is None:
+            val = ci.structured(ann, self.grid, lambda: self(name, kwargs, rank=4 if name == self.first else 3))
+            if val is not None:
+                return val
+        need = copy.copy(self.needs.get(name) or ci.Need())
+        hidden = name == self.first
+        if rank is not None:
+            need.roles = need.roles if need.roles and len(need.roles) == rank else _default_roles(rank)
+        if not need.empty():
+            val = ci.tensor_for(name, need, self.grid, self.gen, hidden=hidden)
+            if val is not None:
+                return val
+        return self.by_name(name, kwargs)
+
+    def by_name(self, name: str, kwargs: dict):
+        g, low, grid = self.grid, name.lower(), self.grid
+        hidden = kwargs.get(self.first)
+        tokens = hidden.shape[1] if isinstance(hidden, torch.Tensor) and hidden.ndim == 3 else g.tokens(
+            hidden.ndim if isinstance(hidden, torch.Tensor) else 4)
+        texty = any(w in low for w in ("encoder", "text", "txt", "caption", "prompt", "context", "cond"))
+        length = g.text if texty else tokens
+        ann = str(self.annotations.get(name, ""))
+        if ann and "int" in ann and "Tensor" not in ann and "list" not in ann.lower() and "tuple" not in ann.lower():
+            # a size the forward takes as a plain int: the token grid's (frames, height, width)
+            role = ci.axis_role(name)
+            grid_t = (max(1, g.frames // g.patch_t), g.height // g.patch, g.width // g.patch)
+            return {"frames": grid_t[0], "height": grid_t[1], "width": grid_t[2],
+                    "tokens": length}.get(role, 1)
+        if "mask" in low:
+            return torch.ones(1, length, dtype=torch.long)
+        if low.endswith("ids") or "index" in low or "indices" in low or "position" in low or "pos" in low.split("_"):
+            return torch.zeros(1, length, dtype=torch.long)
+        if "len" in low or "length" in low:
+            return torch.full((1,), length, dtype=torch.long)
+        if "time" in low or "sigma" in low:
+            return torch.full((1,), 0.5 if "sigma" in low else 500.0)
+        if "size" in low or "shape" in low:
+            return torch.tensor([[g.height, g.width]], dtype=torch.long)
+        if "scale" in low:
+            return torch.ones(1)
+        return torch.randn((1, length, g.channels), generator=self.gen)
+
+
+def _run(model, kwargs):
+    with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
+        out = first_tensor(model(**kwargs))
+    if out is None or not torch.isfinite(out).all():
+        raise Refused("the forward gave no finite tensor")
+    return out
+
+
+def _first_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: " + (str(exc).splitlines()[0][:120] if str(exc) else "")
+
+
+REPAIRS = 12
+
+
+def _flow_inputs(model, cand: dict, needs: dict, maker: "_Maker") -> dict:
+    """The candidate's name-rule inputs with every tensor the code's data flow says more about
+    rebuilt to meet it."""
+    kwargs = make_inputs(model, cand, text_len=maker.grid.text)
+    for name, val in list(kwargs.items()):
+        if val is None:  # required, and no name rule: what the code or the annotation asks
+            kwargs[name] = maker(name, kwargs)
+            continue
+        need = needs.get(name)
+        if need is None or need.empty() or not (val is None or isinstance(val, torch.Tensor)):
+            continue
+        if isinstance(val, torch.Tensor) and val.ndim == 1 and not need.vocab:
+            continue  # a scalar per batch (timestep, guidance): name rules know best
+        new = ci.tensor_for(name, need, maker.grid, maker.gen, hidden=name == maker.first)
+        if new is not None:
+            kwargs[name] = new
+    return kwargs
+
+
+def _regrid(exc, model, cand, needs, maker, forbid):
+    """A size mismatch whose one side is the grid's text length or frame count (a positional table
+    sized by the config): the whole input set rebuilt on a grid with the other size."""
+    m = ci._SIZE.search(str(exc))
+    if not m:
+        return None
+    a, b = int(m.group(1)), int(m.group(2))
+    for attr in ("text", "frames"):
+        for old, new in ((a, b), (b, a)):
+            if getattr(maker.grid, attr) == old and 1 <= new <= 512 and (attr, new) not in forbid:
+                forbid.add((attr, new))
+                setattr(maker.grid, attr, new)
+                return _flow_inputs(model, cand, needs, maker), f"grid {attr} {old} -> {new}"
+    return None
+
+
+def find_inputs(model, log=None) -> tuple[dict, dict]:
+    """(keyword inputs, the candidate) of the first combination whose forward runs: the name
+    rules' candidates as they are, then each with the code's data flow applied and repaired from
+    the errors the forward raises (``coverage_inputs``)."""
     errors: dict[str, str] = {}
-    for cand in input_candidates(model):
+    cands = input_candidates(model)
+    for cand in cands:
         kwargs = make_inputs(model, cand)
         try:
-            with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
-                out = first_tensor(model(**kwargs))
+            _run(model, kwargs)
         except Exception as exc:
-            errors.setdefault(cand["hidden"][0], f"{type(exc).__name__}: " +
-                              (str(exc).splitlines()[0][:120] if str(exc) else ""))
-            continue
-        if out is None or not torch.isfinite(out).all():
-            errors.setdefault(cand["hidden"][0], "the forward gave no finite tensor")
+            errors.setdefault(cand["hidden"][0], _first_line(exc))
             continue
         return kwargs, cand
+    needs = ci.forward_needs(model)
+    seen = []
+    for cand in cands:
+        maker = _Maker(model, cand, needs)
+        for start in (_flow_inputs(model, cand, needs, maker), make_inputs(model, cand)):
+            sig = {k: (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else repr(v) for k, v in start.items()}
+            if sig in seen:
+                continue
+            seen.append(sig)
+            kwargs, forbid = start, set()
+            for _ in range(REPAIRS):
+                try:
+                    _run(model, kwargs)
+                except Exception as exc:
+                    fixed = _regrid(exc, model, cand, needs, maker, forbid) or ci.repair(exc, kwargs, maker, forbid)
+                    if log:
+                        log(cand["hidden"][0], _summary(exc), fixed[1] if fixed else None)
+                    if fixed is None:
+                        errors[f"{cand['hidden'][0]}+flow"] = _first_line(exc)
+                        break
+                    kwargs = fixed[0]
+                    continue
+                return kwargs, cand
     raise Refused("no inputs from the forward signature run it: " + "; ".join(f"{k}: {v}" for k, v in errors.items()))
 
 
