@@ -215,3 +215,22 @@ class SideStreamReadsHidden(ModelMixin, ConfigMixin):
 def test_a_folded_loop_whose_input_is_named_like_a_stream_role():
     row = coverage.check_class(SideStreamReadsHidden, cp=False)
     assert row.outcome == "correct" and row.folded, (row.outcome, row.stage, row.reason)
+
+
+def test_a_diffusers_class_only_the_data_flow_reaches():
+    # packed latents whose width only img_in (a Linear) tells, and img_shapes annotated as
+    # list[tuple[int, int, int]]: built from the token grid; the name rules alone refuse it
+    import diffusers
+
+    model, _ = coverage.build_tiny(diffusers.QwenImageTransformer2DModel)
+    kwargs, _ = coverage.find_inputs(model)
+    tokens = kwargs["hidden_states"].shape[1]
+    (f, h, w), = kwargs["img_shapes"]
+    assert f * h * w == tokens and kwargs["hidden_states"].shape[-1] == model.img_in.in_features
+
+
+def test_layer_indices_shrink_with_the_layer_count():
+    import diffusers
+
+    kw = coverage.shrink_config(diffusers.WanVACETransformer3DModel, 8, 2)
+    assert kw["num_layers"] == 2 and list(kw["vace_layers"]) == [0, 1]

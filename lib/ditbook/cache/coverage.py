@@ -147,10 +147,15 @@ def shrink_config(cls: type, factor: int, heads: int | None = None) -> dict:
                 out[p.name] = type(d)(min(x, 2) for x in d)
             elif max(d) >= 16 and all(x % factor == 0 for x in d):
                 out[p.name] = type(d)(x // factor for x in d)
-                if ("axes" in p.name.lower() or "rope" in p.name.lower()) and all(x % 2 == 0 for x in d) \
-                        and any(x % 2 for x in out[p.name]):
-                    # rotary axes are pairs of dims: this factor cannot keep them even
-                    raise Refused(f"{p.name} {tuple(d)} /{factor} has odd rotary axes")
+    # rotary axes that sum to the head dim by default keep doing so when a head cap changed it
+    defaults = {k: v.default for k, v in params.items() if v.default is not inspect.Parameter.empty}
+    head0, head1 = _head_dim(defaults), _head_dim({**defaults, **out})
+    for p in params.values():
+        d = out.get(p.name, p.default)
+        if ("axes" in p.name.lower() or "rope" in p.name.lower()) and isinstance(p.default, (tuple, list)) \
+                and p.default and all(isinstance(x, int) for x in p.default) and head0 and head1 \
+                and sum(p.default) == head0 and sum(d) != head1 and head1 % sum(d) == 0:
+            out[p.name] = type(d)(x * (head1 // sum(d)) for x in d)
     # rotary axes left None by default: two even halves of the head dim (they must sum to it)
     for p in params.values():
         if p.default is None and ("axes" in p.name.lower()) and p.name not in out:
@@ -495,7 +500,9 @@ class _Maker:
                     "tokens": length}.get(role, 1)
         if "mask" in low:
             return torch.ones(1, length, dtype=torch.long)
-        if low.endswith("ids") or "index" in low or "indices" in low or "position" in low or "pos" in low.split("_"):
+        if "index" in low or "indices" in low:
+            return torch.arange(length)  # a 1-D list of positions
+        if low.endswith("ids") or "position" in low or "pos" in low.split("_"):
             return torch.zeros(1, length, dtype=torch.long)
         if "len" in low or "length" in low:
             return torch.full((1,), length, dtype=torch.long)
@@ -539,12 +546,21 @@ def _flow_inputs(model, cand: dict, needs: dict, maker: "_Maker") -> dict:
         new = ci.tensor_for(name, need, maker.grid, maker.gen, hidden=name == maker.first)
         if new is not None:
             kwargs[name] = new
+    for name, val in kwargs.items():  # masks as integers: they are summed, compared and indexed with
+        if "mask" in name.lower() and isinstance(val, torch.Tensor) and val.is_floating_point():
+            kwargs[name] = torch.ones(val.shape, dtype=torch.long)
     return kwargs
 
 
 def _regrid(exc, model, cand, needs, maker, forbid):
     """A size mismatch whose one side is the grid's text length or frame count (a positional table
     sized by the config): the whole input set rebuilt on a grid with the other size."""
+    if "divisible" in str(exc) and maker.grid.height < 8 * maker.grid.patch * 4 and ("grow", maker.grid.height) not in forbid:
+        # a token grid too small for the model's windows/tiles: twice as large on each side
+        forbid.add(("grow", maker.grid.height))
+        maker.grid.height *= 2
+        maker.grid.width *= 2
+        return _flow_inputs(model, cand, needs, maker), f"grid {maker.grid.height}x{maker.grid.width}"
     m = ci._SIZE.search(str(exc))
     if not m:
         return None
@@ -573,6 +589,12 @@ def find_inputs(model, log=None) -> tuple[dict, dict]:
             continue
         return kwargs, cand
     needs = ci.forward_needs(model)
+    required = [p.name for p in inspect.signature(model.forward).parameters.values()
+                if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    state = [n for n in required if ci.never_supplied(n)]
+    if state:
+        raise Refused(f"the forward requires {state}: state/cache objects of a running pipeline that the probe "
+                      f"does not make up")
     seen = []
     for cand in cands:
         maker = _Maker(model, cand, needs)
@@ -595,7 +617,9 @@ def find_inputs(model, log=None) -> tuple[dict, dict]:
                     kwargs = fixed[0]
                     continue
                 return kwargs, cand
-    raise Refused("no inputs from the forward signature run it: " + "; ".join(f"{k}: {v}" for k, v in errors.items()))
+    # the data-flow attempts' last errors first: they went furthest
+    order = sorted(errors, key=lambda k: not k.endswith("+flow"))
+    raise Refused("no inputs from the forward signature run it: " + "; ".join(f"{k}: {errors[k]}" for k in order))
 
 
 # --- the stages' checks ------------------------------------------------------------------------

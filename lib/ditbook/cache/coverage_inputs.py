@@ -322,6 +322,8 @@ def tensor_for(name: str, need: Need, grid: Grid, gen: torch.Generator, hidden: 
                 shape.append(grid.height)
             elif r == "width":
                 shape.append(grid.width)
+            elif r is None and i == 1 and len(roles) >= 4:
+                shape.append(need.channels or grid.channels)  # (batch, ?, ..., height, width): channels
             elif r == "tokens" or r is None and i == 1:
                 shape.append(grid.tokens(5 if grid.frames > 1 and hidden else 4) if hidden else grid.text)
             elif r == "dim" or i == len(roles) - 1:
@@ -430,7 +432,7 @@ def repair(exc: BaseException, kwargs: dict, make, forbid: set) -> tuple[dict, s
                 new = dict(kwargs)
                 new[name] = torch.randn(tuple(val.shape[:-1]) + (c,))
                 return new, f"{name}: last dim {b} -> {c}"
-    if "NoneType" in msg or "None" in msg:
+    if ("NoneType" in msg or "None" in msg) and "not callable" not in msg:
         for n in _none_params(exc, params, kwargs):
             if ("supply", n) in forbid or never_supplied(n):
                 continue
@@ -440,7 +442,26 @@ def repair(exc: BaseException, kwargs: dict, make, forbid: set) -> tuple[dict, s
                 new = dict(kwargs)
                 new[n] = val
                 return new, f"supplied {n}"
-    if "indices" in msg and ("Long" in msg or "Int" in msg):
+    if "where expected condition to be a boolean" in msg:
+        for name, val in kwargs.items():
+            if isinstance(val, torch.Tensor) and val.dtype != torch.bool and "mask" in name.lower() \
+                    and (name, "bool") not in forbid \
+                    and any(v is val for _, v in _failing_locals(exc)):
+                forbid.add((name, "bool"))
+                new = dict(kwargs)
+                new[name] = val != 0
+                return new, f"{name}: a boolean mask"
+    # the error message names a forward parameter: supply it when missing
+    for n in re.findall(r"[`'\"](\w+)[`'\"]", msg):
+        if n in params and kwargs.get(n) is None and ("supply", n) not in forbid and not never_supplied(n):
+            forbid.add(("supply", n))
+            val = make(n, kwargs)
+            if val is not None:
+                new = dict(kwargs)
+                new[n] = val
+                return new, f"supplied {n} (named by the error)"
+    low_msg = msg.lower()
+    if "indices" in low_msg and ("long" in low_msg or "int" in low_msg):
         for name, val in kwargs.items():
             if isinstance(val, torch.Tensor) and val.is_floating_point() and (name, "long") not in forbid:
                 if any(v is val for _, v in _failing_locals(exc)):
