@@ -234,3 +234,23 @@ def test_layer_indices_shrink_with_the_layer_count():
 
     kw = coverage.shrink_config(diffusers.WanVACETransformer3DModel, 8, 2)
     assert kw["num_layers"] == 2 and list(kw["vace_layers"]) == [0, 1]
+
+
+class FixedTextTable(nn.Module):
+    """A learned positional table for exactly 20 text tokens; nothing in the signature says so."""
+
+    def __init__(self, dim: int = 8):
+        super().__init__()
+        self.proj_in = nn.Linear(6, dim)
+        self.context = nn.Linear(12, dim)
+        self.text_pos = nn.Parameter(torch.zeros(1, 20, dim))
+
+    def forward(self, hidden_states, encoder_hidden_states):
+        ctx = self.context(encoder_hidden_states) + self.text_pos
+        return (self.proj_in(hidden_states) + ctx.mean(1, keepdim=True),)
+
+
+def test_a_text_length_a_positional_table_fixes_is_found_from_the_size_error():
+    kwargs, _ = coverage.find_inputs(FixedTextTable())
+    assert kwargs["encoder_hidden_states"].shape == (1, 20, 12)
+    assert kwargs["hidden_states"].shape[-1] == 6

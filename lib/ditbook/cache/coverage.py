@@ -6,13 +6,22 @@ Per class (``check_class``):
 1. **build** a tiny instance from its ``__init__`` defaults shrunk by generic rules
    (``shrink_config``): int parameters that count layers/blocks/depth become 2, every other int
    (and int tuple) of 32 or more is divided by one common factor (8, then 4, then 2), so the
-   ratios between widths, head dims and RoPE axes stay what the class expects. A class that no
-   factor builds is ``refused`` with the constructor's error.
+   ratios between widths, head dims and RoPE axes stay what the class expects; layer-index
+   lists keep their places among 2 layers; rotary axes that sum to the head dim keep doing so
+   under a head cap, and axes left None become two halves of it. A constructor that fails on a
+   parameter left None (``ctor_repair``, from the traceback's ``__init__`` frame) gets a value
+   derived from the code: a tuple where it is subscripted by an int, else the value of the most
+   similarly named parameter. A class that no factor builds is ``refused`` with the error.
 2. **inputs** from the forward signature (``make_inputs``): the parameters are matched by name
    to tensors whose shapes come from the config (image latents as 4-D, 5-D or packed 3-D,
    text states with the width of a text/caption/joint/cross config entry, pooled vectors,
-   timesteps, position ids); the first combination whose forward runs is kept. None runs:
-   ``refused`` with the last error.
+   timesteps, position ids); the first combination whose forward runs is kept. When none runs,
+   ``find_inputs`` rebuilds each from the forward's data flow (``coverage_inputs.forward_needs``:
+   the first submodule each parameter reaches, how its shape is unpacked, its documented shape,
+   its annotation) and repairs it from the errors the forward raises (a None parameter the code
+   reads, a matrix product's width, index/mask dtypes, a rank, a text length or frame count a
+   positional table fixes, a token grid too small), a bounded number of times. None runs:
+   ``refused`` with the errors (the data-flow attempts' first).
 3. **inspection** (``ditbook.inspect``): static report plus a traced call.
 4. **cache adapter** (``build_cache_adapter``) and the dbcache strategy with caching off: every
    step's output equal to the plain forward (max abs diff <= 1e-5, fp32); then with caching on,
@@ -552,7 +561,18 @@ def _flow_inputs(model, cand: dict, needs: dict, maker: "_Maker") -> dict:
     return kwargs
 
 
-def _regrid(exc, model, cand, needs, maker, forbid):
+def _regrid(exc, kwargs, model, cand, needs, maker, forbid):
+    fixed = _regrid_inputs(exc, model, cand, needs, maker, forbid)
+    if fixed is None:
+        return None
+    new, why = fixed
+    for k, v in kwargs.items():  # what the repairs supplied so far, made again on the new grid
+        if new.get(k) is None and v is not None:
+            new[k] = maker(k, new)
+    return new, why
+
+
+def _regrid_inputs(exc, model, cand, needs, maker, forbid):
     """A size mismatch whose one side is the grid's text length or frame count (a positional table
     sized by the config): the whole input set rebuilt on a grid with the other size."""
     if "divisible" in str(exc) and maker.grid.height < 8 * maker.grid.patch * 4 and ("grow", maker.grid.height) not in forbid:
@@ -571,6 +591,13 @@ def _regrid(exc, model, cand, needs, maker, forbid):
                 forbid.add((attr, new))
                 setattr(maker.grid, attr, new)
                 return _flow_inputs(model, cand, needs, maker), f"grid {attr} {old} -> {new}"
+    # a sequence of text plus a fixed number of other tokens against a table sized for a longer
+    # text: the text longer by the difference
+    if int(m.group(3)) == 1 and b > a and maker.grid.text + (b - a) <= 512 and ("text+", b - a) not in forbid:
+        forbid.add(("text+", b - a))
+        old = maker.grid.text
+        maker.grid.text += b - a
+        return _flow_inputs(model, cand, needs, maker), f"grid text {old} -> {maker.grid.text}"
     return None
 
 
@@ -608,7 +635,7 @@ def find_inputs(model, log=None) -> tuple[dict, dict]:
                 try:
                     _run(model, kwargs)
                 except Exception as exc:
-                    fixed = _regrid(exc, model, cand, needs, maker, forbid) or ci.repair(exc, kwargs, maker, forbid)
+                    fixed = _regrid(exc, kwargs, model, cand, needs, maker, forbid) or ci.repair(exc, kwargs, maker, forbid)
                     if log:
                         log(cand["hidden"][0], _summary(exc), fixed[1] if fixed else None)
                     if fixed is None:
