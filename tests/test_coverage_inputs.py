@@ -254,3 +254,33 @@ def test_a_text_length_a_positional_table_fixes_is_found_from_the_size_error():
     kwargs, _ = coverage.find_inputs(FixedTextTable())
     assert kwargs["encoder_hidden_states"].shape == (1, 20, 12)
     assert kwargs["hidden_states"].shape[-1] == 6
+
+
+class NestedListLoopedByForward(ModelMixin, ConfigMixin):
+    """A block list inside a ModuleDict that the transformer's own forward loops over: cache-dit
+    (which finds lists by a direct attribute) cannot be handed it."""
+
+    @register_to_config
+    def __init__(self, in_channels: int = 8, dim: int = 16, num_layers: int = 2):
+        super().__init__()
+        self.proj_in = nn.Linear(in_channels, dim)
+        self.time = nn.Linear(1, dim)
+        self.modes = nn.ModuleDict({"image": nn.ModuleList([Block(dim) for _ in range(num_layers)])})
+        self.blocks = nn.ModuleList([Block(dim) for _ in range(num_layers)])
+        self.norm_out = nn.LayerNorm(dim)
+        self.proj_out = nn.Linear(dim, in_channels)
+
+    def forward(self, hidden_states, timestep, return_dict: bool = False):
+        x = self.proj_in(hidden_states)
+        temb = self.time(timestep[:, None] / 1000.0)
+        for block in self.modes.image:
+            x = block(x, temb)
+        for block in self.blocks:
+            x = block(x, temb)
+        return (self.proj_out(self.norm_out(x)),)
+
+
+def test_a_nested_block_list_looped_by_the_forward_is_left_uncached_not_handed_to_cache_dit():
+    row = coverage.check_class(NestedListLoopedByForward, cp=False)
+    assert row.outcome == "correct", (row.outcome, row.stage, row.reason)
+    assert any(b.startswith("modes.image") for b in row.block_lists)
