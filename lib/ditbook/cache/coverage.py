@@ -451,7 +451,9 @@ def _grid(model, cand: dict) -> "ci.Grid":
     # a text length the config fixes (a positional table sized for it)
     text = [v for v in _ints(cfg, "text", "caption", "prompt") if any(w in k.lower() for k in cfg for w in ("len", "seq"))
             and any(cfg.get(k) == v and ("len" in k.lower() or "seq" in k.lower()) for k in cfg) and v <= 512]
+    axes = next((v for k, v in cfg.items() if "axes" in k.lower() and isinstance(v, (tuple, list))), None)
     return ci.Grid(frames=max(2, t), height=side, width=side, channels=chans[0], patch=s, patch_t=t,
+                   n_axes=len(axes) if axes else 3,
                    text=text[0] if text else ci.TEXT_LEN)
 
 

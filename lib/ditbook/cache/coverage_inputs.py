@@ -290,6 +290,7 @@ class Grid:
     channels: int = 4
     patch: int = 2
     patch_t: int = 1
+    n_axes: int = 3  # rotary position axes (the length of a config's axes tuple)
 
     def tokens(self, rank: int = 4) -> int:
         t = (self.height // self.patch) * (self.width // self.patch)
@@ -322,6 +323,8 @@ def tensor_for(name: str, need: Need, grid: Grid, gen: torch.Generator, hidden: 
                 shape.append(grid.height)
             elif r == "width":
                 shape.append(grid.width)
+            elif r is None and i == len(roles) - 1 and (low.endswith("ids") or "position" in low):
+                shape.append(grid.n_axes)  # position ids: one coordinate per rotary axis
             elif r is None and i == 1 and len(roles) >= 4:
                 shape.append(need.channels or grid.channels)  # (batch, ?, ..., height, width): channels
             elif r == "tokens" or r is None and i == 1:
@@ -330,6 +333,8 @@ def tensor_for(name: str, need: Need, grid: Grid, gen: torch.Generator, hidden: 
                 shape.append(need.last or (like.shape[-1] if like is not None else grid.channels))
             else:
                 shape.append(2)
+        if low.endswith("ids") or "position" in low:
+            return torch.zeros(tuple(shape), dtype=torch.long)
         if need.last and shape[-1] != need.last and roles[-1] not in ("width", "height"):
             shape[-1] = need.last
         return torch.randn(tuple(shape), generator=gen)
