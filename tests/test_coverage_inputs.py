@@ -162,7 +162,7 @@ class NeedsDerivedCtorArgs(ModelMixin, ConfigMixin):
 
 
 def test_constructor_repair_derives_none_defaults_from_the_other_arguments():
-    model, factor = coverage.build_tiny(NeedsDerivedCtorArgs)
+    model, _ = coverage.build_tiny(NeedsDerivedCtorArgs)
     cfg = model.config
     assert cfg.out_channels == cfg.in_channels  # the most similarly named argument
     assert len(cfg.caption_channels) == 2  # subscripted by an int: a tuple

@@ -449,8 +449,9 @@ def _grid(model, cand: dict) -> "ci.Grid":
     side = hidden[-1] if len(hidden) >= 4 else 4 * s
     chans = _ints(cfg, "in_channels", "in_dim", "in_chans", "latent_channels", "input_dim")[:1] or [4]
     # a text length the config fixes (a positional table sized for it)
-    text = [v for v in _ints(cfg, "text", "caption", "prompt") if any(w in k.lower() for k in cfg for w in ("len", "seq"))
-            and any(cfg.get(k) == v and ("len" in k.lower() or "seq" in k.lower()) for k in cfg) and v <= 512]
+    text = [v for k, v in cfg.items() if isinstance(v, int) and not isinstance(v, bool) and 0 < v <= 512
+            and any(w in k.lower() for w in ("text", "caption", "prompt"))
+            and any(w in k.lower() for w in ("len", "seq"))]
     axes = next((v for k, v in cfg.items() if "axes" in k.lower() and isinstance(v, (tuple, list))), None)
     return ci.Grid(frames=max(2, t), height=side, width=side, channels=chans[0], patch=s, patch_t=t,
                    n_axes=len(axes) if axes else 3,
@@ -496,7 +497,7 @@ class _Maker:
         return self.by_name(name, kwargs)
 
     def by_name(self, name: str, kwargs: dict):
-        g, low, grid = self.grid, name.lower(), self.grid
+        g, low = self.grid, name.lower()
         hidden = kwargs.get(self.first)
         tokens = hidden.shape[1] if isinstance(hidden, torch.Tensor) and hidden.ndim == 3 else g.tokens(
             hidden.ndim if isinstance(hidden, torch.Tensor) else 4)
@@ -577,7 +578,8 @@ def _regrid(exc, kwargs, model, cand, needs, maker, forbid):
 def _regrid_inputs(exc, model, cand, needs, maker, forbid):
     """A size mismatch whose one side is the grid's text length or frame count (a positional table
     sized by the config): the whole input set rebuilt on a grid with the other size."""
-    if "divisible" in str(exc) and maker.grid.height < 8 * maker.grid.patch * 4 and ("grow", maker.grid.height) not in forbid:
+    if "divisible" in str(exc) and maker.grid.height < 8 * maker.grid.patch * 4 \
+            and ("grow", maker.grid.height) not in forbid:
         # a token grid too small for the model's windows/tiles: twice as large on each side
         forbid.add(("grow", maker.grid.height))
         maker.grid.height *= 2
@@ -637,7 +639,8 @@ def find_inputs(model, log=None) -> tuple[dict, dict]:
                 try:
                     _run(model, kwargs)
                 except Exception as exc:
-                    fixed = _regrid(exc, kwargs, model, cand, needs, maker, forbid) or ci.repair(exc, kwargs, maker, forbid)
+                    fixed = (_regrid(exc, kwargs, model, cand, needs, maker, forbid)
+                             or ci.repair(exc, kwargs, maker, forbid))
                     if log:
                         log(cand["hidden"][0], _summary(exc), fixed[1] if fixed else None)
                     if fixed is None:

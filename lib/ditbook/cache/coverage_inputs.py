@@ -50,8 +50,6 @@ def axis_role(name: str | None) -> str | None:
     for word, role in _ROLE_WORDS:
         if word in low:
             return role
-    if low.startswith("post_patch_") or low.startswith("p"):
-        return None
     return None
 
 
@@ -167,7 +165,7 @@ def module_need(mod: nn.Module, position, depth: int = 0) -> Need:
         return module_need(mod[0], 0, depth + 1)
     elif depth < 3 and type(mod).forward is not nn.Module.forward:
         sub = forward_needs(mod, depth + 1)
-        fn, node = _source_tree(type(mod).forward)
+        _, node = _source_tree(type(mod).forward)
         if node is not None:
             params = _param_names(node)
             name = params[position] if isinstance(position, int) and position < len(params) else position

@@ -315,7 +315,8 @@ def _rewritten_forward_source(cls, folds: list[LoopFold]) -> str:
             continue
         fold = by_path[path]
         names = ["hidden_states", "encoder_hidden_states"][: len(fold.carried)]
-        kws = [f"{role}={var}" for role, var in zip(names, fold.carried)] + [f"{fold.input_keyword(n)}={n}" for n in fold.inputs]
+        kws = [f"{role}={var}" for role, var in zip(names, fold.carried)] + \
+            [f"{fold.input_keyword(n)}={n}" for n in fold.inputs]
         target = ", ".join(fold.carried)
         loop.body = ast.parse(f"{target} = {block_var}({', '.join(kws)})").body
     fn.name = method
