@@ -284,3 +284,16 @@ def test_a_nested_block_list_looped_by_the_forward_is_left_uncached_not_handed_t
     row = coverage.check_class(NestedListLoopedByForward, cp=False)
     assert row.outcome == "correct", (row.outcome, row.stage, row.reason)
     assert any(b.startswith("modes.image") for b in row.block_lists)
+
+
+def test_a_width_tied_to_heads_times_head_dim_follows_a_head_cap():
+    class Fake:
+        def __init__(self, num_attention_heads=24, attention_head_dim=64, cross_attention_dim=1536,
+                     caption_dim=4096, axes_dims_rope=(16, 24, 24)):
+            pass
+
+    kw = coverage.shrink_config(Fake, 8, heads=2)
+    assert kw["num_attention_heads"] == 2 and kw["attention_head_dim"] == 8
+    assert kw["cross_attention_dim"] == 16  # 24 x 64 by default: 2 x 8 now
+    assert kw["caption_dim"] == 512  # not tied to the heads: only divided
+    assert sum(kw["axes_dims_rope"]) == 8  # summed to the head dim by default: still does

@@ -165,6 +165,17 @@ def shrink_config(cls: type, factor: int, heads: int | None = None) -> dict:
                 and p.default and all(isinstance(x, int) for x in p.default) and head0 and head1 \
                 and sum(p.default) == head0 and sum(d) != head1 and head1 % sum(d) == 0:
             out[p.name] = type(d)(x * (head1 // sum(d)) for x in d)
+    # widths that equal heads x head dim by default (an attention width fed from the inner
+    # dim) keep doing so when a head cap changed the inner dim
+    heads0 = next((v.default for k, v in params.items() if _is_head_count(k) and "kv" not in k.lower()
+                   and isinstance(v.default, int) and v.default > 0), None)
+    heads1 = next((out.get(k) for k, v in params.items() if _is_head_count(k) and "kv" not in k.lower()
+                   and isinstance(v.default, int) and v.default > 0), None)
+    if head0 and head1 and heads0 and heads1 and heads1 != heads0:
+        for p in params.values():
+            if isinstance(p.default, int) and not isinstance(p.default, bool) and p.default == head0 * heads0 \
+                    and "dim" in p.name.lower() and "head" not in p.name.lower():
+                out[p.name] = head1 * heads1
     # rotary axes left None by default: two even halves of the head dim (they must sum to it)
     for p in params.values():
         if p.default is None and ("axes" in p.name.lower()) and p.name not in out:
