@@ -159,8 +159,13 @@ def generate_adapter_source(pipe, report: ArchReport, model: str, *, force_fold:
     uncached: list[str] = []
     for bl in report.block_lists:
         u = uses[bl.path]
-        if "." in bl.path and not u.loops:
-            uncached.append(f"{bl.path}: nested inside {bl.path.rsplit('.', 1)[0]}, whose own code runs the loop; "
+        if "." in bl.path:
+            # cache-dit finds (and swaps) a block list by a direct attribute of the transformer:
+            # a list one level down cannot be handed to it, even when the transformer's own
+            # forward runs its loop
+            where = ("whose own code runs the loop" if not u.loops else
+                     "though the transformer's forward runs its loop")
+            uncached.append(f"{bl.path}: nested inside {bl.path.rsplit('.', 1)[0]}, {where}; "
                             f"cache-dit swaps block lists by attribute of the transformer, so it is left uncached")
             continue
         unsafe = u.unsafe()

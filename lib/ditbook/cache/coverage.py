@@ -6,13 +6,22 @@ Per class (``check_class``):
 1. **build** a tiny instance from its ``__init__`` defaults shrunk by generic rules
    (``shrink_config``): int parameters that count layers/blocks/depth become 2, every other int
    (and int tuple) of 32 or more is divided by one common factor (8, then 4, then 2), so the
-   ratios between widths, head dims and RoPE axes stay what the class expects. A class that no
-   factor builds is ``refused`` with the constructor's error.
+   ratios between widths, head dims and RoPE axes stay what the class expects; layer-index
+   lists keep their places among 2 layers; rotary axes that sum to the head dim keep doing so
+   under a head cap, and axes left None become two halves of it. A constructor that fails on a
+   parameter left None (``ctor_repair``, from the traceback's ``__init__`` frame) gets a value
+   derived from the code: a tuple where it is subscripted by an int, else the value of the most
+   similarly named parameter. A class that no factor builds is ``refused`` with the error.
 2. **inputs** from the forward signature (``make_inputs``): the parameters are matched by name
    to tensors whose shapes come from the config (image latents as 4-D, 5-D or packed 3-D,
    text states with the width of a text/caption/joint/cross config entry, pooled vectors,
-   timesteps, position ids); the first combination whose forward runs is kept. None runs:
-   ``refused`` with the last error.
+   timesteps, position ids); the first combination whose forward runs is kept. When none runs,
+   ``find_inputs`` rebuilds each from the forward's data flow (``coverage_inputs.forward_needs``:
+   the first submodule each parameter reaches, how its shape is unpacked, its documented shape,
+   its annotation) and repairs it from the errors the forward raises (a None parameter the code
+   reads, a matrix product's width, index/mask dtypes, a rank, a text length or frame count a
+   positional table fixes, a token grid too small), a bounded number of times. None runs:
+   ``refused`` with the errors (the data-flow attempts' first).
 3. **inspection** (``ditbook.inspect``): static report plus a traced call.
 4. **cache adapter** (``build_cache_adapter``) and the dbcache strategy with caching off: every
    step's output equal to the plain forward (max abs diff <= 1e-5, fp32); then with caching on,
@@ -39,6 +48,8 @@ import traceback
 from dataclasses import asdict, dataclass, field
 
 import torch
+
+from . import coverage_inputs as ci
 
 LAYER_WORDS = ("layers", "layer", "depth", "num_blocks", "blocks")
 # (width divisor, head count cap): few heads first (fast), then the class's own head counts
@@ -116,7 +127,8 @@ def shrink_config(cls: type, factor: int, heads: int | None = None) -> dict:
     """Constructor keywords: layer counts 2, head counts at most ``heads`` (when given), other
     ints/int tuples >= 32 divided by ``factor`` (when they divide exactly; left alone otherwise)."""
     out = {}
-    for p in inspect.signature(cls.__init__).parameters.values():
+    params = inspect.signature(cls.__init__).parameters
+    for p in params.values():
         d = p.default
         if p.name == "self" or d is inspect.Parameter.empty:
             continue
@@ -134,11 +146,54 @@ def shrink_config(cls: type, factor: int, heads: int | None = None) -> dict:
             elif d >= 32 and d % factor == 0:
                 out[p.name] = d // factor
         elif isinstance(d, (tuple, list)) and d and all(isinstance(x, int) and not isinstance(x, bool) for x in d):
-            if _is_layer_count(p.name):
+            counts = [v.default for v in params.values() if _is_layer_count(v.name) and isinstance(v.default, int)
+                      and not isinstance(v.default, bool)]
+            if "layer" in p.name.lower() and len(d) > 1 and list(d) == sorted(set(d)) and counts \
+                    and max(d) < max(counts):
+                # indices into the layers (which layers get an extra input): the same places in 2 layers
+                out[p.name] = type(d)(sorted({x * 2 // max(counts) for x in d}))
+            elif _is_layer_count(p.name):
                 out[p.name] = type(d)(min(x, 2) for x in d)
             elif max(d) >= 16 and all(x % factor == 0 for x in d):
                 out[p.name] = type(d)(x // factor for x in d)
+    # rotary axes that sum to the head dim by default keep doing so when a head cap changed it
+    defaults = {k: v.default for k, v in params.items() if v.default is not inspect.Parameter.empty}
+    head0, head1 = _head_dim(defaults), _head_dim({**defaults, **out})
+    for p in params.values():
+        d = out.get(p.name, p.default)
+        if ("axes" in p.name.lower() or "rope" in p.name.lower()) and isinstance(p.default, (tuple, list)) \
+                and p.default and all(isinstance(x, int) for x in p.default) and head0 and head1 \
+                and sum(p.default) == head0 and sum(d) != head1 and head1 % sum(d) == 0:
+            out[p.name] = type(d)(x * (head1 // sum(d)) for x in d)
+    # widths that equal heads x head dim by default (an attention width fed from the inner
+    # dim) keep doing so when a head cap changed the inner dim
+    heads0 = next((v.default for k, v in params.items() if _is_head_count(k) and "kv" not in k.lower()
+                   and isinstance(v.default, int) and v.default > 0), None)
+    heads1 = next((out.get(k) for k, v in params.items() if _is_head_count(k) and "kv" not in k.lower()
+                   and isinstance(v.default, int) and v.default > 0), None)
+    if head0 and head1 and heads0 and heads1 and heads1 != heads0:
+        for p in params.values():
+            if isinstance(p.default, int) and not isinstance(p.default, bool) and p.default == head0 * heads0 \
+                    and "dim" in p.name.lower() and "head" not in p.name.lower():
+                out[p.name] = head1 * heads1
+    # rotary axes left None by default: two even halves of the head dim (they must sum to it)
+    for p in params.values():
+        if p.default is None and ("axes" in p.name.lower()) and p.name not in out:
+            head = _head_dim({**{k: v.default for k, v in params.items()}, **out})
+            if head and head % 4 == 0:
+                out[p.name] = (head // 2, head // 2)
     return out
+
+
+def _head_dim(cfg: dict) -> int | None:
+    hd = next((v for k, v in cfg.items() if "head_dim" in k.lower() and isinstance(v, int)), None)
+    if hd:
+        return hd
+    width = next((v for k, v in cfg.items() if k.lower() in ("hidden_size", "inner_dim", "dim", "hidden_dim", "width")
+                  and isinstance(v, int)), None)
+    heads = next((v for k, v in cfg.items() if _is_head_count(k) and "kv" not in k.lower() and isinstance(v, int)
+                  and v > 0), None)
+    return width // heads if width and heads and width % heads == 0 else None
 
 
 def build_tiny(cls: type, ladder=LADDER):
@@ -148,18 +203,104 @@ def build_tiny(cls: type, ladder=LADDER):
     raise AssertionError("unreachable")
 
 
+CTOR_REPAIRS = 4
+_GENERIC_TOKENS = {"num", "dim", "size", "of", "max", "n", "default"}
+
+
+def _init_usage(cls: type) -> dict[str, set]:
+    """How ``cls.__init__``'s code uses each parameter: ``{"int-index", "str-index"}`` when it
+    subscripts it with an int/str constant."""
+    import ast
+    import textwrap
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(cls.__init__))))
+    except (OSError, TypeError, SyntaxError):
+        return {}
+    out: dict[str, set] = {}
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) and isinstance(n.slice, ast.Constant):
+            kind = "str-index" if isinstance(n.slice.value, str) else "int-index"
+            out.setdefault(n.value.id, set()).add(kind)
+    return out
+
+
+def _similar_int(name: str, kwargs: dict, defaults: dict):
+    """The value of the constructor parameter whose name shares the most words with ``name``
+    (``out_channels`` -> ``in_channels``, ``num_kv_heads`` -> ``num_attention_heads``)."""
+    words = set(name.lower().split("_")) - _GENERIC_TOKENS
+    best, score = None, 0
+    for k in list(kwargs) + list(defaults):
+        v = kwargs.get(k, defaults.get(k))
+        if k == name or isinstance(v, bool) or not isinstance(v, int):
+            continue
+        sc = len(words & (set(k.lower().split("_")) - _GENERIC_TOKENS))
+        if sc > score:
+            best, score = v, sc
+    return best
+
+
+def ctor_repair(cls: type, kwargs: dict, exc: BaseException) -> dict | None:
+    """Constructor keywords that address ``exc``: a parameter whose default is None but which the
+    constructor's failing line uses gets a value derived from how the code uses it (subscripted by
+    an int: a tuple; otherwise an int: the value of the most similarly named parameter, else the
+    latent-image default). None when the error names no such parameter."""
+    sig = inspect.signature(cls.__init__).parameters
+    defaults = {k: v.default for k, v in sig.items() if v.default is not inspect.Parameter.empty}
+    frames = [f for f, _ in traceback.walk_tb(exc.__traceback__)]
+    own = [f for f in frames if f.f_code.co_name == "__init__" and isinstance(f.f_locals.get("self"), cls)]
+    if not own:
+        return None
+    frame = own[-1]
+    line = ci.statement_text(frame)
+    usage = _init_usage(cls)
+    new = dict(kwargs)
+    for name, val in frame.f_locals.items():
+        if val is not None or name not in defaults or defaults[name] is not None or name in kwargs:
+            continue
+        if not __import__("re").search(rf"\b{name}\b", line):
+            continue
+        uses = usage.get(name, set())
+        if "str-index" in uses:
+            continue  # a dict of settings: nothing generic to put in it
+        width = _similar_int(name, kwargs, defaults) or OPTIONAL_SHAPE_DEFAULTS.get(name) or 32
+        new[name] = (width, width) if "int-index" in uses else width
+    return new if new != kwargs else None
+
+
 def tiny_instances(cls: type, ladder=LADDER):
     """Instances for each rung (width divisor, head cap) the constructor accepts, smallest
     first; Refused when none."""
     errors = []
     built = False
     for f, heads in ladder:
-        kwargs = shrink_config(cls, f, heads)
         try:
-            torch.manual_seed(0)
-            with contextlib.redirect_stdout(io.StringIO()):
-                model = cls(**kwargs)
-        except Exception as exc:
+            kwargs = shrink_config(cls, f, heads)
+        except Refused as exc:
+            errors.append(f"/{f}: {exc}")
+            continue
+        model = exc = None
+        # with the optional latent-image sizes filled in, then (another input mode) without them
+        optional = {k for k in kwargs if k in OPTIONAL_SHAPE_DEFAULTS
+                    and inspect.signature(cls.__init__).parameters[k].default is None}
+        attempts = [kwargs] + [{k: v for k, v in kwargs.items() if k != o} for o in sorted(optional)]
+        for attempt in attempts:
+            kwargs = attempt
+            for _ in range(CTOR_REPAIRS + 1):
+                try:
+                    torch.manual_seed(0)
+                    with contextlib.redirect_stdout(io.StringIO()):
+                        model = cls(**kwargs)
+                    break
+                except Exception as e:
+                    exc = e
+                    fixed = ctor_repair(cls, kwargs, e)
+                    if fixed is None:
+                        break
+                    kwargs = fixed
+            if model is not None:
+                break
+        if model is None:
             errors.append(f"/{f}{f' heads<={heads}' if heads else ''}: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}")
             continue
         built = True
@@ -312,23 +453,216 @@ def first_tensor(out):
     return None
 
 
-def find_inputs(model) -> tuple[dict, dict]:
-    """(keyword inputs, the candidate) of the first combination whose forward runs."""
+def _grid(model, cand: dict) -> "ci.Grid":
+    cfg = _config(model)
+    s, t = _patch(cfg)
+    hidden = cand["hidden"][1]
+    side = hidden[-1] if len(hidden) >= 4 else 4 * s
+    chans = _ints(cfg, "in_channels", "in_dim", "in_chans", "latent_channels", "input_dim")[:1] or [4]
+    # a text length the config fixes (a positional table sized for it)
+    text = [v for k, v in cfg.items() if isinstance(v, int) and not isinstance(v, bool) and 0 < v <= 512
+            and any(w in k.lower() for w in ("text", "caption", "prompt"))
+            and any(w in k.lower() for w in ("len", "seq"))]
+    axes = next((v for k, v in cfg.items() if "axes" in k.lower() and isinstance(v, (tuple, list))), None)
+    return ci.Grid(frames=max(2, t), height=side, width=side, channels=chans[0], patch=s, patch_t=t,
+                   n_axes=len(axes) if axes else 3,
+                   text=text[0] if text else ci.TEXT_LEN)
+
+
+def _default_roles(rank: int) -> list:
+    return {1: ["batch"], 2: ["batch", "dim"], 3: ["batch", "tokens", "dim"],
+            4: ["batch", "channels", "height", "width"],
+            5: ["batch", "channels", "frames", "height", "width"]}.get(rank, ["batch"] + [None] * (rank - 1))
+
+
+class _Maker:
+    """Builds a value for one forward parameter on demand (the repair loop asks it): what the
+    code asks of it (``forward_needs``), else a rule by the parameter's name."""
+
+    def __init__(self, model, cand: dict, needs: dict, seed: int = 0):
+        self.model, self.cand, self.needs = model, cand, needs
+        self.grid = _grid(model, cand)
+        self.gen = torch.Generator().manual_seed(seed + 1)
+        self.params = [p.name for p in inspect.signature(model.forward).parameters.values()
+                       if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        self.first = self.params[0] if self.params else None
+        self.annotations = {p.name: p.annotation for p in inspect.signature(model.forward).parameters.values()
+                            if p.annotation is not inspect.Parameter.empty}
+
+    def __call__(self, name: str, kwargs: dict, rank: int | None = None):
+        import copy
+
+        ann = self.annotations.get(name)
+        if ann is not None and rank is None:
+            val = ci.structured(ann, self.grid, lambda: self(name, kwargs, rank=4 if name == self.first else 3))
+            if val is not None:
+                return val
+        need = copy.copy(self.needs.get(name) or ci.Need())
+        hidden = name == self.first
+        if rank is not None:
+            need.roles = need.roles if need.roles and len(need.roles) == rank else _default_roles(rank)
+        if not need.empty():
+            val = ci.tensor_for(name, need, self.grid, self.gen, hidden=hidden)
+            if val is not None:
+                return val
+        return self.by_name(name, kwargs)
+
+    def by_name(self, name: str, kwargs: dict):
+        g, low = self.grid, name.lower()
+        hidden = kwargs.get(self.first)
+        tokens = hidden.shape[1] if isinstance(hidden, torch.Tensor) and hidden.ndim == 3 else g.tokens(
+            hidden.ndim if isinstance(hidden, torch.Tensor) else 4)
+        texty = any(w in low for w in ("encoder", "text", "txt", "caption", "prompt", "context", "cond"))
+        length = g.text if texty else tokens
+        ann = str(self.annotations.get(name, ""))
+        if ann and "int" in ann and "Tensor" not in ann and "list" not in ann.lower() and "tuple" not in ann.lower():
+            # a size the forward takes as a plain int: the token grid's (frames, height, width)
+            role = ci.axis_role(name)
+            grid_t = (max(1, g.frames // g.patch_t), g.height // g.patch, g.width // g.patch)
+            return {"frames": grid_t[0], "height": grid_t[1], "width": grid_t[2],
+                    "tokens": length}.get(role, 1)
+        if "mask" in low:
+            return torch.ones(1, length, dtype=torch.long)
+        if "index" in low or "indices" in low:
+            return torch.arange(length)  # a 1-D list of positions
+        if low.endswith("ids") or "position" in low or "pos" in low.split("_"):
+            return torch.zeros(1, length, dtype=torch.long)
+        if "len" in low or "length" in low:
+            return torch.full((1,), length, dtype=torch.long)
+        if "time" in low or "sigma" in low:
+            return torch.full((1,), 0.5 if "sigma" in low else 500.0)
+        if "size" in low or "shape" in low:
+            return torch.tensor([[g.height, g.width]], dtype=torch.long)
+        if "scale" in low:
+            return torch.ones(1)
+        return torch.randn((1, length, g.channels), generator=self.gen)
+
+
+def _run(model, kwargs):
+    with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
+        out = first_tensor(model(**kwargs))
+    if out is None or not torch.isfinite(out).all():
+        raise Refused("the forward gave no finite tensor")
+    return out
+
+
+def _first_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: " + (str(exc).splitlines()[0][:120] if str(exc) else "")
+
+
+REPAIRS = 12
+
+
+def _flow_inputs(model, cand: dict, needs: dict, maker: "_Maker") -> dict:
+    """The candidate's name-rule inputs with every tensor the code's data flow says more about
+    rebuilt to meet it."""
+    kwargs = make_inputs(model, cand, text_len=maker.grid.text)
+    for name, val in list(kwargs.items()):
+        if val is None:  # required, and no name rule: what the code or the annotation asks
+            kwargs[name] = maker(name, kwargs)
+            continue
+        need = needs.get(name)
+        if need is None or need.empty() or not (val is None or isinstance(val, torch.Tensor)):
+            continue
+        if isinstance(val, torch.Tensor) and val.ndim == 1 and not need.vocab:
+            continue  # a scalar per batch (timestep, guidance): name rules know best
+        new = ci.tensor_for(name, need, maker.grid, maker.gen, hidden=name == maker.first)
+        if new is not None:
+            kwargs[name] = new
+    for name, val in kwargs.items():  # masks as integers: they are summed, compared and indexed with
+        if "mask" in name.lower() and isinstance(val, torch.Tensor) and val.is_floating_point():
+            kwargs[name] = torch.ones(val.shape, dtype=torch.long)
+    return kwargs
+
+
+def _regrid(exc, kwargs, model, cand, needs, maker, forbid):
+    fixed = _regrid_inputs(exc, model, cand, needs, maker, forbid)
+    if fixed is None:
+        return None
+    new, why = fixed
+    for k, v in kwargs.items():  # what the repairs supplied so far, made again on the new grid
+        if new.get(k) is None and v is not None:
+            new[k] = maker(k, new)
+    return new, why
+
+
+def _regrid_inputs(exc, model, cand, needs, maker, forbid):
+    """A size mismatch whose one side is the grid's text length or frame count (a positional table
+    sized by the config): the whole input set rebuilt on a grid with the other size."""
+    if "divisible" in str(exc) and maker.grid.height < 8 * maker.grid.patch * 4 \
+            and ("grow", maker.grid.height) not in forbid:
+        # a token grid too small for the model's windows/tiles: twice as large on each side
+        forbid.add(("grow", maker.grid.height))
+        maker.grid.height *= 2
+        maker.grid.width *= 2
+        return _flow_inputs(model, cand, needs, maker), f"grid {maker.grid.height}x{maker.grid.width}"
+    m = ci._SIZE.search(str(exc))
+    if not m:
+        return None
+    a, b = int(m.group(1)), int(m.group(2))
+    for attr in ("text", "frames"):
+        for old, new in ((a, b), (b, a)):
+            if getattr(maker.grid, attr) == old and 1 <= new <= 512 and (attr, new) not in forbid:
+                forbid.add((attr, new))
+                setattr(maker.grid, attr, new)
+                return _flow_inputs(model, cand, needs, maker), f"grid {attr} {old} -> {new}"
+    # a sequence of text plus a fixed number of other tokens against a table sized for a longer
+    # text: the text longer by the difference
+    if int(m.group(3)) == 1 and b > a and maker.grid.text + (b - a) <= 512 and ("text+", b - a) not in forbid:
+        forbid.add(("text+", b - a))
+        old = maker.grid.text
+        maker.grid.text += b - a
+        return _flow_inputs(model, cand, needs, maker), f"grid text {old} -> {maker.grid.text}"
+    return None
+
+
+def find_inputs(model, log=None) -> tuple[dict, dict]:
+    """(keyword inputs, the candidate) of the first combination whose forward runs: the name
+    rules' candidates as they are, then each with the code's data flow applied and repaired from
+    the errors the forward raises (``coverage_inputs``)."""
     errors: dict[str, str] = {}
-    for cand in input_candidates(model):
+    cands = input_candidates(model)
+    for cand in cands:
         kwargs = make_inputs(model, cand)
         try:
-            with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
-                out = first_tensor(model(**kwargs))
+            _run(model, kwargs)
         except Exception as exc:
-            errors.setdefault(cand["hidden"][0], f"{type(exc).__name__}: " +
-                              (str(exc).splitlines()[0][:120] if str(exc) else ""))
-            continue
-        if out is None or not torch.isfinite(out).all():
-            errors.setdefault(cand["hidden"][0], "the forward gave no finite tensor")
+            errors.setdefault(cand["hidden"][0], _first_line(exc))
             continue
         return kwargs, cand
-    raise Refused("no inputs from the forward signature run it: " + "; ".join(f"{k}: {v}" for k, v in errors.items()))
+    needs = ci.forward_needs(model)
+    required = [p.name for p in inspect.signature(model.forward).parameters.values()
+                if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    state = [n for n in required if ci.never_supplied(n)]
+    if state:
+        raise Refused(f"the forward requires {state}: state/cache objects of a running pipeline that the probe "
+                      f"does not make up")
+    seen = []
+    for cand in cands:
+        maker = _Maker(model, cand, needs)
+        for start in (_flow_inputs(model, cand, needs, maker), make_inputs(model, cand)):
+            sig = {k: (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else repr(v) for k, v in start.items()}
+            if sig in seen:
+                continue
+            seen.append(sig)
+            kwargs, forbid = start, set()
+            for _ in range(REPAIRS):
+                try:
+                    _run(model, kwargs)
+                except Exception as exc:
+                    fixed = (_regrid(exc, kwargs, model, cand, needs, maker, forbid)
+                             or ci.repair(exc, kwargs, maker, forbid))
+                    if log:
+                        log(cand["hidden"][0], _summary(exc), fixed[1] if fixed else None)
+                    if fixed is None:
+                        errors[f"{cand['hidden'][0]}+flow"] = _first_line(exc)
+                        break
+                    kwargs = fixed[0]
+                    continue
+                return kwargs, cand
+    # the data-flow attempts' last errors first: they went furthest
+    order = sorted(errors, key=lambda k: not k.endswith("+flow"))
+    raise Refused("no inputs from the forward signature run it: " + "; ".join(f"{k}: {errors[k]}" for k in order))
 
 
 # --- the stages' checks ------------------------------------------------------------------------

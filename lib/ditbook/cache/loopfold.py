@@ -54,6 +54,13 @@ class LoopFold:
     def pattern(self) -> str:
         return "Pattern_0" if len(self.carried) == 2 else "Pattern_3"
 
+    def input_keyword(self, name: str) -> str:
+        """The keyword an outer input travels under through the block call: its own name,
+        unless that is a stream role of the call (``hidden_states`` read by a loop that carries
+        another stream would repeat the keyword)."""
+        roles = ["hidden_states", "encoder_hidden_states"][: len(self.carried)]
+        return f"_loop_in_{name}" if name in roles else name
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["pattern"] = self.pattern
@@ -278,8 +285,9 @@ def _body_function_source(fold: LoopFold) -> str:
     body = ast.parse(fold.body_source).body
     body = [_RenameSelf().visit(_OriginalList(fold.path).visit(s)) for s in body]
     args = ", ".join(["owner", "index", "block", *fold.carried] + [f"{n}=None" for n in fold.inputs[:0]])
-    kw = "".join(f", {n}=None" for n in fold.inputs) + ", _original_list=None"
+    kw = "".join(f", {fold.input_keyword(n)}=None" for n in fold.inputs) + ", _original_list=None"
     lines = [f"def loop_body({args}, *{kw}):"]
+    lines += [f"    {n} = {fold.input_keyword(n)}" for n in fold.inputs if fold.input_keyword(n) != n]
     if fold.index_var:
         lines.append(f"    {fold.index_var} = index")
     if fold.block_var != "block":
@@ -307,7 +315,8 @@ def _rewritten_forward_source(cls, folds: list[LoopFold]) -> str:
             continue
         fold = by_path[path]
         names = ["hidden_states", "encoder_hidden_states"][: len(fold.carried)]
-        kws = [f"{role}={var}" for role, var in zip(names, fold.carried)] + [f"{n}={n}" for n in fold.inputs]
+        kws = [f"{role}={var}" for role, var in zip(names, fold.carried)] + \
+            [f"{fold.input_keyword(n)}={n}" for n in fold.inputs]
         target = ", ".join(fold.carried)
         loop.body = ast.parse(f"{target} = {block_var}({', '.join(kws)})").body
     fn.name = method

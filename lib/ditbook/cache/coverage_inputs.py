@@ -1,0 +1,535 @@
+"""Inputs for a model's forward found from its code, for the coverage probe (issue 13).
+
+Three generic mechanisms, no class names:
+
+* **data flow** (``forward_needs``): the forward's source (AST) tells, per parameter, what the
+  code does with it first: which submodule it is passed to (``self.x_embedder(hidden_states)``:
+  a ``Linear`` fixes the last dim, a ``ConvNd`` the rank, channel count and a spatial multiple,
+  an ``Embedding`` makes it long indices below the vocabulary size; any other module is followed
+  into its own forward), how its ``.shape`` is unpacked (``b, f, c, h, w = x.shape``: the rank
+  and which axis is channels/frames/height/width), and the shape its docstring documents;
+* **tensors from needs** (``tensor_for``): a tensor built to those needs on one coherent latent
+  grid (frames x height x width), text of a fixed length;
+* **error-directed repair** (``repair``): when the forward raises, the traceback says what to
+  change: a forward parameter that is ``None`` where the code uses it (a local of the failing
+  frame, or the parameter a ``missing required argument`` error names) is supplied; a matrix
+  product ``(AxB and CxD)`` whose left side is an input with last dim ``B`` gets last dim ``C``;
+  an index tensor that is not an integer tensor becomes one; a tensor unpacked into more or fewer
+  names than its rank gets that rank.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import re
+import textwrap
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+TEXT_LEN = 8
+
+# axis roles by the names a forward unpacks ``x.shape`` into (exact short names, then words)
+_ROLE_EXACT = {"b": "batch", "bs": "batch", "bsz": "batch", "n": "tokens", "l": "tokens", "s": "tokens",
+               "seq": "tokens", "c": "channels", "ch": "channels", "f": "frames", "t": "frames", "h": "height",
+               "w": "width", "d": "dim"}
+_ROLE_WORDS = (("batch", "batch"), ("channel", "channels"), ("chan", "channels"), ("frame", "frames"),
+               ("height", "height"), ("width", "width"), ("seq", "tokens"), ("len", "tokens"),
+               ("token", "tokens"), ("dim", "dim"), ("hidden", "dim"), ("feat", "dim"), ("embed", "dim"))
+
+
+def axis_role(name: str | None) -> str | None:
+    if not name:
+        return None
+    low = name.lower().strip("_")
+    if low in _ROLE_EXACT:
+        return _ROLE_EXACT[low]
+    for word, role in _ROLE_WORDS:
+        if word in low:
+            return role
+    return None
+
+
+@dataclass
+class Need:
+    """What the code asks of one input."""
+
+    roles: list | None = None  # one role (or None) per axis: the rank
+    last: int | None = None  # the last dim (a Linear's in_features, a norm's width)
+    channels: int | None = None  # a ConvNd's in_channels (axis 1)
+    conv_dims: int | None = None  # N of the ConvNd that takes it (rank N + 2)
+    stride: int = 1  # spatial sizes a multiple of this (a patch conv's stride)
+    vocab: int | None = None  # an Embedding's size: long indices below it
+    where: list = field(default_factory=list)  # how it was found (for messages/tests)
+
+    def empty(self) -> bool:
+        return not (self.roles or self.last or self.channels or self.conv_dims or self.vocab)
+
+
+def _source_tree(fn):
+    try:
+        fn = inspect.unwrap(fn)
+        src = textwrap.dedent(inspect.getsource(fn))
+        tree = ast.parse(src)
+    except (OSError, TypeError, SyntaxError, IndentationError):
+        return None, None
+    node = tree.body[0] if tree.body and isinstance(tree.body[0], (ast.FunctionDef, ast.AsyncFunctionDef)) else None
+    return fn, node
+
+
+def _param_names(node) -> list[str]:
+    a = node.args
+    names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs]
+    return [n for n in names if n != "self"]
+
+
+def _root_name(expr) -> str | None:
+    """``x`` for ``x``, ``x.to(...)``, ``x.float()``, ``x.type(...)``, ``x.contiguous()``."""
+    while isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute) \
+            and expr.func.attr in ("to", "float", "type", "contiguous", "half", "bfloat16", "type_as"):
+        expr = expr.func.value
+    return expr.id if isinstance(expr, ast.Name) else None
+
+
+def _self_module(owner, func) -> nn.Module | None:
+    """The submodule ``self.a.b`` (or ``self.a[0]``) names, on ``owner``."""
+    chain = []
+    while True:
+        if isinstance(func, ast.Attribute):
+            chain.append(func.attr)
+            func = func.value
+        elif isinstance(func, ast.Subscript) and isinstance(func.slice, ast.Constant) \
+                and isinstance(func.slice.value, int):
+            chain.append(func.slice.value)
+            func = func.value
+        else:
+            break
+    if not (isinstance(func, ast.Name) and func.id == "self"):
+        return None
+    obj = owner
+    for part in reversed(chain):
+        try:
+            obj = obj[part] if isinstance(part, int) else getattr(obj, part)
+        except Exception:
+            return None
+    return obj if isinstance(obj, nn.Module) else None
+
+
+_DOC_SHAPE = re.compile(r"^\s*(\w+)\s*\(.*?of shape\s*`?\(([^)]*)\)", re.M)
+
+
+def _doc_roles(fn, params) -> dict[str, list]:
+    out = {}
+    for name, dims in _DOC_SHAPE.findall(inspect.getdoc(fn) or ""):
+        if name in params:
+            parts = [p.strip() for p in dims.split(",") if p.strip()]
+            if parts and "..." not in dims:
+                out[name] = [axis_role(p) for p in parts]
+    return out
+
+
+def _elementwise_width(mod: nn.Module) -> int | None:
+    """D when every parameter of ``mod`` (and it has some, and no submodules) is 1-D of size D."""
+    if list(mod.children()):
+        return None
+    shapes = {tuple(p.shape) for p in mod.parameters(recurse=False)}
+    if len(shapes) == 1:
+        (shape,) = shapes
+        if len(shape) == 1:
+            return int(shape[0])
+    return None
+
+
+def module_need(mod: nn.Module, position, depth: int = 0) -> Need:
+    """What ``mod`` asks of the argument at ``position`` (an int, or a keyword name)."""
+    need = Need(where=[type(mod).__name__])
+    if isinstance(mod, nn.Linear):
+        need.last = mod.in_features
+    elif isinstance(mod, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+        need.conv_dims = {nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3}[type(mod)] if type(mod) in (
+            nn.Conv1d, nn.Conv2d, nn.Conv3d) else len(mod.kernel_size)
+        need.channels = mod.in_channels
+        need.stride = max(int(s) for s in mod.stride)
+        need.roles = ["batch", "channels"] + [("frames", "height", "width")[-need.conv_dims + i]
+                                              for i in range(need.conv_dims)]
+    elif isinstance(mod, nn.Embedding):
+        need.vocab = mod.num_embeddings
+    elif isinstance(mod, nn.LayerNorm) and mod.normalized_shape:
+        need.last = int(mod.normalized_shape[-1])
+    elif _elementwise_width(mod):  # a norm-like module: one 1-D weight over the last dim
+        need.last = _elementwise_width(mod)
+    elif isinstance(mod, nn.Sequential) and len(mod) and position == 0:
+        return module_need(mod[0], 0, depth + 1)
+    elif depth < 3 and type(mod).forward is not nn.Module.forward:
+        sub = forward_needs(mod, depth + 1)
+        _, node = _source_tree(type(mod).forward)
+        if node is not None:
+            params = _param_names(node)
+            name = params[position] if isinstance(position, int) and position < len(params) else position
+            if isinstance(name, str) and name in sub:
+                inner = sub[name]
+                inner.where = need.where + inner.where
+                return inner
+    return need
+
+
+def forward_needs(model: nn.Module, depth: int = 0) -> dict[str, Need]:
+    """Per forward parameter, what the forward's code asks of it (see the module docstring)."""
+    fn, node = _source_tree(type(model).forward)
+    if node is None:
+        return {}
+    params = _param_names(node)
+    needs = {p: Need() for p in params}
+    alias = {p: p for p in params}
+    alias_defs = set()
+    for n in ast.walk(node):
+        if isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name):
+            src = _root_name(n.value)
+            if src in params and n.targets[0].id not in alias:
+                alias[n.targets[0].id] = src
+                alias_defs.add(id(n))
+    for p, roles in _doc_roles(fn, params).items():
+        needs[p].roles = roles
+        needs[p].where.append("docstring")
+    for n in ast.walk(node):  # ``a, b, c = x.shape``: the rank and the axes' roles
+        if isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Tuple) \
+                and isinstance(n.value, ast.Attribute) and n.value.attr == "shape":
+            p = alias.get(_root_name(n.value.value) or "")
+            elts = n.targets[0].elts
+            if p and not any(isinstance(e, ast.Starred) for e in elts) and "unpack" not in needs[p].where:
+                needs[p].roles = [axis_role(e.id) if isinstance(e, ast.Name) else None for e in elts]
+                needs[p].where.append("unpack")
+    # where each name is first rebound: a call after that statement sees another value
+    rebound: dict[str, int] = {}
+    for n in ast.walk(node):
+        if isinstance(n, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and id(n) not in alias_defs:
+            targets = n.targets if isinstance(n, ast.Assign) else [n.target]
+            for t in targets:
+                for x in ast.walk(t):
+                    if isinstance(x, ast.Name):
+                        rebound[x.id] = min(rebound.get(x.id, 10 ** 9), n.end_lineno or n.lineno)
+    calls = sorted((c for c in ast.walk(node) if isinstance(c, ast.Call)),
+                   key=lambda c: (c.lineno, c.col_offset))
+    consumed: set[str] = set()
+    for c in calls:
+        mod = _self_module(model, c.func)
+        if mod is None:
+            continue
+        args = [(i, a) for i, a in enumerate(c.args)] + [(k.arg, k.value) for k in c.keywords if k.arg]
+        for pos, a in args:
+            name = _root_name(a) or ""
+            p = alias.get(name)
+            if not p or p in consumed or c.lineno > rebound.get(name, 10 ** 9):
+                continue
+            consumed.add(p)
+            got = module_need(mod, pos, depth)
+            mine = needs[p]
+            mine.last = mine.last or got.last
+            mine.vocab = mine.vocab or got.vocab
+            if got.conv_dims:
+                mine.channels, mine.conv_dims, mine.stride = got.channels, got.conv_dims, got.stride
+                if not mine.roles:
+                    mine.roles = got.roles
+            elif got.roles and not mine.roles:
+                mine.roles = got.roles
+            mine.where += [f"self.{ast.unparse(c.func)[5:]}"] + got.where
+    for need in needs.values():
+        # a Linear takes it first: packed tokens (batch, tokens, features), whatever the
+        # docstring says (docstrings often document the unpacked latent)
+        if need.last and not need.conv_dims and "unpack" not in need.where and need.roles \
+                and need.roles[-1] in ("height", "width"):
+            need.roles = None
+    return needs
+
+
+def structured(annotation, grid: "Grid", make_tensor):
+    """A value for a parameter annotated as a structure of ints/tensors (``list[tuple[int, int,
+    int]]``: one (frames, height, width) token grid per sample; ``list[torch.Tensor]``: one
+    tensor per sample; ``tuple[int, int, int]``: the grid; ``list[int]``: the frame count),
+    or None."""
+    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", None) \
+        if isinstance(annotation, type) else str(annotation)
+    if not text:
+        return None
+    text = text.replace("typing.", "").replace("List[", "list[").replace("Tuple[", "tuple[").replace(" ", "")
+    text = re.sub(r"\|None$|^Optional\[(.*)\]$", r"\1", text)
+    g = (max(1, grid.frames // grid.patch_t), grid.height // grid.patch, grid.width // grid.patch)
+
+    def build(t: str):
+        if t.startswith("list[") and t.endswith("]"):
+            inner = build(t[5:-1])
+            return None if inner is None else [inner]
+        if t.startswith("tuple[int,int,int]"):
+            return g
+        if t.startswith("tuple[int,int]"):
+            return g[1:]
+        if t in ("torch.Tensor", "Tensor"):
+            return make_tensor()
+        if t == "int":
+            return g[0]
+        return None
+
+    if text.startswith(("list[", "tuple[int")):
+        return build(text)
+    return None
+
+
+# --- tensors from needs ------------------------------------------------------------------------
+
+@dataclass
+class Grid:
+    frames: int = 2
+    height: int = 8
+    width: int = 8
+    text: int = TEXT_LEN
+    channels: int = 4
+    patch: int = 2
+    patch_t: int = 1
+    n_axes: int = 3  # rotary position axes (the length of a config's axes tuple)
+
+    def tokens(self, rank: int = 4) -> int:
+        t = (self.height // self.patch) * (self.width // self.patch)
+        return t * max(1, self.frames // self.patch_t) if rank == 5 else t
+
+
+def tensor_for(name: str, need: Need, grid: Grid, gen: torch.Generator, hidden: bool = False,
+               like: torch.Tensor | None = None):
+    """A tensor for parameter ``name`` that meets ``need`` (None when the need says nothing)."""
+    low = name.lower()
+    if need.vocab:
+        rank = len(need.roles) if need.roles else 2
+        shape = (1, grid.text) if rank >= 2 else (grid.text,)
+        return torch.randint(0, min(need.vocab, 16), shape, generator=gen)
+    roles = list(need.roles) if need.roles else None
+    if need.conv_dims and (not roles or len(roles) < need.conv_dims + 2 and "channels" not in roles):
+        roles = ["batch", "channels"] + ["frames", "height", "width"][3 - need.conv_dims:]
+    if need.conv_dims and len(roles) == need.conv_dims + 2 and "channels" not in roles:
+        roles[0], roles[1] = "batch", "channels"  # a ConvNd takes it: axis 1 is its channels
+    if roles:
+        shape = []
+        for i, r in enumerate(roles):
+            if r == "batch" or (i == 0 and r is None):
+                shape.append(1)
+            elif r == "channels":
+                shape.append(need.channels or grid.channels)
+            elif r == "frames":
+                shape.append(grid.frames)
+            elif r == "height":
+                shape.append(grid.height)
+            elif r == "width":
+                shape.append(grid.width)
+            elif r is None and i == len(roles) - 1 and (low.endswith("ids") or "position" in low):
+                shape.append(grid.n_axes)  # position ids: one coordinate per rotary axis
+            elif r is None and i == 1 and len(roles) >= 4:
+                shape.append(need.channels or grid.channels)  # (batch, ?, ..., height, width): channels
+            elif r == "tokens" or r is None and i == 1:
+                shape.append(grid.tokens(5 if grid.frames > 1 and hidden else 4) if hidden else grid.text)
+            elif r == "dim" or i == len(roles) - 1:
+                shape.append(need.last or (like.shape[-1] if like is not None else grid.channels))
+            else:
+                shape.append(2)
+        if low.endswith("ids") or "position" in low:
+            return torch.zeros(tuple(shape), dtype=torch.long)
+        if need.last and shape[-1] != need.last and roles[-1] not in ("width", "height"):
+            shape[-1] = need.last
+        return torch.randn(tuple(shape), generator=gen)
+    if need.last:
+        if any(w in low for w in ("pooled", "global", "proj_emb", "pool")):
+            return torch.randn((1, need.last), generator=gen)
+        return torch.randn((1, grid.tokens() if hidden else grid.text, need.last), generator=gen)
+    return None
+
+
+# --- error-directed repair ---------------------------------------------------------------------
+
+_MATMUL = re.compile(r"mat1 and mat2 shapes cannot be multiplied \((\d+)x(\d+) and (\d+)x(\d+)\)")
+_MISSING = re.compile(r"missing \d+ required (?:positional|keyword-only) arguments?: (.*)")
+_SIZE = re.compile(r"size of tensor a \((\d+)\) must match the size of tensor b \((\d+)\) at non-singleton "
+                   r"dimension (\d+)")
+_UNPACK = re.compile(r"(?:not enough|too many) values to unpack \(expected (\d+)")
+
+
+def statement_text(frame) -> str:
+    """The whole statement a frame is executing (a call spread over several lines included)."""
+    try:
+        lines, start = inspect.getsourcelines(frame.f_code)
+        tree = ast.parse(textwrap.dedent("".join(lines)))
+    except (OSError, TypeError, SyntaxError, IndentationError):
+        try:
+            return (inspect.getframeinfo(frame).code_context or [""])[0]
+        except Exception:
+            return ""
+    line = frame.f_lineno - max(start, 1) + 1
+    best = None
+    for n in ast.walk(tree):
+        if isinstance(n, ast.stmt) and not isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef,
+                                                             ast.If, ast.For, ast.While, ast.With, ast.Try)) \
+                and n.lineno <= line <= (n.end_lineno or n.lineno):
+            if best is None or (n.end_lineno - n.lineno) < (best.end_lineno - best.lineno):
+                best = n
+    return ast.unparse(best) if best is not None else ""
+
+
+def _model_frames(exc: BaseException):
+    return [f for f, _ in traceback.walk_tb(exc.__traceback__)]
+
+
+def _none_params(exc: BaseException, params: set[str], kwargs: dict) -> list[str]:
+    """Forward parameters that are None in a frame of the failing call, innermost first, and
+    that the failing line reads."""
+    out = []
+    for frame in reversed(_model_frames(exc)):
+        text = statement_text(frame)
+        for name, val in frame.f_locals.items():
+            if val is None and name in params and kwargs.get(name) is None and name not in out \
+                    and re.search(rf"\b{re.escape(name)}\b", text):
+                out.append(name)
+    if not out:  # the None reached a helper: any parameter the model frames hold as None and we gave none
+        for frame in _model_frames(exc):
+            for name, val in frame.f_locals.items():
+                if val is None and name in params and kwargs.get(name) is None and name not in out:
+                    out.append(name)
+    return out
+
+
+def _failing_locals(exc: BaseException) -> list[tuple[str, object]]:
+    out = []
+    for frame in reversed(_model_frames(exc)):
+        out += list(frame.f_locals.items())
+    return out
+
+
+def never_supplied(name: str) -> bool:
+    """Parameters the probe never makes up: option dicts, caches, control residuals, flags."""
+    low = name.lower()
+    return any(w in low for w in ("kwargs", "cache", "controlnet", "return_dict", "block_samples")) \
+        or low.startswith(("return", "use_", "enable_", "is_"))
+
+
+def repair(exc: BaseException, kwargs: dict, make, forbid: set) -> tuple[dict, str] | None:
+    """New keyword inputs that address ``exc`` (or None when the error says nothing usable).
+    ``make(name, kwargs)`` builds a value for a parameter; ``forbid`` holds (name, fix) already
+    tried, so a repair is never repeated."""
+    msg = str(exc)
+    params = set(kwargs) | set(getattr(make, "params", ()))
+    m = _MISSING.search(msg)
+    if m:
+        names = re.findall(r"'(\w+)'", m.group(1))
+        new = dict(kwargs)
+        for n in names:
+            if ("supply", n) not in forbid:
+                forbid.add(("supply", n))
+                new[n] = make(n, new)
+        if new != kwargs:
+            return new, f"supplied {names}"
+    m = _MATMUL.search(msg)
+    if m:
+        a, b, c, _ = (int(x) for x in m.groups())
+        for name, val in list(kwargs.items()):
+            if isinstance(val, torch.Tensor) and val.is_floating_point() and val.ndim >= 2 and val.shape[-1] == b \
+                    and val.numel() // b == a and (name, "last", c) not in forbid:
+                forbid.add((name, "last", c))
+                new = dict(kwargs)
+                new[name] = torch.randn(tuple(val.shape[:-1]) + (c,))
+                return new, f"{name}: last dim {b} -> {c}"
+    if ("NoneType" in msg or "None" in msg) and "not callable" not in msg:
+        for n in _none_params(exc, params, kwargs):
+            if ("supply", n) in forbid or never_supplied(n):
+                continue
+            forbid.add(("supply", n))
+            val = make(n, kwargs)
+            if val is not None:
+                new = dict(kwargs)
+                new[n] = val
+                return new, f"supplied {n}"
+    if "where expected condition to be a boolean" in msg:
+        for name, val in kwargs.items():
+            if isinstance(val, torch.Tensor) and val.dtype != torch.bool and "mask" in name.lower() \
+                    and (name, "bool") not in forbid \
+                    and any(v is val for _, v in _failing_locals(exc)):
+                forbid.add((name, "bool"))
+                new = dict(kwargs)
+                new[name] = val != 0
+                return new, f"{name}: a boolean mask"
+    # the error message names a forward parameter: supply it when missing
+    for n in re.findall(r"[`'\"](\w+)[`'\"]", msg):
+        if n in params and kwargs.get(n) is None and ("supply", n) not in forbid and not never_supplied(n):
+            forbid.add(("supply", n))
+            val = make(n, kwargs)
+            if val is not None:
+                new = dict(kwargs)
+                new[n] = val
+                return new, f"supplied {n} (named by the error)"
+    low_msg = msg.lower()
+    if "indices" in low_msg and ("long" in low_msg or "int" in low_msg):
+        for name, val in kwargs.items():
+            if isinstance(val, torch.Tensor) and val.is_floating_point() and (name, "long") not in forbid:
+                if any(v is val for _, v in _failing_locals(exc)):
+                    forbid.add((name, "long"))
+                    new = dict(kwargs)
+                    new[name] = torch.zeros(val.shape, dtype=torch.long)
+                    return new, f"{name}: integer indices"
+    if "Sizes of tensors must match" in msg or "same number of dimensions" in msg:
+        # a concatenation of an input with another: make the one we made up like the other
+        for frame in reversed(_model_frames(exc)):
+            try:
+                text = (inspect.getframeinfo(frame).code_context or [""])[0]
+            except Exception:
+                text = ""
+            if "cat(" not in text and "stack(" not in text:
+                continue
+            present = [(n, v) for n, v in kwargs.items() if isinstance(v, torch.Tensor) and any(
+                v is lv for ln, lv in frame.f_locals.items() if re.search(rf"\b{re.escape(ln)}\b", text))]
+            first = getattr(make, "first", None)
+            for name, val in sorted(present, key=lambda nv: nv[0] == first):
+                others = [v for n, v in present if n != name]
+                if name != first and others and (name, "like") not in forbid:
+                    forbid.add((name, "like"))
+                    new = dict(kwargs)
+                    new[name] = torch.randn(others[0].shape).to(val.dtype)
+                    return new, f"{name}: shaped like the tensor it is concatenated with"
+            break
+    m = _SIZE.search(msg)
+    if m:
+        a, b, d = int(m.group(1)), int(m.group(2)), int(m.group(3))
+        seen_ids = set()
+        for _, lv in _failing_locals(exc):
+            if not isinstance(lv, torch.Tensor) or id(lv) in seen_ids:
+                continue
+            seen_ids.add(id(lv))
+            for name, val in kwargs.items():
+                if val is lv and val.ndim > d and val.shape[d] in (a, b) and (name, "dim", d) not in forbid:
+                    forbid.add((name, "dim", d))
+                    shape = list(val.shape)
+                    shape[d] = b if shape[d] == a else a
+                    new = dict(kwargs)
+                    new[name] = torch.randn(shape).to(val.dtype) if val.is_floating_point() else \
+                        torch.zeros(shape, dtype=val.dtype)
+                    return new, f"{name}: dim {d} {val.shape[d]} -> {shape[d]}"
+    m = _UNPACK.search(msg)
+    if m:
+        want = int(m.group(1))
+        frames = _model_frames(exc)
+        if frames:
+            frame = frames[-1]
+            try:
+                text = (inspect.getframeinfo(frame).code_context or [""])[0]
+            except Exception:
+                text = ""
+            sm = re.search(r"=\s*(\w+)\.shape", text)
+            if sm:
+                local = frame.f_locals.get(sm.group(1))
+                for name, val in kwargs.items():
+                    if val is local and isinstance(val, torch.Tensor) and (name, "rank", want) not in forbid:
+                        forbid.add((name, "rank", want))
+                        new = dict(kwargs)
+                        new[name] = make(name, kwargs, rank=want)
+                        if new[name] is not None:
+                            return new, f"{name}: rank {want}"
+    return None
+
+
+__all__ = ["Grid", "Need", "axis_role", "forward_needs", "module_need", "repair", "tensor_for"]

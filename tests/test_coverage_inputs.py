@@ -1,0 +1,299 @@
+"""The coverage probe's generic reach (issue 13, item 1): inputs from the forward's data flow,
+error-directed repair of inputs and of constructor arguments. Small models written here; each
+would be refused by the name-rule probe alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from diffusers import ConfigMixin, ModelMixin
+from diffusers.configuration_utils import register_to_config
+from ditbook.cache import coverage
+from ditbook.cache import coverage_inputs as ci
+from torch import nn
+
+
+class Attn(nn.Module):
+    def __init__(self, dim: int, heads: int = 2):
+        super().__init__()
+        self.heads = heads
+        self.to_q, self.to_k, self.to_v, self.to_out = (nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, x):
+        b, n, d = x.shape
+
+        def split(t):
+            return t.view(b, n, self.heads, d // self.heads).transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(split(self.to_q(x)), split(self.to_k(x)), split(self.to_v(x)))
+        return self.to_out(out.transpose(1, 2).reshape(b, n, d))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.attn = Attn(dim)
+        self.mod = nn.Linear(dim, dim)
+
+    def forward(self, x, temb):
+        return x + self.attn(self.norm(x) * (1 + self.mod(temb)[:, None]))
+
+
+class DataFlowDiT(ModelMixin, ConfigMixin):
+    """Nothing in its config or parameter names says the latent has 6 channels, the text 12
+    features, or that ``style_ids`` are indices below 50: only what the forward does with them
+    (a Conv2d, a Linear, an Embedding)."""
+
+    @register_to_config
+    def __init__(self, io_channels: int = 6, dim: int = 16, text_width: int = 12, n_styles: int = 50,
+                 num_layers: int = 2):
+        super().__init__()
+        self.patch = nn.Conv2d(io_channels, dim, 2, stride=2)
+        self.context_embedder = nn.Linear(text_width, dim)
+        self.style = nn.Embedding(n_styles, dim)
+        self.time = nn.Linear(1, dim)
+        self.blocks = nn.ModuleList([Block(dim) for _ in range(num_layers)])
+        self.norm_out = nn.LayerNorm(dim)
+        self.proj_out = nn.Linear(dim, 4 * io_channels)
+
+    def forward(self, hidden_states, encoder_hidden_states, style_ids, timestep, return_dict: bool = False):
+        x = self.patch(hidden_states).flatten(2).transpose(1, 2)
+        ctx = self.context_embedder(encoder_hidden_states)
+        temb = self.time(timestep[:, None] / 1000.0) + self.style(style_ids).mean(1)
+        x = torch.cat([ctx, x], 1)
+        for block in self.blocks:
+            x = block(x, temb)
+        return (self.proj_out(self.norm_out(x[:, ctx.shape[1]:])),)
+
+
+def test_forward_needs_reads_the_first_consumer_of_each_input():
+    needs = ci.forward_needs(DataFlowDiT())
+    assert needs["hidden_states"].conv_dims == 2 and needs["hidden_states"].channels == 6
+    assert needs["hidden_states"].stride == 2
+    assert needs["encoder_hidden_states"].last == 12
+    assert needs["style_ids"].vocab == 50
+    assert needs["timestep"].empty()  # used through arithmetic first: nothing claimed
+
+
+def test_data_flow_inputs_integrate_a_model_name_rules_cannot_feed(monkeypatch):
+    row = coverage.check_class(DataFlowDiT, cp=False)
+    assert row.outcome == "correct", (row.stage, row.reason)
+    assert row.off_max_abs <= coverage.TOLERANCE
+    # without the data flow (the name rules alone) the probe cannot run it: a named refusal
+    monkeypatch.setattr(ci, "forward_needs", lambda model, depth=0: {})
+    row = coverage.check_class(DataFlowDiT, cp=False)
+    assert row.outcome == "refused" and row.stage == "build+inputs", row
+    assert "no inputs from the forward signature run it" in row.reason
+
+
+class Rope(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.register_buffer("freqs", torch.linspace(0.1, 1.0, dim))
+
+    def forward(self, position_ids):
+        return torch.sin(position_ids.float()[..., None] * self.freqs)
+
+
+class NeedsOptionalIds(nn.Module):
+    """``position_ids`` is optional in the signature yet the code always uses it."""
+
+    def __init__(self, dim: int = 8):
+        super().__init__()
+        self.proj_in = nn.Linear(dim, dim)
+        self.rope = Rope(dim)
+
+    def forward(self, hidden_states, position_ids=None):
+        return self.proj_in(hidden_states) + self.rope(position_ids)
+
+
+def _error(fn):
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the error is the input of the repair
+        return exc
+    raise AssertionError("no error")
+
+
+def test_repair_supplies_a_none_parameter_the_code_reads():
+    model = NeedsOptionalIds()
+    kwargs = {"hidden_states": torch.randn(1, 5, 8)}
+    exc = _error(lambda: model(**kwargs))
+
+    def make(name, kw, rank=None):
+        return torch.arange(5)[None]
+
+    make.params = ("hidden_states", "position_ids")
+    forbid: set = set()
+    new, why = ci.repair(exc, kwargs, make, forbid)
+    assert "position_ids" in why and model(**new).shape == (1, 5, 8)
+    # a repair is never repeated: the same error again gives up instead of looping
+    assert ci.repair(exc, kwargs, make, forbid) is None
+
+
+def test_repair_fixes_the_input_a_matrix_product_rejects_and_nothing_else():
+    lin = nn.Linear(10, 4)
+    kwargs = {"hidden_states": torch.randn(1, 6, 3), "other": torch.randn(1, 6, 7)}
+    exc = _error(lambda: lin(kwargs["hidden_states"]))
+    new, why = ci.repair(exc, kwargs, lambda *a, **k: None, set())
+    assert new["hidden_states"].shape == (1, 6, 10) and new["other"] is kwargs["other"], why
+    # an error that says nothing about the inputs: no repair (the probe refuses with the error)
+    assert ci.repair(ValueError("unsupported mode"), kwargs, lambda *a, **k: None, set()) is None
+
+
+class NeedsDerivedCtorArgs(ModelMixin, ConfigMixin):
+    """Constructor arguments that default to None but are needed: an int used in arithmetic, a
+    pair subscripted by index, rotary axes that must sum to the head dim, layer indices."""
+
+    @register_to_config
+    def __init__(self, in_channels: int = 4, out_channels=None, caption_channels=None, num_layers: int = 28,
+                 num_attention_heads: int = 4, attention_head_dim: int = 64, axes_dims=None,
+                 extra_layers=(0, 7, 14, 21)):
+        super().__init__()
+        self.proj_out = nn.Linear(8, 2 * out_channels)
+        self.caption = nn.Linear(caption_channels[1], 8)
+        head = num_attention_heads * attention_head_dim // num_attention_heads
+        if sum(axes_dims) != head:
+            raise ValueError(f"axes {axes_dims} do not sum to {head}")
+        if max(extra_layers) >= num_layers:
+            raise ValueError("extra layers out of range")
+
+
+def test_constructor_repair_derives_none_defaults_from_the_other_arguments():
+    model, _ = coverage.build_tiny(NeedsDerivedCtorArgs)
+    cfg = model.config
+    assert cfg.out_channels == cfg.in_channels  # the most similarly named argument
+    assert len(cfg.caption_channels) == 2  # subscripted by an int: a tuple
+    assert sum(cfg.axes_dims) == cfg.attention_head_dim and all(a % 2 == 0 for a in cfg.axes_dims)
+    assert max(cfg.extra_layers) < cfg.num_layers == 2
+
+
+class NeedsASettingsDict(ModelMixin, ConfigMixin):
+    @register_to_config
+    def __init__(self, dim: int = 8, scaling=None):
+        super().__init__()
+        self.factor = scaling["short_factor"]
+
+
+def test_a_constructor_that_needs_a_settings_dict_is_refused_with_its_error():
+    with pytest.raises(coverage.Refused, match="cannot be built small"):
+        coverage.build_tiny(NeedsASettingsDict)
+
+
+def test_structured_annotations_follow_the_token_grid():
+    grid = ci.Grid(frames=2, height=8, width=8, patch=2)
+    assert ci.structured("list[tuple[int, int, int]]", grid, lambda: None) == [(2, 4, 4)]
+    assert ci.structured("tuple[int, int, int] | None", grid, lambda: None) == (2, 4, 4)
+    assert ci.structured("torch.Tensor", grid, lambda: None) is None
+
+
+class SideStreamReadsHidden(ModelMixin, ConfigMixin):
+    """The loop carries ``ctrl`` and reads the outer ``hidden_states``: the folded call must not
+    pass ``hidden_states=`` twice (the stream role and the outer input)."""
+
+    @register_to_config
+    def __init__(self, in_channels: int = 8, dim: int = 16, num_layers: int = 3):
+        super().__init__()
+        self.proj_in = nn.Linear(in_channels, dim)
+        self.time = nn.Linear(1, dim)
+        self.blocks = nn.ModuleList([Block(dim) for _ in range(num_layers)])
+        self.gates = nn.Parameter(torch.linspace(0.5, 1.5, num_layers))
+        self.norm_out = nn.LayerNorm(dim)
+        self.proj_out = nn.Linear(dim, in_channels)
+
+    def forward(self, hidden_states, timestep, return_dict: bool = False):
+        hidden_states = self.proj_in(hidden_states)
+        temb = self.time(timestep[:, None] / 1000.0)
+        ctrl = hidden_states
+        for i, block in enumerate(self.blocks):
+            ctrl = block(ctrl, temb) * self.gates[i] + 0.1 * hidden_states
+        return (self.proj_out(self.norm_out(ctrl)),)
+
+
+def test_a_folded_loop_whose_input_is_named_like_a_stream_role():
+    row = coverage.check_class(SideStreamReadsHidden, cp=False)
+    assert row.outcome == "correct" and row.folded, (row.outcome, row.stage, row.reason)
+
+
+def test_a_diffusers_class_only_the_data_flow_reaches():
+    # packed latents whose width only img_in (a Linear) tells, and img_shapes annotated as
+    # list[tuple[int, int, int]]: built from the token grid; the name rules alone refuse it
+    import diffusers
+
+    model, _ = coverage.build_tiny(diffusers.QwenImageTransformer2DModel)
+    kwargs, _ = coverage.find_inputs(model)
+    tokens = kwargs["hidden_states"].shape[1]
+    (f, h, w), = kwargs["img_shapes"]
+    assert f * h * w == tokens and kwargs["hidden_states"].shape[-1] == model.img_in.in_features
+
+
+def test_layer_indices_shrink_with_the_layer_count():
+    import diffusers
+
+    kw = coverage.shrink_config(diffusers.WanVACETransformer3DModel, 8, 2)
+    assert kw["num_layers"] == 2 and list(kw["vace_layers"]) == [0, 1]
+
+
+class FixedTextTable(nn.Module):
+    """A learned positional table for exactly 20 text tokens; nothing in the signature says so."""
+
+    def __init__(self, dim: int = 8):
+        super().__init__()
+        self.proj_in = nn.Linear(6, dim)
+        self.context = nn.Linear(12, dim)
+        self.text_pos = nn.Parameter(torch.zeros(1, 20, dim))
+
+    def forward(self, hidden_states, encoder_hidden_states):
+        ctx = self.context(encoder_hidden_states) + self.text_pos
+        return (self.proj_in(hidden_states) + ctx.mean(1, keepdim=True),)
+
+
+def test_a_text_length_a_positional_table_fixes_is_found_from_the_size_error():
+    kwargs, _ = coverage.find_inputs(FixedTextTable())
+    assert kwargs["encoder_hidden_states"].shape == (1, 20, 12)
+    assert kwargs["hidden_states"].shape[-1] == 6
+
+
+class NestedListLoopedByForward(ModelMixin, ConfigMixin):
+    """A block list inside a ModuleDict that the transformer's own forward loops over: cache-dit
+    (which finds lists by a direct attribute) cannot be handed it."""
+
+    @register_to_config
+    def __init__(self, in_channels: int = 8, dim: int = 16, num_layers: int = 2):
+        super().__init__()
+        self.proj_in = nn.Linear(in_channels, dim)
+        self.time = nn.Linear(1, dim)
+        self.modes = nn.ModuleDict({"image": nn.ModuleList([Block(dim) for _ in range(num_layers)])})
+        self.blocks = nn.ModuleList([Block(dim) for _ in range(num_layers)])
+        self.norm_out = nn.LayerNorm(dim)
+        self.proj_out = nn.Linear(dim, in_channels)
+
+    def forward(self, hidden_states, timestep, return_dict: bool = False):
+        x = self.proj_in(hidden_states)
+        temb = self.time(timestep[:, None] / 1000.0)
+        for block in self.modes.image:
+            x = block(x, temb)
+        for block in self.blocks:
+            x = block(x, temb)
+        return (self.proj_out(self.norm_out(x)),)
+
+
+def test_a_nested_block_list_looped_by_the_forward_is_left_uncached_not_handed_to_cache_dit():
+    row = coverage.check_class(NestedListLoopedByForward, cp=False)
+    assert row.outcome == "correct", (row.outcome, row.stage, row.reason)
+    assert any(b.startswith("modes.image") for b in row.block_lists)
+
+
+def test_a_width_tied_to_heads_times_head_dim_follows_a_head_cap():
+    class Fake:
+        def __init__(self, num_attention_heads=24, attention_head_dim=64, cross_attention_dim=1536,
+                     caption_dim=4096, axes_dims_rope=(16, 24, 24)):
+            pass
+
+    kw = coverage.shrink_config(Fake, 8, heads=2)
+    assert kw["num_attention_heads"] == 2 and kw["attention_head_dim"] == 8
+    assert kw["cross_attention_dim"] == 16  # 24 x 64 by default: 2 x 8 now
+    assert kw["caption_dim"] == 512  # not tied to the heads: only divided
+    assert sum(kw["axes_dims_rope"]) == 8  # summed to the head dim by default: still does
