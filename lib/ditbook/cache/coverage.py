@@ -374,6 +374,9 @@ def _tokens(hidden: tuple, cfg: dict) -> int:
     return max(1, f // t) * (hidden[-2] // s) * (hidden[-1] // s)
 
 
+_NO_INPUT = object()  # a parameter left out of the keyword inputs (distinct from a None value)
+
+
 def make_inputs(model, cand: dict, text_len: int = 8, seed: int = 0) -> dict:
     """Keyword inputs for ``model.forward`` by parameter name (generic rules, no class names)."""
     cfg = _config(model)
@@ -399,42 +402,51 @@ def make_inputs(model, cand: dict, text_len: int = 8, seed: int = 0) -> dict:
         if "mask" in n or "rotary" in n or "rope" in n or n.startswith("return") or "kwargs" in n \
                 or "controlnet" in n or "cache" in n:
             continue
-        required = p.default is inspect.Parameter.empty
-        if (n in ("encoder_hidden_states", "context", "txt", "text_states", "prompt_embeds", "y")
-                or (required and ("encoder_hidden" in n or ("text" in n and "emb" in n)))) and td:
-            kwargs[p.name] = torch.randn((1, text_len, td), generator=g)
-        elif n in ("timestep", "timesteps", "t", "time", "sigma", "sigmas") or (required and "timestep" in n):
-            kwargs[p.name] = torch.full((1,), 500.0)
-        elif required and ("text" in n or "context" in n or "encoder" in n) and "len" not in n and td:
-            kwargs[p.name] = torch.randn((1, text_len, td), generator=g)
-        elif "label" in n or n in ("class_labels", "classes"):
-            kwargs[p.name] = torch.zeros(1, dtype=torch.long)
-        elif required and ("len" in n):
-            kwargs[p.name] = torch.full((1,), text_len, dtype=torch.long)
-        elif required and ("size" in n or "coord" in n):
-            # image-size conditioning (original/target size, crop corner): pixels of the latent grid
-            full = 8 * hidden[-1] if len(hidden) >= 4 else 64
-            kwargs[p.name] = torch.zeros(1, 2) if "coord" in n else torch.full((1, 2), float(full))
-        elif "pooled" in n:
-            dims = _ints(cfg, "pooled") or ([td] if td else [])
-            if dims:
-                kwargs[p.name] = torch.randn((1, dims[0]), generator=g)
-        elif n == "guidance":
-            if any("guidance" in k.lower() and v is True for k, v in cfg.items()):
-                kwargs[p.name] = torch.full((1,), 3.5)
-        elif n in ("num_frames", "frames", "height", "width") and len(hidden) == 3:
-            # packed latents: the grid they came from (frames x height x width == tokens)
-            side = int(math.isqrt(hidden[1]))
-            kwargs[p.name] = 1 if "frame" in n else side
-        elif n.endswith("_ids") and ("img" in n or "image" in n):
-            kwargs[p.name] = torch.zeros(_tokens(hidden, cfg), n_axes)
-        elif n.endswith("_ids") and ("txt" in n or "text" in n):
-            kwargs[p.name] = torch.zeros(text_len, n_axes)
-        elif p.default is inspect.Parameter.empty:
-            kwargs[p.name] = None  # required with no rule: the probe's error names it
+        value = _conditioning_input(p, cfg, g, hidden, td, text_len, n_axes)
+        if value is not _NO_INPUT:
+            kwargs[p.name] = value
     if "return_dict" in {p.name for p in params}:
         kwargs["return_dict"] = False
     return kwargs
+
+
+def _conditioning_input(p, cfg: dict, g, hidden: tuple, td, text_len: int, n_axes: int):
+    """The input for one conditioning parameter by its name, or ``_NO_INPUT`` to leave it out."""
+    n = p.name.lower()
+    required = p.default is inspect.Parameter.empty
+    if (n in ("encoder_hidden_states", "context", "txt", "text_states", "prompt_embeds", "y")
+            or (required and ("encoder_hidden" in n or ("text" in n and "emb" in n)))) and td:
+        return torch.randn((1, text_len, td), generator=g)
+    elif n in ("timestep", "timesteps", "t", "time", "sigma", "sigmas") or (required and "timestep" in n):
+        return torch.full((1,), 500.0)
+    elif required and ("text" in n or "context" in n or "encoder" in n) and "len" not in n and td:
+        return torch.randn((1, text_len, td), generator=g)
+    elif "label" in n or n in ("class_labels", "classes"):
+        return torch.zeros(1, dtype=torch.long)
+    elif required and ("len" in n):
+        return torch.full((1,), text_len, dtype=torch.long)
+    elif required and ("size" in n or "coord" in n):
+        # image-size conditioning (original/target size, crop corner): pixels of the latent grid
+        full = 8 * hidden[-1] if len(hidden) >= 4 else 64
+        return torch.zeros(1, 2) if "coord" in n else torch.full((1, 2), float(full))
+    elif "pooled" in n:
+        dims = _ints(cfg, "pooled") or ([td] if td else [])
+        if dims:
+            return torch.randn((1, dims[0]), generator=g)
+    elif n == "guidance":
+        if any("guidance" in k.lower() and v is True for k, v in cfg.items()):
+            return torch.full((1,), 3.5)
+    elif n in ("num_frames", "frames", "height", "width") and len(hidden) == 3:
+        # packed latents: the grid they came from (frames x height x width == tokens)
+        side = int(math.isqrt(hidden[1]))
+        return 1 if "frame" in n else side
+    elif n.endswith("_ids") and ("img" in n or "image" in n):
+        return torch.zeros(_tokens(hidden, cfg), n_axes)
+    elif n.endswith("_ids") and ("txt" in n or "text" in n):
+        return torch.zeros(text_len, n_axes)
+    elif required:
+        return None  # required with no rule: the probe's error names it
+    return _NO_INPUT
 
 
 def first_tensor(out):
@@ -713,68 +725,82 @@ def _refusal_types() -> tuple:
 
 def check_class(cls: type, steps: int = STEPS, cp: bool = True) -> ClassOutcome:
     """Run the stages' checks on a tiny instance of ``cls`` (see the module docstring)."""
-    from ..inspect.static import inspect_transformer
-    from ..inspect.trace import trace_calls
-    from . import strategies
-    from .adapter import build_cache_adapter
-    from .counting import EvalCounter
-
     row = ClassOutcome(cls.__name__, "crash")
     start = time.perf_counter()
-    stage = "build"
     try:
-        stage = "build+inputs"
-        model, row.factor, kwargs = tiny_with_inputs(cls)
-        hidden_name = next(iter(kwargs))
-        stage = "inspect"
-        report = inspect_transformer(model, None, support=False)
-        with contextlib.redirect_stdout(io.StringIO()):
-            report = trace_calls(model, lambda: model(**kwargs), report=report)
-        row.block_lists = [f"{b.path} x{b.length}" for b in report.block_lists]
-        if report.block_lists and max(b.length for b in report.block_lists) < 2:
-            raise Refused("every block list has a single block: a block cache always computes it, nothing to skip")
-        pipe = _steps_pipeline(model, kwargs, hidden_name)
-        with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
-            plain = pipe(steps)
-        stage = "adapter"
-        adapter = build_cache_adapter(pipe, report, f"coverage_{cls.__name__}")
-        row.folded = bool(adapter.info.patch_functor)
-        row.used = adapter.info.used
-        strat = strategies.get("dbcache")
-        stage = "cache-off"
-        off = _run_cached(pipe, adapter, strat, strat.disabled(adapter, steps), steps, EvalCounter)
-        diff = max(float((a - b).abs().max()) for a, b in zip(off[0], plain))
-        row.off_max_abs = diff
-        if not diff <= TOLERANCE:
-            row.outcome, row.stage = "wrong", stage
-            row.reason = f"caching off differs from the plain forward: max abs {diff:.3g} > {TOLERANCE:g}"
-            return row
-        stage = "cache-on"
-        on_cfg = strat.Config(Fn=1, Bn=0, threshold=1.0, max_warmup_steps=1)
-        outs, counts = _run_cached(pipe, adapter, strat, on_cfg, steps, EvalCounter)
-        total = off[1]["block_evals"]
-        ran = counts["block_evals"]
-        row.skipped = f"{total - ran} of {total}"
-        if not all(torch.isfinite(o).all() for o in outs):
-            row.outcome, row.stage, row.reason = "wrong", stage, "caching on gave non-finite outputs"
-            return row
-        if ran >= total:
-            row.outcome, row.stage = "wrong", stage
-            row.reason = f"caching on skipped no block evaluation ({ran} of {total} ran)"
-            return row
-        row.outcome, row.stage = "correct", ""
+        model, kwargs = _check_cache(cls, steps, row)
     except _refusal_types() as exc:
-        row.outcome, row.stage, row.reason = "refused", stage, str(exc).splitlines()[0][:300]
+        row.outcome, row.reason = "refused", str(exc).splitlines()[0][:300]
         return row
     except Exception as exc:
-        row.outcome, row.stage, row.reason = "crash", stage, _summary(exc)
+        row.outcome, row.reason = "crash", _summary(exc)
         return row
     finally:
         row.seconds = round(time.perf_counter() - start, 2)
+    if row.outcome != "correct":
+        return row
     if cp:
         row.cp, row.cp_reason = run_cp(model, kwargs)
     row.seconds = round(time.perf_counter() - start, 2)
     return row
+
+
+def _check_cache(cls: type, steps: int, row: ClassOutcome):
+    """Build, inspect, adapt and run caching off and on, filling ``row``; returns (model, inputs).
+
+    While it runs ``row.stage`` names the stage (a refusal or crash is reported there); it ends
+    with ``row.outcome`` "correct" (stage cleared) or "wrong" (stage kept)."""
+    from . import strategies
+    from .adapter import build_cache_adapter
+    from .counting import EvalCounter
+
+    model, kwargs, report, pipe = _inspected_pipeline(cls, row)
+    with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
+        plain = pipe(steps)
+    row.stage = "adapter"
+    adapter = build_cache_adapter(pipe, report, f"coverage_{cls.__name__}")
+    row.folded = bool(adapter.info.patch_functor)
+    row.used = adapter.info.used
+    strat = strategies.get("dbcache")
+    row.stage = "cache-off"
+    off = _run_cached(pipe, adapter, strat, strat.disabled(adapter, steps), steps, EvalCounter)
+    diff = max(float((a - b).abs().max()) for a, b in zip(off[0], plain))
+    row.off_max_abs = diff
+    if not diff <= TOLERANCE:
+        row.outcome = "wrong"
+        row.reason = f"caching off differs from the plain forward: max abs {diff:.3g} > {TOLERANCE:g}"
+        return model, kwargs
+    row.stage = "cache-on"
+    on_cfg = strat.Config(Fn=1, Bn=0, threshold=1.0, max_warmup_steps=1)
+    outs, counts = _run_cached(pipe, adapter, strat, on_cfg, steps, EvalCounter)
+    total = off[1]["block_evals"]
+    ran = counts["block_evals"]
+    row.skipped = f"{total - ran} of {total}"
+    if not all(torch.isfinite(o).all() for o in outs):
+        row.outcome, row.reason = "wrong", "caching on gave non-finite outputs"
+    elif ran >= total:
+        row.outcome, row.reason = "wrong", f"caching on skipped no block evaluation ({ran} of {total} ran)"
+    else:
+        row.outcome, row.stage = "correct", ""
+    return model, kwargs
+
+
+def _inspected_pipeline(cls: type, row: ClassOutcome):
+    """The build+inputs and inspect stages: (model, inputs, traced report, steps pipeline)."""
+    from ..inspect.static import inspect_transformer
+    from ..inspect.trace import trace_calls
+
+    row.stage = "build+inputs"
+    model, row.factor, kwargs = tiny_with_inputs(cls)
+    hidden_name = next(iter(kwargs))
+    row.stage = "inspect"
+    report = inspect_transformer(model, None, support=False)
+    with contextlib.redirect_stdout(io.StringIO()):
+        report = trace_calls(model, lambda: model(**kwargs), report=report)
+    row.block_lists = [f"{b.path} x{b.length}" for b in report.block_lists]
+    if report.block_lists and max(b.length for b in report.block_lists) < 2:
+        raise Refused("every block list has a single block: a block cache always computes it, nothing to skip")
+    return model, kwargs, report, _steps_pipeline(model, kwargs, hidden_name)
 
 
 def _run_cached(pipe, adapter, strat, cfg, steps: int, counter_cls):

@@ -183,6 +183,23 @@ def forward_needs(model: nn.Module, depth: int = 0) -> dict[str, Need]:
         return {}
     params = _param_names(node)
     needs = {p: Need() for p in params}
+    alias, alias_defs = _aliases(node, params)
+    for p, roles in _doc_roles(fn, params).items():
+        needs[p].roles = roles
+        needs[p].where.append("docstring")
+    _unpack_roles(node, alias, needs)
+    _first_module_needs(model, node, alias, _first_rebound(node, alias_defs), needs, depth)
+    for need in needs.values():
+        # a Linear takes it first: packed tokens (batch, tokens, features), whatever the
+        # docstring says (docstrings often document the unpacked latent)
+        if need.last and not need.conv_dims and "unpack" not in need.where and need.roles \
+                and need.roles[-1] in ("height", "width"):
+            need.roles = None
+    return needs
+
+
+def _aliases(node, params: list) -> tuple[dict, set]:
+    """(local name -> the parameter it was assigned from, ids of those assignments)."""
     alias = {p: p for p in params}
     alias_defs = set()
     for n in ast.walk(node):
@@ -191,10 +208,12 @@ def forward_needs(model: nn.Module, depth: int = 0) -> dict[str, Need]:
             if src in params and n.targets[0].id not in alias:
                 alias[n.targets[0].id] = src
                 alias_defs.add(id(n))
-    for p, roles in _doc_roles(fn, params).items():
-        needs[p].roles = roles
-        needs[p].where.append("docstring")
-    for n in ast.walk(node):  # ``a, b, c = x.shape``: the rank and the axes' roles
+    return alias, alias_defs
+
+
+def _unpack_roles(node, alias: dict, needs: dict) -> None:
+    """``a, b, c = x.shape``: the rank and the axes' roles of the parameter ``x`` stands for."""
+    for n in ast.walk(node):
         if isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Tuple) \
                 and isinstance(n.value, ast.Attribute) and n.value.attr == "shape":
             p = alias.get(_root_name(n.value.value) or "")
@@ -202,7 +221,10 @@ def forward_needs(model: nn.Module, depth: int = 0) -> dict[str, Need]:
             if p and not any(isinstance(e, ast.Starred) for e in elts) and "unpack" not in needs[p].where:
                 needs[p].roles = [axis_role(e.id) if isinstance(e, ast.Name) else None for e in elts]
                 needs[p].where.append("unpack")
-    # where each name is first rebound: a call after that statement sees another value
+
+
+def _first_rebound(node, alias_defs: set) -> dict[str, int]:
+    """Where each name is first rebound: a call after that statement sees another value."""
     rebound: dict[str, int] = {}
     for n in ast.walk(node):
         if isinstance(n, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and id(n) not in alias_defs:
@@ -211,6 +233,11 @@ def forward_needs(model: nn.Module, depth: int = 0) -> dict[str, Need]:
                 for x in ast.walk(t):
                     if isinstance(x, ast.Name):
                         rebound[x.id] = min(rebound.get(x.id, 10 ** 9), n.end_lineno or n.lineno)
+    return rebound
+
+
+def _first_module_needs(model: nn.Module, node, alias: dict, rebound: dict, needs: dict, depth: int) -> None:
+    """Merge into ``needs`` what the first ``self.<module>(...)`` call taking each parameter asks."""
     calls = sorted((c for c in ast.walk(node) if isinstance(c, ast.Call)),
                    key=lambda c: (c.lineno, c.col_offset))
     consumed: set[str] = set()
@@ -236,13 +263,6 @@ def forward_needs(model: nn.Module, depth: int = 0) -> dict[str, Need]:
             elif got.roles and not mine.roles:
                 mine.roles = got.roles
             mine.where += [f"self.{ast.unparse(c.func)[5:]}"] + got.where
-    for need in needs.values():
-        # a Linear takes it first: packed tokens (batch, tokens, features), whatever the
-        # docstring says (docstrings often document the unpacked latent)
-        if need.last and not need.conv_dims and "unpack" not in need.where and need.roles \
-                and need.roles[-1] in ("height", "width"):
-            need.roles = None
-    return needs
 
 
 def structured(annotation, grid: "Grid", make_tensor):
@@ -415,6 +435,15 @@ def repair(exc: BaseException, kwargs: dict, make, forbid: set) -> tuple[dict, s
     tried, so a repair is never repeated."""
     msg = str(exc)
     params = set(kwargs) | set(getattr(make, "params", ()))
+    for rule in _REPAIRS:
+        fixed = rule(exc, msg, kwargs, make, forbid, params)
+        if fixed is not None:
+            return fixed
+    return None
+
+
+def _supply_missing(exc, msg, kwargs, make, forbid, params):
+    """``missing required argument(s) 'a', 'b'``: supply them."""
     m = _MISSING.search(msg)
     if m:
         names = re.findall(r"'(\w+)'", m.group(1))
@@ -425,6 +454,11 @@ def repair(exc: BaseException, kwargs: dict, make, forbid: set) -> tuple[dict, s
                 new[n] = make(n, new)
         if new != kwargs:
             return new, f"supplied {names}"
+    return None
+
+
+def _matmul_last_dim(exc, msg, kwargs, make, forbid, params):
+    """A matrix product ``(AxB and CxD)`` whose left side is an input with last dim B: make it C."""
     m = _MATMUL.search(msg)
     if m:
         a, b, c, _ = (int(x) for x in m.groups())
@@ -435,6 +469,11 @@ def repair(exc: BaseException, kwargs: dict, make, forbid: set) -> tuple[dict, s
                 new = dict(kwargs)
                 new[name] = torch.randn(tuple(val.shape[:-1]) + (c,))
                 return new, f"{name}: last dim {b} -> {c}"
+    return None
+
+
+def _supply_none(exc, msg, kwargs, make, forbid, params):
+    """A forward parameter that is None where the failing code uses it: supply it."""
     if ("NoneType" in msg or "None" in msg) and "not callable" not in msg:
         for n in _none_params(exc, params, kwargs):
             if ("supply", n) in forbid or never_supplied(n):
@@ -445,6 +484,11 @@ def repair(exc: BaseException, kwargs: dict, make, forbid: set) -> tuple[dict, s
                 new = dict(kwargs)
                 new[n] = val
                 return new, f"supplied {n}"
+    return None
+
+
+def _boolean_mask(exc, msg, kwargs, make, forbid, params):
+    """``where`` wants a boolean condition: the mask input the failing frame holds becomes one."""
     if "where expected condition to be a boolean" in msg:
         for name, val in kwargs.items():
             if isinstance(val, torch.Tensor) and val.dtype != torch.bool and "mask" in name.lower() \
@@ -454,7 +498,11 @@ def repair(exc: BaseException, kwargs: dict, make, forbid: set) -> tuple[dict, s
                 new = dict(kwargs)
                 new[name] = val != 0
                 return new, f"{name}: a boolean mask"
-    # the error message names a forward parameter: supply it when missing
+    return None
+
+
+def _supply_named(exc, msg, kwargs, make, forbid, params):
+    """The error message names a forward parameter: supply it when missing."""
     for n in re.findall(r"[`'\"](\w+)[`'\"]", msg):
         if n in params and kwargs.get(n) is None and ("supply", n) not in forbid and not never_supplied(n):
             forbid.add(("supply", n))
@@ -463,6 +511,11 @@ def repair(exc: BaseException, kwargs: dict, make, forbid: set) -> tuple[dict, s
                 new = dict(kwargs)
                 new[n] = val
                 return new, f"supplied {n} (named by the error)"
+    return None
+
+
+def _integer_indices(exc, msg, kwargs, make, forbid, params):
+    """Indices must be integers: the float input the failing frame holds becomes long zeros."""
     low_msg = msg.lower()
     if "indices" in low_msg and ("long" in low_msg or "int" in low_msg):
         for name, val in kwargs.items():
@@ -472,8 +525,12 @@ def repair(exc: BaseException, kwargs: dict, make, forbid: set) -> tuple[dict, s
                     new = dict(kwargs)
                     new[name] = torch.zeros(val.shape, dtype=torch.long)
                     return new, f"{name}: integer indices"
+    return None
+
+
+def _like_concatenated(exc, msg, kwargs, make, forbid, params):
+    """A concatenation of an input with another: make the one we made up like the other."""
     if "Sizes of tensors must match" in msg or "same number of dimensions" in msg:
-        # a concatenation of an input with another: make the one we made up like the other
         for frame in reversed(_model_frames(exc)):
             try:
                 text = (inspect.getframeinfo(frame).code_context or [""])[0]
@@ -492,6 +549,11 @@ def repair(exc: BaseException, kwargs: dict, make, forbid: set) -> tuple[dict, s
                     new[name] = torch.randn(others[0].shape).to(val.dtype)
                     return new, f"{name}: shaped like the tensor it is concatenated with"
             break
+    return None
+
+
+def _size_mismatch(exc, msg, kwargs, make, forbid, params):
+    """Sizes ``a`` and ``b`` differ at dim ``d``: the input the failing frame holds takes the other."""
     m = _SIZE.search(msg)
     if m:
         a, b, d = int(m.group(1)), int(m.group(2)), int(m.group(3))
@@ -509,6 +571,11 @@ def repair(exc: BaseException, kwargs: dict, make, forbid: set) -> tuple[dict, s
                     new[name] = torch.randn(shape).to(val.dtype) if val.is_floating_point() else \
                         torch.zeros(shape, dtype=val.dtype)
                     return new, f"{name}: dim {d} {val.shape[d]} -> {shape[d]}"
+    return None
+
+
+def _unpack_rank(exc, msg, kwargs, make, forbid, params):
+    """A tensor unpacked into more or fewer names than its rank: remake it with that rank."""
     m = _UNPACK.search(msg)
     if m:
         want = int(m.group(1))
@@ -530,6 +597,11 @@ def repair(exc: BaseException, kwargs: dict, make, forbid: set) -> tuple[dict, s
                         if new[name] is not None:
                             return new, f"{name}: rank {want}"
     return None
+
+
+# the repairs ``repair`` tries, in order: each is (exc, msg, kwargs, make, forbid, params) -> (new, note) | None
+_REPAIRS = (_supply_missing, _matmul_last_dim, _supply_none, _boolean_mask, _supply_named, _integer_indices,
+            _like_concatenated, _size_mismatch, _unpack_rank)
 
 
 __all__ = ["Grid", "Need", "axis_role", "forward_needs", "module_need", "repair", "tensor_for"]

@@ -230,6 +230,30 @@ def inspect_transformer(module: nn.Module, pipeline_class: str | None = None, su
     """Static facts of a transformer: works on the meta device (reads no weights, runs no forward)."""
     total = param_count(module)
     lists, others = find_block_lists(module)
+    block_lists = _block_list_facts(lists, total)
+    attention = _attention_facts(module, lists)
+    mod, mod_reason = modulation(module, lists)
+    report = ArchReport(
+        transformer_class=type(module).__name__,
+        pipeline_class=pipeline_class,
+        param_count=int(total),
+        block_lists=block_lists,
+        attention=attention,
+        modulation=mod,
+        modulation_reason=mod_reason,
+        source_files=source_files(module),
+        notes=[f"other ModuleList {o}" for o in others],
+    )
+    _add_loop_facts(module, report)
+    if support:
+        from .support import support_facts
+
+        report.support = support_facts(module, pipeline_class, report)
+    return report
+
+
+def _block_list_facts(lists: list, total: int) -> list[BlockList]:
+    """One ``BlockList`` per found block list: its class, share of parameters, call and pattern."""
     block_lists: list[BlockList] = []
     for path, lst in lists:
         block = lst[0]
@@ -250,7 +274,11 @@ def inspect_transformer(module: nn.Module, pipeline_class: str | None = None, su
             pattern_source="static",
             diffusers_hook_metadata=diffusers_block_metadata(type(block)) is not None,
         ))
+    return block_lists
 
+
+def _attention_facts(module: nn.Module, lists: list) -> AttentionFacts:
+    """Heads, kind (joint/cross/self), fused qkv, rope and processors of the blocks' attention."""
     attention = AttentionFacts()
     main = max(lists, key=lambda pl: param_count(pl[1]), default=None)
     shapes = []
@@ -275,19 +303,12 @@ def inspect_transformer(module: nn.Module, pipeline_class: str | None = None, su
     attention.rope = _rope(module, lists)
     attention.processor_classes = sorted({type(getattr(a, "processor")).__name__ for _, lst in lists
                                           for _, a in attention_modules(lst[0]) if getattr(a, "processor", None) is not None})
+    return attention
 
-    mod, mod_reason = modulation(module, lists)
-    report = ArchReport(
-        transformer_class=type(module).__name__,
-        pipeline_class=pipeline_class,
-        param_count=int(total),
-        block_lists=block_lists,
-        attention=attention,
-        modulation=mod,
-        modulation_reason=mod_reason,
-        source_files=source_files(module),
-        notes=[f"other ModuleList {o}" for o in others],
-    )
+
+def _add_loop_facts(module: nn.Module, report: ArchReport) -> None:
+    """The forward's loops over the block lists and the code's other uses of them: notes and loop work."""
+    block_lists = report.block_lists
     loops = read_loops(module, [b.path for b in block_lists])
     if loops.error:
         report.notes.append(loops.error)
@@ -307,8 +328,3 @@ def inspect_transformer(module: nn.Module, pipeline_class: str | None = None, su
     report.loop_extra_work_reasons = [w.describe() for w in loops.active]
     report.loop_work_conditional = [w.describe() for w in loops.conditional]
     report.loop_extra_work = bool(loops.active)
-    if support:
-        from .support import support_facts
-
-        report.support = support_facts(module, pipeline_class, report)
-    return report

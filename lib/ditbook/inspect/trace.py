@@ -232,41 +232,9 @@ def analyse_calls(tracer: Tracer, transformer: nn.Module, report: ArchReport) ->
         first = calls[0]
         roles = _roles(first)
         h, e = _streams(first)
-        varying: list[str] = []
-        names_all = set().union(*(set(c.bound) for c in calls))
-        for name in sorted(names_all - {H, E}):
-            present = [c.index for c in calls if name in c.bound]
-            if len(present) != len(calls):
-                varying.append(name)
-                reasons.append(f"{b.path}: argument '{name}' is passed to blocks {present} only (per-index term)")
-                continue
-            vals = [c.bound[name] for c in calls]
-            if not all(_same(vals[0], v) for v in vals[1:]):
-                varying.append(name)
-                reasons.append(f"{b.path}: argument '{name}' takes a new value per block (per-index term)")
-        for c in calls:
-            for name, v in c.bound.items():
-                if "mask" in name and isinstance(v, torch.Tensor):
-                    masks.add(f"{b.path}.{name}")
-                if isinstance(v, dict):
-                    masks.update(f"{b.path}.{name}['{k}']" for k, vv in v.items()
-                                 if "mask" in k and isinstance(vv, torch.Tensor))
-                if name not in (H, E) and isinstance(v, torch.Tensor) and id(v) in outputs_seen:
-                    src = outputs_seen[id(v)]
-                    if src != (c.path, c.index - 1):
-                        reasons.append(f"{b.path}[{c.index}]: argument '{name}' is the output of {src[0]}[{src[1]}] "
-                                       f"(skip connection)")
-        for prev, nxt in zip(calls, calls[1:]):
-            if nxt.index != prev.index + 1:
-                continue
-            nh, ne = _streams(nxt)
-            ph_out = _out(prev, H)
-            if ph_out is not None and nh is not None and not _same(ph_out, nh):
-                reasons.append(f"{b.path}: hidden_states changed between block {prev.index} and {nxt.index}: "
-                               f"the loop does work between the calls")
-            pe_out = _out(prev, E) if E in _roles(prev) else _streams(prev)[1]
-            if pe_out is not None and ne is not None and not _same(pe_out, ne):
-                reasons.append(f"{b.path}: encoder_hidden_states changed between block {prev.index} and {nxt.index}")
+        varying = _varying_arguments(b.path, calls, reasons)
+        _masks_and_skip_connections(b.path, calls, outputs_seen, masks, reasons)
+        _work_between_calls(b.path, calls, reasons)
         block = transformer.get_submodule(b.path)[0]
         match = match_pattern(block, roles, receives_encoder=e is not None)
         b.forward_pattern, b.compatible_patterns, b.pattern_reason = match.pattern, match.compatible, match.reason
@@ -285,7 +253,60 @@ def analyse_calls(tracer: Tracer, transformer: nn.Module, report: ArchReport) ->
                 report.attention.text_seq_len = int(e.shape[1])
     report.loop_extra_work_reasons = _dedupe(reasons + report.loop_extra_work_reasons)
     report.loop_extra_work = bool(report.loop_extra_work_reasons)
-    att = report.attention
+    _sdpa_facts(tracer, report.attention, masks)
+    report.attention.masks = sorted(masks)
+
+
+def _varying_arguments(path: str, calls: list, reasons: list) -> list[str]:
+    """Block arguments (other than the streams) missing from some calls or new per call; says why."""
+    varying: list[str] = []
+    names_all = set().union(*(set(c.bound) for c in calls))
+    for name in sorted(names_all - {H, E}):
+        present = [c.index for c in calls if name in c.bound]
+        if len(present) != len(calls):
+            varying.append(name)
+            reasons.append(f"{path}: argument '{name}' is passed to blocks {present} only (per-index term)")
+            continue
+        vals = [c.bound[name] for c in calls]
+        if not all(_same(vals[0], v) for v in vals[1:]):
+            varying.append(name)
+            reasons.append(f"{path}: argument '{name}' takes a new value per block (per-index term)")
+    return varying
+
+
+def _masks_and_skip_connections(path: str, calls: list, outputs_seen: dict, masks: set, reasons: list) -> None:
+    """Mask arguments the blocks receive, and arguments that are an earlier call's output (skips)."""
+    for c in calls:
+        for name, v in c.bound.items():
+            if "mask" in name and isinstance(v, torch.Tensor):
+                masks.add(f"{path}.{name}")
+            if isinstance(v, dict):
+                masks.update(f"{path}.{name}['{k}']" for k, vv in v.items()
+                             if "mask" in k and isinstance(vv, torch.Tensor))
+            if name not in (H, E) and isinstance(v, torch.Tensor) and id(v) in outputs_seen:
+                src = outputs_seen[id(v)]
+                if src != (c.path, c.index - 1):
+                    reasons.append(f"{path}[{c.index}]: argument '{name}' is the output of {src[0]}[{src[1]}] "
+                                   f"(skip connection)")
+
+
+def _work_between_calls(path: str, calls: list, reasons: list) -> None:
+    """Streams that change between consecutive block calls: the loop does work in between."""
+    for prev, nxt in zip(calls, calls[1:]):
+        if nxt.index != prev.index + 1:
+            continue
+        nh, ne = _streams(nxt)
+        ph_out = _out(prev, H)
+        if ph_out is not None and nh is not None and not _same(ph_out, nh):
+            reasons.append(f"{path}: hidden_states changed between block {prev.index} and {nxt.index}: "
+                           f"the loop does work between the calls")
+        pe_out = _out(prev, E) if E in _roles(prev) else _streams(prev)[1]
+        if pe_out is not None and ne is not None and not _same(pe_out, ne):
+            reasons.append(f"{path}: encoder_hidden_states changed between block {prev.index} and {nxt.index}")
+
+
+def _sdpa_facts(tracer: Tracer, att, masks: set) -> None:
+    """Attention facts from the recorded scaled-dot-product calls: count, GQA, heads, kind, mask."""
     att.sdpa_calls = len(tracer.sdpa)
     if tracer.sdpa:
         if any(s["mask"] for s in tracer.sdpa):
@@ -307,7 +328,6 @@ def analyse_calls(tracer: Tracer, transformer: nn.Module, report: ArchReport) ->
                 att.kind = "cross"
         if att.heads and att.kv_heads:
             att.gqa_ratio = round(att.heads / att.kv_heads, 3)
-    att.masks = sorted(masks)
 
 
 def _dedupe(items: list[str]) -> list[str]:

@@ -106,6 +106,82 @@ def _placeholder_like_input(args, kwargs):
     return Transformer2DModelOutput(sample=ph), ph
 
 
+class _SeparateState:
+    """What one rank's separate-calls wrapper carries from call to call (see ``_separate``)."""
+
+    def __init__(self, stats: CfgStats, me: int, group):
+        self.stats, self.me, self.group = stats, me, group
+        self.shapes: dict = {}  # input shape -> (output shape, dtype, device) learnt for it
+        self.pending = None  # the first call's output or placeholder; the exchange fills it
+        self.own0 = None  # this rank's own first-call output, when it computed that call
+        self.guessed = None  # (shape, output type) of a placeholder taken from the input, to check
+        self.template = None  # the latest output: placeholders and gathered tensors are wrapped like it
+
+    def first_from_input(self, i: int, args, kwargs):
+        """A first call of a new input shape on a rank that skips it, with a cache: answer with a
+        placeholder shaped like the input (checked against this rank's output in the same step)."""
+        template, ph = _placeholder_like_input(args, kwargs)
+        self.template, self.guessed = template, (tuple(ph.shape), type(template))
+        self.stats.skipped += 1
+        self.own0 = None
+        self.pending = ph
+        self.stats.notes.append(f"call {i + 1}: output shape taken from the input {tuple(ph.shape)}")
+        return template
+
+    def first(self, orig, key, args, kwargs):
+        """The first call of a pair: rank 0 computes it (any rank, once per new input shape, to
+        learn the output's shape); the other ranks answer with a placeholder of that shape."""
+        if self.me == 0 or key not in self.shapes:
+            out = orig(*args, **kwargs)
+            self.stats.computed += 1
+            if self.me != 0:
+                self.stats.extra_forwards += 1
+            t = _first_tensor(out)
+            self.template = out
+            self.shapes[key] = (tuple(t.shape), t.dtype, t.device)
+            self.own0 = t
+            self.pending = t
+            return out
+        shape, dtype, device = self.shapes[key]
+        ph = torch.empty(shape, dtype=dtype, device=device)
+        self.stats.skipped += 1
+        self.own0 = None
+        self.pending = ph
+        return _wrap_like(self.template, ph)
+
+    def second(self, orig, key, args, kwargs):
+        """The second call of a pair: rank 1 computes, rank 0 contributes its first-call result;
+        the ranks exchange, and each returns the branch it did not compute from the other."""
+        if self.me == 1:
+            out = orig(*args, **kwargs)
+            self.stats.computed += 1
+            self.template = out
+            mine = _first_tensor(out)
+            if self.guessed is not None:
+                self._check_guess(out, mine, key)
+        else:
+            out = None
+            mine = self.own0
+            self.stats.skipped += 1
+        parts = _gather(mine, self.group, 2)
+        self.stats.exchanges += 1
+        self.pending.copy_(parts[0])  # fills the first call's placeholder (or rewrites it equal)
+        if self.me == 1:
+            return out
+        return _wrap_like(self.template, parts[1])
+
+    def _check_guess(self, out, mine: torch.Tensor, key) -> None:
+        """Refuse an output shaped (or wrapped) unlike the input-shaped placeholder; else learn it."""
+        want = (tuple(mine.shape), type(out))
+        if want != self.guessed:
+            raise CfgShapeError(
+                f"CFG parallel with a cache: the transformer returned {type(out).__name__} {tuple(mine.shape)}, "
+                f"but the placeholder for the other branch was {self.guessed[1].__name__} "
+                f"{self.guessed[0]} (the input's shape); run this model's CFG parallel without the cache")
+        self.shapes[key] = (tuple(mine.shape), mine.dtype, mine.device)
+        self.guessed = None
+
+
 def _separate(stats: CfgStats, me: int, group, heartbeat, shape_from_input: bool = False):
     """The wrapper for a pipeline that calls the transformer twice per step (cond, uncond).
 
@@ -115,66 +191,19 @@ def _separate(stats: CfgStats, me: int, group, heartbeat, shape_from_input: bool
     same step. An extra forward would advance that rank's cache (its step count, and cache-dit's
     world-wide all-reduce of the residual difference) one call ahead of the other rank's, and the
     ranks' collectives would no longer pair (a hang)."""
-    state: dict = {"shapes": {}, "pending": None, "own0": None, "guessed": None}
+    state = _SeparateState(stats, me, group)
 
     def separate(orig, *args, **kwargs):
         i = stats.calls
         stats.calls += 1
         if heartbeat:
             heartbeat()
-        parity = i % 2
         key = _input_key(args, kwargs)
-        if parity == 0 and me != 0 and shape_from_input and key not in state["shapes"]:
-            template, ph = _placeholder_like_input(args, kwargs)
-            state["template"], state["guessed"] = template, (tuple(ph.shape), type(template))
-            stats.skipped += 1
-            state["own0"] = None
-            state["pending"] = ph
-            stats.notes.append(f"call {i + 1}: output shape taken from the input {tuple(ph.shape)}")
-            return template
-        if parity == 0:
-            if me == 0 or key not in state["shapes"]:
-                out = orig(*args, **kwargs)
-                stats.computed += 1
-                if me != 0:
-                    stats.extra_forwards += 1
-                t = _first_tensor(out)
-                state["template"] = out
-                state["shapes"][key] = (tuple(t.shape), t.dtype, t.device)
-                state["own0"] = t
-                state["pending"] = t
-                return out
-            shape, dtype, device = state["shapes"][key]
-            ph = torch.empty(shape, dtype=dtype, device=device)
-            stats.skipped += 1
-            state["own0"] = None
-            state["pending"] = ph
-            return _wrap_like(state["template"], ph)
-        # second call of the pair: rank 1 computes, rank 0 contributes its first-call result
-        if me == 1:
-            out = orig(*args, **kwargs)
-            stats.computed += 1
-            state["template"] = out
-            mine = _first_tensor(out)
-            if state["guessed"] is not None:
-                want = (tuple(mine.shape), type(out))
-                if want != state["guessed"]:
-                    raise CfgShapeError(
-                        f"CFG parallel with a cache: the transformer returned {type(out).__name__} {tuple(mine.shape)}, "
-                        f"but the placeholder for the other branch was {state['guessed'][1].__name__} "
-                        f"{state['guessed'][0]} (the input's shape); run this model's CFG parallel without the cache")
-                state["shapes"][key] = (tuple(mine.shape), mine.dtype, mine.device)
-                state["guessed"] = None
-        else:
-            out = None
-            mine = state["own0"]
-            stats.skipped += 1
-        parts = _gather(mine, group, 2)
-        stats.exchanges += 1
-        state["pending"].copy_(parts[0])  # fills the first call's placeholder (or rewrites it equal)
-        if me == 1:
-            return out
-        return _wrap_like(state["template"], parts[1])
+        if i % 2 == 0 and me != 0 and shape_from_input and key not in state.shapes:
+            return state.first_from_input(i, args, kwargs)
+        if i % 2 == 0:
+            return state.first(orig, key, args, kwargs)
+        return state.second(orig, key, args, kwargs)
 
     return separate
 
