@@ -162,6 +162,15 @@ class BlockAttributeOutsideLoop(Base):
         return (self.proj_out(self.norm_out(x)),)
 
 
+class BlockCalledOutsideLoop(Base):
+    def forward(self, hidden_states, timestep, return_dict: bool = False):
+        x, temb = self.embed(hidden_states, timestep)
+        x = self.blocks[0](x, temb)
+        for block in self.blocks:
+            x = block(x, temb)
+        return (self.proj_out(self.norm_out(x)),)
+
+
 class TwoLoops(Base):
     def forward(self, hidden_states, timestep, return_dict: bool = False):
         x, temb = self.embed(hidden_states, timestep)
@@ -205,11 +214,21 @@ class BreakEarly(Base):
 def test_list_touched_outside_its_loop_is_refused_with_a_reason():
     # before: cache-dit's one-unit stand-in replaced the list, so `self.blocks[0].norm1` raised,
     # the second loop / comprehension / zip saw one unit instead of the blocks
-    for cls, words in ((BlockAttributeOutsideLoop, "outside its loop"), (TwoLoops, "2 times"),
+    for cls, words in ((BlockCalledOutsideLoop, "outside its loop"), (TwoLoops, "2 times"),
                        (Comprehension, "outside its loop"), (ZipTwoLists, "outside its loop"),
                        (BreakEarly, "break")):
         row = run(cls)
         assert row.outcome == "refused" and words in row.reason, (cls.__name__, row.reason)
+
+
+def test_block_attribute_read_outside_the_loop_reaches_the_original_block():
+    # `self.blocks[0].norm1(x)` outside the loop (DiT's `transformer_blocks[0].norm1.emb(...)`):
+    # before, refused; now the fold points that read at the original block, and caching skips
+    row = run(BlockAttributeOutsideLoop)
+    assert row.outcome == "correct" and row.folded, row.reason
+    assert row.off_max_abs <= 1e-5
+    skipped, total = (int(v) for v in row.skipped.split(" of "))
+    assert 0 < skipped < total
 
 
 class LoopInHelper(Base):

@@ -180,6 +180,14 @@ def generate_adapter_source(pipe, report: ArchReport, model: str, *, force_fold:
         reasons = needs_fold(report, bl, fold)
         if report.loop_extra_work and fold is None:
             reasons.append(f"inspection reports loop work but the loop cannot be folded: {fold_problem}")
+        if u.element_attrs:
+            away = [e for e in u.element_attrs if fold is not None and e.split(":")[0] != fold.method]
+            if away:
+                uncached.append(f"{bl.path}: the code reads attributes of its blocks outside the loop in a method "
+                                f"the fold does not rewrite ({'; '.join(away[:2])})")
+                continue
+            reasons.append(f"the code reads attributes of self.{bl.path}[i] outside the loop "
+                           f"({'; '.join(u.element_attrs[:2])}); folded, it reads them from the original blocks")
         if u.in_body:
             reasons.append(f"the loop body reads self.{bl.path} itself ({'; '.join(u.in_body[:2])}); folded, it "
                            f"sees the original list")

@@ -304,6 +304,21 @@ def fold_method(folds: list[LoopFold]) -> str:
     return methods[0] if methods else "forward"
 
 
+class _OriginalElements(ast.NodeTransformer):
+    """``self.<path>[i]`` in the rewritten method -> the original block ``i``, kept by the functor
+    (while cached, ``self.<path>`` is cache-dit's one-unit stand-in; folded, it holds wrappers)."""
+
+    def __init__(self, paths):
+        self.paths = set(paths)
+
+    def visit_Subscript(self, node):
+        self.generic_visit(node)
+        path = _self_attr(node.value)
+        if path in self.paths:
+            node.value = ast.parse(f"self._ditbook_originals[{path!r}]", mode="eval").body
+        return node
+
+
 def _rewritten_forward_source(cls, folds: list[LoopFold]) -> str:
     method = fold_method(folds)
     fn, _ = _forward_function(cls, method)
@@ -319,6 +334,7 @@ def _rewritten_forward_source(cls, folds: list[LoopFold]) -> str:
             [f"{fold.input_keyword(n)}={n}" for n in fold.inputs]
         target = ", ".join(fold.carried)
         loop.body = ast.parse(f"{target} = {block_var}({', '.join(kws)})").body
+    fn = _OriginalElements(by_path).visit(fn)
     fn.name = method
     if fn.body and isinstance(fn.body[0], ast.Expr) and isinstance(getattr(fn.body[0], "value", None), ast.Constant) \
             and isinstance(fn.body[0].value.value, str):
@@ -420,6 +436,8 @@ def fold_source(cls, folds: list[LoopFold], functor_name: str) -> str:
                         for i, w in enumerate(wrapped[path]):
                             blocks[i] = w
                     setattr(transformer, METHOD, forward)
+                    # the original blocks, for ``self.<list>[i].attr`` outside the loop (not a submodule)
+                    object.__setattr__(transformer, "_ditbook_originals", saved)
                     transformer._ditbook_folded = True
                     transformer._is_patched = True
                 except BaseException:
@@ -430,6 +448,7 @@ def fold_source(cls, folds: list[LoopFold], functor_name: str) -> str:
                     if had_forward:
                         setattr(transformer, METHOD, old_forward)
                     transformer.__dict__.pop("_ditbook_folded", None)
+                    transformer.__dict__.pop("_ditbook_originals", None)
                     transformer.__dict__.pop("_is_patched", None)
                     if had_patched:
                         transformer._is_patched = old_patched
@@ -446,6 +465,7 @@ def fold_source(cls, folds: list[LoopFold], functor_name: str) -> str:
                 for i in range(len(blocks)):
                     blocks[i] = blocks[i].inner
             transformer.__dict__.pop(METHOD, None)
+            transformer.__dict__.pop("_ditbook_originals", None)
             del transformer._ditbook_folded
             transformer.__dict__.pop("_is_patched", None)
             return transformer

@@ -273,6 +273,9 @@ class ListUses:
     in_body: list[str] = field(default_factory=list)  # uses inside the loop's own body (len, indexing)
     conditional: list[str] = field(default_factory=list)  # other uses only under a test of an optional argument
     loop_flow: list[str] = field(default_factory=list)  # break/continue/return/else inside a loop
+    # outside the loop, an attribute of one element read (``self.<list>[0].norm1.emb(...)``), the
+    # element itself never called: safe when the code is pointed at the original blocks
+    element_attrs: list[str] = field(default_factory=list)
 
     def unsafe(self) -> str:
         """Why replacing the list by one cached unit would change what the code does ('' if safe)."""
@@ -355,6 +358,16 @@ def _loop_iter_lists(it: ast.AST) -> list[ast.AST]:
     return [it] if _attr_path(it) else []
 
 
+def _element_attribute(node: ast.AST, parents: dict) -> bool:
+    """``node`` (``self.<list>``) is indexed and an attribute of the element is read:
+    ``self.<list>[i].attr`` (the element itself is neither called nor iterated)."""
+    sub = parents.get(id(node))
+    if not (isinstance(sub, ast.Subscript) and sub.value is node and isinstance(sub.ctx, ast.Load)):
+        return False
+    attr = parents.get(id(sub))
+    return isinstance(attr, ast.Attribute) and attr.value is sub and isinstance(attr.ctx, ast.Load)
+
+
 def list_uses(cls, paths: list[str]) -> dict[str, ListUses]:
     """Where the code of ``cls`` (``forward`` and methods reached from it) touches each list."""
     methods = _method_asts(cls)
@@ -409,6 +422,8 @@ def list_uses(cls, paths: list[str]) -> dict[str, ListUses]:
                 continue  # assignment in __init__-like helpers
             line = ast.unparse(parent if parent is not None else node)
             where = uses[p].in_body if body_nodes.get(id(node)) == p else uses[p].other
+            if where is uses[p].other and _element_attribute(node, parents):
+                where = uses[p].element_attrs
             guard = _optional_guard(fn, ifs, branches.get(id(node), []))
             if where is uses[p].other and guard:
                 where = uses[p].conditional
