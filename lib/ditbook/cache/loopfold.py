@@ -184,10 +184,8 @@ def _is_checkpoint_branch(stmt: ast.stmt) -> bool:
     return isinstance(stmt, ast.If) and "gradient_checkpointing" in ast.unparse(stmt.test)
 
 
-def plan_fold(cls, path: str) -> LoopFold:
-    """Read the loop over ``self.<path>`` in ``cls.forward`` (or the helper method that has it)."""
-    method = loop_method(cls, path)
-    fn, _ = _forward_function(cls, method)
+def _the_loop(cls, fn: ast.FunctionDef, method: str, path: str) -> ast.For:
+    """The one loop over ``self.<path>`` in ``fn`` to fold (of exclusive alternatives, the direct one)."""
     loops = [n for n in ast.walk(fn) if isinstance(n, ast.For) and _loop_list(n)[0] == path]
     if not loops:
         raise FoldError(f"{cls.__name__}.forward has no loop 'for ... in self.{path}' "
@@ -202,16 +200,11 @@ def plan_fold(cls, path: str) -> LoopFold:
         # the block itself; the rewrite below reduces every one of them to the block call
         direct = [lp for lp in loops if any(isinstance(c.func, ast.Name) for c in _block_calls(lp.body, _loop_list(lp)[1]))]
         loops = direct or loops
-    loop = loops[0]
-    _, block_var, index_var = _loop_list(loop)
-    if loop.orelse or any(isinstance(n, (ast.Break, ast.Continue, ast.Return, ast.Yield)) for s in loop.body
-                          for n in ast.walk(s)):
-            raise FoldError(f"the loop over self.{path} uses break/continue/return/else")
-    calls = [c for c in _block_calls(loop.body, block_var) if isinstance(c.func, ast.Name)]
-    if not calls:
-        raise FoldError(f"the loop over self.{path} never calls {block_var}(...)")
-    call = calls[-1]
-    # names defined outside the loop body: parameters and assignments elsewhere in forward
+    return loops[0]
+
+
+def _outer_names(fn: ast.FunctionDef, loop: ast.For) -> set[str]:
+    """Names defined outside the loop body: parameters and assignments elsewhere in the method."""
     params = [a.arg for a in fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs]
     if fn.args.vararg:
         params.append(fn.args.vararg.arg)
@@ -222,6 +215,23 @@ def plan_fold(cls, path: str) -> LoopFold:
     for n in ast.walk(fn):
         if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store) and id(n) not in body_ids:
             outer_stores.add(n.id)
+    return outer_stores
+
+
+def plan_fold(cls, path: str) -> LoopFold:
+    """Read the loop over ``self.<path>`` in ``cls.forward`` (or the helper method that has it)."""
+    method = loop_method(cls, path)
+    fn, _ = _forward_function(cls, method)
+    loop = _the_loop(cls, fn, method, path)
+    _, block_var, index_var = _loop_list(loop)
+    if loop.orelse or any(isinstance(n, (ast.Break, ast.Continue, ast.Return, ast.Yield)) for s in loop.body
+                          for n in ast.walk(s)):
+            raise FoldError(f"the loop over self.{path} uses break/continue/return/else")
+    calls = [c for c in _block_calls(loop.body, block_var) if isinstance(c.func, ast.Name)]
+    if not calls:
+        raise FoldError(f"the loop over self.{path} never calls {block_var}(...)")
+    call = calls[-1]
+    outer_stores = _outer_names(fn, loop)
     loaded, stored = [], []
     for s in loop.body:
         for n in _names(s, ast.Load):
@@ -342,6 +352,49 @@ def _rewritten_forward_source(cls, folds: list[LoopFold]) -> str:
     return ast.unparse(ast.fix_missing_locations(fn)) + "\n"
 
 
+def _loop_body_class_source(cls, fold: LoopFold) -> str:
+    """The ``<Block>LoopBody`` module class of one folded list: one block plus the loop's work for it."""
+    cname = _class_name(cls, fold.path)
+    body_src = _body_function_source(fold)
+    ret_doc = "(hidden_states, encoder_hidden_states)" if len(fold.carried) == 2 else "hidden_states"
+    enc_arg = ", encoder_hidden_states=None" if len(fold.carried) == 2 else ""
+    enc_pass = ", encoder_hidden_states" if len(fold.carried) == 2 else ""
+    doc_body = textwrap.indent(fold.body_source, "        ")
+    piece = "\n".join([
+        "",
+        f"class {cname}(torch.nn.Module):",
+        f'    """One block of ``{fold.path}`` together with the loop\'s work for it.',
+        "",
+        f"    Loop body of {cls.__name__}.forward, run per block:",
+        "",
+        doc_body,
+        "",
+        f"    Returns {ret_doc} ({fold.pattern}).",
+        '    """',
+        "",
+        "    BODY_SOURCE = {body_literal}",
+        "    _body = None",
+        "",
+        "    def __init__(self, block, index, owner, originals=None):",
+        "        super().__init__()",
+        '        self.inner = block  # not named "block": cache-dit would inspect it instead of this wrapper',
+        "        self.index = index",
+        '        object.__setattr__(self, "_owner", owner)  # not a submodule: no cycle',
+        "        # the original blocks, for a loop body that reads the list itself (len, indexing):",
+        "        # while cached, the transformer's attribute holds cache-dit's one-unit stand-in",
+        '        object.__setattr__(self, "_originals", originals)',
+        "",
+        f"    def forward(self, hidden_states{enc_arg}, **loop_inputs):",
+        "        cls = type(self)",
+        "        if cls._body is None:",
+        '            cls._body = _compile(cls.BODY_SOURCE, "loop_body")',
+        f"        return cls._body(self._owner, self.index, self.inner, hidden_states{enc_pass}, "
+        "_original_list=self._originals, **loop_inputs)",
+        "",
+    ])
+    return piece.replace("{body_literal}", textwrap.indent(code_literal(body_src), "    ").lstrip())
+
+
 def fold_source(cls, folds: list[LoopFold], functor_name: str) -> str:
     """Source text (a module fragment) defining the loop-body classes, the patch functor and
     ``unpatch``. It needs ``torch``, ``types``, ``sys`` and cache-dit's ``PatchFunctor``."""
@@ -351,49 +404,17 @@ def fold_source(cls, folds: list[LoopFold], functor_name: str) -> str:
     out.append(f"METHOD = {fold_method(folds)!r}  # the method of {cls.__name__} that runs the loop\n")
     out.append("# that method with each folded loop reduced to one block call per block\n"
                f"FORWARD_SOURCE = {code_literal(_rewritten_forward_source(cls, folds))}\n")
-    for fold in folds:
-        cname = _class_name(cls, fold.path)
-        body_src = _body_function_source(fold)
-        ret_doc = "(hidden_states, encoder_hidden_states)" if len(fold.carried) == 2 else "hidden_states"
-        enc_arg = ", encoder_hidden_states=None" if len(fold.carried) == 2 else ""
-        enc_pass = ", encoder_hidden_states" if len(fold.carried) == 2 else ""
-        doc_body = textwrap.indent(fold.body_source, "        ")
-        piece = "\n".join([
-            "",
-            f"class {cname}(torch.nn.Module):",
-            f'    """One block of ``{fold.path}`` together with the loop\'s work for it.',
-            "",
-            f"    Loop body of {cls.__name__}.forward, run per block:",
-            "",
-            doc_body,
-            "",
-            f"    Returns {ret_doc} ({fold.pattern}).",
-            '    """',
-            "",
-            "    BODY_SOURCE = {body_literal}",
-            "    _body = None",
-            "",
-            "    def __init__(self, block, index, owner, originals=None):",
-            "        super().__init__()",
-            '        self.inner = block  # not named "block": cache-dit would inspect it instead of this wrapper',
-            "        self.index = index",
-            '        object.__setattr__(self, "_owner", owner)  # not a submodule: no cycle',
-            "        # the original blocks, for a loop body that reads the list itself (len, indexing):",
-            "        # while cached, the transformer's attribute holds cache-dit's one-unit stand-in",
-            '        object.__setattr__(self, "_originals", originals)',
-            "",
-            f"    def forward(self, hidden_states{enc_arg}, **loop_inputs):",
-            "        cls = type(self)",
-            "        if cls._body is None:",
-            '            cls._body = _compile(cls.BODY_SOURCE, "loop_body")',
-            f"        return cls._body(self._owner, self.index, self.inner, hidden_states{enc_pass}, "
-            "_original_list=self._originals, **loop_inputs)",
-            "",
-        ])
-        out.append(piece.replace("{body_literal}", textwrap.indent(code_literal(body_src), "    ").lstrip()))
+    out += [_loop_body_class_source(cls, fold) for fold in folds]
+    out.append(_functor_source(cls, folds, functor_name))
+    return "\n".join(out)
+
+
+# long: one straight template of the generated functor code
+def _functor_source(cls, folds: list[LoopFold], functor_name: str) -> str:
+    """``FOLDED``, ``_compile``, ``_get``, the patch functor class and ``unpatch``."""
     paths = [f.path for f in folds]
     classes = [_class_name(cls, f.path) for f in folds]
-    out.append(textwrap.dedent(f'''
+    return textwrap.dedent(f'''
         FOLDED = {dict(zip(paths, classes))!r}  # block list -> loop-body class name
 
 
@@ -469,5 +490,4 @@ def fold_source(cls, folds: list[LoopFold], functor_name: str) -> str:
             del transformer._ditbook_folded
             transformer.__dict__.pop("_is_patched", None)
             return transformer
-        '''))
-    return "\n".join(out)
+        ''')

@@ -368,6 +368,11 @@ def _element_attribute(node: ast.AST, parents: dict) -> bool:
     return isinstance(attr, ast.Attribute) and attr.value is sub and isinstance(attr.ctx, ast.Load)
 
 
+def _bucket(u: ListUses, in_body: bool, element_attr: bool) -> list[str]:
+    """The list of ``u`` a use belongs to: in the loop body, an element's attribute, or other."""
+    return u.in_body if in_body else u.element_attrs if element_attr else u.other
+
+
 def list_uses(cls, paths: list[str]) -> dict[str, ListUses]:
     """Where the code of ``cls`` (``forward`` and methods reached from it) touches each list."""
     methods = _method_asts(cls)
@@ -421,9 +426,7 @@ def list_uses(cls, paths: list[str]) -> dict[str, ListUses]:
             if getattr(node, "ctx", None).__class__ is ast.Store:
                 continue  # assignment in __init__-like helpers
             line = ast.unparse(parent if parent is not None else node)
-            where = uses[p].in_body if body_nodes.get(id(node)) == p else uses[p].other
-            if where is uses[p].other and _element_attribute(node, parents):
-                where = uses[p].element_attrs
+            where = _bucket(uses[p], body_nodes.get(id(node)) == p, _element_attribute(node, parents))
             guard = _optional_guard(fn, ifs, branches.get(id(node), []))
             if where is uses[p].other and guard:
                 where = uses[p].conditional
