@@ -147,10 +147,6 @@ def _fold_reasons(report: ArchReport, bl, u, fold: LoopFold | None, fold_problem
     if report.loop_extra_work and fold is None:
         reasons.append(f"inspection reports loop work but the loop cannot be folded: {fold_problem}")
     if u.element_attrs:
-        away = [e for e in u.element_attrs if fold is not None and e.split(":")[0] != fold.method]
-        if away:
-            return reasons, (f"the code reads attributes of its blocks outside the loop in a method the fold does "
-                             f"not rewrite ({'; '.join(away[:2])})")
         reasons.append(f"the code reads attributes of self.{bl.path}[i] outside the loop "
                        f"({'; '.join(u.element_attrs[:2])}); folded, it reads them from the original blocks")
     if u.in_body:

@@ -49,6 +49,7 @@ class LoopFold:
     call_keywords: list[str] = field(default_factory=list)
     body_source: str = ""
     method: str = "forward"  # the method of the transformer that holds the loop
+    element_methods: list[str] = field(default_factory=list)  # methods reading self.<path>[i].<attr>
 
     @property
     def pattern(self) -> str:
@@ -85,6 +86,13 @@ def loop_method(cls, path: str) -> str:
 
     loops = list_uses(cls, [path])[path].loops
     return loops[0].split(":")[0] if loops else "forward"
+
+
+def element_methods(cls, path: str) -> list[str]:
+    """The methods that read an attribute of an element of ``self.<path>`` outside its loop."""
+    from ..inspect.loop_source import list_uses
+
+    return sorted({e.split(":")[0] for e in list_uses(cls, [path])[path].element_attrs})
 
 
 def _names(node: ast.AST, ctx) -> list[str]:
@@ -255,7 +263,7 @@ def plan_fold(cls, path: str) -> LoopFold:
     extra = [s for s in loop.body if not _is_checkpoint_branch(s) and not (
         isinstance(s, (ast.Assign, ast.Expr)) and any(c is call for c in ast.walk(s)))]
     body_src = "\n".join(ast.unparse(s) for s in loop.body)
-    return LoopFold(path=path, method=method, block_var=block_var, index_var=index_var, carried=carried, inputs=inputs,
+    return LoopFold(path=path, method=method, element_methods=element_methods(cls, path), block_var=block_var, index_var=index_var, carried=carried, inputs=inputs,
                     extra_statements=len(extra), keyword_call=bool(call.keywords) and not call.args,
                     call_keywords=[k.arg for k in call.keywords if k.arg], body_source=body_src)
 
@@ -395,6 +403,20 @@ def _loop_body_class_source(cls, fold: LoopFold) -> str:
     return piece.replace("{body_literal}", textwrap.indent(code_literal(body_src), "    ").lstrip())
 
 
+def _extra_sources_literal(cls, folds: list[LoopFold]) -> str:
+    """``EXTRA_SOURCES = {name: source}``: each method besides the folded one that reads an
+    attribute of a folded list's element, rewritten to read it from the original block."""
+    method = fold_method(folds)
+    names = sorted({m for f in folds for m in f.element_methods} - {method})
+    lines = ["EXTRA_SOURCES = {"]
+    for name in names:
+        fn, _ = _forward_function(cls, name)
+        fn.decorator_list = []
+        fn = _OriginalElements([f.path for f in folds]).visit(fn)
+        lines.append(f"    {name!r}: {code_literal(ast.unparse(ast.fix_missing_locations(fn)) + chr(10))},")
+    return "\n".join(lines) + "\n}\n"
+
+
 def fold_source(cls, folds: list[LoopFold], functor_name: str) -> str:
     """Source text (a module fragment) defining the loop-body classes, the patch functor and
     ``unpatch``. It needs ``torch``, ``types``, ``sys`` and cache-dit's ``PatchFunctor``."""
@@ -404,6 +426,8 @@ def fold_source(cls, folds: list[LoopFold], functor_name: str) -> str:
     out.append(f"METHOD = {fold_method(folds)!r}  # the method of {cls.__name__} that runs the loop\n")
     out.append("# that method with each folded loop reduced to one block call per block\n"
                f"FORWARD_SOURCE = {code_literal(_rewritten_forward_source(cls, folds))}\n")
+    out.append("# other methods that read self.<list>[i].<attr>, pointed at the original blocks\n"
+               + _extra_sources_literal(cls, folds))
     out += [_loop_body_class_source(cls, fold) for fold in folds]
     out.append(_functor_source(cls, folds, functor_name))
     return "\n".join(out)
@@ -442,21 +466,22 @@ def _functor_source(cls, folds: list[LoopFold], functor_name: str) -> str:
                     return transformer
                 # atomic: everything that can fail (compiling, wrapping) happens before the
                 # instance changes; the swap itself is undone if it fails half-way
-                forward = types.MethodType(_compile(FORWARD_SOURCE, METHOD), transformer)
+                sources = {{METHOD: FORWARD_SOURCE, **EXTRA_SOURCES}}
+                bound = {{name: types.MethodType(_compile(src, name), transformer) for name, src in sources.items()}}
                 lists = {{path: _get(transformer, path) for path in FOLDED}}
                 wrapped = {{path: [globals()[cname](b, i, transformer, list(lists[path]))
                                   for i, b in enumerate(lists[path])]
                            for path, cname in FOLDED.items()}}
                 saved = {{path: list(blocks) for path, blocks in lists.items()}}
-                had_forward = METHOD in transformer.__dict__
-                old_forward = transformer.__dict__.get(METHOD)
+                old_methods = {{name: transformer.__dict__[name] for name in bound if name in transformer.__dict__}}
                 had_patched = "_is_patched" in transformer.__dict__
                 old_patched = transformer.__dict__.get("_is_patched")
                 try:
                     for path, blocks in lists.items():
                         for i, w in enumerate(wrapped[path]):
                             blocks[i] = w
-                    setattr(transformer, METHOD, forward)
+                    for name, method in bound.items():
+                        setattr(transformer, name, method)
                     # the original blocks, for ``self.<list>[i].attr`` outside the loop (not a submodule)
                     object.__setattr__(transformer, "_ditbook_originals", saved)
                     transformer._ditbook_folded = True
@@ -465,9 +490,9 @@ def _functor_source(cls, folds: list[LoopFold], functor_name: str) -> str:
                     for path, blocks in lists.items():
                         for i, b in enumerate(saved[path]):
                             blocks[i] = b
-                    transformer.__dict__.pop(METHOD, None)
-                    if had_forward:
-                        setattr(transformer, METHOD, old_forward)
+                    for name in bound:
+                        transformer.__dict__.pop(name, None)
+                    transformer.__dict__.update(old_methods)
                     transformer.__dict__.pop("_ditbook_folded", None)
                     transformer.__dict__.pop("_ditbook_originals", None)
                     transformer.__dict__.pop("_is_patched", None)
@@ -485,7 +510,8 @@ def _functor_source(cls, folds: list[LoopFold], functor_name: str) -> str:
                 blocks = _get(transformer, path)
                 for i in range(len(blocks)):
                     blocks[i] = blocks[i].inner
-            transformer.__dict__.pop(METHOD, None)
+            for name in [METHOD, *EXTRA_SOURCES]:
+                transformer.__dict__.pop(name, None)
             transformer.__dict__.pop("_ditbook_originals", None)
             del transformer._ditbook_folded
             transformer.__dict__.pop("_is_patched", None)
