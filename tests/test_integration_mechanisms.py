@@ -374,3 +374,47 @@ class OutputScaled(Base):
             out = block(x, temb)
             x = out * 0.5
         return (self.proj_out(self.norm_out(x)),)
+
+
+class CarriesCounters(Base):
+    def forward(self, hidden_states, timestep, return_dict: bool = False):
+        x, temb = self.embed(hidden_states, timestep)
+        k, scale = 0, 1.0
+        for block in self.blocks:
+            x = block(x, temb) * self.gates[k] * scale
+            if k % 2 == 0:
+                scale = scale * 0.9
+            k += 1
+        return (self.proj_out(self.norm_out(x)) * (scale + k),)
+
+
+class CounterFromStream(Base):
+    def forward(self, hidden_states, timestep, return_dict: bool = False):
+        x, temb = self.embed(hidden_states, timestep)
+        k, j, scale = 0, 0, 1.0
+        for block in self.blocks:
+            x = block(x, temb) * scale
+            scale = scale * 0.9
+            k = k + int(x.mean() > 0)
+            j = j + int(x.mean() < 0)
+        return (self.proj_out(self.norm_out(x)) * (k + j + 1),)
+
+
+def test_loop_carrying_more_names_than_streams_is_folded():
+    # three carried names (the stream, a counter indexing a parameter, a factor changed under an
+    # `if`): before, "carries 3 names" and refused. Now the names whose updates never read a
+    # block's output are computed per block before the loop and handed to each folded block
+    row = run(CarriesCounters)
+    assert row.outcome == "correct" and row.folded, row.reason
+    assert row.off_max_abs <= 1e-5
+    skipped, total = (int(v) for v in row.skipped.split(" of "))
+    assert 0 < skipped < total
+    # counters that read the stream would stall while blocks are skipped: refused, named
+    row = run(CounterFromStream)
+    assert row.outcome == "refused" and "cannot be" in row.reason, row.reason
+    import pytest
+    from ditbook.cache.loopfold import FoldError, plan_fold
+
+    with pytest.raises(FoldError, match="depend on the blocks' outputs"):
+        plan_fold(CounterFromStream, "blocks")
+    assert sorted(plan_fold(CarriesCounters, "blocks").control) == ["k", "scale"]

@@ -50,6 +50,9 @@ class LoopFold:
     body_source: str = ""
     method: str = "forward"  # the method of the transformer that holds the loop
     element_methods: list[str] = field(default_factory=list)  # methods reading self.<path>[i].<attr>
+    # carried names besides the streams whose updates never read a block's output (a counter):
+    # their value at each block is computed before the loop, so skipped blocks cannot stall them
+    control: list[str] = field(default_factory=list)
 
     @property
     def pattern(self) -> str:
@@ -226,6 +229,40 @@ def _outer_names(fn: ast.FunctionDef, loop: ast.For) -> set[str]:
     return outer_stores
 
 
+def _control_slice(stmts: list[ast.stmt], control: set[str], tainted: set[str]) -> list[ast.stmt] | None:
+    """The statements of a loop body that update the ``control`` names (with the ``if`` tests
+    around them), or None when an update or its test reads a ``tainted`` name (a stream)."""
+    out: list[ast.stmt] = []
+    for st in stmts:
+        stores = set(_names(st, ast.Store)) & control
+        if isinstance(st, ast.If):
+            body, orelse = _control_slice(st.body, control, tainted), _control_slice(st.orelse, control, tainted)
+            if body is None or orelse is None or (set(_names(st.test, ast.Load)) & tainted and (body or orelse)):
+                return None
+            if body or orelse:
+                out.append(ast.If(test=st.test, body=body or [ast.Pass()], orelse=orelse))
+        elif stores:
+            simple = isinstance(st, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and \
+                all(isinstance(t, ast.Name) for t in getattr(st, "targets", [getattr(st, "target", None)]))
+            if not simple or set(_names(st.value, ast.Load)) & tainted:
+                return None
+            out.append(st)
+    return out
+
+
+def _control_names(body: list[ast.stmt], carried: list[str], call_order: list[str], stored: list[str],
+                   block_var: str) -> list[str]:
+    """The carried names not passed to the block whose updates read no stream (see ``control``)."""
+    control = [n for n in carried if n not in call_order]
+    while control:
+        tainted = (set(stored) - set(control)) | {block_var}
+        bad = [n for n in control if _control_slice(body, {n}, tainted) is None]
+        if not bad:
+            return control
+        control = [n for n in control if n not in bad]
+    return []
+
+
 def plan_fold(cls, path: str) -> LoopFold:
     """Read the loop over ``self.<path>`` in ``cls.forward`` (or the helper method that has it)."""
     method = loop_method(cls, path)
@@ -255,15 +292,18 @@ def plan_fold(cls, path: str) -> LoopFold:
     call_order = [a.id for a in call.args if isinstance(a, ast.Name)]
     call_order += [k.value.id for k in call.keywords if isinstance(k.value, ast.Name)]
     carried = [n for n in call_order if n in carried_set] + [n for n in carried_set if n not in call_order]
+    control = _control_names(loop.body, carried, call_order, stored, block_var)
+    carried = [n for n in carried if n not in control]
     if not 1 <= len(carried) <= 2:
-        raise FoldError(f"the loop over self.{path} carries {len(carried)} names {carried}; "
-                        f"one (hidden states) or two (hidden, encoder) can be folded")
+        raise FoldError(f"the loop over self.{path} carries {len(carried)} names {carried} that depend on the "
+                        f"blocks' outputs; one (hidden states) or two (hidden, encoder) can be folded")
     inputs = [n for n in loaded if n in outer_stores and first.get(n) == "load" and n not in carried
-              and n not in loop_vars and n != "self"]
+              and n not in control and n not in loop_vars and n != "self"]
     extra = [s for s in loop.body if not _is_checkpoint_branch(s) and not (
         isinstance(s, (ast.Assign, ast.Expr)) and any(c is call for c in ast.walk(s)))]
     body_src = "\n".join(ast.unparse(s) for s in loop.body)
-    return LoopFold(path=path, method=method, element_methods=element_methods(cls, path), block_var=block_var, index_var=index_var, carried=carried, inputs=inputs,
+    return LoopFold(path=path, method=method, element_methods=element_methods(cls, path), control=control,
+                    block_var=block_var, index_var=index_var, carried=carried, inputs=inputs,
                     extra_statements=len(extra), keyword_call=bool(call.keywords) and not call.args,
                     call_keywords=[k.arg for k in call.keywords if k.arg], body_source=body_src)
 
@@ -304,10 +344,13 @@ def _body_function_source(fold: LoopFold) -> str:
     body = [_RenameSelf().visit(_OriginalList(fold.path).visit(s)) for s in body]
     args = ", ".join(["owner", "index", "block", *fold.carried] + [f"{n}=None" for n in fold.inputs[:0]])
     kw = "".join(f", {fold.input_keyword(n)}=None" for n in fold.inputs) + ", _original_list=None"
+    kw += ", _loop_control=None" if fold.control else ""
     lines = [f"def loop_body({args}, *{kw}):"]
     lines += [f"    {n} = {fold.input_keyword(n)}" for n in fold.inputs if fold.input_keyword(n) != n]
     if fold.index_var:
         lines.append(f"    {fold.index_var} = index")
+    if fold.control:  # their values at this block, computed before the loop
+        lines.append(f"    {', '.join(fold.control)}, = _loop_control[index]")
     if fold.block_var != "block":
         lines.append(f"    {fold.block_var} = block")
     lines += [textwrap.indent(ast.unparse(s), "    ") for s in body]
@@ -337,11 +380,38 @@ class _OriginalElements(ast.NodeTransformer):
         return node
 
 
+def _control_source(fold: LoopFold, k: int) -> str:
+    """A loop before the folded one that records the control names' values at each block and
+    leaves them at their final values (it runs only their stream-free updates)."""
+    body = ast.parse(fold.body_source).body
+    tainted = set(_names(ast.Module(body=body, type_ignores=[]), ast.Store)) - set(fold.control) | {fold.block_var}
+    sliced = _control_slice(body, set(fold.control), tainted) or []
+    index = fold.index_var or "_control_index"
+    lines = [f"_loop_control_{k} = []",
+             f"for {index} in range(len(self._ditbook_originals[{fold.path!r}])):",
+             f"    _loop_control_{k}.append(({', '.join(fold.control)},))"]
+    lines += [textwrap.indent(ast.unparse(ast.fix_missing_locations(s)), "    ") for s in sliced]
+    return "\n".join(lines) + "\n"
+
+
+def _insert_before(fn: ast.AST, target: ast.stmt, stmts: list[ast.stmt]) -> None:
+    """Insert ``stmts`` just before ``target`` in whichever statement list holds it."""
+    for node in ast.walk(fn):
+        for name in ("body", "orelse", "finalbody"):
+            block = getattr(node, name, None)
+            if isinstance(block, list) and any(s is target for s in block):
+                i = next(j for j, s in enumerate(block) if s is target)
+                block[i:i] = stmts
+                return
+    raise FoldError("the folded loop was not found in its method")
+
+
 def _rewritten_forward_source(cls, folds: list[LoopFold]) -> str:
     method = fold_method(folds)
     fn, _ = _forward_function(cls, method)
     fn.decorator_list = []
     by_path = {f.path: f for f in folds}
+    controls: list[tuple[ast.For, str]] = []
     for loop in [n for n in ast.walk(fn) if isinstance(n, ast.For)]:
         path, block_var, _ = _loop_list(loop)
         if path not in by_path:
@@ -350,8 +420,13 @@ def _rewritten_forward_source(cls, folds: list[LoopFold]) -> str:
         names = ["hidden_states", "encoder_hidden_states"][: len(fold.carried)]
         kws = [f"{role}={var}" for role, var in zip(names, fold.carried)] + \
             [f"{fold.input_keyword(n)}={n}" for n in fold.inputs]
+        if fold.control:
+            kws.append(f"_loop_control=_loop_control_{len(controls)}")
+            controls.append((loop, _control_source(fold, len(controls))))
         target = ", ".join(fold.carried)
         loop.body = ast.parse(f"{target} = {block_var}({', '.join(kws)})").body
+    for loop, src in controls:
+        _insert_before(fn, loop, ast.parse(src).body)
     fn = _OriginalElements(by_path).visit(fn)
     fn.name = method
     if fn.body and isinstance(fn.body[0], ast.Expr) and isinstance(getattr(fn.body[0], "value", None), ast.Constant) \
