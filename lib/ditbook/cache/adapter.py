@@ -149,6 +149,9 @@ def _fold_reasons(report: ArchReport, bl, u, fold: LoopFold | None, fold_problem
     if u.element_attrs:
         reasons.append(f"the code reads attributes of self.{bl.path}[i] outside the loop "
                        f"({'; '.join(u.element_attrs[:2])}); folded, it reads them from the original blocks")
+    if fold is not None and fold.partners:
+        reasons.append(f"the loop zips self.{bl.path} with {sorted(fold.partners.values())}; folded, each block "
+                       f"runs its partners as one unit")
     if u.in_body:
         reasons.append(f"the loop body reads self.{bl.path} itself ({'; '.join(u.in_body[:2])}); folded, it "
                        f"sees the original list")
@@ -181,6 +184,9 @@ def _list_problem(path: str, u) -> str:
                  "though the transformer's forward runs its loop")
         return (f"nested inside {path.rsplit('.', 1)[0]}, {where}; "
                 f"cache-dit swaps block lists by attribute of the transformer, so it is left uncached")
+    if u.zipped_after:
+        return (f"runs inside the zip loop over self.{u.zipped_after[0]}: it is cached with that list as one unit "
+                f"(each folded block runs its partner), never on its own")
     return u.unsafe()
 
 

@@ -53,6 +53,8 @@ class LoopFold:
     # carried names besides the streams whose updates never read a block's output (a counter):
     # their value at each block is computed before the loop, so skipped blocks cannot stall them
     control: list[str] = field(default_factory=list)
+    # a zip loop's other lists: {loop variable: list path}; each folded block runs its partners too
+    partners: dict[str, str] = field(default_factory=dict)
 
     @property
     def pattern(self) -> str:
@@ -159,14 +161,37 @@ def _loop_list(loop: ast.For) -> tuple[str | None, str | None, str | None]:
     it, target = loop.iter, loop.target
     if isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "enumerate" and it.args:
         inner = it.args[0]
-        if isinstance(target, ast.Tuple) and len(target.elts) == 2 and all(isinstance(e, ast.Name) for e in target.elts):
-            path = _self_attr(inner)
-            return path, target.elts[1].id, target.elts[0].id
+        if isinstance(target, ast.Tuple) and len(target.elts) == 2 and isinstance(target.elts[0], ast.Name):
+            zipped = _zip_vars(inner, target.elts[1])
+            if zipped:
+                return zipped[0][1], zipped[0][0], target.elts[0].id
+            if isinstance(target.elts[1], ast.Name):
+                return _self_attr(inner), target.elts[1].id, target.elts[0].id
         return None, None, None
+    zipped = _zip_vars(it, target)
+    if zipped:
+        return zipped[0][1], zipped[0][0], None
     path = _self_attr(it)
     if path and isinstance(target, ast.Name):
         return path, target.id, None
     return None, None, None
+
+
+def _zip_vars(it: ast.AST, target: ast.AST) -> list[tuple[str, str]]:
+    """``zip(self.a, self.b)`` unpacked into names: [(name, list path)] per list; [] otherwise."""
+    if not (isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "zip" and it.args
+            and isinstance(target, ast.Tuple) and len(target.elts) == len(it.args)):
+        return []
+    pairs = [(e.id if isinstance(e, ast.Name) else None, _self_attr(a)) for e, a in zip(target.elts, it.args)]
+    return pairs if all(v and p for v, p in pairs) else []
+
+
+def loop_partners(loop: ast.For) -> dict[str, str]:
+    """The lists a zip loop runs besides its first: {loop variable: list path}."""
+    it = loop.iter
+    if isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "enumerate" and it.args:
+        return dict(_zip_vars(it.args[0], loop.target.elts[1])[1:]) if isinstance(loop.target, ast.Tuple) else {}
+    return dict(_zip_vars(it, loop.target)[1:])
 
 
 def _self_attr(node: ast.AST) -> str | None:
@@ -285,14 +310,15 @@ def plan_fold(cls, path: str) -> LoopFold:
         for n in _names(s, ast.Store):
             if n not in stored:
                 stored.append(n)
-    loop_vars = {block_var, index_var}
+    partners = loop_partners(loop)
+    loop_vars = {block_var, index_var, *partners}
     first = _first_events(loop.body)
     carried_set = [n for n in stored if n in outer_stores and first.get(n) == "load" and n not in loop_vars]
     # order the carried names as the block call passes them
     call_order = [a.id for a in call.args if isinstance(a, ast.Name)]
     call_order += [k.value.id for k in call.keywords if isinstance(k.value, ast.Name)]
     carried = [n for n in call_order if n in carried_set] + [n for n in carried_set if n not in call_order]
-    control = _control_names(loop.body, carried, call_order, stored, block_var)
+    control = _control_names(loop.body, carried, call_order, stored + list(partners), block_var)
     carried = [n for n in carried if n not in control]
     if not 1 <= len(carried) <= 2:
         raise FoldError(f"the loop over self.{path} carries {len(carried)} names {carried} that depend on the "
@@ -302,7 +328,7 @@ def plan_fold(cls, path: str) -> LoopFold:
     extra = [s for s in loop.body if not _is_checkpoint_branch(s) and not (
         isinstance(s, (ast.Assign, ast.Expr)) and any(c is call for c in ast.walk(s)))]
     body_src = "\n".join(ast.unparse(s) for s in loop.body)
-    return LoopFold(path=path, method=method, element_methods=element_methods(cls, path), control=control,
+    return LoopFold(path=path, method=method, element_methods=element_methods(cls, path), control=control, partners=partners,
                     block_var=block_var, index_var=index_var, carried=carried, inputs=inputs,
                     extra_statements=len(extra), keyword_call=bool(call.keywords) and not call.args,
                     call_keywords=[k.arg for k in call.keywords if k.arg], body_source=body_src)
@@ -353,6 +379,7 @@ def _body_function_source(fold: LoopFold) -> str:
         lines.append(f"    {', '.join(fold.control)}, = _loop_control[index]")
     if fold.block_var != "block":
         lines.append(f"    {fold.block_var} = block")
+    lines += [f"    {var} = owner.{p}[index]" for var, p in fold.partners.items()]
     lines += [textwrap.indent(ast.unparse(s), "    ") for s in body]
     lines.append(f"    return {', '.join(fold.carried)}")
     return "\n".join(lines) + "\n"
@@ -385,6 +412,7 @@ def _control_source(fold: LoopFold, k: int) -> str:
     leaves them at their final values (it runs only their stream-free updates)."""
     body = ast.parse(fold.body_source).body
     tainted = set(_names(ast.Module(body=body, type_ignores=[]), ast.Store)) - set(fold.control) | {fold.block_var}
+    tainted |= set(fold.partners)
     sliced = _control_slice(body, set(fold.control), tainted) or []
     index = fold.index_var or "_control_index"
     lines = [f"_loop_control_{k} = []",
