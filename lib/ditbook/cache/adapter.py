@@ -141,6 +141,78 @@ def needs_fold(report: ArchReport, bl, fold: LoopFold | None) -> list[str]:
     return reasons
 
 
+def _fold_reasons(report: ArchReport, bl, u, fold: LoopFold | None, fold_problem: str) -> tuple[list[str], str]:
+    """Why the loop over ``bl`` must be folded, and why it cannot be cached at all ('' if it can)."""
+    reasons = needs_fold(report, bl, fold)
+    if report.loop_extra_work and fold is None:
+        reasons.append(f"inspection reports loop work but the loop cannot be folded: {fold_problem}")
+    if u.element_attrs:
+        reasons.append(f"the code reads attributes of self.{bl.path}[i] outside the loop "
+                       f"({'; '.join(u.element_attrs[:2])}); folded, it reads them from the original blocks")
+    if fold is not None and fold.partners:
+        reasons.append(f"the loop zips self.{bl.path} with {sorted(fold.partners.values())}; folded, each block "
+                       f"runs its partners as one unit")
+    if u.in_body:
+        reasons.append(f"the loop body reads self.{bl.path} itself ({'; '.join(u.in_body[:2])}); folded, it "
+                       f"sees the original list")
+    if bl.call is not None and getattr(bl.call, "returns_tuple", False) and bl.call.outputs == 1:
+        reasons.append(f"blocks of {bl.path} return a 1-tuple that the loop unpacks; folded, the loop body "
+                       f"does the unpacking")
+    return reasons, ""
+
+
+def _unfolded_plan(bl, transformer) -> "BlockListPlan | str":
+    """The plan for a list cache-dit runs as it is, or why no forward pattern fits it."""
+    pattern = _pattern_from_report(bl)
+    if pattern is None:
+        return (f"no cache-dit forward pattern fits its traced call "
+                f"({bl.pattern_reason or 'outputs ' + str(bl.call.output_roles if bl.call else None)})")
+    contradiction = _contradicts_trace(bl, pattern)
+    if contradiction:
+        return contradiction
+    return BlockListPlan(bl.path, len(_get(transformer, bl.path)), bl.block_class, pattern,
+                         reason=bl.pattern_reason or "from the inspection report")
+
+
+def _list_problem(path: str, u) -> str:
+    """Why the list cannot be handed to cache-dit at all ('' when it can): nested, or used unsafely."""
+    if "." in path:
+        # cache-dit finds (and swaps) a block list by a direct attribute of the transformer:
+        # a list one level down cannot be handed to it, even when the transformer's own
+        # forward runs its loop
+        where = ("whose own code runs the loop" if not u.loops else
+                 "though the transformer's forward runs its loop")
+        return (f"nested inside {path.rsplit('.', 1)[0]}, {where}; "
+                f"cache-dit swaps block lists by attribute of the transformer, so it is left uncached")
+    if u.zipped_after:
+        return (f"runs inside the zip loop over self.{u.zipped_after[0]}: it is cached with that list as one unit "
+                f"(each folded block runs its partner), never on its own")
+    return u.unsafe()
+
+
+def _folded_plan(transformer, path: str, fold: LoopFold, reasons: list[str]) -> "BlockListPlan":
+    """The plan for a list whose loop body is folded into its blocks."""
+    return BlockListPlan(path, len(_get(transformer, path)),
+                         f"{type(transformer).__name__}_{path.replace('.', '_')}_LoopBody", fold.pattern,
+                         True, fold.to_dict(), "; ".join(reasons) or "forced")
+
+
+def _try_plan_fold(tcls, path: str) -> tuple[LoopFold | None, str]:
+    """The loop fold of ``self.<path>``, or None and why it cannot be folded."""
+    try:
+        return plan_fold(tcls, path), ""
+    except FoldError as exc:
+        return None, str(exc)
+
+
+def _override_patterns(plans: list, overrides: dict) -> None:
+    """Set the forward pattern of the listed block lists (deliberately wrong adapters in tests)."""
+    for p in plans:
+        if p.path in overrides:
+            p.pattern = overrides[p.path]
+            p.reason = "overridden (deliberately)"
+
+
 def generate_adapter_source(pipe, report: ArchReport, model: str, *, force_fold: bool | None = None,
                             pattern_overrides: dict | None = None) -> tuple[str, AdapterInfo]:
     """The adapter module's source text and what it decided. ``force_fold`` True/False
@@ -159,33 +231,15 @@ def generate_adapter_source(pipe, report: ArchReport, model: str, *, force_fold:
     uncached: list[str] = []
     for bl in report.block_lists:
         u = uses[bl.path]
-        if "." in bl.path:
-            # cache-dit finds (and swaps) a block list by a direct attribute of the transformer:
-            # a list one level down cannot be handed to it, even when the transformer's own
-            # forward runs its loop
-            where = ("whose own code runs the loop" if not u.loops else
-                     "though the transformer's forward runs its loop")
-            uncached.append(f"{bl.path}: nested inside {bl.path.rsplit('.', 1)[0]}, {where}; "
-                            f"cache-dit swaps block lists by attribute of the transformer, so it is left uncached")
-            continue
-        unsafe = u.unsafe()
+        unsafe = _list_problem(bl.path, u)
         if unsafe:
             uncached.append(f"{bl.path}: {unsafe}")
             continue
-        try:
-            fold = plan_fold(tcls, bl.path)
-            fold_problem = ""
-        except FoldError as exc:
-            fold, fold_problem = None, str(exc)
-        reasons = needs_fold(report, bl, fold)
-        if report.loop_extra_work and fold is None:
-            reasons.append(f"inspection reports loop work but the loop cannot be folded: {fold_problem}")
-        if u.in_body:
-            reasons.append(f"the loop body reads self.{bl.path} itself ({'; '.join(u.in_body[:2])}); folded, it "
-                           f"sees the original list")
-        if bl.call is not None and getattr(bl.call, "returns_tuple", False) and bl.call.outputs == 1:
-            reasons.append(f"blocks of {bl.path} return a 1-tuple that the loop unpacks; folded, the loop body "
-                           f"does the unpacking")
+        fold, fold_problem = _try_plan_fold(tcls, bl.path)
+        reasons, unsafe = _fold_reasons(report, bl, u, fold, fold_problem)
+        if unsafe:
+            uncached.append(f"{bl.path}: {unsafe}")
+            continue
         do_fold = bool(reasons) if force_fold is None else force_fold
         if do_fold and fold is None:
             if force_fold:
@@ -194,32 +248,21 @@ def generate_adapter_source(pipe, report: ArchReport, model: str, *, force_fold:
             continue
         if do_fold:
             folds.append(fold)
-            plans.append(BlockListPlan(bl.path, len(_get(transformer, bl.path)),
-                                       f"{tcls.__name__}_{bl.path.replace('.', '_')}_LoopBody", fold.pattern,
-                                       True, fold.to_dict(), "; ".join(reasons) or "forced"))
+            plans.append(_folded_plan(transformer, bl.path, fold, reasons))
             info.functor_reasons += reasons
         else:
-            pattern = _pattern_from_report(bl)
-            if pattern is None:
-                uncached.append(f"{bl.path}: no cache-dit forward pattern fits its traced call "
-                                f"({bl.pattern_reason or 'outputs ' + str(bl.call.output_roles if bl.call else None)})")
+            plan = _unfolded_plan(bl, transformer)
+            if isinstance(plan, str):
+                uncached.append(f"{bl.path}: {plan}")
                 continue
-            contradiction = _contradicts_trace(bl, pattern)
-            if contradiction:
-                uncached.append(f"{bl.path}: {contradiction}")
-                continue
-            plans.append(BlockListPlan(bl.path, len(_get(transformer, bl.path)), bl.block_class, pattern,
-                                       reason=bl.pattern_reason or "from the inspection report"))
+            plans.append(plan)
         if u.conditional:
             plans[-1].reason += ("; the code also reads the list outside its loop in an optional mode, which is "
                                  "unsafe with the cache on: " + "; ".join(u.conditional[:2]))
     info.uncached = uncached
     if not plans:
         raise CacheRefused("no block list of " + tcls.__name__ + " can be cached safely: " + "; ".join(uncached))
-    for p in plans:
-        if pattern_overrides and p.path in pattern_overrides:
-            p.pattern = pattern_overrides[p.path]
-            p.reason = "overridden (deliberately)"
+    _override_patterns(plans, pattern_overrides or {})
     info.block_lists = plans
     functor = f"{tcls.__name__}PatchFunctor" if folds else None
     info.patch_functor = functor
@@ -229,11 +272,18 @@ def generate_adapter_source(pipe, report: ArchReport, model: str, *, force_fold:
 
 
 def _module_source(pipe, info: AdapterInfo, folds, tcls, functor: str | None) -> str:
+    """The adapter module: its header (what it is, constants), the patch code, and the entry points."""
+    body = fold_source(tcls, folds, functor) if folds else _NO_FUNCTOR_SOURCE
+    return _module_head(info, functor) + body + _module_tail(functor)
+
+
+def _module_head(info: AdapterInfo, functor: str | None) -> str:
+    """The module docstring, imports and constants of the adapter module."""
     from .. import __version__ as ditbook_version
 
     lists = [(p.path, p.pattern) for p in info.block_lists]
     meta = {p.block_class: PATTERN_OUTPUT_INDEX[p.pattern] for p in info.block_lists}
-    head = textwrap.dedent(f'''\
+    return textwrap.dedent(f'''\
         """cache-dit adapter for {info.transformer_class} ({info.pipeline_class}), generated by ditbook {ditbook_version}.
 
         Made from the inspection report of model {info.model!r}; ready to contribute to cache-dit.
@@ -262,18 +312,24 @@ def _module_source(pipe, info: AdapterInfo, folds, tcls, functor: str | None) ->
         # for diffusers' hooks: block class -> (hidden_states index, encoder_hidden_states index) of its output
         DIFFUSERS_BLOCK_OUTPUTS = {meta!r}
         ''')
-    body = fold_source(tcls, folds, functor) if folds else textwrap.dedent('''
-        def _get(obj, path):
-            for part in path.split("."):
-                obj = getattr(obj, part)
-            return obj
 
 
-        def unpatch(transformer):
-            """Nothing to undo: this adapter has no patch functor."""
-            return transformer
-        ''')
-    tail = textwrap.dedent(f'''
+_NO_FUNCTOR_SOURCE = textwrap.dedent('''
+    def _get(obj, path):
+        for part in path.split("."):
+            obj = getattr(obj, part)
+        return obj
+
+
+    def unpatch(transformer):
+        """Nothing to undo: this adapter has no patch functor."""
+        return transformer
+    ''')
+
+
+def _module_tail(functor: str | None) -> str:
+    """``block_adapter`` (the cache-dit BlockAdapter) and ``register`` of the adapter module."""
+    return textwrap.dedent(f'''
 
         def block_adapter(pipe, **kwargs):
             """The cache-dit BlockAdapter for this pipeline (applies the patch functor, if any)."""
@@ -294,7 +350,6 @@ def _module_source(pipe, info: AdapterInfo, folds, tcls, functor: str | None) ->
             """Register with cache-dit so that cache_dit.enable_cache(pipe) finds this adapter."""
             BlockAdapterRegister.register(PIPELINE_CLASS)(block_adapter)
         ''')
-    return head + body + tail
 
 
 def load_adapter_file(path: str | Path):

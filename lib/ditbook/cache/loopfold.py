@@ -49,6 +49,12 @@ class LoopFold:
     call_keywords: list[str] = field(default_factory=list)
     body_source: str = ""
     method: str = "forward"  # the method of the transformer that holds the loop
+    element_methods: list[str] = field(default_factory=list)  # methods reading self.<path>[i].<attr>
+    # carried names besides the streams whose updates never read a block's output (a counter):
+    # their value at each block is computed before the loop, so skipped blocks cannot stall them
+    control: list[str] = field(default_factory=list)
+    # a zip loop's other lists: {loop variable: list path}; each folded block runs its partners too
+    partners: dict[str, str] = field(default_factory=dict)
 
     @property
     def pattern(self) -> str:
@@ -85,6 +91,13 @@ def loop_method(cls, path: str) -> str:
 
     loops = list_uses(cls, [path])[path].loops
     return loops[0].split(":")[0] if loops else "forward"
+
+
+def element_methods(cls, path: str) -> list[str]:
+    """The methods that read an attribute of an element of ``self.<path>`` outside its loop."""
+    from ..inspect.loop_source import list_uses
+
+    return sorted({e.split(":")[0] for e in list_uses(cls, [path])[path].element_attrs})
 
 
 def _names(node: ast.AST, ctx) -> list[str]:
@@ -148,14 +161,37 @@ def _loop_list(loop: ast.For) -> tuple[str | None, str | None, str | None]:
     it, target = loop.iter, loop.target
     if isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "enumerate" and it.args:
         inner = it.args[0]
-        if isinstance(target, ast.Tuple) and len(target.elts) == 2 and all(isinstance(e, ast.Name) for e in target.elts):
-            path = _self_attr(inner)
-            return path, target.elts[1].id, target.elts[0].id
+        if isinstance(target, ast.Tuple) and len(target.elts) == 2 and isinstance(target.elts[0], ast.Name):
+            zipped = _zip_vars(inner, target.elts[1])
+            if zipped:
+                return zipped[0][1], zipped[0][0], target.elts[0].id
+            if isinstance(target.elts[1], ast.Name):
+                return _self_attr(inner), target.elts[1].id, target.elts[0].id
         return None, None, None
+    zipped = _zip_vars(it, target)
+    if zipped:
+        return zipped[0][1], zipped[0][0], None
     path = _self_attr(it)
     if path and isinstance(target, ast.Name):
         return path, target.id, None
     return None, None, None
+
+
+def _zip_vars(it: ast.AST, target: ast.AST) -> list[tuple[str, str]]:
+    """``zip(self.a, self.b)`` unpacked into names: [(name, list path)] per list; [] otherwise."""
+    if not (isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "zip" and it.args
+            and isinstance(target, ast.Tuple) and len(target.elts) == len(it.args)):
+        return []
+    pairs = [(e.id if isinstance(e, ast.Name) else None, _self_attr(a)) for e, a in zip(target.elts, it.args)]
+    return pairs if all(v and p for v, p in pairs) else []
+
+
+def loop_partners(loop: ast.For) -> dict[str, str]:
+    """The lists a zip loop runs besides its first: {loop variable: list path}."""
+    it = loop.iter
+    if isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "enumerate" and it.args:
+        return dict(_zip_vars(it.args[0], loop.target.elts[1])[1:]) if isinstance(loop.target, ast.Tuple) else {}
+    return dict(_zip_vars(it, loop.target)[1:])
 
 
 def _self_attr(node: ast.AST) -> str | None:
@@ -184,10 +220,8 @@ def _is_checkpoint_branch(stmt: ast.stmt) -> bool:
     return isinstance(stmt, ast.If) and "gradient_checkpointing" in ast.unparse(stmt.test)
 
 
-def plan_fold(cls, path: str) -> LoopFold:
-    """Read the loop over ``self.<path>`` in ``cls.forward`` (or the helper method that has it)."""
-    method = loop_method(cls, path)
-    fn, _ = _forward_function(cls, method)
+def _the_loop(cls, fn: ast.FunctionDef, method: str, path: str) -> ast.For:
+    """The one loop over ``self.<path>`` in ``fn`` to fold (of exclusive alternatives, the direct one)."""
     loops = [n for n in ast.walk(fn) if isinstance(n, ast.For) and _loop_list(n)[0] == path]
     if not loops:
         raise FoldError(f"{cls.__name__}.forward has no loop 'for ... in self.{path}' "
@@ -202,16 +236,11 @@ def plan_fold(cls, path: str) -> LoopFold:
         # the block itself; the rewrite below reduces every one of them to the block call
         direct = [lp for lp in loops if any(isinstance(c.func, ast.Name) for c in _block_calls(lp.body, _loop_list(lp)[1]))]
         loops = direct or loops
-    loop = loops[0]
-    _, block_var, index_var = _loop_list(loop)
-    if loop.orelse or any(isinstance(n, (ast.Break, ast.Continue, ast.Return, ast.Yield)) for s in loop.body
-                          for n in ast.walk(s)):
-            raise FoldError(f"the loop over self.{path} uses break/continue/return/else")
-    calls = [c for c in _block_calls(loop.body, block_var) if isinstance(c.func, ast.Name)]
-    if not calls:
-        raise FoldError(f"the loop over self.{path} never calls {block_var}(...)")
-    call = calls[-1]
-    # names defined outside the loop body: parameters and assignments elsewhere in forward
+    return loops[0]
+
+
+def _outer_names(fn: ast.FunctionDef, loop: ast.For) -> set[str]:
+    """Names defined outside the loop body: parameters and assignments elsewhere in the method."""
     params = [a.arg for a in fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs]
     if fn.args.vararg:
         params.append(fn.args.vararg.arg)
@@ -222,6 +251,57 @@ def plan_fold(cls, path: str) -> LoopFold:
     for n in ast.walk(fn):
         if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store) and id(n) not in body_ids:
             outer_stores.add(n.id)
+    return outer_stores
+
+
+def _control_slice(stmts: list[ast.stmt], control: set[str], tainted: set[str]) -> list[ast.stmt] | None:
+    """The statements of a loop body that update the ``control`` names (with the ``if`` tests
+    around them), or None when an update or its test reads a ``tainted`` name (a stream)."""
+    out: list[ast.stmt] = []
+    for st in stmts:
+        stores = set(_names(st, ast.Store)) & control
+        if isinstance(st, ast.If):
+            body, orelse = _control_slice(st.body, control, tainted), _control_slice(st.orelse, control, tainted)
+            if body is None or orelse is None or (set(_names(st.test, ast.Load)) & tainted and (body or orelse)):
+                return None
+            if body or orelse:
+                out.append(ast.If(test=st.test, body=body or [ast.Pass()], orelse=orelse))
+        elif stores:
+            simple = isinstance(st, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and \
+                all(isinstance(t, ast.Name) for t in getattr(st, "targets", [getattr(st, "target", None)]))
+            if not simple or set(_names(st.value, ast.Load)) & tainted:
+                return None
+            out.append(st)
+    return out
+
+
+def _control_names(body: list[ast.stmt], carried: list[str], call_order: list[str], stored: list[str],
+                   block_var: str) -> list[str]:
+    """The carried names not passed to the block whose updates read no stream (see ``control``)."""
+    control = [n for n in carried if n not in call_order]
+    while control:
+        tainted = (set(stored) - set(control)) | {block_var}
+        bad = [n for n in control if _control_slice(body, {n}, tainted) is None]
+        if not bad:
+            return control
+        control = [n for n in control if n not in bad]
+    return []
+
+
+def plan_fold(cls, path: str) -> LoopFold:
+    """Read the loop over ``self.<path>`` in ``cls.forward`` (or the helper method that has it)."""
+    method = loop_method(cls, path)
+    fn, _ = _forward_function(cls, method)
+    loop = _the_loop(cls, fn, method, path)
+    _, block_var, index_var = _loop_list(loop)
+    if loop.orelse or any(isinstance(n, (ast.Break, ast.Continue, ast.Return, ast.Yield)) for s in loop.body
+                          for n in ast.walk(s)):
+            raise FoldError(f"the loop over self.{path} uses break/continue/return/else")
+    calls = [c for c in _block_calls(loop.body, block_var) if isinstance(c.func, ast.Name)]
+    if not calls:
+        raise FoldError(f"the loop over self.{path} never calls {block_var}(...)")
+    call = calls[-1]
+    outer_stores = _outer_names(fn, loop)
     loaded, stored = [], []
     for s in loop.body:
         for n in _names(s, ast.Load):
@@ -230,22 +310,26 @@ def plan_fold(cls, path: str) -> LoopFold:
         for n in _names(s, ast.Store):
             if n not in stored:
                 stored.append(n)
-    loop_vars = {block_var, index_var}
+    partners = loop_partners(loop)
+    loop_vars = {block_var, index_var, *partners}
     first = _first_events(loop.body)
     carried_set = [n for n in stored if n in outer_stores and first.get(n) == "load" and n not in loop_vars]
     # order the carried names as the block call passes them
     call_order = [a.id for a in call.args if isinstance(a, ast.Name)]
     call_order += [k.value.id for k in call.keywords if isinstance(k.value, ast.Name)]
     carried = [n for n in call_order if n in carried_set] + [n for n in carried_set if n not in call_order]
+    control = _control_names(loop.body, carried, call_order, stored + list(partners), block_var)
+    carried = [n for n in carried if n not in control]
     if not 1 <= len(carried) <= 2:
-        raise FoldError(f"the loop over self.{path} carries {len(carried)} names {carried}; "
-                        f"one (hidden states) or two (hidden, encoder) can be folded")
+        raise FoldError(f"the loop over self.{path} carries {len(carried)} names {carried} that depend on the "
+                        f"blocks' outputs; one (hidden states) or two (hidden, encoder) can be folded")
     inputs = [n for n in loaded if n in outer_stores and first.get(n) == "load" and n not in carried
-              and n not in loop_vars and n != "self"]
+              and n not in control and n not in loop_vars and n != "self"]
     extra = [s for s in loop.body if not _is_checkpoint_branch(s) and not (
         isinstance(s, (ast.Assign, ast.Expr)) and any(c is call for c in ast.walk(s)))]
     body_src = "\n".join(ast.unparse(s) for s in loop.body)
-    return LoopFold(path=path, method=method, block_var=block_var, index_var=index_var, carried=carried, inputs=inputs,
+    return LoopFold(path=path, method=method, element_methods=element_methods(cls, path), control=control, partners=partners,
+                    block_var=block_var, index_var=index_var, carried=carried, inputs=inputs,
                     extra_statements=len(extra), keyword_call=bool(call.keywords) and not call.args,
                     call_keywords=[k.arg for k in call.keywords if k.arg], body_source=body_src)
 
@@ -286,12 +370,16 @@ def _body_function_source(fold: LoopFold) -> str:
     body = [_RenameSelf().visit(_OriginalList(fold.path).visit(s)) for s in body]
     args = ", ".join(["owner", "index", "block", *fold.carried] + [f"{n}=None" for n in fold.inputs[:0]])
     kw = "".join(f", {fold.input_keyword(n)}=None" for n in fold.inputs) + ", _original_list=None"
+    kw += ", _loop_control=None" if fold.control else ""
     lines = [f"def loop_body({args}, *{kw}):"]
     lines += [f"    {n} = {fold.input_keyword(n)}" for n in fold.inputs if fold.input_keyword(n) != n]
     if fold.index_var:
         lines.append(f"    {fold.index_var} = index")
+    if fold.control:  # their values at this block, computed before the loop
+        lines.append(f"    {', '.join(fold.control)}, = _loop_control[index]")
     if fold.block_var != "block":
         lines.append(f"    {fold.block_var} = block")
+    lines += [f"    {var} = owner.{p}[index]" for var, p in fold.partners.items()]
     lines += [textwrap.indent(ast.unparse(s), "    ") for s in body]
     lines.append(f"    return {', '.join(fold.carried)}")
     return "\n".join(lines) + "\n"
@@ -304,11 +392,54 @@ def fold_method(folds: list[LoopFold]) -> str:
     return methods[0] if methods else "forward"
 
 
+class _OriginalElements(ast.NodeTransformer):
+    """``self.<path>[i]`` in the rewritten method -> the original block ``i``, kept by the functor
+    (while cached, ``self.<path>`` is cache-dit's one-unit stand-in; folded, it holds wrappers)."""
+
+    def __init__(self, paths):
+        self.paths = set(paths)
+
+    def visit_Subscript(self, node):
+        self.generic_visit(node)
+        path = _self_attr(node.value)
+        if path in self.paths:
+            node.value = ast.parse(f"self._ditbook_originals[{path!r}]", mode="eval").body
+        return node
+
+
+def _control_source(fold: LoopFold, k: int) -> str:
+    """A loop before the folded one that records the control names' values at each block and
+    leaves them at their final values (it runs only their stream-free updates)."""
+    body = ast.parse(fold.body_source).body
+    tainted = set(_names(ast.Module(body=body, type_ignores=[]), ast.Store)) - set(fold.control) | {fold.block_var}
+    tainted |= set(fold.partners)
+    sliced = _control_slice(body, set(fold.control), tainted) or []
+    index = fold.index_var or "_control_index"
+    lines = [f"_loop_control_{k} = []",
+             f"for {index} in range(len(self._ditbook_originals[{fold.path!r}])):",
+             f"    _loop_control_{k}.append(({', '.join(fold.control)},))"]
+    lines += [textwrap.indent(ast.unparse(ast.fix_missing_locations(s)), "    ") for s in sliced]
+    return "\n".join(lines) + "\n"
+
+
+def _insert_before(fn: ast.AST, target: ast.stmt, stmts: list[ast.stmt]) -> None:
+    """Insert ``stmts`` just before ``target`` in whichever statement list holds it."""
+    for node in ast.walk(fn):
+        for name in ("body", "orelse", "finalbody"):
+            block = getattr(node, name, None)
+            if isinstance(block, list) and any(s is target for s in block):
+                i = next(j for j, s in enumerate(block) if s is target)
+                block[i:i] = stmts
+                return
+    raise FoldError("the folded loop was not found in its method")
+
+
 def _rewritten_forward_source(cls, folds: list[LoopFold]) -> str:
     method = fold_method(folds)
     fn, _ = _forward_function(cls, method)
     fn.decorator_list = []
     by_path = {f.path: f for f in folds}
+    controls: list[tuple[ast.For, str]] = []
     for loop in [n for n in ast.walk(fn) if isinstance(n, ast.For)]:
         path, block_var, _ = _loop_list(loop)
         if path not in by_path:
@@ -317,13 +448,76 @@ def _rewritten_forward_source(cls, folds: list[LoopFold]) -> str:
         names = ["hidden_states", "encoder_hidden_states"][: len(fold.carried)]
         kws = [f"{role}={var}" for role, var in zip(names, fold.carried)] + \
             [f"{fold.input_keyword(n)}={n}" for n in fold.inputs]
+        if fold.control:
+            kws.append(f"_loop_control=_loop_control_{len(controls)}")
+            controls.append((loop, _control_source(fold, len(controls))))
         target = ", ".join(fold.carried)
         loop.body = ast.parse(f"{target} = {block_var}({', '.join(kws)})").body
+    for loop, src in controls:
+        _insert_before(fn, loop, ast.parse(src).body)
+    fn = _OriginalElements(by_path).visit(fn)
     fn.name = method
     if fn.body and isinstance(fn.body[0], ast.Expr) and isinstance(getattr(fn.body[0], "value", None), ast.Constant) \
             and isinstance(fn.body[0].value.value, str):
         fn.body = fn.body[1:]  # the docstring
     return ast.unparse(ast.fix_missing_locations(fn)) + "\n"
+
+
+def _loop_body_class_source(cls, fold: LoopFold) -> str:
+    """The ``<Block>LoopBody`` module class of one folded list: one block plus the loop's work for it."""
+    cname = _class_name(cls, fold.path)
+    body_src = _body_function_source(fold)
+    ret_doc = "(hidden_states, encoder_hidden_states)" if len(fold.carried) == 2 else "hidden_states"
+    enc_arg = ", encoder_hidden_states=None" if len(fold.carried) == 2 else ""
+    enc_pass = ", encoder_hidden_states" if len(fold.carried) == 2 else ""
+    doc_body = textwrap.indent(fold.body_source, "        ")
+    piece = "\n".join([
+        "",
+        f"class {cname}(torch.nn.Module):",
+        f'    """One block of ``{fold.path}`` together with the loop\'s work for it.',
+        "",
+        f"    Loop body of {cls.__name__}.forward, run per block:",
+        "",
+        doc_body,
+        "",
+        f"    Returns {ret_doc} ({fold.pattern}).",
+        '    """',
+        "",
+        "    BODY_SOURCE = {body_literal}",
+        "    _body = None",
+        "",
+        "    def __init__(self, block, index, owner, originals=None):",
+        "        super().__init__()",
+        '        self.inner = block  # not named "block": cache-dit would inspect it instead of this wrapper',
+        "        self.index = index",
+        '        object.__setattr__(self, "_owner", owner)  # not a submodule: no cycle',
+        "        # the original blocks, for a loop body that reads the list itself (len, indexing):",
+        "        # while cached, the transformer's attribute holds cache-dit's one-unit stand-in",
+        '        object.__setattr__(self, "_originals", originals)',
+        "",
+        f"    def forward(self, hidden_states{enc_arg}, **loop_inputs):",
+        "        cls = type(self)",
+        "        if cls._body is None:",
+        '            cls._body = _compile(cls.BODY_SOURCE, "loop_body")',
+        f"        return cls._body(self._owner, self.index, self.inner, hidden_states{enc_pass}, "
+        "_original_list=self._originals, **loop_inputs)",
+        "",
+    ])
+    return piece.replace("{body_literal}", textwrap.indent(code_literal(body_src), "    ").lstrip())
+
+
+def _extra_sources_literal(cls, folds: list[LoopFold]) -> str:
+    """``EXTRA_SOURCES = {name: source}``: each method besides the folded one that reads an
+    attribute of a folded list's element, rewritten to read it from the original block."""
+    method = fold_method(folds)
+    names = sorted({m for f in folds for m in f.element_methods} - {method})
+    lines = ["EXTRA_SOURCES = {"]
+    for name in names:
+        fn, _ = _forward_function(cls, name)
+        fn.decorator_list = []
+        fn = _OriginalElements([f.path for f in folds]).visit(fn)
+        lines.append(f"    {name!r}: {code_literal(ast.unparse(ast.fix_missing_locations(fn)) + chr(10))},")
+    return "\n".join(lines) + "\n}\n"
 
 
 def fold_source(cls, folds: list[LoopFold], functor_name: str) -> str:
@@ -335,49 +529,19 @@ def fold_source(cls, folds: list[LoopFold], functor_name: str) -> str:
     out.append(f"METHOD = {fold_method(folds)!r}  # the method of {cls.__name__} that runs the loop\n")
     out.append("# that method with each folded loop reduced to one block call per block\n"
                f"FORWARD_SOURCE = {code_literal(_rewritten_forward_source(cls, folds))}\n")
-    for fold in folds:
-        cname = _class_name(cls, fold.path)
-        body_src = _body_function_source(fold)
-        ret_doc = "(hidden_states, encoder_hidden_states)" if len(fold.carried) == 2 else "hidden_states"
-        enc_arg = ", encoder_hidden_states=None" if len(fold.carried) == 2 else ""
-        enc_pass = ", encoder_hidden_states" if len(fold.carried) == 2 else ""
-        doc_body = textwrap.indent(fold.body_source, "        ")
-        piece = "\n".join([
-            "",
-            f"class {cname}(torch.nn.Module):",
-            f'    """One block of ``{fold.path}`` together with the loop\'s work for it.',
-            "",
-            f"    Loop body of {cls.__name__}.forward, run per block:",
-            "",
-            doc_body,
-            "",
-            f"    Returns {ret_doc} ({fold.pattern}).",
-            '    """',
-            "",
-            "    BODY_SOURCE = {body_literal}",
-            "    _body = None",
-            "",
-            "    def __init__(self, block, index, owner, originals=None):",
-            "        super().__init__()",
-            '        self.inner = block  # not named "block": cache-dit would inspect it instead of this wrapper',
-            "        self.index = index",
-            '        object.__setattr__(self, "_owner", owner)  # not a submodule: no cycle',
-            "        # the original blocks, for a loop body that reads the list itself (len, indexing):",
-            "        # while cached, the transformer's attribute holds cache-dit's one-unit stand-in",
-            '        object.__setattr__(self, "_originals", originals)',
-            "",
-            f"    def forward(self, hidden_states{enc_arg}, **loop_inputs):",
-            "        cls = type(self)",
-            "        if cls._body is None:",
-            '            cls._body = _compile(cls.BODY_SOURCE, "loop_body")',
-            f"        return cls._body(self._owner, self.index, self.inner, hidden_states{enc_pass}, "
-            "_original_list=self._originals, **loop_inputs)",
-            "",
-        ])
-        out.append(piece.replace("{body_literal}", textwrap.indent(code_literal(body_src), "    ").lstrip()))
+    out.append("# other methods that read self.<list>[i].<attr>, pointed at the original blocks\n"
+               + _extra_sources_literal(cls, folds))
+    out += [_loop_body_class_source(cls, fold) for fold in folds]
+    out.append(_functor_source(cls, folds, functor_name))
+    return "\n".join(out)
+
+
+# long: one straight template of the generated functor code
+def _functor_source(cls, folds: list[LoopFold], functor_name: str) -> str:
+    """``FOLDED``, ``_compile``, ``_get``, the patch functor class and ``unpatch``."""
     paths = [f.path for f in folds]
     classes = [_class_name(cls, f.path) for f in folds]
-    out.append(textwrap.dedent(f'''
+    return textwrap.dedent(f'''
         FOLDED = {dict(zip(paths, classes))!r}  # block list -> loop-body class name
 
 
@@ -405,31 +569,35 @@ def fold_source(cls, folds: list[LoopFold], functor_name: str) -> str:
                     return transformer
                 # atomic: everything that can fail (compiling, wrapping) happens before the
                 # instance changes; the swap itself is undone if it fails half-way
-                forward = types.MethodType(_compile(FORWARD_SOURCE, METHOD), transformer)
+                sources = {{METHOD: FORWARD_SOURCE, **EXTRA_SOURCES}}
+                bound = {{name: types.MethodType(_compile(src, name), transformer) for name, src in sources.items()}}
                 lists = {{path: _get(transformer, path) for path in FOLDED}}
                 wrapped = {{path: [globals()[cname](b, i, transformer, list(lists[path]))
                                   for i, b in enumerate(lists[path])]
                            for path, cname in FOLDED.items()}}
                 saved = {{path: list(blocks) for path, blocks in lists.items()}}
-                had_forward = METHOD in transformer.__dict__
-                old_forward = transformer.__dict__.get(METHOD)
+                old_methods = {{name: transformer.__dict__[name] for name in bound if name in transformer.__dict__}}
                 had_patched = "_is_patched" in transformer.__dict__
                 old_patched = transformer.__dict__.get("_is_patched")
                 try:
                     for path, blocks in lists.items():
                         for i, w in enumerate(wrapped[path]):
                             blocks[i] = w
-                    setattr(transformer, METHOD, forward)
+                    for name, method in bound.items():
+                        setattr(transformer, name, method)
+                    # the original blocks, for ``self.<list>[i].attr`` outside the loop (not a submodule)
+                    object.__setattr__(transformer, "_ditbook_originals", saved)
                     transformer._ditbook_folded = True
                     transformer._is_patched = True
                 except BaseException:
                     for path, blocks in lists.items():
                         for i, b in enumerate(saved[path]):
                             blocks[i] = b
-                    transformer.__dict__.pop(METHOD, None)
-                    if had_forward:
-                        setattr(transformer, METHOD, old_forward)
+                    for name in bound:
+                        transformer.__dict__.pop(name, None)
+                    transformer.__dict__.update(old_methods)
                     transformer.__dict__.pop("_ditbook_folded", None)
+                    transformer.__dict__.pop("_ditbook_originals", None)
                     transformer.__dict__.pop("_is_patched", None)
                     if had_patched:
                         transformer._is_patched = old_patched
@@ -445,9 +613,10 @@ def fold_source(cls, folds: list[LoopFold], functor_name: str) -> str:
                 blocks = _get(transformer, path)
                 for i in range(len(blocks)):
                     blocks[i] = blocks[i].inner
-            transformer.__dict__.pop(METHOD, None)
+            for name in [METHOD, *EXTRA_SOURCES]:
+                transformer.__dict__.pop(name, None)
+            transformer.__dict__.pop("_ditbook_originals", None)
             del transformer._ditbook_folded
             transformer.__dict__.pop("_is_patched", None)
             return transformer
-        '''))
-    return "\n".join(out)
+        ''')

@@ -273,6 +273,10 @@ class ListUses:
     in_body: list[str] = field(default_factory=list)  # uses inside the loop's own body (len, indexing)
     conditional: list[str] = field(default_factory=list)  # other uses only under a test of an optional argument
     loop_flow: list[str] = field(default_factory=list)  # break/continue/return/else inside a loop
+    zipped_after: list[str] = field(default_factory=list)  # the list whose zip loop runs this one (not first)
+    # outside the loop, an attribute of one element read (``self.<list>[0].norm1.emb(...)``), the
+    # element itself never called: safe when the code is pointed at the original blocks
+    element_attrs: list[str] = field(default_factory=list)
 
     def unsafe(self) -> str:
         """Why replacing the list by one cached unit would change what the code does ('' if safe)."""
@@ -349,10 +353,36 @@ def exclusive_branches(branches: dict, a: ast.AST, b: ast.AST) -> bool:
 
 def _loop_iter_lists(it: ast.AST) -> list[ast.AST]:
     """The ``self.<x>`` nodes a for-loop's iterable runs over one by one: ``self.x`` itself or
-    ``enumerate(self.x)``; anything else (``zip``, ``range(len(...))``) is not a plain loop."""
+    ``enumerate(self.x)``, or each list of ``zip(self.x, self.y)`` (all ``self`` attributes, one
+    element of each per step); anything else (``range(len(...))``) is not a plain loop."""
     if isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "enumerate" and len(it.args) == 1:
         it = it.args[0]
+    if isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "zip" and it.args \
+            and not it.keywords and all(_attr_path(a) for a in it.args):
+        return list(it.args)
     return [it] if _attr_path(it) else []
+
+
+def _element_attribute(node: ast.AST, parents: dict) -> bool:
+    """``node`` (``self.<list>``) is indexed and an attribute of the element is read:
+    ``self.<list>[i].attr`` (the element itself is neither called nor iterated)."""
+    sub = parents.get(id(node))
+    if not (isinstance(sub, ast.Subscript) and sub.value is node and isinstance(sub.ctx, ast.Load)):
+        return False
+    attr = parents.get(id(sub))
+    return isinstance(attr, ast.Attribute) and attr.value is sub and isinstance(attr.ctx, ast.Load)
+
+
+def _bucket(u: ListUses, in_body: bool, element_attr: bool) -> list[str]:
+    """The list of ``u`` a use belongs to: in the loop body, an element's attribute, or other."""
+    return u.in_body if in_body else u.element_attrs if element_attr else u.other
+
+
+def _loop_flow(loop: ast.For) -> list[str]:
+    """The ways a loop can stop early or run extra code: break/continue/return, for-else."""
+    flow = sorted({type(n).__name__.lower() for s in loop.body for n in ast.walk(s)
+                   if isinstance(n, (ast.Break, ast.Continue, ast.Return))})
+    return flow + (["for-else"] if loop.orelse else [])
 
 
 def list_uses(cls, paths: list[str]) -> dict[str, ListUses]:
@@ -377,18 +407,17 @@ def list_uses(cls, paths: list[str]) -> dict[str, ListUses]:
                     isinstance(node.func.value, ast.Name) and node.func.value.id == "self":
                 todo.append(node.func.attr)
             if isinstance(node, ast.For):
-                for it in _loop_iter_lists(node.iter):
+                lists = _loop_iter_lists(node.iter)
+                for k, it in enumerate(lists):
+                    if k and _attr_path(it) in uses:
+                        uses[_attr_path(it)].zipped_after.append(_attr_path(lists[0]))
                     p = _attr_path(it)
                     if p in uses:
                         loop_nodes.add(id(it))
                         loops_by_list.setdefault(p, []).append(node)
                         uses[p].loops.append(f"{name}:{offset + node.lineno}")
                         body_nodes.update({id(n): p for st in node.body for n in ast.walk(st)})
-                        flow = sorted({type(n).__name__.lower() for s in node.body for n in ast.walk(s)
-                                       if isinstance(n, (ast.Break, ast.Continue, ast.Return))})
-                        if node.orelse:
-                            flow.append("for-else")
-                        uses[p].loop_flow += flow
+                        uses[p].loop_flow += _loop_flow(node)
         for p, found in loops_by_list.items():
             if len(found) > 1 and len(uses[p].loops) == len(found):
                 uses[p].exclusive = all(exclusive_branches(branches, a, b)
@@ -408,7 +437,7 @@ def list_uses(cls, paths: list[str]) -> dict[str, ListUses]:
             if getattr(node, "ctx", None).__class__ is ast.Store:
                 continue  # assignment in __init__-like helpers
             line = ast.unparse(parent if parent is not None else node)
-            where = uses[p].in_body if body_nodes.get(id(node)) == p else uses[p].other
+            where = _bucket(uses[p], body_nodes.get(id(node)) == p, _element_attribute(node, parents))
             guard = _optional_guard(fn, ifs, branches.get(id(node), []))
             if where is uses[p].other and guard:
                 where = uses[p].conditional
