@@ -508,3 +508,49 @@ def test_registered_plan_failing_the_check_is_noted_and_a_derived_one_used():
     assert "registered plan (diffusers:Registered._cp_plan) not used: TokenAxisError" in cp.notes[0]
     assert "'img_ids' at '<transformer>': expects 3 dims" in cp.notes[0]
     assert resolve_cp_plan(m, capture=lambda: ((), kw), degree=2).source.startswith("diffusers:")  # unchecked
+
+
+class CausalAttn(Attn):
+    def forward(self, x, rotary=None, mask=None):
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(out.transpose(1, 2).reshape(b, s, d))
+
+
+class CausalBlock(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.attn = CausalAttn(dim)
+
+    def forward(self, hidden_states):
+        return hidden_states + self.attn(hidden_states)
+
+
+class CausalDiT(nn.Module):
+    def __init__(self, dim=16):
+        super().__init__()
+        self.x_embedder = nn.Linear(4, dim)
+        self.blocks = nn.ModuleList([CausalBlock(dim) for _ in range(2)])
+        self.proj_out = nn.Linear(dim, 4)
+
+    def forward(self, hidden_states):
+        b, c, h, w = hidden_states.shape
+        x = self.x_embedder(hidden_states.flatten(2).transpose(1, 2))
+        for blk in self.blocks:
+            x = blk(hidden_states=x)
+        return (self.proj_out(x).transpose(1, 2).reshape(b, c, h, w),)
+
+
+def test_causal_attention_inside_a_split_block_is_refused_before_launch():
+    """A decoder-style block (``is_causal=True``): cache-dit's context-parallel attention raises in
+    the ranks ("Causal attention is not yet supported"), a crash; the dry run now refuses the plan
+    before launch and names the causal attention. The same model with plain attention passes."""
+    torch.manual_seed(0)
+    kw = dict(hidden_states=torch.randn(1, 4, 4, 4))
+    with pytest.raises(DryRunError, match="causal attention"):
+        resolve_cp_plan(CausalDiT().eval(), capture=lambda: ((), kw), degree=2, check=verify_before_launch)
+    plain = CausalDiT().eval()
+    for blk in plain.blocks:
+        blk.attn = Attn(16)
+    assert resolve_cp_plan(plain, capture=lambda: ((), kw), degree=2, check=verify_before_launch).facts["prelaunch"]["checked"]

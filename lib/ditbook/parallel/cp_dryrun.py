@@ -55,6 +55,10 @@ class DryRunError(PlanCheckError):
     """The plan's one-process dry run fails."""
 
 
+class CausalAttentionUnderSplit(ValueError):
+    """A block inside the split lists calls causal attention."""
+
+
 class DryRunUnavailable(RuntimeError):
     """The forward under the plan cannot run in one process (it calls ``torch.distributed``): the
     dry run says nothing, the launch decides."""
@@ -161,6 +165,11 @@ class _UlyssesShapes(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is _SDPA and self.depth["n"] > 0:
             self.run.sdpa_calls += 1
+            if kwargs.get("is_causal") or (len(args) > 5 and args[5]):
+                raise CausalAttentionUnderSplit(
+                    "causal attention (is_causal=True) inside a split block: under a sequence split each "
+                    "rank's queries would need the keys before them only, across ranks; the context-parallel "
+                    "attention does not take a causal mask")
             args = list(args)
             for i, name in ((1, "key"), (2, "value")):
                 if i < len(args):
