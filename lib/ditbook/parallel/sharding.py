@@ -64,7 +64,6 @@ class BlockInputRecorder:
         # entries into the list: batch rows of its first block, which a block cache always computes
         self.entries: dict[str, int] = {}
         self.entry_calls: dict[str, int] = {}
-        self.sizes = {name: len(transformer.get_submodule(name)) for name in self.lists}
         self.lengths: dict[str, dict[str, set[int]]] = {}
         self.handles = []
         for name in self.lists:
@@ -104,10 +103,10 @@ class BlockInputRecorder:
 
     def to_dict(self) -> dict:
         """{list: {"calls": n, "rows": batch rows evaluated, "entries"/"entry_calls": batch rows and
-        calls of its first block, "blocks": list length, "seq_lens": {argument: [lengths]}}} for the
+        calls of its first block, "seq_lens": {argument: [lengths]}}} for the
         lists that were called."""
         return {n: {"calls": self.calls[n], "rows": self.rows.get(n, 0), "entries": self.entries.get(n, 0),
-                    "entry_calls": self.entry_calls.get(n, 0), "blocks": self.sizes.get(n),
+                    "entry_calls": self.entry_calls.get(n, 0),
                     "seq_lens": {p: sorted(v) for p, v in self.lengths.get(n, {}).items()}}
                 for n in self.lists if self.calls.get(n)}
 
