@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 import torch
 
 from ditbook.benchmark.compiled import compiled_config
@@ -71,3 +73,16 @@ def test_the_graphed_row_composes_cache_compile_and_graphs_of_the_computed_steps
 
     assert wrap_names(fp.pipe.transformer) == []  # the compile-cost probe is gone
     assert all(b.__dict__.get("_compiled_call_impl") is None for b in fp.pipe.transformer.transformer_blocks)
+
+
+def test_quality_rows_are_judged_on_the_reference_model_without_being_timed(tmp_path):
+    rc = main(["--out", str(tmp_path), "--tiny", "--device", "cpu", "--size", "32", "--steps", "6", "--repeats", "1",
+               "--quality-prompts", "1", "--holdout-seeds", "100", "--rows", "eager", "--quality-rows", "cache"])
+    assert rc == 0
+    res = json.loads((tmp_path / "compose.json").read_text())
+    assert [r["row"] for r in res["rows"]] == ["eager"]  # timed: eager only
+    q = res["reference"]["rows"]["cache"]
+    assert q["status"] == "measured" and q["psnr_min"] < 60  # judged: the cache changes the image
+    assert "not timed here: `cache`" in (tmp_path / "compose.md").read_text()
+    with pytest.raises(ValueError, match="unknown rows"):
+        main(["--out", str(tmp_path), "--tiny", "--device", "cpu", "--rows", "eager", "--quality-rows", "nonsense"])
