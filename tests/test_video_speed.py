@@ -1,0 +1,24 @@
+"""``benchmarks/video_gpu.py`` (issue 16, item 5): the Wan-shaped speed benchmark, at a tiny shape on
+the CPU. The record says what ran (the last block's calls), so a cache that skips nothing shows."""
+
+from __future__ import annotations
+
+import json
+
+from speedsuite.video import WAN_1_3B, main, tokens
+
+
+def test_wan_shape_tokens_match_the_published_count():
+    # 480x832, 81 frames: 21 latent frames of 60x104, patches of 1x2x2 -> 32,760 tokens (issue 16)
+    assert tokens(WAN_1_3B, 480, 832, 81) == 32760
+
+
+def test_tiny_cpu_run_records_what_ran(tmp_path):
+    assert main(["--out", str(tmp_path), "--tiny", "--device", "cpu", "--steps", "6", "--computed", "4",
+                 "--repeats", "1", "--rows", "eager,cache"]) == 0
+    res = json.loads((tmp_path / "video_tiny.json").read_text())
+    by = {r["row"]: r for r in res["rows"]}
+    assert by["eager"]["last_block_calls"] == 12  # true CFG: two transformer calls per step, all computed
+    assert by["cache"]["last_block_calls"] == 8  # 4 computed steps x 2 calls: the rest really skipped
+    assert res["schedule"]["computed"] == 4 and by["cache"]["speedup"] > 0
+    assert "| cache |" in (tmp_path / "video_tiny.md").read_text()
