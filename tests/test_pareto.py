@@ -1,0 +1,130 @@
+"""The equal-quality comparison against the peers (issue 16): the GPU timing code on a tiny FLUX
+shape on the CPU (every point kind, the counted pattern check), and the dominance table, which
+must be able to say ``not dominated``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from speedsuite import pareto  # noqa: E402
+from speedsuite.pareto_report import dominance, markdown_table  # noqa: E402
+
+STEPS = 8
+
+
+def _points() -> list[dict]:
+    """One point of each kind in its timing form, with the pattern each must produce (F: every
+    block ran, P: some, S: none) worked out from the configuration by hand."""
+    static = pareto.static_point("ditbook static +TS1", "11100101", 1)
+    scm = pareto.scm_peer("fast", STEPS)
+    scm["params"].update(policy="static", mask="11110001")  # a dynamic peer's recorded full steps, as timed
+    fbc = pareto.fbc_peer()
+    fbc["params"]["forced"] = [1, 1, 0, 0, 1, 0, 0, 1]
+    # ratios all 1: no error accumulates, so after the retained steps (int(0.2 * 8 + 0.5) = 2) MagCache
+    # skips up to max_skip_steps (3) in a row, then computes one
+    mag = pareto.magcache_peer([1.0] * STEPS, "test", STEPS)
+    expected = {static["name"]: "FFFPPFPF", scm["name"]: "FFFFPPPF", fbc["name"]: "FFPPFPPF",
+                mag["name"]: "FFSSSFSS"}
+    out = []
+    for p in (scm, fbc, static, mag):  # a cache-dit point before the diffusers hooks: its leftovers must be undone
+        out.append({**p, "expected_pattern": expected[p["name"]], "how": "test"})
+    return out
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models on a shared CPU: one thread is many times faster than contended ones."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _quality_file(tmp_path: Path, points: list[dict]) -> Path:
+    f = tmp_path / "q.json"
+    f.write_text(json.dumps({"steps": STEPS, "to_time": points}))
+    return f
+
+
+def test_speed_part_runs_every_kind_and_checks_patterns(tmp_path):
+    from speedsuite.pareto_speed import run
+
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    points = _points()
+    res = run(tmp_path, quality_file=_quality_file(tmp_path, points), tiny=True, device="cpu", size=32, repeats=1)
+    rows = {r["name"]: r for r in res["rows"] if r["mode"] == "eager"}
+    assert set(rows) == {"eager", "eager-again"} | {p["name"] for p in points}
+    for r in rows.values():
+        assert r["status"] == "measured" and r["median_s"] > 0, r
+        assert r["pattern_ok"], (r["name"], r["pattern"], r["expected_pattern"])
+    assert rows["eager"]["pattern"] == "F" * STEPS
+    assert (tmp_path / "pareto_speed.md").read_text().count("| eager") >= 2
+
+
+def test_speed_part_reports_a_pattern_that_differs(tmp_path):
+    """The check can fail: a recorded pattern the timed form does not reproduce is marked."""
+    from speedsuite.pareto_speed import main
+
+    pytest.importorskip("torch")
+    wrong = _points()[2]  # the static mask 11100101 ...
+    wrong["expected_pattern"] = "FFFFFFFF"  # ... claimed to compute every step
+    rc = main(["--out", str(tmp_path), "--quality", str(_quality_file(tmp_path, [wrong])), "--tiny", "--device", "cpu",
+               "--size", "32", "--repeats", "1"])
+    row = next(r for r in json.loads((tmp_path / "pareto_speed.json").read_text())["rows"] if r["name"] == wrong["name"])
+    assert not row["pattern_ok"] and row["pattern"] == "FFFPPFPF"
+    assert rc == 1
+
+
+# --- the dominance table -----------------------------------------------------------------------------
+def _q(psnr, ssim):
+    return {"psnr_mean": psnr, "psnr_min": psnr - 3, "ssim_mean": ssim, "ssim_min": ssim - 0.001}
+
+
+def _fixture(ours_psnr=40.0, ours_ssim=0.995, ours_time=1.5, ours_work=12.0):
+    peer = {"name": "peer A", "owner": "cache-dit", "kind": "dbcache", "role": "peer", "params": {},
+            "holdout": _q(39.0, 0.994), "calibration": _q(39.0, 0.994), "counts": {"work_min": 14.0, "work_max": 14.0, "full_min": 12, "full_max": 13}}
+    ours = {"name": "ditbook X", "owner": "ditbook", "kind": "dbcache", "role": "chosen", "params": {},
+            "holdout": _q(ours_psnr, ours_ssim), "calibration": _q(40.0, 0.995),
+            "counts": {"work_min": ours_work, "work_max": ours_work, "full_min": 10, "full_max": 10}}
+    quality = {"points": [peer, ours], "pairs": [{"peer": "peer A", "ditbook": "ditbook X"}],
+               "aggregates": ["mean", "min"], "holdout_seeds": [100], "steps": 28}
+    speed = {"rows": [{"name": n, "mode": "eager", "status": "measured", "median_s": t, "pattern_ok": True}
+                      for n, t in (("eager", 5.0), ("peer A", 2.0), ("ditbook X", ours_time))]}
+    return quality, speed
+
+
+def test_dominance_marks_a_dominated_peer():
+    rows = dominance(*_fixture())
+    assert rows[0]["verdict"] == "dominated", rows
+
+
+@pytest.mark.parametrize("kw, why", [({"ours_time": 2.5}, "slower"), ({"ours_psnr": 38.5}, "psnr"),
+                                     ({"ours_ssim": 0.990}, "ssim"), ({"ours_work": 15.0}, "work")])
+def test_dominance_can_fail(kw, why):
+    """A ditbook point slower, lower in PSNR or SSIM, or with more work than the peer: not dominated."""
+    quality, speed = _fixture(**kw)
+    rows = dominance(quality, speed)
+    assert rows[0]["verdict"].startswith("not dominated") and why in rows[0]["verdict"], rows
+    assert "not dominated" in markdown_table(quality, speed)
+
+
+def test_dominance_without_a_point_or_a_time():
+    quality, speed = _fixture()
+    quality["pairs"][0]["ditbook"] = None
+    assert dominance(quality, speed)[0]["verdict"].startswith("not dominated")
+    quality, speed = _fixture()
+    speed["rows"] = [r for r in speed["rows"] if r["name"] != "ditbook X"]
+    assert dominance(quality, speed)[0]["verdict"].startswith("not dominated")
+    quality, speed = _fixture()
+    speed["rows"][2]["pattern_ok"] = False  # timed work differs from the measured one: no claim
+    assert dominance(quality, speed)[0]["verdict"].startswith("not dominated")
