@@ -38,6 +38,10 @@ def dominance(quality: dict, speed: dict) -> list[dict]:
         ours = points.get(pair.get("ditbook") or "")
         row = {"peer": peer["name"], "ditbook": ours and ours["name"], "peer_point": peer, "ditbook_point": ours}
         reasons = []
+        ok = lambda r: r is not None and r.get("status") == "measured"  # noqa: E731
+        for mode in ("eager", "compiled"):
+            tp = times.get((peer["name"], mode))
+            row[f"peer_{mode}_s"] = tp["median_s"] if ok(tp) else None
         if ours is None:
             reasons.append("no ditbook point found at no more work with quality as high")
         else:
@@ -46,8 +50,6 @@ def dominance(quality: dict, speed: dict) -> list[dict]:
                 reasons.append(f"more work {ours['counts']['work_max']:.2f} > {peer['counts']['work_min']:.2f}")
             for mode in ("eager", "compiled"):
                 tp, to = times.get((peer["name"], mode)), times.get((ours["name"], mode))
-                ok = lambda r: r is not None and r.get("status") == "measured"  # noqa: E731
-                row[f"peer_{mode}_s"] = tp["median_s"] if ok(tp) else None
                 row[f"ditbook_{mode}_s"] = to["median_s"] if ok(to) else None
                 if mode == "eager":
                     if not (ok(tp) and ok(to)):

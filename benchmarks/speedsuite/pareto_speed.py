@@ -15,9 +15,11 @@ runs with every block counted (``EvalCounter``, installed before the cache): the
 full / partial / skipped transformer calls must equal the one recorded on the reference model
 (``pattern_ok``), so the timed work is the work whose quality was measured. That counted call is
 the warm-up; then ``--repeats`` timed calls (median, min, max). Compiled: the repeated blocks are
-compiled once (``compile_repeated_blocks``, fullgraph False: diffusers' cache hooks are
-``torch.compiler.disable``d, so with them the blocks run outside the compiled regions — measured
-as it is), then each point: first call timed apart, then the timed calls. A time budget
+compiled once (``compile_repeated_blocks`` through ``ditbook.benchmark.compiled.compile_regions``,
+fullgraph False: diffusers' cache hooks have ``torch.compiler.disable``d parts — MagCache's whole
+hook forward, FirstBlockCache's decision — so with them the blocks may run partly outside the
+compiled regions; measured as it is), then each point: first call timed apart (recompiles), then
+the timed calls. A time budget
 (``--budget-s``) marks the rows it leaves out as ``skipped`` rather than running past it.
 
 Writes ``OUT/pareto_speed.json`` and ``OUT/pareto_speed.md``.
@@ -87,6 +89,15 @@ def timed(fp, point: dict, repeats: int, first_apart: bool) -> dict:
     return row
 
 
+def _dynamo_stats() -> dict:
+    """dynamo's global counters (frames compiled, graph breaks, ...), to show recompiles per row."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return {}
+    return {f"{group}.{k}": v for group in ("stats", "frames") for k, v in counters.get(group, {}).items()}
+
+
 def _row(point: dict, mode: str) -> dict:
     return {"name": point["name"], "owner": point["owner"], "kind": point["kind"], "mode": mode,
             "how": point.get("how", ""), "params": {k: v for k, v in point["params"].items() if k != "mag_ratios"}}
@@ -132,13 +143,17 @@ def run(out: Path, *, quality_file: Path, tiny: bool = False, device: str = "cud
         t0 = time.perf_counter()
         undo_compile, method, regions = compile_regions(fp.pipe.transformer, backend=compile_backend, fullgraph=False)
         result["compile_method"] = {"method": method, "regions": regions}
-        for point in [EAGER] + points:
+        # cache-dit's points (the peers' SCM and ditbook's) first, diffusers' hooks (the riskiest to compile) last
+        order = [EAGER] + sorted(points, key=lambda p: p["kind"] != "dbcache")
+        for point in order:
             row = _row(point, "compiled")
             if over_budget():
                 row.update(status="skipped", reason=f"time budget {budget_s:.0f} s spent")
             else:
                 try:
+                    before = _dynamo_stats()
                     row.update(timed(fp, point, repeats, first_apart=True), status="measured")
+                    row["dynamo"] = {k: v - before.get(k, 0) for k, v in _dynamo_stats().items() if v != before.get(k, 0)}
                     _log(f"  {point['name'] + ' (compiled)':52s} {row['median_s']:8.3f}s  first call "
                          f"{row['first_call_s']:.1f}s")
                 except Exception as exc:  # a compile failure is a row with its reason, not a lost run
