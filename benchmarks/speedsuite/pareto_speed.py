@@ -89,6 +89,15 @@ def timed(fp, point: dict, repeats: int, first_apart: bool) -> dict:
     return row
 
 
+def pair_order(points: list[dict], pairs: list[dict]) -> list[dict]:
+    """Each peer followed by its ditbook point, so a budget cut leaves whole pairs measured."""
+    by_name = {p["name"]: p for p in points}
+    names: list[str] = []
+    for pair in pairs:
+        names += [n for n in (pair.get("peer"), pair.get("ditbook")) if n in by_name and n not in names]
+    return [by_name[n] for n in names] + [p for p in points if p["name"] not in names]
+
+
 def _dynamo_stats() -> dict:
     """dynamo's global counters (frames compiled, graph breaks, ...), to show recompiles per row."""
     try:
@@ -104,7 +113,7 @@ def _row(point: dict, mode: str) -> dict:
 
 
 def run(out: Path, *, quality_file: Path, tiny: bool = False, device: str = "cuda", size: int | None = None,
-        repeats: int = 3, compile: bool = False, compile_backend: str = "inductor", budget_s: float = 450.0,
+        repeats: int = 3, compile: bool = False, compile_backend: str = "inductor", budget_s: float = 480.0,
         names: list[str] | None = None) -> dict:
     q = json.loads(Path(quality_file).read_text())
     steps = q["steps"]
@@ -125,7 +134,7 @@ def run(out: Path, *, quality_file: Path, tiny: bool = False, device: str = "cud
     def over_budget() -> bool:
         return time.perf_counter() - t_start > budget_s
 
-    for point in [EAGER] + points + [{**EAGER, "name": "eager-again"}]:
+    for point in [EAGER] + pair_order(points, q.get("pairs") or []) + [{**EAGER, "name": "eager-again"}]:
         row = _row(point, "eager")
         if over_budget() and point["name"] != "eager":
             row.update(status="skipped", reason=f"time budget {budget_s:.0f} s spent")
@@ -143,8 +152,7 @@ def run(out: Path, *, quality_file: Path, tiny: bool = False, device: str = "cud
         t0 = time.perf_counter()
         undo_compile, method, regions = compile_regions(fp.pipe.transformer, backend=compile_backend, fullgraph=False)
         result["compile_method"] = {"method": method, "regions": regions}
-        # cache-dit's points (the peers' SCM and ditbook's) first, diffusers' hooks (the riskiest to compile) last
-        order = [EAGER] + sorted(points, key=lambda p: p["kind"] != "dbcache")
+        order = [EAGER] + pair_order(points, q.get("pairs") or [])
         for point in order:
             row = _row(point, "compiled")
             if over_budget():
@@ -207,7 +215,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--compile", action="store_true", help="also time every point with regional compile")
     ap.add_argument("--compile-backend", default="inductor")
-    ap.add_argument("--budget-s", type=float, default=450.0, help="rows left when this is spent are marked skipped")
+    ap.add_argument("--budget-s", type=float, default=480.0, help="rows left when this is spent are marked skipped")
     ap.add_argument("--points", default="", help="comma-separated names of to_time (default: all)")
     a = ap.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
