@@ -175,3 +175,17 @@ def test_search_can_come_back_empty():
     assert choose(_FakeBench(peer), peer, holdout_tries=3)["ditbook"] is None  # only overfitted TS2 tried
     peer = _peer(work=9.0)  # too little work for anything at 40 dB
     assert choose(_FakeBench(peer), peer, holdout_tries=12)["ditbook"] is None
+
+
+def test_magcache_calibration_reads_the_ratios_diffusers_prints():
+    """diffusers' documented calibration run: one uncached run, the printed ratios parsed back."""
+    import torch
+    from speedsuite.fullsize import flux_pipeline
+
+    fp = flux_pipeline("tiny", "cpu", torch.float32, height=32, width=32, steps=STEPS, text_tokens=8)
+    with torch.inference_mode():
+        ratios = pareto.calibrate_magcache(fp.pipe, fp, STEPS)
+    assert len(ratios) == STEPS and ratios[0] == 1.0 and all(r > 0 for r in ratios)
+    assert not getattr(fp.pipe.transformer, "_cache_config", None)  # the calibration hooks are off again
+    with pytest.raises(RuntimeError, match="ratios"):
+        pareto.calibrate_magcache(fp.pipe, fp, STEPS + 1)  # a run of another length: refused, not mis-read
