@@ -78,10 +78,14 @@ def test_speed_part_reports_a_pattern_that_differs(tmp_path):
     pytest.importorskip("torch")
     wrong = _points()[2]  # the static mask 11100101 ...
     wrong["expected_pattern"] = "FFFFFFFF"  # ... claimed to compute every step
-    rc = main(["--out", str(tmp_path), "--quality", str(_quality_file(tmp_path, [wrong])), "--tiny", "--device", "cpu",
-               "--size", "32", "--repeats", "1"])
-    row = next(r for r in json.loads((tmp_path / "pareto_speed.json").read_text())["rows"] if r["name"] == wrong["name"])
-    assert not row["pattern_ok"] and row["pattern"] == "FFFPPFPF"
+    bogus = {"name": "bogus", "owner": "ditbook", "kind": "no-such-kind", "params": {}, "expected_pattern": "F" * STEPS}
+    rc = main(["--out", str(tmp_path), "--quality", str(_quality_file(tmp_path, [wrong, bogus])), "--tiny",
+               "--device", "cpu", "--size", "32", "--repeats", "1"])
+    rows = {r["name"]: r for r in json.loads((tmp_path / "pareto_speed.json").read_text())["rows"]}
+    assert not rows[wrong["name"]]["pattern_ok"] and rows[wrong["name"]]["pattern"] == "FFFPPFPF"
+    # a point that cannot run is a failed row with its reason; the points after it still run
+    assert rows["bogus"]["status"] == "failed" and "no-such-kind" in rows["bogus"]["reason"]
+    assert rows["eager-again"]["status"] == "measured"
     assert rc == 1
 
 

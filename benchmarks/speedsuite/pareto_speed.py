@@ -13,8 +13,8 @@ recorded one (its residual test still runs); MagCache as configured (its decisio
 ratios and the step only); ditbook's static masks as they are. Before a point is timed, one call
 runs with every block counted (``EvalCounter``, installed before the cache): the pattern of
 full / partial / skipped transformer calls must equal the one recorded on the reference model
-(``pattern_ok``), so the timed work is the work whose quality was measured. That counted call is
-the warm-up; then ``--repeats`` timed calls (median, min, max). Compiled: the repeated blocks are
+(``pattern_ok``), so the timed work is the work whose quality was measured (checked in the eager
+pass; the compiled pass applies the same configurations). That counted call is the warm-up; then ``--repeats`` timed calls (median, min, max). Compiled: the repeated blocks are
 compiled once (``compile_repeated_blocks`` through ``ditbook.benchmark.compiled.compile_regions``,
 fullgraph False: diffusers' cache hooks have ``torch.compiler.disable``d parts — MagCache's whole
 hook forward, FirstBlockCache's decision — so with them the blocks may run partly outside the
@@ -139,10 +139,14 @@ def run(out: Path, *, quality_file: Path, tiny: bool = False, device: str = "cud
         if over_budget() and point["name"] != "eager":
             row.update(status="skipped", reason=f"time budget {budget_s:.0f} s spent")
         else:
-            row.update(counted_call(fp, point, steps))  # also the warm-up of this point
-            row.update(timed(fp, point, repeats, first_apart=False), status="measured")
-            _log(f"  {point['name']:52s} {row['median_s']:8.3f}s  pattern {'ok' if row['pattern_ok'] else 'DIFFERS'}"
-                 f" {row['pattern']}")
+            try:
+                row.update(counted_call(fp, point, steps))  # also the warm-up of this point
+                row.update(timed(fp, point, repeats, first_apart=False), status="measured")
+                _log(f"  {point['name']:52s} {row['median_s']:8.3f}s  pattern "
+                     f"{'ok' if row['pattern_ok'] else 'DIFFERS'} {row['pattern']}")
+            except Exception as exc:  # one point that cannot run is a row with its reason, not a lost run
+                row.update(status="failed", reason=f"{type(exc).__name__}: {str(exc)[:300]}")
+                _log(f"  {point['name']} failed: {row['reason']}")
         result["rows"].append(row)
         _dump(out / "pareto_speed.json", result)
     if compile:
@@ -226,4 +230,7 @@ def main(argv=None) -> int:
     bad = [r["name"] for r in res["rows"] if r["mode"] == "eager" and r["status"] == "measured" and not r["pattern_ok"]]
     if bad:
         print(f"patterns differ from the reference model's for {bad}: their times are not the measured work")
-    return 1 if bad else 0
+    failed = [f"{r['name']} ({r['mode']})" for r in res["rows"] if r["status"] == "failed"]
+    if failed:
+        print(f"failed: {failed}")
+    return 1 if bad or failed else 0
