@@ -158,14 +158,15 @@ def test_benchmark_video_grid_labels_worst_frame(tmp_path):
 
 
 # -- the five stages on the video reference card ----------------------------------------------
-# make-test-sized: one prompt, one seed, 4 steps, one cache strategy with one configuration and
-# one held-out try, one two-process plan, one timed repeat (the image reference's LIGHT settings
-# in tests/test_playbook.py, through the same overrides)
+# make-test-sized: one prompt, one seed, 6 steps (the fewest where the SCM grid's mask skips a
+# step), one cache strategy with one configuration and one held-out try, one two-process plan,
+# one timed call (the image reference's LIGHT settings in tests/test_playbook.py, through the
+# same overrides)
 VIDEO_LIGHT = {
     "device": "cpu",
     "generation.prompts": ["a red circle moving right"],
     "generation.seeds": [0],
-    "generation.steps": 4,
+    "generation.steps": 6,
     "inspect.trace_steps": 1,
     "cache.strategies": ["scm"],
     "cache.max_configs": 1,
@@ -205,11 +206,16 @@ def test_five_stages_on_the_video_reference(tmp_path, monkeypatch):
     intake = run.read_results("intake")
     row = intake["images"][0]
     assert row["frames"] == 9 and np.load(run.stage_dir("intake") / row["npy"]).shape == (9, 32, 32, 3)
+    stored = load_images(run.stage_dir("intake"), intake["images"])
+    wrong = {k: np.concatenate([v[:1], v[:0:-1]]) for k, v in stored.items()}  # frames 1..8 reversed
+    assert compare_sets({k: v[0] for k, v in wrong.items()}, {k: v[0] for k, v in stored.items()}).passed
+    assert not compare_sets(wrong, stored).passed, "the stored baseline holds every frame, and they are judged"
     # cache and parallel: judged frame by frame (the set says how frames were reduced)
     cache = run.read_results("cache")
-    judged = [s["quality"] for s in cache["strategies"] if s.get("quality") and s["quality"].get("n")]
-    assert judged and all("min over its frames" in q["frame_reduce"] for q in judged)
-    assert all(q["per_image"]["p0_s0"]["frames"]["count"] == 9 for q in judged)
+    judged = [s for s in cache["strategies"] if (s.get("quality") or {}).get("n")]
+    assert any(s["skipped_fraction"] > 0 for s in judged), "a configuration that skips work was judged"
+    assert all("min over its frames" in s["quality"]["frame_reduce"] for s in judged)
+    assert all(s["quality"]["per_image"]["p0_s0"]["frames"]["count"] == 9 for s in judged)
     par = run.read_results("parallel")
     plan = par["plans"][0]
     assert plan["name"] == "cfg2" and plan["passed"], plan

@@ -233,14 +233,12 @@ def image_grid(baseline: dict[str, np.ndarray], images: dict[str, dict[str, np.n
     """Configurations as rows, prompts as columns: the baseline once (first row), then per
     configuration its image and, beside it, its difference map against the baseline, all maps
     on one fixed scale (``gain``) with one colour bar. ``baseline``/``images[name]`` map a case
-    key to an image; ``prompts`` maps a case key to its prompt text (the column titles). Videos
-    are drawn by :func:`video_grid` (a row of frames per video)."""
+    key to an image; ``prompts`` maps a case key to its prompt text (the column titles); videos: :func:`video_grid`."""
     import textwrap
 
     from ..quality import psnr
-    from ..render import is_video
 
-    if any(is_video(v) for v in baseline.values()):
+    if any(np.ndim(v) == 4 for v in baseline.values()):  # videos (render.is_video)
         return video_grid(baseline, images, path, prompts, labels, gain)
 
     plt = _plt()
