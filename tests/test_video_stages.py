@@ -157,6 +157,15 @@ def test_benchmark_video_grid_labels_worst_frame(tmp_path):
     assert w > 2 * h / 3, (w, h)  # 5 rows of 9 frames: wider than a square grid of one column
 
 
+def test_explorer_shows_a_video_as_a_row_of_frames_judged_by_its_worst_frame():
+    from ditbook.widgets import ExplorerData, explorer_state
+
+    data = ExplorerData({"baseline": {"p0_s0": clip()}, "swapped": {"p0_s0": _swapped(clip())}})
+    st = explorer_state(data, "swapped", "p0_s0")
+    assert st.image.shape == (32, 9 * 33 - 1, 3) and st.diff.shape[:2] == st.image.shape[:2]
+    assert st.psnr == pytest.approx(compare(_swapped(clip()), clip()).psnr) and st.psnr < 20
+
+
 # -- the five stages on the video reference card ----------------------------------------------
 # make-test-sized: one prompt, one seed, 6 steps (the fewest where the SCM grid's mask skips a
 # step), one cache strategy with one configuration and one held-out try, one two-process plan,
