@@ -94,6 +94,7 @@ def test_to_image_keeps_every_frame_of_a_frames_output():
     video = np.random.default_rng(0).random((1, 9, 8, 12, 3)).astype(np.float32)
     assert to_image(SimpleNamespace(frames=video)).shape == (9, 8, 12, 3)
     assert np.array_equal(to_image(SimpleNamespace(frames=video)), video[0])
+    assert np.array_equal(to_image(SimpleNamespace(frames=video[0])), video[0])  # one video, unbatched
     channels_first = np.ascontiguousarray(video.transpose(0, 1, 4, 2, 3))  # (B, F, C, H, W), output_type="pt"
     assert np.array_equal(to_image(SimpleNamespace(frames=channels_first)), video[0])
     image = video[:, 0]
@@ -164,6 +165,18 @@ def test_explorer_shows_a_video_as_a_row_of_frames_judged_by_its_worst_frame():
     st = explorer_state(data, "swapped", "p0_s0")
     assert st.image.shape == (32, 9 * 33 - 1, 3) and st.diff.shape[:2] == st.image.shape[:2]
     assert st.psnr == pytest.approx(compare(_swapped(clip()), clip()).psnr) and st.psnr < 20
+
+
+def test_a_cfg_split_counts_as_verified_sharding_in_the_checklist():
+    """A CFG-parallel plan splits the branches, not the sequence: its record is ``cfg_check``
+    (degree 1, no sequence ``check``); the checklist read it as 'not recorded'."""
+    from ditbook.benchmark.verdict import _sharding_verified
+
+    rows = {"blocks": {"rows": [24, 24], "reference_rows": 48, "allowed": 24.0}}
+    cfg = {"degree": 1, "check": None, "error": None, "kinds": {}, "cfg_check": {"degree": 2, "per_list": rows}}
+    assert _sharding_verified({"details": {"sharding": cfg}}) is True
+    assert _sharding_verified({"details": {"sharding": {**cfg, "cfg_check": None}}}) is False  # split unproven
+    assert _sharding_verified({"details": {"sharding": {"degree": 1, "check": None, "error": None}}}) is None
 
 
 # -- the five stages on the video reference card ----------------------------------------------
