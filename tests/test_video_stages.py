@@ -167,6 +167,28 @@ def test_explorer_shows_a_video_as_a_row_of_frames_judged_by_its_worst_frame():
     assert st.psnr == pytest.approx(compare(_swapped(clip()), clip()).psnr) and st.psnr < 20
 
 
+def test_benchmark_and_report_of_a_video_pipeline_judge_every_frame(tmp_path):
+    """The benchmark stage's measure/save/figures and the report on a synthetic video pipeline
+    (``.frames`` output, 5 frames; no weights needed): every configuration is judged frame by
+    frame, the grid is drawn as rows of frames and the report says so."""
+    from ditbook.benchmark.report import build_report, write_result_md
+    from ditbook.benchmark.synthetic import make_synthetic_run
+    from ditbook.runs import RunFolder
+
+    run = RunFolder(make_synthetic_run(tmp_path, frames=5, repeats=1, parallel=False))
+    res = run.read_results("benchmark")
+    assert res["video"]["frames"] == 5 and res["video"]["reduce"] == FRAME_REDUCE
+    assert res["grid_videos"] == {"frames": 5}
+    rows = {r["name"]: r for r in res["configs"]}
+    assert rows["gentle"]["passed"] and not rows["rough"]["passed"]
+    assert any("of 5: PSNR" in reason for reason in rows["rough"]["reasons"]), rows["rough"]["reasons"]
+    stored = np.load(run.stage_dir("benchmark") / res["images"]["baseline"][0]["npy"])
+    assert stored.shape == (5, 8, 8, 3)
+    html = (build_report(run.path)).read_text()
+    assert "a row of 5 frames" in html and "cases are videos of 5 frames" in html
+    assert "cases are videos of 5 frames" in write_result_md(run.path).read_text()
+
+
 def test_a_cfg_split_counts_as_verified_sharding_in_the_checklist():
     """A CFG-parallel plan splits the branches, not the sequence: its record is ``cfg_check``
     (degree 1, no sequence ``check``); the checklist read it as 'not recorded'."""
