@@ -63,6 +63,11 @@ def test_a_dropped_frame_fails_with_its_reason_not_a_crash():
     assert not q.passed and q.reasons == ["video has 8 frames where the reference has 9 (a frame dropped or added)"]
     s = compare_sets({"p0_s0": ref[:-1]}, {"p0_s0": ref})
     assert not s.passed and "8 frames" in s.reasons[0]
+    nan, blank = ref.copy(), ref.copy()
+    nan[2, 5, 5] = np.nan
+    blank[6] = 0.5
+    assert compare(nan, ref).reasons == ["frame 2 of 9: holds NaN or Inf"] and compare(nan, ref).to_dict()["psnr"] is None
+    assert "frame 6 of 9: blank where the reference is not" in compare(blank, ref).reasons
 
 
 def test_one_bad_frame_fails_where_a_psnr_pooled_over_all_frames_passes():

@@ -180,8 +180,8 @@ def compare_video(video, reference, gates: Gates | None = None) -> QualityReport
               "psnr": _rounded(psnrs), "ssim": _rounded(ssims),
               "psnr_mean": _rounded([float(np.mean(psnrs))])[0], "ssim_mean": _rounded([float(np.mean(ssims))])[0]}
     return QualityReport(psnr=float(reduce(psnrs)), ssim=float(reduce(ssims)),
-                         max_abs=float(max(r.max_abs for r in per)),
-                         worst_tile_psnr=float(min(r.worst_tile_psnr for r in per)), finite=finite,
+                         max_abs=float(np.max([r.max_abs for r in per])),  # NaN when a frame is not finite
+                         worst_tile_psnr=float(np.min(tiles)), finite=finite,
                          blank=any(r.blank for r in per), passed=not reasons, reasons=reasons, frames=frames)
 
 
