@@ -50,8 +50,10 @@ def test_zoo_model_builds_loads_and_generates(name, tmp_path):
     weights = sum(f.stat().st_size for f in (tmp_path / name).rglob("*.safetensors"))
     assert 0 < weights < 20e6, "zoo models stay tiny"
     image = _generate(pipe, card)
-    assert image.ndim == 3 and image.shape[-1] == 3 and np.isfinite(image).all()
-    assert image.shape[0] == card.generation.height
+    frames = image if image.ndim == 4 else image[None]  # a video keeps every frame (F, H, W, 3)
+    assert frames.shape[0] == card.generation.extra.get("num_frames", 1)
+    assert image.shape[-1] == 3 and np.isfinite(image).all()
+    assert frames.shape[1] == card.generation.height
     assert image.std() > 0.0, "a random model still gives a non-constant image"
 
 

@@ -3,6 +3,13 @@
 PSNR is computed on float images in [0, 1] (a uint8 difference wraps around and makes garbage
 look fine). SSIM comes from scikit-image. PSNR alone misses NaNs, blank images and one bad
 tile, so every comparison checks those too.
+
+A video (frames, H, W, C) is compared frame by frame: each frame is judged like an image against
+the reference's frame of the same index, and the video's PSNR, SSIM and worst tile are its worst
+frame's (the minimum over frames; ``FRAME_REDUCE``), with every frame's PSNR and SSIM and their
+means in ``QualityReport.frames``. A video with a different number of frames fails with that
+reason; a reversed, shifted or swapped frame fails where its frame differs, which a comparison
+of the first frame alone would not see.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import numpy as np
 from .settings import Gates  # the gate type; its numbers are written in settings only
 
 PSNR_CAP = 100.0  # identical images: reported as this value rather than infinity
+FRAME_REDUCE = "min"  # a video's PSNR/SSIM/worst tile: its worst frame's (stated in every video report)
 
 
 def _as_float(img) -> np.ndarray:
@@ -76,12 +84,15 @@ class QualityReport:
     blank: bool
     passed: bool
     reasons: list[str] = field(default_factory=list)
+    frames: dict | None = None  # videos only: count, reduce, per-frame psnr/ssim, their means, worst frame
 
     def to_dict(self) -> dict:
         d = asdict(self)
         for k in ("psnr", "ssim", "max_abs", "worst_tile_psnr"):
             v = d[k]
             d[k] = None if v is None or not math.isfinite(v) else round(float(v), 5)
+        if d["frames"] is None:
+            del d["frames"]
         return d
 
 
@@ -91,9 +102,12 @@ def is_blank(image, tol: float = 1e-3) -> bool:
 
 
 def compare(image, reference, gates: Gates | None = None) -> QualityReport:
-    """Every check of an image against its reference, with the gate verdict and its reasons."""
+    """Every check of an image against its reference, with the gate verdict and its reasons; a
+    video (4-d) frame by frame (``compare_video``)."""
     gates = gates or Gates()
     a, b = _as_float(image), _as_float(reference)
+    if a.ndim == 4 or b.ndim == 4:
+        return compare_video(a, b, gates)
     finite = bool(np.isfinite(a).all())
     blank = is_blank(a) and not is_blank(b)
     p = psnr(a, b)
@@ -116,6 +130,61 @@ def compare(image, reference, gates: Gates | None = None) -> QualityReport:
                          blank=blank, passed=not reasons, reasons=reasons)
 
 
+def _rounded(xs) -> list:
+    return [None if not math.isfinite(x) else round(float(x), 5) for x in xs]
+
+
+def _frame_list(frames: list[int]) -> str:
+    return f"frame {frames[0]}" if len(frames) == 1 else f"frames {frames}"
+
+
+def compare_video(video, reference, gates: Gates | None = None) -> QualityReport:
+    """A video (frames, H, W, C) against its reference, every frame against the reference's frame
+    of the same index with :func:`compare`; the video's figures are its worst frame's
+    (``FRAME_REDUCE``), and each failing check names its frames."""
+    gates = gates or Gates()
+    a, b = _as_float(video), _as_float(reference)
+    if a.ndim != 4 or b.ndim != 4 or a.shape != b.shape:
+        what = (f"{a.shape[0]} frames where the reference has {b.shape[0]} (a frame dropped or added)"
+                if a.ndim == b.ndim == 4 and a.shape[1:] == b.shape[1:]
+                else f"shape {a.shape} differs from the reference's {b.shape}")
+        nan = float("nan")
+        return QualityReport(psnr=nan, ssim=nan, max_abs=nan, worst_tile_psnr=nan, finite=bool(np.isfinite(a).all()),
+                             blank=False, passed=False, reasons=[f"video has {what}"],
+                             frames={"count": int(a.shape[0]) if a.ndim == 4 else None,
+                                     "reference_count": int(b.shape[0]) if b.ndim == 4 else None,
+                                     "reduce": FRAME_REDUCE})
+    per = [compare(a[i], b[i], gates) for i in range(a.shape[0])]
+    finite = all(r.finite for r in per)
+    psnrs, ssims = [r.psnr for r in per], [r.ssim for r in per]
+    worst = int(np.nanargmin(psnrs)) if not all(math.isnan(x) for x in psnrs) else 0
+    reasons = []
+    tiles = [r.worst_tile_psnr for r in per]
+    checks = [("holds NaN or Inf", lambda r: not r.finite, None),
+              ("blank where the reference is not", lambda r: r.blank, None),
+              (f"PSNR is not above {gates.psnr} dB", lambda r: r.finite and not r.psnr > gates.psnr,
+               lambda i: f"{psnrs[i]:.2f} dB"),
+              (f"SSIM is not above {gates.ssim}", lambda r: r.finite and not r.ssim > gates.ssim,
+               lambda i: f"{ssims[i]:.4f}"),
+              (f"worst tile PSNR is below {gates.psnr - gates.tile_margin_db} dB (localized corruption)",
+               lambda r: r.finite and not r.worst_tile_psnr > gates.psnr - gates.tile_margin_db,
+               lambda i: f"{tiles[i]:.2f} dB")]
+    for text, failed, value in checks:
+        bad = [i for i, r in enumerate(per) if failed(r)]
+        if bad:
+            detail = "" if value is None else \
+                " (" + ", ".join(f"{i}: {value(i)}" for i in bad[:4]) + (" ..." if len(bad) > 4 else "") + ")"
+            reasons.append(f"{_frame_list(bad)} of {len(per)}: {text}{detail}")
+    reduce = np.min if FRAME_REDUCE == "min" else np.mean
+    frames = {"count": len(per), "reduce": FRAME_REDUCE, "worst_frame": worst,
+              "psnr": _rounded(psnrs), "ssim": _rounded(ssims),
+              "psnr_mean": _rounded([float(np.mean(psnrs))])[0], "ssim_mean": _rounded([float(np.mean(ssims))])[0]}
+    return QualityReport(psnr=float(reduce(psnrs)), ssim=float(reduce(ssims)),
+                         max_abs=float(np.max([r.max_abs for r in per])),  # NaN when a frame is not finite
+                         worst_tile_psnr=float(np.min(tiles)), finite=finite,
+                         blank=any(r.blank for r in per), passed=not reasons, reasons=reasons, frames=frames)
+
+
 @dataclass
 class SetQuality:
     """Many images against their references: the worst case decides."""
@@ -130,12 +199,15 @@ class SetQuality:
     passed: bool
     reasons: list[str]
     per_image: dict[str, dict]
+    frame_reduce: str | None = None  # videos: how each video's frames make its figure (its worst frame)
 
     def to_dict(self) -> dict:
         d = asdict(self)
         for k in ("psnr_mean", "psnr_min", "ssim_mean", "ssim_min", "max_abs", "worst_tile_psnr"):
             v = d[k]
             d[k] = None if v is None or not math.isfinite(v) else round(float(v), 5)
+        if d["frame_reduce"] is None:
+            del d["frame_reduce"]
         return d
 
 
@@ -158,4 +230,7 @@ def compare_sets(images: dict, references: dict, gates: Gates | None = None) -> 
         max_abs=agg(np.max, "max_abs"), worst_tile_psnr=agg(np.min, "worst_tile_psnr"),
         passed=bool(vals) and not reasons, reasons=reasons,
         per_image={k: r.to_dict() for k, r in reports.items()},
+        frame_reduce=(f"each video's PSNR/SSIM/worst tile: the {FRAME_REDUCE} over its frames; "
+                      "*_min: the worst video, *_mean: the mean over videos"
+                      if any(r.frames is not None for r in vals) else None),
     )

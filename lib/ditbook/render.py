@@ -1,8 +1,10 @@
 """Rendering images from a pipeline with a card's generation settings, reproducibly.
 
 Every stage renders through here, so baseline, cached and parallel images come from the same
-call with the same seeds. Images are float32 arrays in [0, 1], shape (H, W, 3); a video is
-tiled into one image with its frames side by side.
+call with the same seeds. Images are float32 arrays in [0, 1], shape (H, W, 3); a video (a
+pipeline output with ``.frames``, or any 5-d output) keeps every frame: (F, H, W, 3). Its ``.npy``
+holds all frames, its PNG one row of frames side by side (``frame_strip``); ``quality.compare``
+judges it frame by frame.
 """
 
 from __future__ import annotations
@@ -27,8 +29,29 @@ class Render:
     key: str = ""
 
     def to_dict(self) -> dict:
-        return {"prompt": self.prompt, "seed": self.seed, "seconds": round(self.seconds, 4), "key": self.key,
-                "shape": list(self.image.shape)}
+        d = {"prompt": self.prompt, "seed": self.seed, "seconds": round(self.seconds, 4), "key": self.key,
+             "shape": list(self.image.shape)}
+        if is_video(self.image):
+            d["frames"] = int(self.image.shape[0])
+        return d
+
+
+def is_video(arr) -> bool:
+    """A rendered video is (frames, H, W, C); an image is (H, W, C)."""
+    return np.ndim(arr) == 4
+
+
+def frame_strip(arr, gap: int = 1, fill: float = 1.0) -> np.ndarray:
+    """A video's frames side by side in one (H, F*(W+gap)-gap, C) picture, ``gap`` columns of
+    ``fill`` between frames; an image is returned as it is."""
+    arr = np.asarray(arr)
+    if not is_video(arr):
+        return arr
+    f, h, w = arr.shape[:3]
+    out = np.full((h, f * (w + gap) - gap) + arr.shape[3:], fill, dtype=arr.dtype)
+    for i in range(f):
+        out[:, i * (w + gap): i * (w + gap) + w] = arr[i]
+    return out
 
 
 def render_key(prompt_index: int, seed: int) -> str:
@@ -55,7 +78,8 @@ def call_kwargs(pipe, card: ModelCard, **overrides: Any) -> dict:
 
 
 def to_image(output) -> np.ndarray:
-    """Turn a pipeline output (images or frames) into one float32 (H, W, 3) array in [0, 1]."""
+    """Turn a pipeline output into float32 in [0, 1]: an image (H, W, 3), or, for a video (an
+    output with ``.frames``, or a 5-d batch), every frame of the first video (F, H, W, 3)."""
     arr = getattr(output, "images", None)
     if arr is None:
         arr = getattr(output, "frames", None)
@@ -64,12 +88,17 @@ def to_image(output) -> np.ndarray:
     if hasattr(arr, "detach"):
         arr = arr.detach().float().cpu().numpy()
     arr = np.asarray(arr, dtype=np.float32)
-    if arr.ndim == 5:  # (batch, frames, H, W, C) video
-        arr = np.concatenate(list(arr[0]), axis=1)
-    elif arr.ndim == 4:
-        arr = arr[0]
-    if arr.ndim == 3 and arr.shape[0] in (1, 3) and arr.shape[-1] not in (1, 3):
-        arr = np.transpose(arr, (1, 2, 0))
+    video = arr.ndim == 5 or (arr.ndim == 4 and getattr(output, "images", None) is None
+                              and getattr(output, "frames", None) is not None)
+    if video:
+        arr = arr[0] if arr.ndim == 5 else arr  # (batch, frames, H, W, C) -> the first video
+        if arr.shape[1] in (1, 3) and arr.shape[-1] not in (1, 3):  # (F, C, H, W)
+            arr = np.transpose(arr, (0, 2, 3, 1))
+    else:
+        if arr.ndim == 4:
+            arr = arr[0]
+        if arr.ndim == 3 and arr.shape[0] in (1, 3) and arr.shape[-1] not in (1, 3):
+            arr = np.transpose(arr, (1, 2, 0))
     if arr.shape[-1] == 1:
         arr = np.repeat(arr, 3, axis=-1)
     return arr
@@ -124,8 +153,9 @@ def save_renders(renders: list[Render], folder: Path, prefix: str = "") -> list[
     rows = []
     for r in renders:
         stem = f"{prefix}{r.key}"
-        np.save(folder / f"{stem}.npy", r.image.astype(np.float32))
-        Image.fromarray((np.clip(r.image, 0, 1) * 255).round().astype(np.uint8)).save(folder / f"{stem}.png")
+        np.save(folder / f"{stem}.npy", r.image.astype(np.float32))  # a video: every frame
+        picture = frame_strip(np.clip(r.image, 0, 1))  # a video: its frames in one row
+        Image.fromarray((picture * 255).round().astype(np.uint8)).save(folder / f"{stem}.png")
         rel = folder.name
         rows.append({**r.to_dict(), "png": f"{rel}/{stem}.png", "npy": f"{rel}/{stem}.npy"})
     return rows

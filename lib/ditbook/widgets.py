@@ -60,14 +60,22 @@ class ExplorerState:
 def explorer_state(data: ExplorerData, config: str, key: str, accelerated: bool = True,
                    gain: float = 4.0) -> ExplorerState:
     """What the explorer shows for a (configuration, prompt) pick and the baseline/accelerated toggle."""
-    from .quality import psnr, ssim
+    from .quality import compare, psnr, ssim
+    from .render import frame_strip, is_video
 
     if config not in data.images or config == "baseline":
         raise KeyError(f"no configuration {config!r}; choose one of {data.configs}")
     if key not in data.images["baseline"] or key not in data.images[config]:
         raise KeyError(f"no image {key!r} for {config!r}; keys: {data.keys}")
     base, acc = data.images["baseline"][key], data.images[config][key]
-    p, s = psnr(acc, base), ssim(acc, base)
+    if is_video(base) or is_video(acc):  # frame by frame, the worst frame's figures; shown as a row of frames
+        q = compare(acc, base)
+        p, s = q.psnr, q.ssim
+        base, acc = frame_strip(base), frame_strip(acc)
+        if base.shape != acc.shape:
+            acc = np.zeros_like(base) * np.nan  # a dropped frame: nothing to set side by side
+    else:
+        p, s = psnr(acc, base), ssim(acc, base)
     showing = "accelerated" if accelerated else "baseline"
     prompt = data.prompts.get(key, "")
     caption = (f"{config if accelerated else 'baseline'} | {key}{' — ' + prompt if prompt else ''} | "

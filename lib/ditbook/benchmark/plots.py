@@ -233,10 +233,13 @@ def image_grid(baseline: dict[str, np.ndarray], images: dict[str, dict[str, np.n
     """Configurations as rows, prompts as columns: the baseline once (first row), then per
     configuration its image and, beside it, its difference map against the baseline, all maps
     on one fixed scale (``gain``) with one colour bar. ``baseline``/``images[name]`` map a case
-    key to an image; ``prompts`` maps a case key to its prompt text (the column titles)."""
+    key to an image; ``prompts`` maps a case key to its prompt text (the column titles); videos: :func:`video_grid`."""
     import textwrap
 
     from ..quality import psnr
+
+    if any(np.ndim(v) == 4 for v in baseline.values()):  # videos (render.is_video)
+        return video_grid(baseline, images, path, prompts, labels, gain)
 
     plt = _plt()
     keys = list(baseline)
@@ -286,6 +289,42 @@ def image_grid(baseline: dict[str, np.ndarray], images: dict[str, dict[str, np.n
     return _save(fig, path, tight=False)
 
 
+def video_grid(baseline: dict[str, np.ndarray], images: dict[str, dict[str, np.ndarray]], path: str | Path,
+               prompts: dict[str, str] | None = None, labels: dict[str, str] | None = None,
+               gain: float = DIFF_GAIN) -> Path:
+    """The image grid for videos: per case the baseline's frames in a row, then per configuration
+    its frames and, below them, their difference maps against the baseline (one fixed scale,
+    ``gain``), each row labelled with the video's worst-frame PSNR and SSIM
+    (``quality.compare``, frame by frame)."""
+    import textwrap
+
+    from ..quality import compare
+    from ..render_sheet import diff_frames, video_sheet
+
+    rows: list[tuple[str, np.ndarray]] = []
+    for key, base in baseline.items():
+        text = (prompts or {}).get(key, "")
+        rows.append(("\n".join(textwrap.wrap(f"{key} baseline: {text}", 34)[:2]), base))
+        for name, by_key in images.items():
+            img = by_key.get(key)
+            if img is None:
+                continue
+            q = compare(img, base)
+            short = (labels or {}).get(name)
+            head = "\n".join(textwrap.wrap(f"{short}: {name}" if short else name, 34)[:2])
+            fig_q = (f"worst frame {q.frames['worst_frame']}: {q.psnr:.1f} dB, SSIM {q.ssim:.3f}"
+                     if q.frames and q.frames.get("worst_frame") is not None else "; ".join(q.reasons)[:60])
+            rows.append((f"{head}\n{fig_q}", img))
+            if np.shape(img) == np.shape(base):
+                rows.append((f"|Δ| ×{gain:g} (full scale {1 / gain:g})", diff_frames(img, base, gain)))
+    fig = video_sheet(rows, "videos: a row of frames each (frame numbers on top); under each configuration its "
+                            "difference map", path)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return Path(path)
+
+
 def _save(fig, path, tight: bool = True) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -300,4 +339,4 @@ def _save(fig, path, tight: bool = True) -> Path:
 
 
 __all__ = ["pareto_frontier", "diff_map", "short_labels", "plot_tradeoff", "plot_residuals", "plot_scaling",
-           "contact_sheet", "image_grid", "row_id", "DIFF_GAIN"]
+           "contact_sheet", "image_grid", "video_grid", "row_id", "DIFF_GAIN"]

@@ -98,6 +98,8 @@ def timing_lines(res: dict) -> list[str]:
     t = base.get("timing") or {}
     lines = [f"device {res.get('device')}, warm-up {res.get('warmup')}, repeats {res.get('repeats')}, "
              f"cases {len(res.get('cases') or [])}"]
+    if res.get("video"):
+        lines.append(f"cases are videos of {res['video'].get('frames')} frames: {res['video'].get('meaning')}")
     if t:
         lines.append(f"baseline end to end: {_ms(t.get('end_to_end'))}")
         for part, stat in (t.get("parts") or {}).items():
@@ -351,10 +353,18 @@ def report_html(run_dir: str | Path) -> str:
         if grid is not None and grid.is_file():
             uri = _data_uri(grid)
             known[uri.split(",", 1)[1]] = ("grid", "image grid")
-            parts.append(f'<figure><img id="grid-img" alt="baseline once, then each configuration and its difference '
-                         f'map per prompt" src="{uri}"><figcaption>Rows: the baseline, then each configuration (key, '
-                         "name) with its difference map beside each image, all maps on one scale (colour bar). "
-                         "Columns: one case per prompt.</figcaption></figure>")
+            if res.get("grid_videos"):
+                n = res["grid_videos"].get("frames")
+                parts.append(f'<figure><img id="grid-img" alt="per case, the baseline video and each configuration as '
+                             f'a row of {n} frames, with its difference map below" src="{uri}"><figcaption>Videos: a row '
+                             f"of frames each ({n} frames, frame numbers on top). Per case (one per prompt) the baseline, "
+                             "then each configuration (key, name, worst-frame PSNR and SSIM) with its difference maps "
+                             "below, all on one scale.</figcaption></figure>")
+            else:
+                parts.append(f'<figure><img id="grid-img" alt="baseline once, then each configuration and its difference '
+                             f'map per prompt" src="{uri}"><figcaption>Rows: the baseline, then each configuration (key, '
+                             "name) with its difference map beside each image, all maps on one scale (colour bar). "
+                             "Columns: one case per prompt.</figcaption></figure>")
         else:
             parts.append("<p>No image grid (no stored images).</p>")
         parts.append('<h2 id="summary">Summary table</h2>' +

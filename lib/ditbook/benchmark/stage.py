@@ -12,9 +12,12 @@
   baseline rendered twice);
 - ``intake_agreement``: the baseline rendered here against the intake stage's stored images;
 - ``recorded``: ``{"cache": rows, "parallel": rows}`` — figures of the earlier stages;
+- ``video``: for video cases ``{frames, reduce, meaning}`` (every frame compared, a video's figures
+  are its worst frame's), else null;
 - ``inputs``: which earlier results existed; ``residual_changes``: ``{name: [per step]}``;
 - ``images``: ``{config: [{key, png, npy}]}``; ``plots``: ``{name: path}`` (``tradeoff_psnr``: the
-  speed-vs-quality plot); ``grid``: the image grid; ``labels``: the plot's short key per
+  speed-vs-quality plot); ``grid``: the image grid (``grid_videos``: ``{frames}`` when the cases
+  are videos, drawn as a row of frames each, else null); ``labels``: the plot's short key per
   configuration; ``sheets``: ``[]`` (no longer drawn); every path relative to ``benchmark/``;
 - ``summary`` (rows of :func:`~ditbook.benchmark.summary.summary_rows`), ``recommendation`` (the
   fastest row passing its gates, kept for reference) and ``verdict``
@@ -120,6 +123,7 @@ def save(ctx, report: BenchmarkReport, inputs: StageInputs,
         images[res.name] = [{"key": r["key"], "png": f"images/{r['png']}", "npy": f"images/{r['npy']}"} for r in rows]
     results = report.to_dict()
     results["cases"] = sorted(report.baseline.images)
+    results["video"] = video_note(report.baseline.images)
     results["inputs"] = inputs.to_dict()
     intake = inputs.get("intake")
     if intake and intake.get("images"):
@@ -146,11 +150,25 @@ def save(ctx, report: BenchmarkReport, inputs: StageInputs,
     return results
 
 
+def video_note(images: dict) -> dict | None:
+    """For video cases: their frame count and how a video's frames make its PSNR/SSIM (every
+    frame compared, the worst one counts: ``quality.FRAME_REDUCE``); None for images."""
+    from ..quality import FRAME_REDUCE
+    from ..render import is_video
+
+    frames = sorted({int(v.shape[0]) for v in images.values() if is_video(v)})
+    if not frames:
+        return None
+    return {"frames": frames[-1] if len(frames) == 1 else frames, "reduce": FRAME_REDUCE,
+            "meaning": f"every frame compared; a video's PSNR, SSIM and worst tile are the {FRAME_REDUCE} over its frames"}
+
+
 def make_figures(run, results: dict | None = None) -> dict:
     """The speed-vs-quality plot and the image grid (plus residual and scaling plots) from
     ``benchmark/results.json`` and the stored images; updates ``plots``, ``grid``, ``labels`` and
     ``sheets`` (no longer drawn: ``[]``) in the results. Rebuildable at any time
     (``ditbook report``)."""
+    from ..render import is_video
     from .plots import image_grid, plot_residuals, plot_scaling, plot_tradeoff, short_labels
     from .verdict import verdict
 
@@ -193,6 +211,8 @@ def make_figures(run, results: dict | None = None) -> dict:
     grid = image_grid(baseline, grid_images, d / "plots" / "grid.png", prompts, labels) if baseline else None
     results["plots"] = {k: str(Path(p).relative_to(d)) for k, p in plots.items()}
     results["grid"] = str(Path(grid).relative_to(d)) if grid else None
+    frames = {int(v.shape[0]) for v in baseline.values() if is_video(v)}
+    results["grid_videos"] = {"frames": max(frames)} if frames else None  # the grid shows rows of frames
     results["labels"] = labels
     results["sheets"] = []
     run.write_results(STAGE, results)

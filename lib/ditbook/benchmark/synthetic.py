@@ -55,15 +55,18 @@ class FakeVAE:
 
 
 class FakePipeline:
-    """``noise`` perturbs each step (a stand-in for an approximate acceleration)."""
+    """``noise`` perturbs each step (a stand-in for an approximate acceleration); with ``frames``
+    it is a video pipeline: its output's ``.frames`` hold that many frames, each decoded from the
+    latents moved a little further."""
 
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, frames: int = 0):
         torch = _torch()
         torch.manual_seed(seed)
         self.transformer = FakeTransformer()
         self.vae = FakeVAE()
         self.noise = 0.0
         self.device = "cpu"
+        self.frames = frames
 
     def encode_prompt(self, prompt: str):
         torch = _torch()
@@ -78,6 +81,9 @@ class FakePipeline:
             x = x - 0.2 * self.transformer(x, timestep=None)
             if self.noise:
                 x = x + self.noise * torch.randn(x.shape, generator=generator)
+        if self.frames:  # (batch, frames, H, W, 3), as video pipelines return with output_type="np"
+            video = torch.stack([self.vae.decode(x + 0.3 * f) for f in range(self.frames)], dim=1)
+            return SimpleNamespace(frames=video.detach().numpy())
         img = self.vae.decode(x)
         return SimpleNamespace(images=img.detach().numpy())
 
@@ -143,12 +149,12 @@ def executed_notebook(path: Path, title: str, image: np.ndarray, error: str | No
 
 
 def make_synthetic_run(root: str | Path, *, failed_stage: str | None = None, benchmark: bool = True,
-                       repeats: int = 2, parallel: bool = True) -> Path:
-    """Write a run folder under ``root`` and return its path."""
+                       repeats: int = 2, parallel: bool = True, frames: int = 0) -> Path:
+    """Write a run folder under ``root`` and return its path (``frames``: of a video pipeline)."""
     # long: one run folder written stage by stage, as the real stages would, so a reader can follow it
     from ..card import load_card
     from ..intake.environment import environment
-    from ..render import render_all, save_renders
+    from ..render import frame_strip, render_all, save_renders
     from ..runs import RunFolder
     from .inputs import read_inputs
     from .stage import make_figures, measure, save
@@ -171,7 +177,7 @@ def make_synthetic_run(root: str | Path, *, failed_stage: str | None = None, ben
                     "card_path": str(card_path), "card": card.to_dict(), "card_hash": card.content_hash(),
                     "overrides": {"generation.steps": 3}, "environment": environment(),
                     "status": "failed" if failed_stage else "finished", "stages": stages})
-    pipe = FakePipeline()
+    pipe = FakePipeline(frames=frames)
     renders = render_all(pipe, card)
     run.write_results("intake", {"images": save_renders(renders, run.stage_dir("intake") / "images"),
                                  "placement": {"device": "cpu", "dtype": "float32"}})
@@ -193,9 +199,9 @@ def make_synthetic_run(root: str | Path, *, failed_stage: str | None = None, ben
             {"name": "ulysses", "nproc": 4, "seconds": 0.8, "psnr_min": 47.0, "ssim_min": 0.999, "passed": True},
             {"name": "ulysses+dbcache", "nproc": 2, "seconds": 0.9, "psnr_min": 32.0, "ssim_min": 0.93,
              "passed": True, "cache": "recorded-dbcache"}]})
-    executed_notebook(run_path / "01_intake.ipynb", "01 Intake", renders[0].image)
+    executed_notebook(run_path / "01_intake.ipynb", "01 Intake", frame_strip(renders[0].image))
     if failed_stage:
-        executed_notebook(run_path / f"03_{failed_stage}.ipynb", f"03 {failed_stage}", renders[0].image,
+        executed_notebook(run_path / f"03_{failed_stage}.ipynb", f"03 {failed_stage}", frame_strip(renders[0].image),
                           error="adapter returned the wrong stream")
     if benchmark:
         ctx = SimpleNamespace(card=card, run=run)
@@ -209,7 +215,7 @@ def make_synthetic_run(root: str | Path, *, failed_stage: str | None = None, ben
         meta = run.read_meta()
         meta["stages"] = stages
         run.write_meta(meta)
-        executed_notebook(run_path / "05_benchmark.ipynb", "05 Benchmark", renders[-1].image)
+        executed_notebook(run_path / "05_benchmark.ipynb", "05 Benchmark", frame_strip(renders[-1].image))
     return run_path
 
 

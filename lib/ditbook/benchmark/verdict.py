@@ -67,6 +67,8 @@ def verdict(benchmark: dict | None, cache: dict | None) -> dict:
                skipped_fraction=detail.get("skipped_fraction"))
     if hq:
         out["holdout"] = {"psnr_min": hq.get("psnr_min"), "ssim_min": hq.get("ssim_min"), "n": hq.get("n")}
+        if hq.get("frame_reduce"):  # videos: each one's figures are its worst frame's
+            out["holdout"]["frame_reduce"] = hq["frame_reduce"]
         p, s = hq.get("psnr_min"), hq.get("ssim_min")
         out["passes_gates"] = bool(p is not None and s is not None and p > gates.psnr and s > gates.ssim)
     rows = {r.get("name"): r for r in ((benchmark or {}).get("summary") or [])}
@@ -126,12 +128,17 @@ def compiled_twin(benchmark: dict | None, cache: dict | None, name: str, speedup
     return out
 
 
+def _cases(h: dict) -> str:
+    """What the held-out figures were taken over: images, or videos judged by their worst frame."""
+    return "videos (worst frame of each)" if h.get("frame_reduce") else "images"
+
+
 def headline(v: dict) -> str:
     """One sentence: what to ship, how much faster, at what held-out quality against the gates."""
     g = v["gates"]
     h = v.get("holdout") or {}
     q = (f"held-out worst PSNR {_f(h.get('psnr_min'))} dB (gate > {g['psnr']:g}), "
-         f"SSIM {_f(h.get('ssim_min'), 4)} (gate > {g['ssim']:g})" + (f" on {h['n']} images" if h.get("n") else "")
+         f"SSIM {_f(h.get('ssim_min'), 4)} (gate > {g['ssim']:g})" + (f" on {h['n']} {_cases(h)}" if h.get("n") else "")
          if h else "no held-out quality recorded")
     sp = f"{v['speedup']:.2f}× end to end" if v.get("speedup") is not None else "speed-up not measured"
     c = v.get("compile") or {}
@@ -157,8 +164,9 @@ def _gate_item(meta: dict, intake: dict | None) -> dict:
         return _item("gate check", False, str(st.get("error") or "intake failed"))
     if st.get("status") != "passed":
         return _item("gate check", None, NOT_RECORDED)
-    n = len((intake or {}).get("images") or [])
-    return _item("gate check", True, f"card complete; intake loaded the model offline and rendered {n} baseline images")
+    rows = (intake or {}).get("images") or []
+    what = "videos" if any(isinstance(r, dict) and r.get("frames") for r in rows) else "images"
+    return _item("gate check", True, f"card complete; intake loaded the model offline and rendered {len(rows)} baseline {what}")
 
 
 def _plan_item(meta: dict, inspect: dict | None) -> dict:
@@ -192,9 +200,9 @@ def _sharding_verified(plan: dict) -> bool | None:
     if isinstance(s, bool):
         return s
     if isinstance(s, dict) and ("error" in s or "check" in s):  # parallel.sharding's record
-        if s.get("error"):
+        if s.get("error") or ("cfg_check" in s and not s["cfg_check"]):  # CFG split unproven (launch.cfg_split_failure)
             return False
-        return True if s.get("check") else None
+        return True if s.get("check") or s.get("cfg_check") else None  # the sequence split, or the CFG branches
     if isinstance(s, dict):
         for key in ("verified", "passed", "ok"):
             if isinstance(s.get(key), bool):
@@ -259,7 +267,7 @@ def _holdout_item(v: dict, cache: dict | None) -> dict:
         return _item("held-out confirmation", None, NOT_RECORDED)
     return _item("held-out confirmation", bool(v.get("passes_gates")),
                  f"{v['short']}: worst PSNR {_f(h.get('psnr_min'))} dB (> {g['psnr']:g}), "
-                 f"SSIM {_f(h.get('ssim_min'), 4)} (> {g['ssim']:g})" + (f", {h['n']} images" if h.get("n") else ""))
+                 f"SSIM {_f(h.get('ssim_min'), 4)} (> {g['ssim']:g})" + (f", {h['n']} {_cases(h)}" if h.get("n") else ""))
 
 
 def checklist(meta: dict, results: dict[str, dict | None], v: dict | None = None) -> list[dict]:

@@ -65,12 +65,20 @@ def tradeoff_plot(strategy_rows: list[dict], gates, frontier: list[dict] | None 
 
 
 def image_grid(baseline: dict, cached: dict, title: str = "", path=None, max_images: int = 4):
-    """Rows: baseline, cached, |difference| x 10."""
+    """Rows: baseline, cached, |difference| x 10; videos: those three rows of frames per case."""
     import matplotlib.pyplot as plt
+
+    from ..render import is_video
 
     keys = sorted(k for k in baseline if k in cached)[:max_images]
     if not keys:
         return None
+    if any(is_video(baseline[k]) for k in keys):
+        from ..render_sheet import diff_frames, video_sheet
+
+        rows = [row for k in keys for row in ((f"{k} baseline", baseline[k]), (f"{k} cached", cached[k]),
+                                               (f"{k} |diff| x10", diff_frames(cached[k], baseline[k])))]
+        return video_sheet(rows, title, path)
     fig, axes = plt.subplots(3, len(keys), figsize=(2.2 * len(keys), 6.4), squeeze=False)
     for j, k in enumerate(keys):
         diff = np.clip(np.abs(cached[k].astype(np.float64) - baseline[k]) * 10, 0, 1)

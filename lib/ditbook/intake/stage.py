@@ -11,7 +11,7 @@ from ..display import Table, image_grid, save_figure
 from ..quality import is_blank
 from .environment import environment_rows
 from .reference import reference_facts, write_reference
-from ..render import render_all, save_renders
+from ..render import is_video, render_all, save_renders
 from ..context import StageContext
 
 
@@ -73,6 +73,16 @@ def check_baseline(renders) -> None:
                             + "\n  ".join(problems))
 
 
+def baseline_sheet(renders):
+    """The baseline's figure: images in a grid; videos (``render.is_video``) as a row of frames each."""
+    labels = [f"{r.key}: {r.prompt[:40]}" for r in renders]
+    if any(is_video(r.image) for r in renders):
+        from ..render_sheet import video_sheet
+
+        return video_sheet(list(zip(labels, [r.image for r in renders])), "baseline: a row of frames per video")
+    return image_grid([r.image for r in renders], labels)
+
+
 def run_intake(ctx: StageContext, progress=None) -> tuple[IntakeResult, object]:
     """Load the model and render the baseline; writes ``intake/results.json``. Returns the
     result and the loaded pipeline."""
@@ -84,7 +94,7 @@ def run_intake(ctx: StageContext, progress=None) -> tuple[IntakeResult, object]:
     render_seconds = time.perf_counter() - start
     check_baseline(renders)  # before anything is written: no results.json for later stages to trust
     rows = save_renders(renders, ctx.dir / "images")
-    fig = image_grid([r.image for r in renders], [f"{r.key}: {r.prompt[:40]}" for r in renders])
+    fig = baseline_sheet(renders)
     grid = save_figure(fig, ctx.dir / "baseline_grid.png")
     result = IntakeResult(
         images=rows, load_seconds=round(load_seconds, 3), render_seconds=round(render_seconds, 3),
