@@ -222,6 +222,8 @@ class ForwardTrace:
     image_root: str | None = None  # which of them is the image (perturbed to find the lists that see it)
     consumers: dict[int, list[str]] = field(default_factory=dict)  # id(root input) -> modules that took it
     output_shape: list[int] | None = None  # of the transformer's main output
+    # the main output itself, before any planner patched the model (the simulated ranks' reference)
+    output: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     def first_call(self, name: str) -> int | None:
         return next((c.order for c in self.calls if c.name == name), None)
@@ -352,7 +354,8 @@ def trace_forward(transformer, args, kwargs) -> ForwardTrace:
                         {k: _shapes(v) for k, v in root_named.items()},
                         {k: [id(t) for t in _tensors(v)] for k, v in root_named.items()}, image_root,
                         {i: names for i, names in rec.consumers.items()},
-                        list(output.shape) if output is not None else None)
+                        list(output.shape) if output is not None else None,
+                        output.detach() if output is not None else None)
 
 
 def _main_output(out) -> torch.Tensor | None:
