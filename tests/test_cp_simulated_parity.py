@@ -81,18 +81,35 @@ def _inputs(seed=0):
                 timestep=torch.tensor([0.5]))
 
 
-def test_whole_keys_concatenated_with_split_keys_are_refused_before_launch(monkeypatch):
+def test_whole_keys_joined_to_split_keys_are_refused_and_the_text_split_instead(monkeypatch):
+    # the derived plan keeps the text whole (cross attention); the attention joins the text's keys
+    # to the image's inside a CP attention, so gathered from the ranks the text counts twice
     torch.manual_seed(0)
     m, kw = ConcatKeysDiT().eval(), _inputs()
-    with pytest.raises(ParityError, match=r"attention 'blocks.0.attention': it runs as CP attention, and 8 of the "
-                                          r"16 keys .* same values on every rank .* count 2 times"):
-        resolve_cp_plan(m, capture=lambda: ((), kw), degree=2, check=verify_before_launch)
+    cp = resolve_cp_plan(m, capture=lambda: ((), kw), degree=2, check=verify_before_launch)
+    assert cp.notes[0].startswith("derived plan splitting where the streams are made not used: ParityError"), cp.notes
+    assert ("attention 'blocks.0.attention': it runs as CP attention, and 8 of the 16 keys each rank gives it hold "
+            "the same values on every rank") in cp.notes[0] and "count 2 times" in cp.notes[0], cp.notes[0]
+    # the plan that splits the text with the image passes: each rank holds a slice of the text
+    assert any(n.startswith("split text tokens (cross attention whose keys join") for n in cp.notes), cp.notes
+    assert cp.plan["txt_in"][0].split_dim == 1 and cp.plan["txt_in"][0].split_output
     r = coverage_cp(m, (), kw, timeout=60)
-    assert r["outcome"] == "refused" and "ParityError" in r["reason"], r
-    # before: the checks before launch passed and the 2-process run gave a different output
+    assert r["outcome"] == "correct" and r["source"] == "derived", r
+    # before: the text-whole plan passed the checks before launch and the 2-process run differed
     monkeypatch.setattr(cp_dryrun, "check_parity", lambda *a, **k: None)
     old = coverage_cp(m, (), kw, timeout=60)
     assert old["outcome"] == "wrong" and "output differs from one process" in old["reason"], old
+
+
+def test_whole_keys_that_cannot_be_split_are_refused_before_launch():
+    # 7 text tokens do not divide into 2: the text-split plans cannot be made, and the text-whole
+    # plan is refused with the simulation's reason (before: launched, `wrong`)
+    torch.manual_seed(0)
+    m, kw = ConcatKeysDiT().eval(), _inputs()
+    kw["encoder_hidden_states"] = kw["encoder_hidden_states"][:, :7]
+    with pytest.raises(ParityError, match=r"count 2 times.*the plan splitting the text with the image: "
+                                          r"PlanDerivationError: 7 text tokens do not divide"):
+        resolve_cp_plan(m, capture=lambda: ((), kw), degree=2, check=verify_before_launch)
 
 
 # --- 2. a split input that an attention its processor runs locally takes as keys (WanVACE) ------

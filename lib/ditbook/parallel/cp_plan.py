@@ -580,6 +580,9 @@ class _Draft:
     st: Streams
     at_input: bool
     plan: dict[str, Any] = field(default_factory=dict)
+    # cross attention with the text split too (tried when the text kept whole fails the checks:
+    # an attention that joins the text's keys to the image's inside a CP attention needs it)
+    split_text: bool = False
     notes: list[str] = field(default_factory=list)
     covered: set[int] = field(default_factory=set)  # ids of block inputs already split at their producer
 
@@ -651,6 +654,9 @@ def _split_token_streams(d: _Draft) -> None:
     if st.text:
         if st.joint:
             _split_stream(d, st.text, 1, "text tokens (joint attention: each rank holds a matching slice)")
+        elif d.split_text:
+            _split_stream(d, st.text, 1, "text tokens (cross attention whose keys join the text to the image "
+                                         "tokens: each rank holds a slice, the CP attention gathers them all)")
         else:
             d.notes.append("text kept whole: cross attention reads the full text on every rank")
 
@@ -661,7 +667,7 @@ def _split_mask(d: _Draft, lname: str, param: str, shapes: list[list[int]]) -> N
     s_img, s_txt = st.s_img, st.s_txt
     s = shapes[0]
     if len(s) == 2 and s_txt and s[1] == s_txt and s_txt != s_img:
-        if st.joint:
+        if st.joint or d.split_text:
             d.plan.setdefault(f"{lname}.*", {})[param] = ContextParallelInput(split_dim=1, expected_dims=2)
             d.notes.append(f"text mask '{param}' {s} split with the text at every block of '{lname}'")
         else:
@@ -800,16 +806,19 @@ def _plan_facts(d: _Draft, site: ModuleCall) -> dict:
 
 
 def derive_cp_plan(transformer, args, kwargs, attention_kind: str | None = None, degree: int | None = None,
-                   trace: ForwardTrace | None = None, at_input: bool = False) -> CPPlan:
+                   trace: ForwardTrace | None = None, at_input: bool = False, split_text: bool = False) -> CPPlan:
     """A CP plan for a transformer nobody has planned, from one traced forward call (steps 1-4
     of the module docstring); checked by ``check_plan_sites`` (step 5) before it is returned.
     ``at_input``: split the token streams at the transformer's own inputs where they are
     ``[B, S, C]`` inputs (so that a token count the forward reads from them is the shard's), else
-    where they are made (the module that returns them, or the first block)."""
+    where they are made (the module that returns them, or the first block). ``split_text``: under
+    cross attention, split the text with the image instead of keeping it whole."""
     tr = trace if trace is not None else trace_forward(transformer, args, kwargs)
     st = find_streams(tr, attention_kind)
-    d = _Draft(tr, st, at_input, notes=_stream_notes(st))
+    d = _Draft(tr, st, at_input, notes=_stream_notes(st), split_text=split_text and not st.joint and bool(st.text))
     _check_shards_divide(st, degree)
+    if d.split_text and degree and st.s_txt % degree:
+        raise PlanDerivationError(f"{st.s_txt} text tokens do not divide into {degree} equal shards")
     _split_token_streams(d)
     _split_block_inputs(d)
     site, where = _gather_site(tr, st)
@@ -879,30 +888,40 @@ def _checked_registered(reg: CPPlan, transformer, args, kwargs, tr: ForwardTrace
 def _derive_checked(transformer, args, kwargs, tr: ForwardTrace, st: Streams, attention_kind, degree: int,
                     check, notes: list[str]) -> CPPlan:
     """The derived plan splitting where the streams are made, else the one splitting at the
-    transformer's inputs: the first that passes ``check``; else ``PlanCheckError`` naming why."""
-    failures: list[tuple[PlanCheckError, dict]] = []
-    for at_input in (False, True):
+    transformer's inputs; under cross attention then the same two with the text split too (an
+    attention that joins the text's keys to the image's needs every rank to hold a slice of the
+    text): the first that passes ``check``; else ``PlanCheckError`` naming why."""
+    variants = [(False, False, ""), (True, False, "the plan splitting at the transformer's inputs")]
+    if check is not None and st.text and not st.joint:
+        variants += [(False, True, "the plan splitting the text with the image"),
+                     (True, True, "the plan splitting the text with the image at the transformer's inputs")]
+    failures: list[tuple[str, PlanCheckError, dict]] = []
+    for at_input, split_text, label in variants:
         try:
-            cp = derive_cp_plan(transformer, args, kwargs, attention_kind, degree, trace=tr, at_input=at_input)
+            cp = derive_cp_plan(transformer, args, kwargs, attention_kind, degree, trace=tr, at_input=at_input,
+                                split_text=split_text)
         except PlanDerivationError as exc:
+            if split_text:  # a variant tried after the others failed: its reason joins theirs
+                failures.append((label, exc, {}))
+                continue
             if notes:
                 raise type(exc)(f"{exc}; and {notes[0]}") from exc
             raise
-        if failures and plan_to_jsonable(cp.plan) == failures[-1][1]:
-            break  # the same plan again: no stream is made from an input of the transformer
+        if any(plan_to_jsonable(cp.plan) == j for _, _, j in failures):
+            continue  # the same plan again (no stream is made from an input of the transformer)
         try:
             if check is not None:
                 cp.facts["prelaunch"] = check(transformer, args, kwargs, cp.plan, tr, st, degree)
         except PlanCheckError as exc:
             if exc.final:
                 raise
-            failures.append((exc, plan_to_jsonable(cp.plan)))
+            failures.append((label, exc, plan_to_jsonable(cp.plan)))
             continue
-        cp.notes[:0] = notes + [f"derived plan splitting where the streams are made not used: {type(e).__name__}: "
-                                f"{e}" for e, _ in failures]
+        cp.notes[:0] = notes + [f"derived plan {lab or 'splitting where the streams are made'} not used: "
+                                f"{type(e).__name__}: {e}" for lab, e, _ in failures]
         return cp
-    exc = failures[0][0]
-    reasons = "; the plan splitting at the transformer's inputs: ".join(f"{type(e).__name__}: {e}" for e, _ in failures)
+    exc = failures[0][1]
+    reasons = "; ".join(f"{lab + ': ' if lab else ''}{type(e).__name__}: {e}" for lab, e, _ in failures)
     raise type(exc)(f"derived plan: {reasons}" + (f"; and {notes[0]}" if notes else "")) from exc
 
 
