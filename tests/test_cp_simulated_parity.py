@@ -227,3 +227,64 @@ def test_the_simulation_matches_one_process_on_a_right_plan_and_fails_a_wrong_ga
             check_parity(m, (), kw, swapped, 2, st.lists, run)
     finally:
         h.remove()
+
+
+# --- 3. a second list that takes the image tokens unchanged at every block (VACE hints) ---------
+
+class HintBlock(nn.Module):
+    """Takes the image tokens (the same tensor at every block), carries a control stream, returns
+    (hint, control); the main blocks add the hints by index."""
+
+    def __init__(self, dim, first):
+        super().__init__()
+        self.proj_in = nn.Linear(dim, dim) if first else None
+        self.inner = CrossBlock(dim)
+        self.proj_out = nn.Linear(dim, dim)
+
+    def forward(self, hidden_states, encoder_hidden_states, control_hidden_states, temb):
+        c = control_hidden_states
+        if self.proj_in is not None:
+            c = self.proj_in(c) + hidden_states
+        c = self.inner(c, encoder_hidden_states, temb)
+        return self.proj_out(c), c
+
+
+class HintDiT(CrossDiT):
+    def __init__(self, dim=16):
+        super().__init__(dim)
+        self.patch = nn.Conv2d(4, dim, 1)  # tokens made by flatten/transpose: no module returns them
+        self.control_patch = nn.Conv2d(4, dim, 1)
+        self.hint_blocks = nn.ModuleList([HintBlock(dim, i == 0) for i in range(2)])
+
+    def forward(self, hidden_states, control_hidden_states, encoder_hidden_states, timestep):
+        x = self.patch(hidden_states).flatten(2).transpose(1, 2)
+        c = self.control_patch(control_hidden_states).flatten(2).transpose(1, 2)
+        ctx, temb = self.txt_in(encoder_hidden_states), self.time(timestep[:, None])
+        hints = []
+        for blk in self.hint_blocks:
+            hint, c = blk(x, ctx, c, temb)
+            hints.append(hint)
+        for i, blk in enumerate(self.blocks):
+            x = blk(x, ctx, temb) + hints[i]
+        return (self.proj_out(self.norm_out(x)),)
+
+
+def test_a_tensor_every_block_takes_unchanged_is_split_at_every_block_and_where_it_enters_later_lists():
+    # before: the image tokens were split only where they enter hint_blocks.0 (the next hint block
+    # got them whole), the carried control stream at every hint block (split twice), and the main
+    # blocks got them whole: the dry run failed ("size of tensor a (8) must match ... (16)"),
+    # refused. Now: split at every hint block, the control stream once, again at blocks.0
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    m = HintDiT().eval()
+    kw = dict(hidden_states=torch.randn(1, 4, 4, 4, generator=g), control_hidden_states=torch.randn(1, 4, 4, 4, generator=g),
+              encoder_hidden_states=torch.randn(1, 8, 6, generator=g), timestep=torch.tensor([0.5]))
+    tr = trace_forward(m, (), kw)
+    assert tr.lists["hint_blocks"].unchanged == {"hidden_states", "encoder_hidden_states", "temb"}
+    plan = derive_cp_plan(m, (), kw, degree=2, trace=tr).plan
+    assert set(plan["hint_blocks.*"]) == {"hidden_states"} and set(plan["hint_blocks.0"]) == {"control_hidden_states"}
+    assert set(plan["blocks.0"]) == {"hidden_states"}
+    r = coverage_cp(m, (), kw, timeout=60)
+    assert r["outcome"] == "correct" and r["source"] == "derived", r
+    for lname in ("hint_blocks", "blocks"):  # 16 image tokens, 8 on each rank, in every block list
+        assert [rank["hidden_states"] for rank in r["seq_lens"][lname]] == [[8], [8]], r["seq_lens"]

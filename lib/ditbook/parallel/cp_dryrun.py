@@ -14,12 +14,23 @@ tokens) or compute the wrong thing. Three checks, all in one process, all by mec
    with the attention inside the split blocks given ``degree`` times the keys and values, as the
    Ulysses all-to-all gives them. It records what the first block of every block list receives
    and names the module where the forward fails.
+   The same run probes which attention calls run as CP attention: each dispatch-aware processor
+   inside the split lists holds a ``_ConfigProbe`` as its CP config (as cache-dit gives it the
+   real one); a call whose code uses it is CP attention, one that passes no config (diffusers'
+   Wan processor for its cross attention) runs locally on each rank's tokens.
 3. ``check_token_axes``: every tensor a block of a split list receives that has an axis (not
    its last, feature axis) as long as a full token count (image tokens; with joint attention
    text, and text + image) must have that axis divided by ``degree`` in the dry run.
+4. ``check_parity``: every rank simulated in one process (``simulate_ranks``: a thread per rank,
+   each applying its own shards; CP attention takes every rank's keys and values in rank order,
+   as the Ulysses all-to-all gives them; the calls found local stay local; gathers concatenate
+   every rank's output), and each rank's output compared with the plain forward's. A plan whose
+   splits are right but whose result is not (keys of tokens every rank holds whole joined to
+   split keys inside a CP attention: counted ``degree`` times; split keys given to an attention
+   that runs locally) is refused with where the ranks first part from one process and why.
 
 diffusers' and cache-dit's split hooks are the ones the real run uses; this module re-enacts
-what they do to shapes by hand (no library offers a one-process CP simulation).
+what they do by hand (no library offers a one-process CP simulation).
 """
 
 from __future__ import annotations

@@ -30,8 +30,14 @@ Derivation, in named steps (no model names anywhere):
    first variant fails the checks of step 6, e.g. the forward cuts the text off by the length of
    its text input). Joint attention (the blocks update the text): the text is
    split with the image, so each rank holds a matching slice of the joint sequence; cross
-   attention: the text stays whole on every rank. Positional tables are split on their
-   image-length axis, at their producer or at every block of every main list (``<list>.*``); a
+   attention: the text stays whole on every rank (when that plan fails the checks of step 6 —
+   an attention that joins the text's keys to the image's inside a CP attention — plans
+   splitting the text with the image are tried). A stream split at a block (no module makes it)
+   is split at every block of its list when every block takes the very same tensor (the trace
+   compares the first and second block's arguments), else once where it enters; a later main
+   list that takes that same whole tensor gets it split where it enters too. Positional tables
+   are split on their image-length axis, at their producer or at every block of every main list
+   (``<list>.*``; a carried one once, at ``<list>.0``); a
    table whose axis covers text and image together cannot be split in one piece (a rank holds
    [text shard, image shard]): the transformer's separate text and image position inputs are
    split instead (each rank then builds the table of its own tokens), or it is refused.
@@ -44,9 +50,10 @@ Derivation, in named steps (no model names anywhere):
 6. before any launch (``resolve_cp_plan``, ``parallel.cp_dryrun``): blocks that reshape the
    tokens into the full grid are refused; a one-process dry run of the plan shows what every
    main list's blocks would receive, and every input with a full-length token axis must be
-   split with the tokens, and the output must come back whole — or the plan is refused with
-   the argument, the axis and the split named (a registered plan that fails is noted and a
-   derived one tried).
+   split with the tokens, the output must come back whole, and every rank simulated in one
+   process must give the plain forward's output — or the plan is refused with the argument, the
+   axis and the split (or where the simulated ranks part from one process) named (a registered
+   plan that fails is noted and a derived one tried).
 """
 
 from __future__ import annotations
@@ -209,6 +216,9 @@ class ListTrace:
     sequences: set[str] = field(default_factory=set)  # parameters given as a tuple/list of tensors
     scalars: dict[str, int] = field(default_factory=dict)  # integer arguments (grid sizes, ...)
     sees_image: bool | None = None  # its input changes with the transformer's image input (None: not probed)
+    # arguments the second block receives as the very tensors the first one did (every block gets
+    # the same tensor, not the previous block's output); None: the list has no second block call
+    unchanged: set[str] | None = None
 
 
 @dataclass
@@ -242,6 +252,7 @@ class _TraceState:
     calls: list[ModuleCall] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)
     firsts: dict[str, dict] = field(default_factory=dict)  # block list -> its first block's first call
+    seconds: dict[str, dict] = field(default_factory=dict)  # block list -> its second block's first call: ids
     lasts: dict[str, int] = field(default_factory=dict)  # block list -> when its last block call returned
     producers: dict[int, tuple[str, int]] = field(default_factory=dict)
     keep: list[torch.Tensor] = field(default_factory=list)  # keeps ids unique while the trace runs
@@ -252,10 +263,14 @@ class _TraceState:
         return self.n
 
 
-def _hook_block(mod, lname: str, rec: _TraceState) -> list:
+def _hook_block(mod, lname: str, rec: _TraceState, index: int = 0) -> list:
     """Hooks on one block of list ``lname``: its first call's inputs, and when the list ends."""
     def bpre(m, a, kw, _l=lname):
         order = rec.tick()
+        if index == 1 and _l in rec.firsts and _l not in rec.seconds:
+            named = bind_inputs(m, a, kw)
+            rec.seconds[_l] = {k: [id(t) for t in _tensors(v)] for k, v in named.items() if _tensors(v)}
+            rec.keep += [t for v in named.values() for t in (_tensors(v) or [])]  # ids stay unique
         if _l not in rec.firsts:
             named = bind_inputs(m, a, kw)
             rec.firsts[_l] = {"order": order, "named": {k: v for k, v in named.items() if _tensors(v) is not None},
@@ -307,10 +322,18 @@ def _install_trace_hooks(transformer, lists, rec: _TraceState) -> list:
         if not name:
             continue
         if id(mod) in element_of:
-            handles += _hook_block(mod, element_of[id(mod)][0], rec)
+            handles += _hook_block(mod, element_of[id(mod)][0], rec, element_of[id(mod)][1])
         else:
             handles += _hook_module(mod, name, rec)
     return handles
+
+
+def _unchanged(first_named: dict, second_ids: dict | None) -> set[str] | None:
+    """The arguments the second block call received as the very tensors of the first call."""
+    if second_ids is None:
+        return None
+    return {k for k, v in first_named.items()
+            if second_ids.get(k) and second_ids[k] == [id(t) for t in _tensors(v) or []]}
 
 
 def _list_traces(transformer, lists, rec: _TraceState, sees: dict[str, bool] | None) -> dict[str, ListTrace]:
@@ -326,7 +349,8 @@ def _list_traces(transformer, lists, rec: _TraceState, sees: dict[str, bool] | N
                               {k: _shapes(v) for k, v in named.items()}, f.get("outputs", []), f["keywords"],
                               {k: [id(t) for t in _tensors(v)] for k, v in named.items()},
                               {k for k, v in named.items() if isinstance(v, (tuple, list))},
-                              f["scalars"], sees.get(n) if sees is not None else None)
+                              f["scalars"], sees.get(n) if sees is not None else None,
+                              _unchanged(f["named"], rec.seconds.get(n)))
     return traced
 
 
@@ -585,6 +609,9 @@ class _Draft:
     split_text: bool = False
     notes: list[str] = field(default_factory=list)
     covered: set[int] = field(default_factory=set)  # ids of block inputs already split at their producer
+    # id of a tensor split by a pre-hook at a block -> its split: the same whole tensor entering a
+    # later list is split there too
+    at_blocks: dict[int, Any] = field(default_factory=dict)
 
     @property
     def first(self) -> ListTrace:
@@ -642,9 +669,16 @@ def _split_stream(d: _Draft, param: str, dim: int, what: str) -> None:
             entry[i] = ContextParallelInput(split_dim=dim, expected_dims=len(s), split_output=True)
         d.notes.append(f"split {what} at the output of '{prod[0]}' (dim {dim}), before the first block")
     else:
-        plan.setdefault(f"{first.name}.0", {})[param] = ContextParallelInput(split_dim=dim,
-                                                                             expected_dims=len(shapes[0]))
-        d.notes.append(f"split {what} '{param}' where it enters '{first.name}.0' (dim {dim})")
+        cpi = ContextParallelInput(split_dim=dim, expected_dims=len(shapes[0]))
+        if first.unchanged and param in first.unchanged:
+            # every block takes this very tensor (not the previous block's output): each call splits it
+            plan.setdefault(f"{first.name}.*", {})[param] = cpi
+            d.notes.append(f"split {what} '{param}' at every block of '{first.name}' (dim {dim}): each block "
+                           f"takes the same whole tensor, not the previous block's output")
+        else:
+            plan.setdefault(f"{first.name}.0", {})[param] = cpi
+            d.notes.append(f"split {what} '{param}' where it enters '{first.name}.0' (dim {dim})")
+        d.at_blocks.update({i: cpi for i in ids})
 
 
 def _split_token_streams(d: _Draft) -> None:
@@ -734,8 +768,27 @@ def _split_image_table(d: _Draft, lt: ListTrace, param: str, shapes: list[list[i
                        f"positions), before the first block")
     else:
         cps = [ContextParallelInput(split_dim=dd, expected_dims=len(s)) for s, dd in zip(shapes, dims)]
-        plan.setdefault(f"{lname}.*", {})[param] = cps if param in lt.sequences else cps[0]
-        d.notes.append(f"split '{param}' {shapes} on dims {dims} at every block of '{lname}' (image positions)")
+        spec = cps if param in lt.sequences else cps[0]
+        if lt.unchanged is not None and param not in lt.unchanged:
+            # carried from block to block (a second stream): split once, where it enters the list
+            plan.setdefault(f"{lname}.0", {})[param] = spec
+            d.notes.append(f"split '{param}' {shapes} on dims {dims} where it enters '{lname}.0' (a stream "
+                           f"its blocks carry)")
+        else:
+            plan.setdefault(f"{lname}.*", {})[param] = spec
+            d.notes.append(f"split '{param}' {shapes} on dims {dims} at every block of '{lname}' (image positions)")
+        d.at_blocks.update({i: spec for i in ids})
+
+
+def _split_again(d: _Draft, lt: ListTrace, param: str, ids: list[int]) -> None:
+    """A later main list takes a tensor the plan splits at the blocks of an earlier list (a
+    pre-hook splits only what that call receives): the whole tensor reaches it too, so it is
+    split where it enters this list (at every block when each block takes it unchanged)."""
+    spec = d.at_blocks[ids[0]]
+    key = f"{lt.name}.0" if lt.unchanged is not None and param not in lt.unchanged else f"{lt.name}.*"
+    d.plan.setdefault(key, {})[param] = spec
+    d.notes.append(f"'{param}' of '{lt.name}' is the whole tensor the plan splits at an earlier list's blocks: "
+                   f"split again at '{key}'")
 
 
 def _split_block_inputs(d: _Draft) -> None:
@@ -744,9 +797,13 @@ def _split_block_inputs(d: _Draft) -> None:
     for lname in st.lists:
         lt = d.tr.lists[lname]
         for param, shapes in lt.inputs.items():
+            ids = lt.input_ids[param]
+            if lname != st.lists[0] and ids and all(i in d.at_blocks for i in ids) \
+                    and not any(i in d.covered for i in ids):
+                _split_again(d, lt, param, ids)
+                continue
             if param in (st.image, st.text) or not shapes:
                 continue
-            ids = lt.input_ids[param]
             if all(i in d.covered for i in ids):
                 continue
             if _MASK_NAMES.search(param):
