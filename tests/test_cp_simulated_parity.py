@@ -203,9 +203,9 @@ def test_split_keys_of_a_local_attention_are_refused_and_the_derived_plan_used(m
 
 
 def test_the_simulation_matches_one_process_on_a_right_plan_and_fails_a_wrong_gather():
-    """The simulation itself can fail: the right derived plan matches; the same plan with its
-    gather moved before the final projection's input norm (a LayerNorm over tokens is per token,
-    so that still matches) versus one that gathers on the wrong axis (differs)."""
+    """The simulation itself can fail: the right derived plan matches one process (and the probe
+    finds the self-attention CP, the cross attention local); with the tokens put in the wrong
+    order at the gather site (same shapes: every earlier check passes) it does not."""
     torch.manual_seed(0)
     m, kw = CrossDiT().eval(), _inputs()
     tr = trace_forward(m, (), kw)
@@ -215,8 +215,7 @@ def test_the_simulation_matches_one_process_on_a_right_plan_and_fails_a_wrong_ga
     assert run.cp_calls == {("blocks.0.attn1", 0): 0, ("blocks.0.attn2", 0): None,
                             ("blocks.1.attn1", 0): 0, ("blocks.1.attn2", 0): None}
     assert check_parity(m, (), kw, plan, 2, st.lists, run) < 1e-5
-    # the ranks' shards gathered in the wrong order: same shapes, every check before passes
-    swapped = dict(plan)
+    # the tokens reordered where they are gathered: same shapes, every check before passes
     site = next(k for k, v in plan.items() if not isinstance(v, dict))
 
     def reversed_gather(mod, a, out):
@@ -224,7 +223,7 @@ def test_the_simulation_matches_one_process_on_a_right_plan_and_fails_a_wrong_ga
     h = m.get_submodule(site).register_forward_hook(reversed_gather)
     try:
         with pytest.raises(ParityError, match="max rel. error"):
-            check_parity(m, (), kw, swapped, 2, st.lists, run)
+            check_parity(m, (), kw, plan, 2, st.lists, run)
     finally:
         h.remove()
 
