@@ -6,6 +6,8 @@ the name and the statement. A carried tensor accumulated from the stream is stil
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from test_integration_mechanisms import Base, run
 
@@ -42,6 +44,19 @@ class ListFromStream(Base):
         return (self.proj_out(self.norm_out(x)) + sum(means),)
 
 
+class LevelThroughMath(Base):
+    """The source cannot tell that ``math.exp`` of a 0-d tensor gives a float: folded, and the
+    adapter's run-time guard names it."""
+
+    def forward(self, hidden_states, timestep, return_dict: bool = False):
+        x, temb = self.embed(hidden_states, timestep)
+        level = 1.0
+        for block in self.blocks:
+            x = block(x, temb) * level
+            level = math.exp(-x.abs().mean())
+        return (self.proj_out(self.norm_out(x)),)
+
+
 class TensorFromStream(Base):
     """The second carried name is a tensor (a running sum of the block outputs): foldable."""
 
@@ -74,3 +89,14 @@ def test_tensor_carried_from_the_stream_is_still_folded():
     row = run(TensorFromStream)
     assert row.outcome == "correct" and row.folded, (row.outcome, row.reason)
     assert row.off_max_abs <= 1e-5
+
+
+def test_non_tensor_carried_that_the_source_cannot_show_is_refused_at_run_time():
+    # before: folded (the source shows no Python value) and cache-dit crashed in the caching-off
+    # run ("'float' object has no attribute 'contiguous'"); now the adapter's guard on the folded
+    # blocks raises a FoldError naming the carried name before cache-dit takes the value
+    fold = plan_fold(LevelThroughMath, "blocks")
+    assert fold.carried == ["x", "level"]
+    row = run(LevelThroughMath)
+    assert row.outcome == "refused", (row.outcome, row.stage, row.reason)
+    assert "carries 'level' besides the stream, and at run time it is a float" in row.reason, row.reason

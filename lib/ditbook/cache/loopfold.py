@@ -559,8 +559,14 @@ def _loop_body_class_source(cls, fold: LoopFold) -> str:
         "        cls = type(self)",
         "        if cls._body is None:",
         '            cls._body = _compile(cls.BODY_SOURCE, "loop_body")',
-        f"        return cls._body(self._owner, self.index, self.inner, hidden_states{enc_pass}, "
+        f"        out = cls._body(self._owner, self.index, self.inner, hidden_states{enc_pass}, "
         "_original_list=self._originals, **loop_inputs)",
+        *([f"        if out[1] is not None and not isinstance(out[1], torch.Tensor):  # what the source could not show",
+           f"            raise CarriedNotTensor(f\"the loop over self.{fold.path} carries '{fold.carried[1]}' besides "
+           f"the stream, and at run time it is a {{type(out[1]).__name__}}, not a tensor: cache-dit carries a "
+           f"second loop name as the encoder stream (a tensor it caches and slices)\")"]
+          if len(fold.carried) == 2 else []),
+        "        return out",
         "",
     ])
     return piece.replace("{body_literal}", textwrap.indent(code_literal(body_src), "    ").lstrip())
@@ -615,6 +621,12 @@ def _functor_source(cls, folds: list[LoopFold], functor_name: str) -> str:
             for part in path.split("."):
                 obj = getattr(obj, part)
             return obj
+
+
+        try:  # inside ditbook a refusal it records; on its own a TypeError
+            from ditbook.cache.loopfold import FoldError as CarriedNotTensor
+        except ImportError:
+            CarriedNotTensor = TypeError
 
 
         class {functor_name}(PatchFunctor):
