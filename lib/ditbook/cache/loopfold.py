@@ -288,6 +288,65 @@ def _control_names(body: list[ast.stmt], carried: list[str], call_order: list[st
     return []
 
 
+# calls whose result is a Python value, never a tensor
+_PY_VALUE_CALLS = {"float": "a float", "int": "an int", "bool": "a bool", "str": "a str", "len": "an int",
+                   "list": "a list", "tuple": "a tuple", "dict": "a dict", "set": "a set", "round": "a number"}
+_PY_VALUE_METHODS = {"item": "a Python number (.item())", "tolist": "a list (.tolist())"}
+
+
+def _python_value(expr: ast.AST, name: str) -> str | None:
+    """What ``expr`` evaluates to when that is certainly a Python value, not a tensor (a number,
+    a list, ...); None when it may be a tensor. ``name`` (the variable being assigned) on one side
+    of an operator takes the other side's kind (``k = k + int(...)``)."""
+    if isinstance(expr, ast.Constant) and isinstance(expr.value, (bool, int, float, str)):
+        return f"a {type(expr.value).__name__}"
+    if isinstance(expr, (ast.List, ast.ListComp)):
+        return "a list"
+    if isinstance(expr, (ast.Tuple, ast.Dict, ast.Set, ast.DictComp, ast.SetComp)):
+        return f"a {type(expr).__name__.replace('Comp', '').lower()}"
+    if isinstance(expr, ast.Call):
+        f = expr.func
+        if isinstance(f, ast.Name) and f.id in _PY_VALUE_CALLS:
+            return _PY_VALUE_CALLS[f.id]
+        if isinstance(f, ast.Attribute) and f.attr in _PY_VALUE_METHODS:
+            return _PY_VALUE_METHODS[f.attr]
+        return None
+    if isinstance(expr, ast.BinOp):
+        left, right = expr.left, expr.right
+        kinds = [None if isinstance(x, ast.Name) and x.id == name else _python_value(x, name) for x in (left, right)]
+        self_ref = [isinstance(x, ast.Name) and x.id == name for x in (left, right)]
+        if all(k is not None or s for k, s in zip(kinds, self_ref)) and any(k is not None for k in kinds):
+            return next(k for k in kinds if k is not None)
+        return None
+    if isinstance(expr, ast.IfExp):
+        a, b = _python_value(expr.body, name), _python_value(expr.orelse, name)
+        return a if a is not None and b is not None else None
+    return None
+
+
+def _refuse_non_tensor_carried(loop: ast.For, path: str, carried: list[str]) -> None:
+    """A carried name besides the first stream whose update in the loop body is certainly not a
+    tensor (``level = float(x.mean())``, ``k = k + int(x.max() > 1)``, ``means = means + [...]``):
+    cache-dit carries the second name as the encoder stream of the folded block (a tensor it caches,
+    slices and calls ``.contiguous()`` on) and crashes; and since its update reads the blocks'
+    output, it cannot be computed before the loop like a counter. Raises ``FoldError`` naming it."""
+    for name in carried[1:]:
+        for node in (n for s in loop.body for n in ast.walk(s)):
+            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+                kind = _python_value(node.value, name)
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)) and isinstance(node.target, ast.Name) \
+                    and node.target.id == name and node.value is not None:
+                kind = _python_value(node.value, name)
+            else:
+                continue
+            if kind is not None:
+                raise FoldError(
+                    f"the loop over self.{path} carries '{name}' besides the stream '{carried[0]}': its update "
+                    f"`{ast.unparse(node)}` reads the blocks' output and makes {kind}, not a tensor; cache-dit "
+                    f"carries a second loop name as the encoder stream (a tensor it caches and slices), and a "
+                    f"value computed from the stream cannot be precomputed before the loop like a counter")
+
+
 def plan_fold(cls, path: str) -> LoopFold:
     """Read the loop over ``self.<path>`` in ``cls.forward`` (or the helper method that has it)."""
     method = loop_method(cls, path)
@@ -323,6 +382,7 @@ def plan_fold(cls, path: str) -> LoopFold:
     if not 1 <= len(carried) <= 2:
         raise FoldError(f"the loop over self.{path} carries {len(carried)} names {carried} that depend on the "
                         f"blocks' outputs; one (hidden states) or two (hidden, encoder) can be folded")
+    _refuse_non_tensor_carried(loop, path, carried)
     inputs = [n for n in loaded if n in outer_stores and first.get(n) == "load" and n not in carried
               and n not in control and n not in loop_vars and n != "self"]
     extra = [s for s in loop.body if not _is_checkpoint_branch(s) and not (
@@ -499,8 +559,14 @@ def _loop_body_class_source(cls, fold: LoopFold) -> str:
         "        cls = type(self)",
         "        if cls._body is None:",
         '            cls._body = _compile(cls.BODY_SOURCE, "loop_body")',
-        f"        return cls._body(self._owner, self.index, self.inner, hidden_states{enc_pass}, "
+        f"        out = cls._body(self._owner, self.index, self.inner, hidden_states{enc_pass}, "
         "_original_list=self._originals, **loop_inputs)",
+        *([f"        if out[1] is not None and not isinstance(out[1], torch.Tensor):  # what the source could not show",
+           f"            raise CarriedNotTensor(f\"the loop over self.{fold.path} carries '{fold.carried[1]}' besides "
+           f"the stream, and at run time it is a {{type(out[1]).__name__}}, not a tensor: cache-dit carries a "
+           f"second loop name as the encoder stream (a tensor it caches and slices)\")"]
+          if len(fold.carried) == 2 else []),
+        "        return out",
         "",
     ])
     return piece.replace("{body_literal}", textwrap.indent(code_literal(body_src), "    ").lstrip())
@@ -555,6 +621,12 @@ def _functor_source(cls, folds: list[LoopFold], functor_name: str) -> str:
             for part in path.split("."):
                 obj = getattr(obj, part)
             return obj
+
+
+        try:  # inside ditbook a refusal it records; on its own a TypeError
+            from ditbook.cache.loopfold import FoldError as CarriedNotTensor
+        except ImportError:
+            CarriedNotTensor = TypeError
 
 
         class {functor_name}(PatchFunctor):

@@ -208,7 +208,8 @@ def _coverage_cp(transformer, args, kwargs, degree: int = 2, plan: dict | None =
             check_plan_sites(plan, tr, st)
             source, expected = "given", expected_lengths(tr, st)
     except (PlanDerivationError, RegisteredPlanError) as exc:
-        return {"outcome": "refused", "reason": f"{type(exc).__name__}: {exc}", "seq_lens": None, "source": None}
+        return {"outcome": "refused", "reason": f"{type(exc).__name__}: {exc}", "seq_lens": None, "source": None,
+                "filled_zero_parameters": len(filled)}
     except Exception as exc:  # noqa: BLE001 - a crash of the derivation is a crash row
         return {"outcome": "crash", "reason": f"{type(exc).__name__}: {exc}", "seq_lens": None, "source": None}
     result = execute_cp_plan(transformer, args, kwargs, plan, expected, degree, timeout, reference)

@@ -14,20 +14,35 @@ tokens) or compute the wrong thing. Three checks, all in one process, all by mec
    with the attention inside the split blocks given ``degree`` times the keys and values, as the
    Ulysses all-to-all gives them. It records what the first block of every block list receives
    and names the module where the forward fails.
+   The same run probes which attention calls run as CP attention: each dispatch-aware processor
+   inside the split lists holds a ``_ConfigProbe`` as its CP config (as cache-dit gives it the
+   real one); a call whose code uses it is CP attention, one that passes no config (diffusers'
+   Wan processor for its cross attention) runs locally on each rank's tokens.
 3. ``check_token_axes``: every tensor a block of a split list receives that has an axis (not
    its last, feature axis) as long as a full token count (image tokens; with joint attention
    text, and text + image) must have that axis divided by ``degree`` in the dry run.
+4. ``check_parity``: every rank simulated in one process (``simulate_ranks``: a thread per rank,
+   each applying its own shards; CP attention takes every rank's keys and values in rank order,
+   as the Ulysses all-to-all gives them; the calls found local stay local; gathers concatenate
+   every rank's output), and each rank's output compared with the plain forward's. A plan whose
+   splits are right but whose result is not (keys of tokens every rank holds whole joined to
+   split keys inside a CP attention: counted ``degree`` times; split keys given to an attention
+   that runs locally) is refused with where the ranks first part from one process and why.
 
 diffusers' and cache-dit's split hooks are the ones the real run uses; this module re-enacts
-what they do to shapes by hand (no library offers a one-process CP simulation).
+what they do by hand (no library offers a one-process CP simulation).
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import inspect
 import itertools
+import os
 import textwrap
+import threading
+import time
 import traceback
 from dataclasses import dataclass, field
 
@@ -36,6 +51,7 @@ from torch.overrides import TorchFunctionMode
 
 from .cp_plan import (ForwardTrace, PlanCheckError, Streams, _is_input, _is_output, _main_output, _shapes,
                       _tensors, expected_lengths)
+from ..hooks import WrapGroup
 from .sharding import bind_inputs
 
 _SDPA = torch.nn.functional.scaled_dot_product_attention
@@ -53,6 +69,11 @@ class TokenAxisError(PlanCheckError):
 
 class DryRunError(PlanCheckError):
     """The plan's one-process dry run fails."""
+
+
+class ParityError(PlanCheckError):
+    """Simulated in one process, every rank running the plan, the output differs from the plain
+    forward: the plan splits something that the forward combines with unsplit tokens."""
 
 
 class CausalAttentionUnderSplit(ValueError):
@@ -126,7 +147,7 @@ def check_grid_reshape(transformer, tr: ForwardTrace, streams: Streams) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# 2. the dry run
+# 2. the dry run, and the simulation of every rank
 
 
 @dataclass
@@ -134,50 +155,262 @@ class DryRun:
     inputs: dict[str, dict[str, list[list[int]]]] = field(default_factory=dict)  # list -> param -> shapes
     skipped: list[str] = field(default_factory=list)  # splits not applied (dimension count differs)
     sdpa_calls: int = 0  # attention calls inside the split blocks
+    keys: dict[str, dict] = field(default_factory=dict)  # attention module -> rank 0's first SDPA call there
     output_shape: list[int] | None = None  # the transformer's main output after the plan's gathers
+    # (attention module, its call index) -> index of its first SDPA call that runs as CP attention
+    # (None: every SDPA call of that module call runs locally on each rank's tokens)
+    cp_calls: dict[tuple[str, int], int | None] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {"inputs": self.inputs, "skipped": self.skipped, "sdpa_calls": self.sdpa_calls,
-                "output_shape": self.output_shape}
+                "output_shape": self.output_shape,
+                "local_attention": sorted({n for (n, _), k in self.cp_calls.items() if k is None})}
+
+
+@dataclass
+class _Frame:
+    """One call of an attention module whose processor takes a CP config."""
+
+    name: str
+    cp_from: int | None  # its SDPA calls from this index on run as CP attention (None: none do)
+    n_sdpa: int = 0
+
+
+@dataclass
+class _RankState:
+    """What the hooks know about the rank that runs in the current thread."""
+
+    rank: int = 0
+    depth: int = 0  # inside how many blocks of the split lists
+    stack: list[str] = field(default_factory=list)  # running modules
+    frames: list[_Frame] = field(default_factory=list)  # running attention-module calls
+    counts: dict[str, int] = field(default_factory=dict)  # attention module -> calls so far
+
+
+class _PeerGone(RuntimeError):
+    """A simulated rank waits for a collective that a peer will never join."""
+
+
+class _Exchange:
+    """The collectives between simulated ranks (threads): ``all_gather(rank, value)`` returns
+    every rank's value of the same round, in rank order."""
+
+    def __init__(self, degree: int):
+        self.degree = degree
+        self.cond = threading.Condition()
+        self.rounds = [0] * degree
+        self.boxes: dict[int, dict] = {}
+        self.left: set[int] = set()
+
+    def all_gather(self, rank: int, value):
+        with self.cond:
+            k = self.rounds[rank]
+            self.rounds[rank] += 1
+            box = self.boxes.setdefault(k, {"reads": 0})
+            box[rank] = value
+            self.cond.notify_all()
+            while any(r not in box for r in range(self.degree)):
+                if any(r in self.left and r not in box for r in range(self.degree)):
+                    raise _PeerGone("a peer rank ended before this collective")
+                self.cond.wait(timeout=1.0)
+            out = [box[r] for r in range(self.degree)]
+            box["reads"] += 1
+            if box["reads"] == self.degree:
+                del self.boxes[k]
+            return out
+
+    def leave(self, rank: int) -> None:
+        with self.cond:
+            self.left.add(rank)
+            self.cond.notify_all()
+
+
+class _World:
+    """What the hooks of one dry run share: the degree, each thread's rank state, and the exchange
+    between simulated ranks (None: rank 0 alone, where a gather repeats its shard and CP attention
+    repeats its keys)."""
+
+    def __init__(self, degree: int, run: DryRun, exchange: _Exchange | None = None):
+        self.degree, self.run, self.exchange = degree, run, exchange
+        self.local = threading.local()
+        self.probe = _ConfigProbe()
+
+    def state(self) -> _RankState:
+        st = getattr(self.local, "state", None)
+        if st is None:
+            st = self.local.state = _RankState()
+        return st
+
+    def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        if self.exchange is None:
+            return torch.cat([x] * self.degree, dim=dim)
+        return torch.cat(self.exchange.all_gather(self.state().rank, x), dim=dim)
 
 
 class _StandInCP:
     """What a planner's patched forward reads from ``transformer._cp_config`` during the dry run."""
 
-    def __init__(self, degree: int):
-        self._rank, self._world_size = 0, degree
-        self.ulysses_degree, self.ring_degree = degree, 1
+    def __init__(self, world: _World):
+        self._world = world
+        self._world_size = world.degree
+        self.ulysses_degree, self.ring_degree = world.degree, 1
+
+    @property
+    def _rank(self) -> int:
+        return self._world.state().rank
 
     @property
     def context_parallel_config(self):
         return self
 
 
-class _UlyssesShapes(TorchFunctionMode):
-    """SDPA inside a split block: keys and values ``degree`` times as long (what the all-to-all
-    gathers), queries as they are; elsewhere the real SDPA."""
+class _WouldRunCP(Exception):
+    """Raised by ``_ConfigProbe`` when attention code reads the CP config it was given."""
 
-    def __init__(self, degree: int, depth: dict, run: DryRun):
+
+class _ConfigProbe:
+    """Set as an attention processor's CP config during the dry run: the processor passes it on
+    to the dispatch only for the calls it runs as CP attention (a processor may run its cross
+    attention locally), and the first use of it says so."""
+
+    def __getattr__(self, name):
+        raise _WouldRunCP(name)
+
+    def __bool__(self):
+        raise _WouldRunCP("__bool__")
+
+
+_CONFIG_ATTRS = ("_parallel_config", "_cp_config")
+
+
+def _cp_processors(transformer, lists: list[str]) -> dict[str, object]:
+    """Attention modules inside the split lists whose processor decides per call whether to pass
+    the CP config to the attention dispatch (diffusers' dispatch-aware processors: cache-dit gives
+    each of them the config): name -> module. A processor whose own code calls SDPA is routed by
+    ditbook (``attention.route_attention``): every one of its calls is CP attention, no probe."""
+    from .attention import _processor_calls_sdpa
+
+    out = {}
+    for name, module in transformer.named_modules():
+        proc = getattr(module, "processor", None)
+        if proc is None or _processor_calls_sdpa(module) or not any(name.startswith(p + ".") for p in lists):
+            continue
+        if hasattr(proc, "_attention_backend") or any(hasattr(proc, a) for a in _CONFIG_ATTRS):
+            out[name] = module
+    return out
+
+
+def _set_configs(proc, value) -> dict:
+    """Set both CP config attributes of ``proc`` (as cache-dit's ``_enable_context_parallelism``
+    does); returns what to restore."""
+    saved = {}
+    for attr in _CONFIG_ATTRS:
+        saved[attr] = proc.__dict__.get(attr, _MISSING)
+        setattr(proc, attr, value)
+    return saved
+
+
+def _restore_configs(proc, saved: dict) -> None:
+    for attr, old in saved.items():
+        if old is _MISSING:
+            proc.__dict__.pop(attr, None)
+        else:
+            setattr(proc, attr, old)
+
+
+def _attention_wrapper(world: _World, name: str, module, probe: bool):
+    """Wraps the forward of one CP-capable attention module. Probing (rank 0 alone): its processor
+    holds a ``_ConfigProbe``; a call that uses it is run again with the config taken away and its
+    SDPA calls from there on treated as CP attention; what each call did is kept in
+    ``run.cp_calls``. Simulating: each call follows what the probe found."""
+    def wrapper(original, *args, **kwargs):
+        st = world.state()
+        idx = st.counts.get(name, 0)
+        st.counts[name] = idx + 1
+        if not probe:
+            frame = _Frame(name, world.run.cp_calls.get((name, idx), 0))
+            st.frames.append(frame)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                st.frames.pop()
+        frame = _Frame(name, None)
+        st.frames.append(frame)
+        try:
+            try:
+                out = original(*args, **kwargs)
+                world.run.cp_calls[(name, idx)] = None
+                return out
+            except _WouldRunCP:
+                first_cp = frame.n_sdpa
+            world.run.cp_calls[(name, idx)] = first_cp
+            proc = module.processor
+            _set_configs(proc, None)  # run the call again without the probe, as CP from there on
+            frame.cp_from, frame.n_sdpa = first_cp, 0
+            try:
+                return original(*args, **kwargs)
+            finally:
+                _set_configs(proc, world.probe)
+        finally:
+            st.frames.pop()
+    return wrapper
+
+
+class _RankAttention(TorchFunctionMode):
+    """SDPA inside a split block, as a rank sees it. CP attention (Ulysses): the rank's queries
+    against every rank's keys and values, in rank order (alone: its own ``degree`` times); local
+    attention (a processor that passes no CP config for this call): as it is. Elsewhere the real
+    SDPA."""
+
+    def __init__(self, world: _World):
         super().__init__()
-        self.degree, self.depth, self.run = degree, depth, run
+        self.world = world
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is _SDPA and self.depth["n"] > 0:
-            self.run.sdpa_calls += 1
-            if kwargs.get("is_causal") or (len(args) > 5 and args[5]):
-                raise CausalAttentionUnderSplit(
-                    "causal attention (is_causal=True) inside a split block: under a sequence split each "
-                    "rank's queries would need the keys before them only, across ranks; the context-parallel "
-                    "attention does not take a causal mask")
-            args = list(args)
-            for i, name in ((1, "key"), (2, "value")):
-                if i < len(args):
-                    args[i] = torch.cat([args[i]] * self.degree, dim=-2)
-                elif name in kwargs:
-                    kwargs[name] = torch.cat([kwargs[name]] * self.degree, dim=-2)
+        st = self.world.state()
+        if func is not _SDPA or st.depth <= 0:
             return func(*args, **kwargs)
+        frame = st.frames[-1] if st.frames else None
+        cp = True
+        if frame is not None:
+            cp = frame.cp_from is not None and frame.n_sdpa >= frame.cp_from
+            frame.n_sdpa += 1
+        if st.rank == 0:
+            self.world.run.sdpa_calls += 1
+        key = args[1] if len(args) > 1 else kwargs.get("key")
+        where = st.stack[-1] if st.stack else "<transformer>"
+        if st.rank == 0 and where not in self.world.run.keys and torch.is_tensor(key):
+            self.world.run.keys[where] = {"cp": cp, "keys": key.shape[-2], "repeated": 0}
+        if not cp:
+            return func(*args, **kwargs)
+        if kwargs.get("is_causal") or (len(args) > 5 and args[5]):
+            raise CausalAttentionUnderSplit(
+                "causal attention (is_causal=True) inside a split block: under a sequence split each "
+                "rank's queries would need the keys before them only, across ranks; the context-parallel "
+                "attention does not take a causal mask")
+        args = list(args)
+        for i, name in ((1, "key"), (2, "value")):
+            if i < len(args):
+                args[i] = self._gathered(args[i], where if i == 1 else None)
+            elif name in kwargs:
+                kwargs[name] = self._gathered(kwargs[name], where if name == "key" else None)
         return func(*args, **kwargs)
+
+    def _gathered(self, x: torch.Tensor, keys_of: str | None) -> torch.Tensor:
+        """Every rank's ``x`` on the sequence axis; for keys, rank 0 notes how many of its key
+        positions hold the same values on every rank (tokens every rank holds whole)."""
+        world = self.world
+        if world.exchange is None:
+            return torch.cat([x] * world.degree, dim=-2)
+        parts = world.exchange.all_gather(world.state().rank, x)
+        facts = world.run.keys.get(keys_of) if keys_of is not None and world.state().rank == 0 else None
+        if facts is not None and not facts.get("counted") and all(p.shape == x.shape for p in parts):
+            same = torch.stack([p == parts[0] for p in parts[1:]]).all(0)
+            dims = [d for d in range(x.dim()) if d != x.dim() - 2]
+            facts["repeated"] = int(same.permute(*dims, x.dim() - 2).reshape(-1, x.shape[-2]).all(0).sum())
+            facts["counted"] = True
+        return torch.cat(parts, dim=-2)
 
 
 def _modules_for(transformer, key: str) -> list:
@@ -190,19 +423,21 @@ def _modules_for(transformer, key: str) -> list:
     return [transformer.get_submodule(key)]
 
 
-def _shard(x: torch.Tensor, cpi, where: str, degree: int, run: DryRun) -> torch.Tensor:
-    """Rank 0's shard of ``x`` under one ``ContextParallelInput`` (a wrong rank count is skipped and noted)."""
+def _shard(x: torch.Tensor, cpi, where: str, world: _World) -> torch.Tensor:
+    """This rank's shard of ``x`` under one ``ContextParallelInput`` (a wrong rank count is skipped and noted)."""
+    rank, degree, run = world.state().rank, world.degree, world.run
     if cpi.expected_dims is not None and x.dim() != cpi.expected_dims:
-        run.skipped.append(f"{where}: expects {cpi.expected_dims} dims, got {list(x.shape)}: not split")
+        if rank == 0:
+            run.skipped.append(f"{where}: expects {cpi.expected_dims} dims, got {list(x.shape)}: not split")
         return x
     n = x.shape[cpi.split_dim]
     if n % degree:
         raise DryRunError(f"the plan splits {where} {list(x.shape)} on dim {cpi.split_dim}: {n} does not "
                           f"divide into {degree} equal shards")
-    return x.chunk(degree, dim=cpi.split_dim)[0]
+    return x.chunk(degree, dim=cpi.split_dim)[rank]
 
 
-def _split_hooks(key: str, spec: dict, module, degree: int, run: DryRun):
+def _split_hooks(key: str, spec: dict, module, world: _World):
     """The (pre, post) hooks that re-enact one plan entry of splits: named inputs before the
     call, indexed outputs (``split_output``) after it."""
     try:
@@ -224,9 +459,9 @@ def _split_hooks(key: str, spec: dict, module, degree: int, run: DryRun):
                 continue
             where = f"'{name}' at '{key or '<transformer>'}'"
             if isinstance(val, torch.Tensor):
-                put(_shard(val, cpi, where, degree, run))
+                put(_shard(val, cpi, where, world))
             elif isinstance(val, (list, tuple)):
-                put(type(val)(_shard(x, c, where, degree, run) if torch.is_tensor(x) and not c.split_output else x
+                put(type(val)(_shard(x, c, where, world) if torch.is_tensor(x) and not c.split_output else x
                               for x, c in zip(val, cpi)))
         return tuple(a), kw
 
@@ -236,34 +471,35 @@ def _split_hooks(key: str, spec: dict, module, degree: int, run: DryRun):
         outs = [out] if torch.is_tensor(out) else list(out)
         for idx, cpi in spec.items():
             if isinstance(idx, int) and _is_input(cpi) and cpi.split_output:
-                outs[idx] = _shard(outs[idx], cpi, f"output {idx} of '{key}'", degree, run)
+                outs[idx] = _shard(outs[idx], cpi, f"output {idx} of '{key}'", world)
         return outs[0] if torch.is_tensor(out) else type(out)(outs)
     return pre, post
 
 
-def _gather_hook(spec, degree: int):
-    """The post hook that re-enacts a gather: each gathered output repeated ``degree`` times."""
+def _gather_hook(spec, world: _World):
+    """The post hook that re-enacts a gather: every rank's output concatenated (alone: the shard
+    repeated ``degree`` times)."""
     specs = [spec] if _is_output(spec) else list(spec)
 
     def post(m, a, out):
         outs = [out] if torch.is_tensor(out) else list(out)
         for i, cpo in enumerate(specs):
             if cpo is not None and i < len(outs):
-                outs[i] = torch.cat([outs[i]] * degree, dim=cpo.gather_dim)
+                outs[i] = world.gather(outs[i], cpo.gather_dim)
         return outs[0] if torch.is_tensor(out) else type(out)(outs)
     return post
 
 
-def _hook_plan(transformer, plan: dict, degree: int, run: DryRun, handles: list) -> None:
+def _hook_plan(transformer, plan: dict, world: _World, handles: list) -> None:
     """Register the plan's splits and gathers on their modules (handles appended as they are made)."""
     for key, spec in plan.items():
         for module in _modules_for(transformer, key):
             if isinstance(spec, dict):
-                pre, post = _split_hooks(key, spec, module, degree, run)
+                pre, post = _split_hooks(key, spec, module, world)
                 handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
                 handles.append(module.register_forward_hook(post))
             elif _is_output(spec) or isinstance(spec, (list, tuple)):
-                handles.append(module.register_forward_hook(_gather_hook(spec, degree)))
+                handles.append(module.register_forward_hook(_gather_hook(spec, world)))
 
 
 def _module_index(transformer, lists: list[str]) -> tuple[dict, dict, set]:
@@ -274,24 +510,33 @@ def _module_index(transformer, lists: list[str]) -> tuple[dict, dict, set]:
     return names, firsts, split_blocks
 
 
-def _hook_recorder(transformer, index: tuple[dict, dict, set], run: DryRun, depth: dict, stack: list[str],
-                   handles: list) -> None:
+def _hook_recorder(transformer, index: tuple[dict, dict, set], world: _World, handles: list,
+                   outputs: dict | None = None, watch: set | None = None) -> None:
     """Hooks on every module: the stack of running modules (to name where a failure happens), the
-    depth inside split blocks (for ``_UlyssesShapes``), and the inputs of each list's first block."""
+    depth inside split blocks (for ``_RankAttention``), rank 0's inputs of each list's first block,
+    and with ``outputs`` each rank's outputs of the modules in ``watch`` (first call, in the order
+    they return: ``outputs[rank]`` is a list of (name, tensors))."""
     names, firsts, split_blocks = index
+    run = world.run
 
     def enter(m, a, kw):
-        stack.append(names.get(id(m), "?"))
+        st = world.state()
+        st.stack.append(names.get(id(m), "?"))
         if id(m) in split_blocks:
-            depth["n"] += 1
+            st.depth += 1
         lname = firsts.get(id(m))
-        if lname is not None and lname not in run.inputs:
+        if st.rank == 0 and lname is not None and lname not in run.inputs:
             run.inputs[lname] = {k: _shapes(v) for k, v in bind_inputs(m, a, kw).items() if _tensors(v)}
 
     def leave(m, a, out):
-        stack.pop()
+        st = world.state()
+        name = st.stack.pop()
         if id(m) in split_blocks:
-            depth["n"] -= 1
+            st.depth -= 1
+        if outputs is not None and name in watch:
+            mine = outputs.setdefault(st.rank, [])
+            if not any(n == name for n, _ in mine):
+                mine.append((name, [t.detach().clone() for t in _tensors(out) or []]))
     for m in transformer.modules():
         handles.append(m.register_forward_pre_hook(enter, with_kwargs=True))
         handles.append(m.register_forward_hook(leave))
@@ -314,35 +559,263 @@ def _dry_run_failure(exc: Exception, stack: list[str], run: DryRun) -> Exception
     return err
 
 
-def dry_run(transformer, args, kwargs, plan: dict, degree: int, lists: list[str]) -> DryRun:
-    """Run the forward once with ``plan`` re-enacted for rank 0 of ``degree``; returns what the
-    first block of each list received. Raises ``DryRunError`` naming the module that failed."""
-    run = DryRun()
+@contextlib.contextmanager
+def _plan_installed(transformer, plan: dict, world: _World, lists: list[str], probe: bool,
+                    outputs: dict | None = None, watch: set | None = None):
+    """The plan's hooks, the recorder, the attention wrappers (and with ``probe`` the config
+    probes) and the stand-in CP config on ``transformer``; all removed on exit."""
     handles: list = []
-    depth = {"n": 0}
-    stack: list[str] = []
-    index = _module_index(transformer, lists)
+    group = WrapGroup("ditbook-cp-dryrun")
+    procs: list[tuple[object, dict]] = []
     old_cp = transformer.__dict__.get("_cp_config", _MISSING)
     try:
         # the plan's hooks first, so the recorder below sees what the blocks get after the split
-        _hook_plan(transformer, plan, degree, run, handles)
-        _hook_recorder(transformer, index, run, depth, stack, handles)
-        transformer._cp_config = _StandInCP(degree)
-        with torch.no_grad(), _UlyssesShapes(degree, depth, run):
-            out = _main_output(transformer(*args, **kwargs))
-        run.output_shape = list(out.shape) if out is not None else None
-    except PlanCheckError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - the plan does not fit the model: named
-        raise _dry_run_failure(exc, stack, run) from exc
+        _hook_plan(transformer, plan, world, handles)
+        _hook_recorder(transformer, _module_index(transformer, lists), world, handles, outputs, watch)
+        for name, module in _cp_processors(transformer, lists).items():
+            group.wrap(module, _attention_wrapper(world, name, module, probe))
+            if probe and not any(p is module.processor for p, _ in procs):
+                procs.append((module.processor, _set_configs(module.processor, world.probe)))
+        transformer._cp_config = _StandInCP(world)
+        yield
     finally:
+        for proc, saved in procs:
+            _restore_configs(proc, saved)
+        group.remove()
         for h in handles:
             h.remove()
         if old_cp is _MISSING:
             transformer.__dict__.pop("_cp_config", None)
         else:
             transformer.__dict__["_cp_config"] = old_cp
+
+
+def dry_run(transformer, args, kwargs, plan: dict, degree: int, lists: list[str]) -> DryRun:
+    """Run the forward once with ``plan`` re-enacted for rank 0 of ``degree``; returns what the
+    first block of each list received and which attention calls run as CP attention. Raises
+    ``DryRunError`` naming the module that failed."""
+    run = DryRun()
+    world = _World(degree, run)
+    try:
+        with _plan_installed(transformer, plan, world, lists, probe=True):
+            with torch.no_grad(), _RankAttention(world):
+                out = _main_output(transformer(*args, **kwargs))
+        run.output_shape = list(out.shape) if out is not None else None
+    except PlanCheckError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the plan does not fit the model: named
+        raise _dry_run_failure(exc, world.state().stack, run) from exc
     return run
+
+
+def _os_threads() -> int | None:
+    """How many OS threads this process runs now (None where /proc does not say)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return None
+
+
+def _wait_os_threads(before: int | None, timeout: float = 5.0) -> None:
+    """Until the rank threads have really ended. ``Thread.join`` returns while the OS thread
+    still runs its exit (thread-local destructors of the math libraries, holding their locks); a
+    process forked in that moment (the CP launch forks the ranks right after this check) inherits
+    a held lock and its first matrix product waits on it for ever."""
+    if before is None:
+        return
+    end = time.monotonic() + timeout
+    while time.monotonic() < end and (_os_threads() or 0) > before:
+        time.sleep(0.01)
+
+
+def simulate_ranks(transformer, args, kwargs, plan: dict, degree: int, lists: list[str], cp_calls: dict,
+                   watch: set | None = None) -> tuple[list, dict, DryRun]:
+    """Every rank of ``plan`` in one process, one thread each: each applies its own splits, CP
+    attention takes every rank's keys and values, gathers concatenate every rank's output (as
+    the Ulysses all-to-all and all-gather do); attention calls that the probe of ``dry_run`` found
+    local (``cp_calls``) run on the rank's own tokens. Returns each rank's main output and, with
+    ``watch`` (module names), each rank's outputs of those modules."""
+    run = DryRun(cp_calls=dict(cp_calls))
+    world = _World(degree, run, _Exchange(degree))
+    outputs: dict | None = {} if watch else None
+    results: list = [None] * degree
+    errors: list = [None] * degree
+    failed_in: list = [None] * degree
+
+    threads_per_rank = torch.get_num_threads()
+
+    def rank_thread(rank: int) -> None:
+        st = world.state()
+        st.rank = rank
+        # the intra-op thread count is per thread: a new thread would take the default and use an
+        # OpenMP pool that a forked process inherited but cannot run (it hangs)
+        torch.set_num_threads(threads_per_rank)
+        try:
+            with torch.no_grad(), _RankAttention(world):
+                results[rank] = _main_output(transformer(*args, **kwargs))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors[rank], failed_in[rank] = exc, list(st.stack)
+        finally:
+            world.exchange.leave(rank)
+
+    with _plan_installed(transformer, plan, world, lists, probe=False, outputs=outputs, watch=watch):
+        threads = [threading.Thread(target=rank_thread, args=(r,), name=f"ditbook-cp-rank{r}") for r in range(degree)]
+        before = _os_threads()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        _wait_os_threads(before)
+    own = [(r, e) for r, e in enumerate(errors) if e is not None and not isinstance(e, _PeerGone)]
+    if own or any(e is not None for e in errors):
+        r, exc = own[0] if own else next((r, e) for r, e in enumerate(errors) if e is not None)
+        if isinstance(exc, PlanCheckError):
+            raise exc
+        raise _dry_run_failure(exc, failed_in[r], run) from exc
+    return results, outputs or {}, run
+
+
+# ---------------------------------------------------------------------------------------------
+# 2b. the simulated ranks give the plain forward's output
+
+
+def _tolerance(t: torch.Tensor) -> float:
+    return 1e-3 if t.dtype in (torch.float32, torch.float64) else 3e-2
+
+
+def _rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    if got.shape != ref.shape:
+        return float("inf")
+    diff = (got.double() - ref.double()).abs().max()
+    if not torch.isfinite(diff):
+        return float("inf")
+    return float(diff / ref.double().abs().max().clamp_min(1e-6))
+
+
+def _whole(parts: list[torch.Tensor], shape) -> torch.Tensor | None:
+    """A module's output over the whole sequence from every rank's: rank 0's when it already has
+    the full shape, else the ranks' concatenated on the one axis that is 1/degree of it."""
+    first = parts[0]
+    if list(first.shape) == list(shape):
+        return first
+    if first.dim() != len(shape) or any(p.shape != first.shape for p in parts):
+        return None
+    axes = [d for d in range(first.dim()) if first.shape[d] != shape[d]]
+    if len(axes) == 1 and first.shape[axes[0]] * len(parts) == shape[axes[0]]:
+        return torch.cat(parts, dim=axes[0])
+    return None
+
+
+def _watched(transformer, lists: list[str]) -> set[str]:
+    """The first block of every split list and every module inside it."""
+    out = set()
+    for lname in lists:
+        first = f"{lname}.0"
+        out |= {first} | {f"{first}.{n}" for n, _ in transformer.get_submodule(first).named_modules() if n}
+    return out
+
+
+def _reference_outputs(transformer, args, kwargs, watch: set[str]) -> list[tuple[str, list]]:
+    """The plain forward's outputs of the ``watch`` modules (first call, in the order they return)."""
+    got: list = []
+    handles = []
+    for name, module in transformer.named_modules():
+        if name in watch:
+            def post(m, a, out, _n=name):
+                if not any(n == _n for n, _ in got):
+                    got.append((_n, [t.detach().clone() for t in _tensors(out) or []]))
+            handles.append(module.register_forward_hook(post))
+    try:
+        with torch.no_grad(), _without_cp(transformer):
+            transformer(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return got
+
+
+def _attention_note(name: str, keys: dict, degree: int) -> str:
+    """What the simulation saw of the attention in ``name`` (rank 0's first call)."""
+    facts = keys.get(name)
+    if facts is None:
+        return ""
+    if not facts["cp"]:
+        return (f": it runs as local attention on each rank (its processor passes no CP config for this call), "
+                f"over the {facts['keys']} keys the rank holds; when they come from a split input, each rank's "
+                f"queries miss the other ranks' keys")
+    if facts.get("repeated"):
+        return (f": it runs as CP attention, and {facts['repeated']} of the {facts['keys']} keys each rank gives "
+                f"it hold the same values on every rank (tokens every rank holds whole, concatenated with split "
+                f"tokens inside the attention): gathered from the ranks they count {degree} times")
+    return f": it runs as CP attention over {facts['keys']} keys per rank"
+
+
+def _first_divergence(transformer, args, kwargs, plan: dict, degree: int, lists: list[str],
+                      cp_calls: dict) -> str:
+    """Where the simulated ranks first part from the plain forward, inside the first block of the
+    split lists (modules in the order they return); '' when they agree there."""
+    watch = _watched(transformer, lists)
+    ref = _reference_outputs(transformer, args, kwargs, watch)
+    _, outs, run = simulate_ranks(transformer, args, kwargs, plan, degree, lists, cp_calls, watch=watch)
+    per_rank = [dict(outs.get(r, [])) for r in range(degree)]
+    for name, tensors in ref:
+        if any(name not in o for o in per_rank):
+            continue
+        for i, t in enumerate(tensors):
+            if any(i >= len(o[name]) for o in per_rank):
+                continue
+            whole = _whole([o[name][i] for o in per_rank], t.shape)
+            if whole is None:
+                continue
+            err = _rel_error(whole, t)
+            if err > _tolerance(t):
+                # the attention it is, is inside, or is inside of (an output projection)
+                near = [n for n in run.keys if n == name or name.startswith(n + ".") or n.startswith(name + ".")]
+                note = f"; attention '{near[0]}'{_attention_note(near[0], run.keys, degree)}" if near else ""
+                block = next((f"{lname}.0" for lname in lists if name == f"{lname}.0" or name.startswith(f"{lname}.0.")),
+                             None)
+                if not near and block and not any(n.startswith(block + ".") for n in run.keys):
+                    note = (f"; no SDPA call inside '{block}' (attention written by hand, or another kernel, is "
+                            f"not made CP attention: it runs on each rank's own tokens only)")
+                return f"first at '{name}' (max rel. error {err:.1e}){note}"
+    return ""
+
+
+@contextlib.contextmanager
+def _without_cp(transformer):
+    """The plain forward of a transformer whose forward a planner patched to read
+    ``self._cp_config`` (set only when CP is enabled): None while it runs."""
+    missing = "_cp_config" not in transformer.__dict__
+    if missing:
+        transformer.__dict__["_cp_config"] = None
+    try:
+        yield
+    finally:
+        if missing:
+            transformer.__dict__.pop("_cp_config", None)
+
+
+def check_parity(transformer, args, kwargs, plan: dict, degree: int, lists: list[str], run: DryRun,
+                 reference: torch.Tensor | None = None) -> float | None:
+    """Run every rank of ``plan`` in one process (``simulate_ranks``) and compare each rank's
+    output with ``reference`` (else the plain forward's); raise ``ParityError`` naming where they
+    first part. Returns the largest relative error (None when the transformer returns no tensor)."""
+    ref = reference
+    if ref is None:
+        with torch.no_grad(), _without_cp(transformer):
+            ref = _main_output(transformer(*args, **kwargs))
+    if ref is None:
+        return None
+    outs, _, _ = simulate_ranks(transformer, args, kwargs, plan, degree, lists, run.cp_calls)
+    err = max(_rel_error(o, ref) if o is not None else float("inf") for o in outs)
+    if err <= _tolerance(ref):
+        return err
+    where = _first_divergence(transformer, args, kwargs, plan, degree, lists, run.cp_calls)
+    raise ParityError(
+        f"simulated in one process ({degree} ranks as threads: each applies its own splits, CP attention takes "
+        f"every rank's keys and values, gathers concatenate), the plan's output differs from the plain forward: "
+        f"max rel. error {err:.2e} > {_tolerance(ref):g}" + (f"; {where}" if where else
+                                                              "; the first blocks agree, the output does not"))
 
 
 _MISSING = object()
@@ -432,5 +905,11 @@ def verify_before_launch(transformer, args, kwargs, plan: dict, tr: ForwardTrace
                              f"{tr.output_shape}: after the blocks the forward does not get back the whole sequence "
                              f"(it reads a token count from an input the plan split elsewhere, or gathers in the "
                              f"wrong place)")
+    try:
+        err = check_parity(transformer, args, kwargs, plan, degree, streams.lists, run, tr.output)
+        parity = None if err is None else f"simulated ranks match one process: max rel. error {err:.1e}"
+    except DryRunUnavailable as exc:
+        parity = f"not simulated: {exc}"
     return {"degree": degree, "checked": checked, "block_inputs": run.inputs, "skipped_splits": run.skipped,
-            "split_attention_calls": run.sdpa_calls}
+            "split_attention_calls": run.sdpa_calls, "simulated_parity": parity,
+            "local_attention": run.to_dict()["local_attention"]}

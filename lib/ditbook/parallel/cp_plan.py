@@ -30,8 +30,14 @@ Derivation, in named steps (no model names anywhere):
    first variant fails the checks of step 6, e.g. the forward cuts the text off by the length of
    its text input). Joint attention (the blocks update the text): the text is
    split with the image, so each rank holds a matching slice of the joint sequence; cross
-   attention: the text stays whole on every rank. Positional tables are split on their
-   image-length axis, at their producer or at every block of every main list (``<list>.*``); a
+   attention: the text stays whole on every rank (when that plan fails the checks of step 6 —
+   an attention that joins the text's keys to the image's inside a CP attention — plans
+   splitting the text with the image are tried). A stream split at a block (no module makes it)
+   is split at every block of its list when every block takes the very same tensor (the trace
+   compares the first and second block's arguments), else once where it enters; a later main
+   list that takes that same whole tensor gets it split where it enters too. Positional tables
+   are split on their image-length axis, at their producer or at every block of every main list
+   (``<list>.*``; a carried one once, at ``<list>.0``); a
    table whose axis covers text and image together cannot be split in one piece (a rank holds
    [text shard, image shard]): the transformer's separate text and image position inputs are
    split instead (each rank then builds the table of its own tokens), or it is refused.
@@ -44,9 +50,10 @@ Derivation, in named steps (no model names anywhere):
 6. before any launch (``resolve_cp_plan``, ``parallel.cp_dryrun``): blocks that reshape the
    tokens into the full grid are refused; a one-process dry run of the plan shows what every
    main list's blocks would receive, and every input with a full-length token axis must be
-   split with the tokens, and the output must come back whole — or the plan is refused with
-   the argument, the axis and the split named (a registered plan that fails is noted and a
-   derived one tried).
+   split with the tokens, the output must come back whole, and every rank simulated in one
+   process must give the plain forward's output — or the plan is refused with the argument, the
+   axis and the split (or where the simulated ranks part from one process) named (a registered
+   plan that fails is noted and a derived one tried).
 """
 
 from __future__ import annotations
@@ -209,6 +216,9 @@ class ListTrace:
     sequences: set[str] = field(default_factory=set)  # parameters given as a tuple/list of tensors
     scalars: dict[str, int] = field(default_factory=dict)  # integer arguments (grid sizes, ...)
     sees_image: bool | None = None  # its input changes with the transformer's image input (None: not probed)
+    # arguments the second block receives as the very tensors the first one did (every block gets
+    # the same tensor, not the previous block's output); None: the list has no second block call
+    unchanged: set[str] | None = None
 
 
 @dataclass
@@ -222,6 +232,8 @@ class ForwardTrace:
     image_root: str | None = None  # which of them is the image (perturbed to find the lists that see it)
     consumers: dict[int, list[str]] = field(default_factory=dict)  # id(root input) -> modules that took it
     output_shape: list[int] | None = None  # of the transformer's main output
+    # the main output itself, before any planner patched the model (the simulated ranks' reference)
+    output: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     def first_call(self, name: str) -> int | None:
         return next((c.order for c in self.calls if c.name == name), None)
@@ -240,6 +252,7 @@ class _TraceState:
     calls: list[ModuleCall] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)
     firsts: dict[str, dict] = field(default_factory=dict)  # block list -> its first block's first call
+    seconds: dict[str, dict] = field(default_factory=dict)  # block list -> its second block's first call: ids
     lasts: dict[str, int] = field(default_factory=dict)  # block list -> when its last block call returned
     producers: dict[int, tuple[str, int]] = field(default_factory=dict)
     keep: list[torch.Tensor] = field(default_factory=list)  # keeps ids unique while the trace runs
@@ -250,10 +263,14 @@ class _TraceState:
         return self.n
 
 
-def _hook_block(mod, lname: str, rec: _TraceState) -> list:
+def _hook_block(mod, lname: str, rec: _TraceState, index: int = 0) -> list:
     """Hooks on one block of list ``lname``: its first call's inputs, and when the list ends."""
     def bpre(m, a, kw, _l=lname):
         order = rec.tick()
+        if index == 1 and _l in rec.firsts and _l not in rec.seconds:
+            named = bind_inputs(m, a, kw)
+            rec.seconds[_l] = {k: [id(t) for t in _tensors(v)] for k, v in named.items() if _tensors(v)}
+            rec.keep += [t for v in named.values() for t in (_tensors(v) or [])]  # ids stay unique
         if _l not in rec.firsts:
             named = bind_inputs(m, a, kw)
             rec.firsts[_l] = {"order": order, "named": {k: v for k, v in named.items() if _tensors(v) is not None},
@@ -305,10 +322,18 @@ def _install_trace_hooks(transformer, lists, rec: _TraceState) -> list:
         if not name:
             continue
         if id(mod) in element_of:
-            handles += _hook_block(mod, element_of[id(mod)][0], rec)
+            handles += _hook_block(mod, element_of[id(mod)][0], rec, element_of[id(mod)][1])
         else:
             handles += _hook_module(mod, name, rec)
     return handles
+
+
+def _unchanged(first_named: dict, second_ids: dict | None) -> set[str] | None:
+    """The arguments the second block call received as the very tensors of the first call."""
+    if second_ids is None:
+        return None
+    return {k for k, v in first_named.items()
+            if second_ids.get(k) and second_ids[k] == [id(t) for t in _tensors(v) or []]}
 
 
 def _list_traces(transformer, lists, rec: _TraceState, sees: dict[str, bool] | None) -> dict[str, ListTrace]:
@@ -324,7 +349,8 @@ def _list_traces(transformer, lists, rec: _TraceState, sees: dict[str, bool] | N
                               {k: _shapes(v) for k, v in named.items()}, f.get("outputs", []), f["keywords"],
                               {k: [id(t) for t in _tensors(v)] for k, v in named.items()},
                               {k for k, v in named.items() if isinstance(v, (tuple, list))},
-                              f["scalars"], sees.get(n) if sees is not None else None)
+                              f["scalars"], sees.get(n) if sees is not None else None,
+                              _unchanged(f["named"], rec.seconds.get(n)))
     return traced
 
 
@@ -352,7 +378,8 @@ def trace_forward(transformer, args, kwargs) -> ForwardTrace:
                         {k: _shapes(v) for k, v in root_named.items()},
                         {k: [id(t) for t in _tensors(v)] for k, v in root_named.items()}, image_root,
                         {i: names for i, names in rec.consumers.items()},
-                        list(output.shape) if output is not None else None)
+                        list(output.shape) if output is not None else None,
+                        output.detach() if output is not None else None)
 
 
 def _main_output(out) -> torch.Tensor | None:
@@ -577,8 +604,14 @@ class _Draft:
     st: Streams
     at_input: bool
     plan: dict[str, Any] = field(default_factory=dict)
+    # cross attention with the text split too (tried when the text kept whole fails the checks:
+    # an attention that joins the text's keys to the image's inside a CP attention needs it)
+    split_text: bool = False
     notes: list[str] = field(default_factory=list)
     covered: set[int] = field(default_factory=set)  # ids of block inputs already split at their producer
+    # id of a tensor split by a pre-hook at a block -> its split: the same whole tensor entering a
+    # later list is split there too
+    at_blocks: dict[int, Any] = field(default_factory=dict)
 
     @property
     def first(self) -> ListTrace:
@@ -636,9 +669,16 @@ def _split_stream(d: _Draft, param: str, dim: int, what: str) -> None:
             entry[i] = ContextParallelInput(split_dim=dim, expected_dims=len(s), split_output=True)
         d.notes.append(f"split {what} at the output of '{prod[0]}' (dim {dim}), before the first block")
     else:
-        plan.setdefault(f"{first.name}.0", {})[param] = ContextParallelInput(split_dim=dim,
-                                                                             expected_dims=len(shapes[0]))
-        d.notes.append(f"split {what} '{param}' where it enters '{first.name}.0' (dim {dim})")
+        cpi = ContextParallelInput(split_dim=dim, expected_dims=len(shapes[0]))
+        if first.unchanged and param in first.unchanged:
+            # every block takes this very tensor (not the previous block's output): each call splits it
+            plan.setdefault(f"{first.name}.*", {})[param] = cpi
+            d.notes.append(f"split {what} '{param}' at every block of '{first.name}' (dim {dim}): each block "
+                           f"takes the same whole tensor, not the previous block's output")
+        else:
+            plan.setdefault(f"{first.name}.0", {})[param] = cpi
+            d.notes.append(f"split {what} '{param}' where it enters '{first.name}.0' (dim {dim})")
+        d.at_blocks.update({i: cpi for i in ids})
 
 
 def _split_token_streams(d: _Draft) -> None:
@@ -648,6 +688,9 @@ def _split_token_streams(d: _Draft) -> None:
     if st.text:
         if st.joint:
             _split_stream(d, st.text, 1, "text tokens (joint attention: each rank holds a matching slice)")
+        elif d.split_text:
+            _split_stream(d, st.text, 1, "text tokens (cross attention whose keys join the text to the image "
+                                         "tokens: each rank holds a slice, the CP attention gathers them all)")
         else:
             d.notes.append("text kept whole: cross attention reads the full text on every rank")
 
@@ -658,7 +701,7 @@ def _split_mask(d: _Draft, lname: str, param: str, shapes: list[list[int]]) -> N
     s_img, s_txt = st.s_img, st.s_txt
     s = shapes[0]
     if len(s) == 2 and s_txt and s[1] == s_txt and s_txt != s_img:
-        if st.joint:
+        if st.joint or d.split_text:
             d.plan.setdefault(f"{lname}.*", {})[param] = ContextParallelInput(split_dim=1, expected_dims=2)
             d.notes.append(f"text mask '{param}' {s} split with the text at every block of '{lname}'")
         else:
@@ -725,8 +768,27 @@ def _split_image_table(d: _Draft, lt: ListTrace, param: str, shapes: list[list[i
                        f"positions), before the first block")
     else:
         cps = [ContextParallelInput(split_dim=dd, expected_dims=len(s)) for s, dd in zip(shapes, dims)]
-        plan.setdefault(f"{lname}.*", {})[param] = cps if param in lt.sequences else cps[0]
-        d.notes.append(f"split '{param}' {shapes} on dims {dims} at every block of '{lname}' (image positions)")
+        spec = cps if param in lt.sequences else cps[0]
+        if lt.unchanged is not None and param not in lt.unchanged:
+            # carried from block to block (a second stream): split once, where it enters the list
+            plan.setdefault(f"{lname}.0", {})[param] = spec
+            d.notes.append(f"split '{param}' {shapes} on dims {dims} where it enters '{lname}.0' (a stream "
+                           f"its blocks carry)")
+        else:
+            plan.setdefault(f"{lname}.*", {})[param] = spec
+            d.notes.append(f"split '{param}' {shapes} on dims {dims} at every block of '{lname}' (image positions)")
+        d.at_blocks.update({i: spec for i in ids})
+
+
+def _split_again(d: _Draft, lt: ListTrace, param: str, ids: list[int]) -> None:
+    """A later main list takes a tensor the plan splits at the blocks of an earlier list (a
+    pre-hook splits only what that call receives): the whole tensor reaches it too, so it is
+    split where it enters this list (at every block when each block takes it unchanged)."""
+    spec = d.at_blocks[ids[0]]
+    key = f"{lt.name}.0" if lt.unchanged is not None and param not in lt.unchanged else f"{lt.name}.*"
+    d.plan.setdefault(key, {})[param] = spec
+    d.notes.append(f"'{param}' of '{lt.name}' is the whole tensor the plan splits at an earlier list's blocks: "
+                   f"split again at '{key}'")
 
 
 def _split_block_inputs(d: _Draft) -> None:
@@ -735,9 +797,13 @@ def _split_block_inputs(d: _Draft) -> None:
     for lname in st.lists:
         lt = d.tr.lists[lname]
         for param, shapes in lt.inputs.items():
+            ids = lt.input_ids[param]
+            if lname != st.lists[0] and ids and all(i in d.at_blocks for i in ids) \
+                    and not any(i in d.covered for i in ids):
+                _split_again(d, lt, param, ids)
+                continue
             if param in (st.image, st.text) or not shapes:
                 continue
-            ids = lt.input_ids[param]
             if all(i in d.covered for i in ids):
                 continue
             if _MASK_NAMES.search(param):
@@ -797,16 +863,19 @@ def _plan_facts(d: _Draft, site: ModuleCall) -> dict:
 
 
 def derive_cp_plan(transformer, args, kwargs, attention_kind: str | None = None, degree: int | None = None,
-                   trace: ForwardTrace | None = None, at_input: bool = False) -> CPPlan:
+                   trace: ForwardTrace | None = None, at_input: bool = False, split_text: bool = False) -> CPPlan:
     """A CP plan for a transformer nobody has planned, from one traced forward call (steps 1-4
     of the module docstring); checked by ``check_plan_sites`` (step 5) before it is returned.
     ``at_input``: split the token streams at the transformer's own inputs where they are
     ``[B, S, C]`` inputs (so that a token count the forward reads from them is the shard's), else
-    where they are made (the module that returns them, or the first block)."""
+    where they are made (the module that returns them, or the first block). ``split_text``: under
+    cross attention, split the text with the image instead of keeping it whole."""
     tr = trace if trace is not None else trace_forward(transformer, args, kwargs)
     st = find_streams(tr, attention_kind)
-    d = _Draft(tr, st, at_input, notes=_stream_notes(st))
+    d = _Draft(tr, st, at_input, notes=_stream_notes(st), split_text=split_text and not st.joint and bool(st.text))
     _check_shards_divide(st, degree)
+    if d.split_text and degree and st.s_txt % degree:
+        raise PlanDerivationError(f"{st.s_txt} text tokens do not divide into {degree} equal shards")
     _split_token_streams(d)
     _split_block_inputs(d)
     site, where = _gather_site(tr, st)
@@ -876,30 +945,40 @@ def _checked_registered(reg: CPPlan, transformer, args, kwargs, tr: ForwardTrace
 def _derive_checked(transformer, args, kwargs, tr: ForwardTrace, st: Streams, attention_kind, degree: int,
                     check, notes: list[str]) -> CPPlan:
     """The derived plan splitting where the streams are made, else the one splitting at the
-    transformer's inputs: the first that passes ``check``; else ``PlanCheckError`` naming why."""
-    failures: list[tuple[PlanCheckError, dict]] = []
-    for at_input in (False, True):
+    transformer's inputs; under cross attention then the same two with the text split too (an
+    attention that joins the text's keys to the image's needs every rank to hold a slice of the
+    text): the first that passes ``check``; else ``PlanCheckError`` naming why."""
+    variants = [(False, False, ""), (True, False, "the plan splitting at the transformer's inputs")]
+    if check is not None and st.text and not st.joint:
+        variants += [(False, True, "the plan splitting the text with the image"),
+                     (True, True, "the plan splitting the text with the image at the transformer's inputs")]
+    failures: list[tuple[str, PlanCheckError, dict]] = []
+    for at_input, split_text, label in variants:
         try:
-            cp = derive_cp_plan(transformer, args, kwargs, attention_kind, degree, trace=tr, at_input=at_input)
+            cp = derive_cp_plan(transformer, args, kwargs, attention_kind, degree, trace=tr, at_input=at_input,
+                                split_text=split_text)
         except PlanDerivationError as exc:
+            if split_text:  # a variant tried after the others failed: its reason joins theirs
+                failures.append((label, exc, {}))
+                continue
             if notes:
                 raise type(exc)(f"{exc}; and {notes[0]}") from exc
             raise
-        if failures and plan_to_jsonable(cp.plan) == failures[-1][1]:
-            break  # the same plan again: no stream is made from an input of the transformer
+        if any(plan_to_jsonable(cp.plan) == j for _, _, j in failures):
+            continue  # the same plan again (no stream is made from an input of the transformer)
         try:
             if check is not None:
                 cp.facts["prelaunch"] = check(transformer, args, kwargs, cp.plan, tr, st, degree)
         except PlanCheckError as exc:
             if exc.final:
                 raise
-            failures.append((exc, plan_to_jsonable(cp.plan)))
+            failures.append((label, exc, plan_to_jsonable(cp.plan)))
             continue
-        cp.notes[:0] = notes + [f"derived plan splitting where the streams are made not used: {type(e).__name__}: "
-                                f"{e}" for e, _ in failures]
+        cp.notes[:0] = notes + [f"derived plan {lab or 'splitting where the streams are made'} not used: "
+                                f"{type(e).__name__}: {e}" for lab, e, _ in failures]
         return cp
-    exc = failures[0][0]
-    reasons = "; the plan splitting at the transformer's inputs: ".join(f"{type(e).__name__}: {e}" for e, _ in failures)
+    exc = failures[0][1]
+    reasons = "; ".join(f"{lab + ': ' if lab else ''}{type(e).__name__}: {e}" for lab, e, _ in failures)
     raise type(exc)(f"derived plan: {reasons}" + (f"; and {notes[0]}" if notes else "")) from exc
 
 
