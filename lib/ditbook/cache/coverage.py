@@ -165,6 +165,7 @@ def shrink_config(cls: type, factor: int, heads: int | None = None) -> dict:
                 and p.default and all(isinstance(x, int) for x in p.default) and head0 and head1 \
                 and sum(p.default) == head0 and sum(d) != head1 and head1 % sum(d) == 0:
             out[p.name] = type(d)(x * (head1 // sum(d)) for x in d)
+    _even_rotary_axes(params, out, head0, head1)
     # widths that equal heads x head dim by default (an attention width fed from the inner
     # dim) keep doing so when a head cap changed the inner dim
     heads0 = next((v.default for k, v in params.items() if _is_head_count(k) and "kv" not in k.lower()
@@ -183,6 +184,34 @@ def shrink_config(cls: type, factor: int, heads: int | None = None) -> dict:
             if head and head % 4 == 0:
                 out[p.name] = (head // 2, head // 2)
     return out
+
+
+def _even_rotary_axes(params, out: dict, head0, head1) -> None:
+    """Rotary axes that sum to the head dim by default, each even (a rotary axis rotates pairs),
+    but that the shrink left odd or no longer summing to the new head dim: the default's
+    proportions rescaled to the new head dim, each rounded to an even size."""
+    if not (head0 and head1) or head1 % 2:
+        return
+    for p in params.values():
+        d0 = p.default
+        if not (("axes" in p.name.lower() or "rope" in p.name.lower()) and isinstance(d0, (tuple, list)) and d0
+                and all(isinstance(x, int) and not isinstance(x, bool) and x > 0 and x % 2 == 0 for x in d0)
+                and sum(d0) == head0):
+            continue
+        d = out.get(p.name, d0)
+        if sum(d) == head1 and all(x % 2 == 0 for x in d):
+            continue
+        pairs = [x * (head1 // 2) / sum(d0) for x in d0]  # each axis's share of the head's pairs
+        whole = [max(1, int(v)) for v in pairs]
+        order = sorted(range(len(d0)), key=lambda i: pairs[i] - int(pairs[i]), reverse=True)
+        i = 0
+        while sum(whole) < head1 // 2:
+            whole[order[i % len(order)]] += 1
+            i += 1
+        while sum(whole) > head1 // 2 and max(whole) > 1:
+            whole[whole.index(max(whole))] -= 1
+        if sum(whole) == head1 // 2:
+            out[p.name] = type(d0)(2 * w for w in whole)
 
 
 def _head_dim(cfg: dict) -> int | None:
@@ -268,6 +297,81 @@ def ctor_repair(cls: type, kwargs: dict, exc: BaseException) -> dict | None:
     return new if new != kwargs else None
 
 
+def _unconditional_self_calls(fn) -> set[str]:
+    """Attributes ``X`` the forward calls as ``self.X(...)`` in its top-level statements (not
+    under a condition, a loop or a ``with``)."""
+    import ast
+
+    _, node = ci._source_tree(fn)
+    if node is None:
+        return set()
+    out = set()
+    for stmt in node.body:
+        if isinstance(stmt, (ast.If, ast.For, ast.While, ast.With, ast.Try, ast.FunctionDef)):
+            continue
+        for n in ast.walk(stmt):
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name) \
+                    and n.func.value.id == "self":
+                out.add(n.func.attr)
+    return out
+
+
+def _init_gates(cls: type) -> dict[str, set]:
+    """Per attribute ``X``: the constructor parameters a condition tests before the constructor
+    sets ``self.X`` to something (``if flag: self.X = ...``, ``self.X = M(...) if flag else None``)."""
+    import ast
+
+    _, node = ci._source_tree(cls.__init__)
+    if node is None:
+        return {}
+    params = set(ci._param_names(node))
+    out: dict[str, set] = {}
+
+    def tested(expr) -> set:
+        return {n.id for n in ast.walk(expr) if isinstance(n, ast.Name) and n.id in params}
+
+    for n in ast.walk(node):
+        if isinstance(n, ast.If):
+            for a in (x for b in n.body for x in ast.walk(b)):
+                if isinstance(a, ast.Assign):
+                    for t in a.targets:
+                        if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
+                            out.setdefault(t.attr, set()).update(tested(n.test))
+        elif isinstance(n, ast.Assign) and isinstance(n.value, ast.IfExp):
+            for t in n.targets:
+                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
+                    out.setdefault(t.attr, set()).update(tested(n.value.test))
+    return out
+
+
+def _with_called_submodules(cls: type, model, kwargs: dict):
+    """The instance, rebuilt with a constructor flag turned on when the forward calls
+    ``self.X(...)`` unconditionally but the defaults leave ``X`` None and a flag off by default
+    (False/0) is what the constructor tests before it builds ``X``: the defaults describe no
+    runnable model; the flag makes the one the forward expects. The instance as built when no
+    such flag is found or the rebuilt one fails to construct."""
+    called = {a for a in _unconditional_self_calls(type(model).forward) if getattr(model, a, 0) is None}
+    if not called:
+        return model
+    sig = inspect.signature(cls.__init__).parameters
+    gates = _init_gates(cls)
+    flags = {}
+    for attr in sorted(called):
+        for p in sorted(gates.get(attr, ())):
+            d = sig[p].default if p in sig else None
+            if p not in kwargs and (d is False or (isinstance(d, int) and not isinstance(d, bool) and d == 0)):
+                flags[p] = True
+    if not flags:
+        return model
+    try:
+        torch.manual_seed(0)
+        with contextlib.redirect_stdout(io.StringIO()):
+            rebuilt = cls(**kwargs, **flags)
+    except Exception:
+        return model
+    return rebuilt.float().eval()
+
+
 def tiny_instances(cls: type, ladder=LADDER):
     """Instances for each rung (width divisor, head cap) the constructor accepts, smallest
     first; Refused when none."""
@@ -303,6 +407,7 @@ def tiny_instances(cls: type, ladder=LADDER):
         if model is None:
             errors.append(f"/{f}{f' heads<={heads}' if heads else ''}: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}")
             continue
+        model = _with_called_submodules(cls, model, kwargs)
         built = True
         yield model.float().eval(), f
     if not built:
@@ -501,7 +606,7 @@ class _Maker:
         self.annotations = {p.name: p.annotation for p in inspect.signature(model.forward).parameters.values()
                             if p.annotation is not inspect.Parameter.empty}
 
-    def __call__(self, name: str, kwargs: dict, rank: int | None = None):
+    def __call__(self, name: str, kwargs: dict, rank: int | None = None, roles: list | None = None):
         import copy
 
         ann = self.annotations.get(name)
@@ -513,6 +618,8 @@ class _Maker:
         hidden = name == self.first
         if rank is not None:
             need.roles = need.roles if need.roles and len(need.roles) == rank else _default_roles(rank)
+            if roles and len(roles) == rank:  # the roles the code's own unpack names
+                need.roles = list(roles)
         if not need.empty():
             val = ci.tensor_for(name, need, self.grid, self.gen, hidden=hidden)
             if val is not None:

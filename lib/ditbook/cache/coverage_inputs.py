@@ -171,6 +171,8 @@ def module_need(mod: nn.Module, position, depth: int = 0) -> Need:
             name = params[position] if isinstance(position, int) and position < len(params) else position
             if isinstance(name, str) and name in sub:
                 inner = sub[name]
+                if inner.empty() and axis_role(name) == "frames" and ("index" in name.lower() or "indices" in name.lower()):
+                    inner.roles = ["frames"]  # ``frame_indices``: one position per frame
                 inner.where = need.where + inner.where
                 return inner
     return need
@@ -219,19 +221,69 @@ def _unpack_roles(node, alias: dict, needs: dict) -> None:
             p = alias.get(_root_name(n.value.value) or "")
             elts = n.targets[0].elts
             if p and not any(isinstance(e, ast.Starred) for e in elts) and "unpack" not in needs[p].where:
-                needs[p].roles = [axis_role(e.id) if isinstance(e, ast.Name) else None for e in elts]
+                roles = _roles_before_rebinding(node, _root_name(n.value.value), n.lineno,
+                                                [axis_role(e.id) if isinstance(e, ast.Name) else None for e in elts])
+                if roles is None:
+                    continue
+                needs[p].roles = roles
                 needs[p].where.append("unpack")
+
+
+def _roles_before_rebinding(node, name: str, line: int, roles: list) -> list | None:
+    """The roles of the value ``name`` held when the forward began, from the roles of the value
+    it holds at ``line``: the same when it is not rebound before; through the inverse of
+    ``name = name.permute(...)`` when that is its only rebinding before; None (unknown) when
+    another statement rebinds it first. Only the forward's top-level statements count (a
+    rebinding under a condition is one input layout among several)."""
+    perm = None
+    for n in node.body:
+        if not (isinstance(n, ast.Assign) and n.lineno < line
+                and any(isinstance(t, ast.Name) and t.id == name for t in n.targets)):
+            continue
+        v = n.value
+        if _root_name(v) == name and not (isinstance(v, ast.Call) and isinstance(v.func, ast.Attribute)
+                                          and v.func.attr == "permute"):
+            continue  # ``x = x.to(dtype)``: the same axes
+        if perm is None and isinstance(v, ast.Call) and isinstance(v.func, ast.Attribute) \
+                and v.func.attr == "permute" and _root_name(v.func.value) == name:
+            dims = [a.value for a in v.args if isinstance(a, ast.Constant) and isinstance(a.value, int)]
+            if len(dims) == len(v.args) == len(roles) and sorted(dims) == list(range(len(roles))):
+                perm = dims
+                continue
+        return None
+    if perm is None:
+        return roles
+    out = [None] * len(roles)
+    for new_axis, old_axis in enumerate(perm):  # the permuted value's axis i is the original's perm[i]
+        out[old_axis] = roles[new_axis]
+    return out
+
+
+def _none_defaults(node) -> set:
+    """(assignment id, name) of ``if x is None: x = ...``: a default for a missing input, not a
+    rebinding of a given one."""
+    out = set()
+    for n in ast.walk(node):
+        t = n.test if isinstance(n, ast.If) else None
+        if isinstance(t, ast.Compare) and isinstance(t.left, ast.Name) and len(t.ops) == 1 \
+                and isinstance(t.ops[0], ast.Is) and isinstance(t.comparators[0], ast.Constant) \
+                and t.comparators[0].value is None:
+            for b in n.body:
+                if isinstance(b, ast.Assign) and any(isinstance(x, ast.Name) and x.id == t.left.id for x in b.targets):
+                    out.add((id(b), t.left.id))
+    return out
 
 
 def _first_rebound(node, alias_defs: set) -> dict[str, int]:
     """Where each name is first rebound: a call after that statement sees another value."""
     rebound: dict[str, int] = {}
+    defaults = _none_defaults(node)
     for n in ast.walk(node):
         if isinstance(n, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and id(n) not in alias_defs:
             targets = n.targets if isinstance(n, ast.Assign) else [n.target]
             for t in targets:
                 for x in ast.walk(t):
-                    if isinstance(x, ast.Name):
+                    if isinstance(x, ast.Name) and (id(n), x.id) not in defaults:
                         rebound[x.id] = min(rebound.get(x.id, 10 ** 9), n.end_lineno or n.lineno)
     return rebound
 
@@ -351,7 +403,7 @@ def tensor_for(name: str, need: Need, grid: Grid, gen: torch.Generator, hidden: 
                 shape.append(need.last or (like.shape[-1] if like is not None else grid.channels))
             else:
                 shape.append(2)
-        if low.endswith("ids") or "position" in low:
+        if low.endswith("ids") or "position" in low or "indices" in low:
             return torch.zeros(tuple(shape), dtype=torch.long)
         if need.last and shape[-1] != need.last and roles[-1] not in ("width", "height"):
             shape[-1] = need.last
@@ -593,15 +645,66 @@ def _unpack_rank(exc, msg, kwargs, make, forbid, params):
                     if val is local and isinstance(val, torch.Tensor) and (name, "rank", want) not in forbid:
                         forbid.add((name, "rank", want))
                         new = dict(kwargs)
-                        new[name] = make(name, kwargs, rank=want)
+                        new[name] = make(name, kwargs, rank=want, **_unpacked_roles(make, frame, want))
                         if new[name] is not None:
                             return new, f"{name}: rank {want}"
     return None
 
 
+def _unpacked_roles(make, frame, want: int) -> dict:
+    """``{"roles": [...]}``: the axis roles the failing unpack's target names tell
+    (``batch_size, num_frames = t.shape``: batch, frames), when ``make`` takes them."""
+    try:
+        if "roles" not in inspect.signature(make).parameters:
+            return {}
+        stmt = ast.parse(statement_text(frame)).body[0]
+    except (TypeError, ValueError, SyntaxError, IndexError):
+        return {}
+    if isinstance(stmt, ast.Assign) and isinstance(stmt.targets[0], ast.Tuple) and len(stmt.targets[0].elts) == want:
+        roles = [axis_role(e.id) if isinstance(e, ast.Name) else None for e in stmt.targets[0].elts]
+        if any(r not in (None, "batch") for r in roles):
+            return {"roles": roles}
+    return {}
+
+
+def _supply_guarded(exc, msg, kwargs, make, forbid, params):
+    """A local read before it is set (``UnboundLocalError``) because the code sets it only under
+    a condition on optional inputs (``if latents is not None and ids is not None: x = ...``):
+    supply the forward parameters that condition tests and that are None."""
+    if not isinstance(exc, UnboundLocalError):
+        return None
+    m = re.search(r"local variable '(\w+)'", msg)
+    frames = _model_frames(exc)
+    if not m or not frames:
+        return None
+    local = m.group(1)
+    frame = frames[-1]
+    try:
+        lines, _ = inspect.getsourcelines(frame.f_code)
+        tree = ast.parse(textwrap.dedent("".join(lines)))
+    except (OSError, TypeError, SyntaxError, IndentationError):
+        return None
+    tested: list[str] = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.If) and any(isinstance(t, ast.Name) and t.id == local
+                                         for b in n.body for a in ast.walk(b) if isinstance(a, ast.Assign)
+                                         for t in a.targets for t in ast.walk(t)):
+            tested += [x.id for x in ast.walk(n.test) if isinstance(x, ast.Name) and x.id not in tested]
+    new = dict(kwargs)
+    supplied = []
+    for n in tested:
+        if n in params and kwargs.get(n) is None and ("supply", n) not in forbid and not never_supplied(n):
+            forbid.add(("supply", n))
+            val = make(n, new)
+            if val is not None:
+                new[n] = val
+                supplied.append(n)
+    return (new, f"supplied {supplied}: the condition that sets {local!r} tests them") if supplied else None
+
+
 # the repairs ``repair`` tries, in order: each is (exc, msg, kwargs, make, forbid, params) -> (new, note) | None
 _REPAIRS = (_supply_missing, _matmul_last_dim, _supply_none, _boolean_mask, _supply_named, _integer_indices,
-            _like_concatenated, _size_mismatch, _unpack_rank)
+            _like_concatenated, _size_mismatch, _unpack_rank, _supply_guarded)
 
 
 __all__ = ["Grid", "Need", "axis_role", "forward_needs", "module_need", "repair", "tensor_for"]
