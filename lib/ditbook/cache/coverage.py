@@ -614,6 +614,12 @@ class _Maker:
             val = ci.structured(ann, self.grid, lambda: self(name, kwargs, rank=4 if name == self.first else 3))
             if val is not None:
                 return val
+        listed = ci.per_module_list(self.model, name) if rank is None else None
+        if listed is not None:  # one tensor per module of the list the forward feeds them to
+            count, each = listed
+            items = [ci.tensor_for(name, each, self.grid, self.gen) for _ in range(count)]
+            if all(isinstance(t, torch.Tensor) for t in items):
+                return items
         need = copy.copy(self.needs.get(name) or ci.Need())
         hidden = name == self.first
         if rank is not None:

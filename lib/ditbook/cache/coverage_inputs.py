@@ -131,6 +131,70 @@ def _doc_roles(fn, params) -> dict[str, list]:
     return out
 
 
+_DOC_SHAPE_START = re.compile(r"^\s*(\w+)\s*\(.*?of shape\s*`?\(", re.M)
+
+
+def _doc_shape_parts(doc: str, start: int) -> list[str] | None:
+    """The comma-separated dims of the documented shape whose ``(`` ends at ``start``, nested
+    parentheses (``1 + len(layer_ids)``) kept inside their dim."""
+    depth, parts, cur = 1, [], ""
+    for ch in doc[start:start + 300]:
+        if ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+            if depth == 0:
+                return [p.strip() for p in parts + [cur] if p.strip()]
+        if ch == "," and depth == 1:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    return None
+
+
+def _config_size(expr: str, cfg: dict) -> int | None:
+    """The value of a documented dim written with config entries (``cap_feat_dim``,
+    ``1 + len(injection_layer_ids)``): ints, ``+ - * //`` and ``len`` only; None otherwise."""
+    try:
+        tree = ast.parse(expr.strip("` "), mode="eval")
+    except SyntaxError:
+        return None
+    names = [n.id for n in ast.walk(tree) if isinstance(n, ast.Name)]
+    if not any(n in cfg for n in names) or any(n not in cfg and n != "len" for n in names):
+        return None
+    allowed = (ast.Expression, ast.BinOp, ast.Add, ast.Sub, ast.Mult, ast.FloorDiv, ast.Constant, ast.Name,
+               ast.Load, ast.Call)
+    if not all(isinstance(n, allowed) for n in ast.walk(tree)):
+        return None
+    try:
+        val = eval(compile(tree, "<doc>", "eval"), {"__builtins__": {}}, {"len": len, **cfg})  # noqa: S307
+    except Exception:
+        return None
+    return val if isinstance(val, int) and not isinstance(val, bool) and 0 < val <= 1 << 16 else None
+
+
+def _doc_config_sizes(fn, params, model, needs: dict) -> None:
+    """Documented dims that name the model's config (an axis per injected layer, a feature
+    width): their sizes from the config, as ints among the roles (see ``_doc_roles``)."""
+    cfg = dict(getattr(model, "config", None) or {})
+    doc = inspect.getdoc(fn) or ""
+    if not cfg:
+        return
+    for m in _DOC_SHAPE_START.finditer(doc):
+        name = m.group(1)
+        parts = _doc_shape_parts(doc, m.end())
+        if name not in params or not parts or any("..." in p for p in parts):
+            continue
+        sizes = [_config_size(p, cfg) if not p.strip("` ").isidentifier() or axis_role(p) in (None, "dim", "channels")
+                 else None for p in parts]
+        if any(v is not None for v in sizes):
+            roles = [v if v is not None else axis_role(p) for p, v in zip(parts, sizes)]
+            needs[name].roles = roles
+            if "docstring" not in needs[name].where:
+                needs[name].where.append("docstring")
+
+
 def _elementwise_width(mod: nn.Module) -> int | None:
     """D when every parameter of ``mod`` (and it has some, and no submodules) is 1-D of size D."""
     if list(mod.children()):
@@ -189,6 +253,7 @@ def forward_needs(model: nn.Module, depth: int = 0) -> dict[str, Need]:
     for p, roles in _doc_roles(fn, params).items():
         needs[p].roles = roles
         needs[p].where.append("docstring")
+    _doc_config_sizes(fn, params, model, needs)
     _unpack_roles(node, alias, needs)
     _first_module_needs(model, node, alias, _first_rebound(node, alias_defs), needs, depth)
     for need in needs.values():
@@ -317,6 +382,29 @@ def _first_module_needs(model: nn.Module, node, alias: dict, rebound: dict, need
             mine.where += [f"self.{ast.unparse(c.func)[5:]}"] + got.where
 
 
+def per_module_list(model: nn.Module, name: str) -> tuple[int, "Need"] | None:
+    """(count, need of one element) when the forward iterates the parameter ``name`` as
+    ``for i, x in enumerate(name)`` and feeds each element to ``self.<list>[i](x)``: a list of one
+    tensor per module of that ModuleList."""
+    _, node = _source_tree(type(model).forward)
+    if node is None:
+        return None
+    for n in ast.walk(node):
+        if not (isinstance(n, ast.For) and isinstance(n.iter, ast.Call) and isinstance(n.iter.func, ast.Name)
+                and n.iter.func.id == "enumerate" and n.iter.args and isinstance(n.iter.args[0], ast.Name)
+                and n.iter.args[0].id == name and isinstance(n.target, ast.Tuple) and len(n.target.elts) == 2
+                and all(isinstance(e, ast.Name) for e in n.target.elts)):
+            continue
+        index, item = (e.id for e in n.target.elts)
+        for c in (c for b in n.body for c in ast.walk(b)):
+            if isinstance(c, ast.Call) and isinstance(c.func, ast.Subscript) and isinstance(c.func.slice, ast.Name) \
+                    and c.func.slice.id == index and c.args and _root_name(c.args[0]) == item:
+                mods = _self_module(model, c.func.value)
+                if isinstance(mods, nn.ModuleList) and len(mods):
+                    return len(mods), module_need(mods[0], 0)
+    return None
+
+
 def structured(annotation, grid: "Grid", make_tensor):
     """A value for a parameter annotated as a structure of ints/tensors (``list[tuple[int, int,
     int]]``: one (frames, height, width) token grid per sample; ``list[torch.Tensor]``: one
@@ -383,7 +471,9 @@ def tensor_for(name: str, need: Need, grid: Grid, gen: torch.Generator, hidden: 
     if roles:
         shape = []
         for i, r in enumerate(roles):
-            if r == "batch" or (i == 0 and r is None):
+            if isinstance(r, int) and not isinstance(r, bool):
+                shape.append(r)  # a size the docstring gives from the config
+            elif r == "batch" or (i == 0 and r is None):
                 shape.append(1)
             elif r == "channels":
                 shape.append(need.channels or grid.channels)
