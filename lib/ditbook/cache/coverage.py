@@ -189,28 +189,32 @@ def shrink_config(cls: type, factor: int, heads: int | None = None) -> dict:
 def _even_rotary_axes(params, out: dict, head0, head1) -> None:
     """Rotary axes that sum to the head dim by default, each even (a rotary axis rotates pairs),
     but that the shrink left odd or no longer summing to the new head dim: the default's
-    proportions rescaled to the new head dim, each rounded to an even size."""
-    if not (head0 and head1) or head1 % 2:
-        return
+    proportions rescaled to the new head dim, each rounded to an even size. Axes that define the
+    head dim (no head dim in the config) keep the sum the shrink gave them, each made even."""
     for p in params.values():
         d0 = p.default
         if not (("axes" in p.name.lower() or "rope" in p.name.lower()) and isinstance(d0, (tuple, list)) and d0
-                and all(isinstance(x, int) and not isinstance(x, bool) and x > 0 and x % 2 == 0 for x in d0)
-                and sum(d0) == head0):
+                and all(isinstance(x, int) and not isinstance(x, bool) and x > 0 and x % 2 == 0 for x in d0)):
             continue
         d = out.get(p.name, d0)
-        if sum(d) == head1 and all(x % 2 == 0 for x in d):
+        if head0 and head1 and sum(d0) == head0:
+            target = head1
+        elif not any(isinstance(x, int) and x % 2 for x in d):
             continue
-        pairs = [x * (head1 // 2) / sum(d0) for x in d0]  # each axis's share of the head's pairs
+        else:
+            target = sum(d)
+        if target % 2 or (sum(d) == target and all(x % 2 == 0 for x in d)):
+            continue
+        pairs = [x * (target // 2) / sum(d0) for x in d0]  # each axis's share of the head's pairs
         whole = [max(1, int(v)) for v in pairs]
         order = sorted(range(len(d0)), key=lambda i: pairs[i] - int(pairs[i]), reverse=True)
         i = 0
-        while sum(whole) < head1 // 2:
+        while sum(whole) < target // 2:
             whole[order[i % len(order)]] += 1
             i += 1
-        while sum(whole) > head1 // 2 and max(whole) > 1:
+        while sum(whole) > target // 2 and max(whole) > 1:
             whole[whole.index(max(whole))] -= 1
-        if sum(whole) == head1 // 2:
+        if sum(whole) == target // 2:
             out[p.name] = type(d0)(2 * w for w in whole)
 
 

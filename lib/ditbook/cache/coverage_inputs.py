@@ -37,6 +37,7 @@ _ROLE_EXACT = {"b": "batch", "bs": "batch", "bsz": "batch", "n": "tokens", "l": 
                "seq": "tokens", "c": "channels", "ch": "channels", "f": "frames", "t": "frames", "h": "height",
                "w": "width", "d": "dim"}
 _ROLE_WORDS = (("batch", "batch"), ("channel", "channels"), ("chan", "channels"), ("frame", "frames"),
+               ("duration", "frames"),
                ("height", "height"), ("width", "width"), ("seq", "tokens"), ("len", "tokens"),
                ("token", "tokens"), ("dim", "dim"), ("hidden", "dim"), ("feat", "dim"), ("embed", "dim"))
 
@@ -792,9 +793,25 @@ def _supply_guarded(exc, msg, kwargs, make, forbid, params):
     return (new, f"supplied {supplied}: the condition that sets {local!r} tests them") if supplied else None
 
 
+def _grid_as_positions(exc, msg, kwargs, make, forbid, params):
+    """A grid of ints we made up from an annotation (``tuple[int, int, int]``) that a frame of the
+    failing call holds: read it the other way, as one range of positions per axis
+    (``[arange(f), arange(h), arange(w)]``), once."""
+    held = {id(v) for _, v in _failing_locals(exc)}
+    for name, val in kwargs.items():
+        if isinstance(val, (tuple, list)) and val and all(isinstance(x, int) and not isinstance(x, bool) and x > 0
+                                                          for x in val) \
+                and id(val) in held and (name, "positions") not in forbid:
+            forbid.add((name, "positions"))
+            new = dict(kwargs)
+            new[name] = [torch.arange(x) for x in val]
+            return new, f"{name}: one range of positions per axis"
+    return None
+
+
 # the repairs ``repair`` tries, in order: each is (exc, msg, kwargs, make, forbid, params) -> (new, note) | None
 _REPAIRS = (_supply_missing, _matmul_last_dim, _supply_none, _boolean_mask, _supply_named, _integer_indices,
-            _like_concatenated, _size_mismatch, _unpack_rank, _supply_guarded)
+            _like_concatenated, _size_mismatch, _unpack_rank, _supply_guarded, _grid_as_positions)
 
 
 __all__ = ["Grid", "Need", "axis_role", "forward_needs", "module_need", "repair", "tensor_for"]
