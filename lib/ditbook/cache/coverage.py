@@ -197,8 +197,8 @@ def _even_rotary_axes(params, out: dict, head0, head1) -> None:
                 and all(isinstance(x, int) and not isinstance(x, bool) and x > 0 and x % 2 == 0 for x in d0)):
             continue
         d = out.get(p.name, d0)
-        if head0 and head1 and sum(d0) == head0:
-            target = head1
+        if head0 and head1 and head0 % sum(d0) == 0 and (head1 * sum(d0)) % head0 == 0:
+            target = head1 * sum(d0) // head0  # the same share of the head dim (all of it, a half, ...)
         elif not any(isinstance(x, int) and x % 2 for x in d):
             continue
         else:

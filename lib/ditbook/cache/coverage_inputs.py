@@ -65,9 +65,10 @@ class Need:
     stride: int = 1  # spatial sizes a multiple of this (a patch conv's stride)
     vocab: int | None = None  # an Embedding's size: long indices below it
     where: list = field(default_factory=list)  # how it was found (for messages/tests)
+    values: list | None = None  # the int constants the code compares it with (token role tags)
 
     def empty(self) -> bool:
-        return not (self.roles or self.last or self.channels or self.conv_dims or self.vocab)
+        return not (self.roles or self.last or self.channels or self.conv_dims or self.vocab or self.values)
 
 
 def _source_tree(fn):
@@ -257,6 +258,7 @@ def forward_needs(model: nn.Module, depth: int = 0) -> dict[str, Need]:
     _doc_config_sizes(fn, params, model, needs)
     _unpack_roles(node, alias, needs)
     _first_module_needs(model, node, alias, _first_rebound(node, alias_defs), needs, depth)
+    _compared_constants(fn, node, alias, needs)
     for need in needs.values():
         # a Linear takes it first: packed tokens (batch, tokens, features), whatever the
         # docstring says (docstrings often document the unpacked latent)
@@ -264,6 +266,24 @@ def forward_needs(model: nn.Module, depth: int = 0) -> dict[str, Need]:
                 and need.roles[-1] in ("height", "width"):
             need.roles = None
     return needs
+
+
+def _compared_constants(fn, node, alias: dict, needs: dict) -> None:
+    """``indicator == TEXT_TAG``: a parameter compared for equality with module-level int
+    constants takes those values (tags of each token's role); ``values`` in the order the code
+    names them."""
+    glb = getattr(fn, "__globals__", {})
+    for n in ast.walk(node):
+        if not (isinstance(n, ast.Compare) and len(n.ops) == 1 and isinstance(n.ops[0], (ast.Eq, ast.NotEq))):
+            continue
+        for a, b in ((n.left, n.comparators[0]), (n.comparators[0], n.left)):
+            p = alias.get(_root_name(a) or "")
+            if p and isinstance(b, ast.Name) and isinstance(glb.get(b.id), int) and not isinstance(glb[b.id], bool):
+                vals = needs[p].values or []
+                if glb[b.id] not in vals:
+                    needs[p].values = vals + [glb[b.id]]
+                    if "compared" not in needs[p].where:
+                        needs[p].where.append("compared")
 
 
 def _aliases(node, params: list) -> tuple[dict, set]:
@@ -460,6 +480,14 @@ def tensor_for(name: str, need: Need, grid: Grid, gen: torch.Generator, hidden: 
                like: torch.Tensor | None = None):
     """A tensor for parameter ``name`` that meets ``need`` (None when the need says nothing)."""
     low = name.lower()
+    if need.values and need.roles and all(isinstance(r, str) or r is None for r in need.roles):
+        # tags: the sequence split into one run per constant the code compares it with, in the
+        # order the code names them
+        length = grid.tokens() if hidden else grid.text
+        shape = [1 if r == "batch" or i == 0 else length for i, r in enumerate(need.roles)]
+        flat = torch.tensor([need.values[min(i * len(need.values) // shape[-1], len(need.values) - 1)]
+                             for i in range(shape[-1])], dtype=torch.long)
+        return flat.expand(tuple(shape)).clone()
     if need.vocab:
         rank = len(need.roles) if need.roles else 2
         shape = (1, grid.text) if rank >= 2 else (grid.text,)
