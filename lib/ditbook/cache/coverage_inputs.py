@@ -35,9 +35,9 @@ TEXT_LEN = 8
 # axis roles by the names a forward unpacks ``x.shape`` into (exact short names, then words)
 _ROLE_EXACT = {"b": "batch", "bs": "batch", "bsz": "batch", "n": "tokens", "l": "tokens", "s": "tokens",
                "seq": "tokens", "c": "channels", "ch": "channels", "f": "frames", "t": "frames", "h": "height",
-               "w": "width", "d": "dim"}
+               "w": "width", "d": "dim", "pt": "patch_t", "ph": "patch", "pw": "patch"}
 _ROLE_WORDS = (("batch", "batch"), ("channel", "channels"), ("chan", "channels"), ("frame", "frames"),
-               ("duration", "frames"),
+               ("duration", "frames"), ("patches", "tokens"),
                ("height", "height"), ("width", "width"), ("seq", "tokens"), ("len", "tokens"),
                ("token", "tokens"), ("dim", "dim"), ("hidden", "dim"), ("feat", "dim"), ("embed", "dim"))
 
@@ -506,6 +506,8 @@ def tensor_for(name: str, need: Need, grid: Grid, gen: torch.Generator, hidden: 
                 shape.append(1)
             elif r == "channels":
                 shape.append(need.channels or grid.channels)
+            elif r in ("patch", "patch_t"):  # (.., tokens, channels, pt, ph, pw): one patch's pixels
+                shape.append(grid.patch if r == "patch" else grid.patch_t)
             elif r == "frames":
                 shape.append(grid.frames)
             elif r == "height":
