@@ -779,6 +779,8 @@ def find_inputs(model, log=None) -> tuple[dict, dict]:
                 try:
                     _run(model, kwargs)
                 except Exception as exc:
+                    if ci.missing_dependency(exc):
+                        raise Refused(ci.missing_dependency(exc)) from None
                     fixed = (_regrid(exc, kwargs, model, cand, needs, maker, forbid)
                              or ci.repair(exc, kwargs, maker, forbid))
                     if log:

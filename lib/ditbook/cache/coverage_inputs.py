@@ -839,6 +839,31 @@ def _grid_as_positions(exc, msg, kwargs, make, forbid, params):
     return None
 
 
+def missing_dependency(exc: BaseException) -> str | None:
+    """A ``NameError`` for a name the failing code's module imports only under a condition
+    (``if is_x_available(): from x import y``): the optional dependency is not installed and the
+    forward cannot run on any input. The reason, or None."""
+    if not isinstance(exc, NameError) or not getattr(exc, "name", None):
+        return None
+    frames = _model_frames(exc)
+    if not frames:
+        return None
+    mod = inspect.getmodule(frames[-1].f_code)
+    try:
+        tree = ast.parse(inspect.getsource(mod)) if mod is not None else None
+    except (OSError, TypeError, SyntaxError):
+        return None
+    for n in ast.walk(tree) if tree is not None else ():
+        if isinstance(n, (ast.If, ast.Try)):
+            for imp in (x for b in n.body for x in ast.walk(b) if isinstance(x, (ast.Import, ast.ImportFrom))):
+                for alias in imp.names:
+                    if (alias.asname or alias.name).split(".")[0] == exc.name:
+                        src = imp.module if isinstance(imp, ast.ImportFrom) else alias.name
+                        return (f"the forward uses {exc.name!r}, which {mod.__name__} imports from {src!r} only when "
+                                f"that optional dependency is installed, and it is not")
+    return None
+
+
 # the repairs ``repair`` tries, in order: each is (exc, msg, kwargs, make, forbid, params) -> (new, note) | None
 _REPAIRS = (_supply_missing, _matmul_last_dim, _supply_none, _boolean_mask, _supply_named, _integer_indices,
             _like_concatenated, _size_mismatch, _unpack_rank, _supply_guarded, _grid_as_positions)
