@@ -633,8 +633,8 @@ class _Maker:
         if not need.empty():
             val = ci.tensor_for(name, need, self.grid, self.gen, hidden=hidden)
             if val is not None:
-                return val
-        return self.by_name(name, kwargs)
+                return ci.suffix_sizes_fit(name, val, _config(self.model), self.gen)
+        return ci.suffix_sizes_fit(name, self.by_name(name, kwargs), _config(self.model), self.gen)
 
     def by_name(self, name: str, kwargs: dict):
         g, low = self.grid, name.lower()

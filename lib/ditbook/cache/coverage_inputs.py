@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import math
 import re
 import textwrap
 import traceback
@@ -491,6 +492,8 @@ def tensor_for(name: str, need: Need, grid: Grid, gen: torch.Generator, hidden: 
     if need.vocab:
         rank = len(need.roles) if need.roles else 2
         shape = (1, grid.text) if rank >= 2 else (grid.text,)
+        if not need.roles and not low.endswith(("s", "ids", "tokens")):
+            shape = (1,)  # a singular name (``style``, ``label``): one index per sample, like a class label
         return torch.randint(0, min(need.vocab, 16), shape, generator=gen)
     roles = list(need.roles) if need.roles else None
     if need.conv_dims and (not roles or len(roles) < need.conv_dims + 2 and "channels" not in roles):
@@ -534,6 +537,37 @@ def tensor_for(name: str, need: Need, grid: Grid, gen: torch.Generator, hidden: 
             return torch.randn((1, need.last), generator=gen)
         return torch.randn((1, grid.tokens() if hidden else grid.text, need.last), generator=gen)
     return None
+
+
+_SIZE_WORDS = {"len", "length", "dim", "dims", "channels", "size", "width"}
+
+
+def suffix_sizes_fit(name: str, val, cfg: dict, gen: torch.Generator | None = None):
+    """A second text input told apart by a suffix (``encoder_hidden_states_t5``) whose length and
+    width the config gives under the same suffix (``text_len_t5``, ``cross_attention_dim_t5``):
+    ``val`` (a [batch, tokens, width] tensor) remade with those sizes; ``val`` itself otherwise."""
+    suffix = name.lower().rsplit("_", 1)[-1]
+    if isinstance(val, torch.Tensor) and val.ndim == 2 and not val.is_floating_point() and "_" in name:
+        # its mask (``text_embedding_mask_t5``): the length only
+        grown = suffix_sizes_fit(name, torch.zeros(val.shape[0], val.shape[1], 1), cfg)
+        return torch.ones(val.shape[0], grown.shape[1], dtype=val.dtype) if grown.shape[1] != val.shape[1] else val
+    if not isinstance(val, torch.Tensor) or val.ndim != 3 or not val.is_floating_point() or "_" not in name \
+            or suffix in _SIZE_WORDS or suffix in ("states", "embeds", "hidden", "emb", "ids", "mask") \
+            or suffix.isdigit():
+        return val
+    length = width = None
+    for k, v in cfg.items():
+        parts = k.lower().split("_")
+        if len(parts) < 2 or parts[-1] != suffix or not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            continue
+        if any(w in parts for w in ("len", "length")):
+            length = v
+        elif any(w in parts for w in ("dim", "channels", "width")):
+            width = v
+    if length is None and width is None:
+        return val
+    shape = (val.shape[0], length or val.shape[1], width or val.shape[2])
+    return torch.randn(shape, generator=gen) if shape != tuple(val.shape) else val
 
 
 # --- error-directed repair ---------------------------------------------------------------------
@@ -864,9 +898,85 @@ def missing_dependency(exc: BaseException) -> str | None:
     return None
 
 
+_VIEW = re.compile(r"shape '\[([-\d, ]+)\]' is invalid for input of size (\d+)")
+
+
+def _view_multiple(exc, msg, kwargs, make, forbid, params):
+    """``x.view(-1, K)`` of an input the failing statement names, whose elements (times what the
+    code made of each) do not fill rows of K: the input with as many values per sample as fill
+    one row (``image_meta_size`` as 6 numbers where 2 were made up)."""
+    m = _VIEW.search(msg)
+    if not m:
+        return None
+    dims = [int(x) for x in m.group(1).split(",") if x.strip()]
+    total = int(m.group(2))
+    if dims.count(-1) != 1:
+        return None
+    row = 1
+    for d in dims:
+        row *= d if d != -1 else 1
+    frames = _model_frames(exc)
+    named = set(re.findall(r"\w+", statement_text(frames[-1]))) if frames else set()
+    for name, val in kwargs.items():
+        if name not in named or not isinstance(val, torch.Tensor) or val.ndim not in (1, 2) or not val.numel() \
+                or total % val.numel() or (name, "view") in forbid:
+            continue
+        each = total // val.numel()  # what the code made of one value
+        per = (row * each // math.gcd(row, each)) // each  # values that fill one row
+        forbid.add((name, "view"))
+        new = dict(kwargs)
+        fill = val.flatten()[0].item()
+        new[name] = torch.full((1, per) if val.ndim == 2 else (per,), fill, dtype=val.dtype)
+        return new, f"{name}: {per} values per sample (a row of {row})"
+    return None
+
+
+_CAT_SIZES = re.compile(r"Sizes of tensors must match except in dimension (-?\d+)\. Expected size (\d+) but got "
+                        r"size (\d+) for tensor number (\d+)")
+
+
+def _cat_operand_size(exc, msg, kwargs, make, forbid, params):
+    """``torch.cat([ours, theirs], dim=D)`` where ``theirs`` was computed by the code: the input
+    among the listed operands takes the other operand's size on the axis that differs (the
+    first operand's size X against operand k's size Y)."""
+    m = _CAT_SIZES.search(msg)
+    frames = _model_frames(exc)
+    if not m or not frames:
+        return None
+    cat_dim, x, y, k = (int(g) for g in m.groups())
+    frame = frames[-1]
+    try:
+        stmt = ast.parse(statement_text(frame))
+    except SyntaxError:
+        return None
+    lists = [c.args[0] for c in ast.walk(stmt) if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute)
+             and c.func.attr in ("cat", "concat", "concatenate") and c.args and isinstance(c.args[0], (ast.List, ast.Tuple))]
+    if not lists:
+        return None
+    names = [e.id if isinstance(e, ast.Name) else None for e in lists[0].elts]
+    for pos, want_from, want_to in ((0, x, y), (k, y, x)):
+        if pos >= len(names) or names[pos] is None:
+            continue
+        local = frame.f_locals.get(names[pos])
+        for name, val in kwargs.items():
+            if val is not local or not isinstance(val, torch.Tensor) or (name, "cat", want_to) in forbid:
+                continue
+            axes = [d for d in range(val.ndim) if val.shape[d] == want_from and d != cat_dim % val.ndim]
+            if not axes:
+                continue
+            forbid.add((name, "cat", want_to))
+            shape = list(val.shape)
+            shape[axes[-1]] = want_to
+            new = dict(kwargs)
+            new[name] = torch.randn(shape).to(val.dtype) if val.is_floating_point() else torch.zeros(shape, dtype=val.dtype)
+            return new, f"{name}: dim {axes[-1]} {want_from} -> {want_to} (like the tensor it is concatenated with)"
+    return None
+
+
 # the repairs ``repair`` tries, in order: each is (exc, msg, kwargs, make, forbid, params) -> (new, note) | None
 _REPAIRS = (_supply_missing, _matmul_last_dim, _supply_none, _boolean_mask, _supply_named, _integer_indices,
-            _like_concatenated, _size_mismatch, _unpack_rank, _supply_guarded, _grid_as_positions)
+            _like_concatenated, _size_mismatch, _unpack_rank, _supply_guarded, _grid_as_positions, _view_multiple,
+            _cat_operand_size)
 
 
 __all__ = ["Grid", "Need", "axis_role", "forward_needs", "module_need", "repair", "tensor_for"]
