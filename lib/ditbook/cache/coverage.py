@@ -704,6 +704,19 @@ def _flow_inputs(model, cand: dict, needs: dict, maker: "_Maker") -> dict:
     return kwargs
 
 
+def _tagged(kwargs: dict, needs: dict) -> dict:
+    """Inputs the code compares with module constants (token role tags) hold those constants, in
+    the shape the name rules gave them: random values would tag no token at all."""
+    out = dict(kwargs)
+    for name, val in kwargs.items():
+        need = needs.get(name)
+        if need is not None and need.values and isinstance(val, torch.Tensor) and val.ndim >= 1 and val.numel():
+            n = val.shape[-1]
+            row = torch.tensor([need.values[min(i * len(need.values) // n, len(need.values) - 1)] for i in range(n)])
+            out[name] = row.expand(tuple(val.shape)).clone()
+    return out
+
+
 def _regrid(exc, kwargs, model, cand, needs, maker, forbid):
     fixed = _regrid_inputs(exc, model, cand, needs, maker, forbid)
     if fixed is None:
@@ -751,15 +764,15 @@ def find_inputs(model, log=None) -> tuple[dict, dict]:
     the errors the forward raises (``coverage_inputs``)."""
     errors: dict[str, str] = {}
     cands = input_candidates(model)
+    needs = ci.forward_needs(model)
     for cand in cands:
-        kwargs = make_inputs(model, cand)
+        kwargs = _tagged(make_inputs(model, cand), needs)
         try:
             _run(model, kwargs)
         except Exception as exc:
             errors.setdefault(cand["hidden"][0], _first_line(exc))
             continue
         return kwargs, cand
-    needs = ci.forward_needs(model)
     required = [p.name for p in inspect.signature(model.forward).parameters.values()
                 if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     state = [n for n in required if ci.never_supplied(n)]

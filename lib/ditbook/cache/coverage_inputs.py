@@ -481,11 +481,11 @@ def tensor_for(name: str, need: Need, grid: Grid, gen: torch.Generator, hidden: 
                like: torch.Tensor | None = None):
     """A tensor for parameter ``name`` that meets ``need`` (None when the need says nothing)."""
     low = name.lower()
-    if need.values and need.roles and all(isinstance(r, str) or r is None for r in need.roles):
+    if need.values and all(isinstance(r, str) or r is None for r in need.roles or ()):
         # tags: the sequence split into one run per constant the code compares it with, in the
         # order the code names them
         length = grid.tokens() if hidden else grid.text
-        shape = [1 if r == "batch" or i == 0 else length for i, r in enumerate(need.roles)]
+        shape = [1 if r == "batch" or i == 0 else length for i, r in enumerate(need.roles or ("batch", "tokens"))]
         flat = torch.tensor([need.values[min(i * len(need.values) // shape[-1], len(need.values) - 1)]
                              for i in range(shape[-1])], dtype=torch.long)
         return flat.expand(tuple(shape)).clone()
@@ -865,8 +865,8 @@ def _grid_as_positions(exc, msg, kwargs, make, forbid, params):
     for name, val in kwargs.items():
         if isinstance(val, (tuple, list)) and val and all(isinstance(x, int) and not isinstance(x, bool) and x > 0
                                                           for x in val) \
-                and id(val) in held and (name, "positions") not in forbid:
-            forbid.add((name, "positions"))
+                and id(val) in held and (name, "positions", id(val)) not in forbid:
+            forbid.add((name, "positions", id(val)))  # once per made-up value (a regrid makes it again)
             new = dict(kwargs)
             new[name] = [torch.arange(x) for x in val]
             return new, f"{name}: one range of positions per axis"
