@@ -306,3 +306,43 @@ def test_a_concatenated_input_takes_the_width_of_the_computed_operand():
     new, why = ci.repair(err, kwargs, lambda *a, **k: None, set())
     assert new["encoder_hidden_states"].shape == (1, 7, 8), why
     assert model(**new)[0].shape == (1, 4, 8)
+
+
+class CachedChunks(ModelMixin, ConfigMixin):
+    """A frame-autoregressive model: its forward reads a kv cache that earlier calls fill."""
+
+    @register_to_config
+    def __init__(self, in_channels: int = 4, dim: int = 8):
+        super().__init__()
+        self.proj = nn.Linear(in_channels, dim)
+
+    def forward(self, hidden_states, kv_cache=None, return_dict: bool = False):
+        return (self.proj(hidden_states) + kv_cache[0]["k"].mean(),)
+
+
+_PIPELINE_SRC = '''
+class ChunkPipeline:
+    def __init__(self, transformer: CachedChunks, scheduler=None):
+        pass
+
+    def __call__(self, latents, kv_cache):
+        for _ in range(3):
+            out = self.transformer(hidden_states=latents, kv_cache=kv_cache, return_dict=False)
+        return out
+'''
+
+
+def test_a_model_its_pipelines_always_call_with_a_kv_cache_is_refused_with_that_reason(monkeypatch):
+    import ast
+
+    calls = ci.pipeline_calls_in(ast.parse(_PIPELINE_SRC))
+    assert calls == {"CachedChunks": [{"hidden_states", "kv_cache", "return_dict"}]}
+    monkeypatch.setattr(ci, "_PIPELINE_CALLS", calls)
+    assert ci.pipeline_state_inputs(CachedChunks) == ["kv_cache"]
+    with pytest.raises(coverage.Refused, match=r"every call of this transformer in diffusers' pipelines passes "
+                                               r"\['kv_cache'\]"):
+        coverage.find_inputs(CachedChunks())
+    # a class some pipeline calls without the cache: the plain errors, no such claim
+    monkeypatch.setattr(ci, "_PIPELINE_CALLS", {"CachedChunks": calls["CachedChunks"] + [{"hidden_states"}]})
+    with pytest.raises(coverage.Refused, match="no inputs from the forward signature run it"):
+        coverage.find_inputs(CachedChunks())

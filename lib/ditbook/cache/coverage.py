@@ -806,6 +806,11 @@ def find_inputs(model, log=None) -> tuple[dict, dict]:
                 return kwargs, cand
     # the data-flow attempts' last errors first: they went furthest
     order = sorted(errors, key=lambda k: not k.endswith("+flow"))
+    state = ci.pipeline_state_inputs(type(model))
+    if state:
+        raise Refused(f"every call of this transformer in diffusers' pipelines passes {state}: state of a running "
+                      f"pipeline (a kv cache filled by earlier calls) that the probe does not make up; without it "
+                      f"no input runs the forward: " + "; ".join(f"{k}: {errors[k]}" for k in order[:2]))
     raise Refused("no inputs from the forward signature run it: " + "; ".join(f"{k}: {errors[k]}" for k in order))
 
 

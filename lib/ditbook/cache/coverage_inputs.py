@@ -570,6 +570,67 @@ def suffix_sizes_fit(name: str, val, cfg: dict, gen: torch.Generator | None = No
     return torch.randn(shape, generator=gen) if shape != tuple(val.shape) else val
 
 
+_STATE_WORDS = ("cache", "past_key_values")
+
+
+def _pipeline_calls() -> dict[str, list[set]]:
+    """Per transformer class name a diffusers pipeline's ``__init__`` annotates
+    (``transformer: SomeTransformer``): the keyword sets of every ``self.transformer(...)`` call
+    in that pipeline's code. Read once from the installed diffusers' pipeline sources (AST)."""
+    global _PIPELINE_CALLS
+    if _PIPELINE_CALLS is not None:
+        return _PIPELINE_CALLS
+    import pathlib
+
+    import diffusers.pipelines as pipes
+
+    out: dict[str, list[set]] = {}
+    for path in pathlib.Path(pipes.__path__[0]).rglob("*.py"):
+        try:
+            text = path.read_text()
+            if "self.transformer(" not in text:
+                continue
+            tree = ast.parse(text)
+        except (OSError, SyntaxError, UnicodeDecodeError):
+            continue
+        for name, calls in pipeline_calls_in(tree).items():
+            out.setdefault(name, []).extend(calls)
+    _PIPELINE_CALLS = out
+    return out
+
+
+def pipeline_calls_in(tree) -> dict[str, list[set]]:
+    """``{annotated transformer class name: [keywords of each self.transformer(...) call]}`` for
+    the pipeline classes of one module's AST."""
+    out: dict[str, list[set]] = {}
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+        init = next((f for f in cls.body if isinstance(f, ast.FunctionDef) and f.name == "__init__"), None)
+        names = [ast.unparse(a.annotation).split(".")[-1] for a in (init.args.args if init else [])
+                 if a.arg == "transformer" and a.annotation is not None]
+        calls = [{k.arg for k in c.keywords if k.arg} for c in ast.walk(cls) if isinstance(c, ast.Call)
+                 and isinstance(c.func, ast.Attribute) and c.func.attr == "transformer"
+                 and isinstance(c.func.value, ast.Name) and c.func.value.id == "self"]
+        for name in names:
+            out.setdefault(name, []).extend(calls)
+    return out
+
+
+_PIPELINE_CALLS: dict | None = None
+
+
+def pipeline_state_inputs(cls: type) -> list[str]:
+    """The keywords naming running-pipeline state (kv caches) that every call of a transformer of
+    class ``cls`` in diffusers' pipelines passes; empty when some call passes none, or no
+    pipeline annotates the class."""
+    calls = _pipeline_calls().get(cls.__name__, [])
+    if not calls:
+        return []
+    state = [{k for k in c if any(w in k.lower() for w in _STATE_WORDS)} for c in calls]
+    if not all(state):
+        return []
+    return sorted(set().union(*state))
+
+
 # --- error-directed repair ---------------------------------------------------------------------
 
 _MATMUL = re.compile(r"mat1 and mat2 shapes cannot be multiplied \((\d+)x(\d+) and (\d+)x(\d+)\)")
@@ -858,10 +919,22 @@ def _supply_guarded(exc, msg, kwargs, make, forbid, params):
 
 
 def _grid_as_positions(exc, msg, kwargs, make, forbid, params):
-    """A grid of ints we made up from an annotation (``tuple[int, int, int]``) that a frame of the
-    failing call holds: read it the other way, as one range of positions per axis
-    (``[arange(f), arange(h), arange(w)]``), once."""
-    held = {id(v) for _, v in _failing_locals(exc)}
+    """A grid of ints we made up from an annotation (``tuple[int, int, int]``) whose elements the
+    failing function uses as indices (``table[pos[0]]``): read it the other way, as one range
+    of positions per axis (``[arange(f), arange(h), arange(w)]``), once per made-up value."""
+    frames = _model_frames(exc)
+    if not frames:
+        return None
+    frame = frames[-1]
+    try:
+        lines, _ = inspect.getsourcelines(frame.f_code)
+        tree = ast.parse(textwrap.dedent("".join(lines)))
+    except (OSError, TypeError, SyntaxError, IndentationError):
+        return None
+    # names whose elements index something in the failing function: ``table[pos[0]]``
+    indexing = {n.slice.value.id for n in ast.walk(tree) if isinstance(n, ast.Subscript)
+                and isinstance(n.slice, ast.Subscript) and isinstance(n.slice.value, ast.Name)}
+    held = {id(v) for k, v in frame.f_locals.items() if k in indexing}
     for name, val in kwargs.items():
         if isinstance(val, (tuple, list)) and val and all(isinstance(x, int) and not isinstance(x, bool) and x > 0
                                                           for x in val) \
