@@ -346,3 +346,26 @@ def test_a_model_its_pipelines_always_call_with_a_kv_cache_is_refused_with_that_
     monkeypatch.setattr(ci, "_PIPELINE_CALLS", {"CachedChunks": calls["CachedChunks"] + [{"hidden_states"}]})
     with pytest.raises(coverage.Refused, match="no inputs from the forward signature run it"):
         coverage.find_inputs(CachedChunks())
+
+
+class UntiedWidthDefaults(ModelMixin, ConfigMixin):
+    """Defaults that disagree: the blocks work on heads x head dim (4 x 16 = 64) features, the
+    embedder makes ``hidden_size`` (48) of them; a real checkpoint sets both alike."""
+
+    @register_to_config
+    def __init__(self, in_channels: int = 4, hidden_size: int = 48, num_attention_heads: int = 4,
+                 attention_head_dim: int = 16):
+        super().__init__()
+        self.proj_in = nn.Linear(in_channels, hidden_size)
+        self.to_q = nn.Linear(num_attention_heads * attention_head_dim, num_attention_heads * attention_head_dim)
+        self.proj_out = nn.Linear(num_attention_heads * attention_head_dim, in_channels)
+
+    def forward(self, hidden_states, return_dict: bool = False):
+        return (self.proj_out(self.to_q(self.proj_in(hidden_states))),)
+
+
+def test_a_width_the_defaults_leave_unequal_to_heads_times_head_dim_is_tied_when_nothing_else_runs():
+    model, _, kwargs = coverage.tiny_with_inputs(UntiedWidthDefaults)
+    cfg = model.config
+    assert cfg.hidden_size == cfg.num_attention_heads * cfg.attention_head_dim
+    assert coverage._run(model, kwargs).shape[-1] == 4

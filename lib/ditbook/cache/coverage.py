@@ -427,7 +427,42 @@ def tiny_with_inputs(cls: type, ladder=LADDER):
             return model, f, kwargs
         except Refused as exc:
             last = exc
+    tied = _tied_width_instance(cls, ladder)
+    if tied is not None:
+        model, f = tied
+        try:
+            kwargs, _ = find_inputs(model)
+            return model, f, kwargs
+        except Refused:
+            pass
     raise Refused(f"{last}")
+
+
+_WIDTH_NAMES = ("hidden_size", "inner_dim", "hidden_dim", "dim", "width", "model_dim")
+
+
+def _tied_width_instance(cls: type, ladder=LADDER):
+    """(instance, factor) of the first rung with the model width set to heads x head dim, when
+    the class's defaults disagree (a width of 1152 next to 16 heads of 88): tried only after no
+    rung ran as the defaults say; None when the defaults agree or it does not build."""
+    sig = inspect.signature(cls.__init__).parameters
+    for f, heads in ladder[:1]:
+        kwargs = shrink_config(cls, f, heads)
+        cfg = {**{k: v.default for k, v in sig.items() if v.default is not inspect.Parameter.empty}, **kwargs}
+        head = next((v for k, v in cfg.items() if "head_dim" in k.lower() and isinstance(v, int)), None)
+        n = next((v for k, v in cfg.items() if _is_head_count(k) and "kv" not in k.lower() and isinstance(v, int)
+                  and not isinstance(v, bool) and v > 0), None)
+        width = next((k for k in _WIDTH_NAMES if isinstance(cfg.get(k), int) and not isinstance(cfg.get(k), bool)), None)
+        if not (head and n and width) or cfg[width] == head * n:
+            return None
+        try:
+            torch.manual_seed(0)
+            with contextlib.redirect_stdout(io.StringIO()):
+                model = cls(**{**kwargs, width: head * n})
+        except Exception:
+            return None
+        return _with_called_submodules(cls, model.float().eval(), {**kwargs, width: head * n}), f
+    return None
 
 
 # --- inputs ------------------------------------------------------------------------------------
