@@ -369,3 +369,30 @@ def test_a_width_the_defaults_leave_unequal_to_heads_times_head_dim_is_tied_when
     cfg = model.config
     assert cfg.hidden_size == cfg.num_attention_heads * cfg.attention_head_dim
     assert coverage._run(model, kwargs).shape[-1] == 4
+
+
+class ConcatenatedContext(ModelMixin, ConfigMixin):
+    """The patch conv takes 6 channels: the noisy latent (2, what the model returns) concatenated
+    with context latents (the other 4); the config names only the sum."""
+
+    @register_to_config
+    def __init__(self, in_channels: int = 6, dim: int = 8, out_dim: int = 2):
+        super().__init__()
+        self.proj_in = nn.Conv1d(in_channels, dim, 2, stride=2)
+        self.proj_out = nn.ConvTranspose1d(dim, out_dim, 2, stride=2)
+
+    def forward(self, hidden_states, context_latents, return_dict: bool = False):
+        """
+        Args:
+            hidden_states (`torch.Tensor` of shape `(batch_size, seq_len, channels)`): noisy latents
+            context_latents (`torch.Tensor` of shape `(batch_size, seq_len, context_dim)`): context
+        """
+        x = torch.cat([context_latents, hidden_states], dim=-1)
+        x = self.proj_in(x.transpose(1, 2))
+        return (self.proj_out(x).transpose(1, 2),)
+
+
+def test_the_noisy_input_keeps_the_output_width_in_a_concatenation_the_embedder_takes():
+    kwargs, _ = coverage.find_inputs(ConcatenatedContext())
+    assert kwargs["hidden_states"].shape[-1] == 2 and kwargs["context_latents"].shape[-1] == 4
+    assert kwargs["hidden_states"].shape[1] == kwargs["context_latents"].shape[1]

@@ -1046,10 +1046,68 @@ def _cat_operand_size(exc, msg, kwargs, make, forbid, params):
     return None
 
 
+_CHANNELS = re.compile(r"expected input\[[\d, ]+\] to have (\d+) channels, but got (\d+) channels")
+
+
+def _output_width(model) -> int | None:
+    """The width of the model's last layer (its output's channels)."""
+    last = None
+    for m in model.modules():
+        w = getattr(m, "out_channels", None) or getattr(m, "out_features", None)
+        if isinstance(w, int) and not list(m.children()):
+            last = w
+    return last
+
+
+def _split_concat_channels(exc, msg, kwargs, make, forbid, params):
+    """An embedding that expects C channels gets the concatenation of the noisy input with other
+    inputs (``x = torch.cat([cond, x], dim=-1)`` in a frame of the failing call): the noisy input
+    (the forward's first) keeps the width of the model's output (a denoiser returns what it
+    takes), the other concatenated input takes the rest of C."""
+    m = _CHANNELS.search(msg)
+    model = getattr(make, "model", None)
+    first = getattr(make, "first", None)
+    if not m or model is None or first not in kwargs:
+        return None
+    want = int(m.group(1))
+    out_w = _output_width(model)
+    if not out_w or out_w >= want:
+        return None
+    for frame in reversed(_model_frames(exc)):
+        try:
+            lines, _ = inspect.getsourcelines(frame.f_code)
+            tree = ast.parse(textwrap.dedent("".join(lines)))
+        except (OSError, TypeError, SyntaxError, IndentationError):
+            continue
+        for c in ast.walk(tree):
+            if not (isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute) and c.func.attr in ("cat", "concat")
+                    and c.args and isinstance(c.args[0], (ast.List, ast.Tuple))):
+                continue
+            names = [e.id for e in c.args[0].elts if isinstance(e, ast.Name)]
+            dim = next((k.value.value if isinstance(k.value, ast.Constant) else
+                        -k.value.operand.value if isinstance(k.value, ast.UnaryOp) else None
+                        for k in c.keywords if k.arg == "dim"), None)
+            others = [n for n in names if n != first and isinstance(kwargs.get(n), torch.Tensor)]
+            if first not in names or len(others) != 1 or not isinstance(dim, int):
+                continue
+            other = others[0]
+            key = (other, "split", want)
+            if key in forbid:
+                continue
+            forbid.add(key)
+            new = dict(kwargs)
+            for n, w in ((first, out_w), (other, want - out_w)):
+                shape = list(kwargs[n].shape)
+                shape[dim] = w
+                new[n] = torch.randn(shape)
+            return new, f"{first}: width {out_w} (the output's), {other}: the other {want - out_w} of {want}"
+    return None
+
+
 # the repairs ``repair`` tries, in order: each is (exc, msg, kwargs, make, forbid, params) -> (new, note) | None
 _REPAIRS = (_supply_missing, _matmul_last_dim, _supply_none, _boolean_mask, _supply_named, _integer_indices,
             _like_concatenated, _size_mismatch, _unpack_rank, _supply_guarded, _grid_as_positions, _view_multiple,
-            _cat_operand_size)
+            _cat_operand_size, _split_concat_channels)
 
 
 __all__ = ["Grid", "Need", "axis_role", "forward_needs", "module_need", "repair", "tensor_for"]
