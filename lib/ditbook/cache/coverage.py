@@ -11,7 +11,10 @@ Per class (``check_class``):
    under a head cap, and axes left None become two halves of it. A constructor that fails on a
    parameter left None (``ctor_repair``, from the traceback's ``__init__`` frame) gets a value
    derived from the code: a tuple where it is subscripted by an int, else the value of the most
-   similarly named parameter. A class that no factor builds is ``refused`` with the error.
+   similarly named parameter. A submodule the forward always calls but the defaults leave None
+   gets the constructor flag that builds it; rotary axes stay even and keep their share of the
+   head dim; when no rung runs, a model width the defaults leave unequal to heads x head dim is
+   tied to it. A class that no factor builds is ``refused`` with the error.
 2. **inputs** from the forward signature (``make_inputs``): the parameters are matched by name
    to tensors whose shapes come from the config (image latents as 4-D, 5-D or packed 3-D,
    text states with the width of a text/caption/joint/cross config entry, pooled vectors,
@@ -20,8 +23,10 @@ Per class (``check_class``):
    the first submodule each parameter reaches, how its shape is unpacked, its documented shape,
    its annotation) and repairs it from the errors the forward raises (a None parameter the code
    reads, a matrix product's width, index/mask dtypes, a rank, a text length or frame count a
-   positional table fixes, a token grid too small), a bounded number of times. None runs:
-   ``refused`` with the errors (the data-flow attempts' first).
+   positional table fixes, a token grid too small, and the further rules in
+   ``coverage_inputs``), a bounded number of times. None runs: ``refused`` with the errors (the
+   data-flow attempts' first), or with the optional dependency the forward lacks, or with the kv
+   cache every diffusers pipeline passes this class.
 3. **inspection** (``ditbook.inspect``): static report plus a traced call.
 4. **cache adapter** (``build_cache_adapter``) and the dbcache strategy with caching off: every
    step's output equal to the plain forward (max abs diff <= 1e-5, fp32); then with caching on,

@@ -15,7 +15,14 @@ Three generic mechanisms, no class names:
   frame, or the parameter a ``missing required argument`` error names) is supplied; a matrix
   product ``(AxB and CxD)`` whose left side is an input with last dim ``B`` gets last dim ``C``;
   an index tensor that is not an integer tensor becomes one; a tensor unpacked into more or fewer
-  names than its rank gets that rank.
+  names than its rank gets that rank (with the axes its target names say); inputs that the
+  condition setting an unset local tests are supplied; an int grid whose elements index tables
+  becomes per-axis position ranges; a view's rows are filled; a concatenated input takes the
+  other operand's size, or (the noisy input with another) the output's width and the rest.
+
+Also read from the code: unpacked axes through a ``permute``, documented dims written with
+config entries, lists fed element-wise to a ModuleList, tags compared with module constants,
+second text inputs sized by config entries with their suffix (``text_len_t5``).
 """
 
 from __future__ import annotations
