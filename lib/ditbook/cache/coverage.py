@@ -170,7 +170,6 @@ def shrink_config(cls: type, factor: int, heads: int | None = None) -> dict:
                 and p.default and all(isinstance(x, int) for x in p.default) and head0 and head1 \
                 and sum(p.default) == head0 and sum(d) != head1 and head1 % sum(d) == 0:
             out[p.name] = type(d)(x * (head1 // sum(d)) for x in d)
-    _even_rotary_axes(params, out, head0, head1)
     # widths that equal heads x head dim by default (an attention width fed from the inner
     # dim) keep doing so when a head cap changed the inner dim
     heads0 = next((v.default for k, v in params.items() if _is_head_count(k) and "kv" not in k.lower()
@@ -188,10 +187,10 @@ def shrink_config(cls: type, factor: int, heads: int | None = None) -> dict:
             head = _head_dim({**{k: v.default for k, v in params.items()}, **out})
             if head and head % 4 == 0:
                 out[p.name] = (head // 2, head // 2)
-    return out
+    return _even_rotary_axes(params, out, head0, head1)
 
 
-def _even_rotary_axes(params, out: dict, head0, head1) -> None:
+def _even_rotary_axes(params, out: dict, head0, head1) -> dict:
     """Rotary axes that sum to the head dim by default, each even (a rotary axis rotates pairs),
     but that the shrink left odd or no longer summing to the new head dim: the default's
     proportions rescaled to the new head dim, each rounded to an even size. Axes that define the
@@ -221,6 +220,7 @@ def _even_rotary_axes(params, out: dict, head0, head1) -> None:
             whole[whole.index(max(whole))] -= 1
         if sum(whole) == target // 2:
             out[p.name] = type(d0)(2 * w for w in whole)
+    return out
 
 
 def _head_dim(cfg: dict) -> int | None:
