@@ -396,3 +396,37 @@ def test_the_noisy_input_keeps_the_output_width_in_a_concatenation_the_embedder_
     kwargs, _ = coverage.find_inputs(ConcatenatedContext())
     assert kwargs["hidden_states"].shape[-1] == 2 and kwargs["context_latents"].shape[-1] == 4
     assert kwargs["hidden_states"].shape[1] == kwargs["context_latents"].shape[1]
+
+
+class UnsetSetting(ModelMixin, ConfigMixin):
+    """The forward iterates a setting its defaults leave None; ``extra`` is an optional input the
+    failing line has nothing to do with."""
+
+    @register_to_config
+    def __init__(self, in_channels: int = 4, layer_ids: list = None):
+        super().__init__()
+        self.proj = nn.Linear(in_channels, in_channels)
+
+    def forward(self, hidden_states, extra=None, return_dict: bool = False):
+        picked = [hidden_states[:, k] for k in self.config.layer_ids]
+        return (self.proj(torch.stack(picked, 1)) + (0 if extra is None else extra),)
+
+
+def test_a_none_setting_of_the_model_is_not_blamed_on_an_unrelated_optional_input():
+    model = UnsetSetting()
+    kwargs = {"hidden_states": torch.randn(1, 6, 4), "return_dict": False}
+    try:
+        model(**kwargs)
+    except TypeError as exc:
+        err = exc
+    else:
+        pytest.fail("the forward ran with its setting unset")
+
+    def make(name, kw, rank=None):
+        return torch.zeros(1)
+
+    make.params = ("hidden_states", "extra", "return_dict")
+    assert ci.repair(err, kwargs, make, set()) is None  # before: "supplied extra", a repair of nothing
+    assert ci._own_none(err) == "self.config.layer_ids"
+    with pytest.raises(coverage.Refused, match=r"self\.config\.layer_ids is None: a setting the class's defaults"):
+        coverage.find_inputs(UnsetSetting())

@@ -839,7 +839,9 @@ def find_inputs(model, log=None) -> tuple[dict, dict]:
                     if log:
                         log(cand["hidden"][0], _summary(exc), fixed[1] if fixed else None)
                     if fixed is None:
-                        errors[f"{cand['hidden'][0]}+flow"] = _first_line(exc)
+                        own = ci._own_none(exc)  # the model's own setting left None by its defaults
+                        errors[f"{cand['hidden'][0]}+flow"] = _first_line(exc) + (
+                            f" ({own} is None: a setting the class's defaults leave unset)" if own else "")
                         break
                     kwargs = fixed[0]
                     continue

@@ -682,12 +682,44 @@ def _none_params(exc: BaseException, params: set[str], kwargs: dict) -> list[str
             if val is None and name in params and kwargs.get(name) is None and name not in out \
                     and re.search(rf"\b{re.escape(name)}\b", text):
                 out.append(name)
-    if not out:  # the None reached a helper: any parameter the model frames hold as None and we gave none
+    if not out and not _own_none(exc):
+        # the None reached a helper: any parameter the model frames hold as None and we gave none
         for frame in _model_frames(exc):
             for name, val in frame.f_locals.items():
                 if val is None and name in params and kwargs.get(name) is None and name not in out:
                     out.append(name)
     return out
+
+
+def _own_none(exc: BaseException) -> str | None:
+    """``self.config.x`` (or another ``self.`` attribute) that the failing statement reads and
+    that is None: the None is the model's own (a setting its defaults leave unset), not a
+    missing input. Its text, or None."""
+    for frame in reversed(_model_frames(exc)):
+        owner = frame.f_locals.get("self")
+        if owner is None:
+            continue
+        try:
+            tree = ast.parse(statement_text(frame))
+        except SyntaxError:
+            return None
+        for n in ast.walk(tree):
+            chain, x = [], n
+            while isinstance(x, ast.Attribute):
+                chain.append(x.attr)
+                x = x.value
+            if not (chain and isinstance(x, ast.Name) and x.id == "self"):
+                continue
+            obj = owner
+            try:
+                for part in reversed(chain):
+                    obj = getattr(obj, part)
+            except Exception:
+                continue
+            if obj is None:
+                return ast.unparse(n)
+        return None
+    return None
 
 
 def _failing_locals(exc: BaseException) -> list[tuple[str, object]]:
