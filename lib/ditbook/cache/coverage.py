@@ -11,7 +11,10 @@ Per class (``check_class``):
    under a head cap, and axes left None become two halves of it. A constructor that fails on a
    parameter left None (``ctor_repair``, from the traceback's ``__init__`` frame) gets a value
    derived from the code: a tuple where it is subscripted by an int, else the value of the most
-   similarly named parameter. A class that no factor builds is ``refused`` with the error.
+   similarly named parameter. A submodule the forward always calls but the defaults leave None
+   gets the constructor flag that builds it; rotary axes stay even and keep their share of the
+   head dim; when no rung runs, a model width the defaults leave unequal to heads x head dim is
+   tied to it. A class that no factor builds is ``refused`` with the error.
 2. **inputs** from the forward signature (``make_inputs``): the parameters are matched by name
    to tensors whose shapes come from the config (image latents as 4-D, 5-D or packed 3-D,
    text states with the width of a text/caption/joint/cross config entry, pooled vectors,
@@ -20,8 +23,10 @@ Per class (``check_class``):
    the first submodule each parameter reaches, how its shape is unpacked, its documented shape,
    its annotation) and repairs it from the errors the forward raises (a None parameter the code
    reads, a matrix product's width, index/mask dtypes, a rank, a text length or frame count a
-   positional table fixes, a token grid too small), a bounded number of times. None runs:
-   ``refused`` with the errors (the data-flow attempts' first).
+   positional table fixes, a token grid too small, and the further rules in
+   ``coverage_inputs``), a bounded number of times. None runs: ``refused`` with the errors (the
+   data-flow attempts' first), or with the optional dependency the forward lacks, or with the kv
+   cache every diffusers pipeline passes this class.
 3. **inspection** (``ditbook.inspect``): static report plus a traced call.
 4. **cache adapter** (``build_cache_adapter``) and the dbcache strategy with caching off: every
    step's output equal to the plain forward (max abs diff <= 1e-5, fp32); then with caching on,
@@ -182,6 +187,39 @@ def shrink_config(cls: type, factor: int, heads: int | None = None) -> dict:
             head = _head_dim({**{k: v.default for k, v in params.items()}, **out})
             if head and head % 4 == 0:
                 out[p.name] = (head // 2, head // 2)
+    return _even_rotary_axes(params, out, head0, head1)
+
+
+def _even_rotary_axes(params, out: dict, head0, head1) -> dict:
+    """Rotary axes that sum to the head dim by default, each even (a rotary axis rotates pairs),
+    but that the shrink left odd or no longer summing to the new head dim: the default's
+    proportions rescaled to the new head dim, each rounded to an even size. Axes that define the
+    head dim (no head dim in the config) keep the sum the shrink gave them, each made even."""
+    for p in params.values():
+        d0 = p.default
+        if not (("axes" in p.name.lower() or "rope" in p.name.lower()) and isinstance(d0, (tuple, list)) and d0
+                and all(isinstance(x, int) and not isinstance(x, bool) and x > 0 and x % 2 == 0 for x in d0)):
+            continue
+        d = out.get(p.name, d0)
+        if head0 and head1 and head0 % sum(d0) == 0 and (head1 * sum(d0)) % head0 == 0:
+            target = head1 * sum(d0) // head0  # the same share of the head dim (all of it, a half, ...)
+        elif not any(isinstance(x, int) and x % 2 for x in d):
+            continue
+        else:
+            target = sum(d)
+        if target % 2 or (sum(d) == target and all(x % 2 == 0 for x in d)):
+            continue
+        pairs = [x * (target // 2) / sum(d0) for x in d0]  # each axis's share of the head's pairs
+        whole = [max(1, int(v)) for v in pairs]
+        order = sorted(range(len(d0)), key=lambda i: pairs[i] - int(pairs[i]), reverse=True)
+        i = 0
+        while sum(whole) < target // 2:
+            whole[order[i % len(order)]] += 1
+            i += 1
+        while sum(whole) > target // 2 and max(whole) > 1:
+            whole[whole.index(max(whole))] -= 1
+        if sum(whole) == target // 2:
+            out[p.name] = type(d0)(2 * w for w in whole)
     return out
 
 
@@ -268,6 +306,81 @@ def ctor_repair(cls: type, kwargs: dict, exc: BaseException) -> dict | None:
     return new if new != kwargs else None
 
 
+def _unconditional_self_calls(fn) -> set[str]:
+    """Attributes ``X`` the forward calls as ``self.X(...)`` in its top-level statements (not
+    under a condition, a loop or a ``with``)."""
+    import ast
+
+    _, node = ci._source_tree(fn)
+    if node is None:
+        return set()
+    out = set()
+    for stmt in node.body:
+        if isinstance(stmt, (ast.If, ast.For, ast.While, ast.With, ast.Try, ast.FunctionDef)):
+            continue
+        for n in ast.walk(stmt):
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name) \
+                    and n.func.value.id == "self":
+                out.add(n.func.attr)
+    return out
+
+
+def _init_gates(cls: type) -> dict[str, set]:
+    """Per attribute ``X``: the constructor parameters a condition tests before the constructor
+    sets ``self.X`` to something (``if flag: self.X = ...``, ``self.X = M(...) if flag else None``)."""
+    import ast
+
+    _, node = ci._source_tree(cls.__init__)
+    if node is None:
+        return {}
+    params = set(ci._param_names(node))
+    out: dict[str, set] = {}
+
+    def tested(expr) -> set:
+        return {n.id for n in ast.walk(expr) if isinstance(n, ast.Name) and n.id in params}
+
+    for n in ast.walk(node):
+        if isinstance(n, ast.If):
+            for a in (x for b in n.body for x in ast.walk(b)):
+                if isinstance(a, ast.Assign):
+                    for t in a.targets:
+                        if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
+                            out.setdefault(t.attr, set()).update(tested(n.test))
+        elif isinstance(n, ast.Assign) and isinstance(n.value, ast.IfExp):
+            for t in n.targets:
+                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
+                    out.setdefault(t.attr, set()).update(tested(n.value.test))
+    return out
+
+
+def _with_called_submodules(cls: type, model, kwargs: dict):
+    """The instance, rebuilt with a constructor flag turned on when the forward calls
+    ``self.X(...)`` unconditionally but the defaults leave ``X`` None and a flag off by default
+    (False/0) is what the constructor tests before it builds ``X``: the defaults describe no
+    runnable model; the flag makes the one the forward expects. The instance as built when no
+    such flag is found or the rebuilt one fails to construct."""
+    called = {a for a in _unconditional_self_calls(type(model).forward) if getattr(model, a, 0) is None}
+    if not called:
+        return model
+    sig = inspect.signature(cls.__init__).parameters
+    gates = _init_gates(cls)
+    flags = {}
+    for attr in sorted(called):
+        for p in sorted(gates.get(attr, ())):
+            d = sig[p].default if p in sig else None
+            if p not in kwargs and (d is False or (isinstance(d, int) and not isinstance(d, bool) and d == 0)):
+                flags[p] = True
+    if not flags:
+        return model
+    try:
+        torch.manual_seed(0)
+        with contextlib.redirect_stdout(io.StringIO()):
+            rebuilt = cls(**kwargs, **flags)
+    except Exception:
+        return model
+    return rebuilt.float().eval()
+
+
 def tiny_instances(cls: type, ladder=LADDER):
     """Instances for each rung (width divisor, head cap) the constructor accepts, smallest
     first; Refused when none."""
@@ -303,6 +416,7 @@ def tiny_instances(cls: type, ladder=LADDER):
         if model is None:
             errors.append(f"/{f}{f' heads<={heads}' if heads else ''}: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}")
             continue
+        model = _with_called_submodules(cls, model, kwargs)
         built = True
         yield model.float().eval(), f
     if not built:
@@ -318,7 +432,42 @@ def tiny_with_inputs(cls: type, ladder=LADDER):
             return model, f, kwargs
         except Refused as exc:
             last = exc
+    tied = _tied_width_instance(cls, ladder)
+    if tied is not None:
+        model, f = tied
+        try:
+            kwargs, _ = find_inputs(model)
+            return model, f, kwargs
+        except Refused:
+            pass
     raise Refused(f"{last}")
+
+
+_WIDTH_NAMES = ("hidden_size", "inner_dim", "hidden_dim", "dim", "width", "model_dim")
+
+
+def _tied_width_instance(cls: type, ladder=LADDER):
+    """(instance, factor) of the first rung with the model width set to heads x head dim, when
+    the class's defaults disagree (a width of 1152 next to 16 heads of 88): tried only after no
+    rung ran as the defaults say; None when the defaults agree or it does not build."""
+    sig = inspect.signature(cls.__init__).parameters
+    for f, heads in ladder[:1]:
+        kwargs = shrink_config(cls, f, heads)
+        cfg = {**{k: v.default for k, v in sig.items() if v.default is not inspect.Parameter.empty}, **kwargs}
+        head = next((v for k, v in cfg.items() if "head_dim" in k.lower() and isinstance(v, int)), None)
+        n = next((v for k, v in cfg.items() if _is_head_count(k) and "kv" not in k.lower() and isinstance(v, int)
+                  and not isinstance(v, bool) and v > 0), None)
+        width = next((k for k in _WIDTH_NAMES if isinstance(cfg.get(k), int) and not isinstance(cfg.get(k), bool)), None)
+        if not (head and n and width) or cfg[width] == head * n:
+            return None
+        try:
+            torch.manual_seed(0)
+            with contextlib.redirect_stdout(io.StringIO()):
+                model = cls(**{**kwargs, width: head * n})
+        except Exception:
+            return None
+        return _with_called_submodules(cls, model.float().eval(), {**kwargs, width: head * n}), f
+    return None
 
 
 # --- inputs ------------------------------------------------------------------------------------
@@ -501,7 +650,7 @@ class _Maker:
         self.annotations = {p.name: p.annotation for p in inspect.signature(model.forward).parameters.values()
                             if p.annotation is not inspect.Parameter.empty}
 
-    def __call__(self, name: str, kwargs: dict, rank: int | None = None):
+    def __call__(self, name: str, kwargs: dict, rank: int | None = None, roles: list | None = None):
         import copy
 
         ann = self.annotations.get(name)
@@ -509,15 +658,23 @@ class _Maker:
             val = ci.structured(ann, self.grid, lambda: self(name, kwargs, rank=4 if name == self.first else 3))
             if val is not None:
                 return val
+        listed = ci.per_module_list(self.model, name) if rank is None else None
+        if listed is not None:  # one tensor per module of the list the forward feeds them to
+            count, each = listed
+            items = [ci.tensor_for(name, each, self.grid, self.gen) for _ in range(count)]
+            if all(isinstance(t, torch.Tensor) for t in items):
+                return items
         need = copy.copy(self.needs.get(name) or ci.Need())
         hidden = name == self.first
         if rank is not None:
             need.roles = need.roles if need.roles and len(need.roles) == rank else _default_roles(rank)
+            if roles and len(roles) == rank:  # the roles the code's own unpack names
+                need.roles = list(roles)
         if not need.empty():
             val = ci.tensor_for(name, need, self.grid, self.gen, hidden=hidden)
             if val is not None:
-                return val
-        return self.by_name(name, kwargs)
+                return ci.suffix_sizes_fit(name, val, _config(self.model), self.gen)
+        return ci.suffix_sizes_fit(name, self.by_name(name, kwargs), _config(self.model), self.gen)
 
     def by_name(self, name: str, kwargs: dict):
         g, low = self.grid, name.lower()
@@ -587,6 +744,19 @@ def _flow_inputs(model, cand: dict, needs: dict, maker: "_Maker") -> dict:
     return kwargs
 
 
+def _tagged(kwargs: dict, needs: dict) -> dict:
+    """Inputs the code compares with module constants (token role tags) hold those constants, in
+    the shape the name rules gave them: random values would tag no token at all."""
+    out = dict(kwargs)
+    for name, val in kwargs.items():
+        need = needs.get(name)
+        if need is not None and need.values and isinstance(val, torch.Tensor) and val.ndim >= 1 and val.numel():
+            n = val.shape[-1]
+            row = torch.tensor([need.values[min(i * len(need.values) // n, len(need.values) - 1)] for i in range(n)])
+            out[name] = row.expand(tuple(val.shape)).clone()
+    return out
+
+
 def _regrid(exc, kwargs, model, cand, needs, maker, forbid):
     fixed = _regrid_inputs(exc, model, cand, needs, maker, forbid)
     if fixed is None:
@@ -634,15 +804,15 @@ def find_inputs(model, log=None) -> tuple[dict, dict]:
     the errors the forward raises (``coverage_inputs``)."""
     errors: dict[str, str] = {}
     cands = input_candidates(model)
+    needs = ci.forward_needs(model)
     for cand in cands:
-        kwargs = make_inputs(model, cand)
+        kwargs = _tagged(make_inputs(model, cand), needs)
         try:
             _run(model, kwargs)
         except Exception as exc:
             errors.setdefault(cand["hidden"][0], _first_line(exc))
             continue
         return kwargs, cand
-    needs = ci.forward_needs(model)
     required = [p.name for p in inspect.signature(model.forward).parameters.values()
                 if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     state = [n for n in required if ci.never_supplied(n)]
@@ -662,18 +832,27 @@ def find_inputs(model, log=None) -> tuple[dict, dict]:
                 try:
                     _run(model, kwargs)
                 except Exception as exc:
+                    if ci.missing_dependency(exc):
+                        raise Refused(ci.missing_dependency(exc)) from None
                     fixed = (_regrid(exc, kwargs, model, cand, needs, maker, forbid)
                              or ci.repair(exc, kwargs, maker, forbid))
                     if log:
                         log(cand["hidden"][0], _summary(exc), fixed[1] if fixed else None)
                     if fixed is None:
-                        errors[f"{cand['hidden'][0]}+flow"] = _first_line(exc)
+                        own = ci._own_none(exc)  # the model's own setting left None by its defaults
+                        errors[f"{cand['hidden'][0]}+flow"] = _first_line(exc) + (
+                            f" ({own} is None: a setting the class's defaults leave unset)" if own else "")
                         break
                     kwargs = fixed[0]
                     continue
                 return kwargs, cand
     # the data-flow attempts' last errors first: they went furthest
     order = sorted(errors, key=lambda k: not k.endswith("+flow"))
+    state = ci.pipeline_state_inputs(type(model))
+    if state:
+        raise Refused(f"every call of this transformer in diffusers' pipelines passes {state}: state of a running "
+                      f"pipeline (a kv cache filled by earlier calls) that the probe does not make up; without it "
+                      f"no input runs the forward: " + "; ".join(f"{k}: {errors[k]}" for k in order[:2]))
     raise Refused("no inputs from the forward signature run it: " + "; ".join(f"{k}: {errors[k]}" for k in order))
 
 

@@ -15,13 +15,21 @@ Three generic mechanisms, no class names:
   frame, or the parameter a ``missing required argument`` error names) is supplied; a matrix
   product ``(AxB and CxD)`` whose left side is an input with last dim ``B`` gets last dim ``C``;
   an index tensor that is not an integer tensor becomes one; a tensor unpacked into more or fewer
-  names than its rank gets that rank.
+  names than its rank gets that rank (with the axes its target names say); inputs that the
+  condition setting an unset local tests are supplied; an int grid whose elements index tables
+  becomes per-axis position ranges; a view's rows are filled; a concatenated input takes the
+  other operand's size, or (the noisy input with another) the output's width and the rest.
+
+Also read from the code: unpacked axes through a ``permute``, documented dims written with
+config entries, lists fed element-wise to a ModuleList, tags compared with module constants,
+second text inputs sized by config entries with their suffix (``text_len_t5``).
 """
 
 from __future__ import annotations
 
 import ast
 import inspect
+import math
 import re
 import textwrap
 import traceback
@@ -35,8 +43,9 @@ TEXT_LEN = 8
 # axis roles by the names a forward unpacks ``x.shape`` into (exact short names, then words)
 _ROLE_EXACT = {"b": "batch", "bs": "batch", "bsz": "batch", "n": "tokens", "l": "tokens", "s": "tokens",
                "seq": "tokens", "c": "channels", "ch": "channels", "f": "frames", "t": "frames", "h": "height",
-               "w": "width", "d": "dim"}
+               "w": "width", "d": "dim", "pt": "patch_t", "ph": "patch", "pw": "patch"}
 _ROLE_WORDS = (("batch", "batch"), ("channel", "channels"), ("chan", "channels"), ("frame", "frames"),
+               ("duration", "frames"), ("patches", "tokens"),
                ("height", "height"), ("width", "width"), ("seq", "tokens"), ("len", "tokens"),
                ("token", "tokens"), ("dim", "dim"), ("hidden", "dim"), ("feat", "dim"), ("embed", "dim"))
 
@@ -64,9 +73,10 @@ class Need:
     stride: int = 1  # spatial sizes a multiple of this (a patch conv's stride)
     vocab: int | None = None  # an Embedding's size: long indices below it
     where: list = field(default_factory=list)  # how it was found (for messages/tests)
+    values: list | None = None  # the int constants the code compares it with (token role tags)
 
     def empty(self) -> bool:
-        return not (self.roles or self.last or self.channels or self.conv_dims or self.vocab)
+        return not (self.roles or self.last or self.channels or self.conv_dims or self.vocab or self.values)
 
 
 def _source_tree(fn):
@@ -131,6 +141,70 @@ def _doc_roles(fn, params) -> dict[str, list]:
     return out
 
 
+_DOC_SHAPE_START = re.compile(r"^\s*(\w+)\s*\(.*?of shape\s*`?\(", re.M)
+
+
+def _doc_shape_parts(doc: str, start: int) -> list[str] | None:
+    """The comma-separated dims of the documented shape whose ``(`` ends at ``start``, nested
+    parentheses (``1 + len(layer_ids)``) kept inside their dim."""
+    depth, parts, cur = 1, [], ""
+    for ch in doc[start:start + 300]:
+        if ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+            if depth == 0:
+                return [p.strip() for p in parts + [cur] if p.strip()]
+        if ch == "," and depth == 1:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    return None
+
+
+def _config_size(expr: str, cfg: dict) -> int | None:
+    """The value of a documented dim written with config entries (``cap_feat_dim``,
+    ``1 + len(injection_layer_ids)``): ints, ``+ - * //`` and ``len`` only; None otherwise."""
+    try:
+        tree = ast.parse(expr.strip("` "), mode="eval")
+    except SyntaxError:
+        return None
+    names = [n.id for n in ast.walk(tree) if isinstance(n, ast.Name)]
+    if not any(n in cfg for n in names) or any(n not in cfg and n != "len" for n in names):
+        return None
+    allowed = (ast.Expression, ast.BinOp, ast.Add, ast.Sub, ast.Mult, ast.FloorDiv, ast.Constant, ast.Name,
+               ast.Load, ast.Call)
+    if not all(isinstance(n, allowed) for n in ast.walk(tree)):
+        return None
+    try:
+        val = eval(compile(tree, "<doc>", "eval"), {"__builtins__": {}}, {"len": len, **cfg})  # noqa: S307
+    except Exception:
+        return None
+    return val if isinstance(val, int) and not isinstance(val, bool) and 0 < val <= 1 << 16 else None
+
+
+def _doc_config_sizes(fn, params, model, needs: dict) -> None:
+    """Documented dims that name the model's config (an axis per injected layer, a feature
+    width): their sizes from the config, as ints among the roles (see ``_doc_roles``)."""
+    cfg = dict(getattr(model, "config", None) or {})
+    doc = inspect.getdoc(fn) or ""
+    if not cfg:
+        return
+    for m in _DOC_SHAPE_START.finditer(doc):
+        name = m.group(1)
+        parts = _doc_shape_parts(doc, m.end())
+        if name not in params or not parts or any("..." in p for p in parts):
+            continue
+        sizes = [_config_size(p, cfg) if not p.strip("` ").isidentifier() or axis_role(p) in (None, "dim", "channels")
+                 else None for p in parts]
+        if any(v is not None for v in sizes):
+            roles = [v if v is not None else axis_role(p) for p, v in zip(parts, sizes)]
+            needs[name].roles = roles
+            if "docstring" not in needs[name].where:
+                needs[name].where.append("docstring")
+
+
 def _elementwise_width(mod: nn.Module) -> int | None:
     """D when every parameter of ``mod`` (and it has some, and no submodules) is 1-D of size D."""
     if list(mod.children()):
@@ -171,6 +245,8 @@ def module_need(mod: nn.Module, position, depth: int = 0) -> Need:
             name = params[position] if isinstance(position, int) and position < len(params) else position
             if isinstance(name, str) and name in sub:
                 inner = sub[name]
+                if inner.empty() and axis_role(name) == "frames" and ("index" in name.lower() or "indices" in name.lower()):
+                    inner.roles = ["frames"]  # ``frame_indices``: one position per frame
                 inner.where = need.where + inner.where
                 return inner
     return need
@@ -187,8 +263,10 @@ def forward_needs(model: nn.Module, depth: int = 0) -> dict[str, Need]:
     for p, roles in _doc_roles(fn, params).items():
         needs[p].roles = roles
         needs[p].where.append("docstring")
+    _doc_config_sizes(fn, params, model, needs)
     _unpack_roles(node, alias, needs)
     _first_module_needs(model, node, alias, _first_rebound(node, alias_defs), needs, depth)
+    _compared_constants(fn, node, alias, needs)
     for need in needs.values():
         # a Linear takes it first: packed tokens (batch, tokens, features), whatever the
         # docstring says (docstrings often document the unpacked latent)
@@ -196,6 +274,24 @@ def forward_needs(model: nn.Module, depth: int = 0) -> dict[str, Need]:
                 and need.roles[-1] in ("height", "width"):
             need.roles = None
     return needs
+
+
+def _compared_constants(fn, node, alias: dict, needs: dict) -> None:
+    """``indicator == TEXT_TAG``: a parameter compared for equality with module-level int
+    constants takes those values (tags of each token's role); ``values`` in the order the code
+    names them."""
+    glb = getattr(fn, "__globals__", {})
+    for n in ast.walk(node):
+        if not (isinstance(n, ast.Compare) and len(n.ops) == 1 and isinstance(n.ops[0], (ast.Eq, ast.NotEq))):
+            continue
+        for a, b in ((n.left, n.comparators[0]), (n.comparators[0], n.left)):
+            p = alias.get(_root_name(a) or "")
+            if p and isinstance(b, ast.Name) and isinstance(glb.get(b.id), int) and not isinstance(glb[b.id], bool):
+                vals = needs[p].values or []
+                if glb[b.id] not in vals:
+                    needs[p].values = vals + [glb[b.id]]
+                    if "compared" not in needs[p].where:
+                        needs[p].where.append("compared")
 
 
 def _aliases(node, params: list) -> tuple[dict, set]:
@@ -219,19 +315,69 @@ def _unpack_roles(node, alias: dict, needs: dict) -> None:
             p = alias.get(_root_name(n.value.value) or "")
             elts = n.targets[0].elts
             if p and not any(isinstance(e, ast.Starred) for e in elts) and "unpack" not in needs[p].where:
-                needs[p].roles = [axis_role(e.id) if isinstance(e, ast.Name) else None for e in elts]
+                roles = _roles_before_rebinding(node, _root_name(n.value.value), n.lineno,
+                                                [axis_role(e.id) if isinstance(e, ast.Name) else None for e in elts])
+                if roles is None:
+                    continue
+                needs[p].roles = roles
                 needs[p].where.append("unpack")
+
+
+def _roles_before_rebinding(node, name: str, line: int, roles: list) -> list | None:
+    """The roles of the value ``name`` held when the forward began, from the roles of the value
+    it holds at ``line``: the same when it is not rebound before; through the inverse of
+    ``name = name.permute(...)`` when that is its only rebinding before; None (unknown) when
+    another statement rebinds it first. Only the forward's top-level statements count (a
+    rebinding under a condition is one input layout among several)."""
+    perm = None
+    for n in node.body:
+        if not (isinstance(n, ast.Assign) and n.lineno < line
+                and any(isinstance(t, ast.Name) and t.id == name for t in n.targets)):
+            continue
+        v = n.value
+        if _root_name(v) == name and not (isinstance(v, ast.Call) and isinstance(v.func, ast.Attribute)
+                                          and v.func.attr == "permute"):
+            continue  # ``x = x.to(dtype)``: the same axes
+        if perm is None and isinstance(v, ast.Call) and isinstance(v.func, ast.Attribute) \
+                and v.func.attr == "permute" and _root_name(v.func.value) == name:
+            dims = [a.value for a in v.args if isinstance(a, ast.Constant) and isinstance(a.value, int)]
+            if len(dims) == len(v.args) == len(roles) and sorted(dims) == list(range(len(roles))):
+                perm = dims
+                continue
+        return None
+    if perm is None:
+        return roles
+    out = [None] * len(roles)
+    for new_axis, old_axis in enumerate(perm):  # the permuted value's axis i is the original's perm[i]
+        out[old_axis] = roles[new_axis]
+    return out
+
+
+def _none_defaults(node) -> set:
+    """(assignment id, name) of ``if x is None: x = ...``: a default for a missing input, not a
+    rebinding of a given one."""
+    out = set()
+    for n in ast.walk(node):
+        t = n.test if isinstance(n, ast.If) else None
+        if isinstance(t, ast.Compare) and isinstance(t.left, ast.Name) and len(t.ops) == 1 \
+                and isinstance(t.ops[0], ast.Is) and isinstance(t.comparators[0], ast.Constant) \
+                and t.comparators[0].value is None:
+            for b in n.body:
+                if isinstance(b, ast.Assign) and any(isinstance(x, ast.Name) and x.id == t.left.id for x in b.targets):
+                    out.add((id(b), t.left.id))
+    return out
 
 
 def _first_rebound(node, alias_defs: set) -> dict[str, int]:
     """Where each name is first rebound: a call after that statement sees another value."""
     rebound: dict[str, int] = {}
+    defaults = _none_defaults(node)
     for n in ast.walk(node):
         if isinstance(n, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and id(n) not in alias_defs:
             targets = n.targets if isinstance(n, ast.Assign) else [n.target]
             for t in targets:
                 for x in ast.walk(t):
-                    if isinstance(x, ast.Name):
+                    if isinstance(x, ast.Name) and (id(n), x.id) not in defaults:
                         rebound[x.id] = min(rebound.get(x.id, 10 ** 9), n.end_lineno or n.lineno)
     return rebound
 
@@ -263,6 +409,29 @@ def _first_module_needs(model: nn.Module, node, alias: dict, rebound: dict, need
             elif got.roles and not mine.roles:
                 mine.roles = got.roles
             mine.where += [f"self.{ast.unparse(c.func)[5:]}"] + got.where
+
+
+def per_module_list(model: nn.Module, name: str) -> tuple[int, "Need"] | None:
+    """(count, need of one element) when the forward iterates the parameter ``name`` as
+    ``for i, x in enumerate(name)`` and feeds each element to ``self.<list>[i](x)``: a list of one
+    tensor per module of that ModuleList."""
+    _, node = _source_tree(type(model).forward)
+    if node is None:
+        return None
+    for n in ast.walk(node):
+        if not (isinstance(n, ast.For) and isinstance(n.iter, ast.Call) and isinstance(n.iter.func, ast.Name)
+                and n.iter.func.id == "enumerate" and n.iter.args and isinstance(n.iter.args[0], ast.Name)
+                and n.iter.args[0].id == name and isinstance(n.target, ast.Tuple) and len(n.target.elts) == 2
+                and all(isinstance(e, ast.Name) for e in n.target.elts)):
+            continue
+        index, item = (e.id for e in n.target.elts)
+        for c in (c for b in n.body for c in ast.walk(b)):
+            if isinstance(c, ast.Call) and isinstance(c.func, ast.Subscript) and isinstance(c.func.slice, ast.Name) \
+                    and c.func.slice.id == index and c.args and _root_name(c.args[0]) == item:
+                mods = _self_module(model, c.func.value)
+                if isinstance(mods, nn.ModuleList) and len(mods):
+                    return len(mods), module_need(mods[0], 0)
+    return None
 
 
 def structured(annotation, grid: "Grid", make_tensor):
@@ -319,9 +488,19 @@ def tensor_for(name: str, need: Need, grid: Grid, gen: torch.Generator, hidden: 
                like: torch.Tensor | None = None):
     """A tensor for parameter ``name`` that meets ``need`` (None when the need says nothing)."""
     low = name.lower()
+    if need.values and all(isinstance(r, str) or r is None for r in need.roles or ()):
+        # tags: the sequence split into one run per constant the code compares it with, in the
+        # order the code names them
+        length = grid.tokens() if hidden else grid.text
+        shape = [1 if r == "batch" or i == 0 else length for i, r in enumerate(need.roles or ("batch", "tokens"))]
+        flat = torch.tensor([need.values[min(i * len(need.values) // shape[-1], len(need.values) - 1)]
+                             for i in range(shape[-1])], dtype=torch.long)
+        return flat.expand(tuple(shape)).clone()
     if need.vocab:
         rank = len(need.roles) if need.roles else 2
         shape = (1, grid.text) if rank >= 2 else (grid.text,)
+        if not need.roles and not low.endswith(("s", "ids", "tokens")):
+            shape = (1,)  # a singular name (``style``, ``label``): one index per sample, like a class label
         return torch.randint(0, min(need.vocab, 16), shape, generator=gen)
     roles = list(need.roles) if need.roles else None
     if need.conv_dims and (not roles or len(roles) < need.conv_dims + 2 and "channels" not in roles):
@@ -331,10 +510,14 @@ def tensor_for(name: str, need: Need, grid: Grid, gen: torch.Generator, hidden: 
     if roles:
         shape = []
         for i, r in enumerate(roles):
-            if r == "batch" or (i == 0 and r is None):
+            if isinstance(r, int) and not isinstance(r, bool):
+                shape.append(r)  # a size the docstring gives from the config
+            elif r == "batch" or (i == 0 and r is None):
                 shape.append(1)
             elif r == "channels":
                 shape.append(need.channels or grid.channels)
+            elif r in ("patch", "patch_t"):  # (.., tokens, channels, pt, ph, pw): one patch's pixels
+                shape.append(grid.patch if r == "patch" else grid.patch_t)
             elif r == "frames":
                 shape.append(grid.frames)
             elif r == "height":
@@ -351,7 +534,7 @@ def tensor_for(name: str, need: Need, grid: Grid, gen: torch.Generator, hidden: 
                 shape.append(need.last or (like.shape[-1] if like is not None else grid.channels))
             else:
                 shape.append(2)
-        if low.endswith("ids") or "position" in low:
+        if low.endswith("ids") or "position" in low or "indices" in low:
             return torch.zeros(tuple(shape), dtype=torch.long)
         if need.last and shape[-1] != need.last and roles[-1] not in ("width", "height"):
             shape[-1] = need.last
@@ -361,6 +544,98 @@ def tensor_for(name: str, need: Need, grid: Grid, gen: torch.Generator, hidden: 
             return torch.randn((1, need.last), generator=gen)
         return torch.randn((1, grid.tokens() if hidden else grid.text, need.last), generator=gen)
     return None
+
+
+_SIZE_WORDS = {"len", "length", "dim", "dims", "channels", "size", "width"}
+
+
+def suffix_sizes_fit(name: str, val, cfg: dict, gen: torch.Generator | None = None):
+    """A second text input told apart by a suffix (``encoder_hidden_states_t5``) whose length and
+    width the config gives under the same suffix (``text_len_t5``, ``cross_attention_dim_t5``):
+    ``val`` (a [batch, tokens, width] tensor) remade with those sizes; ``val`` itself otherwise."""
+    suffix = name.lower().rsplit("_", 1)[-1]
+    if isinstance(val, torch.Tensor) and val.ndim == 2 and not val.is_floating_point() and "_" in name:
+        # its mask (``text_embedding_mask_t5``): the length only
+        grown = suffix_sizes_fit(name, torch.zeros(val.shape[0], val.shape[1], 1), cfg)
+        return torch.ones(val.shape[0], grown.shape[1], dtype=val.dtype) if grown.shape[1] != val.shape[1] else val
+    if not isinstance(val, torch.Tensor) or val.ndim != 3 or not val.is_floating_point() or "_" not in name \
+            or suffix in _SIZE_WORDS or suffix in ("states", "embeds", "hidden", "emb", "ids", "mask") \
+            or suffix.isdigit():
+        return val
+    length = width = None
+    for k, v in cfg.items():
+        parts = k.lower().split("_")
+        if len(parts) < 2 or parts[-1] != suffix or not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            continue
+        if any(w in parts for w in ("len", "length")):
+            length = v
+        elif any(w in parts for w in ("dim", "channels", "width")):
+            width = v
+    if length is None and width is None:
+        return val
+    shape = (val.shape[0], length or val.shape[1], width or val.shape[2])
+    return torch.randn(shape, generator=gen) if shape != tuple(val.shape) else val
+
+
+_STATE_WORDS = ("cache", "past_key_values")
+
+
+def _pipeline_calls() -> dict[str, list[set]]:
+    """Per transformer class name a diffusers pipeline's ``__init__`` annotates
+    (``transformer: SomeTransformer``): the keyword sets of every ``self.transformer(...)`` call
+    in that pipeline's code. Read once from the installed diffusers' pipeline sources (AST)."""
+    global _PIPELINE_CALLS
+    if _PIPELINE_CALLS is not None:
+        return _PIPELINE_CALLS
+    import pathlib
+
+    import diffusers.pipelines as pipes
+
+    out: dict[str, list[set]] = {}
+    for path in pathlib.Path(pipes.__path__[0]).rglob("*.py"):
+        try:
+            text = path.read_text()
+            if "self.transformer(" not in text:
+                continue
+            tree = ast.parse(text)
+        except (OSError, SyntaxError, UnicodeDecodeError):
+            continue
+        for name, calls in pipeline_calls_in(tree).items():
+            out.setdefault(name, []).extend(calls)
+    _PIPELINE_CALLS = out
+    return out
+
+
+def pipeline_calls_in(tree) -> dict[str, list[set]]:
+    """``{annotated transformer class name: [keywords of each self.transformer(...) call]}`` for
+    the pipeline classes of one module's AST."""
+    out: dict[str, list[set]] = {}
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+        init = next((f for f in cls.body if isinstance(f, ast.FunctionDef) and f.name == "__init__"), None)
+        names = [ast.unparse(a.annotation).split(".")[-1] for a in (init.args.args if init else [])
+                 if a.arg == "transformer" and a.annotation is not None]
+        calls = [{k.arg for k in c.keywords if k.arg} for c in ast.walk(cls) if isinstance(c, ast.Call)
+                 and isinstance(c.func, ast.Attribute) and c.func.attr == "transformer"
+                 and isinstance(c.func.value, ast.Name) and c.func.value.id == "self"]
+        for name in names:
+            out.setdefault(name, []).extend(calls)
+    return out
+
+
+_PIPELINE_CALLS: dict | None = None
+
+
+def pipeline_state_inputs(cls: type) -> list[str]:
+    """The keywords naming running-pipeline state (kv caches) that every call of a transformer of
+    class ``cls`` in diffusers' pipelines passes; empty when some call passes none, or no
+    pipeline annotates the class."""
+    calls = _pipeline_calls().get(cls.__name__, [])
+    if not calls:
+        return []
+    state = [{k for k in c if any(w in k.lower() for w in _STATE_WORDS)} for c in calls]
+    if not all(state):
+        return []
+    return sorted(set().union(*state))
 
 
 # --- error-directed repair ---------------------------------------------------------------------
@@ -407,12 +682,44 @@ def _none_params(exc: BaseException, params: set[str], kwargs: dict) -> list[str
             if val is None and name in params and kwargs.get(name) is None and name not in out \
                     and re.search(rf"\b{re.escape(name)}\b", text):
                 out.append(name)
-    if not out:  # the None reached a helper: any parameter the model frames hold as None and we gave none
+    if not out and not _own_none(exc):
+        # the None reached a helper: any parameter the model frames hold as None and we gave none
         for frame in _model_frames(exc):
             for name, val in frame.f_locals.items():
                 if val is None and name in params and kwargs.get(name) is None and name not in out:
                     out.append(name)
     return out
+
+
+def _own_none(exc: BaseException) -> str | None:
+    """``self.config.x`` (or another ``self.`` attribute) that the failing statement reads and
+    that is None: the None is the model's own (a setting its defaults leave unset), not a
+    missing input. Its text, or None."""
+    for frame in reversed(_model_frames(exc)):
+        owner = frame.f_locals.get("self")
+        if owner is None:
+            continue
+        try:
+            tree = ast.parse(statement_text(frame))
+        except SyntaxError:
+            return None
+        for n in ast.walk(tree):
+            chain, x = [], n
+            while isinstance(x, ast.Attribute):
+                chain.append(x.attr)
+                x = x.value
+            if not (chain and isinstance(x, ast.Name) and x.id == "self"):
+                continue
+            obj = owner
+            try:
+                for part in reversed(chain):
+                    obj = getattr(obj, part)
+            except Exception:
+                continue
+            if obj is None:
+                return ast.unparse(n)
+        return None
+    return None
 
 
 def _failing_locals(exc: BaseException) -> list[tuple[str, object]]:
@@ -593,15 +900,253 @@ def _unpack_rank(exc, msg, kwargs, make, forbid, params):
                     if val is local and isinstance(val, torch.Tensor) and (name, "rank", want) not in forbid:
                         forbid.add((name, "rank", want))
                         new = dict(kwargs)
-                        new[name] = make(name, kwargs, rank=want)
+                        new[name] = make(name, kwargs, rank=want, **_unpacked_roles(make, frame, want))
                         if new[name] is not None:
                             return new, f"{name}: rank {want}"
     return None
 
 
+def _unpacked_roles(make, frame, want: int) -> dict:
+    """``{"roles": [...]}``: the axis roles the failing unpack's target names tell
+    (``batch_size, num_frames = t.shape``: batch, frames), when ``make`` takes them."""
+    try:
+        if "roles" not in inspect.signature(make).parameters:
+            return {}
+        stmt = ast.parse(statement_text(frame)).body[0]
+    except (TypeError, ValueError, SyntaxError, IndexError):
+        return {}
+    if isinstance(stmt, ast.Assign) and isinstance(stmt.targets[0], ast.Tuple) and len(stmt.targets[0].elts) == want:
+        roles = [axis_role(e.id) if isinstance(e, ast.Name) else None for e in stmt.targets[0].elts]
+        if any(r not in (None, "batch") for r in roles):
+            return {"roles": roles}
+    return {}
+
+
+def _supply_guarded(exc, msg, kwargs, make, forbid, params):
+    """A local read before it is set (``UnboundLocalError``) because the code sets it only under
+    a condition on optional inputs (``if latents is not None and ids is not None: x = ...``):
+    supply the forward parameters that condition tests and that are None."""
+    if not isinstance(exc, UnboundLocalError):
+        return None
+    m = re.search(r"local variable '(\w+)'", msg)
+    frames = _model_frames(exc)
+    if not m or not frames:
+        return None
+    local = m.group(1)
+    frame = frames[-1]
+    try:
+        lines, _ = inspect.getsourcelines(frame.f_code)
+        tree = ast.parse(textwrap.dedent("".join(lines)))
+    except (OSError, TypeError, SyntaxError, IndentationError):
+        return None
+    tested: list[str] = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.If) and any(isinstance(t, ast.Name) and t.id == local
+                                         for b in n.body for a in ast.walk(b) if isinstance(a, ast.Assign)
+                                         for t in a.targets for t in ast.walk(t)):
+            tested += [x.id for x in ast.walk(n.test) if isinstance(x, ast.Name) and x.id not in tested]
+    new = dict(kwargs)
+    supplied = []
+    for n in tested:
+        if n in params and kwargs.get(n) is None and ("supply", n) not in forbid and not never_supplied(n):
+            forbid.add(("supply", n))
+            val = make(n, new)
+            if val is not None:
+                new[n] = val
+                supplied.append(n)
+    return (new, f"supplied {supplied}: the condition that sets {local!r} tests them") if supplied else None
+
+
+def _grid_as_positions(exc, msg, kwargs, make, forbid, params):
+    """A grid of ints we made up from an annotation (``tuple[int, int, int]``) whose elements the
+    failing function uses as indices (``table[pos[0]]``): read it the other way, as one range
+    of positions per axis (``[arange(f), arange(h), arange(w)]``), once per made-up value."""
+    frames = _model_frames(exc)
+    if not frames:
+        return None
+    frame = frames[-1]
+    try:
+        lines, _ = inspect.getsourcelines(frame.f_code)
+        tree = ast.parse(textwrap.dedent("".join(lines)))
+    except (OSError, TypeError, SyntaxError, IndentationError):
+        return None
+    # names whose elements index something in the failing function: ``table[pos[0]]``
+    indexing = {n.slice.value.id for n in ast.walk(tree) if isinstance(n, ast.Subscript)
+                and isinstance(n.slice, ast.Subscript) and isinstance(n.slice.value, ast.Name)}
+    held = {id(v) for k, v in frame.f_locals.items() if k in indexing}
+    for name, val in kwargs.items():
+        if isinstance(val, (tuple, list)) and val and all(isinstance(x, int) and not isinstance(x, bool) and x > 0
+                                                          for x in val) \
+                and id(val) in held and (name, "positions", id(val)) not in forbid:
+            forbid.add((name, "positions", id(val)))  # once per made-up value (a regrid makes it again)
+            new = dict(kwargs)
+            new[name] = [torch.arange(x) for x in val]
+            return new, f"{name}: one range of positions per axis"
+    return None
+
+
+def missing_dependency(exc: BaseException) -> str | None:
+    """A ``NameError`` for a name the failing code's module imports only under a condition
+    (``if is_x_available(): from x import y``): the optional dependency is not installed and the
+    forward cannot run on any input. The reason, or None."""
+    if not isinstance(exc, NameError) or not getattr(exc, "name", None):
+        return None
+    frames = _model_frames(exc)
+    if not frames:
+        return None
+    mod = inspect.getmodule(frames[-1].f_code)
+    try:
+        tree = ast.parse(inspect.getsource(mod)) if mod is not None else None
+    except (OSError, TypeError, SyntaxError):
+        return None
+    for n in ast.walk(tree) if tree is not None else ():
+        if isinstance(n, (ast.If, ast.Try)):
+            for imp in (x for b in n.body for x in ast.walk(b) if isinstance(x, (ast.Import, ast.ImportFrom))):
+                for alias in imp.names:
+                    if (alias.asname or alias.name).split(".")[0] == exc.name:
+                        src = imp.module if isinstance(imp, ast.ImportFrom) else alias.name
+                        return (f"the forward uses {exc.name!r}, which {mod.__name__} imports from {src!r} only when "
+                                f"that optional dependency is installed, and it is not")
+    return None
+
+
+_VIEW = re.compile(r"shape '\[([-\d, ]+)\]' is invalid for input of size (\d+)")
+
+
+def _view_multiple(exc, msg, kwargs, make, forbid, params):
+    """``x.view(-1, K)`` of an input the failing statement names, whose elements (times what the
+    code made of each) do not fill rows of K: the input with as many values per sample as fill
+    one row (``image_meta_size`` as 6 numbers where 2 were made up)."""
+    m = _VIEW.search(msg)
+    if not m:
+        return None
+    dims = [int(x) for x in m.group(1).split(",") if x.strip()]
+    total = int(m.group(2))
+    if dims.count(-1) != 1:
+        return None
+    row = 1
+    for d in dims:
+        row *= d if d != -1 else 1
+    frames = _model_frames(exc)
+    named = set(re.findall(r"\w+", statement_text(frames[-1]))) if frames else set()
+    for name, val in kwargs.items():
+        if name not in named or not isinstance(val, torch.Tensor) or val.ndim not in (1, 2) or not val.numel() \
+                or total % val.numel() or (name, "view") in forbid:
+            continue
+        each = total // val.numel()  # what the code made of one value
+        per = (row * each // math.gcd(row, each)) // each  # values that fill one row
+        forbid.add((name, "view"))
+        new = dict(kwargs)
+        fill = val.flatten()[0].item()
+        new[name] = torch.full((1, per) if val.ndim == 2 else (per,), fill, dtype=val.dtype)
+        return new, f"{name}: {per} values per sample (a row of {row})"
+    return None
+
+
+_CAT_SIZES = re.compile(r"Sizes of tensors must match except in dimension (-?\d+)\. Expected size (\d+) but got "
+                        r"size (\d+) for tensor number (\d+)")
+
+
+def _cat_operand_size(exc, msg, kwargs, make, forbid, params):
+    """``torch.cat([ours, theirs], dim=D)`` where ``theirs`` was computed by the code: the input
+    among the listed operands takes the other operand's size on the axis that differs (the
+    first operand's size X against operand k's size Y)."""
+    m = _CAT_SIZES.search(msg)
+    frames = _model_frames(exc)
+    if not m or not frames:
+        return None
+    cat_dim, x, y, k = (int(g) for g in m.groups())
+    frame = frames[-1]
+    try:
+        stmt = ast.parse(statement_text(frame))
+    except SyntaxError:
+        return None
+    lists = [c.args[0] for c in ast.walk(stmt) if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute)
+             and c.func.attr in ("cat", "concat", "concatenate") and c.args and isinstance(c.args[0], (ast.List, ast.Tuple))]
+    if not lists:
+        return None
+    names = [e.id if isinstance(e, ast.Name) else None for e in lists[0].elts]
+    for pos, want_from, want_to in ((0, x, y), (k, y, x)):
+        if pos >= len(names) or names[pos] is None:
+            continue
+        local = frame.f_locals.get(names[pos])
+        for name, val in kwargs.items():
+            if val is not local or not isinstance(val, torch.Tensor) or (name, "cat", want_to) in forbid:
+                continue
+            axes = [d for d in range(val.ndim) if val.shape[d] == want_from and d != cat_dim % val.ndim]
+            if not axes:
+                continue
+            forbid.add((name, "cat", want_to))
+            shape = list(val.shape)
+            shape[axes[-1]] = want_to
+            new = dict(kwargs)
+            new[name] = torch.randn(shape).to(val.dtype) if val.is_floating_point() else torch.zeros(shape, dtype=val.dtype)
+            return new, f"{name}: dim {axes[-1]} {want_from} -> {want_to} (like the tensor it is concatenated with)"
+    return None
+
+
+_CHANNELS = re.compile(r"expected input\[[\d, ]+\] to have (\d+) channels, but got (\d+) channels")
+
+
+def _output_width(model) -> int | None:
+    """The width of the model's last layer (its output's channels)."""
+    last = None
+    for m in model.modules():
+        w = getattr(m, "out_channels", None) or getattr(m, "out_features", None)
+        if isinstance(w, int) and not list(m.children()):
+            last = w
+    return last
+
+
+def _split_concat_channels(exc, msg, kwargs, make, forbid, params):
+    """An embedding that expects C channels gets the concatenation of the noisy input with other
+    inputs (``x = torch.cat([cond, x], dim=-1)`` in a frame of the failing call): the noisy input
+    (the forward's first) keeps the width of the model's output (a denoiser returns what it
+    takes), the other concatenated input takes the rest of C."""
+    m = _CHANNELS.search(msg)
+    model = getattr(make, "model", None)
+    first = getattr(make, "first", None)
+    if not m or model is None or first not in kwargs:
+        return None
+    want = int(m.group(1))
+    out_w = _output_width(model)
+    if not out_w or out_w >= want:
+        return None
+    for frame in reversed(_model_frames(exc)):
+        try:
+            lines, _ = inspect.getsourcelines(frame.f_code)
+            tree = ast.parse(textwrap.dedent("".join(lines)))
+        except (OSError, TypeError, SyntaxError, IndentationError):
+            continue
+        for c in ast.walk(tree):
+            if not (isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute) and c.func.attr in ("cat", "concat")
+                    and c.args and isinstance(c.args[0], (ast.List, ast.Tuple))):
+                continue
+            names = [e.id for e in c.args[0].elts if isinstance(e, ast.Name)]
+            dim = next((k.value.value if isinstance(k.value, ast.Constant) else
+                        -k.value.operand.value if isinstance(k.value, ast.UnaryOp) else None
+                        for k in c.keywords if k.arg == "dim"), None)
+            others = [n for n in names if n != first and isinstance(kwargs.get(n), torch.Tensor)]
+            if first not in names or len(others) != 1 or not isinstance(dim, int):
+                continue
+            other = others[0]
+            key = (other, "split", want)
+            if key in forbid:
+                continue
+            forbid.add(key)
+            new = dict(kwargs)
+            for n, w in ((first, out_w), (other, want - out_w)):
+                shape = list(kwargs[n].shape)
+                shape[dim] = w
+                new[n] = torch.randn(shape)
+            return new, f"{first}: width {out_w} (the output's), {other}: the other {want - out_w} of {want}"
+    return None
+
+
 # the repairs ``repair`` tries, in order: each is (exc, msg, kwargs, make, forbid, params) -> (new, note) | None
 _REPAIRS = (_supply_missing, _matmul_last_dim, _supply_none, _boolean_mask, _supply_named, _integer_indices,
-            _like_concatenated, _size_mismatch, _unpack_rank)
+            _like_concatenated, _size_mismatch, _unpack_rank, _supply_guarded, _grid_as_positions, _view_multiple,
+            _cat_operand_size, _split_concat_channels)
 
 
 __all__ = ["Grid", "Need", "axis_role", "forward_needs", "module_need", "repair", "tensor_for"]
