@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import math
 import re
 import textwrap
 import traceback
@@ -64,6 +65,7 @@ class Need:
     stride: int = 1  # spatial sizes a multiple of this (a patch conv's stride)
     vocab: int | None = None  # an Embedding's size: long indices below it
     where: list = field(default_factory=list)  # how it was found (for messages/tests)
+    sizes: list | None = None  # per axis, a size the docstring names (an int, or terms to sum: ints, "text", "image")
 
     def empty(self) -> bool:
         return not (self.roles or self.last or self.channels or self.conv_dims or self.vocab)
@@ -187,6 +189,8 @@ def forward_needs(model: nn.Module, depth: int = 0) -> dict[str, Need]:
     for p, roles in _doc_roles(fn, params).items():
         needs[p].roles = roles
         needs[p].where.append("docstring")
+    for p, sizes in doc_sizes(fn, params, _model_config(model)).items():
+        needs[p].sizes = sizes
     _unpack_roles(node, alias, needs)
     _first_module_needs(model, node, alias, _first_rebound(node, alias_defs), needs, depth)
     for need in needs.values():
@@ -297,6 +301,68 @@ def structured(annotation, grid: "Grid", make_tensor):
     return None
 
 
+def _model_config(model) -> dict:
+    cfg = getattr(model, "config", None)
+    try:
+        return {k: v for k, v in dict(cfg).items() if isinstance(v, int) and not isinstance(v, bool)} if cfg else {}
+    except (TypeError, ValueError):
+        return {}
+
+
+def _size_term(term: str, cfg: dict):
+    """One term of a documented axis: an int literal, a config entry's value, or the text/image
+    token count its name says (``text_seq_len``, ``image_seq_len``); None when it says nothing."""
+    term = term.strip().strip("`")
+    if term.isdigit():
+        return int(term)
+    if term in cfg and cfg[term] > 0:
+        return cfg[term]
+    low = term.lower()
+    if axis_role(term) == "tokens":
+        if any(w in low for w in ("text", "txt", "caption", "prompt", "encoder", "context")):
+            return "text"
+        if any(w in low for w in ("image", "img", "latent", "visual", "video")):
+            return "image"
+    return None
+
+
+def doc_sizes(fn, params, cfg: dict) -> dict[str, list]:
+    """Per parameter, the sizes its documented shape names: ``(batch_size, text_seq_len,
+    num_text_layers, text_hidden_dim)`` with ``num_text_layers``/``text_hidden_dim`` config
+    entries gives their values; ``(text_seq_len + image_seq_len, 3)`` gives the sum of the text
+    and image token counts, then 3. Axes it says nothing about are None."""
+    out = {}
+    for name, dims in _DOC_SHAPE.findall(inspect.getdoc(fn) or ""):
+        if name not in params or "..." in dims:
+            continue
+        sizes = []
+        for part in (p.strip() for p in dims.split(",") if p.strip()):
+            terms = [_size_term(t, cfg) for t in part.split("+")]
+            if len(terms) == 1 and isinstance(terms[0], int):
+                sizes.append(terms[0])
+            elif len(terms) > 1 and all(t is not None for t in terms):
+                sizes.append(terms)
+            else:
+                sizes.append(None)
+        if any(x is not None for x in sizes):
+            out[name] = sizes
+    return out
+
+
+def _apply_sizes(shape: list, need: "Need", grid: "Grid", hidden: bool) -> None:
+    """Axes whose size the docstring names (``doc_sizes``) take it (never the batch axis)."""
+    if not need.sizes or len(need.sizes) != len(shape):
+        return
+    for i, size in enumerate(need.sizes):
+        if i == 0 and need.roles and need.roles[0] == "batch":
+            continue
+        if isinstance(size, int):
+            shape[i] = size
+        elif isinstance(size, list):
+            shape[i] = sum(t if isinstance(t, int) else grid.text if t == "text" else grid.tokens(
+                5 if grid.frames > 1 else 4) for t in size)
+
+
 # --- tensors from needs ------------------------------------------------------------------------
 
 @dataclass
@@ -351,6 +417,7 @@ def tensor_for(name: str, need: Need, grid: Grid, gen: torch.Generator, hidden: 
                 shape.append(need.last or (like.shape[-1] if like is not None else grid.channels))
             else:
                 shape.append(2)
+        _apply_sizes(shape, need, grid, hidden)
         if low.endswith("ids") or "position" in low:
             return torch.zeros(tuple(shape), dtype=torch.long)
         if need.last and shape[-1] != need.last and roles[-1] not in ("width", "height"):
@@ -599,9 +666,49 @@ def _unpack_rank(exc, msg, kwargs, make, forbid, params):
     return None
 
 
+_NORM_SHAPE = re.compile(r"normalized_shape=\[(\d+)\], expected input with shape \[\*,? ?\d+\], but got input of "
+                         r"size\s?\[([\d, ]+)\]")
+
+
+def _input_held(exc, kwargs) -> list[tuple[str, torch.Tensor]]:
+    """The tensor inputs some frame of the failing call holds (by identity), innermost first."""
+    out, seen = [], set()
+    for _, lv in _failing_locals(exc):
+        for name, val in kwargs.items():
+            if val is lv and isinstance(val, torch.Tensor) and name not in seen:
+                seen.add(name)
+                out.append((name, val))
+    return out
+
+
+def _reshaped_last_dim(exc, msg, kwargs, make, forbid, params):
+    """A Linear (``mat1 (AxB and CxD)``) or a norm (``normalized_shape=[C] ... got [.., B]``) rejects
+    a reshape of an input (same element count A x B, its last dim L folded ``B / L`` times into the
+    row, e.g. a patchify view): the input's last dim becomes ``L * C / B``."""
+    m, n = _MATMUL.search(msg), _NORM_SHAPE.search(msg)
+    if m:
+        rows, b, c = int(m.group(1)), int(m.group(2)), int(m.group(3))
+    elif n:
+        size = [int(x) for x in n.group(2).replace(" ", "").split(",") if x]
+        c, b, rows = int(n.group(1)), size[-1], math.prod(size[:-1])
+    else:
+        return None
+    for name, val in _input_held(exc, kwargs):
+        last = val.shape[-1] if val.ndim else 0
+        if not val.is_floating_point() or val.ndim < 2 or val.numel() != rows * b or not last or b % last \
+                or (c * last) % b or (name, "last", c * last // b) in forbid:
+            continue
+        want = c * last // b
+        forbid.add((name, "last", want))
+        new = dict(kwargs)
+        new[name] = torch.randn(tuple(val.shape[:-1]) + (want,))
+        return new, f"{name}: last dim {last} -> {want} (a reshape of it meets a width {c})"
+    return None
+
+
 # the repairs ``repair`` tries, in order: each is (exc, msg, kwargs, make, forbid, params) -> (new, note) | None
 _REPAIRS = (_supply_missing, _matmul_last_dim, _supply_none, _boolean_mask, _supply_named, _integer_indices,
-            _like_concatenated, _size_mismatch, _unpack_rank)
+            _like_concatenated, _size_mismatch, _unpack_rank, _reshaped_last_dim)
 
 
 __all__ = ["Grid", "Need", "axis_role", "forward_needs", "module_need", "repair", "tensor_for"]
