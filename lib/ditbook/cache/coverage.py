@@ -792,7 +792,9 @@ def _inspected_pipeline(cls: type, row: ClassOutcome):
 
     row.stage = "build+inputs"
     model, row.factor, kwargs = tiny_with_inputs(cls)
-    hidden_name = next(iter(kwargs))
+    # the image stream: the first floating tensor input (a first parameter may be a list of conditioning pairs)
+    hidden_name = next((k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.is_floating_point()),
+                       next(iter(kwargs)))
     row.stage = "inspect"
     report = inspect_transformer(model, None, support=False)
     with contextlib.redirect_stdout(io.StringIO()):

@@ -653,7 +653,7 @@ def _unpack_rank(exc, msg, kwargs, make, forbid, params):
                 text = (inspect.getframeinfo(frame).code_context or [""])[0]
             except Exception:
                 text = ""
-            sm = re.search(r"=\s*(\w+)\.shape", text)
+            sm = re.search(r"=\s*(\w+)\.(?:shape|size\(\))", text)
             if sm:
                 local = frame.f_locals.get(sm.group(1))
                 for name, val in kwargs.items():
@@ -706,9 +706,124 @@ def _reshaped_last_dim(exc, msg, kwargs, make, forbid, params):
     return None
 
 
+def _flat_leaves(kwargs: dict) -> dict:
+    """``{"x[0]": t, "pairs[0][1]": u}``: the tensors inside list/tuple inputs, by their path."""
+    out = {}
+
+    def walk(key, val):
+        if isinstance(val, torch.Tensor):
+            out[key] = val
+        elif isinstance(val, (list, tuple)):
+            for i, v in enumerate(val):
+                walk(f"{key}[{i}]", v)
+
+    for name, val in kwargs.items():
+        if isinstance(val, (list, tuple)):
+            walk(name, val)
+    return out
+
+
+def _path(key: str) -> tuple[str, list[int]]:
+    name = key.split("[", 1)[0]
+    return name, [int(i) for i in re.findall(r"\[(\d+)\]", key)]
+
+
+def _put(val, idx: list, new):
+    if not idx:
+        return new
+    items = list(val)
+    items[idx[0]] = _put(items[idx[0]], idx[1:], new)
+    return type(val)(items) if isinstance(val, tuple) else items
+
+
+def _nested_inputs(exc, msg, kwargs, make, forbid, params):
+    """Tensors inside list/tuple inputs (one tensor per sample, ``(encoding, mask)`` pairs) get the
+    shape repairs the top-level tensors get; a per-sample element is made like one sample of a
+    batched input (its batch axis dropped)."""
+    flat = _flat_leaves(kwargs)
+    if not flat:
+        return None
+
+    def make_leaf(key, kw, rank=None):
+        name, idx = _path(key)
+        if rank is None:
+            return None
+        val = make(name, kwargs, rank=rank + 1 if len(idx) == 1 else rank)
+        if isinstance(val, torch.Tensor) and len(idx) == 1 and val.ndim == rank + 1 and val.shape[0] == 1:
+            val = val[0]
+        return val if isinstance(val, torch.Tensor) and val.ndim == rank else None
+
+    for rule in (_matmul_last_dim, _integer_indices, _boolean_mask, _size_mismatch, _unpack_rank,
+                 _reshaped_last_dim):
+        fixed = rule(exc, msg, flat, make_leaf, forbid, set(flat))
+        if fixed is None:
+            continue
+        new_flat, note = fixed
+        new, changed = dict(kwargs), False
+        for key, val in new_flat.items():
+            if val is not flat.get(key):
+                name, idx = _path(key)
+                new[name], changed = _put(new[name], idx, val), True
+        if changed:
+            return new, note
+    return None
+
+
+_TUPLE_DOC = re.compile(r"`?\(([\w ,]+)\)`? tuples")
+
+
+def _iterated_tuples(exc, msg, kwargs, make, forbid, params):
+    """``for a, b in <input>`` unpacks each item of an input into N names: the input becomes a list
+    of one N-tuple; items named (by the loop or by the docstring's ``(encoding, mask) tuples``) like
+    a mask are ones of (batch, text), the others (batch, text, width) states."""
+    m = _UNPACK.search(msg)
+    frames = _model_frames(exc)
+    if not m or not frames:
+        return None
+    want = int(m.group(1))
+    for frame, n in _unpacking_loops(frames[-2:], want):
+        local = frame.f_locals.get(n.iter.id)
+        name = next((k for k, v in kwargs.items() if v is local and isinstance(v, torch.Tensor)), None)
+        if name is None or (name, "tuples", want) in forbid:
+            continue
+        forbid.add((name, "tuples", want))
+        names = [e.id if isinstance(e, ast.Name) else "" for e in n.target.elts]
+        doc = _TUPLE_DOC.search(_param_doc(frame, name))
+        if doc and len(doc.group(1).split(",")) == want:
+            names = [x.strip() for x in doc.group(1).split(",")]
+        text = getattr(getattr(make, "grid", None), "text", TEXT_LEN)
+        width = getattr(getattr(make, "grid", None), "channels", 4)
+        item = tuple(torch.ones(1, text) if "mask" in x.lower() else torch.randn(1, text, width) for x in names)
+        new = dict(kwargs)
+        new[name] = [item]
+        return new, f"{name}: a list of {want}-tuples {tuple(names)}"
+    return None
+
+
+def _unpacking_loops(frames, want: int):
+    """(frame, loop node) of each ``for a, b, ... in <name>`` with ``want`` names in the statements
+    the frames run (a comprehension runs in a frame of its own: its caller's statement holds it)."""
+    for frame in reversed(frames):
+        try:
+            tree = ast.parse(statement_text(frame))
+        except SyntaxError:
+            continue
+        for n in ast.walk(tree):
+            if isinstance(n, (ast.comprehension, ast.For)) and isinstance(n.target, ast.Tuple) \
+                    and len(n.target.elts) == want and isinstance(n.iter, ast.Name):
+                yield frame, n
+
+
+def _param_doc(frame, name: str) -> str:
+    """The docstring paragraph of parameter ``name`` of the function a frame runs."""
+    doc = frame.f_code.co_consts[0] if frame.f_code.co_consts and isinstance(frame.f_code.co_consts[0], str) else ""
+    m = re.search(rf"^\s*{re.escape(name)} \(.*?(?=^\s*\w+ \(|\Z)", doc, re.M | re.S)
+    return m.group(0) if m else ""
+
+
 # the repairs ``repair`` tries, in order: each is (exc, msg, kwargs, make, forbid, params) -> (new, note) | None
 _REPAIRS = (_supply_missing, _matmul_last_dim, _supply_none, _boolean_mask, _supply_named, _integer_indices,
-            _like_concatenated, _size_mismatch, _unpack_rank, _reshaped_last_dim)
+            _like_concatenated, _size_mismatch, _unpack_rank, _reshaped_last_dim, _iterated_tuples, _nested_inputs)
 
 
 __all__ = ["Grid", "Need", "axis_role", "forward_needs", "module_need", "repair", "tensor_for"]
