@@ -297,3 +297,120 @@ def test_a_width_tied_to_heads_times_head_dim_follows_a_head_cap():
     assert kw["cross_attention_dim"] == 16  # 24 x 64 by default: 2 x 8 now
     assert kw["caption_dim"] == 512  # not tied to the heads: only divided
     assert sum(kw["axes_dims_rope"]) == 8  # summed to the head dim by default: still does
+
+
+class DocSizedDiT(ModelMixin, ConfigMixin):
+    """Text comes as a stack of ``num_text_layers`` encoder layers of ``text_hidden_dim``: only the
+    docstring's shape, whose axes are named after config entries, says so; the position ids cover
+    text and image tokens (``text_seq_len + image_seq_len``)."""
+
+    @register_to_config
+    def __init__(self, in_channels: int = 6, dim: int = 16, num_text_layers: int = 3, text_hidden_dim: int = 10,
+                 num_layers: int = 2):
+        super().__init__()
+        self.fuse = nn.Linear(num_text_layers, 1)
+        self.txt_norm = nn.LayerNorm(text_hidden_dim)
+        self.txt_in = nn.Linear(text_hidden_dim, dim)
+        self.img_in = nn.Linear(in_channels, dim)
+        self.time = nn.Linear(1, dim)
+        self.pos = nn.Linear(3, dim)
+        self.blocks = nn.ModuleList([Block(dim) for _ in range(num_layers)])
+        self.proj_out = nn.Linear(dim, in_channels)
+
+    def forward(self, hidden_states, encoder_hidden_states, timestep, position_ids, return_dict: bool = False):
+        r"""
+        Args:
+            hidden_states (`torch.Tensor` of shape `(batch_size, image_seq_len, in_channels)`):
+                packed latents.
+            encoder_hidden_states (`torch.Tensor` of shape `(batch_size, text_seq_len, num_text_layers, text_hidden_dim)`):
+                a stack of text encoder layers.
+            position_ids (`torch.Tensor` of shape `(text_seq_len + image_seq_len, 3)`):
+                coordinates of every token.
+        """
+        b, n, layers, d = encoder_hidden_states.shape
+        ctx = self.txt_norm(encoder_hidden_states.reshape(b * n, layers, d))
+        ctx = self.fuse(ctx.reshape(b, n, layers, d).transpose(2, 3)).squeeze(-1)
+        x = torch.cat([self.txt_in(ctx), self.img_in(hidden_states)], 1) + self.pos(position_ids.float())
+        temb = self.time(timestep[:, None] / 1000.0)
+        for block in self.blocks:
+            x = block(x, temb)
+        return (self.proj_out(x[:, n:]),)
+
+
+def test_docstring_sizes_named_after_config_entries_shape_the_inputs(monkeypatch):
+    kwargs, _ = coverage.find_inputs(DocSizedDiT())
+    assert kwargs["encoder_hidden_states"].shape[2:] == (3, 10)
+    text, image = kwargs["encoder_hidden_states"].shape[1], kwargs["hidden_states"].shape[1]
+    assert kwargs["position_ids"].shape == (text + image, 3)
+    assert coverage.check_class(DocSizedDiT, cp=False).outcome == "correct"
+    # without the documented sizes the probe cannot feed it: a named refusal
+    monkeypatch.setattr(ci, "doc_sizes", lambda fn, params, cfg: {})
+    with pytest.raises(coverage.Refused, match="no inputs"):
+        coverage.find_inputs(DocSizedDiT())
+
+
+class PatchifiedChannelsLast(nn.Module):
+    """``(b, f, h, w, c)`` latents patchified 2x2 by a view before the Linear: the Linear's width is
+    4 x the channel count, which no input has."""
+
+    def __init__(self, channels: int = 5, dim: int = 8):
+        super().__init__()
+        self.proj = nn.Linear(4 * channels, dim)
+
+    def forward(self, hidden_states):
+        b, f, h, w, c = hidden_states.shape
+        x = hidden_states.view(b, f, h // 2, 2, w // 2, 2, c).permute(0, 1, 2, 4, 3, 5, 6).flatten(4)
+        return (self.proj(x),)
+
+
+def test_a_linear_that_rejects_a_reshape_of_an_input_resizes_its_last_dim():
+    model = PatchifiedChannelsLast()
+    x = torch.randn(1, 2, 4, 4, 3)
+    exc = _error(lambda: model(hidden_states=x))
+    new, why = ci.repair(exc, {"hidden_states": x}, lambda n, kw, rank=None: None, set())
+    assert new["hidden_states"].shape == (1, 2, 4, 4, 5), why
+    # the rule only resizes what the failing call holds: an unrelated input of the same size is kept
+    other = torch.randn(1, 2, 4, 4, 3)
+    assert ci._reshaped_last_dim(exc, str(exc), {"other": other}, None, set(), set()) is None
+
+
+class PairsDecoder(nn.Module):
+    """Conditioning as a list of ``(encoding, mask)`` pairs, first in the signature; the encodings
+    meet a Linear of width 12 inside a block."""
+
+    def __init__(self, dim: int = 8):
+        super().__init__()
+        self.proj_in = nn.Linear(6, dim)
+        self.kv = nn.Linear(12, dim)
+        self.time = nn.Linear(1, dim)
+        self.blocks = nn.ModuleList([Block(dim) for _ in range(2)])
+
+    def forward(self, encodings_and_masks, decoder_input_tokens, decoder_noise_time):
+        """
+        Args:
+            encodings_and_masks (`list` of `tuple` of `torch.Tensor`):
+                A list of `(encoding, mask)` tuples.
+        """
+        enc = torch.cat([x * m[..., None] for x, m in encodings_and_masks], 1)
+        y = self.proj_in(decoder_input_tokens)
+        temb = self.time(decoder_noise_time[:, None]) + self.kv(enc).mean(1)
+        for block in self.blocks:
+            y = block(y, temb)
+        return y
+
+
+def test_an_input_unpacked_into_pairs_becomes_a_list_of_pairs_whose_tensors_get_repaired():
+    kwargs, _ = coverage.find_inputs(PairsDecoder())
+    (enc, mask), = kwargs["encodings_and_masks"]
+    assert enc.shape[-1] == 12 and mask.shape == enc.shape[:2]
+    assert kwargs["decoder_input_tokens"].shape[-1] == 6
+    # the stages perturb the first float tensor input (the list of pairs cannot be scaled)
+    assert coverage.check_class(PairsDecoder, cp=False).outcome == "correct"
+    # the rules' own refusal without the pair rule
+    saved = ci._REPAIRS
+    try:
+        ci._REPAIRS = tuple(r for r in saved if r is not ci._iterated_tuples)
+        with pytest.raises(coverage.Refused):
+            coverage.find_inputs(PairsDecoder())
+    finally:
+        ci._REPAIRS = saved
