@@ -570,7 +570,7 @@ def _flow_inputs(model, cand: dict, needs: dict, maker: "_Maker") -> dict:
     rebuilt to meet it."""
     kwargs = make_inputs(model, cand, text_len=maker.grid.text)
     for name, val in list(kwargs.items()):
-        if val is None:  # required, and no name rule: what the code or the annotation asks
+        if val is None or _list_annotated(maker, name):  # no name rule, or a list the annotation asks for
             kwargs[name] = maker(name, kwargs)
             continue
         need = needs.get(name)
@@ -587,6 +587,14 @@ def _flow_inputs(model, cand: dict, needs: dict, maker: "_Maker") -> dict:
     return kwargs
 
 
+def _list_annotated(maker, name: str) -> bool:
+    """The forward annotates ``name`` as a list (of tensors per sample, of grids): a tensor made by
+    the name rules is not what it takes."""
+    ann = maker.annotations.get(name)
+    text = (ann if isinstance(ann, str) else str(ann)).replace("typing.", "").replace("List[", "list[")
+    return ann is not None and text.startswith("list[") and "Tensor" in text
+
+
 def _regrid(exc, kwargs, model, cand, needs, maker, forbid):
     fixed = _regrid_inputs(exc, model, cand, needs, maker, forbid)
     if fixed is None:
@@ -601,6 +609,8 @@ def _regrid(exc, kwargs, model, cand, needs, maker, forbid):
 def _regrid_inputs(exc, model, cand, needs, maker, forbid):
     """A size mismatch whose one side is the grid's text length or frame count (a positional table
     sized by the config): the whole input set rebuilt on a grid with the other size."""
+    if ci.last_axis_mismatch(exc):
+        return None  # a feature width, not a length: the input repairs fix it
     if "divisible" in str(exc) and maker.grid.height < 8 * maker.grid.patch * 4 \
             and ("grow", maker.grid.height) not in forbid:
         # a token grid too small for the model's windows/tiles: twice as large on each side
@@ -684,7 +694,7 @@ def _perturbed(kwargs: dict, step: int, hidden_name: str) -> dict:
     the timestep decreases."""
     out = dict(kwargs)
     h = kwargs[hidden_name]
-    out[hidden_name] = h * (1.0 - 0.001 * step)
+    out[hidden_name] = [x * (1.0 - 0.001 * step) for x in h] if isinstance(h, list) else h * (1.0 - 0.001 * step)
     for k, v in kwargs.items():
         if "timestep" in k.lower() and isinstance(v, torch.Tensor) and v.is_floating_point():
             out[k] = v - 5.0 * step
@@ -793,8 +803,7 @@ def _inspected_pipeline(cls: type, row: ClassOutcome):
     row.stage = "build+inputs"
     model, row.factor, kwargs = tiny_with_inputs(cls)
     # the image stream: the first floating tensor input (a first parameter may be a list of conditioning pairs)
-    hidden_name = next((k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.is_floating_point()),
-                       next(iter(kwargs)))
+    hidden_name = next((k for k, v in kwargs.items() if _float_tensors(v)), next(iter(kwargs)))
     row.stage = "inspect"
     report = inspect_transformer(model, None, support=False)
     with contextlib.redirect_stdout(io.StringIO()):
@@ -803,6 +812,13 @@ def _inspected_pipeline(cls: type, row: ClassOutcome):
     if report.block_lists and max(b.length for b in report.block_lists) < 2:
         raise Refused("every block list has a single block: a block cache always computes it, nothing to skip")
     return model, kwargs, report, _steps_pipeline(model, kwargs, hidden_name)
+
+
+def _float_tensors(v) -> bool:
+    """A float tensor, or a list of them (one per sample)."""
+    if isinstance(v, list):
+        return bool(v) and all(isinstance(x, torch.Tensor) and x.is_floating_point() for x in v)
+    return isinstance(v, torch.Tensor) and v.is_floating_point()
 
 
 def _run_cached(pipe, adapter, strat, cfg, steps: int, counter_cls):

@@ -284,7 +284,9 @@ def structured(annotation, grid: "Grid", make_tensor):
 
     def build(t: str):
         if t.startswith("list[") and t.endswith("]"):
-            inner = build(t[5:-1])
+            inner = build(_first_alternative(t[5:-1]))
+            if isinstance(inner, torch.Tensor) and inner.ndim > 1 and inner.shape[0] == 1:
+                inner = inner[0]  # one tensor per sample: without the batch axis
             return None if inner is None else [inner]
         if t.startswith("tuple[int,int,int]"):
             return g
@@ -299,6 +301,17 @@ def structured(annotation, grid: "Grid", make_tensor):
     if text.startswith(("list[", "tuple[int")):
         return build(text)
     return None
+
+
+def _first_alternative(t: str) -> str:
+    """``torch.Tensor`` of ``torch.Tensor,list[list[torch.Tensor]]`` (a list of either: the first)."""
+    depth = 0
+    for i, ch in enumerate(t):
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "," and depth == 0 and not t.startswith("tuple["):
+            return t[:i]
+    return t
 
 
 def _model_config(model) -> dict:
@@ -754,7 +767,7 @@ def _nested_inputs(exc, msg, kwargs, make, forbid, params):
         return val if isinstance(val, torch.Tensor) and val.ndim == rank else None
 
     for rule in (_matmul_last_dim, _integer_indices, _boolean_mask, _size_mismatch, _unpack_rank,
-                 _reshaped_last_dim):
+                 _reshaped_last_dim, _last_axis_width):
         fixed = rule(exc, msg, flat, make_leaf, forbid, set(flat))
         if fixed is None:
             continue
@@ -821,9 +834,49 @@ def _param_doc(frame, name: str) -> str:
     return m.group(0) if m else ""
 
 
+def last_axis_mismatch(exc) -> tuple | None:
+    """(a, b, d) when a size mismatch is on the last axis of the tensors the innermost frame holds
+    (a feature width, e.g. a norm's weight against its input), not on a sequence axis."""
+    m = _SIZE.search(str(exc))
+    frames = _model_frames(exc)
+    if not m or not frames:
+        return None
+    a, b, d = int(m.group(1)), int(m.group(2)), int(m.group(3))
+    tensors = [v for v in frames[-1].f_locals.values() if isinstance(v, torch.Tensor)]
+    on_last = any(t.ndim - 1 == d and t.shape[d] in (a, b) for t in tensors)
+    elsewhere = any(t.ndim - 1 > d and t.shape[d] in (a, b) for t in tensors)
+    return (a, b, d) if on_last and not elsewhere else None
+
+
+def _last_axis_width(exc, msg, kwargs, make, forbid, params):
+    """A width mismatch on the last axis (``last_axis_mismatch``) of a tensor that is an input, or
+    has an input's elements (a concatenation of one per-sample tensor, a view): the input's last dim
+    takes the other width."""
+    found = last_axis_mismatch(exc)
+    if not found:
+        return None
+    a, b, _ = found
+    frames = _model_frames(exc)
+    locals_ = [v for v in frames[-1].f_locals.values() if isinstance(v, torch.Tensor)]
+    same = [(n, v, loc) for n, v in kwargs.items() for loc in locals_ if isinstance(v, torch.Tensor)
+            and v.is_floating_point() and v.ndim >= 2 and loc.shape[-1] == v.shape[-1] and v.shape[-1] in (a, b)
+            and v.numel() <= loc.numel()]
+    # the same elements first, then a padded concatenation of them (more rows, same width)
+    for name, val, loc in sorted(same, key=lambda x: x[1].numel() != x[2].numel()):
+        want = b if val.shape[-1] == a else a
+        if (name, "last", want) in forbid:
+            continue
+        forbid.add((name, "last", want))
+        new = dict(kwargs)
+        new[name] = torch.randn(tuple(val.shape[:-1]) + (want,))
+        return new, f"{name}: last dim {val.shape[-1]} -> {want} (a width its consumer fixes)"
+    return None
+
+
 # the repairs ``repair`` tries, in order: each is (exc, msg, kwargs, make, forbid, params) -> (new, note) | None
 _REPAIRS = (_supply_missing, _matmul_last_dim, _supply_none, _boolean_mask, _supply_named, _integer_indices,
-            _like_concatenated, _size_mismatch, _unpack_rank, _reshaped_last_dim, _iterated_tuples, _nested_inputs)
+            _like_concatenated, _size_mismatch, _unpack_rank, _reshaped_last_dim, _iterated_tuples, _nested_inputs,
+            _last_axis_width)
 
 
 __all__ = ["Grid", "Need", "axis_role", "forward_needs", "module_need", "repair", "tensor_for"]
