@@ -414,3 +414,68 @@ def test_an_input_unpacked_into_pairs_becomes_a_list_of_pairs_whose_tensors_get_
             coverage.find_inputs(PairsDecoder())
     finally:
         ci._REPAIRS = saved
+
+
+class ScaleNorm(nn.Module):
+    """An RMS norm: its weight meets the input by broadcasting (a size error, not a matmul one)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, hidden_states):
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + 1e-6)
+        return hidden_states * self.weight
+
+
+class PerSampleListDiT(ModelMixin, ConfigMixin):
+    """Latents and captions as lists of per-sample tensors (``(C, F, H, W)`` and ``(L, D)``, no batch
+    axis); the captions are padded to a multiple of 16 tokens and normed before their Linear."""
+
+    @register_to_config
+    def __init__(self, in_channels: int = 4, dim: int = 16, cap_feat_dim: int = 24, num_layers: int = 2):
+        super().__init__()
+        self.x_in = nn.Linear(4 * in_channels, dim)
+        self.cap_norm = ScaleNorm(cap_feat_dim)
+        self.cap_in = nn.Linear(cap_feat_dim, dim)
+        self.time = nn.Linear(1, dim)
+        self.blocks = nn.ModuleList([Block(dim) for _ in range(num_layers)])
+        self.proj_out = nn.Linear(dim, 4 * in_channels)
+
+    def forward(self, x: list[torch.Tensor, list[list[torch.Tensor]]], t, cap_feats: list[torch.Tensor],
+                return_dict: bool = False):
+        outs = []
+        for image, cap in zip(x, cap_feats):
+            C, F_, H, W = image.size()
+            tokens = image.view(C, F_, H // 2, 2, W // 2, 2).permute(1, 2, 4, 3, 5, 0).reshape(-1, 4 * C)
+            pad = (-cap.shape[0]) % 16
+            cap = torch.cat([cap, cap[-1:].expand(pad, -1)], 0)
+            seq = torch.cat([self.cap_in(self.cap_norm(cap)), self.x_in(tokens)], 0)[None]
+            temb = self.time(t[:, None])
+            for block in self.blocks:
+                seq = block(seq, temb)
+            outs.append(self.proj_out(seq[0, cap.shape[0]:]))
+        return (outs,)
+
+
+def test_list_annotated_inputs_are_per_sample_tensors_whose_shapes_get_repaired(monkeypatch):
+    kwargs, _ = coverage.find_inputs(PerSampleListDiT())
+    (image,), (cap,) = kwargs["x"], kwargs["cap_feats"]
+    assert image.ndim == 4 and image.shape[0] == 4  # (C, F, H, W): no batch axis
+    assert cap.ndim == 2 and cap.shape[-1] == 24  # the norm's width, found from a size error
+    row = coverage.check_class(PerSampleListDiT, cp=False)
+    assert row.outcome == "correct", (row.stage, row.reason)
+    # without the last-axis width rule the size error is taken for a text length: refused
+    monkeypatch.setattr(ci, "last_axis_mismatch", lambda exc: None)
+    with pytest.raises(coverage.Refused):
+        coverage.find_inputs(PerSampleListDiT())
+
+
+def test_a_width_mismatch_on_the_last_axis_is_not_a_length():
+    norm = ScaleNorm(24)
+    exc = _error(lambda: norm(torch.randn(16, 10)))
+    assert ci.last_axis_mismatch(exc) == (10, 24, 1)
+    seq = torch.randn(1, 10, 8)
+    exc = _error(lambda: seq + torch.randn(1, 12, 8))
+    assert ci.last_axis_mismatch(exc) is None
