@@ -176,6 +176,7 @@ def shrink_config(cls: type, factor: int, heads: int | None = None) -> dict:
             if isinstance(p.default, int) and not isinstance(p.default, bool) and p.default == head0 * heads0 \
                     and "dim" in p.name.lower() and "head" not in p.name.lower():
                 out[p.name] = head1 * heads1
+    _tie_prefixed_widths(params, out)
     # rotary axes left None by default: two even halves of the head dim (they must sum to it)
     for p in params.values():
         if p.default is None and ("axes" in p.name.lower()) and p.name not in out:
@@ -183,6 +184,28 @@ def shrink_config(cls: type, factor: int, heads: int | None = None) -> dict:
             if head and head % 4 == 0:
                 out[p.name] = (head // 2, head // 2)
     return out
+
+
+def _tie_prefixed_widths(params, out: dict) -> None:
+    """Per attention of its own (``audio_num_attention_heads`` with ``audio_attention_head_dim``: one
+    name prefix), widths of that prefix that equal its heads x head dim by default (``audio_cross_
+    attention_dim``) keep doing so after shrinking."""
+    defaults = {k: v.default for k, v in params.items() if isinstance(v.default, int) and not isinstance(v.default, bool)}
+    for hname in defaults:
+        if not _is_head_count(hname) or "kv" in hname.lower() or "_" not in hname:
+            continue
+        prefix = hname[:hname.lower().find("num_")] if "num_" in hname.lower() else ""
+        dname = next((k for k in defaults if k.startswith(prefix) and "head_dim" in k.lower()), None) if prefix else None
+        if not dname:
+            continue
+        h0, d0 = defaults[hname], defaults[dname]
+        h1, d1 = out.get(hname, h0), out.get(dname, d0)
+        if h0 * d0 == h1 * d1:
+            continue
+        for k, v in defaults.items():
+            if k.startswith(prefix) and k not in (hname, dname) and "dim" in k.lower() and "head" not in k.lower() \
+                    and v == h0 * d0:
+                out[k] = h1 * d1
 
 
 def _head_dim(cfg: dict) -> int | None:
@@ -596,6 +619,9 @@ def _list_annotated(maker, name: str) -> bool:
 
 
 def _regrid(exc, kwargs, model, cand, needs, maker, forbid):
+    found = ci.int_input_size(exc, kwargs)
+    if found and (found[0], "int", found[1]) not in forbid:
+        return None  # an int input gives that size: the input repairs set it
     fixed = _regrid_inputs(exc, model, cand, needs, maker, forbid)
     if fixed is None:
         return None

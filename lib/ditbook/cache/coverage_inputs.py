@@ -120,7 +120,8 @@ def _self_module(owner, func) -> nn.Module | None:
     return obj if isinstance(obj, nn.Module) else None
 
 
-_DOC_SHAPE = re.compile(r"^\s*(\w+)\s*\(.*?of shape\s*`?\(([^)]*)\)", re.M)
+# ``name (`torch.Tensor` of shape `(b, n, d)`)`` or the shape on the description's first line
+_DOC_SHAPE = re.compile(r"^[ \t]*(\w+)\s*\((?:[^\n]*?|[^\n]*:[ \t]*\n[^\n]*?)of shape\s*`?\(([^)]*)\)", re.M)
 
 
 def _doc_roles(fn, params) -> dict[str, list]:
@@ -326,6 +327,7 @@ def _size_term(term: str, cfg: dict):
     """One term of a documented axis: an int literal, a config entry's value, or the text/image
     token count its name says (``text_seq_len``, ``image_seq_len``); None when it says nothing."""
     term = term.strip().strip("`")
+    term = term[len("self.config."):] if term.startswith("self.config.") else term
     if term.isdigit():
         return int(term)
     if term in cfg and cfg[term] > 0:
@@ -873,10 +875,47 @@ def _last_axis_width(exc, msg, kwargs, make, forbid, params):
     return None
 
 
+_NAME_NOISE = {"num", "hidden", "states", "n", "size", "len", "length", "of", "input", "inputs"}
+
+
+def int_input_size(exc, kwargs: dict) -> tuple[str, int] | None:
+    """(name, size) when a size mismatch ``a`` vs ``b`` sets an int input that equals one side
+    (a token count given as an int: ``audio_num_frames``) against a tensor input that has the other
+    side on that axis and shares a word of its name (``audio_hidden_states``): the int takes the
+    tensor's size."""
+    m = _SIZE.search(str(exc))
+    if not m:
+        return None
+    a, b, d = int(m.group(1)), int(m.group(2)), int(m.group(3))
+    best, score = None, 0
+    for iname, ival in kwargs.items():
+        if isinstance(ival, bool) or not isinstance(ival, int) or ival not in (a, b):
+            continue
+        other = b if ival == a else a
+        words = set(iname.lower().split("_")) - _NAME_NOISE
+        for tname, t in kwargs.items():
+            if isinstance(t, torch.Tensor) and t.ndim > d and t.shape[d] == other:
+                sc = len(words & (set(tname.lower().split("_")) - _NAME_NOISE))
+                if sc > score:
+                    best, score = (iname, other), sc
+    return best
+
+
+def _int_input_size(exc, msg, kwargs, make, forbid, params):
+    """See ``int_input_size``."""
+    found = int_input_size(exc, kwargs)
+    if not found or (found[0], "int", found[1]) in forbid:
+        return None
+    forbid.add((found[0], "int", found[1]))
+    new = dict(kwargs)
+    new[found[0]] = found[1]
+    return new, f"{found[0]}: {kwargs[found[0]]} -> {found[1]} (the size of the tensor it describes)"
+
+
 # the repairs ``repair`` tries, in order: each is (exc, msg, kwargs, make, forbid, params) -> (new, note) | None
 _REPAIRS = (_supply_missing, _matmul_last_dim, _supply_none, _boolean_mask, _supply_named, _integer_indices,
             _like_concatenated, _size_mismatch, _unpack_rank, _reshaped_last_dim, _iterated_tuples, _nested_inputs,
-            _last_axis_width)
+            _last_axis_width, _int_input_size)
 
 
 __all__ = ["Grid", "Need", "axis_role", "forward_needs", "module_need", "repair", "tensor_for"]
