@@ -479,3 +479,71 @@ def test_a_width_mismatch_on_the_last_axis_is_not_a_length():
     seq = torch.randn(1, 10, 8)
     exc = _error(lambda: seq + torch.randn(1, 12, 8))
     assert ci.last_axis_mismatch(exc) is None
+
+
+def test_a_documented_shape_on_the_next_line_and_config_entries_by_attribute():
+    class Cfg(dict):
+        pass
+
+    class TwoLineDoc(nn.Module):
+        config = Cfg(caption_channels=12)
+
+        def forward(self, hidden_states, encoder_hidden_states):
+            """
+            Args:
+                hidden_states (`torch.Tensor`):
+                    Packed latents of shape `(batch_size, num_video_tokens, in_channels)`.
+                encoder_hidden_states (`torch.Tensor`):
+                    Text of shape `(batch_size, text_seq_len, self.config.caption_channels)`.
+            """
+            return hidden_states
+
+    needs = ci.forward_needs(TwoLineDoc())
+    assert needs["hidden_states"].roles == ["batch", "tokens", "channels"]
+    assert needs["encoder_hidden_states"].sizes == [None, None, 12]
+
+
+class AudioVideoTable(nn.Module):
+    """An int (``audio_num_frames``) sizes the audio positions; the audio tokens must match it."""
+
+    def __init__(self, dim: int = 8):
+        super().__init__()
+        self.video_in = nn.Linear(4, dim)
+        self.audio_in = nn.Linear(4, dim)
+        self.freqs = nn.Parameter(torch.ones(dim))
+
+    def forward(self, hidden_states, audio_hidden_states, audio_num_frames: int = 2):
+        pos = torch.arange(audio_num_frames, dtype=torch.float32)[None, :, None] * self.freqs
+        audio = self.audio_in(audio_hidden_states) + pos
+        return (self.video_in(hidden_states) + audio.mean(1, keepdim=True),)
+
+
+def test_an_int_input_that_sizes_a_table_takes_the_like_named_tensors_size():
+    model = AudioVideoTable()
+    kwargs = {"hidden_states": torch.randn(1, 16, 4), "audio_hidden_states": torch.randn(1, 8, 4),
+              "audio_num_frames": 2}
+    exc = _error(lambda: model(**kwargs))
+    assert ci.int_input_size(exc, kwargs) == ("audio_num_frames", 8)
+    new, _ = ci._int_input_size(exc, str(exc), kwargs, None, set(), set())
+    assert new["audio_num_frames"] == 8 and new["audio_hidden_states"] is kwargs["audio_hidden_states"]
+    model(**new)
+    # and the probe does not take the mismatch for a text length to regrid
+    maker = type("M", (), {"grid": ci.Grid()})()
+    assert coverage._regrid(exc, kwargs, model, None, {}, maker, set()) is None
+    # an int named for nothing the tensors are named for is left to the other rules
+    odd = {"hidden_states": kwargs["hidden_states"], "audio_hidden_states": kwargs["audio_hidden_states"],
+           "count": 2}
+    assert ci.int_input_size(exc, odd) is None
+
+
+def test_a_prefixed_attention_keeps_its_width_tied_to_its_heads():
+    class Fake:
+        def __init__(self, num_attention_heads=32, attention_head_dim=128, cross_attention_dim=4096,
+                     audio_num_attention_heads=32, audio_attention_head_dim=64, audio_cross_attention_dim=2048,
+                     caption_channels=3840):
+            pass
+
+    kw = coverage.shrink_config(Fake, 8, heads=2)
+    assert kw["cross_attention_dim"] == kw["num_attention_heads"] * kw["attention_head_dim"]
+    assert kw["audio_cross_attention_dim"] == kw["audio_num_attention_heads"] * kw["audio_attention_head_dim"]
+    assert kw["caption_channels"] == 480
