@@ -333,6 +333,8 @@ def _size_term(term: str, cfg: dict):
     if term in cfg and cfg[term] > 0:
         return cfg[term]
     low = term.lower()
+    if axis_role(term) == "frames":
+        return "frames"
     if axis_role(term) == "tokens":
         if any(w in low for w in ("text", "txt", "caption", "prompt", "encoder", "context")):
             return "text"
@@ -374,8 +376,8 @@ def _apply_sizes(shape: list, need: "Need", grid: "Grid", hidden: bool) -> None:
         if isinstance(size, int):
             shape[i] = size
         elif isinstance(size, list):
-            shape[i] = sum(t if isinstance(t, int) else grid.text if t == "text" else grid.tokens(
-                5 if grid.frames > 1 else 4) for t in size)
+            shape[i] = sum(t if isinstance(t, int) else grid.text if t == "text" else grid.frames if t == "frames"
+                           else grid.tokens(5 if grid.frames > 1 else 4) for t in size)
 
 
 # --- tensors from needs ------------------------------------------------------------------------
@@ -912,10 +914,67 @@ def _int_input_size(exc, msg, kwargs, make, forbid, params):
     return new, f"{found[0]}: {kwargs[found[0]]} -> {found[1]} (the size of the tensor it describes)"
 
 
+_EXPECTED_TUPLE = re.compile(r"has (?:shape|resolution|size) \(([\d, ]+)\),? but (?:is |was )?expected (?:to have )?"
+                             r"(?:shape |resolution |size )?\(([\d, ]+)\)")
+
+
+def _expected_tuple(exc, msg, kwargs, make, forbid, params):
+    """``... has resolution (8, 8) but is expected to have resolution (64, 64)``: the input the failing
+    frames hold whose axes read (8, 8) (the last such run of axes) gets (64, 64) there."""
+    m = _EXPECTED_TUPLE.search(msg)
+    if not m:
+        return None
+    have = [int(x) for x in m.group(1).replace(" ", "").split(",") if x]
+    want = [int(x) for x in m.group(2).replace(" ", "").split(",") if x]
+    if len(have) != len(want) or not have or any(w > 4096 for w in want):
+        return None
+    low = msg.lower().replace("_", " ")
+    named = [(n, v) for n, v in kwargs.items() if isinstance(v, torch.Tensor) and n.replace("_", " ") in low]
+    for name, val in _input_held(exc, kwargs) + named:  # held by the failing frames, or named by the message
+        shape = list(val.shape)
+        for start in range(len(shape) - len(have), -1, -1):
+            if shape[start:start + len(have)] == have and (name, "axes", tuple(want)) not in forbid:
+                forbid.add((name, "axes", tuple(want)))
+                shape[start:start + len(have)] = want
+                new = dict(kwargs)
+                new[name] = torch.randn(shape).to(val.dtype) if val.is_floating_point() else \
+                    torch.zeros(shape, dtype=val.dtype)
+                return new, f"{name}: axes {tuple(have)} -> {tuple(want)} (the error's expected shape)"
+    return None
+
+
+_CONV_CHANNELS = re.compile(r"expected input\[([\d, ]+)\] to have (\d+) channels, but got (\d+) channels")
+
+
+def _conv_channels(exc, msg, kwargs, make, forbid, params):
+    """A convolution wants C channels and gets G from an input or a reshape of it (same element
+    count; frames folded into the batch): the input's axis of size G (axis 1 first) becomes C."""
+    m = _CONV_CHANNELS.search(msg)
+    if not m:
+        return None
+    seen = [int(x) for x in m.group(1).replace(" ", "").split(",") if x]
+    want, got = int(m.group(2)), int(m.group(3))
+    held = _input_held(exc, kwargs)
+    others = [(n, v) for n, v in kwargs.items() if isinstance(v, torch.Tensor) and all(n != h for h, _ in held)]
+    for name, val in held + others:
+        if val.numel() != math.prod(seen) or val.ndim < 2 or (name, "channels", want) in forbid:
+            continue
+        axes = [i for i in range(1, val.ndim) if val.shape[i] == got]
+        if not axes:
+            continue
+        forbid.add((name, "channels", want))
+        shape = list(val.shape)
+        shape[axes[0]] = want
+        new = dict(kwargs)
+        new[name] = torch.randn(shape).to(val.dtype) if val.is_floating_point() else torch.zeros(shape, dtype=val.dtype)
+        return new, f"{name}: axis {axes[0]} {got} -> {want} (a convolution's channels)"
+    return None
+
+
 # the repairs ``repair`` tries, in order: each is (exc, msg, kwargs, make, forbid, params) -> (new, note) | None
 _REPAIRS = (_supply_missing, _matmul_last_dim, _supply_none, _boolean_mask, _supply_named, _integer_indices,
             _like_concatenated, _size_mismatch, _unpack_rank, _reshaped_last_dim, _iterated_tuples, _nested_inputs,
-            _last_axis_width, _int_input_size)
+            _last_axis_width, _int_input_size, _expected_tuple, _conv_channels)
 
 
 __all__ = ["Grid", "Need", "axis_role", "forward_needs", "module_need", "repair", "tensor_for"]
