@@ -547,3 +547,48 @@ def test_a_prefixed_attention_keeps_its_width_tied_to_its_heads():
     assert kw["cross_attention_dim"] == kw["num_attention_heads"] * kw["attention_head_dim"]
     assert kw["audio_cross_attention_dim"] == kw["audio_num_attention_heads"] * kw["audio_attention_head_dim"]
     assert kw["caption_channels"] == 480
+
+
+class PoseFaceDiT(nn.Module):
+    """Latents with one more frame than the pose video (documented as ``T + 1``); a face video in
+    pixels at a fixed resolution (an error message says which) and 3 channels (a Conv2d on the
+    frames folded into the batch says so)."""
+
+    def __init__(self, dim: int = 8):
+        super().__init__()
+        self.patch = nn.Conv3d(4, dim, (1, 2, 2), stride=(1, 2, 2))
+        self.pose = nn.Conv3d(4, dim, (1, 2, 2), stride=(1, 2, 2))
+        self.face = nn.Conv2d(3, dim, 4, stride=4)
+
+    def forward(self, hidden_states, pose_hidden_states, face_pixel_values):
+        r"""
+        Args:
+            hidden_states (`torch.Tensor` of shape `(B, C, T + 1, H, W)`):
+                latents.
+            pose_hidden_states (`torch.Tensor` of shape `(B, C, T, H, W)`):
+                pose latents.
+        """
+        if pose_hidden_states.shape[2] + 1 != hidden_states.shape[2]:
+            raise ValueError("pose frames must be one less than the latent frames")
+        b, c, s, h, w = face_pixel_values.shape
+        if (h, w) != (16, 16):
+            raise ValueError(f"Face pixel values has resolution ({h}, {w}) but is expected to have resolution (16, 16)")
+        faces = face_pixel_values.permute(0, 2, 1, 3, 4).reshape(b * s, c, h, w)
+        x = self.patch(hidden_states)
+        x[:, :, 1:] = x[:, :, 1:] + self.pose(pose_hidden_states)
+        return (x.flatten(2).mean(-1)[:, :, None] + self.face(faces).mean((0, 2, 3))[None, :, None],)
+
+
+def test_frame_sums_expected_shapes_and_conv_channels_from_code_and_messages():
+    kwargs, _ = coverage.find_inputs(PoseFaceDiT())
+    assert kwargs["hidden_states"].shape[2] == kwargs["pose_hidden_states"].shape[2] + 1
+    face = kwargs["face_pixel_values"]
+    assert face.shape[1] == 3 and face.shape[-2:] == (16, 16)
+    # each message rule alone: the old probe has none of them
+    model, x = PoseFaceDiT(), torch.randn(1, 4, 2, 8, 8)
+    exc = _error(lambda: model.face(x.permute(0, 2, 1, 3, 4).reshape(2, 4, 8, 8)))
+    new, _ = ci._conv_channels(exc, str(exc), {"face_pixel_values": x}, None, set(), set())
+    assert new["face_pixel_values"].shape == (1, 3, 2, 8, 8)
+    msg = "Face pixel values has resolution (8, 8) but is expected to have resolution (16, 16)"
+    new, _ = ci._expected_tuple(ValueError(msg), msg, {"face_pixel_values": x, "other": x.clone()}, None, set(), set())
+    assert new["face_pixel_values"].shape == (1, 4, 2, 16, 16) and new["other"].shape == x.shape
