@@ -557,7 +557,7 @@ class _Maker:
             return {"frames": grid_t[0], "height": grid_t[1], "width": grid_t[2],
                     "tokens": length}.get(role, 1)
         if "mask" in low:
-            return torch.ones(1, length, dtype=torch.long)
+            return torch.ones(1, g.text if _doc_texty(self.model, name) else length, dtype=torch.long)
         if "index" in low or "indices" in low:
             return torch.arange(length)  # a 1-D list of positions
         if low.endswith("ids") or "position" in low or "pos" in low.split("_"):
@@ -571,6 +571,16 @@ class _Maker:
         if "scale" in low:
             return torch.ones(1)
         return torch.randn((1, length, g.channels), generator=self.gen)
+
+
+def _doc_texty(model, name: str) -> bool:
+    """The forward's docstring says ``name`` is about the text (``mask: the text padding mask``,
+    ``Alias for encoder_attention_mask``): its first two lines name the text/encoder/prompt."""
+    import re
+
+    doc = inspect.getdoc(type(model).forward) or ""
+    m = re.search(rf"^[ \t]*{re.escape(name)}\b[^\n]*(\n[^\n]*)?", doc, re.M)
+    return bool(m) and any(w in m.group(0).lower() for w in ("text", "encoder", "prompt", "caption"))
 
 
 def _run(model, kwargs):
@@ -599,8 +609,9 @@ def _flow_inputs(model, cand: dict, needs: dict, maker: "_Maker") -> dict:
         need = needs.get(name)
         if need is None or need.empty() or not (val is None or isinstance(val, torch.Tensor)):
             continue
-        if isinstance(val, torch.Tensor) and val.ndim == 1 and not need.vocab:
-            continue  # a scalar per batch (timestep, guidance): name rules know best
+        if isinstance(val, torch.Tensor) and val.ndim == 1 and not need.vocab \
+                and not (need.roles and len(need.roles) > 1 and "docstring" in need.where):
+            continue  # a scalar per batch (timestep, guidance): name rules know best, unless documented wider
         new = ci.tensor_for(name, need, maker.grid, maker.gen, hidden=name == maker.first)
         if new is not None:
             kwargs[name] = new

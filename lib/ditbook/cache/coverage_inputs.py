@@ -124,9 +124,19 @@ def _self_module(owner, func) -> nn.Module | None:
 _DOC_SHAPE = re.compile(r"^[ \t]*(\w+)\s*\((?:[^\n]*?|[^\n]*:[ \t]*\n[^\n]*?)of shape\s*`?\(([^)]*)\)", re.M)
 
 
+# ``name: ``(B, 1, T)`` per-frame timesteps`` (a shape right after the name)
+_DOC_SHAPE_COLON = re.compile(r"^[ \t]*(\w+):[ \t]*``?\(([^)]*)\)``?", re.M)
+
+
+def doc_shapes(fn) -> list[tuple[str, str]]:
+    """(parameter, its documented dims text) in both docstring styles."""
+    doc = inspect.getdoc(fn) or ""
+    return _DOC_SHAPE.findall(doc) + _DOC_SHAPE_COLON.findall(doc)
+
+
 def _doc_roles(fn, params) -> dict[str, list]:
     out = {}
-    for name, dims in _DOC_SHAPE.findall(inspect.getdoc(fn) or ""):
+    for name, dims in doc_shapes(fn):
         if name in params:
             parts = [p.strip() for p in dims.split(",") if p.strip()]
             if parts and "..." not in dims:
@@ -349,7 +359,7 @@ def doc_sizes(fn, params, cfg: dict) -> dict[str, list]:
     entries gives their values; ``(text_seq_len + image_seq_len, 3)`` gives the sum of the text
     and image token counts, then 3. Axes it says nothing about are None."""
     out = {}
-    for name, dims in _DOC_SHAPE.findall(inspect.getdoc(fn) or ""):
+    for name, dims in doc_shapes(fn):
         if name not in params or "..." in dims:
             continue
         sizes = []
