@@ -592,3 +592,38 @@ def test_frame_sums_expected_shapes_and_conv_channels_from_code_and_messages():
     msg = "Face pixel values has resolution (8, 8) but is expected to have resolution (16, 16)"
     new, _ = ci._expected_tuple(ValueError(msg), msg, {"face_pixel_values": x, "other": x.clone()}, None, set(), set())
     assert new["face_pixel_values"].shape == (1, 4, 2, 16, 16) and new["other"].shape == x.shape
+
+
+class PerFrameTimestepDiT(nn.Module):
+    """Per-frame timesteps ``(B, 1, T)`` and a mask whose name says nothing of the text; only the
+    docstring (in the ``name: ``(dims)`` `` style) says so."""
+
+    def __init__(self, dim: int = 8):
+        super().__init__()
+        self.patch = nn.Conv3d(4, dim, (1, 2, 2), stride=(1, 2, 2))
+        self.ctx = nn.Linear(6, dim)
+        self.time = nn.Linear(1, dim)
+
+    def forward(self, hidden_states, timestep, encoder_hidden_states, mask=None):
+        """Run it.
+
+        Args:
+            hidden_states: ``(B, C, T, H, W)`` latents.
+            timestep: ``(B, 1, T)`` per-frame timesteps.
+            mask: Alias for ``encoder_attention_mask``, the text padding mask.
+        """
+        if mask is None:
+            raise ValueError("`mask` is required")
+        x = self.patch(hidden_states)  # (B, D, T, h, w)
+        t = self.time(timestep.float()[..., None])  # (B, 1, T, D)
+        x = x + t[:, 0].permute(0, 2, 1)[..., None, None]
+        ctx = (self.ctx(encoder_hidden_states) * mask[..., None]).mean(1)
+        return (x + ctx[:, :, None, None, None],)
+
+
+def test_colon_style_docstring_shapes_and_a_text_mask_by_its_description():
+    kwargs, _ = coverage.find_inputs(PerFrameTimestepDiT())
+    frames = kwargs["hidden_states"].shape[2]
+    assert kwargs["timestep"].shape == (1, 1, frames)
+    assert kwargs["mask"].shape == kwargs["encoder_hidden_states"].shape[:2]
+    assert [n for n, _ in ci.doc_shapes(PerFrameTimestepDiT.forward)] == ["hidden_states", "timestep"]
