@@ -367,7 +367,7 @@ def doc_sizes(fn, params, cfg: dict) -> dict[str, list]:
             terms = [_size_term(t, cfg) for t in part.split("+")]
             if len(terms) == 1 and isinstance(terms[0], int):
                 sizes.append(terms[0])
-            elif len(terms) > 1 and all(t is not None for t in terms):
+            elif all(t is not None for t in terms):  # a sum, or one named count (text/image tokens, frames)
                 sizes.append(terms)
             else:
                 sizes.append(None)
@@ -445,7 +445,7 @@ def tensor_for(name: str, need: Need, grid: Grid, gen: torch.Generator, hidden: 
             else:
                 shape.append(2)
         _apply_sizes(shape, need, grid, hidden)
-        if low.endswith("ids") or "position" in low:
+        if low.endswith(("ids", "indices")) or "position" in low:
             return torch.zeros(tuple(shape), dtype=torch.long)
         if need.last and shape[-1] != need.last and roles[-1] not in ("width", "height"):
             shape[-1] = need.last
@@ -981,10 +981,56 @@ def _conv_channels(exc, msg, kwargs, make, forbid, params):
     return None
 
 
+def _documented_symbol(exc, msg, kwargs, make, forbid, params):
+    """The message gives a documented size symbol's value (``... for seq_len=8``) and names inputs
+    (in backticks) documented with that symbol (``timestep_indices (... of shape `(seq_len,)`)``):
+    each such input gets that size on that axis."""
+    model = getattr(make, "model", None)
+    values = {k: int(v) for k, v in re.findall(r"\b(\w+)\s*=\s*(\d+)\b", msg)}
+    if model is None or not values:
+        return None
+    dims = {n: [p.strip() for p in d.split(",") if p.strip()] for n, d in doc_shapes(type(model).forward)}
+    named = set(re.findall(r"`(\w+)`", msg))
+    new, notes = dict(kwargs), []
+    for name in sorted(named):
+        val = kwargs.get(name)
+        if not isinstance(val, torch.Tensor) or name not in dims:
+            continue
+        shape = list(val.shape) if val.ndim == len(dims[name]) else [1] * len(dims[name])
+        for i, sym in enumerate(dims[name]):
+            if sym in values:
+                shape[i] = values[sym]
+        if shape != list(val.shape) and (name, "symbol", tuple(shape)) not in forbid:
+            forbid.add((name, "symbol", tuple(shape)))
+            whole = val.is_floating_point() and not name.lower().endswith(("ids", "indices"))
+            new[name] = torch.randn(shape) if whole else torch.zeros(shape, dtype=torch.long)
+            notes.append(f"{name}: {tuple(shape)}")
+    return (new, "documented sizes the message gives: " + ", ".join(notes)) if notes else None
+
+
+def _index_dtype(exc, msg, kwargs, make, forbid, params):
+    """``Expected dtype int32 or int64 for index``: the float input shaped like the float index the
+    innermost frame holds (an index computed from inputs, e.g. ``row * k + tags``) becomes integers."""
+    if "for index" not in msg or "int" not in msg:
+        return None
+    frames = _model_frames(exc)
+    shapes = {tuple(v.shape) for v in (frames[-1].f_locals.values() if frames else ())
+              if isinstance(v, torch.Tensor) and v.is_floating_point()}
+    for name, val in kwargs.items():
+        if isinstance(val, torch.Tensor) and val.is_floating_point() and tuple(val.shape) in shapes \
+                and (name, "long") not in forbid:
+            forbid.add((name, "long"))
+            new = dict(kwargs)
+            new[name] = torch.zeros(val.shape, dtype=torch.long)
+            return new, f"{name}: integer indices (an index computed from it)"
+    return None
+
+
 # the repairs ``repair`` tries, in order: each is (exc, msg, kwargs, make, forbid, params) -> (new, note) | None
 _REPAIRS = (_supply_missing, _matmul_last_dim, _supply_none, _boolean_mask, _supply_named, _integer_indices,
             _like_concatenated, _size_mismatch, _unpack_rank, _reshaped_last_dim, _iterated_tuples, _nested_inputs,
-            _last_axis_width, _int_input_size, _expected_tuple, _conv_channels)
+            _last_axis_width, _int_input_size, _expected_tuple, _conv_channels, _documented_symbol,
+            _index_dtype)
 
 
 __all__ = ["Grid", "Need", "axis_role", "forward_needs", "module_need", "repair", "tensor_for"]
