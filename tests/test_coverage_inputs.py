@@ -627,3 +627,46 @@ def test_colon_style_docstring_shapes_and_a_text_mask_by_its_description():
     assert kwargs["timestep"].shape == (1, 1, frames)
     assert kwargs["mask"].shape == kwargs["encoder_hidden_states"].shape[:2]
     assert [n for n, _ in ci.doc_shapes(PerFrameTimestepDiT.forward)] == ["hidden_states", "timestep"]
+
+
+class PackedRowsDiT(nn.Module):
+    """One packed sequence: per-row tags and timestep indices documented as ``(seq_len,)``, checked
+    against the positions with a message that gives ``seq_len=N``; the AdaLN row index is computed
+    from the tags (a float there fails as an index)."""
+
+    def __init__(self, dim: int = 8):
+        super().__init__()
+        self.proj_in = nn.Linear(6, dim)
+        self.table = nn.Parameter(torch.randn(6, dim))
+
+    def forward(self, hidden_states, timestep_indices, token_tags, position_ids):
+        r"""
+        Args:
+            timestep_indices (`torch.Tensor` of shape `(seq_len,)`):
+                per row, its timestep.
+            token_tags (`torch.Tensor` of shape `(seq_len,)`):
+                per row, its modality.
+            position_ids (`torch.Tensor` of shape `(seq_len, 3)`):
+                coordinates.
+        """
+        n = position_ids.shape[0]
+        if token_tags.shape != (n,) or timestep_indices.shape != (n,):
+            raise ValueError(f"`token_tags` and `timestep_indices` must be `(seq_len,)`, got "
+                             f"{list(token_tags.shape)} and {list(timestep_indices.shape)} for seq_len={n}.")
+        rows = timestep_indices * 3 + token_tags
+        return (self.proj_in(hidden_states)[:, :n] + self.table.index_select(0, rows),)
+
+
+def test_a_documented_symbol_the_message_sizes_and_an_index_computed_from_an_input():
+    model = PackedRowsDiT()
+    kwargs = {"hidden_states": torch.randn(1, 8, 6), "timestep_indices": torch.zeros(1, dtype=torch.long),
+              "token_tags": torch.randn(8), "position_ids": torch.zeros(8, 3, dtype=torch.long)}
+    maker = type("M", (), {"model": model})()
+    exc = _error(lambda: model(**kwargs))
+    new, _ = ci._documented_symbol(exc, str(exc), kwargs, maker, set(), set())
+    assert new["timestep_indices"].shape == (8,) and new["timestep_indices"].dtype == torch.long
+    assert new["token_tags"] is kwargs["token_tags"]  # already (seq_len,)
+    exc = _error(lambda: model(**new))
+    fixed, _ = ci._index_dtype(exc, str(exc), new, maker, set(), set())
+    assert fixed["token_tags"].dtype == torch.long and fixed["hidden_states"] is new["hidden_states"]
+    model(**fixed)

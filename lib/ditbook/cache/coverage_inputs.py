@@ -1014,8 +1014,9 @@ def _index_dtype(exc, msg, kwargs, make, forbid, params):
     if "for index" not in msg or "int" not in msg:
         return None
     frames = _model_frames(exc)
+    given = {id(v) for v in kwargs.values()}
     shapes = {tuple(v.shape) for v in (frames[-1].f_locals.values() if frames else ())
-              if isinstance(v, torch.Tensor) and v.is_floating_point()}
+              if isinstance(v, torch.Tensor) and v.is_floating_point() and id(v) not in given}
     for name, val in kwargs.items():
         if isinstance(val, torch.Tensor) and val.is_floating_point() and tuple(val.shape) in shapes \
                 and (name, "long") not in forbid:
