@@ -670,3 +670,23 @@ def test_a_documented_symbol_the_message_sizes_and_an_index_computed_from_an_inp
     fixed, _ = ci._index_dtype(exc, str(exc), new, maker, set(), set())
     assert fixed["token_tags"].dtype == torch.long and fixed["hidden_states"] is new["hidden_states"]
     model(**fixed)
+
+
+class ScaledRope(nn.Module):
+    def __init__(self, dim, rope_scaling=None):
+        super().__init__()
+        self.short = rope_scaling["short_factor"]
+
+
+class PassesASettingsDictOn(ModelMixin, ConfigMixin):
+    """The settings dict is read by a submodule's constructor, not by the class's own."""
+
+    @register_to_config
+    def __init__(self, dim: int = 8, rope_scaling: dict = None):
+        super().__init__()
+        self.rope = ScaledRope(dim, rope_scaling=rope_scaling)
+
+
+def test_a_settings_dict_read_in_a_submodule_is_refused_by_name_not_filled_with_an_int():
+    with pytest.raises(coverage.Refused, match=r"'rope_scaling' .* settings dict .*'short_factor'"):
+        coverage.build_tiny(PassesASettingsDictOn)

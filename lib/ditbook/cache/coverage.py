@@ -284,11 +284,33 @@ def ctor_repair(cls: type, kwargs: dict, exc: BaseException) -> dict | None:
         if not __import__("re").search(rf"\b{name}\b", line):
             continue
         uses = usage.get(name, set())
-        if "str-index" in uses:
-            continue  # a dict of settings: nothing generic to put in it
+        keys = _settings_keys(exc, frame)
+        if "str-index" in uses or keys:  # a dict of settings: nothing generic to put in it
+            raise Refused(f"cannot be built small: '{name}' (None by default) is a settings dict the constructor "
+                          f"reads{' keys ' + repr(keys) if keys else ''} from; the probe does not make one up")
         width = _similar_int(name, kwargs, defaults) or OPTIONAL_SHAPE_DEFAULTS.get(name) or 32
         new[name] = (width, width) if "int-index" in uses else width
     return new if new != kwargs else None
+
+
+def _settings_keys(exc: BaseException, own) -> list[str]:
+    """String keys that a frame called from the constructor's frame ``own`` subscripts a None
+    local with (``rope_scaling["short_factor"]`` in a submodule's ``__init__``)."""
+    import ast
+
+    frames = [f for f, _ in traceback.walk_tb(exc.__traceback__)]
+    inner = frames[frames.index(own) + 1:] if own in frames else []
+    keys: list[str] = []
+    for f in inner:
+        try:
+            tree = ast.parse(ci.statement_text(f))
+        except SyntaxError:
+            continue
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) and isinstance(n.slice, ast.Constant) \
+                    and isinstance(n.slice.value, str) and n.value.id in f.f_locals and f.f_locals[n.value.id] is None:
+                keys.append(n.slice.value)
+    return keys
 
 
 def tiny_instances(cls: type, ladder=LADDER):
