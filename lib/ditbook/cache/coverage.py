@@ -550,6 +550,10 @@ class _Maker:
         import copy
 
         ann = self.annotations.get(name)
+        if rank is None and name != self.first:
+            val = ci.pipeline_value(self.model, name, self.fill)  # as diffusers' own pipeline builds it
+            if val is not None:
+                return val
         if ann is not None and rank is None:
             val = ci.structured(ann, self.grid, lambda: self(name, kwargs, rank=4 if name == self.first else 3))
             if val is not None:
@@ -563,6 +567,24 @@ class _Maker:
             if val is not None:
                 return val
         return self.by_name(name, kwargs)
+
+    def fill(self, name: str, annotation):
+        """A plain argument of a pipeline helper (``pipeline_value``): the device, a size of the token
+        grid by its name, positions of the frames, 1.0 for a float; None otherwise."""
+        low, text = name.lower(), str(annotation)
+        g = self.grid
+        grid_t = (max(1, g.frames // g.patch_t), g.height // g.patch, g.width // g.patch)
+        if "device" in low:
+            return torch.device("cpu")
+        if "dtype" in low:
+            return torch.float32
+        if text.startswith("list[int]"):
+            return list(range(grid_t[0]))
+        if "int" in text:
+            return {"batch": 1, "frames": grid_t[0], "height": grid_t[1], "width": grid_t[2]}.get(ci.axis_role(name))
+        if "float" in text:
+            return 1.0
+        return None
 
     def by_name(self, name: str, kwargs: dict):
         g, low = self.grid, name.lower()

@@ -1027,11 +1027,154 @@ def _index_dtype(exc, msg, kwargs, make, forbid, params):
     return None
 
 
+def _empty_mapping(exc, msg, kwargs, make, forbid, params):
+    """``argument after ** must be a mapping, not NoneType``: the forward parameter the failing
+    statement spreads with ``**`` (an options dict left None) becomes an empty dict."""
+    if "must be a mapping, not NoneType" not in msg:
+        return None
+    for frame in reversed(_model_frames(exc)):
+        for name in re.findall(r"\*\*(\w+)", statement_text(frame)):
+            if name in params and frame.f_locals.get(name, 0) is None and kwargs.get(name) is None \
+                    and (name, "mapping") not in forbid:
+                forbid.add((name, "mapping"))
+                new = dict(kwargs)
+                new[name] = {}
+                return new, f"{name}: an empty options dict (spread with **)"
+    return None
+
+
 # the repairs ``repair`` tries, in order: each is (exc, msg, kwargs, make, forbid, params) -> (new, note) | None
 _REPAIRS = (_supply_missing, _matmul_last_dim, _supply_none, _boolean_mask, _supply_named, _integer_indices,
             _like_concatenated, _size_mismatch, _unpack_rank, _reshaped_last_dim, _iterated_tuples, _nested_inputs,
             _last_axis_width, _int_input_size, _expected_tuple, _conv_channels, _documented_symbol,
-            _index_dtype)
+            _index_dtype, _empty_mapping)
+
+
+# --- inputs as diffusers' own pipelines build them --------------------------------------------------
+
+_PIPELINE_CALLS: dict = {}
+
+
+def pipeline_calls(cls: type) -> list[tuple]:
+    """(module, function node) of every function of a diffusers pipeline class whose ``__init__``
+    annotates ``transformer: <cls>`` and that calls ``self.transformer(...)``: found from the
+    pipelines' source (AST), cached per class."""
+    if cls in _PIPELINE_CALLS:
+        return _PIPELINE_CALLS[cls]
+    import importlib
+    import pathlib
+
+    out = []
+    try:
+        import diffusers.pipelines as pkg
+
+        root = pathlib.Path(pkg.__file__).parent
+    except Exception:  # noqa: BLE001 - no pipelines: nothing to read
+        _PIPELINE_CALLS[cls] = out
+        return out
+    needle = f"transformer: {cls.__name__}"
+    for path in root.rglob("*.py"):
+        try:
+            text = path.read_text()
+        except OSError:
+            continue
+        if needle not in text:
+            continue
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            continue
+        module = "diffusers.pipelines." + ".".join(path.relative_to(root).with_suffix("").parts)
+        for c in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+            init = next((f for f in c.body if isinstance(f, ast.FunctionDef) and f.name == "__init__"), None)
+            if init is None or not any(a.arg == "transformer" and a.annotation is not None
+                                       and ast.unparse(a.annotation).split("|")[0].strip() == cls.__name__
+                                       for a in init.args.args):
+                continue
+            for f in (x for x in c.body if isinstance(x, ast.FunctionDef)):
+                if any(_is_self_transformer(n.func) for n in ast.walk(f) if isinstance(n, ast.Call)):
+                    out.append((module, f))
+    _PIPELINE_CALLS[cls] = out
+    importlib.invalidate_caches()
+    return out
+
+
+def _is_self_transformer(node) -> bool:
+    return isinstance(node, ast.Attribute) and node.attr == "transformer" and isinstance(node.value, ast.Name) \
+        and node.value.id == "self"
+
+
+class _Unresolved(Exception):
+    pass
+
+
+def pipeline_value(model, name: str, fill=None):
+    """The value diffusers' own pipeline passes as ``name`` to ``self.transformer(...)`` when the
+    pipeline builds it with one call the probe can evaluate: a function of the pipeline module (or
+    a method of the transformer) whose arguments are constants or attributes of the transformer
+    (``self.transformer.head_dim``); an argument built from the pipeline's running state is left to
+    its default, or to ``fill(param_name, annotation)`` (the probe's own rules) when it has none.
+    None when no pipeline builds it that way."""
+    import importlib
+
+    for module, func in pipeline_calls(type(model)):
+        for call in (n for n in ast.walk(func) if isinstance(n, ast.Call) and _is_self_transformer(n.func)):
+            kw = next((k for k in call.keywords if k.arg == name and isinstance(k.value, ast.Name)), None)
+            if kw is None:
+                continue
+            assigns = [n for n in ast.walk(func) if isinstance(n, ast.Assign) and len(n.targets) == 1
+                       and isinstance(n.targets[0], ast.Name) and n.targets[0].id == kw.value.id
+                       and isinstance(n.value, ast.Call) and n.lineno < call.lineno]
+            for a in sorted(assigns, key=lambda n: -n.lineno)[:1]:
+                try:
+                    mod = importlib.import_module(module)
+                    return _evaluate_call(a.value, model, vars(mod), fill)
+                except Exception:  # noqa: BLE001 - not evaluable here: the other rules decide
+                    continue
+    return None
+
+
+def _evaluate_call(node: ast.Call, model, scope: dict, fill):
+    fn = _pipeline_expr(node.func, model, scope)
+    params = inspect.signature(fn).parameters
+    args = [_pipeline_expr(a, model, scope) for a in node.args]
+    kwargs = {}
+    for k in node.keywords:
+        try:
+            kwargs[k.arg] = _pipeline_expr(k.value, model, scope)
+        except _Unresolved:
+            p = params.get(k.arg)
+            if p is None or p.default is not inspect.Parameter.empty:
+                continue  # the callee's default stands in for the pipeline's running state
+            value = fill(k.arg, p.annotation) if fill else None
+            if value is None:
+                raise
+            kwargs[k.arg] = value
+    with torch.no_grad():
+        return fn(*args, **kwargs)
+
+
+def _pipeline_expr(node, model, scope: dict):
+    """Constants, ``self.transformer[.attr...]``, module-level names, ``float(x)``/``int(x)``."""
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.Attribute):
+        chain = []
+        while isinstance(node, ast.Attribute):
+            chain.append(node.attr)
+            node = node.value
+        if isinstance(node, ast.Name) and node.id == "self" and chain and chain[-1] == "transformer":
+            obj = model
+            for attr in reversed(chain[:-1]):
+                obj = getattr(obj, attr)
+            return obj
+        raise _Unresolved(ast.unparse(node))
+    if isinstance(node, ast.Name) and node.id in scope and callable(scope[node.id]):
+        return scope[node.id]
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("int", "float") \
+            and len(node.args) == 1:
+        return {"int": int, "float": float}[node.func.id](_pipeline_expr(node.args[0], model, scope))
+    raise _Unresolved(ast.unparse(node))
 
 
 __all__ = ["Grid", "Need", "axis_role", "forward_needs", "module_need", "repair", "tensor_for"]
