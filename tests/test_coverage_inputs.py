@@ -690,3 +690,85 @@ class PassesASettingsDictOn(ModelMixin, ConfigMixin):
 def test_a_settings_dict_read_in_a_submodule_is_refused_by_name_not_filled_with_an_int():
     with pytest.raises(coverage.Refused, match=r"'rope_scaling' .* settings dict .*'short_factor'"):
         coverage.build_tiny(PassesASettingsDictOn)
+
+
+class TableRopeDiT(ModelMixin, ConfigMixin):
+    """A required rotary table that only the pipeline builds (``make_table(self.transformer.head_dim,
+    16, scale=<running state>)``), and an options dict it spreads with ``**``."""
+
+    @register_to_config
+    def __init__(self, in_channels: int = 4, head_dim: int = 8, num_layers: int = 2):
+        super().__init__()
+        self.head_dim = head_dim
+        self.proj_in = nn.Linear(in_channels, head_dim)
+        self.time = nn.Linear(1, head_dim)
+        self.blocks = nn.ModuleList([Block(head_dim) for _ in range(num_layers)])
+        self.proj_out = nn.Linear(head_dim, in_channels)
+
+    def _scale(self, x, **options):
+        return x * options.get("scale", 1.0)
+
+    def forward(self, hidden_states, timestep, rotary_table, options=None, return_dict: bool = False):
+        if rotary_table.ndim != 2:
+            raise ValueError("the rotary table is one row per position")
+        x = self.proj_in(hidden_states) + rotary_table[: hidden_states.shape[1]]
+        temb = self.time(timestep[:, None] / 1000.0)
+        for block in self.blocks:
+            x = self._scale(block(x, temb), **options)
+        return (self.proj_out(x),)
+
+
+_FAKE_PIPELINE = '''
+from __future__ import annotations
+
+import torch
+
+
+def make_table(dim, length, scale=1.0):
+    return torch.linspace(0, 1, length)[:, None].repeat(1, dim) * scale
+
+
+class TablePipeline:
+    def __init__(self, transformer: TableRopeDiT):
+        self.transformer = transformer
+
+    def __call__(self, latents, t, scale_now):
+        table = make_table(self.transformer.head_dim, 64, scale=scale_now)
+        return self.transformer(hidden_states=latents, timestep=t, rotary_table=table)
+'''
+
+
+def test_an_input_only_the_pipeline_builds_is_built_as_the_pipeline_does(tmp_path, monkeypatch):
+    import sys
+
+    pkg = tmp_path / "fakepipes"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "pipeline_table.py").write_text(_FAKE_PIPELINE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(ci, "_PIPELINE_CALLS", {})
+    # without the pipeline the probe has nothing to build the table from: refused
+    monkeypatch.setattr(ci, "_pipeline_roots", lambda: [])
+    assert coverage.check_class(TableRopeDiT, cp=False).outcome == "refused"
+    monkeypatch.setattr(ci, "_PIPELINE_CALLS", {})
+    monkeypatch.setattr(ci, "_pipeline_roots", lambda: [("fakepipes", str(pkg))])
+    model = TableRopeDiT()
+    table = ci.pipeline_value(model, "rotary_table")
+    assert table.shape == (64, 8) and float(table.max()) == 1.0  # scale left to its default
+    row = coverage.check_class(TableRopeDiT, cp=False)
+    assert row.outcome == "correct", (row.stage, row.reason)
+    sys.modules.pop("fakepipes.pipeline_table", None)
+
+
+def test_an_options_dict_spread_with_two_stars_is_supplied_empty():
+    model = TableRopeDiT()
+    kwargs = {"hidden_states": torch.randn(1, 4, 4), "timestep": torch.ones(1), "rotary_table": torch.zeros(16, 8)}
+    exc = _error(lambda: model(**kwargs))
+
+    def make(*a, **k):
+        return torch.zeros(1)  # what a name rule would make: never a mapping
+
+    make.params = ["hidden_states", "timestep", "rotary_table", "options"]
+    new, _ = ci.repair(exc, kwargs, make, set())
+    assert new["options"] == {}
+    model(**new)

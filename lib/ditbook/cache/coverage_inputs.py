@@ -568,7 +568,7 @@ def _matmul_last_dim(exc, msg, kwargs, make, forbid, params):
 
 def _supply_none(exc, msg, kwargs, make, forbid, params):
     """A forward parameter that is None where the failing code uses it: supply it."""
-    if ("NoneType" in msg or "None" in msg) and "not callable" not in msg:
+    if ("NoneType" in msg or "None" in msg) and "not callable" not in msg and "must be a mapping" not in msg:
         for n in _none_params(exc, params, kwargs):
             if ("supply", n) in forbid or never_supplied(n):
                 continue
@@ -1065,14 +1065,27 @@ def pipeline_calls(cls: type) -> list[tuple]:
     import pathlib
 
     out = []
+    needle = f"transformer: {cls.__name__}"
+    for prefix, root in _pipeline_roots():
+        out += _pipeline_functions(cls, needle, prefix, pathlib.Path(root))
+    _PIPELINE_CALLS[cls] = out
+    importlib.invalidate_caches()
+    return out
+
+
+def _pipeline_roots() -> list[tuple[str, str]]:
+    """(package name, its folder) of the pipelines to read: diffusers'."""
     try:
         import diffusers.pipelines as pkg
-
-        root = pathlib.Path(pkg.__file__).parent
     except Exception:  # noqa: BLE001 - no pipelines: nothing to read
-        _PIPELINE_CALLS[cls] = out
-        return out
-    needle = f"transformer: {cls.__name__}"
+        return []
+    import os
+
+    return [("diffusers.pipelines", os.path.dirname(pkg.__file__))]
+
+
+def _pipeline_functions(cls, needle: str, prefix: str, root) -> list[tuple]:
+    out = []
     for path in root.rglob("*.py"):
         try:
             text = path.read_text()
@@ -1084,7 +1097,7 @@ def pipeline_calls(cls: type) -> list[tuple]:
             tree = ast.parse(text)
         except SyntaxError:
             continue
-        module = "diffusers.pipelines." + ".".join(path.relative_to(root).with_suffix("").parts)
+        module = prefix + "." + ".".join(path.relative_to(root).with_suffix("").parts)
         for c in (n for n in tree.body if isinstance(n, ast.ClassDef)):
             init = next((f for f in c.body if isinstance(f, ast.FunctionDef) and f.name == "__init__"), None)
             if init is None or not any(a.arg == "transformer" and a.annotation is not None
@@ -1094,8 +1107,6 @@ def pipeline_calls(cls: type) -> list[tuple]:
             for f in (x for x in c.body if isinstance(x, ast.FunctionDef)):
                 if any(_is_self_transformer(n.func) for n in ast.walk(f) if isinstance(n, ast.Call)):
                     out.append((module, f))
-    _PIPELINE_CALLS[cls] = out
-    importlib.invalidate_caches()
     return out
 
 
