@@ -772,3 +772,15 @@ def test_an_options_dict_spread_with_two_stars_is_supplied_empty():
     new, _ = ci.repair(exc, kwargs, make, set())
     assert new["options"] == {}
     model(**new)
+
+
+def test_a_rotary_width_given_as_an_int_shrinks_with_the_head_dim():
+    class Fake:
+        def __init__(self, num_attention_heads=48, attention_head_dim=128, hidden_size=6144, rope_freq_dim=16,
+                     rope_theta=10000, freq_dim=256):
+            pass
+
+    kw = coverage.shrink_config(Fake, 8, heads=2)
+    assert kw["attention_head_dim"] == 16
+    assert 6 * kw["rope_freq_dim"] <= kw["attention_head_dim"]  # 3 axes x 2 x freqs still fit in a head
+    assert kw["freq_dim"] == 32  # not a rotary width: the common divisor only

@@ -177,6 +177,7 @@ def shrink_config(cls: type, factor: int, heads: int | None = None) -> dict:
                     and "dim" in p.name.lower() and "head" not in p.name.lower():
                 out[p.name] = head1 * heads1
     _tie_prefixed_widths(params, out)
+    _scale_rotary_dims(params, out)
     # rotary axes left None by default: two even halves of the head dim (they must sum to it)
     for p in params.values():
         if p.default is None and ("axes" in p.name.lower()) and p.name not in out:
@@ -206,6 +207,22 @@ def _tie_prefixed_widths(params, out: dict) -> None:
             if k.startswith(prefix) and k not in (hname, dname) and "dim" in k.lower() and "head" not in k.lower() \
                     and v == h0 * d0:
                 out[k] = h1 * d1
+
+
+def _scale_rotary_dims(params, out: dict) -> None:
+    """A rotary width given as an int (``rope_freq_dim``, ``rotary_dim``: a part of the head dim) that
+    the other rules left alone shrinks with the head dim, so it still fits in it."""
+    defaults = {k: v.default for k, v in params.items() if v.default is not inspect.Parameter.empty}
+    head0, head1 = _head_dim(defaults), _head_dim({**defaults, **out})
+    if not head0 or not head1 or head1 >= head0 or head0 % head1:
+        return
+    ratio = head0 // head1
+    for k, v in defaults.items():
+        low = k.lower()
+        if k in out or isinstance(v, bool) or not isinstance(v, int) or "dim" not in low \
+                or not any(w in low for w in ("rope", "rotary")) or v % ratio:
+            continue
+        out[k] = v // ratio
 
 
 def _head_dim(cfg: dict) -> int | None:
