@@ -784,3 +784,20 @@ def test_a_rotary_width_given_as_an_int_shrinks_with_the_head_dim():
     assert kw["attention_head_dim"] == 16
     assert 6 * kw["rope_freq_dim"] <= kw["attention_head_dim"]  # 3 axes x 2 x freqs still fit in a head
     assert kw["freq_dim"] == 32  # not a rotary width: the common divisor only
+
+
+class NamedFeaturesModel(nn.Module):
+    """Reads a named feature from a dict of conditioning features only its pipeline builds."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, hidden_states, conditioning: dict[str, torch.Tensor] | None = None):
+        features = {**(conditioning or {}), "x": hidden_states}
+        return (self.proj(features["x"]) * features["is_conditioning"],)
+
+
+def test_a_missing_named_feature_is_refused_with_the_dict_it_comes_from():
+    with pytest.raises(coverage.Refused, match=r"reads key 'is_conditioning' .* dict input 'conditioning'"):
+        coverage.find_inputs(NamedFeaturesModel())

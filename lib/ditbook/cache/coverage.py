@@ -775,7 +775,7 @@ def find_inputs(model, log=None) -> tuple[dict, dict]:
                     if log:
                         log(cand["hidden"][0], _summary(exc), fixed[1] if fixed else None)
                     if fixed is None:
-                        errors[f"{cand['hidden'][0]}+flow"] = _first_line(exc)
+                        errors[f"{cand['hidden'][0]}+flow"] = _first_line(exc) + ci.explain(exc, model)
                         break
                     kwargs = fixed[0]
                     continue

@@ -1050,6 +1050,24 @@ _REPAIRS = (_supply_missing, _matmul_last_dim, _supply_none, _boolean_mask, _sup
             _index_dtype, _empty_mapping)
 
 
+def explain(exc: BaseException, model) -> str:
+    """A named reason for an error no repair addresses, when the code says more than the message:
+    a ``KeyError`` on a dict built from a dict-annotated forward parameter (named features of a
+    running pipeline that the probe does not make up)."""
+    if not isinstance(exc, KeyError) or not exc.args:
+        return ""
+    try:
+        sig = inspect.signature(type(model).forward).parameters
+    except (TypeError, ValueError):
+        return ""
+    dicts = [n for n, p in sig.items() if "dict" in str(p.annotation).lower() or "mapping" in str(p.annotation).lower()]
+    dicts = [n for n in dicts if not never_supplied(n)]
+    if not dicts:
+        return ""
+    return (f" (the forward reads key {exc.args[0]!r} of the features it builds from the dict input "
+            f"{', '.join(repr(d) for d in dicts)}: named features the probe does not make up)")
+
+
 # --- inputs as diffusers' own pipelines build them --------------------------------------------------
 
 _PIPELINE_CALLS: dict = {}
