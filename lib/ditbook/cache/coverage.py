@@ -20,7 +20,8 @@ Per class (``check_class``):
    the first submodule each parameter reaches, how its shape is unpacked, its documented shape,
    its annotation) and repairs it from the errors the forward raises (a None parameter the code
    reads, a matrix product's width, index/mask dtypes, a rank, a text length or frame count a
-   positional table fixes, a token grid too small), a bounded number of times. None runs:
+   positional table fixes, a token grid too small; see ``coverage_inputs`` for the full list, with
+   inputs built as diffusers' own pipeline builds them), a bounded number of times. None runs:
    ``refused`` with the errors (the data-flow attempts' first).
 3. **inspection** (``ditbook.inspect``): static report plus a traced call.
 4. **cache adapter** (``build_cache_adapter``) and the dbcache strategy with caching off: every
@@ -301,7 +302,7 @@ def ctor_repair(cls: type, kwargs: dict, exc: BaseException) -> dict | None:
         if not __import__("re").search(rf"\b{name}\b", line):
             continue
         uses = usage.get(name, set())
-        keys = _settings_keys(exc, frame)
+        keys = _settings_keys(exc, frame, name)
         if "str-index" in uses or keys:  # a dict of settings: nothing generic to put in it
             raise Refused(f"cannot be built small: '{name}' (None by default) is a settings dict the constructor "
                           f"reads{' keys ' + repr(keys) if keys else ''} from; the probe does not make one up")
@@ -310,9 +311,9 @@ def ctor_repair(cls: type, kwargs: dict, exc: BaseException) -> dict | None:
     return new if new != kwargs else None
 
 
-def _settings_keys(exc: BaseException, own) -> list[str]:
-    """String keys that a frame called from the constructor's frame ``own`` subscripts a None
-    local with (``rope_scaling["short_factor"]`` in a submodule's ``__init__``)."""
+def _settings_keys(exc: BaseException, own, name: str) -> list[str]:
+    """String keys that a frame called from the constructor's frame ``own`` subscripts its None
+    local ``name`` with (``rope_scaling["short_factor"]`` in a submodule's ``__init__``)."""
     import ast
 
     frames = [f for f, _ in traceback.walk_tb(exc.__traceback__)]
@@ -325,7 +326,7 @@ def _settings_keys(exc: BaseException, own) -> list[str]:
             continue
         for n in ast.walk(tree):
             if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) and isinstance(n.slice, ast.Constant) \
-                    and isinstance(n.slice.value, str) and n.value.id in f.f_locals and f.f_locals[n.value.id] is None:
+                    and isinstance(n.slice.value, str) and n.value.id == name and f.f_locals.get(name, 0) is None:
                 keys.append(n.slice.value)
     return keys
 

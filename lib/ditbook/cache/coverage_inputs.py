@@ -15,7 +15,15 @@ Three generic mechanisms, no class names:
   frame, or the parameter a ``missing required argument`` error names) is supplied; a matrix
   product ``(AxB and CxD)`` whose left side is an input with last dim ``B`` gets last dim ``C``;
   an index tensor that is not an integer tensor becomes one; a tensor unpacked into more or fewer
-  names than its rank gets that rank.
+  names than its rank gets that rank; a reshape of an input that a Linear/norm/conv rejects resizes
+  the input; an int input that sizes a table takes the like-named tensor's size; a shape the
+  message states (``expected to have resolution (64, 64)``, ``seq_len=8`` for documented
+  ``(seq_len,)`` inputs) is applied; an input unpacked into pairs becomes a list of pairs; tensors
+  inside list/tuple inputs get the same repairs;
+* **docstring sizes** (``doc_sizes``): axes a documented shape names after config entries
+  (``num_text_layers``), int literals, sums (``text_seq_len + image_seq_len``, ``T + 1``);
+* **pipelines** (``pipeline_value``): an input diffusers' own pipeline builds with one call the
+  probe can evaluate (found from the pipelines' AST) is built that way.
 """
 
 from __future__ import annotations
