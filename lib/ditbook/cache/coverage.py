@@ -177,14 +177,19 @@ def shrink_config(cls: type, factor: int, heads: int | None = None) -> dict:
             if isinstance(p.default, int) and not isinstance(p.default, bool) and p.default == head0 * heads0 \
                     and "dim" in p.name.lower() and "head" not in p.name.lower():
                 out[p.name] = head1 * heads1
-    _tie_prefixed_widths(params, out)
-    _scale_rotary_dims(params, out)
     # rotary axes left None by default: two even halves of the head dim (they must sum to it)
     for p in params.values():
         if p.default is None and ("axes" in p.name.lower()) and p.name not in out:
             head = _head_dim({**{k: v.default for k, v in params.items()}, **out})
             if head and head % 4 == 0:
                 out[p.name] = (head // 2, head // 2)
+    return _kept_ties(params, out)
+
+
+def _kept_ties(params, out: dict) -> dict:
+    """``out`` with the ties of a prefixed attention and of a rotary width to the head dim kept."""
+    _tie_prefixed_widths(params, out)
+    _scale_rotary_dims(params, out)
     return out
 
 
