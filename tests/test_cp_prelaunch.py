@@ -556,3 +556,40 @@ def test_causal_attention_inside_a_split_block_is_refused_before_launch():
     for blk in plain.blocks:
         blk.attn = Attn(16)
     assert resolve_cp_plan(plain, capture=lambda: ((), kw), degree=2, check=verify_before_launch).facts["prelaunch"]["checked"]
+
+
+class PairOutBlock(nn.Module):
+    """Returns (tokens, None): the second stream (an optional modality) is absent."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.inner = SingleBlock(dim)
+
+    def forward(self, hidden_states, audio=None):
+        return self.inner(hidden_states=hidden_states, rotary=None), audio
+
+
+class PairOutDiT(ConvOutDiT):
+    def __init__(self, dim=16):
+        super().__init__(dim)
+        self.blocks = nn.ModuleList([PairOutBlock(dim) for _ in range(2)])
+
+    def forward(self, hidden_states):
+        b, c, h, w = hidden_states.shape
+        x = self.x_embedder(hidden_states.flatten(2).transpose(1, 2))
+        audio = None
+        for blk in self.blocks:
+            x, audio = blk(x, audio)
+        return (self.proj_out(x.transpose(1, 2).reshape(b, -1, h, w)),)
+
+
+def test_a_gather_at_a_module_returning_none_beside_the_tokens_is_refused_before_launch():
+    """cache-dit's gather hook raises in every rank on a (tensor, None) output (a crash in the
+    coverage table); the dry run re-enacts that check and refuses the plan by name."""
+    torch.manual_seed(0)
+    m = PairOutDiT().eval()
+    kw = dict(hidden_states=torch.randn(1, 4, 4, 4))
+    plan = {"blocks.0": {"hidden_states": ContextParallelInput(split_dim=1, expected_dims=3)},
+            "blocks.1": [ContextParallelOutput(gather_dim=1, expected_dims=3), None]}
+    with pytest.raises(DryRunError, match=r"returns \(Tensor, NoneType\)"):
+        dry_run(m, (), kw, plan, 2, ["blocks"])

@@ -23,10 +23,10 @@ Per class (``check_class``):
    the first submodule each parameter reaches, how its shape is unpacked, its documented shape,
    its annotation) and repairs it from the errors the forward raises (a None parameter the code
    reads, a matrix product's width, index/mask dtypes, a rank, a text length or frame count a
-   positional table fixes, a token grid too small, and the further rules in
-   ``coverage_inputs``), a bounded number of times. None runs: ``refused`` with the errors (the
-   data-flow attempts' first), or with the optional dependency the forward lacks, or with the kv
-   cache every diffusers pipeline passes this class.
+   positional table fixes, a token grid too small; see ``coverage_inputs`` for the full list, with
+   inputs built as diffusers' own pipeline builds them), a bounded number of times. None runs:
+   ``refused`` with the errors (the data-flow attempts' first), or with the optional dependency
+   the forward lacks, or with the kv cache every diffusers pipeline passes this class.
 3. **inspection** (``ditbook.inspect``): static report plus a traced call.
 4. **cache adapter** (``build_cache_adapter``) and the dbcache strategy with caching off: every
    step's output equal to the plain forward (max abs diff <= 1e-5, fp32); then with caching on,
@@ -187,7 +187,14 @@ def shrink_config(cls: type, factor: int, heads: int | None = None) -> dict:
             head = _head_dim({**{k: v.default for k, v in params.items()}, **out})
             if head and head % 4 == 0:
                 out[p.name] = (head // 2, head // 2)
-    return _even_rotary_axes(params, out, head0, head1)
+    return _even_rotary_axes(params, _kept_ties(params, out), head0, head1)
+
+
+def _kept_ties(params, out: dict) -> dict:
+    """``out`` with the ties of a prefixed attention and of a rotary width to the head dim kept."""
+    _tie_prefixed_widths(params, out)
+    _scale_rotary_dims(params, out)
+    return out
 
 
 def _even_rotary_axes(params, out: dict, head0, head1) -> dict:
@@ -221,6 +228,44 @@ def _even_rotary_axes(params, out: dict, head0, head1) -> dict:
         if sum(whole) == target // 2:
             out[p.name] = type(d0)(2 * w for w in whole)
     return out
+
+
+def _tie_prefixed_widths(params, out: dict) -> None:
+    """Per attention of its own (``audio_num_attention_heads`` with ``audio_attention_head_dim``: one
+    name prefix), widths of that prefix that equal its heads x head dim by default (``audio_cross_
+    attention_dim``) keep doing so after shrinking."""
+    defaults = {k: v.default for k, v in params.items() if isinstance(v.default, int) and not isinstance(v.default, bool)}
+    for hname in defaults:
+        if not _is_head_count(hname) or "kv" in hname.lower() or "_" not in hname:
+            continue
+        prefix = hname[:hname.lower().find("num_")] if "num_" in hname.lower() else ""
+        dname = next((k for k in defaults if k.startswith(prefix) and "head_dim" in k.lower()), None) if prefix else None
+        if not dname:
+            continue
+        h0, d0 = defaults[hname], defaults[dname]
+        h1, d1 = out.get(hname, h0), out.get(dname, d0)
+        if h0 * d0 == h1 * d1:
+            continue
+        for k, v in defaults.items():
+            if k.startswith(prefix) and k not in (hname, dname) and "dim" in k.lower() and "head" not in k.lower() \
+                    and v == h0 * d0:
+                out[k] = h1 * d1
+
+
+def _scale_rotary_dims(params, out: dict) -> None:
+    """A rotary width given as an int (``rope_freq_dim``, ``rotary_dim``: a part of the head dim) that
+    the other rules left alone shrinks with the head dim, so it still fits in it."""
+    defaults = {k: v.default for k, v in params.items() if v.default is not inspect.Parameter.empty}
+    head0, head1 = _head_dim(defaults), _head_dim({**defaults, **out})
+    if not head0 or not head1 or head1 >= head0 or head0 % head1:
+        return
+    ratio = head0 // head1
+    for k, v in defaults.items():
+        low = k.lower()
+        if k in out or isinstance(v, bool) or not isinstance(v, int) or "dim" not in low \
+                or not any(w in low for w in ("rope", "rotary")) or v % ratio:
+            continue
+        out[k] = v // ratio
 
 
 def _head_dim(cfg: dict) -> int | None:
@@ -299,8 +344,10 @@ def ctor_repair(cls: type, kwargs: dict, exc: BaseException) -> dict | None:
         if not __import__("re").search(rf"\b{name}\b", line):
             continue
         uses = usage.get(name, set())
-        if "str-index" in uses:
-            continue  # a dict of settings: nothing generic to put in it
+        keys = _settings_keys(exc, frame, name)
+        if "str-index" in uses or keys:  # a dict of settings: nothing generic to put in it
+            raise Refused(f"cannot be built small: '{name}' (None by default) is a settings dict the constructor "
+                          f"reads{' keys ' + repr(keys) if keys else ''} from; the probe does not make one up")
         width = _similar_int(name, kwargs, defaults) or OPTIONAL_SHAPE_DEFAULTS.get(name) or 32
         new[name] = (width, width) if "int-index" in uses else width
     return new if new != kwargs else None
@@ -379,6 +426,26 @@ def _with_called_submodules(cls: type, model, kwargs: dict):
     except Exception:
         return model
     return rebuilt.float().eval()
+
+
+def _settings_keys(exc: BaseException, own, name: str) -> list[str]:
+    """String keys that a frame called from the constructor's frame ``own`` subscripts its None
+    local ``name`` with (``rope_scaling["short_factor"]`` in a submodule's ``__init__``)."""
+    import ast
+
+    frames = [f for f, _ in traceback.walk_tb(exc.__traceback__)]
+    inner = frames[frames.index(own) + 1:] if own in frames else []
+    keys: list[str] = []
+    for f in inner:
+        try:
+            tree = ast.parse(ci.statement_text(f))
+        except SyntaxError:
+            continue
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) and isinstance(n.slice, ast.Constant) \
+                    and isinstance(n.slice.value, str) and n.value.id == name and f.f_locals.get(name, 0) is None:
+                keys.append(n.slice.value)
+    return keys
 
 
 def tiny_instances(cls: type, ladder=LADDER):
@@ -654,6 +721,10 @@ class _Maker:
         import copy
 
         ann = self.annotations.get(name)
+        if rank is None and name != self.first:
+            val = ci.pipeline_value(self.model, name, self.fill)  # as diffusers' own pipeline builds it
+            if val is not None:
+                return val
         if ann is not None and rank is None:
             val = ci.structured(ann, self.grid, lambda: self(name, kwargs, rank=4 if name == self.first else 3))
             if val is not None:
@@ -676,6 +747,24 @@ class _Maker:
                 return ci.suffix_sizes_fit(name, val, _config(self.model), self.gen)
         return ci.suffix_sizes_fit(name, self.by_name(name, kwargs), _config(self.model), self.gen)
 
+    def fill(self, name: str, annotation):
+        """A plain argument of a pipeline helper (``pipeline_value``): the device, a size of the token
+        grid by its name, positions of the frames, 1.0 for a float; None otherwise."""
+        low, text = name.lower(), str(annotation)
+        g = self.grid
+        grid_t = (max(1, g.frames // g.patch_t), g.height // g.patch, g.width // g.patch)
+        if "device" in low:
+            return torch.device("cpu")
+        if "dtype" in low:
+            return torch.float32
+        if text.startswith("list[int]"):
+            return list(range(grid_t[0]))
+        if "int" in text:
+            return {"batch": 1, "frames": grid_t[0], "height": grid_t[1], "width": grid_t[2]}.get(ci.axis_role(name))
+        if "float" in text:
+            return 1.0
+        return None
+
     def by_name(self, name: str, kwargs: dict):
         g, low = self.grid, name.lower()
         hidden = kwargs.get(self.first)
@@ -691,7 +780,7 @@ class _Maker:
             return {"frames": grid_t[0], "height": grid_t[1], "width": grid_t[2],
                     "tokens": length}.get(role, 1)
         if "mask" in low:
-            return torch.ones(1, length, dtype=torch.long)
+            return torch.ones(1, g.text if _doc_texty(self.model, name) else length, dtype=torch.long)
         if "index" in low or "indices" in low:
             return torch.arange(length)  # a 1-D list of positions
         if low.endswith("ids") or "position" in low or "pos" in low.split("_"):
@@ -705,6 +794,16 @@ class _Maker:
         if "scale" in low:
             return torch.ones(1)
         return torch.randn((1, length, g.channels), generator=self.gen)
+
+
+def _doc_texty(model, name: str) -> bool:
+    """The forward's docstring says ``name`` is about the text (``mask: the text padding mask``,
+    ``Alias for encoder_attention_mask``): its first two lines name the text/encoder/prompt."""
+    import re
+
+    doc = inspect.getdoc(type(model).forward) or ""
+    m = re.search(rf"^[ \t]*{re.escape(name)}\b[^\n]*(\n[^\n]*)?", doc, re.M)
+    return bool(m) and any(w in m.group(0).lower() for w in ("text", "encoder", "prompt", "caption"))
 
 
 def _run(model, kwargs):
@@ -727,14 +826,15 @@ def _flow_inputs(model, cand: dict, needs: dict, maker: "_Maker") -> dict:
     rebuilt to meet it."""
     kwargs = make_inputs(model, cand, text_len=maker.grid.text)
     for name, val in list(kwargs.items()):
-        if val is None:  # required, and no name rule: what the code or the annotation asks
+        if val is None or _list_annotated(maker, name):  # no name rule, or a list the annotation asks for
             kwargs[name] = maker(name, kwargs)
             continue
         need = needs.get(name)
         if need is None or need.empty() or not (val is None or isinstance(val, torch.Tensor)):
             continue
-        if isinstance(val, torch.Tensor) and val.ndim == 1 and not need.vocab:
-            continue  # a scalar per batch (timestep, guidance): name rules know best
+        if isinstance(val, torch.Tensor) and val.ndim == 1 and not need.vocab \
+                and not (need.roles and len(need.roles) > 1 and "docstring" in need.where):
+            continue  # a scalar per batch (timestep, guidance): name rules know best, unless documented wider
         new = ci.tensor_for(name, need, maker.grid, maker.gen, hidden=name == maker.first)
         if new is not None:
             kwargs[name] = new
@@ -757,7 +857,18 @@ def _tagged(kwargs: dict, needs: dict) -> dict:
     return out
 
 
+def _list_annotated(maker, name: str) -> bool:
+    """The forward annotates ``name`` as a list (of tensors per sample, of grids): a tensor made by
+    the name rules is not what it takes."""
+    ann = maker.annotations.get(name)
+    text = (ann if isinstance(ann, str) else str(ann)).replace("typing.", "").replace("List[", "list[")
+    return ann is not None and text.startswith("list[") and "Tensor" in text
+
+
 def _regrid(exc, kwargs, model, cand, needs, maker, forbid):
+    found = ci.int_input_size(exc, kwargs)
+    if found and (found[0], "int", found[1]) not in forbid:
+        return None  # an int input gives that size: the input repairs set it
     fixed = _regrid_inputs(exc, model, cand, needs, maker, forbid)
     if fixed is None:
         return None
@@ -771,6 +882,8 @@ def _regrid(exc, kwargs, model, cand, needs, maker, forbid):
 def _regrid_inputs(exc, model, cand, needs, maker, forbid):
     """A size mismatch whose one side is the grid's text length or frame count (a positional table
     sized by the config): the whole input set rebuilt on a grid with the other size."""
+    if ci.last_axis_mismatch(exc):
+        return None  # a feature width, not a length: the input repairs fix it
     if "divisible" in str(exc) and maker.grid.height < 8 * maker.grid.patch * 4 \
             and ("grow", maker.grid.height) not in forbid:
         # a token grid too small for the model's windows/tiles: twice as large on each side
@@ -841,7 +954,8 @@ def find_inputs(model, log=None) -> tuple[dict, dict]:
                     if fixed is None:
                         own = ci._own_none(exc)  # the model's own setting left None by its defaults
                         errors[f"{cand['hidden'][0]}+flow"] = _first_line(exc) + (
-                            f" ({own} is None: a setting the class's defaults leave unset)" if own else "")
+                            f" ({own} is None: a setting the class's defaults leave unset)" if own
+                            else ci.explain(exc, model))
                         break
                     kwargs = fixed[0]
                     continue
@@ -863,7 +977,7 @@ def _perturbed(kwargs: dict, step: int, hidden_name: str) -> dict:
     the timestep decreases."""
     out = dict(kwargs)
     h = kwargs[hidden_name]
-    out[hidden_name] = h * (1.0 - 0.001 * step)
+    out[hidden_name] = [x * (1.0 - 0.001 * step) for x in h] if isinstance(h, list) else h * (1.0 - 0.001 * step)
     for k, v in kwargs.items():
         if "timestep" in k.lower() and isinstance(v, torch.Tensor) and v.is_floating_point():
             out[k] = v - 5.0 * step
@@ -971,7 +1085,8 @@ def _inspected_pipeline(cls: type, row: ClassOutcome):
 
     row.stage = "build+inputs"
     model, row.factor, kwargs = tiny_with_inputs(cls)
-    hidden_name = next(iter(kwargs))
+    # the image stream: the first floating tensor input (a first parameter may be a list of conditioning pairs)
+    hidden_name = next((k for k, v in kwargs.items() if _float_tensors(v)), next(iter(kwargs)))
     row.stage = "inspect"
     report = inspect_transformer(model, None, support=False)
     with contextlib.redirect_stdout(io.StringIO()):
@@ -980,6 +1095,13 @@ def _inspected_pipeline(cls: type, row: ClassOutcome):
     if report.block_lists and max(b.length for b in report.block_lists) < 2:
         raise Refused("every block list has a single block: a block cache always computes it, nothing to skip")
     return model, kwargs, report, _steps_pipeline(model, kwargs, hidden_name)
+
+
+def _float_tensors(v) -> bool:
+    """A float tensor, or a list of them (one per sample)."""
+    if isinstance(v, list):
+        return bool(v) and all(isinstance(x, torch.Tensor) and x.is_floating_point() for x in v)
+    return isinstance(v, torch.Tensor) and v.is_floating_point()
 
 
 def _run_cached(pipe, adapter, strat, cfg, steps: int, counter_cls):

@@ -18,7 +18,16 @@ Three generic mechanisms, no class names:
   names than its rank gets that rank (with the axes its target names say); inputs that the
   condition setting an unset local tests are supplied; an int grid whose elements index tables
   becomes per-axis position ranges; a view's rows are filled; a concatenated input takes the
-  other operand's size, or (the noisy input with another) the output's width and the rest.
+  other operand's size, or (the noisy input with another) the output's width and the rest; a
+  reshape of an input that a Linear/norm/conv rejects resizes the input; an int input that sizes
+  a table takes the like-named tensor's size; a shape the message states (``expected to have
+  resolution (64, 64)``, ``seq_len=8`` for documented ``(seq_len,)`` inputs) is applied; an input
+  unpacked into pairs becomes a list of pairs; tensors inside list/tuple inputs get the same
+  repairs;
+* **docstring sizes** (``doc_sizes``): axes a documented shape names after config entries
+  (``num_text_layers``), int literals, sums (``text_seq_len + image_seq_len``, ``T + 1``);
+* **pipelines** (``pipeline_value``): an input diffusers' own pipeline builds with one call the
+  probe can evaluate (found from the pipelines' AST) is built that way.
 
 Also read from the code: unpacked axes through a ``permute``, documented dims written with
 config entries, lists fed element-wise to a ModuleList, tags compared with module constants,
@@ -74,6 +83,7 @@ class Need:
     vocab: int | None = None  # an Embedding's size: long indices below it
     where: list = field(default_factory=list)  # how it was found (for messages/tests)
     values: list | None = None  # the int constants the code compares it with (token role tags)
+    sizes: list | None = None  # per axis, a size the docstring names (an int, or terms to sum: ints, "text", "image")
 
     def empty(self) -> bool:
         return not (self.roles or self.last or self.channels or self.conv_dims or self.vocab or self.values)
@@ -128,12 +138,23 @@ def _self_module(owner, func) -> nn.Module | None:
     return obj if isinstance(obj, nn.Module) else None
 
 
-_DOC_SHAPE = re.compile(r"^\s*(\w+)\s*\(.*?of shape\s*`?\(([^)]*)\)", re.M)
+# ``name (`torch.Tensor` of shape `(b, n, d)`)`` or the shape on the description's first line
+_DOC_SHAPE = re.compile(r"^[ \t]*(\w+)\s*\((?:[^\n]*?|[^\n]*:[ \t]*\n[^\n]*?)of shape\s*`?\(([^)]*)\)", re.M)
+
+
+# ``name: ``(B, 1, T)`` per-frame timesteps`` (a shape right after the name)
+_DOC_SHAPE_COLON = re.compile(r"^[ \t]*(\w+):[ \t]*``?\(([^)]*)\)``?", re.M)
+
+
+def doc_shapes(fn) -> list[tuple[str, str]]:
+    """(parameter, its documented dims text) in both docstring styles."""
+    doc = inspect.getdoc(fn) or ""
+    return _DOC_SHAPE.findall(doc) + _DOC_SHAPE_COLON.findall(doc)
 
 
 def _doc_roles(fn, params) -> dict[str, list]:
     out = {}
-    for name, dims in _DOC_SHAPE.findall(inspect.getdoc(fn) or ""):
+    for name, dims in doc_shapes(fn):
         if name in params:
             parts = [p.strip() for p in dims.split(",") if p.strip()]
             if parts and "..." not in dims:
@@ -264,6 +285,8 @@ def forward_needs(model: nn.Module, depth: int = 0) -> dict[str, Need]:
         needs[p].roles = roles
         needs[p].where.append("docstring")
     _doc_config_sizes(fn, params, model, needs)
+    for p, sizes in doc_sizes(fn, params, _model_config(model)).items():
+        needs[p].sizes = sizes
     _unpack_roles(node, alias, needs)
     _first_module_needs(model, node, alias, _first_rebound(node, alias_defs), needs, depth)
     _compared_constants(fn, node, alias, needs)
@@ -449,7 +472,9 @@ def structured(annotation, grid: "Grid", make_tensor):
 
     def build(t: str):
         if t.startswith("list[") and t.endswith("]"):
-            inner = build(t[5:-1])
+            inner = build(_first_alternative(t[5:-1]))
+            if isinstance(inner, torch.Tensor) and inner.ndim > 1 and inner.shape[0] == 1:
+                inner = inner[0]  # one tensor per sample: without the batch axis
             return None if inner is None else [inner]
         if t.startswith("tuple[int,int,int]"):
             return g
@@ -464,6 +489,82 @@ def structured(annotation, grid: "Grid", make_tensor):
     if text.startswith(("list[", "tuple[int")):
         return build(text)
     return None
+
+
+def _first_alternative(t: str) -> str:
+    """``torch.Tensor`` of ``torch.Tensor,list[list[torch.Tensor]]`` (a list of either: the first)."""
+    depth = 0
+    for i, ch in enumerate(t):
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "," and depth == 0 and not t.startswith("tuple["):
+            return t[:i]
+    return t
+
+
+def _model_config(model) -> dict:
+    cfg = getattr(model, "config", None)
+    try:
+        return {k: v for k, v in dict(cfg).items() if isinstance(v, int) and not isinstance(v, bool)} if cfg else {}
+    except (TypeError, ValueError):
+        return {}
+
+
+def _size_term(term: str, cfg: dict):
+    """One term of a documented axis: an int literal, a config entry's value, or the text/image
+    token count its name says (``text_seq_len``, ``image_seq_len``); None when it says nothing."""
+    term = term.strip().strip("`")
+    term = term[len("self.config."):] if term.startswith("self.config.") else term
+    if term.isdigit():
+        return int(term)
+    if term in cfg and cfg[term] > 0:
+        return cfg[term]
+    low = term.lower()
+    if axis_role(term) == "frames":
+        return "frames"
+    if axis_role(term) == "tokens":
+        if any(w in low for w in ("text", "txt", "caption", "prompt", "encoder", "context")):
+            return "text"
+        if any(w in low for w in ("image", "img", "latent", "visual", "video")):
+            return "image"
+    return None
+
+
+def doc_sizes(fn, params, cfg: dict) -> dict[str, list]:
+    """Per parameter, the sizes its documented shape names: ``(batch_size, text_seq_len,
+    num_text_layers, text_hidden_dim)`` with ``num_text_layers``/``text_hidden_dim`` config
+    entries gives their values; ``(text_seq_len + image_seq_len, 3)`` gives the sum of the text
+    and image token counts, then 3. Axes it says nothing about are None."""
+    out = {}
+    for name, dims in doc_shapes(fn):
+        if name not in params or "..." in dims:
+            continue
+        sizes = []
+        for part in (p.strip() for p in dims.split(",") if p.strip()):
+            terms = [_size_term(t, cfg) for t in part.split("+")]
+            if len(terms) == 1 and isinstance(terms[0], int):
+                sizes.append(terms[0])
+            elif all(t is not None for t in terms):  # a sum, or one named count (text/image tokens, frames)
+                sizes.append(terms)
+            else:
+                sizes.append(None)
+        if any(x is not None for x in sizes):
+            out[name] = sizes
+    return out
+
+
+def _apply_sizes(shape: list, need: "Need", grid: "Grid", hidden: bool) -> None:
+    """Axes whose size the docstring names (``doc_sizes``) take it (never the batch axis)."""
+    if not need.sizes or len(need.sizes) != len(shape):
+        return
+    for i, size in enumerate(need.sizes):
+        if i == 0 and need.roles and need.roles[0] == "batch":
+            continue
+        if isinstance(size, int):
+            shape[i] = size
+        elif isinstance(size, list):
+            shape[i] = sum(t if isinstance(t, int) else grid.text if t == "text" else grid.frames if t == "frames"
+                           else grid.tokens(5 if grid.frames > 1 else 4) for t in size)
 
 
 # --- tensors from needs ------------------------------------------------------------------------
@@ -534,6 +635,7 @@ def tensor_for(name: str, need: Need, grid: Grid, gen: torch.Generator, hidden: 
                 shape.append(need.last or (like.shape[-1] if like is not None else grid.channels))
             else:
                 shape.append(2)
+        _apply_sizes(shape, need, grid, hidden)
         if low.endswith("ids") or "position" in low or "indices" in low:
             return torch.zeros(tuple(shape), dtype=torch.long)
         if need.last and shape[-1] != need.last and roles[-1] not in ("width", "height"):
@@ -781,7 +883,7 @@ def _matmul_last_dim(exc, msg, kwargs, make, forbid, params):
 
 def _supply_none(exc, msg, kwargs, make, forbid, params):
     """A forward parameter that is None where the failing code uses it: supply it."""
-    if ("NoneType" in msg or "None" in msg) and "not callable" not in msg:
+    if ("NoneType" in msg or "None" in msg) and "not callable" not in msg and "must be a mapping" not in msg:
         for n in _none_params(exc, params, kwargs):
             if ("supply", n) in forbid or never_supplied(n):
                 continue
@@ -893,7 +995,7 @@ def _unpack_rank(exc, msg, kwargs, make, forbid, params):
                 text = (inspect.getframeinfo(frame).code_context or [""])[0]
             except Exception:
                 text = ""
-            sm = re.search(r"=\s*(\w+)\.shape", text)
+            sm = re.search(r"=\s*(\w+)\.(?:shape|size\(\))", text)
             if sm:
                 local = frame.f_locals.get(sm.group(1))
                 for name, val in kwargs.items():
@@ -1140,13 +1242,520 @@ def _split_concat_channels(exc, msg, kwargs, make, forbid, params):
                 shape[dim] = w
                 new[n] = torch.randn(shape)
             return new, f"{first}: width {out_w} (the output's), {other}: the other {want - out_w} of {want}"
+
+
+_NORM_SHAPE = re.compile(r"normalized_shape=\[(\d+)\], expected input with shape \[\*,? ?\d+\], but got input of "
+                         r"size\s?\[([\d, ]+)\]")
+
+
+def _input_held(exc, kwargs) -> list[tuple[str, torch.Tensor]]:
+    """The tensor inputs some frame of the failing call holds (by identity), innermost first."""
+    out, seen = [], set()
+    for _, lv in _failing_locals(exc):
+        for name, val in kwargs.items():
+            if val is lv and isinstance(val, torch.Tensor) and name not in seen:
+                seen.add(name)
+                out.append((name, val))
+    return out
+
+
+def _reshaped_last_dim(exc, msg, kwargs, make, forbid, params):
+    """A Linear (``mat1 (AxB and CxD)``) or a norm (``normalized_shape=[C] ... got [.., B]``) rejects
+    a reshape of an input (same element count A x B, its last dim L folded ``B / L`` times into the
+    row, e.g. a patchify view): the input's last dim becomes ``L * C / B``."""
+    m, n = _MATMUL.search(msg), _NORM_SHAPE.search(msg)
+    if m:
+        rows, b, c = int(m.group(1)), int(m.group(2)), int(m.group(3))
+    elif n:
+        size = [int(x) for x in n.group(2).replace(" ", "").split(",") if x]
+        c, b, rows = int(n.group(1)), size[-1], math.prod(size[:-1])
+    else:
+        return None
+    for name, val in _input_held(exc, kwargs):
+        last = val.shape[-1] if val.ndim else 0
+        if not val.is_floating_point() or val.ndim < 2 or val.numel() != rows * b or not last or b % last \
+                or (c * last) % b or (name, "last", c * last // b) in forbid:
+            continue
+        want = c * last // b
+        forbid.add((name, "last", want))
+        new = dict(kwargs)
+        new[name] = torch.randn(tuple(val.shape[:-1]) + (want,))
+        return new, f"{name}: last dim {last} -> {want} (a reshape of it meets a width {c})"
+    return None
+
+
+def _flat_leaves(kwargs: dict) -> dict:
+    """``{"x[0]": t, "pairs[0][1]": u}``: the tensors inside list/tuple inputs, by their path."""
+    out = {}
+
+    def walk(key, val):
+        if isinstance(val, torch.Tensor):
+            out[key] = val
+        elif isinstance(val, (list, tuple)):
+            for i, v in enumerate(val):
+                walk(f"{key}[{i}]", v)
+
+    for name, val in kwargs.items():
+        if isinstance(val, (list, tuple)):
+            walk(name, val)
+    return out
+
+
+def _path(key: str) -> tuple[str, list[int]]:
+    name = key.split("[", 1)[0]
+    return name, [int(i) for i in re.findall(r"\[(\d+)\]", key)]
+
+
+def _put(val, idx: list, new):
+    if not idx:
+        return new
+    items = list(val)
+    items[idx[0]] = _put(items[idx[0]], idx[1:], new)
+    return type(val)(items) if isinstance(val, tuple) else items
+
+
+def _nested_inputs(exc, msg, kwargs, make, forbid, params):
+    """Tensors inside list/tuple inputs (one tensor per sample, ``(encoding, mask)`` pairs) get the
+    shape repairs the top-level tensors get; a per-sample element is made like one sample of a
+    batched input (its batch axis dropped)."""
+    flat = _flat_leaves(kwargs)
+    if not flat:
+        return None
+
+    def make_leaf(key, kw, rank=None):
+        name, idx = _path(key)
+        if rank is None:
+            return None
+        val = make(name, kwargs, rank=rank + 1 if len(idx) == 1 else rank)
+        if isinstance(val, torch.Tensor) and len(idx) == 1 and val.ndim == rank + 1 and val.shape[0] == 1:
+            val = val[0]
+        return val if isinstance(val, torch.Tensor) and val.ndim == rank else None
+
+    for rule in (_matmul_last_dim, _integer_indices, _boolean_mask, _size_mismatch, _unpack_rank,
+                 _reshaped_last_dim, _last_axis_width):
+        fixed = rule(exc, msg, flat, make_leaf, forbid, set(flat))
+        if fixed is None:
+            continue
+        new_flat, note = fixed
+        new, changed = dict(kwargs), False
+        for key, val in new_flat.items():
+            if val is not flat.get(key):
+                name, idx = _path(key)
+                new[name], changed = _put(new[name], idx, val), True
+        if changed:
+            return new, note
+    return None
+
+
+_TUPLE_DOC = re.compile(r"`?\(([\w ,]+)\)`? tuples")
+
+
+def _iterated_tuples(exc, msg, kwargs, make, forbid, params):
+    """``for a, b in <input>`` unpacks each item of an input into N names: the input becomes a list
+    of one N-tuple; items named (by the loop or by the docstring's ``(encoding, mask) tuples``) like
+    a mask are ones of (batch, text), the others (batch, text, width) states."""
+    m = _UNPACK.search(msg)
+    frames = _model_frames(exc)
+    if not m or not frames:
+        return None
+    want = int(m.group(1))
+    for frame, n in _unpacking_loops(frames[-2:], want):
+        local = frame.f_locals.get(n.iter.id)
+        name = next((k for k, v in kwargs.items() if v is local and isinstance(v, torch.Tensor)), None)
+        if name is None or (name, "tuples", want) in forbid:
+            continue
+        forbid.add((name, "tuples", want))
+        names = [e.id if isinstance(e, ast.Name) else "" for e in n.target.elts]
+        doc = _TUPLE_DOC.search(_param_doc(frame, name))
+        if doc and len(doc.group(1).split(",")) == want:
+            names = [x.strip() for x in doc.group(1).split(",")]
+        text = getattr(getattr(make, "grid", None), "text", TEXT_LEN)
+        width = getattr(getattr(make, "grid", None), "channels", 4)
+        item = tuple(torch.ones(1, text) if "mask" in x.lower() else torch.randn(1, text, width) for x in names)
+        new = dict(kwargs)
+        new[name] = [item]
+        return new, f"{name}: a list of {want}-tuples {tuple(names)}"
+    return None
+
+
+def _unpacking_loops(frames, want: int):
+    """(frame, loop node) of each ``for a, b, ... in <name>`` with ``want`` names in the statements
+    the frames run (a comprehension runs in a frame of its own: its caller's statement holds it)."""
+    for frame in reversed(frames):
+        try:
+            tree = ast.parse(statement_text(frame))
+        except SyntaxError:
+            continue
+        for n in ast.walk(tree):
+            if isinstance(n, (ast.comprehension, ast.For)) and isinstance(n.target, ast.Tuple) \
+                    and len(n.target.elts) == want and isinstance(n.iter, ast.Name):
+                yield frame, n
+
+
+def _param_doc(frame, name: str) -> str:
+    """The docstring paragraph of parameter ``name`` of the function a frame runs."""
+    doc = frame.f_code.co_consts[0] if frame.f_code.co_consts and isinstance(frame.f_code.co_consts[0], str) else ""
+    m = re.search(rf"^\s*{re.escape(name)} \(.*?(?=^\s*\w+ \(|\Z)", doc, re.M | re.S)
+    return m.group(0) if m else ""
+
+
+def last_axis_mismatch(exc) -> tuple | None:
+    """(a, b, d) when a size mismatch is on the last axis of the tensors the innermost frame holds
+    (a feature width, e.g. a norm's weight against its input), not on a sequence axis."""
+    m = _SIZE.search(str(exc))
+    frames = _model_frames(exc)
+    if not m or not frames:
+        return None
+    a, b, d = int(m.group(1)), int(m.group(2)), int(m.group(3))
+    tensors = [v for v in frames[-1].f_locals.values() if isinstance(v, torch.Tensor)]
+    on_last = any(t.ndim - 1 == d and t.shape[d] in (a, b) for t in tensors)
+    elsewhere = any(t.ndim - 1 > d and t.shape[d] in (a, b) for t in tensors)
+    return (a, b, d) if on_last and not elsewhere else None
+
+
+def _last_axis_width(exc, msg, kwargs, make, forbid, params):
+    """A width mismatch on the last axis (``last_axis_mismatch``) of a tensor that is an input, or
+    has an input's elements (a concatenation of one per-sample tensor, a view): the input's last dim
+    takes the other width."""
+    found = last_axis_mismatch(exc)
+    if not found:
+        return None
+    a, b, _ = found
+    frames = _model_frames(exc)
+    locals_ = [v for v in frames[-1].f_locals.values() if isinstance(v, torch.Tensor)]
+    same = [(n, v, loc) for n, v in kwargs.items() for loc in locals_ if isinstance(v, torch.Tensor)
+            and v.is_floating_point() and v.ndim >= 2 and loc.shape[-1] == v.shape[-1] and v.shape[-1] in (a, b)
+            and v.numel() <= loc.numel()]
+    # the same elements first, then a padded concatenation of them (more rows, same width)
+    for name, val, loc in sorted(same, key=lambda x: x[1].numel() != x[2].numel()):
+        want = b if val.shape[-1] == a else a
+        if (name, "last", want) in forbid:
+            continue
+        forbid.add((name, "last", want))
+        new = dict(kwargs)
+        new[name] = torch.randn(tuple(val.shape[:-1]) + (want,))
+        return new, f"{name}: last dim {val.shape[-1]} -> {want} (a width its consumer fixes)"
+    return None
+
+
+_NAME_NOISE = {"num", "hidden", "states", "n", "size", "len", "length", "of", "input", "inputs"}
+
+
+def int_input_size(exc, kwargs: dict) -> tuple[str, int] | None:
+    """(name, size) when a size mismatch ``a`` vs ``b`` sets an int input that equals one side
+    (a token count given as an int: ``audio_num_frames``) against a tensor input that has the other
+    side on that axis and shares a word of its name (``audio_hidden_states``): the int takes the
+    tensor's size."""
+    m = _SIZE.search(str(exc))
+    if not m:
+        return None
+    a, b, d = int(m.group(1)), int(m.group(2)), int(m.group(3))
+    best, score = None, 0
+    for iname, ival in kwargs.items():
+        if isinstance(ival, bool) or not isinstance(ival, int) or ival not in (a, b):
+            continue
+        other = b if ival == a else a
+        words = set(iname.lower().split("_")) - _NAME_NOISE
+        for tname, t in kwargs.items():
+            if isinstance(t, torch.Tensor) and t.ndim > d and t.shape[d] == other:
+                sc = len(words & (set(tname.lower().split("_")) - _NAME_NOISE))
+                if sc > score:
+                    best, score = (iname, other), sc
+    return best
+
+
+def _int_input_size(exc, msg, kwargs, make, forbid, params):
+    """See ``int_input_size``."""
+    found = int_input_size(exc, kwargs)
+    if not found or (found[0], "int", found[1]) in forbid:
+        return None
+    forbid.add((found[0], "int", found[1]))
+    new = dict(kwargs)
+    new[found[0]] = found[1]
+    return new, f"{found[0]}: {kwargs[found[0]]} -> {found[1]} (the size of the tensor it describes)"
+
+
+_EXPECTED_TUPLE = re.compile(r"has (?:shape|resolution|size) \(([\d, ]+)\),? but (?:is |was )?expected (?:to have )?"
+                             r"(?:shape |resolution |size )?\(([\d, ]+)\)")
+
+
+def _expected_tuple(exc, msg, kwargs, make, forbid, params):
+    """``... has resolution (8, 8) but is expected to have resolution (64, 64)``: the input the failing
+    frames hold whose axes read (8, 8) (the last such run of axes) gets (64, 64) there."""
+    m = _EXPECTED_TUPLE.search(msg)
+    if not m:
+        return None
+    have = [int(x) for x in m.group(1).replace(" ", "").split(",") if x]
+    want = [int(x) for x in m.group(2).replace(" ", "").split(",") if x]
+    if len(have) != len(want) or not have or any(w > 4096 for w in want):
+        return None
+    low = msg.lower().replace("_", " ")
+    named = [(n, v) for n, v in kwargs.items() if isinstance(v, torch.Tensor) and n.replace("_", " ") in low]
+    for name, val in _input_held(exc, kwargs) + named:  # held by the failing frames, or named by the message
+        shape = list(val.shape)
+        for start in range(len(shape) - len(have), -1, -1):
+            if shape[start:start + len(have)] == have and (name, "axes", tuple(want)) not in forbid:
+                forbid.add((name, "axes", tuple(want)))
+                shape[start:start + len(have)] = want
+                new = dict(kwargs)
+                new[name] = torch.randn(shape).to(val.dtype) if val.is_floating_point() else \
+                    torch.zeros(shape, dtype=val.dtype)
+                return new, f"{name}: axes {tuple(have)} -> {tuple(want)} (the error's expected shape)"
+    return None
+
+
+_CONV_CHANNELS = re.compile(r"expected input\[([\d, ]+)\] to have (\d+) channels, but got (\d+) channels")
+
+
+def _conv_channels(exc, msg, kwargs, make, forbid, params):
+    """A convolution wants C channels and gets G from an input or a reshape of it (same element
+    count; frames folded into the batch): the input's axis of size G (axis 1 first) becomes C."""
+    m = _CONV_CHANNELS.search(msg)
+    if not m:
+        return None
+    seen = [int(x) for x in m.group(1).replace(" ", "").split(",") if x]
+    want, got = int(m.group(2)), int(m.group(3))
+    held = _input_held(exc, kwargs)
+    others = [(n, v) for n, v in kwargs.items() if isinstance(v, torch.Tensor) and all(n != h for h, _ in held)]
+    for name, val in held + others:
+        if val.numel() != math.prod(seen) or val.ndim < 2 or (name, "channels", want) in forbid:
+            continue
+        axes = [i for i in range(1, val.ndim) if val.shape[i] == got]
+        if not axes:
+            continue
+        forbid.add((name, "channels", want))
+        shape = list(val.shape)
+        shape[axes[0]] = want
+        new = dict(kwargs)
+        new[name] = torch.randn(shape).to(val.dtype) if val.is_floating_point() else torch.zeros(shape, dtype=val.dtype)
+        return new, f"{name}: axis {axes[0]} {got} -> {want} (a convolution's channels)"
+    return None
+
+
+def _documented_symbol(exc, msg, kwargs, make, forbid, params):
+    """The message gives a documented size symbol's value (``... for seq_len=8``) and names inputs
+    (in backticks) documented with that symbol (``timestep_indices (... of shape `(seq_len,)`)``):
+    each such input gets that size on that axis."""
+    model = getattr(make, "model", None)
+    values = {k: int(v) for k, v in re.findall(r"\b(\w+)\s*=\s*(\d+)\b", msg)}
+    if model is None or not values:
+        return None
+    dims = {n: [p.strip() for p in d.split(",") if p.strip()] for n, d in doc_shapes(type(model).forward)}
+    named = set(re.findall(r"`(\w+)`", msg))
+    new, notes = dict(kwargs), []
+    for name in sorted(named):
+        val = kwargs.get(name)
+        if not isinstance(val, torch.Tensor) or name not in dims:
+            continue
+        shape = list(val.shape) if val.ndim == len(dims[name]) else [1] * len(dims[name])
+        for i, sym in enumerate(dims[name]):
+            if sym in values:
+                shape[i] = values[sym]
+        if shape != list(val.shape) and (name, "symbol", tuple(shape)) not in forbid:
+            forbid.add((name, "symbol", tuple(shape)))
+            whole = val.is_floating_point() and not name.lower().endswith(("ids", "indices"))
+            new[name] = torch.randn(shape) if whole else torch.zeros(shape, dtype=torch.long)
+            notes.append(f"{name}: {tuple(shape)}")
+    return (new, "documented sizes the message gives: " + ", ".join(notes)) if notes else None
+
+
+def _index_dtype(exc, msg, kwargs, make, forbid, params):
+    """``Expected dtype int32 or int64 for index``: the float input shaped like the float index the
+    innermost frame holds (an index computed from inputs, e.g. ``row * k + tags``) becomes integers."""
+    if "for index" not in msg or "int" not in msg:
+        return None
+    frames = _model_frames(exc)
+    given = {id(v) for v in kwargs.values()}
+    shapes = {tuple(v.shape) for v in (frames[-1].f_locals.values() if frames else ())
+              if isinstance(v, torch.Tensor) and v.is_floating_point() and id(v) not in given}
+    for name, val in kwargs.items():
+        if isinstance(val, torch.Tensor) and val.is_floating_point() and tuple(val.shape) in shapes \
+                and (name, "long") not in forbid:
+            forbid.add((name, "long"))
+            new = dict(kwargs)
+            new[name] = torch.zeros(val.shape, dtype=torch.long)
+            return new, f"{name}: integer indices (an index computed from it)"
+    return None
+
+
+def _empty_mapping(exc, msg, kwargs, make, forbid, params):
+    """``argument after ** must be a mapping, not NoneType``: the forward parameter the failing
+    statement spreads with ``**`` (an options dict left None) becomes an empty dict."""
+    if "must be a mapping, not NoneType" not in msg:
+        return None
+    for frame in reversed(_model_frames(exc)):
+        for name in re.findall(r"\*\*(\w+)", statement_text(frame)):
+            if name in params and frame.f_locals.get(name, 0) is None and kwargs.get(name) is None \
+                    and (name, "mapping") not in forbid:
+                forbid.add((name, "mapping"))
+                new = dict(kwargs)
+                new[name] = {}
+                return new, f"{name}: an empty options dict (spread with **)"
     return None
 
 
 # the repairs ``repair`` tries, in order: each is (exc, msg, kwargs, make, forbid, params) -> (new, note) | None
 _REPAIRS = (_supply_missing, _matmul_last_dim, _supply_none, _boolean_mask, _supply_named, _integer_indices,
             _like_concatenated, _size_mismatch, _unpack_rank, _supply_guarded, _grid_as_positions, _view_multiple,
-            _cat_operand_size, _split_concat_channels)
+            _cat_operand_size, _split_concat_channels, _reshaped_last_dim, _iterated_tuples, _nested_inputs,
+            _last_axis_width, _int_input_size, _expected_tuple, _conv_channels, _documented_symbol,
+            _index_dtype, _empty_mapping)
+
+
+def explain(exc: BaseException, model) -> str:
+    """A named reason for an error no repair addresses, when the code says more than the message:
+    a ``KeyError`` on a dict built from a dict-annotated forward parameter (named features of a
+    running pipeline that the probe does not make up)."""
+    if not isinstance(exc, KeyError) or not exc.args:
+        return ""
+    try:
+        sig = inspect.signature(type(model).forward).parameters
+    except (TypeError, ValueError):
+        return ""
+    dicts = [n for n, p in sig.items() if "dict" in str(p.annotation).lower() or "mapping" in str(p.annotation).lower()]
+    dicts = [n for n in dicts if not never_supplied(n)]
+    if not dicts:
+        return ""
+    return (f" (the forward reads key {exc.args[0]!r} of the features it builds from the dict input "
+            f"{', '.join(repr(d) for d in dicts)}: named features the probe does not make up)")
+
+
+# --- inputs as diffusers' own pipelines build them --------------------------------------------------
+
+_PIPELINE_CALLS: dict = {}
+
+
+def pipeline_calls(cls: type) -> list[tuple]:
+    """(module, function node) of every function of a diffusers pipeline class whose ``__init__``
+    annotates ``transformer: <cls>`` and that calls ``self.transformer(...)``: found from the
+    pipelines' source (AST), cached per class."""
+    if cls in _PIPELINE_CALLS:
+        return _PIPELINE_CALLS[cls]
+    import importlib
+    import pathlib
+
+    out = []
+    needle = f"transformer: {cls.__name__}"
+    for prefix, root in _pipeline_roots():
+        out += _pipeline_functions(cls, needle, prefix, pathlib.Path(root))
+    _PIPELINE_CALLS[cls] = out
+    importlib.invalidate_caches()
+    return out
+
+
+def _pipeline_roots() -> list[tuple[str, str]]:
+    """(package name, its folder) of the pipelines to read: diffusers'."""
+    try:
+        import diffusers.pipelines as pkg
+    except Exception:  # noqa: BLE001 - no pipelines: nothing to read
+        return []
+    import os
+
+    return [("diffusers.pipelines", os.path.dirname(pkg.__file__))]
+
+
+def _pipeline_functions(cls, needle: str, prefix: str, root) -> list[tuple]:
+    out = []
+    for path in root.rglob("*.py"):
+        try:
+            text = path.read_text()
+        except OSError:
+            continue
+        if needle not in text:
+            continue
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            continue
+        module = prefix + "." + ".".join(path.relative_to(root).with_suffix("").parts)
+        for c in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+            init = next((f for f in c.body if isinstance(f, ast.FunctionDef) and f.name == "__init__"), None)
+            if init is None or not any(a.arg == "transformer" and a.annotation is not None
+                                       and ast.unparse(a.annotation).split("|")[0].strip() == cls.__name__
+                                       for a in init.args.args):
+                continue
+            for f in (x for x in c.body if isinstance(x, ast.FunctionDef)):
+                if any(_is_self_transformer(n.func) for n in ast.walk(f) if isinstance(n, ast.Call)):
+                    out.append((module, f))
+    return out
+
+
+def _is_self_transformer(node) -> bool:
+    return isinstance(node, ast.Attribute) and node.attr == "transformer" and isinstance(node.value, ast.Name) \
+        and node.value.id == "self"
+
+
+class _Unresolved(Exception):
+    pass
+
+
+def pipeline_value(model, name: str, fill=None):
+    """The value diffusers' own pipeline passes as ``name`` to ``self.transformer(...)`` when the
+    pipeline builds it with one call the probe can evaluate: a function of the pipeline module (or
+    a method of the transformer) whose arguments are constants or attributes of the transformer
+    (``self.transformer.head_dim``); an argument built from the pipeline's running state is left to
+    its default, or to ``fill(param_name, annotation)`` (the probe's own rules) when it has none.
+    None when no pipeline builds it that way."""
+    import importlib
+
+    for module, func in pipeline_calls(type(model)):
+        for call in (n for n in ast.walk(func) if isinstance(n, ast.Call) and _is_self_transformer(n.func)):
+            kw = next((k for k in call.keywords if k.arg == name and isinstance(k.value, ast.Name)), None)
+            if kw is None:
+                continue
+            assigns = [n for n in ast.walk(func) if isinstance(n, ast.Assign) and len(n.targets) == 1
+                       and isinstance(n.targets[0], ast.Name) and n.targets[0].id == kw.value.id
+                       and isinstance(n.value, ast.Call) and n.lineno < call.lineno]
+            for a in sorted(assigns, key=lambda n: -n.lineno)[:1]:
+                try:
+                    mod = importlib.import_module(module)
+                    return _evaluate_call(a.value, model, vars(mod), fill)
+                except Exception:  # noqa: BLE001 - not evaluable here: the other rules decide
+                    continue
+    return None
+
+
+def _evaluate_call(node: ast.Call, model, scope: dict, fill):
+    fn = _pipeline_expr(node.func, model, scope)
+    params = inspect.signature(fn).parameters
+    args = [_pipeline_expr(a, model, scope) for a in node.args]
+    kwargs = {}
+    for k in node.keywords:
+        try:
+            kwargs[k.arg] = _pipeline_expr(k.value, model, scope)
+        except _Unresolved:
+            p = params.get(k.arg)
+            if p is None or p.default is not inspect.Parameter.empty:
+                continue  # the callee's default stands in for the pipeline's running state
+            value = fill(k.arg, p.annotation) if fill else None
+            if value is None:
+                raise
+            kwargs[k.arg] = value
+    with torch.no_grad():
+        return fn(*args, **kwargs)
+
+
+def _pipeline_expr(node, model, scope: dict):
+    """Constants, ``self.transformer[.attr...]``, module-level names, ``float(x)``/``int(x)``."""
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.Attribute):
+        chain = []
+        while isinstance(node, ast.Attribute):
+            chain.append(node.attr)
+            node = node.value
+        if isinstance(node, ast.Name) and node.id == "self" and chain and chain[-1] == "transformer":
+            obj = model
+            for attr in reversed(chain[:-1]):
+                obj = getattr(obj, attr)
+            return obj
+        raise _Unresolved(ast.unparse(node))
+    if isinstance(node, ast.Name) and node.id in scope and callable(scope[node.id]):
+        return scope[node.id]
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("int", "float") \
+            and len(node.args) == 1:
+        return {"int": int, "float": float}[node.func.id](_pipeline_expr(node.args[0], model, scope))
+    raise _Unresolved(ast.unparse(node))
 
 
 __all__ = ["Grid", "Need", "axis_role", "forward_needs", "module_need", "repair", "tensor_for"]

@@ -39,7 +39,7 @@ def _output(out) -> torch.Tensor:
     if isinstance(out, torch.Tensor):
         return out
     if isinstance(out, (tuple, list)):
-        return out[0]
+        return _output(out[0])  # a list of per-sample outputs: the first sample's
     return getattr(out, "sample", None) if hasattr(out, "sample") else out[0]
 
 

@@ -468,6 +468,7 @@ def _split_hooks(key: str, spec: dict, module, world: _World):
     def post(m, a, out):
         if not any(isinstance(i, int) for i in spec):
             return None
+        _tensor_outputs(out, f"'{key}'")
         outs = [out] if torch.is_tensor(out) else list(out)
         for idx, cpi in spec.items():
             if isinstance(idx, int) and _is_input(cpi) and cpi.split_output:
@@ -476,12 +477,23 @@ def _split_hooks(key: str, spec: dict, module, world: _World):
     return pre, post
 
 
+def _tensor_outputs(out, where: str) -> None:
+    """cache-dit's split/gather hooks take a module output that is a tensor or a tuple/list of tensors
+    only (a block returning ``(tensor, None)`` raises in every rank): the dry run refuses it first."""
+    if torch.is_tensor(out) or (isinstance(out, (list, tuple)) and all(torch.is_tensor(x) for x in out)):
+        return
+    kinds = [type(x).__name__ for x in out] if isinstance(out, (list, tuple)) else [type(out).__name__]
+    raise DryRunError(f"the plan hooks the output of {where}, which returns ({', '.join(kinds)}): cache-dit's "
+                      f"context parallel splits and gathers only a tensor or a tuple of tensors")
+
+
 def _gather_hook(spec, world: _World):
     """The post hook that re-enacts a gather: every rank's output concatenated (alone: the shard
     repeated ``degree`` times)."""
     specs = [spec] if _is_output(spec) else list(spec)
 
     def post(m, a, out):
+        _tensor_outputs(out, f"the gather at '{type(m).__name__}'")
         outs = [out] if torch.is_tensor(out) else list(out)
         for i, cpo in enumerate(specs):
             if cpo is not None and i < len(outs):
