@@ -287,3 +287,51 @@ def test_a_tensor_every_block_takes_unchanged_is_split_at_every_block_and_where_
     assert r["outcome"] == "correct" and r["source"] == "derived", r
     for lname in ("hint_blocks", "blocks"):  # 16 image tokens, 8 on each rank, in every block list
         assert [rank["hidden_states"] for rank in r["seq_lens"][lname]] == [[8], [8]], r["seq_lens"]
+
+
+# --- 4. an output that is a list of per-sample tensors; a final layer chosen from a ModuleDict --
+
+class ListOutDiT(ConcatKeysDiT):
+    """Returns ``([sample],)`` as a per-sample list (no tensor at the top level), its final layer
+    picked from a ModuleDict by a key (as a model with one final layer per patch size)."""
+
+    def __init__(self, dim=16):
+        super().__init__(dim)
+        self.final = nn.ModuleDict({k: nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 4)) for k in ("2-1", "1-1")})
+
+    def forward(self, hidden_states, encoder_hidden_states, timestep):
+        x, c, temb = self.img_in(hidden_states), self.txt_in(encoder_hidden_states), self.time(timestep[:, None])
+        for blk in self.blocks:
+            x = blk(x, c, temb)
+        return (list(self.final["2-1"](x).unbind(0)),)
+
+
+def test_a_list_output_is_compared_not_passed_and_a_module_dict_entry_is_planned_reachably():
+    torch.manual_seed(0)
+    m, kw = ListOutDiT().eval(), _inputs()
+    kw["encoder_hidden_states"] = kw["encoder_hidden_states"][:, :7]  # the text cannot be split (see test 1)
+    # before: the output held no top-level tensor, so the simulated parity returned None (a pass)
+    # and the text-whole plan went on to the launch and came out `wrong`
+    with pytest.raises(ParityError, match="count 2 times"):
+        resolve_cp_plan(m, capture=lambda: ((), kw), degree=2, check=verify_before_launch)
+    # a plan whose gather sits on a ModuleDict entry names the dict (cache-dit's lookup hooks every
+    # entry and cannot name 'final.2-1'); the dry run hooks the entries the same way
+    kw = _inputs()
+    cp = derive_cp_plan(m, (), kw, degree=2, split_text=True)
+    assert "final" in cp.plan and not any(k.startswith("final.") for k in cp.plan), list(cp.plan)
+    r = coverage_cp(m, (), kw, timeout=60)
+    assert r["outcome"] == "correct", r
+
+
+def test_nothing_to_compare_is_not_a_pass():
+    class NoTensorOut(ConcatKeysDiT):
+        def forward(self, *a, **k):
+            return {"not": "a tensor"}
+
+    m, kw = NoTensorOut().eval(), _inputs()
+    with pytest.raises(ParityError, match="holds no tensor"):
+        check_parity(m, (), kw, {}, 2, ["blocks"], dry_run_stub())
+
+
+def dry_run_stub():
+    return type("Run", (), {"cp_calls": set()})()

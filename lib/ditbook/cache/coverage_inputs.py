@@ -585,18 +585,22 @@ class Grid:
         return t * max(1, self.frames // self.patch_t) if rank == 5 else t
 
 
+def _tag_tensor(need: Need, grid: Grid, hidden: bool) -> torch.Tensor:
+    """Tags: the sequence split into one run per constant the code compares it with, in the order
+    the code names them."""
+    length = grid.tokens() if hidden else grid.text
+    shape = [1 if r == "batch" or i == 0 else length for i, r in enumerate(need.roles or ("batch", "tokens"))]
+    flat = torch.tensor([need.values[min(i * len(need.values) // shape[-1], len(need.values) - 1)]
+                         for i in range(shape[-1])], dtype=torch.long)
+    return flat.expand(tuple(shape)).clone()
+
+
 def tensor_for(name: str, need: Need, grid: Grid, gen: torch.Generator, hidden: bool = False,
                like: torch.Tensor | None = None):
     """A tensor for parameter ``name`` that meets ``need`` (None when the need says nothing)."""
     low = name.lower()
     if need.values and all(isinstance(r, str) or r is None for r in need.roles or ()):
-        # tags: the sequence split into one run per constant the code compares it with, in the
-        # order the code names them
-        length = grid.tokens() if hidden else grid.text
-        shape = [1 if r == "batch" or i == 0 else length for i, r in enumerate(need.roles or ("batch", "tokens"))]
-        flat = torch.tensor([need.values[min(i * len(need.values) // shape[-1], len(need.values) - 1)]
-                             for i in range(shape[-1])], dtype=torch.long)
-        return flat.expand(tuple(shape)).clone()
+        return _tag_tensor(need, grid, hidden)
     if need.vocab:
         rank = len(need.roles) if need.roles else 2
         shape = (1, grid.text) if rank >= 2 else (grid.text,)

@@ -30,17 +30,19 @@ import traceback
 
 import torch
 
+from .cp_plan import _main_output
+
 
 # what a rank says when its peer went away: never the cause, when the peer reported one
 _LOST_PEER = re.compile(r"Connection reset|Connection closed|Broken pipe|pair\.cc|DistNetworkError", re.I)
 
 
 def _output(out) -> torch.Tensor:
-    if isinstance(out, torch.Tensor):
-        return out
-    if isinstance(out, (tuple, list)):
-        return _output(out[0])  # a list of per-sample outputs: the first sample's
-    return getattr(out, "sample", None) if hasattr(out, "sample") else out[0]
+    """The first tensor of the output (a list of per-sample outputs: the first sample's)."""
+    got = _main_output(out)
+    if got is None:
+        raise TypeError(f"the transformer's output ({type(out).__name__}) holds no tensor to compare")
+    return got
 
 
 def _where(exc: BaseException) -> str:

@@ -420,7 +420,8 @@ def _modules_for(transformer, key: str) -> list:
         prefix = key.split(".*")[0]
         parent = transformer.get_submodule(prefix)
         return list(parent.children())
-    return [transformer.get_submodule(key)]
+    mod = transformer.get_submodule(key)
+    return list(mod.values()) if isinstance(mod, torch.nn.ModuleDict) else [mod]  # cache-dit hooks every entry
 
 
 def _shard(x: torch.Tensor, cpi, where: str, world: _World) -> torch.Tensor:
@@ -811,13 +812,14 @@ def check_parity(transformer, args, kwargs, plan: dict, degree: int, lists: list
                  reference: torch.Tensor | None = None) -> float | None:
     """Run every rank of ``plan`` in one process (``simulate_ranks``) and compare each rank's
     output with ``reference`` (else the plain forward's); raise ``ParityError`` naming where they
-    first part. Returns the largest relative error (None when the transformer returns no tensor)."""
+    first part (also when the output holds no tensor to compare). Returns the largest relative error."""
     ref = reference
     if ref is None:
         with torch.no_grad(), _without_cp(transformer):
             ref = _main_output(transformer(*args, **kwargs))
-    if ref is None:
-        return None
+    if ref is None:  # nothing to compare: the plan cannot be verified here, so it is not passed
+        raise ParityError("the transformer's output holds no tensor to compare with the plain forward's: the "
+                          "simulated ranks cannot be checked")
     outs, _, _ = simulate_ranks(transformer, args, kwargs, plan, degree, lists, run.cp_calls)
     err = max(_rel_error(o, ref) if o is not None else float("inf") for o in outs)
     if err <= _tolerance(ref):

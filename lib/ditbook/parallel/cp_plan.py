@@ -383,13 +383,15 @@ def trace_forward(transformer, args, kwargs) -> ForwardTrace:
 
 
 def _main_output(out) -> torch.Tensor | None:
-    """The transformer's main output: the tensor, or the first tensor of a tuple or ModelOutput."""
+    """The transformer's main output: the tensor, or the first tensor of a tuple or ModelOutput,
+    looking into nested tuples/lists (a ModelOutput whose ``sample`` is a list of per-sample
+    tensors gives the first sample's)."""
     if isinstance(out, torch.Tensor):
         return out
     if hasattr(out, "to_tuple"):
         out = out.to_tuple()
     if isinstance(out, (tuple, list)):
-        return next((o for o in out if isinstance(o, torch.Tensor)), None)
+        return next((t for t in map(_main_output, out) if t is not None), None)
     return None
 
 
@@ -882,7 +884,26 @@ def derive_cp_plan(transformer, args, kwargs, attention_kind: str | None = None,
     _add_gather(d, site, where)
     cp = CPPlan(d.plan, "derived", d.notes, _plan_facts(d, site))
     check_plan_sites(cp.plan, tr, st)
+    cp.plan = {_through_module_dicts(transformer, k): v for k, v in cp.plan.items()}
     return cp
+
+
+def _through_module_dicts(transformer, key: str) -> str:
+    """``key`` as cache-dit's plan lookup can reach it: that lookup takes a ModuleDict only as the
+    last atom (and then hooks every entry), so ``dict.entry`` becomes ``dict`` (the entries the
+    forward does not call never fire their hooks); a key deeper inside an entry cannot be named
+    and is refused."""
+    atoms, mod = key.split(".") if key else [], transformer
+    for i, atom in enumerate(atoms):
+        if isinstance(mod, torch.nn.ModuleDict):
+            if i == len(atoms) - 1:
+                return ".".join(atoms[:i])
+            raise PlanSiteError(f"the plan hooks '{key}', inside an entry of the ModuleDict "
+                                f"'{'.'.join(atoms[:i])}': cache-dit's plan lookup cannot name a module there")
+        if atom == "*" or not hasattr(mod, atom):
+            return key
+        mod = getattr(mod, atom)
+    return key
 
 
 def check_plan_sites(plan: dict, tr: ForwardTrace, streams: Streams | None = None) -> list[str]:
