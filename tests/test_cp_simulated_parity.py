@@ -335,3 +335,21 @@ def test_nothing_to_compare_is_not_a_pass():
 
 def dry_run_stub():
     return type("Run", (), {"cp_calls": set()})()
+
+
+class MeshReadingDiT(ConcatKeysDiT):
+    """A forward that reads the device mesh from the parallel config itself (as a registered
+    planner's patched forward does)."""
+
+    def forward(self, hidden_states, encoder_hidden_states, timestep):
+        cfg = getattr(self, "_cp_config", None)
+        if cfg is not None:
+            cfg._flattened_mesh.size()
+        return super().forward(hidden_states, encoder_hidden_states, timestep)
+
+
+def test_a_forward_that_reads_the_mesh_is_refused_with_that_reason():
+    torch.manual_seed(0)
+    r = coverage_cp(MeshReadingDiT().eval(), (), _inputs(), timeout=60)
+    assert r["outcome"] == "refused", r
+    assert "'_flattened_mesh' of the parallel config is read by the forward" in r["reason"], r["reason"]

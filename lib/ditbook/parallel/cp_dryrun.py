@@ -263,6 +263,11 @@ class _StandInCP:
     def context_parallel_config(self):
         return self
 
+    def __getattr__(self, name):  # only for what is not defined above
+        raise AttributeError(f"'{name}' of the parallel config is read by the forward (a registered planner's patched "
+                             f"forward reads the device mesh itself): the one-process dry run cannot stand in for it, "
+                             f"so a plan for this forward cannot be checked before launch")
+
 
 class _WouldRunCP(Exception):
     """Raised by ``_ConfigProbe`` when attention code reads the CP config it was given."""
