@@ -8,15 +8,7 @@ on the reference model. See ``speedsuite.compose`` for the rows and what is meas
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-for p in (ROOT / "benchmarks", ROOT / "lib"):  # appended: a ditbook already on the path (PYTHONPATH) wins
-    if str(p) not in sys.path:
-        sys.path.append(str(p))
-
-from speedsuite.compose import main  # noqa: E402
+from speedsuite.compose import main  # the script's folder is on the path; speedsuite adds lib/
 
 if __name__ == "__main__":
     raise SystemExit(main())

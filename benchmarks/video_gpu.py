@@ -7,15 +7,7 @@ compile and both, true CFG, the denoising loop timed. See ``speedsuite.video`` f
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-for p in (ROOT / "benchmarks", ROOT / "lib"):  # appended: a ditbook already on the path (PYTHONPATH) wins
-    if str(p) not in sys.path:
-        sys.path.append(str(p))
-
-from speedsuite.video import main  # noqa: E402
+from speedsuite.video import main  # the script's folder is on the path; speedsuite adds lib/
 
 if __name__ == "__main__":
     raise SystemExit(main())
