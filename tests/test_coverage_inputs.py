@@ -179,9 +179,23 @@ class NeedsASettingsDict(ModelMixin, ConfigMixin):
         self.factor = scaling["short_factor"]
 
 
-def test_a_constructor_that_needs_a_settings_dict_is_refused_with_its_error():
-    with pytest.raises(coverage.Refused, match="cannot be built small"):
-        coverage.build_tiny(NeedsASettingsDict)
+class RejectsTheFilledSettings(ModelMixin, ConfigMixin):
+    @register_to_config
+    def __init__(self, dim: int = 8, scaling=None):
+        super().__init__()
+        kind = scaling["kind"]
+        if kind not in ("linear", "dynamic"):
+            raise ValueError(f"unknown scaling kind {kind!r}")
+
+
+def test_a_settings_dict_read_by_the_constructor_gets_its_keys_at_a_neutral_scale():
+    model, _ = coverage.build_tiny(NeedsASettingsDict)
+    assert model.config.scaling == {"short_factor": 1.0}
+
+
+def test_a_settings_dict_whose_filled_values_the_constructor_rejects_is_refused_with_its_error():
+    with pytest.raises(coverage.Refused, match="cannot be built small.*unknown scaling kind"):
+        coverage.build_tiny(RejectsTheFilledSettings)
 
 
 def test_structured_annotations_follow_the_token_grid():
@@ -677,7 +691,14 @@ def test_a_documented_symbol_the_message_sizes_and_an_index_computed_from_an_inp
 class ScaledRope(nn.Module):
     def __init__(self, dim, rope_scaling=None):
         super().__init__()
+        self.dim = dim
         self.short = rope_scaling["short_factor"]
+        self.long = rope_scaling["long_factor"]  # read after the line that fails on None
+
+    def forward(self, pos):
+        factors = torch.tensor(self.long if pos.max() > 1000 else self.short)
+        freqs = pos[..., None].float() / (factors * 100 ** (torch.arange(0, self.dim, 2) / self.dim))
+        return freqs.cos(), freqs.sin()
 
 
 class PassesASettingsDictOn(ModelMixin, ConfigMixin):
@@ -689,9 +710,36 @@ class PassesASettingsDictOn(ModelMixin, ConfigMixin):
         self.rope = ScaledRope(dim, rope_scaling=rope_scaling)
 
 
-def test_a_settings_dict_read_in_a_submodule_is_refused_by_name_not_filled_with_an_int():
-    with pytest.raises(coverage.Refused, match=r"'rope_scaling' .* settings dict .*'short_factor'"):
-        coverage.build_tiny(PassesASettingsDictOn)
+def test_a_settings_dict_read_in_a_submodule_gets_every_key_that_submodule_reads():
+    model, _ = coverage.build_tiny(PassesASettingsDictOn)
+    assert model.config.rope_scaling == {"short_factor": 1.0, "long_factor": 1.0}
+    cos, sin = model.rope(torch.arange(6)[None])
+    assert cos.shape == (1, 6, 4) and torch.isfinite(cos).all() and torch.isfinite(sin).all()
+
+
+class PrependsATimeToken(nn.Module):
+    """A time token joins the image tokens before attention; ``attention_mask`` is ``(B, S)`` over
+    the joint sequence and reaches the attention as it is (broadcast right-aligned)."""
+
+    def __init__(self, dim: int = 8):
+        super().__init__()
+        self.proj = nn.Linear(4, dim)
+        self.time = nn.Linear(1, dim)
+
+    def forward(self, hidden_states, timestep, attention_mask):
+        x = torch.cat([self.time(timestep[:, None, None]), self.proj(hidden_states)], dim=1)
+        q = x.view(x.shape[0], -1, 2, 4).transpose(1, 2)
+        return (F.scaled_dot_product_attention(q, q, q, attn_mask=attention_mask),)
+
+
+def test_a_lower_rank_input_in_a_broadcast_takes_the_size_at_its_right_aligned_dim():
+    model = PrependsATimeToken()
+    kwargs = {"hidden_states": torch.randn(1, 16, 4), "timestep": torch.ones(1),
+              "attention_mask": torch.randn(1, 16)}
+    exc = _error(lambda: model(**kwargs))  # scores (1, 2, 17, 17) against the mask's 16 at dim 3
+    new, why = ci._size_mismatch(exc, str(exc), kwargs, None, set(), set())
+    assert new["attention_mask"].shape == (1, 17) and new["hidden_states"] is kwargs["hidden_states"], why
+    model(**new)
 
 
 class TableRopeDiT(ModelMixin, ConfigMixin):

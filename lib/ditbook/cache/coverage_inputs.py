@@ -585,6 +585,15 @@ class Grid:
         return t * max(1, self.frames // self.patch_t) if rank == 5 else t
 
 
+def _vocab_indices(low: str, need: Need, grid: Grid, gen: torch.Generator) -> torch.Tensor:
+    """Indices into an embedding table of ``need.vocab`` rows for the input named ``low``."""
+    rank = len(need.roles) if need.roles else 2
+    shape = (1, grid.text) if rank >= 2 else (grid.text,)
+    if not need.roles and not low.endswith(("s", "ids", "tokens")):
+        shape = (1,)  # a singular name (``style``, ``label``): one index per sample, like a class label
+    return torch.randint(0, min(need.vocab, 16), shape, generator=gen)
+
+
 def tensor_for(name: str, need: Need, grid: Grid, gen: torch.Generator, hidden: bool = False,
                like: torch.Tensor | None = None):
     """A tensor for parameter ``name`` that meets ``need`` (None when the need says nothing)."""
@@ -598,11 +607,7 @@ def tensor_for(name: str, need: Need, grid: Grid, gen: torch.Generator, hidden: 
                              for i in range(shape[-1])], dtype=torch.long)
         return flat.expand(tuple(shape)).clone()
     if need.vocab:
-        rank = len(need.roles) if need.roles else 2
-        shape = (1, grid.text) if rank >= 2 else (grid.text,)
-        if not need.roles and not low.endswith(("s", "ids", "tokens")):
-            shape = (1,)  # a singular name (``style``, ``label``): one index per sample, like a class label
-        return torch.randint(0, min(need.vocab, 16), shape, generator=gen)
+        return _vocab_indices(low, need, grid, gen)
     roles = list(need.roles) if need.roles else None
     if need.conv_dims and (not roles or len(roles) < need.conv_dims + 2 and "channels" not in roles):
         roles = ["batch", "channels"] + ["frames", "height", "width"][3 - need.conv_dims:]
@@ -962,24 +967,30 @@ def _like_concatenated(exc, msg, kwargs, make, forbid, params):
 
 
 def _size_mismatch(exc, msg, kwargs, make, forbid, params):
-    """Sizes ``a`` and ``b`` differ at dim ``d``: the input the failing frame holds takes the other."""
+    """Sizes ``a`` and ``b`` differ at dim ``d``: the input the failing frame holds takes the other.
+    An input of lower rank than the broadcast (the largest rank the frame holds) takes part in it
+    right-aligned: its own dim is ``d`` less the ranks it lacks (a ``(B, S)`` mask against
+    ``(B, H, S, S)`` scores)."""
     m = _SIZE.search(msg)
     if m:
         a, b, d = int(m.group(1)), int(m.group(2)), int(m.group(3))
+        held = [lv for _, lv in _failing_locals(exc) if isinstance(lv, torch.Tensor)]
+        rank = max([t.ndim for t in held], default=0)
         seen_ids = set()
-        for _, lv in _failing_locals(exc):
-            if not isinstance(lv, torch.Tensor) or id(lv) in seen_ids:
+        for lv in held:
+            if id(lv) in seen_ids:
                 continue
             seen_ids.add(id(lv))
             for name, val in kwargs.items():
-                if val is lv and val.ndim > d and val.shape[d] in (a, b) and (name, "dim", d) not in forbid:
+                k = d if val is lv and val.ndim > d else d - (rank - val.ndim) if val is lv and rank > d else -1
+                if k >= 0 and val.shape[k] in (a, b) and (name, "dim", d) not in forbid:
                     forbid.add((name, "dim", d))
                     shape = list(val.shape)
-                    shape[d] = b if shape[d] == a else a
+                    shape[k] = b if shape[k] == a else a
                     new = dict(kwargs)
                     new[name] = torch.randn(shape).to(val.dtype) if val.is_floating_point() else \
                         torch.zeros(shape, dtype=val.dtype)
-                    return new, f"{name}: dim {d} {val.shape[d]} -> {shape[d]}"
+                    return new, f"{name}: dim {k} {val.shape[k]} -> {shape[k]}"
     return None
 
 
