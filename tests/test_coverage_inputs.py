@@ -851,3 +851,63 @@ class NamedFeaturesModel(nn.Module):
 def test_a_missing_named_feature_is_refused_with_the_dict_it_comes_from():
     with pytest.raises(coverage.Refused, match=r"reads key 'is_conditioning' .* dict input 'conditioning'"):
         coverage.find_inputs(NamedFeaturesModel())
+
+
+class SlotExpandedDiT(nn.Module):
+    """A prompt sequence with one slot per 2x2 group of image tokens at its end: ``img_mask`` is True
+    at those slots, each expanded to 4 positions that take the image tokens (``joint[:, pad] = h``);
+    ``img_shapes`` must account for as many image tokens as the mask marks."""
+
+    def __init__(self):
+        super().__init__()
+        self.img_in, self.txt_in, self.out = nn.Linear(4, 8), nn.Linear(6, 8), nn.Linear(8, 4)
+
+    def forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                img_shapes: list[list[tuple[int, int, int]]], img_mask: torch.Tensor):
+        h, e = self.img_in(hidden_states), self.txt_in(encoder_hidden_states)
+        repeats = torch.where(img_mask, 4, 1)[0]
+        pad = torch.repeat_interleave(img_mask[0], repeats)
+        target = img_shapes[0][-1][0] * img_shapes[0][-1][1] * img_shapes[0][-1][2]
+        joint = torch.cat([e, e.new_zeros(e.shape[0], target // 4, e.shape[2])], dim=1)
+        joint = joint.repeat_interleave(repeats, dim=1)
+        joint[:, pad] = h
+        if target != int(pad.sum()):
+            raise ValueError(f"img_shapes accounts for {target} image tokens but the mask marks {int(pad.sum())}.")
+        return (self.out(joint),)
+
+
+def test_a_slot_mask_its_grid_list_and_its_length_follow_the_errors_of_an_expanded_assignment():
+    model = SlotExpandedDiT()
+    kwargs = {"hidden_states": torch.randn(1, 16, 4), "encoder_hidden_states": torch.randn(1, 8, 6),
+              "img_shapes": [[(2, 4, 4)]], "img_mask": torch.ones(1, 16, dtype=torch.bool)}
+    # 16 slots x 4 = 64 positions for 16 image rows: 4 slots, at the mask's end
+    exc = _error(lambda: model(**kwargs))
+    new, why = ci._masked_count(exc, str(exc), kwargs, None, set(), set())
+    assert new["img_mask"].tolist() == [[False] * 12 + [True] * 4], why
+    assert ci._size_mismatch(exc, str(exc), kwargs, None, set(), set()) is None
+    # the grid list counts 32 tokens where the mask marks 16: one frame, not two
+    exc = _error(lambda: model(**new))
+    new, why = ci._grid_token_count(exc, str(exc), new, None, set(), set())
+    assert new["img_shapes"] == [[(1, 4, 4)]], why
+    # 8 prompt + 4 slots = 12 positions, one repeat count each: the mask keeps its last 12
+    exc = _error(lambda: model(**new))
+    new, why = ci._repeats_length(exc, str(exc), new, None, set(), set())
+    assert new["img_mask"].tolist() == [[False] * 8 + [True] * 4], why
+    assert new["hidden_states"] is kwargs["hidden_states"]
+    model(**new)
+
+
+def test_the_slot_repairs_leave_unrelated_errors_alone():
+    model = SlotExpandedDiT()
+    kwargs = {"hidden_states": torch.randn(1, 16, 4), "encoder_hidden_states": torch.randn(1, 8, 6),
+              "img_shapes": [[(1, 4, 4)]], "img_mask": torch.tensor([[False] * 8 + [True] * 4])}
+    model(**kwargs)
+    exc = _error(lambda: model(**{**kwargs, "hidden_states": torch.randn(1, 16, 5)}))  # a width error
+    for rule in (ci._masked_count, ci._grid_token_count, ci._repeats_length):
+        assert rule(exc, str(exc), kwargs, None, set(), set()) is None
+
+
+def test_the_probe_finds_the_slot_layout_from_the_errors_alone():
+    kwargs, _ = coverage.find_inputs(SlotExpandedDiT())
+    assert kwargs["img_shapes"] == [[(1, 4, 4)]]
+    assert kwargs["img_mask"].tolist() == [[False] * 8 + [True] * 4]
