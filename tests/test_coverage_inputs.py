@@ -179,9 +179,23 @@ class NeedsASettingsDict(ModelMixin, ConfigMixin):
         self.factor = scaling["short_factor"]
 
 
-def test_a_constructor_that_needs_a_settings_dict_is_refused_with_its_error():
-    with pytest.raises(coverage.Refused, match="cannot be built small"):
-        coverage.build_tiny(NeedsASettingsDict)
+class RejectsTheFilledSettings(ModelMixin, ConfigMixin):
+    @register_to_config
+    def __init__(self, dim: int = 8, scaling=None):
+        super().__init__()
+        kind = scaling["kind"]
+        if kind not in ("linear", "dynamic"):
+            raise ValueError(f"unknown scaling kind {kind!r}")
+
+
+def test_a_settings_dict_read_by_the_constructor_gets_its_keys_at_a_neutral_scale():
+    model, _ = coverage.build_tiny(NeedsASettingsDict)
+    assert model.config.scaling == {"short_factor": 1.0}
+
+
+def test_a_settings_dict_whose_filled_values_the_constructor_rejects_is_refused_with_its_error():
+    with pytest.raises(coverage.Refused, match="cannot be built small.*unknown scaling kind"):
+        coverage.build_tiny(RejectsTheFilledSettings)
 
 
 def test_structured_annotations_follow_the_token_grid():
@@ -677,7 +691,14 @@ def test_a_documented_symbol_the_message_sizes_and_an_index_computed_from_an_inp
 class ScaledRope(nn.Module):
     def __init__(self, dim, rope_scaling=None):
         super().__init__()
+        self.dim = dim
         self.short = rope_scaling["short_factor"]
+        self.long = rope_scaling["long_factor"]  # read after the line that fails on None
+
+    def forward(self, pos):
+        factors = torch.tensor(self.long if pos.max() > 1000 else self.short)
+        freqs = pos[..., None].float() / (factors * 100 ** (torch.arange(0, self.dim, 2) / self.dim))
+        return freqs.cos(), freqs.sin()
 
 
 class PassesASettingsDictOn(ModelMixin, ConfigMixin):
@@ -689,9 +710,36 @@ class PassesASettingsDictOn(ModelMixin, ConfigMixin):
         self.rope = ScaledRope(dim, rope_scaling=rope_scaling)
 
 
-def test_a_settings_dict_read_in_a_submodule_is_refused_by_name_not_filled_with_an_int():
-    with pytest.raises(coverage.Refused, match=r"'rope_scaling' .* settings dict .*'short_factor'"):
-        coverage.build_tiny(PassesASettingsDictOn)
+def test_a_settings_dict_read_in_a_submodule_gets_every_key_that_submodule_reads():
+    model, _ = coverage.build_tiny(PassesASettingsDictOn)
+    assert model.config.rope_scaling == {"short_factor": 1.0, "long_factor": 1.0}
+    cos, sin = model.rope(torch.arange(6)[None])
+    assert cos.shape == (1, 6, 4) and torch.isfinite(cos).all() and torch.isfinite(sin).all()
+
+
+class PrependsATimeToken(nn.Module):
+    """A time token joins the image tokens before attention; ``attention_mask`` is ``(B, S)`` over
+    the joint sequence and reaches the attention as it is (broadcast right-aligned)."""
+
+    def __init__(self, dim: int = 8):
+        super().__init__()
+        self.proj = nn.Linear(4, dim)
+        self.time = nn.Linear(1, dim)
+
+    def forward(self, hidden_states, timestep, attention_mask):
+        x = torch.cat([self.time(timestep[:, None, None]), self.proj(hidden_states)], dim=1)
+        q = x.view(x.shape[0], -1, 2, 4).transpose(1, 2)
+        return (F.scaled_dot_product_attention(q, q, q, attn_mask=attention_mask),)
+
+
+def test_a_lower_rank_input_in_a_broadcast_takes_the_size_at_its_right_aligned_dim():
+    model = PrependsATimeToken()
+    kwargs = {"hidden_states": torch.randn(1, 16, 4), "timestep": torch.ones(1),
+              "attention_mask": torch.randn(1, 16)}
+    exc = _error(lambda: model(**kwargs))  # scores (1, 2, 17, 17) against the mask's 16 at dim 3
+    new, why = ci._size_mismatch(exc, str(exc), kwargs, None, set(), set())
+    assert new["attention_mask"].shape == (1, 17) and new["hidden_states"] is kwargs["hidden_states"], why
+    model(**new)
 
 
 class TableRopeDiT(ModelMixin, ConfigMixin):
@@ -803,3 +851,63 @@ class NamedFeaturesModel(nn.Module):
 def test_a_missing_named_feature_is_refused_with_the_dict_it_comes_from():
     with pytest.raises(coverage.Refused, match=r"reads key 'is_conditioning' .* dict input 'conditioning'"):
         coverage.find_inputs(NamedFeaturesModel())
+
+
+class SlotExpandedDiT(nn.Module):
+    """A prompt sequence with one slot per 2x2 group of image tokens at its end: ``img_mask`` is True
+    at those slots, each expanded to 4 positions that take the image tokens (``joint[:, pad] = h``);
+    ``img_shapes`` must account for as many image tokens as the mask marks."""
+
+    def __init__(self):
+        super().__init__()
+        self.img_in, self.txt_in, self.out = nn.Linear(4, 8), nn.Linear(6, 8), nn.Linear(8, 4)
+
+    def forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                img_shapes: list[list[tuple[int, int, int]]], img_mask: torch.Tensor):
+        h, e = self.img_in(hidden_states), self.txt_in(encoder_hidden_states)
+        repeats = torch.where(img_mask, 4, 1)[0]
+        pad = torch.repeat_interleave(img_mask[0], repeats)
+        target = img_shapes[0][-1][0] * img_shapes[0][-1][1] * img_shapes[0][-1][2]
+        joint = torch.cat([e, e.new_zeros(e.shape[0], target // 4, e.shape[2])], dim=1)
+        joint = joint.repeat_interleave(repeats, dim=1)
+        joint[:, pad] = h
+        if target != int(pad.sum()):
+            raise ValueError(f"img_shapes accounts for {target} image tokens but the mask marks {int(pad.sum())}.")
+        return (self.out(joint),)
+
+
+def test_a_slot_mask_its_grid_list_and_its_length_follow_the_errors_of_an_expanded_assignment():
+    model = SlotExpandedDiT()
+    kwargs = {"hidden_states": torch.randn(1, 16, 4), "encoder_hidden_states": torch.randn(1, 8, 6),
+              "img_shapes": [[(2, 4, 4)]], "img_mask": torch.ones(1, 16, dtype=torch.bool)}
+    # 16 slots x 4 = 64 positions for 16 image rows: 4 slots, at the mask's end
+    exc = _error(lambda: model(**kwargs))
+    new, why = ci._masked_count(exc, str(exc), kwargs, None, set(), set())
+    assert new["img_mask"].tolist() == [[False] * 12 + [True] * 4], why
+    assert ci._size_mismatch(exc, str(exc), kwargs, None, set(), set()) is None
+    # the grid list counts 32 tokens where the mask marks 16: one frame, not two
+    exc = _error(lambda: model(**new))
+    new, why = ci._grid_token_count(exc, str(exc), new, None, set(), set())
+    assert new["img_shapes"] == [[(1, 4, 4)]], why
+    # 8 prompt + 4 slots = 12 positions, one repeat count each: the mask keeps its last 12
+    exc = _error(lambda: model(**new))
+    new, why = ci._repeats_length(exc, str(exc), new, None, set(), set())
+    assert new["img_mask"].tolist() == [[False] * 8 + [True] * 4], why
+    assert new["hidden_states"] is kwargs["hidden_states"]
+    model(**new)
+
+
+def test_the_slot_repairs_leave_unrelated_errors_alone():
+    model = SlotExpandedDiT()
+    kwargs = {"hidden_states": torch.randn(1, 16, 4), "encoder_hidden_states": torch.randn(1, 8, 6),
+              "img_shapes": [[(1, 4, 4)]], "img_mask": torch.tensor([[False] * 8 + [True] * 4])}
+    model(**kwargs)
+    exc = _error(lambda: model(**{**kwargs, "hidden_states": torch.randn(1, 16, 5)}))  # a width error
+    for rule in (ci._masked_count, ci._grid_token_count, ci._repeats_length):
+        assert rule(exc, str(exc), kwargs, None, set(), set()) is None
+
+
+def test_the_probe_finds_the_slot_layout_from_the_errors_alone():
+    kwargs, _ = coverage.find_inputs(SlotExpandedDiT())
+    assert kwargs["img_shapes"] == [[(1, 4, 4)]]
+    assert kwargs["img_mask"].tolist() == [[False] * 8 + [True] * 4]

@@ -287,6 +287,7 @@ def build_tiny(cls: type, ladder=LADDER):
 
 
 CTOR_REPAIRS = 4
+SETTING_NEUTRAL = 1.0  # the value of each key of a settings dict the probe fills: the identity of a scale
 _GENERIC_TOKENS = {"num", "dim", "size", "of", "max", "n", "default"}
 
 
@@ -345,9 +346,12 @@ def ctor_repair(cls: type, kwargs: dict, exc: BaseException) -> dict | None:
             continue
         uses = usage.get(name, set())
         keys = _settings_keys(exc, frame, name)
-        if "str-index" in uses or keys:  # a dict of settings: nothing generic to put in it
+        if keys:  # a dict of settings read by key: each key a neutral scale (1.0)
+            new[name] = {k: SETTING_NEUTRAL for k in keys}
+            continue
+        if "str-index" in uses:  # read by key, but no key the probe can name
             raise Refused(f"cannot be built small: '{name}' (None by default) is a settings dict the constructor "
-                          f"reads{' keys ' + repr(keys) if keys else ''} from; the probe does not make one up")
+                          f"reads from; the probe does not make one up")
         width = _similar_int(name, kwargs, defaults) or OPTIONAL_SHAPE_DEFAULTS.get(name) or 32
         new[name] = (width, width) if "int-index" in uses else width
     return new if new != kwargs else None
@@ -429,21 +433,22 @@ def _with_called_submodules(cls: type, model, kwargs: dict):
 
 
 def _settings_keys(exc: BaseException, own, name: str) -> list[str]:
-    """String keys that a frame called from the constructor's frame ``own`` subscripts its None
-    local ``name`` with (``rope_scaling["short_factor"]`` in a submodule's ``__init__``)."""
+    """String-constant keys that the constructor's frame ``own`` or a frame it called subscripts
+    its None local ``name`` with, anywhere in that frame's function (``rope_scaling["short_factor"]``
+    and ``rope_scaling["long_factor"]`` in a submodule's ``__init__``), in source order."""
     import ast
 
     frames = [f for f, _ in traceback.walk_tb(exc.__traceback__)]
-    inner = frames[frames.index(own) + 1:] if own in frames else []
+    inner = frames[frames.index(own):] if own in frames else []
     keys: list[str] = []
     for f in inner:
-        try:
-            tree = ast.parse(ci.statement_text(f))
-        except SyntaxError:
+        if name not in f.f_locals or f.f_locals[name] is not None:
             continue
-        for n in ast.walk(tree):
-            if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) and isinstance(n.slice, ast.Constant) \
-                    and isinstance(n.slice.value, str) and n.value.id == name and f.f_locals.get(name, 0) is None:
+        _, node = ci._source_tree(f.f_code)
+        for n in ast.walk(node) if node is not None else ():
+            if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) and n.value.id == name \
+                    and isinstance(n.slice, ast.Constant) and isinstance(n.slice.value, str) \
+                    and n.slice.value not in keys:
                 keys.append(n.slice.value)
     return keys
 

@@ -595,6 +595,15 @@ def _tag_tensor(need: Need, grid: Grid, hidden: bool) -> torch.Tensor:
     return flat.expand(tuple(shape)).clone()
 
 
+def _vocab_indices(low: str, need: Need, grid: Grid, gen: torch.Generator) -> torch.Tensor:
+    """Indices into an embedding table of ``need.vocab`` rows for the input named ``low``."""
+    rank = len(need.roles) if need.roles else 2
+    shape = (1, grid.text) if rank >= 2 else (grid.text,)
+    if not need.roles and not low.endswith(("s", "ids", "tokens")):
+        shape = (1,)  # a singular name (``style``, ``label``): one index per sample, like a class label
+    return torch.randint(0, min(need.vocab, 16), shape, generator=gen)
+
+
 def tensor_for(name: str, need: Need, grid: Grid, gen: torch.Generator, hidden: bool = False,
                like: torch.Tensor | None = None):
     """A tensor for parameter ``name`` that meets ``need`` (None when the need says nothing)."""
@@ -602,11 +611,7 @@ def tensor_for(name: str, need: Need, grid: Grid, gen: torch.Generator, hidden: 
     if need.values and all(isinstance(r, str) or r is None for r in need.roles or ()):
         return _tag_tensor(need, grid, hidden)
     if need.vocab:
-        rank = len(need.roles) if need.roles else 2
-        shape = (1, grid.text) if rank >= 2 else (grid.text,)
-        if not need.roles and not low.endswith(("s", "ids", "tokens")):
-            shape = (1,)  # a singular name (``style``, ``label``): one index per sample, like a class label
-        return torch.randint(0, min(need.vocab, 16), shape, generator=gen)
+        return _vocab_indices(low, need, grid, gen)
     roles = list(need.roles) if need.roles else None
     if need.conv_dims and (not roles or len(roles) < need.conv_dims + 2 and "channels" not in roles):
         roles = ["batch", "channels"] + ["frames", "height", "width"][3 - need.conv_dims:]
@@ -966,24 +971,142 @@ def _like_concatenated(exc, msg, kwargs, make, forbid, params):
 
 
 def _size_mismatch(exc, msg, kwargs, make, forbid, params):
-    """Sizes ``a`` and ``b`` differ at dim ``d``: the input the failing frame holds takes the other."""
+    """Sizes ``a`` and ``b`` differ at dim ``d``: the input the failing frame holds takes the other.
+    An input of lower rank than the broadcast (the largest rank the frame holds) takes part in it
+    right-aligned: its own dim is ``d`` less the ranks it lacks (a ``(B, S)`` mask against
+    ``(B, H, S, S)`` scores)."""
     m = _SIZE.search(msg)
     if m:
         a, b, d = int(m.group(1)), int(m.group(2)), int(m.group(3))
+        held = [lv for _, lv in _failing_locals(exc) if isinstance(lv, torch.Tensor)]
+        rank = max([t.ndim for t in held], default=0)
         seen_ids = set()
-        for _, lv in _failing_locals(exc):
-            if not isinstance(lv, torch.Tensor) or id(lv) in seen_ids:
+        for lv in held:
+            if id(lv) in seen_ids:
                 continue
             seen_ids.add(id(lv))
             for name, val in kwargs.items():
-                if val is lv and val.ndim > d and val.shape[d] in (a, b) and (name, "dim", d) not in forbid:
+                k = d if val is lv and val.ndim > d else d - (rank - val.ndim) if val is lv and rank > d else -1
+                if k >= 0 and val.shape[k] in (a, b) and (name, "dim", d) not in forbid:
                     forbid.add((name, "dim", d))
                     shape = list(val.shape)
-                    shape[d] = b if shape[d] == a else a
+                    shape[k] = b if shape[k] == a else a
                     new = dict(kwargs)
                     new[name] = torch.randn(shape).to(val.dtype) if val.is_floating_point() else \
                         torch.zeros(shape, dtype=val.dtype)
-                    return new, f"{name}: dim {d} {val.shape[d]} -> {shape[d]}"
+                    return new, f"{name}: dim {k} {val.shape[k]} -> {shape[k]}"
+    return None
+
+
+_MASKED = re.compile(r"value tensor of shape \[([\d, ]*)\] cannot be broadcast to indexing result of shape "
+                     r"\[([\d, ]+)\]")
+
+
+def _masked_count(exc, msg, kwargs, make, forbid, params):
+    """A masked assignment ``x[:, mask] = v`` whose boolean mask selects another number of rows
+    than ``v`` has: the boolean input the frame's mask expands from (``k`` selected positions per
+    True: the ratio of their True counts) keeps its length and is True at its last ``rows / k``
+    positions (the masked slots after the others, as tokens appended after a prompt)."""
+    m = _MASKED.search(msg)
+    if not m:
+        return None
+    value = [int(x) for x in m.group(1).split(",") if x.strip()]
+    result = [int(x) for x in m.group(2).split(",")]
+    masks = [lv for _, lv in _failing_locals(exc) if isinstance(lv, torch.Tensor) and lv.dtype == torch.bool]
+    for name, val in kwargs.items():
+        if not isinstance(val, torch.Tensor) or val.dtype != torch.bool or not val.any() or (name, "count") in forbid:
+            continue
+        have = int(val.reshape(-1, val.shape[-1])[0].sum())
+        for sel in {int(mk.sum()) for mk in masks}:
+            d, off = (result.index(sel) if sel in result else -1), len(result) - len(value)
+            rows = value[d - off] if d >= off >= 0 and d >= 0 else 0
+            k = sel // have if sel % have == 0 else 0
+            if not k or not rows or rows % k or rows // k > val.shape[-1]:
+                continue
+            forbid.add((name, "count"))
+            new = dict(kwargs)
+            new[name] = torch.zeros_like(val)
+            new[name][..., val.shape[-1] - rows // k:] = True
+            return new, f"{name}: True at its last {rows // k} of {val.shape[-1]} positions"
+    return None
+
+
+def _grid_rows(val) -> list | None:
+    """The per-sample lists of ``(frames, height, width)`` tuples of a ``list[list[tuple]]`` (or one
+    ``list[tuple]``) input, else None."""
+    def is_grid(t):
+        return isinstance(t, tuple) and t and all(isinstance(x, int) and not isinstance(x, bool) for x in t)
+
+    if isinstance(val, list) and val and all(is_grid(t) for t in val):
+        return [val]
+    if isinstance(val, list) and val and all(isinstance(r, list) and r and all(is_grid(t) for t in r) for r in val):
+        return val
+    return None
+
+
+def _grid_token_count(exc, msg, kwargs, make, forbid, params):
+    """The error names a grid-list input whose token count (the sum of its grids' products) is one
+    number of the message and another number what the code counts elsewhere: the last grid's
+    leading (frames) axis takes the difference."""
+    nums = [int(x) for x in re.findall(r"\b\d+\b", msg)]
+    for name, val in kwargs.items():
+        rows = _grid_rows(val)
+        if rows is None or not re.search(rf"\b{name}\b", msg) or (name, "tokens") in forbid:
+            continue
+        total = sum(math.prod(t) for t in rows[0])
+        rest, last = total - math.prod(rows[0][-1]), rows[0][-1]
+        for want in (n for n in nums if n != total and total in nums):
+            per = math.prod(last[1:])
+            if want > rest and (want - rest) % per == 0:
+                forbid.add((name, "tokens"))
+                grid = ((want - rest) // per,) + tuple(last[1:])
+                new = dict(kwargs)
+                new[name] = [r[:-1] + [grid] for r in rows] if rows is val else rows[0][:-1] + [grid]
+                return new, f"{name}: last grid {last} -> {grid} ({want} tokens)"
+    return None
+
+
+_REPEATS = re.compile(r"repeats must have the same size as input along dim, but got repeats\.size\(0\) = (\d+) "
+                      r"and input\.size\(\d+\) = (\d+)")
+
+
+def _computed_from(frame, size: int, kwargs: dict) -> list[str]:
+    """Inputs that a 1-D tensor of ``size`` the frame's failing statement reads is computed from
+    (the names on the right of the statement in the frame's function that assigns it)."""
+    try:
+        used = {n.id for n in ast.walk(ast.parse(statement_text(frame).strip())) if isinstance(n, ast.Name)}
+    except SyntaxError:
+        return []
+    _, node = _source_tree(frame.f_code)
+    out = []
+    for n in ast.walk(node) if node is not None else ():
+        if isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id in used for t in n.targets):
+            lv = frame.f_locals.get(next(t.id for t in n.targets if isinstance(t, ast.Name) and t.id in used))
+            if isinstance(lv, torch.Tensor) and lv.ndim == 1 and lv.shape[0] == size:
+                out += [m.id for m in ast.walk(n.value) if isinstance(m, ast.Name) and m.id in kwargs
+                        and m.id not in out]
+    return out
+
+
+def _repeats_length(exc, msg, kwargs, make, forbid, params):
+    """``repeat_interleave`` with one repeat count per position of an input of another length: the
+    input the counts are computed from takes that length (a boolean one keeps its last positions,
+    so a mask True at its end stays so)."""
+    m = _REPEATS.search(msg)
+    if not m:
+        return None
+    a, b = int(m.group(1)), int(m.group(2))
+    for name in (n for f in reversed(_model_frames(exc)) for n in _computed_from(f, a, kwargs)):
+        val = kwargs[name]
+        if not isinstance(val, torch.Tensor) or val.shape[-1] != a or (name, "repeats") in forbid:
+            continue
+        forbid.add((name, "repeats"))
+        new = dict(kwargs)
+        if b <= a:
+            new[name] = val[..., a - b:].clone()
+        else:
+            new[name] = torch.cat([torch.zeros(*val.shape[:-1], b - a, dtype=val.dtype), val], dim=-1)
+        return new, f"{name}: last dim {a} -> {b} (one repeat count per position)"
     return None
 
 
@@ -1600,7 +1723,8 @@ def _empty_mapping(exc, msg, kwargs, make, forbid, params):
 
 # the repairs ``repair`` tries, in order: each is (exc, msg, kwargs, make, forbid, params) -> (new, note) | None
 _REPAIRS = (_supply_missing, _matmul_last_dim, _supply_none, _boolean_mask, _supply_named, _integer_indices,
-            _like_concatenated, _size_mismatch, _unpack_rank, _supply_guarded, _grid_as_positions, _view_multiple,
+            _like_concatenated, _size_mismatch, _masked_count, _grid_token_count, _repeats_length,
+            _unpack_rank, _supply_guarded, _grid_as_positions, _view_multiple,
             _cat_operand_size, _split_concat_channels, _reshaped_last_dim, _iterated_tuples, _nested_inputs,
             _last_axis_width, _int_input_size, _expected_tuple, _conv_channels, _documented_symbol,
             _index_dtype, _empty_mapping)
