@@ -94,7 +94,8 @@ def loop_method(cls, path: str) -> str:
 
 
 def element_methods(cls, path: str) -> list[str]:
-    """The methods that read an attribute of an element of ``self.<path>`` outside its loop."""
+    """The methods that read an attribute of an element of ``self.<path>`` outside its loop
+    (``self.<path>[i].attr``, or ``b.attr`` in a comprehension over the list)."""
     from ..inspect.loop_source import list_uses
 
     return sorted({e.split(":")[0] for e in list_uses(cls, [path])[path].element_attrs})
@@ -454,17 +455,38 @@ def fold_method(folds: list[LoopFold]) -> str:
 
 class _OriginalElements(ast.NodeTransformer):
     """``self.<path>[i]`` in the rewritten method -> the original block ``i``, kept by the functor
-    (while cached, ``self.<path>`` is cache-dit's one-unit stand-in; folded, it holds wrappers)."""
+    (while cached, ``self.<path>`` is cache-dit's one-unit stand-in; folded, it holds wrappers);
+    a comprehension that only reads each element's attributes iterates the original blocks."""
 
     def __init__(self, paths):
         self.paths = set(paths)
+
+    def _original(self, path: str) -> ast.AST:
+        return ast.parse(f"self._ditbook_originals[{path!r}]", mode="eval").body
 
     def visit_Subscript(self, node):
         self.generic_visit(node)
         path = _self_attr(node.value)
         if path in self.paths:
-            node.value = ast.parse(f"self._ditbook_originals[{path!r}]", mode="eval").body
+            node.value = self._original(path)
         return node
+
+    def _comprehension(self, node):
+        """``[b.attn.processor for b in self.<path>]`` (elements only read): over the original blocks."""
+        from ..inspect.loop_source import comprehension_element_var, comprehension_reads_attributes
+
+        self.generic_visit(node)
+        for gen in node.generators:
+            _, it = comprehension_element_var(gen)
+            path = _self_attr(it) if it is not None else None
+            if path in self.paths and comprehension_reads_attributes(node, gen):
+                if gen.iter is it:
+                    gen.iter = self._original(path)
+                else:  # enumerate(self.<path>)
+                    gen.iter.args[0] = self._original(path)
+        return node
+
+    visit_ListComp = visit_SetComp = visit_GeneratorExp = visit_DictComp = _comprehension
 
 
 def _control_source(fold: LoopFold, k: int) -> str:

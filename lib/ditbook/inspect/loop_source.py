@@ -274,8 +274,9 @@ class ListUses:
     conditional: list[str] = field(default_factory=list)  # other uses only under a test of an optional argument
     loop_flow: list[str] = field(default_factory=list)  # break/continue/return/else inside a loop
     zipped_after: list[str] = field(default_factory=list)  # the list whose zip loop runs this one (not first)
-    # outside the loop, an attribute of one element read (``self.<list>[0].norm1.emb(...)``), the
-    # element itself never called: safe when the code is pointed at the original blocks
+    # outside the loop, an attribute of one element read (``self.<list>[0].norm1.emb(...)``) or of
+    # each element in a comprehension (``[b.attn.processor for b in self.<list>]``), the element
+    # itself never called: safe when the code is pointed at the original blocks
     element_attrs: list[str] = field(default_factory=list)
 
     def unsafe(self) -> str:
@@ -373,6 +374,55 @@ def _element_attribute(node: ast.AST, parents: dict) -> bool:
     return isinstance(attr, ast.Attribute) and attr.value is sub and isinstance(attr.ctx, ast.Load)
 
 
+_COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)
+
+
+def comprehension_element_var(gen: ast.comprehension) -> tuple[str | None, ast.AST | None]:
+    """(element name, the list node) of a generator ``for b in self.<list>`` or
+    ``for i, b in enumerate(self.<list>)``; (None, None) for any other generator."""
+    it, target = gen.iter, gen.target
+    if isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "enumerate" \
+            and len(it.args) == 1 and not it.keywords:
+        if not (isinstance(target, ast.Tuple) and len(target.elts) == 2 and isinstance(target.elts[1], ast.Name)):
+            return None, None
+        it, target = it.args[0], target.elts[1]
+    if not (_attr_path(it) and isinstance(target, ast.Name)):
+        return None, None
+    return target.id, it
+
+
+def comprehension_reads_attributes(comp: ast.AST, gen: ast.comprehension) -> bool:
+    """In ``comp`` (a list/set/dict comprehension or generator expression), the element that
+    ``gen`` takes from ``self.<list>`` is only used to read its attributes (``b.attn.processor``,
+    ``b.norm1.emb(t)``): never called itself, iterated, passed on whole or rebound."""
+    var, _ = comprehension_element_var(gen)
+    if var is None or not isinstance(comp, _COMPREHENSIONS) or gen not in comp.generators:
+        return False
+    parents = {id(c): n for n in ast.walk(comp) for c in ast.iter_child_nodes(n)}
+    target_names = {id(n) for n in ast.walk(gen.target)}
+    for n in ast.walk(comp):
+        if not (isinstance(n, ast.Name) and n.id == var) or id(n) in target_names:
+            continue
+        parent = parents.get(id(n))
+        if not (isinstance(n.ctx, ast.Load) and isinstance(parent, ast.Attribute) and parent.value is n
+                and isinstance(parent.ctx, ast.Load)):
+            return False
+    # the element may not be used before ``gen`` binds it, nor rebound by a later generator
+    later = comp.generators[comp.generators.index(gen) + 1:]
+    return not any(isinstance(n, ast.Name) and n.id == var for g in later for n in ast.walk(g.target))
+
+
+def _comprehension_attribute(node: ast.AST, parents: dict) -> bool:
+    """``node`` (``self.<list>``) is what a comprehension's generator iterates, and the element
+    is only used to read its attributes (``[b.attn.processor for b in self.<list>]``)."""
+    up = parents.get(id(node))
+    if isinstance(up, ast.Call):
+        up = parents.get(id(up))
+    if not isinstance(up, ast.comprehension) or comprehension_element_var(up)[1] is not node:
+        return False
+    return comprehension_reads_attributes(parents.get(id(up)), up)
+
+
 def _bucket(u: ListUses, in_body: bool, element_attr: bool) -> list[str]:
     """The list of ``u`` a use belongs to: in the loop body, an element's attribute, or other."""
     return u.in_body if in_body else u.element_attrs if element_attr else u.other
@@ -437,7 +487,10 @@ def list_uses(cls, paths: list[str]) -> dict[str, ListUses]:
             if getattr(node, "ctx", None).__class__ is ast.Store:
                 continue  # assignment in __init__-like helpers
             line = ast.unparse(parent if parent is not None else node)
-            where = _bucket(uses[p], body_nodes.get(id(node)) == p, _element_attribute(node, parents))
+            if isinstance(parent, ast.comprehension) or isinstance(parents.get(id(parent)), ast.comprehension):
+                line = ast.unparse(parents.get(id(parent if isinstance(parent, ast.comprehension) else parents[id(parent)]), parent))
+            where = _bucket(uses[p], body_nodes.get(id(node)) == p, _element_attribute(node, parents)
+                                                       or _comprehension_attribute(node, parents))
             guard = _optional_guard(fn, ifs, branches.get(id(node), []))
             if where is uses[p].other and guard:
                 where = uses[p].conditional
