@@ -35,6 +35,26 @@ class ReadsEachBlockEnumerated(Base):
         return (self.proj_out(self.norm_out(x)),)
 
 
+class ReadsEachBlockInAForStatement(Base):
+    def forward(self, hidden_states, timestep, return_dict: bool = False):
+        x, temb = self.embed(hidden_states, timestep)
+        for i, b in enumerate(self.blocks):  # not a block loop: each element only read
+            x = x + b.norm2.weight * (i + 1) / 10
+        for block in self.blocks:
+            x = block(x, temb)
+        return (self.proj_out(self.norm_out(x)),)
+
+
+class CallsEachBlockInASecondForStatement(Base):
+    def forward(self, hidden_states, timestep, return_dict: bool = False):
+        x, temb = self.embed(hidden_states, timestep)
+        for b in self.blocks:
+            x = x + b.norm2.weight + b(x, temb)
+        for block in self.blocks:
+            x = block(x, temb)
+        return (self.proj_out(self.norm_out(x)),)
+
+
 class PassesEachBlockOn(Base):
     def forward(self, hidden_states, timestep, return_dict: bool = False):
         x, temb = self.embed(hidden_states, timestep)
@@ -54,7 +74,7 @@ class IteratesEachBlock(Base):
 
 
 def test_attribute_reading_comprehension_is_an_element_attribute_use():
-    for cls in (ReadsEachBlock, ReadsEachBlockEnumerated):
+    for cls in (ReadsEachBlock, ReadsEachBlockEnumerated, ReadsEachBlockInAForStatement):
         u = list_uses(cls, ["blocks"])["blocks"]
         assert not u.other and len(u.loops) == 1 and u.element_attrs, (cls.__name__, u)
         assert loopfold.element_methods(cls, "blocks") == ["forward"]
@@ -65,7 +85,7 @@ def test_attribute_reading_comprehension_is_an_element_attribute_use():
         assert "outside its loop" in u.unsafe()
 
 
-@pytest.mark.parametrize("cls", [ReadsEachBlock, ReadsEachBlockEnumerated])
+@pytest.mark.parametrize("cls", [ReadsEachBlock, ReadsEachBlockEnumerated, ReadsEachBlockInAForStatement])
 def test_attribute_reading_comprehension_is_cached_over_the_original_blocks(cls):
     # before: refused ("the code touches self.blocks outside its loop")
     row = run(cls)
@@ -75,12 +95,14 @@ def test_attribute_reading_comprehension_is_cached_over_the_original_blocks(cls)
     assert 0 < skipped < total
 
 
-def test_without_the_rewrite_the_comprehension_sees_the_wrappers(monkeypatch):
-    # the check can fail: a fold that leaves the comprehension over self.blocks (cache-dit's
-    # one-unit stand-in while cached) is not reported correct
-    monkeypatch.setattr(loopfold._OriginalElements, "visit_ListComp", ast_identity)
-    row = check_class(ReadsEachBlock, cp=False)
-    assert row.outcome == "crash" and "has no attribute 'norm1'" in row.reason, row
+@pytest.mark.parametrize("cls,visit,attr", [(ReadsEachBlock, "visit_ListComp", "norm1"),
+                                            (ReadsEachBlockInAForStatement, "visit_For", "norm2")])
+def test_without_the_rewrite_the_comprehension_sees_the_stand_in(monkeypatch, cls, visit, attr):
+    # the check can fail: a fold that leaves the comprehension (or for statement) over
+    # self.blocks (cache-dit's one-unit stand-in while cached) is not reported correct
+    monkeypatch.setattr(loopfold._OriginalElements, visit, ast_identity)
+    row = check_class(cls, cp=False)
+    assert row.outcome == "crash" and f"has no attribute '{attr}'" in row.reason, row
 
 
 def ast_identity(self, node):
@@ -91,3 +113,6 @@ def test_comprehension_calling_each_block_stays_refused():
     for cls in (Comprehension, PassesEachBlockOn):
         row = run(cls)
         assert row.outcome == "refused" and "touches self.blocks outside its loop" in row.reason, (cls.__name__, row.reason)
+    # a second for statement that calls each block is a second block loop
+    row = run(CallsEachBlockInASecondForStatement)
+    assert row.outcome == "refused" and "2 times" in row.reason, row.reason

@@ -223,7 +223,10 @@ def _is_checkpoint_branch(stmt: ast.stmt) -> bool:
 
 def _the_loop(cls, fn: ast.FunctionDef, method: str, path: str) -> ast.For:
     """The one loop over ``self.<path>`` in ``fn`` to fold (of exclusive alternatives, the direct one)."""
-    loops = [n for n in ast.walk(fn) if isinstance(n, ast.For) and _loop_list(n)[0] == path]
+    from ..inspect.loop_source import for_reads_attributes
+
+    loops = [n for n in ast.walk(fn) if isinstance(n, ast.For) and _loop_list(n)[0] == path
+             and not for_reads_attributes(n)]
     if not loops:
         raise FoldError(f"{cls.__name__}.forward has no loop 'for ... in self.{path}' "
                         f"(or enumerate(self.{path})) to fold")
@@ -488,6 +491,21 @@ class _OriginalElements(ast.NodeTransformer):
 
     visit_ListComp = visit_SetComp = visit_GeneratorExp = visit_DictComp = _comprehension
 
+    def visit_For(self, node):
+        """A ``for`` statement that only reads each element's attributes: over the original blocks."""
+        from ..inspect.loop_source import comprehension_element_var, for_reads_attributes
+
+        reads = for_reads_attributes(node)  # before the body's own reads are rewritten
+        self.generic_visit(node)
+        _, it = comprehension_element_var(node)
+        path = _self_attr(it) if it is not None else None
+        if reads and path in self.paths:
+            if node.iter is it:
+                node.iter = self._original(path)
+            else:  # enumerate(self.<path>)
+                node.iter.args[0] = self._original(path)
+        return node
+
 
 def _control_source(fold: LoopFold, k: int) -> str:
     """A loop before the folded one that records the control names' values at each block and
@@ -522,7 +540,9 @@ def _rewritten_forward_source(cls, folds: list[LoopFold]) -> str:
     fn.decorator_list = []
     by_path = {f.path: f for f in folds}
     controls: list[tuple[ast.For, str]] = []
-    for loop in [n for n in ast.walk(fn) if isinstance(n, ast.For)]:
+    from ..inspect.loop_source import for_reads_attributes
+
+    for loop in [n for n in ast.walk(fn) if isinstance(n, ast.For) and not for_reads_attributes(n)]:
         path, block_var, _ = _loop_list(loop)
         if path not in by_path:
             continue

@@ -229,8 +229,8 @@ def read_loops(module, block_paths: list[str]) -> LoopSource:
                 todo.append(helper)
                 args |= {a.arg for a in helper.args.args + helper.args.kwonlyargs} - {"self"}
     for node, start in ((n, st) for body, st in bodies for n in ast.walk(body)):
-        if not isinstance(node, ast.For):
-            continue
+        if not isinstance(node, ast.For) or for_reads_attributes(node):
+            continue  # a loop that only reads attributes of each block is no block loop
         paths = {p for p in (_attr_path(n) for n in ast.walk(node.iter)) if p}
         hit = [p for p in block_paths if p in paths]
         if not hit:
@@ -377,9 +377,9 @@ def _element_attribute(node: ast.AST, parents: dict) -> bool:
 _COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)
 
 
-def comprehension_element_var(gen: ast.comprehension) -> tuple[str | None, ast.AST | None]:
-    """(element name, the list node) of a generator ``for b in self.<list>`` or
-    ``for i, b in enumerate(self.<list>)``; (None, None) for any other generator."""
+def comprehension_element_var(gen) -> tuple[str | None, ast.AST | None]:
+    """(element name, the list node) of a generator (or ``for`` statement) ``for b in self.<list>``
+    or ``for i, b in enumerate(self.<list>)``; (None, None) for any other."""
     it, target = gen.iter, gen.target
     if isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "enumerate" \
             and len(it.args) == 1 and not it.keywords:
@@ -391,6 +391,20 @@ def comprehension_element_var(gen: ast.comprehension) -> tuple[str | None, ast.A
     return target.id, it
 
 
+def _only_attribute_reads(roots: list[ast.AST], var: str, skip: set[int]) -> bool:
+    """Every ``var`` under ``roots`` (but the ``skip`` nodes) is read as ``var.<attr>``: never
+    called, iterated, passed on whole or rebound."""
+    parents = {id(c): n for root in roots for n in ast.walk(root) for c in ast.iter_child_nodes(n)}
+    for n in (n for root in roots for n in ast.walk(root)):
+        if not (isinstance(n, ast.Name) and n.id == var) or id(n) in skip:
+            continue
+        parent = parents.get(id(n))
+        if not (isinstance(n.ctx, ast.Load) and isinstance(parent, ast.Attribute) and parent.value is n
+                and isinstance(parent.ctx, ast.Load)):
+            return False
+    return True
+
+
 def comprehension_reads_attributes(comp: ast.AST, gen: ast.comprehension) -> bool:
     """In ``comp`` (a list/set/dict comprehension or generator expression), the element that
     ``gen`` takes from ``self.<list>`` is only used to read its attributes (``b.attn.processor``,
@@ -398,28 +412,33 @@ def comprehension_reads_attributes(comp: ast.AST, gen: ast.comprehension) -> boo
     var, _ = comprehension_element_var(gen)
     if var is None or not isinstance(comp, _COMPREHENSIONS) or gen not in comp.generators:
         return False
-    parents = {id(c): n for n in ast.walk(comp) for c in ast.iter_child_nodes(n)}
-    target_names = {id(n) for n in ast.walk(gen.target)}
-    for n in ast.walk(comp):
-        if not (isinstance(n, ast.Name) and n.id == var) or id(n) in target_names:
-            continue
-        parent = parents.get(id(n))
-        if not (isinstance(n.ctx, ast.Load) and isinstance(parent, ast.Attribute) and parent.value is n
-                and isinstance(parent.ctx, ast.Load)):
-            return False
-    # the element may not be used before ``gen`` binds it, nor rebound by a later generator
+    # the element may not be rebound by a later generator
     later = comp.generators[comp.generators.index(gen) + 1:]
-    return not any(isinstance(n, ast.Name) and n.id == var for g in later for n in ast.walk(g.target))
+    if any(isinstance(n, ast.Name) and n.id == var for g in later for n in ast.walk(g.target)):
+        return False
+    return _only_attribute_reads([comp], var, {id(n) for n in ast.walk(gen.target)})
+
+
+def for_reads_attributes(loop: ast.AST) -> bool:
+    """A ``for`` statement over ``self.<list>`` (or its ``enumerate``) that only reads attributes
+    of each element (never calls it: not a block loop), like the comprehensions above."""
+    if not isinstance(loop, ast.For):
+        return False
+    var, _ = comprehension_element_var(loop)
+    return var is not None and _only_attribute_reads(loop.body + loop.orelse, var, set())
 
 
 def _comprehension_attribute(node: ast.AST, parents: dict) -> bool:
-    """``node`` (``self.<list>``) is what a comprehension's generator iterates, and the element
-    is only used to read its attributes (``[b.attn.processor for b in self.<list>]``)."""
+    """``node`` (``self.<list>``) is what a comprehension's generator (or a ``for`` statement that
+    is not the block loop) iterates, and the element is only used to read its attributes
+    (``[b.attn.processor for b in self.<list>]``)."""
     up = parents.get(id(node))
     if isinstance(up, ast.Call):
         up = parents.get(id(up))
-    if not isinstance(up, ast.comprehension) or comprehension_element_var(up)[1] is not node:
+    if not isinstance(up, (ast.comprehension, ast.For)) or comprehension_element_var(up)[1] is not node:
         return False
+    if isinstance(up, ast.For):
+        return for_reads_attributes(up)
     return comprehension_reads_attributes(parents.get(id(up)), up)
 
 
@@ -456,7 +475,7 @@ def list_uses(cls, paths: list[str]) -> dict[str, ListUses]:
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
                     isinstance(node.func.value, ast.Name) and node.func.value.id == "self":
                 todo.append(node.func.attr)
-            if isinstance(node, ast.For):
+            if isinstance(node, ast.For) and not for_reads_attributes(node):
                 lists = _loop_iter_lists(node.iter)
                 for k, it in enumerate(lists):
                     if k and _attr_path(it) in uses:
@@ -487,8 +506,11 @@ def list_uses(cls, paths: list[str]) -> dict[str, ListUses]:
             if getattr(node, "ctx", None).__class__ is ast.Store:
                 continue  # assignment in __init__-like helpers
             line = ast.unparse(parent if parent is not None else node)
-            if isinstance(parent, ast.comprehension) or isinstance(parents.get(id(parent)), ast.comprehension):
-                line = ast.unparse(parents.get(id(parent if isinstance(parent, ast.comprehension) else parents[id(parent)]), parent))
+            gen = parent if isinstance(parent, (ast.comprehension, ast.For)) else parents.get(id(parent))
+            if isinstance(gen, ast.comprehension):
+                line = ast.unparse(parents.get(id(gen), gen))
+            elif isinstance(gen, ast.For) and gen.iter in (node, parent):
+                line = f"for {ast.unparse(gen.target)} in {ast.unparse(gen.iter)}: ..."
             where = _bucket(uses[p], body_nodes.get(id(node)) == p, _element_attribute(node, parents)
                                                        or _comprehension_attribute(node, parents))
             guard = _optional_guard(fn, ifs, branches.get(id(node), []))
