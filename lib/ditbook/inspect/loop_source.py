@@ -442,6 +442,17 @@ def _comprehension_attribute(node: ast.AST, parents: dict) -> bool:
     return comprehension_reads_attributes(parents.get(id(up)), up)
 
 
+def _use_text(node: ast.AST, parent: ast.AST | None, parents: dict) -> str:
+    """The code of one use of ``node`` (``self.<list>``) for the record: its parent expression,
+    or the whole comprehension / the ``for`` header that iterates it."""
+    gen = parent if isinstance(parent, (ast.comprehension, ast.For)) else parents.get(id(parent))
+    if isinstance(gen, ast.comprehension):
+        return ast.unparse(parents.get(id(gen), gen))
+    if isinstance(gen, ast.For) and gen.iter in (node, parent):
+        return f"for {ast.unparse(gen.target)} in {ast.unparse(gen.iter)}: ..."
+    return ast.unparse(parent if parent is not None else node)
+
+
 def _bucket(u: ListUses, in_body: bool, element_attr: bool) -> list[str]:
     """The list of ``u`` a use belongs to: in the loop body, an element's attribute, or other."""
     return u.in_body if in_body else u.element_attrs if element_attr else u.other
@@ -505,12 +516,7 @@ def list_uses(cls, paths: list[str]) -> dict[str, ListUses]:
                 continue  # self.blocks(...)? not a list use
             if getattr(node, "ctx", None).__class__ is ast.Store:
                 continue  # assignment in __init__-like helpers
-            line = ast.unparse(parent if parent is not None else node)
-            gen = parent if isinstance(parent, (ast.comprehension, ast.For)) else parents.get(id(parent))
-            if isinstance(gen, ast.comprehension):
-                line = ast.unparse(parents.get(id(gen), gen))
-            elif isinstance(gen, ast.For) and gen.iter in (node, parent):
-                line = f"for {ast.unparse(gen.target)} in {ast.unparse(gen.iter)}: ..."
+            line = _use_text(node, parent, parents)
             where = _bucket(uses[p], body_nodes.get(id(node)) == p, _element_attribute(node, parents)
                                                        or _comprehension_attribute(node, parents))
             guard = _optional_guard(fn, ifs, branches.get(id(node), []))
