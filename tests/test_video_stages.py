@@ -279,3 +279,17 @@ def test_five_stages_on_the_video_reference(tmp_path, monkeypatch):
     assert bench["noise_floor"]["psnr_min"] == 100.0
     html = (run.path / "report.html").read_text()
     assert "a row of 9 frames" in html and "cases are videos of 9 frames" in html
+
+
+def test_the_checklist_reads_each_parallel_kinds_own_record():
+    """tp / te / vae plans prove their split in ``kinds`` (no sequence check): the checklist counts
+    that as verified, a kind's error as failed, and a kind without its record as not recorded."""
+    from ditbook.benchmark.verdict import _sharding_verified
+
+    tp = {"degree": 2, "check": None, "error": None,
+          "kinds": {"tp": {"check": {"sharded_weights": 44, "local_weight_elements": [8, 8]}, "error": None}}}
+    assert _sharding_verified({"details": {"sharding": tp}}) is True
+    broken = {**tp, "kinds": {"tp": {"check": None, "error": "TensorParallelNoOp: nothing sharded"}}}
+    assert _sharding_verified({"details": {"sharding": broken}}) is False
+    silent = {**tp, "kinds": {"tp": {"check": None, "error": None}}}
+    assert _sharding_verified({"details": {"sharding": silent}}) is None

@@ -200,9 +200,13 @@ def _sharding_verified(plan: dict) -> bool | None:
     if isinstance(s, bool):
         return s
     if isinstance(s, dict) and ("error" in s or "check" in s):  # parallel.sharding's record
-        if s.get("error") or ("cfg_check" in s and not s["cfg_check"]):  # CFG split unproven (launch.cfg_split_failure)
+        kinds = [k or {} for k in (s.get("kinds") or {}).values()]  # tp / te / vae / ring: each kind's own record
+        if s.get("error") or any(k.get("error") for k in kinds) \
+                or ("cfg_check" in s and not s["cfg_check"]):  # CFG split unproven (launch.cfg_split_failure)
             return False
-        return True if s.get("check") or s.get("cfg_check") else None  # the sequence split, or the CFG branches
+        if s.get("check") or s.get("cfg_check"):  # the sequence split, or the CFG branches
+            return True
+        return True if kinds and all(k.get("check") for k in kinds) else None  # what each kind split
     if isinstance(s, dict):
         for key in ("verified", "passed", "ok"):
             if isinstance(s.get(key), bool):
