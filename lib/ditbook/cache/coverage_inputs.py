@@ -939,11 +939,16 @@ def _integer_indices(exc, msg, kwargs, make, forbid, params):
         for name, val in kwargs.items():
             if isinstance(val, torch.Tensor) and val.is_floating_point() and (name, "long") not in forbid:
                 if any(v is val for _, v in _failing_locals(exc)):
-                    forbid.add((name, "long"))
-                    new = dict(kwargs)
-                    new[name] = torch.zeros(val.shape, dtype=torch.long)
-                    return new, f"{name}: integer indices"
+                    return _as_long_zeros(kwargs, name, forbid, f"{name}: integer indices")
     return None
+
+
+def _as_long_zeros(kwargs: dict, name: str, forbid: set, note: str) -> tuple[dict, str]:
+    """``kwargs`` with input ``name`` made long zeros of its shape (once per input: ``forbid``)."""
+    forbid.add((name, "long"))
+    new = dict(kwargs)
+    new[name] = torch.zeros(kwargs[name].shape, dtype=torch.long)
+    return new, note
 
 
 def _like_concatenated(exc, msg, kwargs, make, forbid, params):
@@ -1698,10 +1703,7 @@ def _index_dtype(exc, msg, kwargs, make, forbid, params):
     for name, val in kwargs.items():
         if isinstance(val, torch.Tensor) and val.is_floating_point() and tuple(val.shape) in shapes \
                 and (name, "long") not in forbid:
-            forbid.add((name, "long"))
-            new = dict(kwargs)
-            new[name] = torch.zeros(val.shape, dtype=torch.long)
-            return new, f"{name}: integer indices (an index computed from it)"
+            return _as_long_zeros(kwargs, name, forbid, f"{name}: integer indices (an index computed from it)")
     return None
 
 

@@ -672,13 +672,12 @@ def _split_stream(d: _Draft, param: str, dim: int, what: str) -> None:
         d.notes.append(f"split {what} at the output of '{prod[0]}' (dim {dim}), before the first block")
     else:
         cpi = ContextParallelInput(split_dim=dim, expected_dims=len(shapes[0]))
-        if first.unchanged and param in first.unchanged:
-            # every block takes this very tensor (not the previous block's output): each call splits it
-            plan.setdefault(f"{first.name}.*", {})[param] = cpi
+        key = _block_key(first, param, unknown_every=False)
+        plan.setdefault(key, {})[param] = cpi
+        if key.endswith(".*"):  # every block takes this very tensor (not the previous block's output)
             d.notes.append(f"split {what} '{param}' at every block of '{first.name}' (dim {dim}): each block "
                            f"takes the same whole tensor, not the previous block's output")
         else:
-            plan.setdefault(f"{first.name}.0", {})[param] = cpi
             d.notes.append(f"split {what} '{param}' where it enters '{first.name}.0' (dim {dim})")
         d.at_blocks.update({i: cpi for i in ids})
 
@@ -771,15 +770,26 @@ def _split_image_table(d: _Draft, lt: ListTrace, param: str, shapes: list[list[i
     else:
         cps = [ContextParallelInput(split_dim=dd, expected_dims=len(s)) for s, dd in zip(shapes, dims)]
         spec = cps if param in lt.sequences else cps[0]
-        if lt.unchanged is not None and param not in lt.unchanged:
-            # carried from block to block (a second stream): split once, where it enters the list
-            plan.setdefault(f"{lname}.0", {})[param] = spec
+        key = _block_key(lt, param, unknown_every=True)
+        plan.setdefault(key, {})[param] = spec
+        if key.endswith(".0"):  # carried from block to block (a second stream): split once, where it enters
             d.notes.append(f"split '{param}' {shapes} on dims {dims} where it enters '{lname}.0' (a stream "
                            f"its blocks carry)")
         else:
-            plan.setdefault(f"{lname}.*", {})[param] = spec
             d.notes.append(f"split '{param}' {shapes} on dims {dims} at every block of '{lname}' (image positions)")
         d.at_blocks.update({i: spec for i in ids})
+
+
+def _block_key(lt: ListTrace, param: str, unknown_every: bool) -> str:
+    """Where the plan splits block input ``param`` of list ``lt``: at every block (``<list>.*``)
+    when each block takes the same whole tensor, once where it enters (``<list>.0``) when the
+    blocks carry it from one to the next; ``unknown_every`` decides when the trace did not record
+    which (``lt.unchanged`` None)."""
+    if lt.unchanged is None:
+        every = unknown_every
+    else:
+        every = param in lt.unchanged
+    return f"{lt.name}.*" if every else f"{lt.name}.0"
 
 
 def _split_again(d: _Draft, lt: ListTrace, param: str, ids: list[int]) -> None:
@@ -787,7 +797,7 @@ def _split_again(d: _Draft, lt: ListTrace, param: str, ids: list[int]) -> None:
     pre-hook splits only what that call receives): the whole tensor reaches it too, so it is
     split where it enters this list (at every block when each block takes it unchanged)."""
     spec = d.at_blocks[ids[0]]
-    key = f"{lt.name}.0" if lt.unchanged is not None and param not in lt.unchanged else f"{lt.name}.*"
+    key = _block_key(lt, param, unknown_every=True)
     d.plan.setdefault(key, {})[param] = spec
     d.notes.append(f"'{param}' of '{lt.name}' is the whole tensor the plan splits at an earlier list's blocks: "
                    f"split again at '{key}'")
