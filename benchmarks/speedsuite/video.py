@@ -38,8 +38,7 @@ import torch
 from .fullsize import FullSizePipeline, _make
 from .schedules import ditbook_schedule
 from .suite import _dump, _log, environment
-from ditbook.benchmark.compiled import compiled_config
-from ditbook.configuration import Config, baseline_config
+from ditbook.configuration import Config
 from ditbook.timing import time_pipeline
 
 WAN_1_3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16,
@@ -79,11 +78,14 @@ def tokens(cfg: dict, height: int, width: int, frames: int) -> int:
     return ((frames - 1) // 4 + 1) // pt * (height // 8 // ph) * (width // 8 // pw)
 
 
-def row_configs(schedule, compile_opts: dict) -> dict[str, Config]:
-    cache = Config("cache", "cache", schedule.apply, params={"schedule": schedule.to_dict()})
-    base = baseline_config()
-    return {"eager": base, "cache": cache, "compile": compiled_config(base, **compile_opts),
-            "cache+compile": compiled_config(cache, **compile_opts)}
+ROWS = ("eager", "cache", "compile", "cache+compile")
+
+
+def row_configs(schedule, compile_opts: dict, steps: int) -> dict[str, Config]:
+    """The composition benchmark's rows of the same names (``speedsuite.compose.row_configs``)."""
+    from .compose import row_configs as compose_rows
+
+    return {k: v for k, v in compose_rows(schedule, compile_opts, steps).items() if k in ROWS}
 
 
 def time_row(fp, cfg: Config, repeats: int, steps: int) -> dict:
@@ -123,7 +125,7 @@ def run(out: Path, *, shape: str = "1.3b", device: str = "cuda", height: int = 4
         frames: int = 81, steps: int = 20, computed: int | None = None, warmup_steps: int = 3, repeats: int = 2,
         rows: list[str] | None = None, compile_backend: str = "inductor") -> dict:
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    rows = list(rows or ("eager", "cache", "compile", "cache+compile"))
+    rows = list(rows or ROWS)
     if "eager" not in rows:
         rows = ["eager"] + rows
     warmup_steps = min(warmup_steps, steps - 1)  # a short run (the 14B shape's few steps) keeps a valid mask
@@ -139,7 +141,7 @@ def run(out: Path, *, shape: str = "1.3b", device: str = "cuda", height: int = 4
     t_start = time.perf_counter()
     fp = wan_pipeline(shape, device, dtype, height=height, width=width, frames=frames, steps=steps)
     result["transformer_params"] = fp.transformer_params
-    configs = row_configs(schedule, {"backend": compile_backend})
+    configs = row_configs(schedule, {"backend": compile_backend}, steps)
     for name in rows:
         row = time_row(fp, configs[name], repeats, steps)
         row["row"] = name
