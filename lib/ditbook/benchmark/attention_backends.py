@@ -109,9 +109,9 @@ def _backend_in_effect(transformer) -> str:
 def sample_qkv(heads: int, kv_heads: int, head_dim: int, device, dtype, seq_len: int = 16, seed: int = 0):
     """Random query/key/value in the dispatcher's layout (batch, seq, heads, head_dim)."""
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(1, seq_len, heads, head_dim, generator=g).to(device, dtype)
-    k = torch.randn(1, seq_len, kv_heads, head_dim, generator=g).to(device, dtype)
-    v = torch.randn(1, seq_len, kv_heads, head_dim, generator=g).to(device, dtype)
+    q = torch.randn(1, seq_len, heads, head_dim, generator=g, device="cpu").to(device, dtype)
+    k = torch.randn(1, seq_len, kv_heads, head_dim, generator=g, device="cpu").to(device, dtype)
+    v = torch.randn(1, seq_len, kv_heads, head_dim, generator=g, device="cpu").to(device, dtype)
     return q, k, v
 
 

@@ -60,9 +60,9 @@ def time_gqa(heads: int, kv_heads: int, head_dim: int, seq_len: int, *, batch: i
     """
     dt = getattr(torch, dtype)
     g = torch.Generator(device="cpu").manual_seed(0)
-    q = torch.randn(batch, heads, seq_len, head_dim, generator=g).to(device=device, dtype=dt)
-    k = torch.randn(batch, kv_heads, seq_len, head_dim, generator=g).to(device=device, dtype=dt)
-    v = torch.randn(batch, kv_heads, seq_len, head_dim, generator=g).to(device=device, dtype=dt)
+    q = torch.randn(batch, heads, seq_len, head_dim, generator=g, device="cpu").to(device=device, dtype=dt)
+    k = torch.randn(batch, kv_heads, seq_len, head_dim, generator=g, device="cpu").to(device=device, dtype=dt)
+    v = torch.randn(batch, kv_heads, seq_len, head_dim, generator=g, device="cpu").to(device=device, dtype=dt)
     rep = heads // kv_heads
     paths = {
         "enable_gqa": lambda: _SDPA(q, k, v, enable_gqa=True),

@@ -50,6 +50,14 @@ def static_schedule(mask) -> dict:
             "max_warmup_steps": 0}
 
 
+def _collective_device(group=None) -> torch.device:
+    """Where a tensor for a collective on ``group`` must live: the current CUDA device for NCCL
+    (whatever the cached call's first argument was), the CPU otherwise."""
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def agree_cache_decisions(pipe, group=None) -> CacheAgreement:
     """Wrap cache-dit's decision on this pipeline so every rank of ``group`` takes the same one."""
     cm = getattr(pipe, "_context_manager", None) or getattr(pipe.transformer, "_context_manager", None)
@@ -61,11 +69,8 @@ def agree_cache_decisions(pipe, group=None) -> CacheAgreement:
     @functools.wraps(orig)
     def can_cache(*args, **kwargs):
         local = bool(orig(*args, **kwargs))
-        flag = torch.tensor([1 if local else 0], dtype=torch.int32)
+        flag = torch.tensor([1 if local else 0], dtype=torch.int32, device=_collective_device(group))
         if dist.is_initialized() and dist.get_world_size(group) > 1:
-            dev = args[0].device if args and isinstance(args[0], torch.Tensor) else torch.device("cpu")
-            if dev.type == "cuda":
-                flag = flag.to(dev)
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
         agreed = bool(int(flag.item()))
         stats.decisions += 1

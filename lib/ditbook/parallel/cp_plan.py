@@ -424,6 +424,16 @@ def _image_root(transformer, root_named: dict) -> str | None:
     return next((k for k in floats if _IMAGE_NAMES.match(k) or k == "sample"), floats[0] if floats else None)
 
 
+def perturbation_like(base: torch.Tensor, seed: int) -> torch.Tensor:
+    """Seeded noise of ``base``'s shape at its scale (std, at least 1), on ``base``'s device and in
+    its dtype: drawn from a CPU generator (the same numbers on every device) with the device named,
+    then moved, so no CPU tensor meets a CUDA one (issue 24)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    noise = torch.randn(tuple(base.shape), generator=g, device="cpu", dtype=torch.float32)
+    scale = float(base.detach().float().std().clamp_min(1.0)) if base.numel() > 1 else 1.0
+    return (noise * scale).to(device=base.device, dtype=base.dtype)
+
+
 def _lists_that_see(transformer, args, kwargs, image_root: str | None, prints: dict) -> dict[str, bool] | None:
     """Which block lists' first block input changes when the image input changes (one more
     forward with the image input perturbed): a list that does not see the image (a text token
@@ -436,8 +446,7 @@ def _lists_that_see(transformer, args, kwargs, image_root: str | None, prints: d
         base = kwargs[image_root]
     else:
         base = args[params.index(image_root)]
-    g = torch.Generator().manual_seed(1234)
-    moved = base + (base.float().std().clamp_min(1.0) * torch.randn(base.shape, generator=g)).to(base)
+    moved = base + perturbation_like(base, seed=1234)
     kw = dict(kwargs)
     if image_root in kw:
         kw[image_root] = moved
