@@ -18,7 +18,7 @@ LAB_ARGS    ?=
 # JupyterLab refuses to start as root unless told
 ROOT_ARGS   := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: install demo test test-fast chromium clean clean-outputs lab
+.PHONY: install demo test test-fast chromium clean clean-outputs lab gpu-check
 
 $(BIN)/python:
 	@$(PYTHON) -c 'import sys; sys.exit(not ((3, 11) <= sys.version_info[:2] <= (3, 12)))' || \
@@ -49,6 +49,13 @@ test: install chromium
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow"
+
+# on a GPU host, after `. .gpu-wheels/install.sh` (docs/gpu.md): both shipped cards through the five
+# stages and the composed FLUX-shape benchmark; writes docs/gpu-check.json (commit it). A copy without
+# its git folder names the commit: make gpu-check GPU_CHECK_ARGS="--revision <commit>"
+GPU_CHECK_ARGS ?=
+gpu-check:
+	python3 benchmarks/gpu_check.py --record docs/gpu-check.json $(GPU_CHECK_ARGS)
 
 # JupyterLab on this environment (the notebooks' kernel is this venv's python3, "Python 3 (ipykernel)")
 lab: install

@@ -1,0 +1,193 @@
+"""The GPU check (issue 24): the five stages on both shipped cards and a short composed benchmark
+at the FLUX.1-dev shape, on one GPU, written to ``docs/gpu-check.json``.
+
+Every change to ``lib/`` lands with this record: ``tree_digest`` is a hash of the files that make
+a run (``lib/``, ``notebooks/``, ``models/``), so ``tests/test_gpu_check.py`` can tell on a CPU
+machine whether the record was made on the code being submitted.
+
+On a GPU host with the wheel bundle (``../shared/gpu/README.md``), from the repository root::
+
+    . .gpu-wheels/install.sh && make gpu-check                 # ~8 minutes on one H200
+    . .gpu-wheels/install.sh && python3 benchmarks/gpu_check.py --record docs/gpu-check.json \\
+        --revision <commit>                                    # a host without the git folder
+
+The two cards run side by side (separate processes, one GPU: the shipped models are small), then
+the benchmark runs alone, so its timings see an idle GPU. A card that fails or runs past
+``--card-timeout`` is recorded with its status and the run's error; the check goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CARDS = ("models/reference.yaml", "models/video_reference.yaml")
+DIGEST_PARTS = ("lib", "notebooks", "models")
+BENCH_ROWS = "eager,cache,cache+compile"
+SKIP_SUFFIXES = (".pyc",)
+
+
+def _skipped_dir(name: str) -> bool:
+    return name in ("__pycache__", ".ipynb_checkpoints") or name.endswith(".egg-info")
+
+
+def tree_digest(root: Path = REPO) -> str:
+    """sha256 over the relative path and bytes of every file under ``DIGEST_PARTS`` (links and
+    build or cache folders skipped, as git ignores them), in sorted order: the same on any machine
+    for the same checkout, with or without its git folder."""
+    h = hashlib.sha256()
+    files = []
+    for part in DIGEST_PARTS:
+        for folder, dirs, names in os.walk(root / part, followlinks=False):
+            dirs[:] = [d for d in dirs if not _skipped_dir(d)]
+            files += [Path(folder) / n for n in names if not n.endswith(SKIP_SUFFIXES)]
+    for p in sorted(files, key=lambda q: q.relative_to(root).as_posix()):
+        if p.is_symlink():
+            continue
+        h.update(p.relative_to(root).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def git_revision(root: Path = REPO) -> tuple[str | None, bool | None]:
+    """(HEAD, dirty) of the checkout, or (None, None) without git."""
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                                capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None, None
+    return rev, bool(status)
+
+
+def environment() -> dict:
+    import torch
+
+    versions = {"python": platform.python_version(), "torch": torch.__version__,
+                "cuda": torch.version.cuda}
+    for mod in ("diffusers", "cache_dit", "transformers", "papermill", "torchao"):
+        try:
+            versions[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001 - a missing optional package is recorded as missing
+            versions[mod] = None
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    return {"device": device, "gpus": torch.cuda.device_count(), "versions": versions}
+
+
+def start_card(card: str, outputs: Path, log_dir: Path) -> tuple[subprocess.Popen, float, object]:
+    run_id = "gpucheck-" + Path(card).stem
+    log = open(log_dir / f"{Path(card).stem}.log", "w")  # noqa: SIM115 - closed in finish_card
+    proc = subprocess.Popen([sys.executable, "-m", "ditbook", "run", card, "--outputs", str(outputs),
+                             "--run-id", run_id], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    return proc, time.perf_counter(), log
+
+
+def finish_card(card: str, proc: subprocess.Popen, t0: float, log, outputs: Path, timeout: float) -> dict:
+    try:
+        rc = proc.wait(timeout=max(1.0, timeout - (time.perf_counter() - t0)))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 15)
+        rc = proc.wait()
+        rc = f"timeout after {timeout:.0f} s"
+    log.close()
+    wall = round(time.perf_counter() - t0, 1)
+    runs = sorted((outputs).glob(f"*/gpucheck-{Path(card).stem}/run.json"))
+    rec = {"card": card, "exit": rc, "seconds": wall, "status": "not started", "stages": {}}
+    if runs:
+        run = json.loads(runs[-1].read_text())
+        rec["status"] = run.get("status")
+        rec["stages"] = {name: {"status": s.get("status"), "seconds": s.get("seconds"), "error": s.get("error")}
+                         for name, s in run.get("stages", {}).items()}
+    return rec
+
+
+def run_cards(cards, outputs: Path, log_dir: Path, timeout: float) -> list[dict]:
+    started = [(c, *start_card(c, outputs, log_dir)) for c in cards]
+    return [finish_card(c, p, t0, log, outputs, timeout) for c, p, t0, log in started]
+
+
+def run_benchmark(out: Path, repeats: int, timeout: float, tiny: bool) -> dict:
+    """The composed rows at the FLUX.1-dev shape (``speedsuite.compose``), quality pass skipped."""
+    cmd = [sys.executable, str(REPO / "benchmarks" / "compose_gpu.py"), "--out", str(out), "--rows", BENCH_ROWS,
+           "--repeats", str(repeats), "--no-quality"] + (["--tiny"] if tiny else [])
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"status": f"timeout after {timeout:.0f} s", "command": " ".join(cmd[1:])}
+    (out / "compose.log").write_text(proc.stdout + proc.stderr)
+    rec = {"status": "passed" if proc.returncode == 0 else f"failed (exit {proc.returncode})",
+           "seconds": round(time.perf_counter() - t0, 1), "command": "python3 " + " ".join(
+               str(Path(c).relative_to(REPO)) if c.startswith(str(REPO)) else c for c in cmd[1:])}
+    found = out / "compose.json"
+    if found.is_file():
+        data = json.loads(found.read_text())
+        rec["schedule"] = (data.get("schedule") or {}).get("name")
+        rec["rows"] = benchmark_rows(data)
+    else:
+        rec["tail"] = (proc.stdout + proc.stderr)[-2000:]
+    return rec
+
+
+def benchmark_rows(result: dict) -> list[dict]:
+    """Per row: the median end-to-end seconds, their spread, the computed transformer step, peak
+    memory and the speed-up against the eager row of the same process."""
+    rows = []
+    for r in result.get("rows", []):
+        t = r.get("timing") or {}
+        e2e, step = t.get("end_to_end") or {}, (t.get("parts") or {}).get("transformer_step") or {}
+        rows.append({"row": r.get("row"), "status": r.get("status"), "end_to_end_s": e2e.get("median"),
+                     "min_s": e2e.get("min"), "max_s": e2e.get("max"), "n": e2e.get("n"),
+                     "transformer_step_s": step.get("median"), "speedup": r.get("speedup"),
+                     "first_call_s": r.get("first_call_s"), "peak_memory_mb": t.get("peak_memory_mb")})
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--record", type=Path, default=REPO / "docs" / "gpu-check.json", help="where the record goes")
+    ap.add_argument("--work", type=Path, default=None, help="run folders and logs (default: a folder beside the record)")
+    ap.add_argument("--revision", default=os.environ.get("DITBOOK_REVISION"),
+                    help="the commit checked, for a copy without its git folder (default: git HEAD, clean tree)")
+    ap.add_argument("--cards", default=",".join(CARDS))
+    ap.add_argument("--card-timeout", type=float, default=420.0)
+    ap.add_argument("--bench-timeout", type=float, default=240.0)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--tiny", action="store_true", help="the benchmark at a tiny FLUX shape (for a CPU try-out)")
+    args = ap.parse_args(argv)
+    rev, dirty = git_revision()
+    if args.revision is None:
+        if rev is None:
+            ap.error("no git folder here: name the commit checked with --revision (or DITBOOK_REVISION)")
+        if dirty:
+            ap.error(f"the tree has uncommitted changes to tracked files: commit them first (HEAD {rev})")
+    work = args.work or args.record.parent / "gpu-check-work"
+    (work / "logs").mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    record = {"revision": args.revision or rev, "tree_digest": tree_digest(), "digest_of": list(DIGEST_PARTS),
+              "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), **environment(),
+              "command": "make gpu-check"}
+    record["cards"] = run_cards(args.cards.split(","), work / "outputs", work / "logs", args.card_timeout)
+    record["benchmark"] = {"shape": "FLUX.1-dev, 1024x1024, 28 steps, bf16, random weights" if not args.tiny else "tiny",
+                           "repeats": args.repeats, **run_benchmark(work / "compose", args.repeats, args.bench_timeout, args.tiny)}
+    record["seconds"] = round(time.perf_counter() - t0, 1)
+    record["passed"] = all(c["status"] == "finished" for c in record["cards"]) and record["benchmark"]["status"] == "passed"
+    args.record.parent.mkdir(parents=True, exist_ok=True)
+    args.record.write_text(json.dumps(record, indent=1) + "\n")
+    print(json.dumps({k: record[k] for k in ("revision", "device", "seconds", "passed")}))
+    for c in record["cards"]:
+        print(c["card"], c["status"], c["seconds"], {k: (v["status"], v["seconds"]) for k, v in c["stages"].items()})
+    return 0 if record["passed"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,70 @@
+"""The GPU check's record (issue 24 item 2): ``docs/gpu-check.json`` was made on the code in this
+checkout (its tree digest matches), on a GPU, with both shipped cards and the benchmark recorded.
+A change to ``lib/``, ``notebooks/`` or ``models/`` after the last GPU check fails here until
+``make gpu-check`` is run on a GPU host on the new revision and its record committed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import gpu_check
+
+REPO = Path(__file__).resolve().parents[1]
+RECORD = REPO / "docs" / "gpu-check.json"
+
+
+def test_record_was_made_on_this_code():
+    rec = json.loads(RECORD.read_text())
+    assert rec["tree_digest"] == gpu_check.tree_digest(), (
+        "docs/gpu-check.json was made on other code than this checkout's lib/, notebooks/ or models/: "
+        "run `make gpu-check` on a GPU host on this revision and commit the record")
+    assert len(rec["revision"]) == 40 and int(rec["revision"], 16) >= 0
+    assert rec["device"] != "cpu" and rec["gpus"] >= 1
+    assert {Path(c["card"]).name for c in rec["cards"]} == {Path(c).name for c in gpu_check.CARDS}
+    for c in rec["cards"]:  # every card's five stages are recorded with a status and their seconds
+        assert set(c["stages"]) == {"intake", "inspect", "cache", "parallel", "benchmark"}, c
+        assert all(s["status"] and s["seconds"] is not None for s in c["stages"].values()), c
+    assert {r["row"] for r in rec["benchmark"]["rows"]} == set(gpu_check.BENCH_ROWS.split(","))
+
+
+def test_digest_sees_a_change_and_ignores_caches(tmp_path):
+    for part in gpu_check.DIGEST_PARTS:
+        (tmp_path / part).mkdir()
+    (tmp_path / "lib" / "a.py").write_text("x = 1\n")
+    before = gpu_check.tree_digest(tmp_path)
+    (tmp_path / "lib" / "__pycache__").mkdir()
+    (tmp_path / "lib" / "__pycache__" / "a.cpython-311.pyc").write_bytes(b"\0")
+    (tmp_path / "lib" / "pkg.egg-info").mkdir()
+    (tmp_path / "lib" / "pkg.egg-info" / "PKG-INFO").write_text("v")
+    assert gpu_check.tree_digest(tmp_path) == before
+    (tmp_path / "lib" / "a.py").write_text("x = 2\n")
+    assert gpu_check.tree_digest(tmp_path) != before
+
+
+def test_a_dirty_tree_is_refused(tmp_path, monkeypatch):
+    run = lambda *a: subprocess.run(["git", *a], cwd=tmp_path, check=True, capture_output=True)  # noqa: E731
+    run("init", "-q")
+    (tmp_path / "f").write_text("1")
+    run("add", "f")
+    run("-c", "user.email=a@b", "-c", "user.name=a", "commit", "-qm", "x")
+    rev, dirty = gpu_check.git_revision(tmp_path)
+    assert len(rev) == 40 and dirty is False
+    (tmp_path / "f").write_text("2")
+    assert gpu_check.git_revision(tmp_path)[1] is True
+    monkeypatch.setattr(gpu_check, "git_revision", lambda root=None: (rev, True))
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--record", str(tmp_path / "r.json")])
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_benchmark_rows_carry_median_spread_and_ratio():
+    result = {"rows": [{"row": "eager", "status": "measured", "speedup": 1.0, "first_call_s": 5.9,
+                        "timing": {"end_to_end": {"median": 5.0, "min": 4.9, "max": 5.1, "n": 3},
+                                   "parts": {"transformer_step": {"median": 0.17}}, "peak_memory_mb": 25e3}}]}
+    (row,) = gpu_check.benchmark_rows(result)
+    assert row == {"row": "eager", "status": "measured", "end_to_end_s": 5.0, "min_s": 4.9, "max_s": 5.1, "n": 3,
+                   "transformer_step_s": 0.17, "speedup": 1.0, "first_call_s": 5.9, "peak_memory_mb": 25e3}
