@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import math
 import pytest
 import torch
 
@@ -210,3 +211,29 @@ def test_ring_merge_with_a_key_mask_matches_sdpa():
     o2, l2 = partial_attention(q, k[..., 4:, :], v[..., 4:, :], scale, mask[..., 4:])
     out, _ = merge_partials(o1, l1, o2, l2)
     assert torch.allclose(out, ref, atol=1e-5)
+
+
+def test_a_fused_ring_kernel_is_used_only_where_it_agrees_with_the_float32_path():
+    """Issue 24 item 5: on CUDA each block's (out, lse) comes from a fused kernel, checked first
+    against the float32 path; a kernel whose log-sum-exp is in another base, or that raises, is not
+    used. On the CPU the float32 path runs."""
+    from ditbook.parallel import ring
+
+    def good(q, k, v, scale):
+        return ring.reference_partial(q, k, v, scale)
+
+    def log2_lse(q, k, v, scale):  # FlashAttention's internal base-2 lse, returned as if natural
+        out, lse = ring.reference_partial(q, k, v, scale)
+        return out, lse / math.log(2)
+
+    def raises(q, k, v, scale):
+        raise RuntimeError("no kernel for these inputs")
+
+    assert ring._kernel_agrees(good, torch.device("cpu"), torch.float32, 16)
+    assert not ring._kernel_agrees(log2_lse, torch.device("cpu"), torch.float32, 16)
+    assert not ring._kernel_agrees(raises, torch.device("cpu"), torch.float32, 16)
+    q = torch.randn(1, 2, 8, 16, dtype=torch.bfloat16)
+    assert ring.fused_partial(q, q, q, 0.25) is None  # CPU: no fused kernel
+    o, l = ring.partial_attention(q, q, q, 0.25)
+    ro, rl = ring.reference_partial(q, q, q, 0.25)
+    assert torch.equal(o, ro) and torch.equal(l, rl)

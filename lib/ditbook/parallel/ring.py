@@ -12,9 +12,11 @@ and over one block ``b`` alone ``out_b = sum_{j in b} exp(s_j - lse_b) v_j``. Tw
 
 which is exact (each block's weights are rescaled to the whole softmax's denominator), in any
 order, so ``n - 1`` exchanges of the key/value block with the ring neighbours give each rank the
-attention of its queries over the whole sequence. The partial attention is computed here in
-float32 from ``q k^T`` (torch's SDPA does not return the log-sum-exp on every device); this is why
-cache-dit's ring, which takes it from the flash kernel, is CUDA-only and this one is not.
+attention of its queries over the whole sequence. Each block's partial attention and its
+log-sum-exp come from a fused kernel where one returns them (CUDA, half precision, no mask:
+torch's flash kernel, else its memory-efficient one — ``fused_partial``), checked once per
+process against the float32 path before it is used; elsewhere (the CPU, a mask) from ``q k^T`` in
+float32, which materialises the whole score matrix (at Wan-1.3B's shape 36 GiB, issue 24 item 5).
 
 Routing: the sequence is split at the transformer's inputs and gathered at its outputs by the
 model's context-parallel plan (the same plan Ulysses uses, ``cp_plan``: cache-dit's split/gather
@@ -60,9 +62,20 @@ class RingShardingError(ShardingError):
 
 def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                       mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of ``q`` over one key/value block, in float32: (out, lse), lse of shape q[..., 0].
+    """Attention of ``q`` over one key/value block: (out, lse), lse float32 of shape q[..., 0].
     ``mask`` (SDPA's convention: boolean True = attend, or a float added to the scores) covers this
-    block's keys; a row with every key of the block masked has lse -inf and out 0."""
+    block's keys; a row with every key of the block masked has lse -inf and out 0. A fused kernel
+    computes it where one applies (``fused_partial``), else ``reference_partial``."""
+    if mask is None:
+        fused = fused_partial(q, k, v, scale)
+        if fused is not None:
+            return fused
+    return reference_partial(q, k, v, scale, mask)
+
+
+def reference_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                      mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``partial_attention`` in float32 from the whole score matrix: any device, any mask."""
     s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.float()
@@ -71,6 +84,54 @@ def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     p = torch.exp(s - torch.where(finite, lse, torch.zeros_like(lse))[..., None])
     out = torch.matmul(torch.where(finite[..., None], p, torch.zeros_like(p)), v.float())
     return out, lse
+
+
+def _flash(q, k, v, scale):
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scale)[:2]
+    return out, lse
+
+
+def _efficient(q, k, v, scale):
+    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, False,
+                                                                      scale=scale)[:2]
+    return out, lse[..., : q.shape[-2]]  # the kernel pads the log-sum-exp's rows to a multiple of 32
+
+
+FUSED_KERNELS = {"flash": _flash, "efficient": _efficient}
+_CHOSEN: dict[tuple, str | None] = {}  # (device, dtype, head dim) -> kernel name, or None: float32 path
+
+
+def _kernel_agrees(kernel, device, dtype, head_dim: int) -> bool:
+    """One small problem through ``kernel`` and through ``reference_partial``: the kernel is used
+    only if its output and log-sum-exp agree (what torch's private ops return is checked, not
+    assumed: their signatures and the lse's layout have changed between releases)."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 80, head_dim, generator=g, device="cpu").to(device, dtype) for _ in range(3))
+    scale = head_dim ** -0.5
+    try:
+        out, lse = kernel(q, k, v, scale)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    ref_out, ref_lse = reference_partial(q, k, v, scale)
+    return (tuple(lse.shape) == tuple(ref_lse.shape) and float((lse.float() - ref_lse).abs().max()) < 1e-2
+            and float((out.float() - ref_out).abs().max()) < 2e-2)
+
+
+def fused_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    """(out, lse) of one block from the first fused kernel that applies and agrees with the float32
+    path on this device, dtype and head dim; None where none does (the CPU, float32 inputs, other
+    head counts for keys than for queries)."""
+    if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16) or k.shape[-3] != q.shape[-3]:
+        return None
+    key = (str(q.device), q.dtype, q.shape[-1])
+    if key not in _CHOSEN:
+        _CHOSEN[key] = next((n for n, fn in FUSED_KERNELS.items() if _kernel_agrees(fn, q.device, q.dtype, q.shape[-1])),
+                            None)
+    name = _CHOSEN[key]
+    if name is None:
+        return None
+    out, lse = FUSED_KERNELS[name](q, k, v, scale)
+    return out.float(), lse.float()
 
 
 def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
