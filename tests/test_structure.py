@@ -78,6 +78,33 @@ def test_cycle_finder_sees_a_cycle():
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
+STAGE_PACKAGES = ("intake", "inspect", "cache", "parallel", "benchmark")
+PROBE = "ditbook.coverage"
+
+
+def arrows_into(graph: dict[str, set[str]], sources: tuple, target: str) -> list[str]:
+    """``a -> b`` for each module ``a`` under one of the ``sources`` packages that imports ``target`` or
+    a module under it."""
+    def under(mod: str, pkg: str) -> bool:
+        return mod == pkg or mod.startswith(pkg + ".")
+
+    return sorted(f"{a} -> {b}" for a, deps in graph.items() for b in deps
+                  if any(under(a, f"ditbook.{s}") for s in sources) and under(b, target))
+
+
+def test_no_stage_package_imports_the_coverage_probe():
+    # the probe (ditbook.coverage) imports the stages to test them; a stage never imports the probe
+    arrows = arrows_into(import_graph(), STAGE_PACKAGES, PROBE)
+    assert arrows == [], f"stage packages import the coverage probe: {arrows}"
+
+
+def test_probe_arrow_check_sees_an_arrow():
+    # the check itself can fail: a stage module importing a probe module is reported, the reverse is not
+    graph = {"ditbook.parallel.launch": {"ditbook.coverage.cp"}, "ditbook.coverage.check": {"ditbook.cache.adapter"},
+             "ditbook.cachex": {"ditbook.coverage"}}
+    assert arrows_into(graph, STAGE_PACKAGES, PROBE) == ["ditbook.parallel.launch -> ditbook.coverage.cp"]
+
+
 def test_stage_packages_carry_the_notebook_names():
     stages = [re.sub(r"^\d+_", "", p.stem) for p in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))]
     assert stages == ["intake", "inspect", "cache", "parallel", "benchmark"]
