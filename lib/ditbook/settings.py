@@ -126,6 +126,17 @@ def optional(inner: Check) -> Check:
     return check
 
 
+def section(cls: type) -> Check:
+    """A nested mapping parsed into the settings class ``cls`` (unknown keys and wrong values refused)."""
+    def check(v):
+        if not isinstance(v, dict):
+            return v, f"must be a mapping, {_got(v)}"
+        out, problems = parse_section(cls, v, "")
+        return out, "; ".join(f"{k.lstrip('.')}: {m}" for k, m in problems) or None
+    check.kind = "mapping"
+    return check
+
+
 def compile_choice() -> Check:
     """``compile``: off (false/null), true (inductor), a torch.compile backend name, or a mapping of
     ``ditbook.benchmark.compiled.compiled_config`` keywords."""
@@ -245,13 +256,37 @@ class CacheSettings:
 
 
 @dataclass
+class ParallelCache:
+    """``parallel.cache:`` — the DBCache options of ``+cache`` plans, by cache-dit's ``DBCacheConfig``
+    names; a key left out takes the cache strategy's default (``cache.strategies.dbcache.DBCacheSettings``,
+    the one place DBCache's defaults are written)."""
+
+    Fn_compute_blocks: int | None = setting(None, optional(integer(0)), "blocks always computed first")
+    Bn_compute_blocks: int | None = setting(None, optional(integer(0)), "blocks always computed last")
+    residual_diff_threshold: float | None = setting(None, optional(number(0.0)), "cache when the residual changed less")
+    max_warmup_steps: int | None = setting(None, optional(integer(0)), "steps computed before caching starts")
+    max_cached_steps: int | None = setting(None, optional(integer(-1)), "cached steps at most (-1: no limit)")
+    max_continuous_cached_steps: int | None = setting(None, optional(integer(-1)), "cached steps in a row at most")
+    steps_computation_mask: list[int] | None = setting(None, optional(list_of(integer(0, 1))),
+                                                       "1 = a computed step, one entry per step (a static schedule)")
+    steps_computation_policy: str | None = setting(None, optional(text(("dynamic", "static"))),
+                                                   "static: the mask alone decides which steps compute")
+    num_inference_steps: int | None = setting(None, optional(integer(1)), "steps of the schedule")
+
+    def options(self) -> dict:
+        """The keys set, as cache-dit ``DBCacheConfig`` keywords."""
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+@dataclass
 class ParallelSettings:
     """``parallel:`` — which plans run and their quality gates."""
 
     gates: Gates = setting(check=None, factory=lambda: Gates(psnr=35.0),
                            doc="each plan against the single-process run of the same launch")
     plans: list[str] | None = setting(None, optional(list_of(text())), "plan names to run (null: every feasible plan)")
-    cache: dict | None = setting(None, optional(mapping()), "DBCache options of +cache plans (null: ditbook's defaults)")
+    cache: ParallelCache | None = setting(None, optional(section(ParallelCache)),
+                                         "DBCache options of +cache plans (ParallelCache; null: the cache strategy's defaults)")
     compile_backend: str = setting("inductor", text(), "torch.compile backend of +compile plans (aot_eager: trace without kernels, a CPU check)")
 
 
@@ -370,7 +405,7 @@ def reference_table() -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Gates", "Generation", "RuntimeSettings", "InspectSettings", "CacheSettings", "ParallelSettings",
+__all__ = ["Gates", "Generation", "RuntimeSettings", "InspectSettings", "CacheSettings", "ParallelCache", "ParallelSettings",
            "BenchmarkSettings", "SECTIONS", "GATED_SECTIONS", "FAMILY_SECTION", "parse_section", "reference_rows",
            "reference_table", "MAX_STEPS", "SIDE_MULTIPLE", "MAX_SIDE", "DTYPES", "DEVICES", "MIN_USEFUL_SPEEDUP",
            "ALWAYS_CHECKED"]

@@ -21,8 +21,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-DEFAULT_DBCACHE = {"Fn_compute_blocks": 1, "Bn_compute_blocks": 0, "residual_diff_threshold": 0.12,
-                   "max_warmup_steps": 2, "max_cached_steps": -1}
+
+
+def default_dbcache() -> dict:
+    """DBCache's defaults as cache-dit keywords: the cache strategy's (``DBCacheSettings``), written once."""
+    from ..cache.strategies.dbcache import DBCache, DBCacheSettings
+
+    kwargs = DBCache.cache_kwargs(DBCacheSettings())
+    kwargs.pop("num_inference_steps")
+    return kwargs
 
 
 @dataclass
@@ -38,7 +45,7 @@ class CacheAgreement:
 def dbcache_config(options: dict | None = None):
     from cache_dit import DBCacheConfig
 
-    return DBCacheConfig(**{**DEFAULT_DBCACHE, **(options or {})})
+    return DBCacheConfig(**{**default_dbcache(), **(options or {})})
 
 
 def static_schedule(mask) -> dict:

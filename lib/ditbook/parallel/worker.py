@@ -379,7 +379,7 @@ def _checked_spec(name: str, card, world: int):
     if refusal(spec):
         raise RuntimeError(f"plan {name}: {refusal(spec)}")
     if spec.cache and "cache" not in spec.options and card.parallel.cache:
-        spec = type(spec)(**{**spec.__dict__, "options": {"cache": card.parallel.cache}})
+        spec = type(spec)(**{**spec.__dict__, "options": {"cache": card.parallel.cache.options()}})
     if spec.cache and spec.graph:
         from .graphs import cache_graph_refusal
 
