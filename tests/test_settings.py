@@ -394,3 +394,18 @@ def test_one_dbcache_default_the_cache_strategys():
     assert (cfg.residual_diff_threshold, cfg.max_warmup_steps, cfg.Fn_compute_blocks, cfg.Bn_compute_blocks) == \
         (d.threshold, d.max_warmup_steps, d.Fn, d.Bn)
     assert dbcache_config({"residual_diff_threshold": 0.5}).residual_diff_threshold == 0.5
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".msgpack", ".onnx", ".txt"])
+def test_one_weight_file_rule_for_the_load_check_and_the_approval(tmp_path, suffix):
+    # a file the approval hash covers as a weight file is one the load check accepts as weights, and back
+    from ditbook.inspect.plan import _model_files
+    from ditbook.loading import component_problems
+
+    comp = tmp_path / "transformer"
+    comp.mkdir()
+    (comp / "config.json").write_text("{}")
+    (comp / f"weights{suffix}").write_bytes(b"\0" * 16)
+    covered = [p.name for p in _model_files(comp)] == [f"weights{suffix}"]
+    no_weights = any("no weights file" in p for p in component_problems(comp, "transformer"))
+    assert covered != no_weights, (covered, no_weights)
