@@ -38,6 +38,15 @@ DEVICES = ("auto", "cpu", "cuda")  # or cuda:N
 MIN_USEFUL_SPEEDUP = 1.05
 ALWAYS_CHECKED = ["no NaN/Inf", "no blank image", "worst-tile PSNR within tile_margin_db of the gate"]
 
+# tolerances of ditbook's own checks (not card keys: they judge ditbook's machinery, not the model's
+# images), as (fp32/fp64, lower precision):
+# every CP rank simulated in one process against the plain forward: max relative error
+CP_DRYRUN_REL_TOL = (1e-3, 3e-2)
+# an attention path (GQA) against ``enable_gqa``'s result: max absolute difference
+GQA_PATH_ATOL = (1e-4, 2e-2)
+# an image whose pixel standard deviation is below this is blank
+BLANK_STD = 1e-3
+
 # -- checks: value -> (value, error or None) ------------------------------------------------
 Check = Callable[[Any], "tuple[Any, str | None]"]
 
@@ -408,7 +417,7 @@ def reference_table() -> str:
 __all__ = ["Gates", "Generation", "RuntimeSettings", "InspectSettings", "CacheSettings", "ParallelCache", "ParallelSettings",
            "BenchmarkSettings", "SECTIONS", "GATED_SECTIONS", "FAMILY_SECTION", "parse_section", "reference_rows",
            "reference_table", "MAX_STEPS", "SIDE_MULTIPLE", "MAX_SIDE", "DTYPES", "DEVICES", "MIN_USEFUL_SPEEDUP",
-           "ALWAYS_CHECKED"]
+           "ALWAYS_CHECKED", "CP_DRYRUN_REL_TOL", "GQA_PATH_ATOL", "BLANK_STD"]
 
 if __name__ == "__main__":
     print(reference_table())

@@ -52,6 +52,7 @@ from torch.overrides import TorchFunctionMode
 from .cp_plan import (ForwardTrace, PlanCheckError, Streams, _is_input, _is_output, _main_output, _shapes,
                       _tensors, expected_lengths)
 from ..hooks import WrapGroup
+from ..settings import CP_DRYRUN_REL_TOL
 from .sharding import bind_inputs
 
 _SDPA = torch.nn.functional.scaled_dot_product_attention
@@ -698,7 +699,7 @@ def simulate_ranks(transformer, args, kwargs, plan: dict, degree: int, lists: li
 
 
 def _tolerance(t: torch.Tensor) -> float:
-    return 1e-3 if t.dtype in (torch.float32, torch.float64) else 3e-2
+    return CP_DRYRUN_REL_TOL[0] if t.dtype in (torch.float32, torch.float64) else CP_DRYRUN_REL_TOL[1]
 
 
 def _rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
