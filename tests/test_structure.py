@@ -114,6 +114,35 @@ def test_stage_packages_carry_the_notebook_names():
         assert f"ditbook.{stage}" in nb, f"the {stage} notebook does not call its package"
 
 
+NOTEBOOK_HELPERS = ("ditbook.display", "ditbook.progress", "ditbook.widgets")  # display helpers
+
+
+def notebook_imports(nb_text: str) -> set[str]:
+    """The ``ditbook`` modules a notebook's code cells import."""
+    import json
+
+    out = set()
+    for cell in json.loads(nb_text)["cells"]:
+        if cell["cell_type"] == "code":
+            out |= set(re.findall(r"^\s*(?:from|import)\s+(ditbook[\w.]*)", "".join(cell["source"]), re.M))
+    return out
+
+
+def test_each_notebook_imports_its_stage_and_display_helpers_only():
+    for path in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")):
+        stage = re.sub(r"^\d+_", "", path.stem)
+        other = sorted(notebook_imports(path.read_text()) - {f"ditbook.{stage}.stage", *NOTEBOOK_HELPERS})
+        assert other == [], f"{path.name} imports {other}: give its stage.py those names"
+
+
+def test_notebook_import_check_sees_another_module():
+    import json
+
+    nb = json.dumps({"cells": [{"cell_type": "code", "source": ["from ditbook.cache.stage import x\n",
+                                                                 "from ditbook.inspect.report import ArchReport\n"]}]})
+    assert notebook_imports(nb) == {"ditbook.cache.stage", "ditbook.inspect.report"}
+
+
 def test_no_library_module_loaded_through_importlib():
     # importlib is for the user's sources and the zoo's optional builders, never to hide an
     # import of another ditbook package from the graph above
