@@ -174,6 +174,72 @@ def test_rebinding_check_sees_a_rebinding():
                                          "FF.scaled_dot_product_attention = 1\n")]) == ["a.py", "b.py"]
 
 
+# --- run-time changes only through ditbook.hooks ------------------------------------------------
+
+SETTERS = ("setattr", "delattr", "object.__setattr__", "object.__delattr__")
+
+
+def foreign_changes(source: str) -> list[str]:
+    """Run-time changes made around ``ditbook.hooks``: ``unittest.mock`` (``mock.patch``), a function
+    assigned as an attribute of another object (a method replaced), an attribute of an imported
+    module assigned, and ``setattr``/``delattr`` on anything but ``self``."""
+    tree = ast.parse(source)
+    modules = {(a.asname or a.name).split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    funcs = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    out = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Import) and any(a.name.startswith("unittest.mock") for a in n.names) \
+                or isinstance(n, ast.ImportFrom) and (n.module or "").startswith("unittest") \
+                and (n.module == "unittest.mock" or any(a.name == "mock" for a in n.names)):
+            out.append(f"{n.lineno}: unittest.mock")
+        elif isinstance(n, ast.Attribute) and ast.unparse(n).endswith(("mock.patch", "patch.object")):
+            out.append(f"{n.lineno}: {ast.unparse(n)}")
+        elif isinstance(n, (ast.Assign, ast.AugAssign)):
+            for t in (n.targets if isinstance(n, ast.Assign) else [n.target]):
+                if not isinstance(t, ast.Attribute):
+                    continue
+                root = t.value
+                while isinstance(root, ast.Attribute):
+                    root = root.value
+                name = root.id if isinstance(root, ast.Name) else None
+                method = isinstance(n.value, ast.Lambda) or isinstance(n.value, ast.Name) and n.value.id in funcs
+                if name in modules or method and name not in ("self", "cls"):
+                    out.append(f"{n.lineno}: {ast.unparse(t)} = {ast.unparse(n.value)[:40]}")
+        elif isinstance(n, ast.Call) and ast.unparse(n.func) in SETTERS and n.args \
+                and not (isinstance(n.args[0], ast.Name) and n.args[0].id == "self"):
+            out.append(f"{n.lineno}: {ast.unparse(n)[:60]}")
+    return out
+
+
+def test_run_time_changes_go_through_hooks():
+    offenders = {str(p.relative_to(ROOT)): found for p in sorted((LIB / "ditbook").rglob("*.py"))
+                 if p.name != "hooks.py" and (found := foreign_changes(p.read_text()))}
+    assert offenders == {}, f"changes around ditbook.hooks (use wrap_method / swap_attribute / set_item): {offenders}"
+
+
+def test_foreign_change_check_sees_each_kind():
+    # the check itself can fail: each way around the hooks core is reported, the hooks' own ways are not
+    bad = ("import unittest.mock\n"
+           "from unittest import mock\n"
+           "import diffusers.models.attention as am\n"
+           "def fake(*a): pass\n"
+           "def f(cm, mod, proc):\n"
+           "    with mock.patch.object(mod, 'X', 1):\n"
+           "        pass\n"
+           "    cm.can_cache = fake\n"
+           "    proc.step = lambda: 0\n"
+           "    am.CONSTANT = 3\n"
+           "    setattr(proc, '_cp_config', None)\n")
+    assert [x.split(":")[0] for x in foreign_changes(bad)] == ["1", "2", "6", "8", "9", "10", "11"]
+    ok = ("from ditbook.hooks import swap_attribute, wrap_method\n"
+          "class A:\n"
+          "    def f(self, proc, row):\n"
+          "        setattr(self, 'n', 1)\n"
+          "        row.outcome = 'correct'\n"
+          "        swap_attribute(proc, '_cp_config', None)\n")
+    assert foreign_changes(ok) == []
+
+
 # --- function length: over LONG_LINES lines only with a reason ---------------------------------
 
 LONG_LINES = 60

@@ -579,6 +579,10 @@ class Grid:
     patch_t: int = 1
     n_axes: int = 3  # rotary position axes (the length of a config's axes tuple)
 
+    def resize(self, axis: str, value: int) -> None:
+        """Set one axis of the grid (``text``, ``frames``, ...) in place."""
+        setattr(self, axis, value)
+
     def tokens(self, rank: int = 4) -> int:
         t = (self.height // self.patch) * (self.width // self.patch)
         return t * max(1, self.frames // self.patch_t) if rank == 5 else t

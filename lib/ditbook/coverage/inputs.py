@@ -398,7 +398,7 @@ def _regrid_inputs(exc, model, cand, needs, maker, forbid):
         for old, new in ((a, b), (b, a)):
             if getattr(maker.grid, attr) == old and 1 <= new <= 512 and (attr, new) not in forbid:
                 forbid.add((attr, new))
-                setattr(maker.grid, attr, new)
+                maker.grid.resize(attr, new)
                 return _flow_inputs(model, cand, needs, maker), f"grid {attr} {old} -> {new}"
     # a sequence of text plus a fixed number of other tokens against a table sized for a longer
     # text: the text longer by the difference

@@ -348,21 +348,21 @@ def trace_calls(transformer: nn.Module, run: Callable[[], Any], report: ArchRepo
 
         report = inspect_transformer(transformer)
     tracer = Tracer(transformer, [b.path for b in report.block_lists])
-    original_step = None
+    counting = None
     if scheduler is not None:
-        original_step = scheduler.step
+        from ..hooks import wrap_method
 
-        def counting_step(*a, **kw):
+        def counting_step(original, *a, **kw):
             tracer.steps += 1
-            return original_step(*a, **kw)
+            return original(*a, **kw)
 
-        scheduler.step = counting_step  # on this instance only; removed below
+        counting = wrap_method(scheduler, "count-steps", counting_step, attr="step")  # this instance; removed below
     try:
         with tracer, torch.no_grad():
             run()
     finally:
-        if scheduler is not None and "step" in vars(scheduler):
-            del scheduler.step
+        if counting is not None:
+            counting.remove()
     analyse_calls(tracer, transformer, report)
     cfg = report.cfg
     cfg.transformer_calls = tracer.forwards

@@ -16,7 +16,8 @@ split planned at a list's first block moves onto that unit (``split_at_cached_un
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,9 +38,14 @@ class CacheAgreement:
     decisions: int = 0
     skips: int = 0
     disagreements: int = 0
+    handle: Any = field(default=None, repr=False, compare=False)  # takes the agreement off (exact undo)
+
+    def remove(self) -> None:
+        if self.handle is not None:
+            self.handle.remove()
 
     def to_dict(self) -> dict:
-        return dict(self.__dict__)
+        return {k: v for k, v in self.__dict__.items() if k != "handle"}
 
 
 def dbcache_config(options: dict | None = None):
@@ -62,11 +68,11 @@ def agree_cache_decisions(pipe, group=None) -> CacheAgreement:
     cm = getattr(pipe, "_context_manager", None) or getattr(pipe.transformer, "_context_manager", None)
     if cm is None:
         raise RuntimeError("no cache-dit context manager on this pipeline: enable the cache first")
-    stats = CacheAgreement()
-    orig = cm.can_cache
+    from ..hooks import wrap_method
 
-    @functools.wraps(orig)
-    def can_cache(*args, **kwargs):
+    stats = CacheAgreement()
+
+    def can_cache(orig, *args, **kwargs):
         local = bool(orig(*args, **kwargs))
         flag = torch.tensor([1 if local else 0], dtype=torch.int32)
         if dist.is_initialized() and dist.get_world_size(group) > 1:
@@ -80,7 +86,8 @@ def agree_cache_decisions(pipe, group=None) -> CacheAgreement:
         stats.disagreements += int(agreed != local)
         return agreed
 
-    cm.can_cache = can_cache  # instance attribute: this pipeline's context manager only
+    # this pipeline's context manager only; ``stats.remove()`` puts cache-dit's decision back exactly
+    stats.handle = wrap_method(cm, "agree-cache-decisions", can_cache, attr="can_cache")
     return stats
 
 

@@ -259,11 +259,14 @@ def apply_own_ring(tr, plan: dict, spec) -> tuple[list[str], object]:
     _apply_context_parallel(tr, cpc, plan)
     # cache-dit's planners patch some processor classes to read ``_cp_config`` (set by its own
     # enable path, which this one skips): None on each instance says "no CP attention here"
+    from ..hooks import WrapGroup, swap_attribute
+
+    recorder.cp_config_undo = WrapGroup("no-cp-config")  # exact undo of the None configs below
     for module in tr.modules():
         proc = getattr(module, "processor", None)
         for attr in ("_cp_config", "_parallel_config"):
             if proc is not None and not hasattr(proc, attr):
-                setattr(proc, attr, None)
+                recorder.cp_config_undo.track(swap_attribute(proc, attr, None))
     return modules, recorder
 
 
