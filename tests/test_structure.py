@@ -208,7 +208,10 @@ def foreign_changes(source: str) -> list[str]:
         elif isinstance(n, ast.Call) and ast.unparse(n.func) in SETTERS and n.args \
                 and not (isinstance(n.args[0], ast.Name) and n.args[0].id == "self"):
             out.append(f"{n.lineno}: {ast.unparse(n)[:60]}")
-    return out
+    first = {}
+    for x in out:  # one finding per line, in line order
+        first.setdefault(int(x.split(":")[0]), x)
+    return [first[k] for k in sorted(first)]
 
 
 def test_run_time_changes_go_through_hooks():
