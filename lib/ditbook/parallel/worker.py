@@ -343,19 +343,13 @@ def compile_repeated_blocks(tr, backend: str = "inductor") -> str:
     compiled in place. ``backend``: the card's ``parallel.compile_backend`` (inductor; a CPU check
     may name ``aot_eager``, which traces the same graphs without generating kernels). Returns which
     of the two it used, with the backend when it is not inductor."""
-    suffix = "" if backend == "inductor" else f" ({backend})"
-    if getattr(tr, "_repeated_blocks", None) and hasattr(tr, "compile_repeated_blocks"):
-        tr.compile_repeated_blocks(fullgraph=False, backend=backend)
-        return "compile_repeated_blocks" + suffix
-    from ..inspect.static import find_block_lists
+    from ..regional import compile_regions
 
-    lists, _ = find_block_lists(tr)
-    if not lists:
-        raise RuntimeError(f"+compile: {type(tr).__name__} has no block lists to compile regionally")
-    for _, blocks in lists:
-        for block in blocks:
-            block.compile(backend=backend)
-    return "block lists: " + ", ".join(name for name, _ in lists) + suffix
+    try:
+        _, method, _ = compile_regions(tr, backend=backend)  # the blocks stay compiled for the process
+    except ValueError as exc:
+        raise RuntimeError(f"+compile: {exc}") from exc
+    return method + ("" if backend == "inductor" else f" ({backend})")
 
 
 def _init_group(card, args, local: int):
