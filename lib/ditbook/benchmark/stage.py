@@ -28,7 +28,6 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import Callable
 
 import numpy as np

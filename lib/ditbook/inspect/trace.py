@@ -63,14 +63,6 @@ class AttentionCallMode(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def attention_calls(module: nn.Module, run: Callable[[], Any]) -> list[dict]:
-    """The attention calls (query/key shapes) ``run()`` makes, seen by a TorchFunctionMode."""
-    seen: list[dict] = []
-    with AttentionCallMode(lambda q, k, m, g: seen.append({"q": list(q.shape), "k": list(k.shape)})):
-        run()
-    return seen
-
-
 class _Call:
     def __init__(self, path: str, index: int, bound: dict, positional: list[str], keywords: list[str]):
         self.path, self.index, self.bound = path, index, bound
@@ -209,10 +201,6 @@ def _out(call: _Call, role: str):
         if r == role:
             return o
     return None
-
-
-def _describe_value(v) -> str:
-    return f"tensor{_shape(v)}" if isinstance(v, torch.Tensor) else type(v).__name__
 
 
 def analyse_calls(tracer: Tracer, transformer: nn.Module, report: ArchReport) -> None:

@@ -91,17 +91,6 @@ def agree_cache_decisions(pipe, group=None) -> CacheAgreement:
     return stats
 
 
-def cache_summary(pipe) -> dict:
-    """Cached steps per cache context, from cache-dit's stats."""
-    try:
-        import cache_dit
-
-        stats = cache_dit.summary(pipe) or []
-        return {"cached_steps": [list(getattr(s, "cached_steps", [])) for s in stats]}
-    except Exception as exc:  # noqa: BLE001
-        return {"error": f"{type(exc).__name__}: {exc}"}
-
-
 class CacheSplitError(RuntimeError):
     """A CP plan that splits at a block's input cannot be moved onto cache-dit's cached unit."""
 
