@@ -4,7 +4,7 @@
     python benchmarks/coverage.py --shard 1/2 --json a.json   # half the classes, rows saved as they come
     python benchmarks/coverage.py --merge a.json,b.json       # one table from shards
 
-The logic lives in ``ditbook.cache.coverage``; this script only picks classes, prints a line per
+The logic lives in ``ditbook.coverage``; this script only picks classes, prints a line per
 class and writes the markdown table (default ``docs/coverage.md``).
 """
 
@@ -26,13 +26,13 @@ FAST = ("FluxTransformer2DModel", "PixArtTransformer2DModel", "SD3Transformer2DM
 
 
 def main(argv=None) -> int:
-    from ditbook.cache import coverage
+    from ditbook import coverage
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--classes", help="comma-separated class names (default: every exported class)")
     ap.add_argument("--fast", action="store_true", help=f"only the fast subset {', '.join(FAST)}")
     ap.add_argument("--out", default=None, help="markdown file to write (default docs/coverage.md for a full run)")
-    ap.add_argument("--no-cp", action="store_true", help="do not call ditbook.parallel.coverage_cp")
+    ap.add_argument("--no-cp", action="store_true", help="do not run the CP column (ditbook.coverage.cp)")
     ap.add_argument("--shard", help="K/N: run the K-th of N interleaved parts of the class list")
     ap.add_argument("--json", help="write the rows here after every class (for shards)")
     ap.add_argument("--merge", help="comma-separated --json files: write one table from them")

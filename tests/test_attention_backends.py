@@ -272,3 +272,46 @@ def test_gqa_shapes_from_the_inspection_reach_the_kernel_check():
     assert (table.heads, table.kv_heads, table.kernel_seq_len) == (2, 1, 32)
     assert table.row("native").kernel_psnr == 200.0  # the default against itself, on GQA inputs
     assert set(table.gqa["seconds"]) == {"enable_gqa", "repeat_interleave"} and table.gqa["seq_len"] == 32
+
+
+def test_backend_pick_reads_the_cards_gates(registry, tmp_path):
+    """The benchmark stage judges another backend by the card's gates, not by the default ones: a
+    fast backend a little off the default passes loose gates and is picked; with stricter card gates
+    the same measurement rejects it and the default stays."""
+    from types import SimpleNamespace
+
+    from ditbook.benchmark import variants
+    from ditbook.settings import Gates, ParallelSettings
+
+    names, reg, mp = registry
+    real_native, real_math = reg._backends[names.NATIVE], reg._backends[names._NATIVE_MATH]
+    clock = VirtualClock()
+
+    def native(**kw):
+        clock.now += 10
+        return real_native(**kw)
+
+    def slightly_off(**kw):  # fast, and off by a small relative error (kernel ~70 dB)
+        clock.now += 1
+        out = real_math(**kw)
+        return out + 5e-3 * out.abs().mean() * torch.sign(out)
+
+    mp.setitem(reg._backends, names.NATIVE, native)
+    mp.setitem(reg._backends, names._NATIVE_MATH, slightly_off)
+    tr, call = tiny_flux()
+    mp.setattr(variants, "measure_pipeline_backends", lambda pipe, run, **kw: measure_backends(
+        tr, call, backends=["native", "_native_math"], warmup=1, repeats=3, clock=clock, **kw))
+    mp.setattr("ditbook.render.cases", lambda card: [("k", "p", 0)])
+    mp.setattr("ditbook.render.call_kwargs", lambda pipe, card: {})
+
+    def pick(psnr):
+        card = SimpleNamespace(parallel=ParallelSettings(gates=Gates(psnr=psnr)))
+        ctx = SimpleNamespace(card=card, run=SimpleNamespace(stage_dir=lambda name: tmp_path / name))
+        added, data = variants.attention_backend_configs(ctx, SimpleNamespace(transformer=tr), "auto", log=lambda m: None)
+        return data, [c.name for c in added]
+
+    loose, added = pick(20.0)
+    assert loose["min_psnr"] == 20.0 and loose["pick"] == "_native_math" and added == ["attention:_native_math"]
+    strict, added = pick(80.0)
+    assert strict["min_psnr"] == 80.0 and strict["pick"] == "native" and added == []
+    assert next(r for r in strict["rows"] if r["name"] == "_native_math")["status"] == "rejected"

@@ -105,6 +105,22 @@ def test_model_without_blocks_is_refused_and_left_as_it_was():
     assert _compiled_modules(m) == []
 
 
+def test_parallel_compile_is_the_same_regional_helper(monkeypatch):
+    # the parallel stage's +compile and the benchmark's compiled rows compile through one helper
+    from ditbook import regional
+    from ditbook.parallel.worker import compile_repeated_blocks
+
+    torch._dynamo.reset()
+    calls = []
+    real = regional.compile_regions
+    monkeypatch.setattr(regional, "compile_regions", lambda tr, **kw: calls.append(kw) or real(tr, **kw))
+    m = NoRepeatedBlocks().eval()
+    assert compile_repeated_blocks(m, backend="eager") == "block lists: layers (eager)"
+    assert calls == [{"backend": "eager"}] and _compiled_modules(m) == ["layers.0", "layers.1"]
+    with pytest.raises(RuntimeError, match=r"\+compile: .*no block lists"):
+        compile_repeated_blocks(torch.nn.Sequential(torch.nn.Linear(4, 4)), backend="eager")
+
+
 def test_compiled_config_applies_the_inner_config_and_records_the_compile_cost():
     torch._dynamo.reset()
     tr, kw = tiny_flux()

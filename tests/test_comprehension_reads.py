@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from ditbook.cache import loopfold
-from ditbook.cache.coverage import check_class
+from ditbook.coverage import check_class
 from ditbook.inspect.loop_source import list_uses
 
 from test_integration_mechanisms import Base, Comprehension, run

@@ -4,7 +4,7 @@ stages' checks (``make test``); the full table is ``python benchmarks/coverage.p
 from __future__ import annotations
 
 import diffusers
-from ditbook.cache import coverage
+from ditbook import coverage
 
 # one cross-attention image model, one joint two-stream model, one video model
 FAST = ("PixArtTransformer2DModel", "SD3Transformer2DModel", "WanTransformer3DModel")
@@ -21,7 +21,7 @@ def test_fast_subset_has_no_crash_and_no_wrong():
         assert 0 < skipped < total  # caching on really skipped block evaluations
     md = coverage.markdown(rows, 1.0)
     assert "| PixArtTransformer2DModel | correct |" in md and "diffusers " + diffusers.__version__ in md
-    assert "not run" in md  # the cp column says so while ditbook.parallel has no coverage_cp
+    assert "not run" in md  # the cp column says so when it was not run (cp=False)
 
 
 def test_shrink_rules_are_generic():
@@ -50,14 +50,16 @@ def test_a_wrong_pattern_is_never_reported_correct(monkeypatch):
     assert row.outcome in ("wrong", "crash"), row
 
 
-def test_cp_column_uses_the_parallel_stage_when_it_provides_a_check(monkeypatch):
+def test_cp_column_is_the_probes_own_cp_check(monkeypatch):
+    # the CP column comes from ditbook.coverage.cp, not from the parallel stage's public API
     from ditbook import parallel
+    from ditbook.coverage import cp
 
-    monkeypatch.setattr(parallel, "coverage_cp", lambda t, a, k: {"outcome": "correct", "reason": "split 2 ways"},
-                        raising=False)
+    assert not hasattr(parallel, "coverage_cp")
+    monkeypatch.setattr(cp, "coverage_cp", lambda t, a, k: {"outcome": "correct", "reason": "split 2 ways"})
     assert coverage.run_cp(None, {}) == ("correct", "split 2 ways")
-    monkeypatch.delattr(parallel, "coverage_cp")
-    assert coverage.run_cp(None, {})[0] == "not run"
+    monkeypatch.setattr(cp, "coverage_cp", lambda t, a, k: 1 / 0)
+    assert coverage.run_cp(None, {})[0] == "crash"
 
 
 def test_a_dropped_loop_step_is_reported_wrong(monkeypatch):

@@ -9,8 +9,9 @@ import torch
 import torch.nn.functional as F
 from diffusers import ConfigMixin, ModelMixin
 from diffusers.configuration_utils import register_to_config
-from ditbook.cache import coverage
-from ditbook.cache import coverage_inputs as ci
+from ditbook import coverage
+from ditbook.coverage import dataflow as ci
+from ditbook.coverage import repairs
 from torch import nn
 
 
@@ -84,7 +85,7 @@ def test_data_flow_inputs_integrate_a_model_name_rules_cannot_feed(monkeypatch):
     # without the data flow (the name rules alone; the error repairs, which can now find the conv's
     # channels and the Linear's width from the errors, off too) the probe cannot run it: a named refusal
     monkeypatch.setattr(ci, "forward_needs", lambda model, depth=0: {})
-    monkeypatch.setattr(ci, "repair", lambda exc, kwargs, make, forbid: None)
+    monkeypatch.setattr(repairs, "repair", lambda exc, kwargs, make, forbid: None)
     row = coverage.check_class(DataFlowDiT, cp=False)
     assert row.outcome == "refused" and row.stage == "build+inputs", row
     assert "no inputs from the forward signature run it" in row.reason
@@ -129,20 +130,20 @@ def test_repair_supplies_a_none_parameter_the_code_reads():
 
     make.params = ("hidden_states", "position_ids")
     forbid: set = set()
-    new, why = ci.repair(exc, kwargs, make, forbid)
+    new, why = repairs.repair(exc, kwargs, make, forbid)
     assert "position_ids" in why and model(**new).shape == (1, 5, 8)
     # a repair is never repeated: the same error again gives up instead of looping
-    assert ci.repair(exc, kwargs, make, forbid) is None
+    assert repairs.repair(exc, kwargs, make, forbid) is None
 
 
 def test_repair_fixes_the_input_a_matrix_product_rejects_and_nothing_else():
     lin = nn.Linear(10, 4)
     kwargs = {"hidden_states": torch.randn(1, 6, 3), "other": torch.randn(1, 6, 7)}
     exc = _error(lambda: lin(kwargs["hidden_states"]))
-    new, why = ci.repair(exc, kwargs, lambda *a, **k: None, set())
+    new, why = repairs.repair(exc, kwargs, lambda *a, **k: None, set())
     assert new["hidden_states"].shape == (1, 6, 10) and new["other"] is kwargs["other"], why
     # an error that says nothing about the inputs: no repair (the probe refuses with the error)
-    assert ci.repair(ValueError("unsupported mode"), kwargs, lambda *a, **k: None, set()) is None
+    assert repairs.repair(ValueError("unsupported mode"), kwargs, lambda *a, **k: None, set()) is None
 
 
 class NeedsDerivedCtorArgs(ModelMixin, ConfigMixin):
@@ -383,11 +384,11 @@ def test_a_linear_that_rejects_a_reshape_of_an_input_resizes_its_last_dim():
     model = PatchifiedChannelsLast()
     x = torch.randn(1, 2, 4, 4, 3)
     exc = _error(lambda: model(hidden_states=x))
-    new, why = ci.repair(exc, {"hidden_states": x}, lambda n, kw, rank=None: None, set())
+    new, why = repairs.repair(exc, {"hidden_states": x}, lambda n, kw, rank=None: None, set())
     assert new["hidden_states"].shape == (1, 2, 4, 4, 5), why
     # the rule only resizes what the failing call holds: an unrelated input of the same size is kept
     other = torch.randn(1, 2, 4, 4, 3)
-    assert ci._reshaped_last_dim(exc, str(exc), {"other": other}, None, set(), set()) is None
+    assert repairs._reshaped_last_dim(exc, str(exc), {"other": other}, None, set(), set()) is None
 
 
 class PairsDecoder(nn.Module):
@@ -423,13 +424,13 @@ def test_an_input_unpacked_into_pairs_becomes_a_list_of_pairs_whose_tensors_get_
     # the stages perturb the first float tensor input (the list of pairs cannot be scaled)
     assert coverage.check_class(PairsDecoder, cp=False).outcome == "correct"
     # the rules' own refusal without the pair rule
-    saved = ci._REPAIRS
+    saved = list(repairs.REPAIRS)
     try:
-        ci._REPAIRS = tuple(r for r in saved if r is not ci._iterated_tuples)
+        repairs.REPAIRS[:] = [r for r in saved if r is not repairs._iterated_tuples]
         with pytest.raises(coverage.Refused):
             coverage.find_inputs(PairsDecoder())
     finally:
-        ci._REPAIRS = saved
+        repairs.REPAIRS[:] = saved
 
 
 class ScaleNorm(nn.Module):
@@ -483,7 +484,7 @@ def test_list_annotated_inputs_are_per_sample_tensors_whose_shapes_get_repaired(
     row = coverage.check_class(PerSampleListDiT, cp=False)
     assert row.outcome == "correct", (row.stage, row.reason)
     # without the last-axis width rule the size error is taken for a text length: refused
-    monkeypatch.setattr(ci, "last_axis_mismatch", lambda exc: None)
+    monkeypatch.setattr(repairs, "last_axis_mismatch", lambda exc: None)
     with pytest.raises(coverage.Refused):
         coverage.find_inputs(PerSampleListDiT())
 
@@ -491,10 +492,10 @@ def test_list_annotated_inputs_are_per_sample_tensors_whose_shapes_get_repaired(
 def test_a_width_mismatch_on_the_last_axis_is_not_a_length():
     norm = ScaleNorm(24)
     exc = _error(lambda: norm(torch.randn(16, 10)))
-    assert ci.last_axis_mismatch(exc) == (10, 24, 1)
+    assert repairs.last_axis_mismatch(exc) == (10, 24, 1)
     seq = torch.randn(1, 10, 8)
     exc = _error(lambda: seq + torch.randn(1, 12, 8))
-    assert ci.last_axis_mismatch(exc) is None
+    assert repairs.last_axis_mismatch(exc) is None
 
 
 def test_a_documented_shape_on_the_next_line_and_config_entries_by_attribute():
@@ -539,17 +540,17 @@ def test_an_int_input_that_sizes_a_table_takes_the_like_named_tensors_size():
     kwargs = {"hidden_states": torch.randn(1, 16, 4), "audio_hidden_states": torch.randn(1, 8, 4),
               "audio_num_frames": 2}
     exc = _error(lambda: model(**kwargs))
-    assert ci.int_input_size(exc, kwargs) == ("audio_num_frames", 8)
-    new, _ = ci._int_input_size(exc, str(exc), kwargs, None, set(), set())
+    assert repairs.int_input_size(exc, kwargs) == ("audio_num_frames", 8)
+    new, _ = repairs._int_input_size(exc, str(exc), kwargs, None, set(), set())
     assert new["audio_num_frames"] == 8 and new["audio_hidden_states"] is kwargs["audio_hidden_states"]
     model(**new)
     # and the probe does not take the mismatch for a text length to regrid
     maker = type("M", (), {"grid": ci.Grid()})()
-    assert coverage._regrid(exc, kwargs, model, None, {}, maker, set()) is None
+    assert coverage.inputs._regrid(exc, kwargs, model, None, {}, maker, set()) is None
     # an int named for nothing the tensors are named for is left to the other rules
     odd = {"hidden_states": kwargs["hidden_states"], "audio_hidden_states": kwargs["audio_hidden_states"],
            "count": 2}
-    assert ci.int_input_size(exc, odd) is None
+    assert repairs.int_input_size(exc, odd) is None
 
 
 def test_a_prefixed_attention_keeps_its_width_tied_to_its_heads():
@@ -603,10 +604,10 @@ def test_frame_sums_expected_shapes_and_conv_channels_from_code_and_messages():
     # each message rule alone: the old probe has none of them
     model, x = PoseFaceDiT(), torch.randn(1, 4, 2, 8, 8)
     exc = _error(lambda: model.face(x.permute(0, 2, 1, 3, 4).reshape(2, 4, 8, 8)))
-    new, _ = ci._conv_channels(exc, str(exc), {"face_pixel_values": x}, None, set(), set())
+    new, _ = repairs._conv_channels(exc, str(exc), {"face_pixel_values": x}, None, set(), set())
     assert new["face_pixel_values"].shape == (1, 3, 2, 8, 8)
     msg = "Face pixel values has resolution (8, 8) but is expected to have resolution (16, 16)"
-    new, _ = ci._expected_tuple(ValueError(msg), msg, {"face_pixel_values": x, "other": x.clone()}, None, set(), set())
+    new, _ = repairs._expected_tuple(ValueError(msg), msg, {"face_pixel_values": x, "other": x.clone()}, None, set(), set())
     assert new["face_pixel_values"].shape == (1, 4, 2, 16, 16) and new["other"].shape == x.shape
 
 
@@ -679,11 +680,11 @@ def test_a_documented_symbol_the_message_sizes_and_an_index_computed_from_an_inp
               "token_tags": torch.randn(8), "position_ids": torch.zeros(8, 3, dtype=torch.long)}
     maker = type("M", (), {"model": model})()
     exc = _error(lambda: model(**kwargs))
-    new, _ = ci._documented_symbol(exc, str(exc), kwargs, maker, set(), set())
+    new, _ = repairs._documented_symbol(exc, str(exc), kwargs, maker, set(), set())
     assert new["timestep_indices"].shape == (8,) and new["timestep_indices"].dtype == torch.long
     assert new["token_tags"] is kwargs["token_tags"]  # already (seq_len,)
     exc = _error(lambda: model(**new))
-    fixed, _ = ci._index_dtype(exc, str(exc), new, maker, set(), set())
+    fixed, _ = repairs._index_dtype(exc, str(exc), new, maker, set(), set())
     assert fixed["token_tags"].dtype == torch.long and fixed["hidden_states"] is new["hidden_states"]
     model(**fixed)
 
@@ -737,7 +738,7 @@ def test_a_lower_rank_input_in_a_broadcast_takes_the_size_at_its_right_aligned_d
     kwargs = {"hidden_states": torch.randn(1, 16, 4), "timestep": torch.ones(1),
               "attention_mask": torch.randn(1, 16)}
     exc = _error(lambda: model(**kwargs))  # scores (1, 2, 17, 17) against the mask's 16 at dim 3
-    new, why = ci._size_mismatch(exc, str(exc), kwargs, None, set(), set())
+    new, why = repairs._size_mismatch(exc, str(exc), kwargs, None, set(), set())
     assert new["attention_mask"].shape == (1, 17) and new["hidden_states"] is kwargs["hidden_states"], why
     model(**new)
 
@@ -819,7 +820,7 @@ def test_an_options_dict_spread_with_two_stars_is_supplied_empty():
         return torch.zeros(1)  # what a name rule would make: never a mapping
 
     make.params = ["hidden_states", "timestep", "rotary_table", "options"]
-    new, _ = ci.repair(exc, kwargs, make, set())
+    new, _ = repairs.repair(exc, kwargs, make, set())
     assert new["options"] == {}
     model(**new)
 
@@ -882,16 +883,16 @@ def test_a_slot_mask_its_grid_list_and_its_length_follow_the_errors_of_an_expand
               "img_shapes": [[(2, 4, 4)]], "img_mask": torch.ones(1, 16, dtype=torch.bool)}
     # 16 slots x 4 = 64 positions for 16 image rows: 4 slots, at the mask's end
     exc = _error(lambda: model(**kwargs))
-    new, why = ci._masked_count(exc, str(exc), kwargs, None, set(), set())
+    new, why = repairs._masked_count(exc, str(exc), kwargs, None, set(), set())
     assert new["img_mask"].tolist() == [[False] * 12 + [True] * 4], why
-    assert ci._size_mismatch(exc, str(exc), kwargs, None, set(), set()) is None
+    assert repairs._size_mismatch(exc, str(exc), kwargs, None, set(), set()) is None
     # the grid list counts 32 tokens where the mask marks 16: one frame, not two
     exc = _error(lambda: model(**new))
-    new, why = ci._grid_token_count(exc, str(exc), new, None, set(), set())
+    new, why = repairs._grid_token_count(exc, str(exc), new, None, set(), set())
     assert new["img_shapes"] == [[(1, 4, 4)]], why
     # 8 prompt + 4 slots = 12 positions, one repeat count each: the mask keeps its last 12
     exc = _error(lambda: model(**new))
-    new, why = ci._repeats_length(exc, str(exc), new, None, set(), set())
+    new, why = repairs._repeats_length(exc, str(exc), new, None, set(), set())
     assert new["img_mask"].tolist() == [[False] * 8 + [True] * 4], why
     assert new["hidden_states"] is kwargs["hidden_states"]
     model(**new)
@@ -903,7 +904,7 @@ def test_the_slot_repairs_leave_unrelated_errors_alone():
               "img_shapes": [[(1, 4, 4)]], "img_mask": torch.tensor([[False] * 8 + [True] * 4])}
     model(**kwargs)
     exc = _error(lambda: model(**{**kwargs, "hidden_states": torch.randn(1, 16, 5)}))  # a width error
-    for rule in (ci._masked_count, ci._grid_token_count, ci._repeats_length):
+    for rule in (repairs._masked_count, repairs._grid_token_count, repairs._repeats_length):
         assert rule(exc, str(exc), kwargs, None, set(), set()) is None
 
 

@@ -9,8 +9,9 @@ import pytest
 import torch
 from diffusers import ConfigMixin, ModelMixin
 from diffusers.configuration_utils import register_to_config
-from ditbook.cache import coverage
-from ditbook.cache import coverage_inputs as ci
+from ditbook import coverage
+from ditbook.coverage import dataflow as ci
+from ditbook.coverage import repairs
 from torch import nn
 
 if os.environ.get("DITBOOK_TEST_NEVER_SET"):  # an optional dependency, never "installed" here
@@ -217,7 +218,7 @@ def test_an_int_grid_read_as_position_ranges_and_tags_from_compared_constants():
     kwargs, _ = coverage.find_inputs(model)
     assert [len(p) for p in kwargs["pos"]] == [4, 4]  # was (4, 4): two ints
     assert set(kwargs["tags"].unique().tolist()) == {IMAGE_TAG, TEXT_TAG}
-    out = coverage._run(model, kwargs)
+    out = coverage.inputs._run(model, kwargs)
     assert (out.abs().sum(-1) > 0).all()  # every token carries a tag the code knows: nothing masked out
 
 
@@ -303,7 +304,7 @@ def test_a_concatenated_input_takes_the_width_of_the_computed_operand():
         err = exc
     else:
         pytest.fail("the forward ran with a text input of the wrong width")
-    new, why = ci.repair(err, kwargs, lambda *a, **k: None, set())
+    new, why = repairs.repair(err, kwargs, lambda *a, **k: None, set())
     assert new["encoder_hidden_states"].shape == (1, 7, 8), why
     assert model(**new)[0].shape == (1, 4, 8)
 
@@ -368,7 +369,7 @@ def test_a_width_the_defaults_leave_unequal_to_heads_times_head_dim_is_tied_when
     model, _, kwargs = coverage.tiny_with_inputs(UntiedWidthDefaults)
     cfg = model.config
     assert cfg.hidden_size == cfg.num_attention_heads * cfg.attention_head_dim
-    assert coverage._run(model, kwargs).shape[-1] == 4
+    assert coverage.inputs._run(model, kwargs).shape[-1] == 4
 
 
 class ConcatenatedContext(ModelMixin, ConfigMixin):
@@ -426,7 +427,7 @@ def test_a_none_setting_of_the_model_is_not_blamed_on_an_unrelated_optional_inpu
         return torch.zeros(1)
 
     make.params = ("hidden_states", "extra", "return_dict")
-    assert ci.repair(err, kwargs, make, set()) is None  # before: "supplied extra", a repair of nothing
-    assert ci._own_none(err) == "self.config.layer_ids"
+    assert repairs.repair(err, kwargs, make, set()) is None  # before: "supplied extra", a repair of nothing
+    assert repairs._own_none(err) == "self.config.layer_ids"
     with pytest.raises(coverage.Refused, match=r"self\.config\.layer_ids is None: a setting the class's defaults"):
         coverage.find_inputs(UnsetSetting())

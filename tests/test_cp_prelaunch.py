@@ -14,7 +14,7 @@ from diffusers.models._modeling_parallel import ContextParallelInput, ContextPar
 from torch import nn
 
 from ditbook.parallel.attention import route_attention, sdpa_callers
-from ditbook.parallel.coverage import coverage_cp
+from ditbook.coverage.cp import coverage_cp
 from ditbook.parallel.cp_dryrun import (DryRunError, GridReshapeError, PlanCheckError, TokenAxisError,
                                         check_grid_reshape, dry_run, verify_before_launch)
 from ditbook.parallel.cp_plan import (PlanDerivationError, check_plan_sites, derive_cp_plan, find_streams,
@@ -449,7 +449,7 @@ def test_zero_initialised_gates_do_not_make_parity_vacuous(monkeypatch):
     assert r["outcome"] == "refused" and "ParityError" in r["reason"] and "no SDPA call inside 'blocks.0'" in \
         r["reason"], r
     assert r["filled_zero_parameters"] >= 2  # the gates (and the zero LayerNorm bias)
-    import ditbook.parallel.coverage as cov
+    import ditbook.coverage.cp as cov
 
     monkeypatch.setattr(cov, "fill_zero_parameters", lambda t, scale=0.1: [])  # the old probe
     old = coverage_cp(m, (), kw, timeout=60)

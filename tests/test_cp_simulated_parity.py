@@ -18,7 +18,7 @@ from diffusers.models.attention_dispatch import dispatch_attention_fn
 from torch import nn
 
 import ditbook.parallel.cp_dryrun as cp_dryrun
-from ditbook.parallel.coverage import coverage_cp
+from ditbook.coverage.cp import coverage_cp
 from ditbook.parallel.cp_dryrun import ParityError, check_parity, dry_run, verify_before_launch
 from ditbook.parallel.cp_plan import derive_cp_plan, find_streams, resolve_cp_plan, trace_forward
 

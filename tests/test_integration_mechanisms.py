@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from diffusers import ConfigMixin, ModelMixin
 from diffusers.configuration_utils import register_to_config
-from ditbook.cache.coverage import check_class
+from ditbook.coverage import check_class
 from torch import nn
 
 # --- building blocks (projection names nobody lists: attention recognised by shape) ------------

@@ -12,7 +12,7 @@ import torch
 from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
 
 from ditbook.card import import_class
-from ditbook.parallel.coverage import coverage_cp
+from ditbook.coverage.cp import coverage_cp
 from ditbook.parallel.cp_plan import (PlanSiteError, check_plan_sites, derive_cp_plan, registered_cp_plan,
                                       trace_forward)
 from ditbook.parallel.sharding import ShardingError, check_sharding

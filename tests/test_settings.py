@@ -370,3 +370,42 @@ def test_approval_refuses_changed_weights(tmp_path):
     (card.path / "outputs").mkdir()
     (card.path / "outputs" / "run.json").write_text("{}")
     assert check_approval(card, run)
+
+
+def test_parallel_cache_is_typed_and_refuses_unknown_keys(tmp_path):
+    from ditbook.settings import ParallelCache
+
+    card = write_card(tmp_path, parallel={"cache": {"residual_diff_threshold": 0.3, "max_warmup_steps": 2}})
+    c = load_card(card)
+    assert isinstance(c.parallel.cache, ParallelCache)
+    assert c.parallel.cache.options() == {"residual_diff_threshold": 0.3, "max_warmup_steps": 2}
+    bad = write_card(tmp_path, name="bad.yaml", parallel={"cache": {"residual_diff_treshold": 0.3, "max_warmup_steps": "two"}})
+    _, problems = gate_problems(bad)
+    text = "; ".join(problems)
+    assert "parallel.cache" in text and "residual_diff_treshold: unknown key" in text and "max_warmup_steps" in text
+
+
+def test_one_dbcache_default_the_cache_strategys():
+    # the +cache plans' defaults are the cache strategy's settings, not a second copy
+    from ditbook.cache.strategies.dbcache import DBCacheSettings
+    from ditbook.parallel.cache_sync import dbcache_config
+
+    d, cfg = DBCacheSettings(), dbcache_config(None)
+    assert (cfg.residual_diff_threshold, cfg.max_warmup_steps, cfg.Fn_compute_blocks, cfg.Bn_compute_blocks) == \
+        (d.threshold, d.max_warmup_steps, d.Fn, d.Bn)
+    assert dbcache_config({"residual_diff_threshold": 0.5}).residual_diff_threshold == 0.5
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".msgpack", ".onnx", ".txt"])
+def test_one_weight_file_rule_for_the_load_check_and_the_approval(tmp_path, suffix):
+    # a file the approval hash covers as a weight file is one the load check accepts as weights, and back
+    from ditbook.inspect.plan import _model_files
+    from ditbook.loading import component_problems
+
+    comp = tmp_path / "transformer"
+    comp.mkdir()
+    (comp / "config.json").write_text("{}")
+    (comp / f"weights{suffix}").write_bytes(b"\0" * 16)
+    covered = [p.name for p in _model_files(comp)] == [f"weights{suffix}"]
+    no_weights = any("no weights file" in p for p in component_problems(comp, "transformer"))
+    assert covered != no_weights, (covered, no_weights)

@@ -78,6 +78,33 @@ def test_cycle_finder_sees_a_cycle():
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
+STAGE_PACKAGES = ("intake", "inspect", "cache", "parallel", "benchmark")
+PROBE = "ditbook.coverage"
+
+
+def arrows_into(graph: dict[str, set[str]], sources: tuple, target: str) -> list[str]:
+    """``a -> b`` for each module ``a`` under one of the ``sources`` packages that imports ``target`` or
+    a module under it."""
+    def under(mod: str, pkg: str) -> bool:
+        return mod == pkg or mod.startswith(pkg + ".")
+
+    return sorted(f"{a} -> {b}" for a, deps in graph.items() for b in deps
+                  if any(under(a, f"ditbook.{s}") for s in sources) and under(b, target))
+
+
+def test_no_stage_package_imports_the_coverage_probe():
+    # the probe (ditbook.coverage) imports the stages to test them; a stage never imports the probe
+    arrows = arrows_into(import_graph(), STAGE_PACKAGES, PROBE)
+    assert arrows == [], f"stage packages import the coverage probe: {arrows}"
+
+
+def test_probe_arrow_check_sees_an_arrow():
+    # the check itself can fail: a stage module importing a probe module is reported, the reverse is not
+    graph = {"ditbook.parallel.launch": {"ditbook.coverage.cp"}, "ditbook.coverage.check": {"ditbook.cache.adapter"},
+             "ditbook.cachex": {"ditbook.coverage"}}
+    assert arrows_into(graph, STAGE_PACKAGES, PROBE) == ["ditbook.parallel.launch -> ditbook.coverage.cp"]
+
+
 def test_stage_packages_carry_the_notebook_names():
     stages = [re.sub(r"^\d+_", "", p.stem) for p in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))]
     assert stages == ["intake", "inspect", "cache", "parallel", "benchmark"]
@@ -85,6 +112,35 @@ def test_stage_packages_carry_the_notebook_names():
         assert (LIB / "ditbook" / stage / "stage.py").is_file(), f"lib/ditbook/{stage}/stage.py is missing"
         nb = (ROOT / "notebooks").glob(f"*_{stage}.ipynb").__next__().read_text()
         assert f"ditbook.{stage}" in nb, f"the {stage} notebook does not call its package"
+
+
+NOTEBOOK_HELPERS = ("ditbook.display", "ditbook.progress", "ditbook.widgets")  # display helpers
+
+
+def notebook_imports(nb_text: str) -> set[str]:
+    """The ``ditbook`` modules a notebook's code cells import."""
+    import json
+
+    out = set()
+    for cell in json.loads(nb_text)["cells"]:
+        if cell["cell_type"] == "code":
+            out |= set(re.findall(r"^\s*(?:from|import)\s+(ditbook[\w.]*)", "".join(cell["source"]), re.M))
+    return out
+
+
+def test_each_notebook_imports_its_stage_and_display_helpers_only():
+    for path in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")):
+        stage = re.sub(r"^\d+_", "", path.stem)
+        other = sorted(notebook_imports(path.read_text()) - {f"ditbook.{stage}.stage", *NOTEBOOK_HELPERS})
+        assert other == [], f"{path.name} imports {other}: give its stage.py those names"
+
+
+def test_notebook_import_check_sees_another_module():
+    import json
+
+    nb = json.dumps({"cells": [{"cell_type": "code", "source": ["from ditbook.cache.stage import x\n",
+                                                                 "from ditbook.inspect.report import ArchReport\n"]}]})
+    assert notebook_imports(nb) == {"ditbook.cache.stage", "ditbook.inspect.report"}
 
 
 def test_no_library_module_loaded_through_importlib():
@@ -116,6 +172,75 @@ def test_rebinding_check_sees_a_rebinding():
                                 ("c.py", "ok = F.scaled_dot_product_attention == fn\n"
                                          "F.scaled_dot_product_attention(q, k, v)\n"
                                          "FF.scaled_dot_product_attention = 1\n")]) == ["a.py", "b.py"]
+
+
+# --- run-time changes only through ditbook.hooks ------------------------------------------------
+
+SETTERS = ("setattr", "delattr", "object.__setattr__", "object.__delattr__")
+
+
+def foreign_changes(source: str) -> list[str]:
+    """Run-time changes made around ``ditbook.hooks``: ``unittest.mock`` (``mock.patch``), a function
+    assigned as an attribute of another object (a method replaced), an attribute of an imported
+    module assigned, and ``setattr``/``delattr`` on anything but ``self``."""
+    tree = ast.parse(source)
+    modules = {(a.asname or a.name).split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    funcs = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    out = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Import) and any(a.name.startswith("unittest.mock") for a in n.names) \
+                or isinstance(n, ast.ImportFrom) and (n.module or "").startswith("unittest") \
+                and (n.module == "unittest.mock" or any(a.name == "mock" for a in n.names)):
+            out.append(f"{n.lineno}: unittest.mock")
+        elif isinstance(n, ast.Attribute) and ast.unparse(n).endswith(("mock.patch", "patch.object")):
+            out.append(f"{n.lineno}: {ast.unparse(n)}")
+        elif isinstance(n, (ast.Assign, ast.AugAssign)):
+            for t in (n.targets if isinstance(n, ast.Assign) else [n.target]):
+                if not isinstance(t, ast.Attribute):
+                    continue
+                root = t.value
+                while isinstance(root, ast.Attribute):
+                    root = root.value
+                name = root.id if isinstance(root, ast.Name) else None
+                method = isinstance(n.value, ast.Lambda) or isinstance(n.value, ast.Name) and n.value.id in funcs
+                if name in modules or method and name not in ("self", "cls"):
+                    out.append(f"{n.lineno}: {ast.unparse(t)} = {ast.unparse(n.value)[:40]}")
+        elif isinstance(n, ast.Call) and ast.unparse(n.func) in SETTERS and n.args \
+                and not (isinstance(n.args[0], ast.Name) and n.args[0].id == "self"):
+            out.append(f"{n.lineno}: {ast.unparse(n)[:60]}")
+    first = {}
+    for x in out:  # one finding per line, in line order
+        first.setdefault(int(x.split(":")[0]), x)
+    return [first[k] for k in sorted(first)]
+
+
+def test_run_time_changes_go_through_hooks():
+    offenders = {str(p.relative_to(ROOT)): found for p in sorted((LIB / "ditbook").rglob("*.py"))
+                 if p.name != "hooks.py" and (found := foreign_changes(p.read_text()))}
+    assert offenders == {}, f"changes around ditbook.hooks (use wrap_method / swap_attribute / set_item): {offenders}"
+
+
+def test_foreign_change_check_sees_each_kind():
+    # the check itself can fail: each way around the hooks core is reported, the hooks' own ways are not
+    bad = ("import unittest.mock\n"
+           "from unittest import mock\n"
+           "import diffusers.models.attention as am\n"
+           "def fake(*a): pass\n"
+           "def f(cm, mod, proc):\n"
+           "    with mock.patch.object(mod, 'X', 1):\n"
+           "        pass\n"
+           "    cm.can_cache = fake\n"
+           "    proc.step = lambda: 0\n"
+           "    am.CONSTANT = 3\n"
+           "    setattr(proc, '_cp_config', None)\n")
+    assert [x.split(":")[0] for x in foreign_changes(bad)] == ["1", "2", "6", "8", "9", "10", "11"]
+    ok = ("from ditbook.hooks import swap_attribute, wrap_method\n"
+          "class A:\n"
+          "    def f(self, proc, row):\n"
+          "        setattr(self, 'n', 1)\n"
+          "        row.outcome = 'correct'\n"
+          "        swap_attribute(proc, '_cp_config', None)\n")
+    assert foreign_changes(ok) == []
 
 
 # --- function length: over LONG_LINES lines only with a reason ---------------------------------

@@ -79,10 +79,6 @@ def show(rows: Iterable[dict] | Table, title: str | None = None) -> None:
     print(repr(table))
 
 
-def dict_table(d: dict, title: str | None = None) -> Table:
-    return Table([(k, v) for k, v in d.items()], ["item", "value"], title)
-
-
 def image_grid(images: Iterable[np.ndarray], labels: Iterable[str], cols: int = 4, scale: float = 2.0):
     """A matplotlib figure with the images in a grid, each titled by its label."""
     import matplotlib

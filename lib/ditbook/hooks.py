@@ -19,6 +19,11 @@ registry remembers the callable it installed — and both wrapping again and rem
 with a named ``WrapError`` rather than drop the other one. ``WrapGroup`` applies several wraps (and
 torch hook handles) as one change: all or nothing, removed together.
 
+Data attributes and registry entries of objects ditbook does not own (a processor's config, a
+diffusers module constant, a diffusers registry dict) change through ``swap_attribute`` /
+``set_item``, whose ``SwapHandle`` undoes exactly the same way. Nothing in ``lib/`` uses
+``unittest.mock`` or assigns a method or a module attribute directly (``tests/test_structure.py``).
+
 Written here rather than taken from diffusers: diffusers' registry wraps ``forward`` of
 ``torch.nn.Module`` only and keeps hooks with state resets for its cache techniques; ditbook also
 wraps pipeline and VAE methods and needs the exact-undo guarantee above.
@@ -250,4 +255,67 @@ def snapshot_instance_attrs(root, attrs: tuple[str, ...] = ("forward", "_is_patc
     return restore
 
 
-__all__ = ["snapshot_instance_attrs", "WrapError", "WrapHandle", "WrapGroup", "wrap_method", "remove_wrap", "is_wrapped", "wrap_names", "remove_all"]
+# -- attributes and registry entries -------------------------------------------------------------
+def _label(obj: Any) -> str:
+    return getattr(obj, "__name__", None) or type(obj).__name__
+
+
+@dataclass
+class SwapHandle:
+    """Undoes one ``swap_attribute`` / ``set_item``: the attribute (or entry) exactly as it was —
+    absent again where it was absent (a class attribute shows through again), else the very object
+    that was there. Refuses (``WrapError``) when someone changed it after the swap; idempotent; a
+    context manager."""
+
+    obj: Any
+    name: Any
+    before: Any
+    value: Any
+    item: bool = False  # a container entry (``obj[name]``) rather than an attribute
+    done: bool = False
+
+    def _current(self) -> Any:
+        if self.item:
+            return self.obj[self.name] if self.name in self.obj else _MISSING
+        return vars(self.obj).get(self.name, _MISSING)
+
+    def remove(self) -> None:
+        if self.done:
+            return
+        if self._current() is not self.value:
+            raise WrapError(f"{_label(self.obj)}.{self.name} was changed outside ditbook.hooks while swapped")
+        if self.item:
+            if self.before is _MISSING:
+                del self.obj[self.name]
+            else:
+                self.obj[self.name] = self.before
+        elif self.before is _MISSING:
+            delattr(self.obj, self.name)
+        else:
+            setattr(self.obj, self.name, self.before)
+        self.done = True
+
+    def __enter__(self) -> "SwapHandle":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+
+def swap_attribute(obj: Any, name: str, value: Any) -> SwapHandle:
+    """Set ``obj.<name>`` (an instance, a class or a module: a module's constant is process-wide
+    while swapped, so keep the handle's scope short) and return the handle that puts it back."""
+    before = vars(obj).get(name, _MISSING)
+    setattr(obj, name, value)
+    return SwapHandle(obj, name, before, value)
+
+
+def set_item(container: Any, key: Any, value: Any) -> SwapHandle:
+    """Set ``container[key]`` (a registry dict of another library) and return the handle that puts
+    the entry back exactly (removed where it was absent)."""
+    before = container[key] if key in container else _MISSING
+    container[key] = value
+    return SwapHandle(container, key, before, value, item=True)
+
+
+__all__ = ["SwapHandle", "swap_attribute", "set_item", "snapshot_instance_attrs", "WrapError", "WrapHandle", "WrapGroup", "wrap_method", "remove_wrap", "is_wrapped", "wrap_names", "remove_all"]

@@ -97,7 +97,13 @@ def check_model_folder(path: Path) -> dict:
     return index
 
 
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf")
+# what a weight file is, by suffix: the one rule the load check and the approval hash
+# (``inspect.plan``: which files the model identity covers) both use
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".msgpack", ".onnx")
+
+
+def is_weight_file(path: str | Path) -> bool:
+    return Path(path).name.endswith(WEIGHT_SUFFIXES)
 
 
 def _weights_problem(file: Path) -> str | None:
@@ -136,7 +142,7 @@ def component_problems(folder: Path, name: str) -> list[str]:
             except (OSError, ValueError) as exc:
                 problems.append(f"{name}: {f.name} is not readable JSON ({exc})")
     config = folder / "config.json"
-    weights = sorted(f for f in files if f.name.endswith(WEIGHT_SUFFIXES))
+    weights = sorted(f for f in files if is_weight_file(f))
     index_files = sorted(f for f in files if f.name.endswith(".index.json"))
     for idx in index_files:  # sharded weights: every shard the index names must be there
         try:

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from .settings import Gates  # the gate type; its numbers are written in settings only
+from .settings import BLANK_STD, Gates  # the gate type; its numbers are written in settings only
 
 PSNR_CAP = 100.0  # identical images: reported as this value rather than infinity
 FRAME_REDUCE = "min"  # a video's PSNR/SSIM/worst tile: its worst frame's (stated in every video report)
@@ -96,7 +96,7 @@ class QualityReport:
         return d
 
 
-def is_blank(image, tol: float = 1e-3) -> bool:
+def is_blank(image, tol: float = BLANK_STD) -> bool:
     a = _as_float(image)
     return bool(np.isfinite(a).all() and float(a.std()) < tol)
 

@@ -38,6 +38,15 @@ DEVICES = ("auto", "cpu", "cuda")  # or cuda:N
 MIN_USEFUL_SPEEDUP = 1.05
 ALWAYS_CHECKED = ["no NaN/Inf", "no blank image", "worst-tile PSNR within tile_margin_db of the gate"]
 
+# tolerances of ditbook's own checks (not card keys: they judge ditbook's machinery, not the model's
+# images), as (fp32/fp64, lower precision):
+# every CP rank simulated in one process against the plain forward: max relative error
+CP_DRYRUN_REL_TOL = (1e-3, 3e-2)
+# an attention path (GQA) against ``enable_gqa``'s result: max absolute difference
+GQA_PATH_ATOL = (1e-4, 2e-2)
+# an image whose pixel standard deviation is below this is blank
+BLANK_STD = 1e-3
+
 # -- checks: value -> (value, error or None) ------------------------------------------------
 Check = Callable[[Any], "tuple[Any, str | None]"]
 
@@ -123,6 +132,17 @@ def optional(inner: Check) -> Check:
         return (None, None) if v is None else inner(v)
     check.kind = f"{getattr(inner, 'kind', 'value')} or null"
     check.optional = True
+    return check
+
+
+def section(cls: type) -> Check:
+    """A nested mapping parsed into the settings class ``cls`` (unknown keys and wrong values refused)."""
+    def check(v):
+        if not isinstance(v, dict):
+            return v, f"must be a mapping, {_got(v)}"
+        out, problems = parse_section(cls, v, "")
+        return out, "; ".join(f"{k.lstrip('.')}: {m}" for k, m in problems) or None
+    check.kind = "mapping"
     return check
 
 
@@ -245,13 +265,37 @@ class CacheSettings:
 
 
 @dataclass
+class ParallelCache:
+    """``parallel.cache:`` — the DBCache options of ``+cache`` plans, by cache-dit's ``DBCacheConfig``
+    names; a key left out takes the cache strategy's default (``cache.strategies.dbcache.DBCacheSettings``,
+    the one place DBCache's defaults are written)."""
+
+    Fn_compute_blocks: int | None = setting(None, optional(integer(0)), "blocks always computed first")
+    Bn_compute_blocks: int | None = setting(None, optional(integer(0)), "blocks always computed last")
+    residual_diff_threshold: float | None = setting(None, optional(number(0.0)), "cache when the residual changed less")
+    max_warmup_steps: int | None = setting(None, optional(integer(0)), "steps computed before caching starts")
+    max_cached_steps: int | None = setting(None, optional(integer(-1)), "cached steps at most (-1: no limit)")
+    max_continuous_cached_steps: int | None = setting(None, optional(integer(-1)), "cached steps in a row at most")
+    steps_computation_mask: list[int] | None = setting(None, optional(list_of(integer(0, 1))),
+                                                       "1 = a computed step, one entry per step (a static schedule)")
+    steps_computation_policy: str | None = setting(None, optional(text(("dynamic", "static"))),
+                                                   "static: the mask alone decides which steps compute")
+    num_inference_steps: int | None = setting(None, optional(integer(1)), "steps of the schedule")
+
+    def options(self) -> dict:
+        """The keys set, as cache-dit ``DBCacheConfig`` keywords."""
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+@dataclass
 class ParallelSettings:
     """``parallel:`` — which plans run and their quality gates."""
 
     gates: Gates = setting(check=None, factory=lambda: Gates(psnr=35.0),
                            doc="each plan against the single-process run of the same launch")
     plans: list[str] | None = setting(None, optional(list_of(text())), "plan names to run (null: every feasible plan)")
-    cache: dict | None = setting(None, optional(mapping()), "DBCache options of +cache plans (null: ditbook's defaults)")
+    cache: ParallelCache | None = setting(None, optional(section(ParallelCache)),
+                                         "DBCache options of +cache plans (ParallelCache; null: the cache strategy's defaults)")
     compile_backend: str = setting("inductor", text(), "torch.compile backend of +compile plans (aot_eager: trace without kernels, a CPU check)")
 
 
@@ -370,10 +414,10 @@ def reference_table() -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Gates", "Generation", "RuntimeSettings", "InspectSettings", "CacheSettings", "ParallelSettings",
+__all__ = ["Gates", "Generation", "RuntimeSettings", "InspectSettings", "CacheSettings", "ParallelCache", "ParallelSettings",
            "BenchmarkSettings", "SECTIONS", "GATED_SECTIONS", "FAMILY_SECTION", "parse_section", "reference_rows",
            "reference_table", "MAX_STEPS", "SIDE_MULTIPLE", "MAX_SIDE", "DTYPES", "DEVICES", "MIN_USEFUL_SPEEDUP",
-           "ALWAYS_CHECKED"]
+           "ALWAYS_CHECKED", "CP_DRYRUN_REL_TOL", "GQA_PATH_ATOL", "BLANK_STD"]
 
 if __name__ == "__main__":
     print(reference_table())

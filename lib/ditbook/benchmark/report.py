@@ -415,7 +415,7 @@ def rebuild(run_dir: str | Path, figures: bool = True) -> tuple[Path, Path]:
     if not run.exists():
         raise FileNotFoundError(f"{run_dir} is not a run folder (no run.json)")
     if figures and run.has_results("benchmark"):
-        from .stage import make_figures
+        from .figures import make_figures
 
         try:
             make_figures(run)

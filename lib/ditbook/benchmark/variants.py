@@ -23,10 +23,19 @@ import json
 from typing import Callable
 
 from ..configuration import Config, baseline_config
+from ..settings import FAMILY_SECTION, SECTIONS, Gates
 from .attention_backends import backend_config, measure_pipeline_backends
 from .compiled import compile_options, compiled_config
 
 BACKENDS_FILE = "attention_backends.json"
+
+
+def backend_gate(card) -> Gates:
+    """The gates that judge another attention backend: the card's section for the ``attention``
+    family (``settings.FAMILY_SECTION``); that section's defaults without a card."""
+    name = FAMILY_SECTION["attention"]
+    section = getattr(card, name, None) if card is not None else None
+    return section.gates if section is not None else SECTIONS[name]().gates
 
 
 def attention_backend_configs(ctx, pipe, setting, *, log: Callable[[str], None] = print,
@@ -41,6 +50,8 @@ def attention_backend_configs(ctx, pipe, setting, *, log: Callable[[str], None] 
 
     _, prompt, seed = cases(ctx.card)[0]
     kwargs = call_kwargs(pipe, ctx.card)
+    psnr = backend_gate(ctx.card).psnr  # the card's gates, not the default ones
+    measure_kw = {"min_psnr": psnr, "min_kernel_psnr": psnr, **measure_kw}
     table = measure_pipeline_backends(pipe, lambda: pipe(prompt=prompt, generator=make_generator(seed), **kwargs),
                                       log=log, **measure_kw)
     data = table.to_dict()
@@ -94,4 +105,4 @@ def derived_configs(ctx, pipe, configs: list[Config], *, compile=None, attention
     return out, table
 
 
-__all__ = ["BACKENDS_FILE", "attention_backend_configs", "derived_configs", "fp8_configs"]
+__all__ = ["BACKENDS_FILE", "attention_backend_configs", "backend_gate", "derived_configs", "fp8_configs"]

@@ -35,7 +35,7 @@ the benchmark runs without cache configurations), ``adapter_fallback`` (why cach
 registered adapter was replaced by ditbook's: it failed the caching-off check).
 
 The caching-off check is a hard gate: a strategy that runs with caching off but does not
-reproduce the baseline stops the stage (``stage.AdapterCheckFailed``). ``coverage`` runs the
+reproduce the baseline stops the stage (``stage.AdapterCheckFailed``). The probe ``ditbook.coverage`` (not part of this stage) runs the
 same checks on a tiny instance of every transformer class diffusers exports
 (``benchmarks/coverage.py`` -> ``docs/coverage.md``).
 """

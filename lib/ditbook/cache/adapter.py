@@ -524,14 +524,14 @@ class CacheAdapter:
     def diffusers_identifiers(self, *modules):
         """diffusers' block hooks look for top-level children named like ``blocks`` /
         ``transformer_blocks``; this adds our block lists' names while a hook is applied."""
-        import unittest.mock
+        from .. import hooks
 
         extra = tuple(p for p, _, _ in self.block_lists() if "." not in p)
         with contextlib.ExitStack() as stack:
             for mod in modules:
                 for attr in ("_ALL_TRANSFORMER_BLOCK_IDENTIFIERS",):
                     if hasattr(mod, attr):
-                        stack.enter_context(unittest.mock.patch.object(
+                        stack.enter_context(hooks.swap_attribute(
                             mod, attr, tuple(dict.fromkeys(getattr(mod, attr) + extra))))
             yield
 

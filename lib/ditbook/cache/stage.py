@@ -27,6 +27,11 @@ from . import strategies
 from .adapter import CacheAdapter, CacheRefused, build_cache_adapter
 from .loopfold import FoldError
 from .verify import StrategyResult, counted_render, disabled_check, evaluate, max_abs, noise_floor
+# the 03_cache notebook imports this module (and the display helpers) only: the other names it uses
+from ..context import open_stage  # noqa: F401
+from ..inspect.report import ArchReport  # noqa: F401
+from . import plots  # noqa: F401
+from .upstream import write_upstream  # noqa: F401
 
 
 class NoiseFloorError(RuntimeError):

@@ -24,6 +24,7 @@ import json
 import os
 from pathlib import Path
 
+from ..loading import is_weight_file
 from .code_surface import CodeSurface
 from .report import ArchReport
 
@@ -51,9 +52,6 @@ def _file_digest(path: Path, size: int) -> str:
     return h.hexdigest()[:16]
 
 
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".msgpack", ".onnx")
-
-
 def _walk(root: Path):
     for base, dirs, names in os.walk(root):
         dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d != "__pycache__")
@@ -67,7 +65,7 @@ def _model_files(folder: Path) -> list[Path]:
     components it lists. Any other folder: its weight files (by suffix), wherever they are."""
     index = folder / "model_index.json"
     if not index.is_file():
-        return [p for p in _walk(folder) if p.name.endswith(WEIGHT_SUFFIXES)]
+        return [p for p in _walk(folder) if is_weight_file(p)]
     try:
         entries = json.loads(index.read_text())
     except ValueError:

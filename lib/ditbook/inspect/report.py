@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
 
 
 def _build(cls, data: dict | None):
@@ -147,7 +146,3 @@ class ArchReport:
             if b.path == path:
                 return b
         raise KeyError(f"no block list {path!r}; have {[b.path for b in self.block_lists]}")
-
-
-def jsonable(value: Any) -> Any:
-    return json.loads(json.dumps(value, default=str))

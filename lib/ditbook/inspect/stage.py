@@ -12,6 +12,9 @@ from pathlib import Path
 from .code_surface import CodeSurface, code_surface
 from .plan import build_plan, write_plan
 from .report import ArchReport
+# the 02_inspect notebook imports this module (and the display helpers) only: the other names it uses
+from ..context import open_stage  # noqa: F401
+from .tables import block_rows, fact_rows  # noqa: F401
 
 
 @dataclass

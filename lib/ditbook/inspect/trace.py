@@ -63,14 +63,6 @@ class AttentionCallMode(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def attention_calls(module: nn.Module, run: Callable[[], Any]) -> list[dict]:
-    """The attention calls (query/key shapes) ``run()`` makes, seen by a TorchFunctionMode."""
-    seen: list[dict] = []
-    with AttentionCallMode(lambda q, k, m, g: seen.append({"q": list(q.shape), "k": list(k.shape)})):
-        run()
-    return seen
-
-
 class _Call:
     def __init__(self, path: str, index: int, bound: dict, positional: list[str], keywords: list[str]):
         self.path, self.index, self.bound = path, index, bound
@@ -211,10 +203,6 @@ def _out(call: _Call, role: str):
     return None
 
 
-def _describe_value(v) -> str:
-    return f"tensor{_shape(v)}" if isinstance(v, torch.Tensor) else type(v).__name__
-
-
 def analyse_calls(tracer: Tracer, transformer: nn.Module, report: ArchReport) -> None:
     """Fill the report's block lists, loop work and attention facts from the recorded calls."""
     outputs_seen: dict[int, tuple[str, int]] = {}
@@ -348,21 +336,21 @@ def trace_calls(transformer: nn.Module, run: Callable[[], Any], report: ArchRepo
 
         report = inspect_transformer(transformer)
     tracer = Tracer(transformer, [b.path for b in report.block_lists])
-    original_step = None
+    counting = None
     if scheduler is not None:
-        original_step = scheduler.step
+        from ..hooks import wrap_method
 
-        def counting_step(*a, **kw):
+        def counting_step(original, *a, **kw):
             tracer.steps += 1
-            return original_step(*a, **kw)
+            return original(*a, **kw)
 
-        scheduler.step = counting_step  # on this instance only; removed below
+        counting = wrap_method(scheduler, "count-steps", counting_step, attr="step")  # this instance; removed below
     try:
         with tracer, torch.no_grad():
             run()
     finally:
-        if scheduler is not None and "step" in vars(scheduler):
-            del scheduler.step
+        if counting is not None:
+            counting.remove()
     analyse_calls(tracer, transformer, report)
     cfg = report.cfg
     cfg.transformer_calls = tracer.forwards

@@ -13,6 +13,11 @@ from .environment import environment_rows
 from .reference import reference_facts, write_reference
 from ..render import is_video, render_all, save_renders
 from ..context import StageContext
+# the 01_intake notebook imports this module (and the display helpers) only: the other names it uses
+from ..card import GateError, gate_problems  # noqa: F401
+from ..context import open_stage  # noqa: F401
+from .card_form import card_form  # noqa: F401
+from .reference import ReferenceFacts  # noqa: F401
 
 
 @dataclass

@@ -9,8 +9,6 @@ Main entry points:
 - ``sharding``: what each rank's blocks received (``BlockInputRecorder``), ``check_sharding``
   raising ``ShardingError`` when it is not the full length / degree; every launched plan records
   it (``details.sharding``) and the judge fails a CP plan whose split is not verified
-- ``coverage_cp(transformer, args, kwargs) -> dict(outcome, reason, seq_lens, source)``: the CP
-  plan of a bare transformer, executed on 2 gloo ranks with the sharding check
 - ``plans.refusal``: plans ditbook refuses before launch (tensor parallel: nothing would be sharded)
 - ``apply_cfg_parallel(transformer, style, group)``
 - ``time_gqa(...)`` and ``route_attention(transformer, gqa_path)``
@@ -24,11 +22,5 @@ from .plans import PlanSpec, parse_plan, plan_name
 from .sharding import ShardingError
 
 
-def coverage_cp(transformer, args, kwargs, degree: int = 2, plan: dict | None = None, timeout: float = 120.0) -> dict:
-    """See ``parallel.coverage.coverage_cp`` (imported on use: it forks gloo processes)."""
-    from .coverage import coverage_cp as run
-
-    return run(transformer, args, kwargs, degree=degree, plan=plan, timeout=timeout)
-
 __all__ = ["Feasibility", "FeasibilityTable", "feasibility", "LaunchResult", "ParallelRunError", "PlanResult",
-           "launch", "run_plans", "PlanSpec", "parse_plan", "plan_name", "ShardingError", "coverage_cp"]
+           "launch", "run_plans", "PlanSpec", "parse_plan", "plan_name", "ShardingError"]

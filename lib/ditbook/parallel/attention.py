@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ..hooks import WrapGroup
+from ..settings import GQA_PATH_ATOL
 
 _SDPA = F.scaled_dot_product_attention  # the real one (nothing here rebinds it)
 
@@ -93,7 +94,7 @@ def time_gqa(heads: int, kv_heads: int, head_dim: int, seq_len: int, *, batch: i
                 r = r.transpose(1, 2)
             if ref is None:
                 ref = r
-            elif not torch.allclose(r.float(), ref.float(), atol=2e-2 if dt != torch.float32 else 1e-4):
+            elif not torch.allclose(r.float(), ref.float(), atol=GQA_PATH_ATOL[dt != torch.float32]):
                 out.errors[name] = "result differs from enable_gqa"
                 continue
             out.seconds[name] = statistics.median(ts)

@@ -16,13 +16,21 @@ split planned at a list's first block moves onto that unit (``split_at_cached_un
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-DEFAULT_DBCACHE = {"Fn_compute_blocks": 1, "Bn_compute_blocks": 0, "residual_diff_threshold": 0.12,
-                   "max_warmup_steps": 2, "max_cached_steps": -1}
+
+
+def default_dbcache() -> dict:
+    """DBCache's defaults as cache-dit keywords: the cache strategy's (``DBCacheSettings``), written once."""
+    from ..cache.strategies.dbcache import DBCache, DBCacheSettings
+
+    kwargs = DBCache.cache_kwargs(DBCacheSettings())
+    kwargs.pop("num_inference_steps")
+    return kwargs
 
 
 @dataclass
@@ -30,15 +38,20 @@ class CacheAgreement:
     decisions: int = 0
     skips: int = 0
     disagreements: int = 0
+    handle: Any = field(default=None, repr=False, compare=False)  # takes the agreement off (exact undo)
+
+    def remove(self) -> None:
+        if self.handle is not None:
+            self.handle.remove()
 
     def to_dict(self) -> dict:
-        return dict(self.__dict__)
+        return {k: v for k, v in self.__dict__.items() if k != "handle"}
 
 
 def dbcache_config(options: dict | None = None):
     from cache_dit import DBCacheConfig
 
-    return DBCacheConfig(**{**DEFAULT_DBCACHE, **(options or {})})
+    return DBCacheConfig(**{**default_dbcache(), **(options or {})})
 
 
 def static_schedule(mask) -> dict:
@@ -63,11 +76,11 @@ def agree_cache_decisions(pipe, group=None) -> CacheAgreement:
     cm = getattr(pipe, "_context_manager", None) or getattr(pipe.transformer, "_context_manager", None)
     if cm is None:
         raise RuntimeError("no cache-dit context manager on this pipeline: enable the cache first")
-    stats = CacheAgreement()
-    orig = cm.can_cache
+    from ..hooks import wrap_method
 
-    @functools.wraps(orig)
-    def can_cache(*args, **kwargs):
+    stats = CacheAgreement()
+
+    def can_cache(orig, *args, **kwargs):
         local = bool(orig(*args, **kwargs))
         flag = torch.tensor([1 if local else 0], dtype=torch.int32, device=_collective_device(group))
         if dist.is_initialized() and dist.get_world_size(group) > 1:
@@ -78,19 +91,9 @@ def agree_cache_decisions(pipe, group=None) -> CacheAgreement:
         stats.disagreements += int(agreed != local)
         return agreed
 
-    cm.can_cache = can_cache  # instance attribute: this pipeline's context manager only
+    # this pipeline's context manager only; ``stats.remove()`` puts cache-dit's decision back exactly
+    stats.handle = wrap_method(cm, "agree-cache-decisions", can_cache, attr="can_cache")
     return stats
-
-
-def cache_summary(pipe) -> dict:
-    """Cached steps per cache context, from cache-dit's stats."""
-    try:
-        import cache_dit
-
-        stats = cache_dit.summary(pipe) or []
-        return {"cached_steps": [list(getattr(s, "cached_steps", [])) for s in stats]}
-    except Exception as exc:  # noqa: BLE001
-        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 class CacheSplitError(RuntimeError):

@@ -51,7 +51,8 @@ from torch.overrides import TorchFunctionMode
 
 from .cp_plan import (ForwardTrace, PlanCheckError, Streams, _is_input, _is_output, _main_output, _shapes,
                       _tensors, expected_lengths)
-from ..hooks import WrapGroup
+from ..hooks import WrapGroup, swap_attribute
+from ..settings import CP_DRYRUN_REL_TOL
 from .sharding import bind_inputs
 
 _SDPA = torch.nn.functional.scaled_dot_product_attention
@@ -305,22 +306,15 @@ def _cp_processors(transformer, lists: list[str]) -> dict[str, object]:
     return out
 
 
-def _set_configs(proc, value) -> dict:
+def _set_configs(proc, value) -> list:
     """Set both CP config attributes of ``proc`` (as cache-dit's ``_enable_context_parallelism``
-    does); returns what to restore."""
-    saved = {}
-    for attr in _CONFIG_ATTRS:
-        saved[attr] = proc.__dict__.get(attr, _MISSING)
-        setattr(proc, attr, value)
-    return saved
+    does); returns the handles that restore them (``ditbook.hooks.swap_attribute``)."""
+    return [swap_attribute(proc, attr, value) for attr in _CONFIG_ATTRS]
 
 
-def _restore_configs(proc, saved: dict) -> None:
-    for attr, old in saved.items():
-        if old is _MISSING:
-            proc.__dict__.pop(attr, None)
-        else:
-            setattr(proc, attr, old)
+def _restore_configs(proc, saved: list) -> None:
+    for handle in reversed(saved):
+        handle.remove()
 
 
 def _attention_wrapper(world: _World, name: str, module, probe: bool):
@@ -350,12 +344,12 @@ def _attention_wrapper(world: _World, name: str, module, probe: bool):
                 first_cp = frame.n_sdpa
             world.run.cp_calls[(name, idx)] = first_cp
             proc = module.processor
-            _set_configs(proc, None)  # run the call again without the probe, as CP from there on
+            off = _set_configs(proc, None)  # run the call again without the probe, as CP from there on
             frame.cp_from, frame.n_sdpa = first_cp, 0
             try:
                 return original(*args, **kwargs)
             finally:
-                _set_configs(proc, world.probe)
+                _restore_configs(proc, off)  # the probe again, exactly
         finally:
             st.frames.pop()
     return wrapper
@@ -698,7 +692,7 @@ def simulate_ranks(transformer, args, kwargs, plan: dict, degree: int, lists: li
 
 
 def _tolerance(t: torch.Tensor) -> float:
-    return 1e-3 if t.dtype in (torch.float32, torch.float64) else 3e-2
+    return CP_DRYRUN_REL_TOL[0] if t.dtype in (torch.float32, torch.float64) else CP_DRYRUN_REL_TOL[1]
 
 
 def _rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:

@@ -11,16 +11,19 @@ shapes no longer match its mask and it raises). ``limit_cp_to`` confines CP to t
 
 from __future__ import annotations
 
+from ..hooks import swap_attribute
+
 
 def _inside(name: str, prefixes) -> bool:
     return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
-def limit_cp_to(transformer, lists: list[str] | None, route=None) -> list[str]:
+def limit_cp_to(transformer, lists: list[str] | None, route=None, undo=None) -> list[str]:
     """After CP is enabled: attention processors outside ``lists`` (module-name prefixes) lose the
     CP config cache-dit gave them, and ``route`` (an ``AttentionRoute``) sends only the SDPA calls
     of modules inside ``lists`` through the CP attention. A processor object shared with a module
-    inside ``lists`` keeps its config. Returns the attention modules taken out of CP."""
+    inside ``lists`` keeps its config. Returns the attention modules taken out of CP; ``undo`` (a
+    ``hooks.WrapGroup``, optional) keeps the handles that give the configs back exactly."""
     if not lists:
         return []
     if route is not None:
@@ -42,6 +45,8 @@ def limit_cp_to(transformer, lists: list[str] | None, route=None) -> list[str]:
             continue
         for attr in ("_parallel_config", "_cp_config"):
             if hasattr(proc, attr):
-                setattr(proc, attr, None)
+                handle = swap_attribute(proc, attr, None)
+                if undo is not None:
+                    undo.track(handle)
         taken.append(name)
     return taken

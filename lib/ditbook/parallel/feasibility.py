@@ -107,14 +107,6 @@ def _cache_dit_registered(folder: str, registry: str) -> set[str]:
     return names
 
 
-def _prefix_registered(cls_name: str, names: set[str]) -> str | None:
-    # cache-dit's own registries match by class-name prefix; mirror that to report what it would pick
-    for n in sorted(names, key=len, reverse=True):
-        if cls_name.startswith(n):
-            return n
-    return None
-
-
 def _cfg_active(report: ArchReport, card: ModelCard) -> tuple[bool, str]:
     style = report.cfg.style
     gen = card.generation

@@ -372,7 +372,7 @@ def run_plans(card: str | Path, plans: list[str], nproc: int, out_dir: str | Pat
         from .graphs import cache_graph_refusal
 
         c = load_card(card, launch_opts.get("overrides"))
-        reason = cache_graph_refusal(c.parallel.cache, c.generation.steps)
+        reason = cache_graph_refusal(c.parallel.cache.options() if c.parallel.cache else None, c.generation.steps)
         if reason:
             raise PlanRefused(f"plans {', '.join(cached_graphs)}: {reason}")
     if graphed and not _cuda_available():

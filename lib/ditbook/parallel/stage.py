@@ -26,6 +26,10 @@ from .attention import model_gqa_shapes, time_gqa
 from .feasibility import FeasibilityTable, device_refusal
 from .launch import run_plans
 from .plans import parse_plan, refusal
+# the 04_parallel notebook imports this module (and the display helpers) only: the other names it uses
+from ..context import open_stage  # noqa: F401
+from ..inspect.report import ArchReport  # noqa: F401
+from .feasibility import feasibility  # noqa: F401
 
 
 def choose_plans(table: FeasibilityTable, nproc: int, wanted: list[str] | None = None,

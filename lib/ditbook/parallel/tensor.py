@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
+from ..hooks import swap_attribute
 from .sharding import ShardingError
 
 
@@ -278,9 +279,8 @@ def apply_tensor_parallel(transformer: nn.Module, plan: TensorPlan, degree: int,
     for attn_path in plan.attention:
         module = transformer.get_submodule(attn_path)
         for attr, value in head_attributes(module, heads, kv_heads).items():
-            setattr(module, attr, value // degree)
+            applied._undo.append(swap_attribute(module, attr, value // degree).remove)
             applied.heads_set.setdefault(attn_path, {})[attr] = [value, value // degree]
-            applied._undo.append(lambda m=module, a=attr, v=value: setattr(m, a, v))
     parallelize_module(transformer, mesh, styles)
     return applied
 

@@ -259,11 +259,14 @@ def apply_own_ring(tr, plan: dict, spec) -> tuple[list[str], object]:
     _apply_context_parallel(tr, cpc, plan)
     # cache-dit's planners patch some processor classes to read ``_cp_config`` (set by its own
     # enable path, which this one skips): None on each instance says "no CP attention here"
+    from ..hooks import WrapGroup, swap_attribute
+
+    recorder.cp_config_undo = WrapGroup("no-cp-config")  # exact undo of the None configs below
     for module in tr.modules():
         proc = getattr(module, "processor", None)
         for attr in ("_cp_config", "_parallel_config"):
             if proc is not None and not hasattr(proc, attr):
-                setattr(proc, attr, None)
+                recorder.cp_config_undo.track(swap_attribute(proc, attr, None))
     return modules, recorder
 
 
@@ -340,19 +343,13 @@ def compile_repeated_blocks(tr, backend: str = "inductor") -> str:
     compiled in place. ``backend``: the card's ``parallel.compile_backend`` (inductor; a CPU check
     may name ``aot_eager``, which traces the same graphs without generating kernels). Returns which
     of the two it used, with the backend when it is not inductor."""
-    suffix = "" if backend == "inductor" else f" ({backend})"
-    if getattr(tr, "_repeated_blocks", None) and hasattr(tr, "compile_repeated_blocks"):
-        tr.compile_repeated_blocks(fullgraph=False, backend=backend)
-        return "compile_repeated_blocks" + suffix
-    from ..inspect.static import find_block_lists
+    from ..regional import compile_regions
 
-    lists, _ = find_block_lists(tr)
-    if not lists:
-        raise RuntimeError(f"+compile: {type(tr).__name__} has no block lists to compile regionally")
-    for _, blocks in lists:
-        for block in blocks:
-            block.compile(backend=backend)
-    return "block lists: " + ", ".join(name for name, _ in lists) + suffix
+    try:
+        _, method, _ = compile_regions(tr, backend=backend)  # the blocks stay compiled for the process
+    except ValueError as exc:
+        raise RuntimeError(f"+compile: {exc}") from exc
+    return method + ("" if backend == "inductor" else f" ({backend})")
 
 
 def _init_group(card, args, local: int):
@@ -379,7 +376,7 @@ def _checked_spec(name: str, card, world: int):
     if refusal(spec):
         raise RuntimeError(f"plan {name}: {refusal(spec)}")
     if spec.cache and "cache" not in spec.options and card.parallel.cache:
-        spec = type(spec)(**{**spec.__dict__, "options": {"cache": card.parallel.cache}})
+        spec = type(spec)(**{**spec.__dict__, "options": {"cache": card.parallel.cache.options()}})
     if spec.cache and spec.graph:
         from .graphs import cache_graph_refusal
 

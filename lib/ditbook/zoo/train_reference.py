@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ import numpy as np
 import torch
 
 from . import flux, shapes
+from .training import deterministic, optimise
 
 SIZE = flux.FluxSize(
     heads=4,
@@ -61,36 +61,18 @@ class TrainConfig:
     device: str = "cpu"
 
 
-def _lr(step: int, total: int, peak: float, warmup: int) -> float:
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    return peak * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(total - warmup, 1)))
-
-
 def train_vae(vae, images: torch.Tensor, cfg: TrainConfig, log) -> list[float]:
-    opt = torch.optim.AdamW(vae.parameters(), lr=cfg.vae_lr, weight_decay=0.0)
-    g = torch.Generator().manual_seed(cfg.seed + 1)
-    losses = []
-    vae.train()
-    for step in range(cfg.vae_steps):
-        for group in opt.param_groups:
-            group["lr"] = _lr(step, cfg.vae_steps, cfg.vae_lr, 50)
+    def step_loss(g):
         x = images[torch.randint(0, len(images), (cfg.vae_batch,), generator=g)].to(cfg.device)
         post = vae.encode(x).latent_dist
         z = post.mean + post.std * torch.randn(post.mean.shape, generator=g).to(cfg.device)
         y = vae.decode(z).sample
         rec = (y - x).abs().mean() + (y - x).pow(2).mean()
         kl = post.kl().mean() / z[0].numel()
-        loss = rec + cfg.vae_kl * kl
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
-        opt.step()
-        losses.append(rec.item())
-        if step % 100 == 0 or step == cfg.vae_steps - 1:
-            log(f"vae step {step} rec {np.mean(losses[-100:]):.4f}")
-    vae.eval()
-    return losses
+        return rec + cfg.vae_kl * kl, rec
+
+    return optimise(vae, step_loss, steps=cfg.vae_steps, lr=cfg.vae_lr, warmup=50, weight_decay=0.0,
+                    seed=cfg.seed + 1, log=log, label="vae", recorded="rec")
 
 
 def train_transformer(transformer, latents, scene_idx, text, cfg: TrainConfig, log) -> list[float]:
@@ -104,13 +86,8 @@ def train_transformer(transformer, latents, scene_idx, text, cfg: TrainConfig, l
     img_ids = FluxPipeline._prepare_latent_image_ids(cfg.batch, h // 2, w // 2, dev, torch.float32)
     txt_ids = torch.zeros(embeds.shape[1], 3, device=dev)
     embeds, pooled = embeds.to(dev), pooled.to(dev)
-    opt = torch.optim.AdamW(transformer.parameters(), lr=cfg.lr, weight_decay=0.01)
-    g = torch.Generator().manual_seed(cfg.seed + 2)
-    losses = []
-    transformer.train()
-    for step in range(cfg.steps):
-        for group in opt.param_groups:
-            group["lr"] = _lr(step, cfg.steps, cfg.lr, cfg.warmup)
+
+    def step_loss(g):
         pick = torch.randint(0, n, (cfg.batch,), generator=g)
         x0 = FluxPipeline._pack_latents(latents[pick], cfg.batch, c, h, w).to(dev)
         cond = scene_idx[pick].clone()
@@ -135,18 +112,18 @@ def train_transformer(transformer, latents, scene_idx, text, cfg: TrainConfig, l
             img_ids=img_ids,
         ).sample
         loss = (pred - (noise - x0)).pow(2).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(transformer.parameters(), 1.0)
-        opt.step()
-        losses.append(loss.item())
-        if step % 100 == 0 or step == cfg.steps - 1:
-            log(f"transformer step {step} loss {np.mean(losses[-100:]):.4f}")
-    transformer.eval()
-    return losses
+        return loss, loss
+
+    return optimise(transformer, step_loss, steps=cfg.steps, lr=cfg.lr, warmup=cfg.warmup, weight_decay=0.01,
+                    seed=cfg.seed + 2, log=log, label="transformer")
 
 
 def train(out: Path, cfg: TrainConfig) -> dict:
+    with deterministic(cfg.device):
+        return _train(out, cfg)
+
+
+def _train(out: Path, cfg: TrainConfig) -> dict:
     # long: one training loop with its logging, evaluation and save, kept together to read as a script
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
@@ -160,11 +137,6 @@ def train(out: Path, cfg: TrainConfig) -> dict:
     images = torch.from_numpy(images_u8).permute(0, 3, 1, 2).float() / 127.5 - 1.0
     log(f"rendered {len(images)} images of {len(scenes)} scenes")
 
-    if cfg.device != "cpu":
-        torch.backends.cudnn.deterministic = True
-        torch.backends.cudnn.benchmark = False
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
     pipe.vae.to(cfg.device)
     pipe.transformer.to(cfg.device)
     vae_losses = train_vae(pipe.vae, images, cfg, log)

@@ -32,7 +32,7 @@ import torch
 
 from . import moving_shapes, vocab
 from .parts import make_t5
-from .train_reference import _lr
+from .training import deterministic, optimise
 
 MAX_SEQUENCE_LENGTH = 24  # UMT5 tokens ("moving", "up", "down" are spelled in characters); the card passes it too
 NEGATIVE_PROMPT = "blurry low quality"  # trained as an unconditional prompt, like the empty one
@@ -124,14 +124,9 @@ def to_video_tensor(clips_u8: np.ndarray) -> torch.Tensor:
 
 
 def train_vae(vae, clips: torch.Tensor, cfg: TrainConfig, log) -> list[float]:
-    opt = torch.optim.AdamW(vae.parameters(), lr=cfg.vae_lr, weight_decay=0.0)
-    g = torch.Generator().manual_seed(cfg.seed + 1)
     background = torch.tensor(moving_shapes.BACKGROUND, device=cfg.device).view(1, 3, 1, 1, 1) / 127.5 - 1.0
-    losses = []
-    vae.train()
-    for step in range(cfg.vae_steps):
-        for group in opt.param_groups:
-            group["lr"] = _lr(step, cfg.vae_steps, cfg.vae_lr, min(50, cfg.vae_steps))
+
+    def step_loss(g):
         x = clips[torch.randint(0, len(clips), (cfg.vae_batch,), generator=g)].to(cfg.device)
         post = vae.encode(x).latent_dist
         z = post.mean + post.std * torch.randn(post.mean.shape, generator=g).to(cfg.device)
@@ -140,16 +135,10 @@ def train_vae(vae, clips: torch.Tensor, cfg: TrainConfig, log) -> list[float]:
         rec = err.mean()
         weight = 1.0 + (cfg.vae_shape_weight - 1.0) * ((x - background).abs().sum(1, keepdim=True) > 0.1)
         kl = post.kl().mean() / z[0].numel()
-        loss = (weight * err).mean() + cfg.vae_kl * kl
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
-        opt.step()
-        losses.append(rec.item())
-        if step % 100 == 0 or step == cfg.vae_steps - 1:
-            log(f"vae step {step} rec {np.mean(losses[-100:]):.4f}")
-    vae.eval()
-    return losses
+        return (weight * err).mean() + cfg.vae_kl * kl, rec
+
+    return optimise(vae, step_loss, steps=cfg.vae_steps, lr=cfg.vae_lr, warmup=min(50, cfg.vae_steps),
+                    weight_decay=0.0, seed=cfg.seed + 1, log=log, label="vae", recorded="rec")
 
 
 def train_transformer(transformer, latents, scene_idx, embeds, uncond: list[int], cfg: TrainConfig, log) -> list[float]:
@@ -159,13 +148,8 @@ def train_transformer(transformer, latents, scene_idx, embeds, uncond: list[int]
     n = len(latents)
     embeds = embeds.to(dev)
     uncond_t = torch.tensor(uncond)
-    opt = torch.optim.AdamW(transformer.parameters(), lr=cfg.lr, weight_decay=0.01)
-    g = torch.Generator().manual_seed(cfg.seed + 2)
-    losses = []
-    transformer.train()
-    for step in range(cfg.steps):
-        for group in opt.param_groups:
-            group["lr"] = _lr(step, cfg.steps, cfg.lr, cfg.warmup)
+
+    def step_loss(g):
         pick = torch.randint(0, n, (cfg.batch,), generator=g)
         x0 = latents[pick].to(dev)
         cond = scene_idx[pick].clone()
@@ -185,15 +169,10 @@ def train_transformer(transformer, latents, scene_idx, embeds, uncond: list[int]
             hidden_states=xt, timestep=t * 1000.0, encoder_hidden_states=embeds[cond.to(dev)], return_dict=False
         )[0]
         loss = (pred - (noise - x0)).pow(2).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(transformer.parameters(), 1.0)
-        opt.step()
-        losses.append(loss.item())
-        if step % 100 == 0 or step == cfg.steps - 1:
-            log(f"transformer step {step} loss {np.mean(losses[-100:]):.4f}")
-    transformer.eval()
-    return losses
+        return loss, loss
+
+    return optimise(transformer, step_loss, steps=cfg.steps, lr=cfg.lr, warmup=cfg.warmup, weight_decay=0.01,
+                    seed=cfg.seed + 2, log=log, label="transformer")
 
 
 def _encode_latents(vae, clips: torch.Tensor, device: str) -> torch.Tensor:
@@ -204,6 +183,11 @@ def _encode_latents(vae, clips: torch.Tensor, device: str) -> torch.Tensor:
 
 
 def train(out: Path, cfg: TrainConfig, command: str | None = None) -> dict:
+    with deterministic(cfg.device):
+        return _train(out, cfg, command)
+
+
+def _train(out: Path, cfg: TrainConfig, command: str | None = None) -> dict:
     # long: one training loop with its logging, timing and save, kept together to read as a script
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
@@ -217,11 +201,6 @@ def train(out: Path, cfg: TrainConfig, command: str | None = None) -> dict:
     clips = to_video_tensor(clips_u8)
     log(f"rendered {len(clips)} clips {tuple(clips.shape[1:])} of {len(scenes)} scenes")
 
-    if cfg.device != "cpu":
-        torch.backends.cudnn.deterministic = True
-        torch.backends.cudnn.benchmark = False
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
     pipe.vae.to(cfg.device)
     pipe.transformer.to(cfg.device)
     vae_losses = train_vae(pipe.vae, clips, cfg, log)

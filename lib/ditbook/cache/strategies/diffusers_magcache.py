@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ...hooks import WrapGroup
 from .registry import Strategy, register
 from ._diffusers_hooks import finish_install, needs_top_level
 
@@ -50,21 +51,24 @@ class DiffusersMagCache(Strategy):
 
         ratios: list[float] = []
         undo = _apply(pipe, adapter, MagCacheConfig(num_inference_steps=steps, calibrate=True))
+        records = WrapGroup("record-mag-ratios")
+
+        def record(original, state, residual):
+            original(state, residual)
+            ratios.append(float(state.calibration_ratios[-1]))
+
         try:
             for m in pipe.transformer.modules():
                 reg = getattr(m, "_diffusers_hook", None)
                 for hook in (reg.hooks.values() if reg is not None else []):
                     if hasattr(hook, "_perform_calibration_step"):
-                        original = hook._perform_calibration_step
-
-                        def record(state, residual, _original=original):
-                            _original(state, residual)
-                            ratios.append(float(state.calibration_ratios[-1]))
-
-                        hook._perform_calibration_step = record
+                        records.wrap(hook, record, attr="_perform_calibration_step")
             run_once()
         finally:
-            undo()
+            try:
+                records.remove()
+            finally:
+                undo()
         return ratios[:steps]
 
     @classmethod

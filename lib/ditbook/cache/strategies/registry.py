@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, fields
 from typing import Callable, ClassVar
 
 REGISTRY: dict[str, type["Strategy"]] = {}
@@ -42,8 +42,3 @@ class Strategy:
     @classmethod
     def disabled(cls, adapter, steps: int):
         return None
-
-
-@dataclass
-class _Empty:
-    pass

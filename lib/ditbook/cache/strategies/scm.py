@@ -18,12 +18,6 @@ class SCMSettings:
     threshold: float = 0.5
 
 
-def mask_from_bins(steps: int, compute_bins: list[int], cache_bins: list[int]) -> list[int]:
-    import cache_dit
-
-    return list(cache_dit.steps_mask(compute_bins=compute_bins, cache_bins=cache_bins, total_steps=steps))
-
-
 @register
 class SCM(Strategy):
     name = "scm"

@@ -30,7 +30,7 @@ import traceback
 
 import torch
 
-from .cp_plan import _main_output
+from ..parallel.cp_plan import _main_output
 
 
 # what a rank says when its peer went away: never the cause, when the peer reported one
@@ -57,9 +57,9 @@ def _rank(rank, world, init_file, transformer, args, kwargs, plan, queue, scope=
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
-        from .attention import route_attention
-        from .cp_scope import limit_cp_to
-        from .sharding import BlockInputRecorder
+        from ..parallel.attention import route_attention
+        from ..parallel.cp_scope import limit_cp_to
+        from ..parallel.sharding import BlockInputRecorder
 
         torch.set_num_threads(1)
         # a file rendezvous: no TCP port to pick, so no race with other processes for it
@@ -95,7 +95,7 @@ def _rank(rank, world, init_file, transformer, args, kwargs, plan, queue, scope=
 def execute_cp_plan(transformer, args, kwargs, plan: dict, expected: dict, degree: int = 2,
                     timeout: float = 120.0, reference: torch.Tensor | None = None) -> dict:
     """Run ``plan`` on ``degree`` forked gloo ranks; judge the split and the output."""
-    from .sharding import ShardingError, check_sharding
+    from ..parallel.sharding import ShardingError, check_sharding
 
     if reference is None:
         with torch.no_grad():
@@ -187,10 +187,10 @@ def _coverage_cp(transformer, args, kwargs, degree: int = 2, plan: dict | None =
     execute it on ``degree`` gloo ranks with the sharding check. Returns
     ``dict(outcome=correct|refused|crash|wrong, reason=..., seq_lens={list: [per-rank lengths]},
     source=plan source)``. ``plan`` overrides the plan (its sites are still checked)."""
-    from .cp_plan import (PlanDerivationError, RegisteredPlanError, find_streams, check_plan_sites,
+    from ..parallel.cp_plan import (PlanDerivationError, RegisteredPlanError, find_streams, check_plan_sites,
                           resolve_cp_plan, trace_forward)
-    from .cp_dryrun import verify_before_launch
-    from .cp_plan import expected_lengths
+    from ..parallel.cp_dryrun import verify_before_launch
+    from ..parallel.cp_plan import expected_lengths
 
     filled = fill_zero_parameters(transformer)  # this is the forked driver's copy
     try:

@@ -1,0 +1,72 @@
+"""The benchmark stage's figures, rebuilt from ``benchmark/results.json`` and the stored images
+(``make_figures``: the notebook and ``ditbook report`` both draw them)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+
+from .summary import gates_for_family, summary_rows
+
+STAGE = "benchmark"
+
+
+def make_figures(run, results: dict | None = None) -> dict:
+    """The speed-vs-quality plot and the image grid (plus residual and scaling plots) from
+    ``benchmark/results.json`` and the stored images; updates ``plots``, ``grid``, ``labels`` and
+    ``sheets`` (no longer drawn: ``[]``) in the results. Rebuildable at any time
+    (``ditbook report``)."""
+    from ..render import is_video
+    from .plots import image_grid, plot_residuals, plot_scaling, plot_tradeoff, short_labels
+    from .verdict import verdict
+
+    results = results if results is not None else run.read_results(STAGE)
+    d = run.stage_dir(STAGE)
+    rows = results.get("summary") or summary_rows(results)
+    if "verdict" not in results:
+        results["verdict"] = verdict(results, run.read_results("cache") if run.has_results("cache") else None)
+    labels = short_labels(rows)
+    plots = {}
+    cache_gate = gates_for_family("cache", results.get("gates"))
+    plots["tradeoff_psnr"] = plot_tradeoff(rows, "psnr_min", d / "plots" / "tradeoff_psnr.png", cache_gate.psnr,
+                                           labels=labels, highlight=results["verdict"].get("name"))
+    if results.get("residual_changes"):
+        plots["residuals"] = plot_residuals(results["residual_changes"], d / "plots" / "residuals.png")
+    par = [r for r in rows if str(r.get("family", "")).endswith("parallel")]
+    if par:
+        plots["scaling"] = plot_scaling(par, d / "plots" / "scaling.png")
+    images = results.get("images") or {}
+    base_rows = images.get("baseline", [])
+    # one case per prompt (its first seed): the columns of the grid
+    per_prompt: dict[str, dict] = {}
+    for r in base_rows:
+        m = re.match(r"^(p\d+)_", r["key"])
+        per_prompt.setdefault(m.group(1) if m else r["key"], r)
+    meta = run.read_meta()
+    prompt_list = (((meta.get("card") or {}).get("generation") or {}).get("prompts")) or []
+    prompts = {}
+    for pk, r in per_prompt.items():
+        m = re.match(r"^p(\d+)$", pk)
+        if m and int(m.group(1)) < len(prompt_list):
+            prompts[r["key"]] = str(prompt_list[int(m.group(1))])
+    baseline = {r["key"]: np.load(d / r["npy"]) for r in per_prompt.values()}
+    grid_images: dict[str, dict] = {}
+    for name, rows_ in images.items():
+        if name == "baseline":
+            continue
+        by_key = {r["key"]: r for r in rows_}
+        grid_images[name] = {k: np.load(d / by_key[k]["npy"]) for k in baseline if k in by_key}
+    grid = image_grid(baseline, grid_images, d / "plots" / "grid.png", prompts, labels) if baseline else None
+    results["plots"] = {k: str(Path(p).relative_to(d)) for k, p in plots.items()}
+    results["grid"] = str(Path(grid).relative_to(d)) if grid else None
+    frames = {int(v.shape[0]) for v in baseline.values() if is_video(v)}
+    results["grid_videos"] = {"frames": max(frames)} if frames else None  # the grid shows rows of frames
+    results["labels"] = labels
+    results["sheets"] = []
+    run.write_results(STAGE, results)
+    return results
+
+
+__all__ = ["make_figures"]

@@ -1,0 +1,1047 @@
+"""Error-directed repair of the probe's inputs: when the forward raises, the traceback says
+what to change. Each error kind is one small function registered with ``@rule`` (tried in the
+order they are registered, ``REPAIRS``); ``repair`` returns the first fix, ``explain`` names an
+error no rule addresses. See ``coverage.dataflow`` for the list of kinds."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import math
+import re
+import textwrap
+import traceback
+
+import torch
+
+from .dataflow import TEXT_LEN, _source_tree, axis_role, doc_shapes
+
+# the repairs ``repair`` tries, in order: each is (exc, msg, kwargs, make, forbid, params) -> (new, note) | None
+REPAIRS: list = []
+
+
+def rule(fn):
+    """Register ``fn`` as the next repair ``repair`` tries."""
+    REPAIRS.append(fn)
+    return fn
+
+# --- error-directed repair ---------------------------------------------------------------------
+
+_MATMUL = re.compile(r"mat1 and mat2 shapes cannot be multiplied \((\d+)x(\d+) and (\d+)x(\d+)\)")
+_MISSING = re.compile(r"missing \d+ required (?:positional|keyword-only) arguments?: (.*)")
+_SIZE = re.compile(r"size of tensor a \((\d+)\) must match the size of tensor b \((\d+)\) at non-singleton "
+                   r"dimension (\d+)")
+_UNPACK = re.compile(r"(?:not enough|too many) values to unpack \(expected (\d+)")
+
+
+def statement_text(frame) -> str:
+    """The whole statement a frame is executing (a call spread over several lines included)."""
+    try:
+        lines, start = inspect.getsourcelines(frame.f_code)
+        tree = ast.parse(textwrap.dedent("".join(lines)))
+    except (OSError, TypeError, SyntaxError, IndentationError):
+        try:
+            return (inspect.getframeinfo(frame).code_context or [""])[0]
+        except Exception:
+            return ""
+    line = frame.f_lineno - max(start, 1) + 1
+    best = None
+    for n in ast.walk(tree):
+        if isinstance(n, ast.stmt) and not isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef,
+                                                             ast.If, ast.For, ast.While, ast.With, ast.Try)) \
+                and n.lineno <= line <= (n.end_lineno or n.lineno):
+            if best is None or (n.end_lineno - n.lineno) < (best.end_lineno - best.lineno):
+                best = n
+    return ast.unparse(best) if best is not None else ""
+
+
+def _model_frames(exc: BaseException):
+    return [f for f, _ in traceback.walk_tb(exc.__traceback__)]
+
+
+def _none_params(exc: BaseException, params: set[str], kwargs: dict) -> list[str]:
+    """Forward parameters that are None in a frame of the failing call, innermost first, and
+    that the failing line reads."""
+    out = []
+    for frame in reversed(_model_frames(exc)):
+        text = statement_text(frame)
+        for name, val in frame.f_locals.items():
+            if val is None and name in params and kwargs.get(name) is None and name not in out \
+                    and re.search(rf"\b{re.escape(name)}\b", text):
+                out.append(name)
+    if not out and not _own_none(exc):
+        # the None reached a helper: any parameter the model frames hold as None and we gave none
+        for frame in _model_frames(exc):
+            for name, val in frame.f_locals.items():
+                if val is None and name in params and kwargs.get(name) is None and name not in out:
+                    out.append(name)
+    return out
+
+
+def _own_none(exc: BaseException) -> str | None:
+    """``self.config.x`` (or another ``self.`` attribute) that the failing statement reads and
+    that is None: the None is the model's own (a setting its defaults leave unset), not a
+    missing input. Its text, or None."""
+    for frame in reversed(_model_frames(exc)):
+        owner = frame.f_locals.get("self")
+        if owner is None:
+            continue
+        try:
+            tree = ast.parse(statement_text(frame))
+        except SyntaxError:
+            return None
+        for n in ast.walk(tree):
+            chain, x = [], n
+            while isinstance(x, ast.Attribute):
+                chain.append(x.attr)
+                x = x.value
+            if not (chain and isinstance(x, ast.Name) and x.id == "self"):
+                continue
+            obj = owner
+            try:
+                for part in reversed(chain):
+                    obj = getattr(obj, part)
+            except Exception:
+                continue
+            if obj is None:
+                return ast.unparse(n)
+        return None
+    return None
+
+
+def _failing_locals(exc: BaseException) -> list[tuple[str, object]]:
+    out = []
+    for frame in reversed(_model_frames(exc)):
+        out += list(frame.f_locals.items())
+    return out
+
+
+def never_supplied(name: str) -> bool:
+    """Parameters the probe never makes up: option dicts, caches, control residuals, flags."""
+    low = name.lower()
+    return any(w in low for w in ("kwargs", "cache", "controlnet", "return_dict", "block_samples")) \
+        or low.startswith(("return", "use_", "enable_", "is_"))
+
+
+def repair(exc: BaseException, kwargs: dict, make, forbid: set) -> tuple[dict, str] | None:
+    """New keyword inputs that address ``exc`` (or None when the error says nothing usable).
+    ``make(name, kwargs)`` builds a value for a parameter; ``forbid`` holds (name, fix) already
+    tried, so a repair is never repeated."""
+    msg = str(exc)
+    params = set(kwargs) | set(getattr(make, "params", ()))
+    for fix in REPAIRS:
+        fixed = fix(exc, msg, kwargs, make, forbid, params)
+        if fixed is not None:
+            return fixed
+    return None
+
+
+@rule
+def _supply_missing(exc, msg, kwargs, make, forbid, params):
+    """``missing required argument(s) 'a', 'b'``: supply them."""
+    m = _MISSING.search(msg)
+    if m:
+        names = re.findall(r"'(\w+)'", m.group(1))
+        new = dict(kwargs)
+        for n in names:
+            if ("supply", n) not in forbid:
+                forbid.add(("supply", n))
+                new[n] = make(n, new)
+        if new != kwargs:
+            return new, f"supplied {names}"
+    return None
+
+
+@rule
+def _matmul_last_dim(exc, msg, kwargs, make, forbid, params):
+    """A matrix product ``(AxB and CxD)`` whose left side is an input with last dim B: make it C."""
+    m = _MATMUL.search(msg)
+    if m:
+        a, b, c, _ = (int(x) for x in m.groups())
+        for name, val in list(kwargs.items()):
+            if isinstance(val, torch.Tensor) and val.is_floating_point() and val.ndim >= 2 and val.shape[-1] == b \
+                    and val.numel() // b == a and (name, "last", c) not in forbid:
+                forbid.add((name, "last", c))
+                new = dict(kwargs)
+                new[name] = torch.randn(tuple(val.shape[:-1]) + (c,))
+                return new, f"{name}: last dim {b} -> {c}"
+    return None
+
+
+@rule
+def _supply_none(exc, msg, kwargs, make, forbid, params):
+    """A forward parameter that is None where the failing code uses it: supply it."""
+    if ("NoneType" in msg or "None" in msg) and "not callable" not in msg and "must be a mapping" not in msg:
+        for n in _none_params(exc, params, kwargs):
+            if ("supply", n) in forbid or never_supplied(n):
+                continue
+            forbid.add(("supply", n))
+            val = make(n, kwargs)
+            if val is not None:
+                new = dict(kwargs)
+                new[n] = val
+                return new, f"supplied {n}"
+    return None
+
+
+@rule
+def _boolean_mask(exc, msg, kwargs, make, forbid, params):
+    """``where`` wants a boolean condition: the mask input the failing frame holds becomes one."""
+    if "where expected condition to be a boolean" in msg:
+        for name, val in kwargs.items():
+            if isinstance(val, torch.Tensor) and val.dtype != torch.bool and "mask" in name.lower() \
+                    and (name, "bool") not in forbid \
+                    and any(v is val for _, v in _failing_locals(exc)):
+                forbid.add((name, "bool"))
+                new = dict(kwargs)
+                new[name] = val != 0
+                return new, f"{name}: a boolean mask"
+    return None
+
+
+@rule
+def _supply_named(exc, msg, kwargs, make, forbid, params):
+    """The error message names a forward parameter: supply it when missing."""
+    for n in re.findall(r"[`'\"](\w+)[`'\"]", msg):
+        if n in params and kwargs.get(n) is None and ("supply", n) not in forbid and not never_supplied(n):
+            forbid.add(("supply", n))
+            val = make(n, kwargs)
+            if val is not None:
+                new = dict(kwargs)
+                new[n] = val
+                return new, f"supplied {n} (named by the error)"
+    return None
+
+
+@rule
+def _integer_indices(exc, msg, kwargs, make, forbid, params):
+    """Indices must be integers: the float input the failing frame holds becomes long zeros."""
+    low_msg = msg.lower()
+    if "indices" in low_msg and ("long" in low_msg or "int" in low_msg):
+        for name, val in kwargs.items():
+            if isinstance(val, torch.Tensor) and val.is_floating_point() and (name, "long") not in forbid:
+                if any(v is val for _, v in _failing_locals(exc)):
+                    return _as_long_zeros(kwargs, name, forbid, f"{name}: integer indices")
+    return None
+
+
+def _as_long_zeros(kwargs: dict, name: str, forbid: set, note: str) -> tuple[dict, str]:
+    """``kwargs`` with input ``name`` made long zeros of its shape (once per input: ``forbid``)."""
+    forbid.add((name, "long"))
+    new = dict(kwargs)
+    new[name] = torch.zeros(kwargs[name].shape, dtype=torch.long)
+    return new, note
+
+
+@rule
+def _like_concatenated(exc, msg, kwargs, make, forbid, params):
+    """A concatenation of an input with another: make the one we made up like the other."""
+    if "Sizes of tensors must match" in msg or "same number of dimensions" in msg:
+        for frame in reversed(_model_frames(exc)):
+            try:
+                text = (inspect.getframeinfo(frame).code_context or [""])[0]
+            except Exception:
+                text = ""
+            if "cat(" not in text and "stack(" not in text:
+                continue
+            present = [(n, v) for n, v in kwargs.items() if isinstance(v, torch.Tensor) and any(
+                v is lv for ln, lv in frame.f_locals.items() if re.search(rf"\b{re.escape(ln)}\b", text))]
+            first = getattr(make, "first", None)
+            for name, val in sorted(present, key=lambda nv: nv[0] == first):
+                others = [v for n, v in present if n != name]
+                if name != first and others and (name, "like") not in forbid:
+                    forbid.add((name, "like"))
+                    new = dict(kwargs)
+                    new[name] = torch.randn(others[0].shape).to(val.dtype)
+                    return new, f"{name}: shaped like the tensor it is concatenated with"
+            break
+    return None
+
+
+@rule
+def _size_mismatch(exc, msg, kwargs, make, forbid, params):
+    """Sizes ``a`` and ``b`` differ at dim ``d``: the input the failing frame holds takes the other.
+    An input of lower rank than the broadcast (the largest rank the frame holds) takes part in it
+    right-aligned: its own dim is ``d`` less the ranks it lacks (a ``(B, S)`` mask against
+    ``(B, H, S, S)`` scores)."""
+    m = _SIZE.search(msg)
+    if m:
+        a, b, d = int(m.group(1)), int(m.group(2)), int(m.group(3))
+        held = [lv for _, lv in _failing_locals(exc) if isinstance(lv, torch.Tensor)]
+        rank = max([t.ndim for t in held], default=0)
+        seen_ids = set()
+        for lv in held:
+            if id(lv) in seen_ids:
+                continue
+            seen_ids.add(id(lv))
+            for name, val in kwargs.items():
+                k = d if val is lv and val.ndim > d else d - (rank - val.ndim) if val is lv and rank > d else -1
+                if k >= 0 and val.shape[k] in (a, b) and (name, "dim", d) not in forbid:
+                    forbid.add((name, "dim", d))
+                    shape = list(val.shape)
+                    shape[k] = b if shape[k] == a else a
+                    new = dict(kwargs)
+                    new[name] = torch.randn(shape).to(val.dtype) if val.is_floating_point() else \
+                        torch.zeros(shape, dtype=val.dtype)
+                    return new, f"{name}: dim {k} {val.shape[k]} -> {shape[k]}"
+    return None
+
+
+_MASKED = re.compile(r"value tensor of shape \[([\d, ]*)\] cannot be broadcast to indexing result of shape "
+                     r"\[([\d, ]+)\]")
+
+
+@rule
+def _masked_count(exc, msg, kwargs, make, forbid, params):
+    """A masked assignment ``x[:, mask] = v`` whose boolean mask selects another number of rows
+    than ``v`` has: the boolean input the frame's mask expands from (``k`` selected positions per
+    True: the ratio of their True counts) keeps its length and is True at its last ``rows / k``
+    positions (the masked slots after the others, as tokens appended after a prompt)."""
+    m = _MASKED.search(msg)
+    if not m:
+        return None
+    value = [int(x) for x in m.group(1).split(",") if x.strip()]
+    result = [int(x) for x in m.group(2).split(",")]
+    masks = [lv for _, lv in _failing_locals(exc) if isinstance(lv, torch.Tensor) and lv.dtype == torch.bool]
+    for name, val in kwargs.items():
+        if not isinstance(val, torch.Tensor) or val.dtype != torch.bool or not val.any() or (name, "count") in forbid:
+            continue
+        have = int(val.reshape(-1, val.shape[-1])[0].sum())
+        for sel in {int(mk.sum()) for mk in masks}:
+            d, off = (result.index(sel) if sel in result else -1), len(result) - len(value)
+            rows = value[d - off] if d >= off >= 0 and d >= 0 else 0
+            k = sel // have if sel % have == 0 else 0
+            if not k or not rows or rows % k or rows // k > val.shape[-1]:
+                continue
+            forbid.add((name, "count"))
+            new = dict(kwargs)
+            new[name] = torch.zeros_like(val)
+            new[name][..., val.shape[-1] - rows // k:] = True
+            return new, f"{name}: True at its last {rows // k} of {val.shape[-1]} positions"
+    return None
+
+
+def _grid_rows(val) -> list | None:
+    """The per-sample lists of ``(frames, height, width)`` tuples of a ``list[list[tuple]]`` (or one
+    ``list[tuple]``) input, else None."""
+    def is_grid(t):
+        return isinstance(t, tuple) and t and all(isinstance(x, int) and not isinstance(x, bool) for x in t)
+
+    if isinstance(val, list) and val and all(is_grid(t) for t in val):
+        return [val]
+    if isinstance(val, list) and val and all(isinstance(r, list) and r and all(is_grid(t) for t in r) for r in val):
+        return val
+    return None
+
+
+@rule
+def _grid_token_count(exc, msg, kwargs, make, forbid, params):
+    """The error names a grid-list input whose token count (the sum of its grids' products) is one
+    number of the message and another number what the code counts elsewhere: the last grid's
+    leading (frames) axis takes the difference."""
+    nums = [int(x) for x in re.findall(r"\b\d+\b", msg)]
+    for name, val in kwargs.items():
+        rows = _grid_rows(val)
+        if rows is None or not re.search(rf"\b{name}\b", msg) or (name, "tokens") in forbid:
+            continue
+        total = sum(math.prod(t) for t in rows[0])
+        rest, last = total - math.prod(rows[0][-1]), rows[0][-1]
+        for want in (n for n in nums if n != total and total in nums):
+            per = math.prod(last[1:])
+            if want > rest and (want - rest) % per == 0:
+                forbid.add((name, "tokens"))
+                grid = ((want - rest) // per,) + tuple(last[1:])
+                new = dict(kwargs)
+                new[name] = [r[:-1] + [grid] for r in rows] if rows is val else rows[0][:-1] + [grid]
+                return new, f"{name}: last grid {last} -> {grid} ({want} tokens)"
+    return None
+
+
+_REPEATS = re.compile(r"repeats must have the same size as input along dim, but got repeats\.size\(0\) = (\d+) "
+                      r"and input\.size\(\d+\) = (\d+)")
+
+
+def _computed_from(frame, size: int, kwargs: dict) -> list[str]:
+    """Inputs that a 1-D tensor of ``size`` the frame's failing statement reads is computed from
+    (the names on the right of the statement in the frame's function that assigns it)."""
+    try:
+        used = {n.id for n in ast.walk(ast.parse(statement_text(frame).strip())) if isinstance(n, ast.Name)}
+    except SyntaxError:
+        return []
+    _, node = _source_tree(frame.f_code)
+    out = []
+    for n in ast.walk(node) if node is not None else ():
+        if isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id in used for t in n.targets):
+            lv = frame.f_locals.get(next(t.id for t in n.targets if isinstance(t, ast.Name) and t.id in used))
+            if isinstance(lv, torch.Tensor) and lv.ndim == 1 and lv.shape[0] == size:
+                out += [m.id for m in ast.walk(n.value) if isinstance(m, ast.Name) and m.id in kwargs
+                        and m.id not in out]
+    return out
+
+
+@rule
+def _repeats_length(exc, msg, kwargs, make, forbid, params):
+    """``repeat_interleave`` with one repeat count per position of an input of another length: the
+    input the counts are computed from takes that length (a boolean one keeps its last positions,
+    so a mask True at its end stays so)."""
+    m = _REPEATS.search(msg)
+    if not m:
+        return None
+    a, b = int(m.group(1)), int(m.group(2))
+    for name in (n for f in reversed(_model_frames(exc)) for n in _computed_from(f, a, kwargs)):
+        val = kwargs[name]
+        if not isinstance(val, torch.Tensor) or val.shape[-1] != a or (name, "repeats") in forbid:
+            continue
+        forbid.add((name, "repeats"))
+        new = dict(kwargs)
+        if b <= a:
+            new[name] = val[..., a - b:].clone()
+        else:
+            new[name] = torch.cat([torch.zeros(*val.shape[:-1], b - a, dtype=val.dtype), val], dim=-1)
+        return new, f"{name}: last dim {a} -> {b} (one repeat count per position)"
+    return None
+
+
+@rule
+def _unpack_rank(exc, msg, kwargs, make, forbid, params):
+    """A tensor unpacked into more or fewer names than its rank: remake it with that rank."""
+    m = _UNPACK.search(msg)
+    if m:
+        want = int(m.group(1))
+        frames = _model_frames(exc)
+        if frames:
+            frame = frames[-1]
+            try:
+                text = (inspect.getframeinfo(frame).code_context or [""])[0]
+            except Exception:
+                text = ""
+            sm = re.search(r"=\s*(\w+)\.(?:shape|size\(\))", text)
+            if sm:
+                local = frame.f_locals.get(sm.group(1))
+                for name, val in kwargs.items():
+                    if val is local and isinstance(val, torch.Tensor) and (name, "rank", want) not in forbid:
+                        forbid.add((name, "rank", want))
+                        new = dict(kwargs)
+                        new[name] = make(name, kwargs, rank=want, **_unpacked_roles(make, frame, want))
+                        if new[name] is not None:
+                            return new, f"{name}: rank {want}"
+    return None
+
+
+def _unpacked_roles(make, frame, want: int) -> dict:
+    """``{"roles": [...]}``: the axis roles the failing unpack's target names tell
+    (``batch_size, num_frames = t.shape``: batch, frames), when ``make`` takes them."""
+    try:
+        if "roles" not in inspect.signature(make).parameters:
+            return {}
+        stmt = ast.parse(statement_text(frame)).body[0]
+    except (TypeError, ValueError, SyntaxError, IndexError):
+        return {}
+    if isinstance(stmt, ast.Assign) and isinstance(stmt.targets[0], ast.Tuple) and len(stmt.targets[0].elts) == want:
+        roles = [axis_role(e.id) if isinstance(e, ast.Name) else None for e in stmt.targets[0].elts]
+        if any(r not in (None, "batch") for r in roles):
+            return {"roles": roles}
+    return {}
+
+
+@rule
+def _supply_guarded(exc, msg, kwargs, make, forbid, params):
+    """A local read before it is set (``UnboundLocalError``) because the code sets it only under
+    a condition on optional inputs (``if latents is not None and ids is not None: x = ...``):
+    supply the forward parameters that condition tests and that are None."""
+    if not isinstance(exc, UnboundLocalError):
+        return None
+    m = re.search(r"local variable '(\w+)'", msg)
+    frames = _model_frames(exc)
+    if not m or not frames:
+        return None
+    local = m.group(1)
+    frame = frames[-1]
+    try:
+        lines, _ = inspect.getsourcelines(frame.f_code)
+        tree = ast.parse(textwrap.dedent("".join(lines)))
+    except (OSError, TypeError, SyntaxError, IndentationError):
+        return None
+    tested: list[str] = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.If) and any(isinstance(t, ast.Name) and t.id == local
+                                         for b in n.body for a in ast.walk(b) if isinstance(a, ast.Assign)
+                                         for t in a.targets for t in ast.walk(t)):
+            tested += [x.id for x in ast.walk(n.test) if isinstance(x, ast.Name) and x.id not in tested]
+    new = dict(kwargs)
+    supplied = []
+    for n in tested:
+        if n in params and kwargs.get(n) is None and ("supply", n) not in forbid and not never_supplied(n):
+            forbid.add(("supply", n))
+            val = make(n, new)
+            if val is not None:
+                new[n] = val
+                supplied.append(n)
+    return (new, f"supplied {supplied}: the condition that sets {local!r} tests them") if supplied else None
+
+
+@rule
+def _grid_as_positions(exc, msg, kwargs, make, forbid, params):
+    """A grid of ints we made up from an annotation (``tuple[int, int, int]``) whose elements the
+    failing function uses as indices (``table[pos[0]]``): read it the other way, as one range
+    of positions per axis (``[arange(f), arange(h), arange(w)]``), once per made-up value."""
+    frames = _model_frames(exc)
+    if not frames:
+        return None
+    frame = frames[-1]
+    try:
+        lines, _ = inspect.getsourcelines(frame.f_code)
+        tree = ast.parse(textwrap.dedent("".join(lines)))
+    except (OSError, TypeError, SyntaxError, IndentationError):
+        return None
+    # names whose elements index something in the failing function: ``table[pos[0]]``
+    indexing = {n.slice.value.id for n in ast.walk(tree) if isinstance(n, ast.Subscript)
+                and isinstance(n.slice, ast.Subscript) and isinstance(n.slice.value, ast.Name)}
+    held = {id(v) for k, v in frame.f_locals.items() if k in indexing}
+    for name, val in kwargs.items():
+        if isinstance(val, (tuple, list)) and val and all(isinstance(x, int) and not isinstance(x, bool) and x > 0
+                                                          for x in val) \
+                and id(val) in held and (name, "positions", id(val)) not in forbid:
+            forbid.add((name, "positions", id(val)))  # once per made-up value (a regrid makes it again)
+            new = dict(kwargs)
+            new[name] = [torch.arange(x) for x in val]
+            return new, f"{name}: one range of positions per axis"
+    return None
+
+
+def missing_dependency(exc: BaseException) -> str | None:
+    """A ``NameError`` for a name the failing code's module imports only under a condition
+    (``if is_x_available(): from x import y``): the optional dependency is not installed and the
+    forward cannot run on any input. The reason, or None."""
+    if not isinstance(exc, NameError) or not getattr(exc, "name", None):
+        return None
+    frames = _model_frames(exc)
+    if not frames:
+        return None
+    mod = inspect.getmodule(frames[-1].f_code)
+    try:
+        tree = ast.parse(inspect.getsource(mod)) if mod is not None else None
+    except (OSError, TypeError, SyntaxError):
+        return None
+    for n in ast.walk(tree) if tree is not None else ():
+        if isinstance(n, (ast.If, ast.Try)):
+            for imp in (x for b in n.body for x in ast.walk(b) if isinstance(x, (ast.Import, ast.ImportFrom))):
+                for alias in imp.names:
+                    if (alias.asname or alias.name).split(".")[0] == exc.name:
+                        src = imp.module if isinstance(imp, ast.ImportFrom) else alias.name
+                        return (f"the forward uses {exc.name!r}, which {mod.__name__} imports from {src!r} only when "
+                                f"that optional dependency is installed, and it is not")
+    return None
+
+
+_VIEW = re.compile(r"shape '\[([-\d, ]+)\]' is invalid for input of size (\d+)")
+
+
+@rule
+def _view_multiple(exc, msg, kwargs, make, forbid, params):
+    """``x.view(-1, K)`` of an input the failing statement names, whose elements (times what the
+    code made of each) do not fill rows of K: the input with as many values per sample as fill
+    one row (``image_meta_size`` as 6 numbers where 2 were made up)."""
+    m = _VIEW.search(msg)
+    if not m:
+        return None
+    dims = [int(x) for x in m.group(1).split(",") if x.strip()]
+    total = int(m.group(2))
+    if dims.count(-1) != 1:
+        return None
+    row = 1
+    for d in dims:
+        row *= d if d != -1 else 1
+    frames = _model_frames(exc)
+    named = set(re.findall(r"\w+", statement_text(frames[-1]))) if frames else set()
+    for name, val in kwargs.items():
+        if name not in named or not isinstance(val, torch.Tensor) or val.ndim not in (1, 2) or not val.numel() \
+                or total % val.numel() or (name, "view") in forbid:
+            continue
+        each = total // val.numel()  # what the code made of one value
+        per = (row * each // math.gcd(row, each)) // each  # values that fill one row
+        forbid.add((name, "view"))
+        new = dict(kwargs)
+        fill = val.flatten()[0].item()
+        new[name] = torch.full((1, per) if val.ndim == 2 else (per,), fill, dtype=val.dtype)
+        return new, f"{name}: {per} values per sample (a row of {row})"
+    return None
+
+
+_CAT_SIZES = re.compile(r"Sizes of tensors must match except in dimension (-?\d+)\. Expected size (\d+) but got "
+                        r"size (\d+) for tensor number (\d+)")
+
+
+@rule
+def _cat_operand_size(exc, msg, kwargs, make, forbid, params):
+    """``torch.cat([ours, theirs], dim=D)`` where ``theirs`` was computed by the code: the input
+    among the listed operands takes the other operand's size on the axis that differs (the
+    first operand's size X against operand k's size Y)."""
+    m = _CAT_SIZES.search(msg)
+    frames = _model_frames(exc)
+    if not m or not frames:
+        return None
+    cat_dim, x, y, k = (int(g) for g in m.groups())
+    frame = frames[-1]
+    try:
+        stmt = ast.parse(statement_text(frame))
+    except SyntaxError:
+        return None
+    lists = [c.args[0] for c in ast.walk(stmt) if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute)
+             and c.func.attr in ("cat", "concat", "concatenate") and c.args and isinstance(c.args[0], (ast.List, ast.Tuple))]
+    if not lists:
+        return None
+    names = [e.id if isinstance(e, ast.Name) else None for e in lists[0].elts]
+    for pos, want_from, want_to in ((0, x, y), (k, y, x)):
+        if pos >= len(names) or names[pos] is None:
+            continue
+        local = frame.f_locals.get(names[pos])
+        for name, val in kwargs.items():
+            if val is not local or not isinstance(val, torch.Tensor) or (name, "cat", want_to) in forbid:
+                continue
+            axes = [d for d in range(val.ndim) if val.shape[d] == want_from and d != cat_dim % val.ndim]
+            if not axes:
+                continue
+            forbid.add((name, "cat", want_to))
+            shape = list(val.shape)
+            shape[axes[-1]] = want_to
+            new = dict(kwargs)
+            new[name] = torch.randn(shape).to(val.dtype) if val.is_floating_point() else torch.zeros(shape, dtype=val.dtype)
+            return new, f"{name}: dim {axes[-1]} {want_from} -> {want_to} (like the tensor it is concatenated with)"
+    return None
+
+
+_CHANNELS = re.compile(r"expected input\[[\d, ]+\] to have (\d+) channels, but got (\d+) channels")
+
+
+def _output_width(model) -> int | None:
+    """The width of the model's last layer (its output's channels)."""
+    last = None
+    for m in model.modules():
+        w = getattr(m, "out_channels", None) or getattr(m, "out_features", None)
+        if isinstance(w, int) and not list(m.children()):
+            last = w
+    return last
+
+
+@rule
+def _split_concat_channels(exc, msg, kwargs, make, forbid, params):
+    """An embedding that expects C channels gets the concatenation of the noisy input with other
+    inputs (``x = torch.cat([cond, x], dim=-1)`` in a frame of the failing call): the noisy input
+    (the forward's first) keeps the width of the model's output (a denoiser returns what it
+    takes), the other concatenated input takes the rest of C."""
+    m = _CHANNELS.search(msg)
+    model = getattr(make, "model", None)
+    first = getattr(make, "first", None)
+    if not m or model is None or first not in kwargs:
+        return None
+    want = int(m.group(1))
+    out_w = _output_width(model)
+    if not out_w or out_w >= want:
+        return None
+    for frame in reversed(_model_frames(exc)):
+        try:
+            lines, _ = inspect.getsourcelines(frame.f_code)
+            tree = ast.parse(textwrap.dedent("".join(lines)))
+        except (OSError, TypeError, SyntaxError, IndentationError):
+            continue
+        for c in ast.walk(tree):
+            if not (isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute) and c.func.attr in ("cat", "concat")
+                    and c.args and isinstance(c.args[0], (ast.List, ast.Tuple))):
+                continue
+            names = [e.id for e in c.args[0].elts if isinstance(e, ast.Name)]
+            dim = next((k.value.value if isinstance(k.value, ast.Constant) else
+                        -k.value.operand.value if isinstance(k.value, ast.UnaryOp) else None
+                        for k in c.keywords if k.arg == "dim"), None)
+            others = [n for n in names if n != first and isinstance(kwargs.get(n), torch.Tensor)]
+            if first not in names or len(others) != 1 or not isinstance(dim, int):
+                continue
+            other = others[0]
+            key = (other, "split", want)
+            if key in forbid:
+                continue
+            forbid.add(key)
+            new = dict(kwargs)
+            for n, w in ((first, out_w), (other, want - out_w)):
+                shape = list(kwargs[n].shape)
+                shape[dim] = w
+                new[n] = torch.randn(shape)
+            return new, f"{first}: width {out_w} (the output's), {other}: the other {want - out_w} of {want}"
+
+
+_NORM_SHAPE = re.compile(r"normalized_shape=\[(\d+)\], expected input with shape \[\*,? ?\d+\], but got input of "
+                         r"size\s?\[([\d, ]+)\]")
+
+
+def _input_held(exc, kwargs) -> list[tuple[str, torch.Tensor]]:
+    """The tensor inputs some frame of the failing call holds (by identity), innermost first."""
+    out, seen = [], set()
+    for _, lv in _failing_locals(exc):
+        for name, val in kwargs.items():
+            if val is lv and isinstance(val, torch.Tensor) and name not in seen:
+                seen.add(name)
+                out.append((name, val))
+    return out
+
+
+@rule
+def _reshaped_last_dim(exc, msg, kwargs, make, forbid, params):
+    """A Linear (``mat1 (AxB and CxD)``) or a norm (``normalized_shape=[C] ... got [.., B]``) rejects
+    a reshape of an input (same element count A x B, its last dim L folded ``B / L`` times into the
+    row, e.g. a patchify view): the input's last dim becomes ``L * C / B``."""
+    m, n = _MATMUL.search(msg), _NORM_SHAPE.search(msg)
+    if m:
+        rows, b, c = int(m.group(1)), int(m.group(2)), int(m.group(3))
+    elif n:
+        size = [int(x) for x in n.group(2).replace(" ", "").split(",") if x]
+        c, b, rows = int(n.group(1)), size[-1], math.prod(size[:-1])
+    else:
+        return None
+    for name, val in _input_held(exc, kwargs):
+        last = val.shape[-1] if val.ndim else 0
+        if not val.is_floating_point() or val.ndim < 2 or val.numel() != rows * b or not last or b % last \
+                or (c * last) % b or (name, "last", c * last // b) in forbid:
+            continue
+        want = c * last // b
+        forbid.add((name, "last", want))
+        new = dict(kwargs)
+        new[name] = torch.randn(tuple(val.shape[:-1]) + (want,))
+        return new, f"{name}: last dim {last} -> {want} (a reshape of it meets a width {c})"
+    return None
+
+
+_TUPLE_DOC = re.compile(r"`?\(([\w ,]+)\)`? tuples")
+
+
+@rule
+def _iterated_tuples(exc, msg, kwargs, make, forbid, params):
+    """``for a, b in <input>`` unpacks each item of an input into N names: the input becomes a list
+    of one N-tuple; items named (by the loop or by the docstring's ``(encoding, mask) tuples``) like
+    a mask are ones of (batch, text), the others (batch, text, width) states."""
+    m = _UNPACK.search(msg)
+    frames = _model_frames(exc)
+    if not m or not frames:
+        return None
+    want = int(m.group(1))
+    for frame, n in _unpacking_loops(frames[-2:], want):
+        local = frame.f_locals.get(n.iter.id)
+        name = next((k for k, v in kwargs.items() if v is local and isinstance(v, torch.Tensor)), None)
+        if name is None or (name, "tuples", want) in forbid:
+            continue
+        forbid.add((name, "tuples", want))
+        names = [e.id if isinstance(e, ast.Name) else "" for e in n.target.elts]
+        doc = _TUPLE_DOC.search(_param_doc(frame, name))
+        if doc and len(doc.group(1).split(",")) == want:
+            names = [x.strip() for x in doc.group(1).split(",")]
+        text = getattr(getattr(make, "grid", None), "text", TEXT_LEN)
+        width = getattr(getattr(make, "grid", None), "channels", 4)
+        item = tuple(torch.ones(1, text) if "mask" in x.lower() else torch.randn(1, text, width) for x in names)
+        new = dict(kwargs)
+        new[name] = [item]
+        return new, f"{name}: a list of {want}-tuples {tuple(names)}"
+    return None
+
+
+def _unpacking_loops(frames, want: int):
+    """(frame, loop node) of each ``for a, b, ... in <name>`` with ``want`` names in the statements
+    the frames run (a comprehension runs in a frame of its own: its caller's statement holds it)."""
+    for frame in reversed(frames):
+        try:
+            tree = ast.parse(statement_text(frame))
+        except SyntaxError:
+            continue
+        for n in ast.walk(tree):
+            if isinstance(n, (ast.comprehension, ast.For)) and isinstance(n.target, ast.Tuple) \
+                    and len(n.target.elts) == want and isinstance(n.iter, ast.Name):
+                yield frame, n
+
+
+def _param_doc(frame, name: str) -> str:
+    """The docstring paragraph of parameter ``name`` of the function a frame runs."""
+    doc = frame.f_code.co_consts[0] if frame.f_code.co_consts and isinstance(frame.f_code.co_consts[0], str) else ""
+    m = re.search(rf"^\s*{re.escape(name)} \(.*?(?=^\s*\w+ \(|\Z)", doc, re.M | re.S)
+    return m.group(0) if m else ""
+
+
+def _flat_leaves(kwargs: dict) -> dict:
+    """``{"x[0]": t, "pairs[0][1]": u}``: the tensors inside list/tuple inputs, by their path."""
+    out = {}
+
+    def walk(key, val):
+        if isinstance(val, torch.Tensor):
+            out[key] = val
+        elif isinstance(val, (list, tuple)):
+            for i, v in enumerate(val):
+                walk(f"{key}[{i}]", v)
+
+    for name, val in kwargs.items():
+        if isinstance(val, (list, tuple)):
+            walk(name, val)
+    return out
+
+
+def _path(key: str) -> tuple[str, list[int]]:
+    name = key.split("[", 1)[0]
+    return name, [int(i) for i in re.findall(r"\[(\d+)\]", key)]
+
+
+def _put(val, idx: list, new):
+    if not idx:
+        return new
+    items = list(val)
+    items[idx[0]] = _put(items[idx[0]], idx[1:], new)
+    return type(val)(items) if isinstance(val, tuple) else items
+
+
+@rule
+def _nested_inputs(exc, msg, kwargs, make, forbid, params):
+    """Tensors inside list/tuple inputs (one tensor per sample, ``(encoding, mask)`` pairs) get the
+    shape repairs the top-level tensors get; a per-sample element is made like one sample of a
+    batched input (its batch axis dropped)."""
+    flat = _flat_leaves(kwargs)
+    if not flat:
+        return None
+
+    def make_leaf(key, kw, rank=None):
+        name, idx = _path(key)
+        if rank is None:
+            return None
+        val = make(name, kwargs, rank=rank + 1 if len(idx) == 1 else rank)
+        if isinstance(val, torch.Tensor) and len(idx) == 1 and val.ndim == rank + 1 and val.shape[0] == 1:
+            val = val[0]
+        return val if isinstance(val, torch.Tensor) and val.ndim == rank else None
+
+    for rule in (_matmul_last_dim, _integer_indices, _boolean_mask, _size_mismatch, _unpack_rank,
+                 _reshaped_last_dim, _last_axis_width):
+        fixed = rule(exc, msg, flat, make_leaf, forbid, set(flat))
+        if fixed is None:
+            continue
+        new_flat, note = fixed
+        new, changed = dict(kwargs), False
+        for key, val in new_flat.items():
+            if val is not flat.get(key):
+                name, idx = _path(key)
+                new[name], changed = _put(new[name], idx, val), True
+        if changed:
+            return new, note
+    return None
+
+
+def last_axis_mismatch(exc) -> tuple | None:
+    """(a, b, d) when a size mismatch is on the last axis of the tensors the innermost frame holds
+    (a feature width, e.g. a norm's weight against its input), not on a sequence axis."""
+    m = _SIZE.search(str(exc))
+    frames = _model_frames(exc)
+    if not m or not frames:
+        return None
+    a, b, d = int(m.group(1)), int(m.group(2)), int(m.group(3))
+    tensors = [v for v in frames[-1].f_locals.values() if isinstance(v, torch.Tensor)]
+    on_last = any(t.ndim - 1 == d and t.shape[d] in (a, b) for t in tensors)
+    elsewhere = any(t.ndim - 1 > d and t.shape[d] in (a, b) for t in tensors)
+    return (a, b, d) if on_last and not elsewhere else None
+
+
+@rule
+def _last_axis_width(exc, msg, kwargs, make, forbid, params):
+    """A width mismatch on the last axis (``last_axis_mismatch``) of a tensor that is an input, or
+    has an input's elements (a concatenation of one per-sample tensor, a view): the input's last dim
+    takes the other width."""
+    found = last_axis_mismatch(exc)
+    if not found:
+        return None
+    a, b, _ = found
+    frames = _model_frames(exc)
+    locals_ = [v for v in frames[-1].f_locals.values() if isinstance(v, torch.Tensor)]
+    same = [(n, v, loc) for n, v in kwargs.items() for loc in locals_ if isinstance(v, torch.Tensor)
+            and v.is_floating_point() and v.ndim >= 2 and loc.shape[-1] == v.shape[-1] and v.shape[-1] in (a, b)
+            and v.numel() <= loc.numel()]
+    # the same elements first, then a padded concatenation of them (more rows, same width)
+    for name, val, loc in sorted(same, key=lambda x: x[1].numel() != x[2].numel()):
+        want = b if val.shape[-1] == a else a
+        if (name, "last", want) in forbid:
+            continue
+        forbid.add((name, "last", want))
+        new = dict(kwargs)
+        new[name] = torch.randn(tuple(val.shape[:-1]) + (want,))
+        return new, f"{name}: last dim {val.shape[-1]} -> {want} (a width its consumer fixes)"
+    return None
+
+
+_NAME_NOISE = {"num", "hidden", "states", "n", "size", "len", "length", "of", "input", "inputs"}
+
+
+def int_input_size(exc, kwargs: dict) -> tuple[str, int] | None:
+    """(name, size) when a size mismatch ``a`` vs ``b`` sets an int input that equals one side
+    (a token count given as an int: ``audio_num_frames``) against a tensor input that has the other
+    side on that axis and shares a word of its name (``audio_hidden_states``): the int takes the
+    tensor's size."""
+    m = _SIZE.search(str(exc))
+    if not m:
+        return None
+    a, b, d = int(m.group(1)), int(m.group(2)), int(m.group(3))
+    best, score = None, 0
+    for iname, ival in kwargs.items():
+        if isinstance(ival, bool) or not isinstance(ival, int) or ival not in (a, b):
+            continue
+        other = b if ival == a else a
+        words = set(iname.lower().split("_")) - _NAME_NOISE
+        for tname, t in kwargs.items():
+            if isinstance(t, torch.Tensor) and t.ndim > d and t.shape[d] == other:
+                sc = len(words & (set(tname.lower().split("_")) - _NAME_NOISE))
+                if sc > score:
+                    best, score = (iname, other), sc
+    return best
+
+
+@rule
+def _int_input_size(exc, msg, kwargs, make, forbid, params):
+    """See ``int_input_size``."""
+    found = int_input_size(exc, kwargs)
+    if not found or (found[0], "int", found[1]) in forbid:
+        return None
+    forbid.add((found[0], "int", found[1]))
+    new = dict(kwargs)
+    new[found[0]] = found[1]
+    return new, f"{found[0]}: {kwargs[found[0]]} -> {found[1]} (the size of the tensor it describes)"
+
+
+_EXPECTED_TUPLE = re.compile(r"has (?:shape|resolution|size) \(([\d, ]+)\),? but (?:is |was )?expected (?:to have )?"
+                             r"(?:shape |resolution |size )?\(([\d, ]+)\)")
+
+
+@rule
+def _expected_tuple(exc, msg, kwargs, make, forbid, params):
+    """``... has resolution (8, 8) but is expected to have resolution (64, 64)``: the input the failing
+    frames hold whose axes read (8, 8) (the last such run of axes) gets (64, 64) there."""
+    m = _EXPECTED_TUPLE.search(msg)
+    if not m:
+        return None
+    have = [int(x) for x in m.group(1).replace(" ", "").split(",") if x]
+    want = [int(x) for x in m.group(2).replace(" ", "").split(",") if x]
+    if len(have) != len(want) or not have or any(w > 4096 for w in want):
+        return None
+    low = msg.lower().replace("_", " ")
+    named = [(n, v) for n, v in kwargs.items() if isinstance(v, torch.Tensor) and n.replace("_", " ") in low]
+    for name, val in _input_held(exc, kwargs) + named:  # held by the failing frames, or named by the message
+        shape = list(val.shape)
+        for start in range(len(shape) - len(have), -1, -1):
+            if shape[start:start + len(have)] == have and (name, "axes", tuple(want)) not in forbid:
+                forbid.add((name, "axes", tuple(want)))
+                shape[start:start + len(have)] = want
+                new = dict(kwargs)
+                new[name] = torch.randn(shape).to(val.dtype) if val.is_floating_point() else \
+                    torch.zeros(shape, dtype=val.dtype)
+                return new, f"{name}: axes {tuple(have)} -> {tuple(want)} (the error's expected shape)"
+    return None
+
+
+_CONV_CHANNELS = re.compile(r"expected input\[([\d, ]+)\] to have (\d+) channels, but got (\d+) channels")
+
+
+@rule
+def _conv_channels(exc, msg, kwargs, make, forbid, params):
+    """A convolution wants C channels and gets G from an input or a reshape of it (same element
+    count; frames folded into the batch): the input's axis of size G (axis 1 first) becomes C."""
+    m = _CONV_CHANNELS.search(msg)
+    if not m:
+        return None
+    seen = [int(x) for x in m.group(1).replace(" ", "").split(",") if x]
+    want, got = int(m.group(2)), int(m.group(3))
+    held = _input_held(exc, kwargs)
+    others = [(n, v) for n, v in kwargs.items() if isinstance(v, torch.Tensor) and all(n != h for h, _ in held)]
+    for name, val in held + others:
+        if val.numel() != math.prod(seen) or val.ndim < 2 or (name, "channels", want) in forbid:
+            continue
+        axes = [i for i in range(1, val.ndim) if val.shape[i] == got]
+        if not axes:
+            continue
+        forbid.add((name, "channels", want))
+        shape = list(val.shape)
+        shape[axes[0]] = want
+        new = dict(kwargs)
+        new[name] = torch.randn(shape).to(val.dtype) if val.is_floating_point() else torch.zeros(shape, dtype=val.dtype)
+        return new, f"{name}: axis {axes[0]} {got} -> {want} (a convolution's channels)"
+    return None
+
+
+@rule
+def _documented_symbol(exc, msg, kwargs, make, forbid, params):
+    """The message gives a documented size symbol's value (``... for seq_len=8``) and names inputs
+    (in backticks) documented with that symbol (``timestep_indices (... of shape `(seq_len,)`)``):
+    each such input gets that size on that axis."""
+    model = getattr(make, "model", None)
+    values = {k: int(v) for k, v in re.findall(r"\b(\w+)\s*=\s*(\d+)\b", msg)}
+    if model is None or not values:
+        return None
+    dims = {n: [p.strip() for p in d.split(",") if p.strip()] for n, d in doc_shapes(type(model).forward)}
+    named = set(re.findall(r"`(\w+)`", msg))
+    new, notes = dict(kwargs), []
+    for name in sorted(named):
+        val = kwargs.get(name)
+        if not isinstance(val, torch.Tensor) or name not in dims:
+            continue
+        shape = list(val.shape) if val.ndim == len(dims[name]) else [1] * len(dims[name])
+        for i, sym in enumerate(dims[name]):
+            if sym in values:
+                shape[i] = values[sym]
+        if shape != list(val.shape) and (name, "symbol", tuple(shape)) not in forbid:
+            forbid.add((name, "symbol", tuple(shape)))
+            whole = val.is_floating_point() and not name.lower().endswith(("ids", "indices"))
+            new[name] = torch.randn(shape) if whole else torch.zeros(shape, dtype=torch.long)
+            notes.append(f"{name}: {tuple(shape)}")
+    return (new, "documented sizes the message gives: " + ", ".join(notes)) if notes else None
+
+
+@rule
+def _index_dtype(exc, msg, kwargs, make, forbid, params):
+    """``Expected dtype int32 or int64 for index``: the float input shaped like the float index the
+    innermost frame holds (an index computed from inputs, e.g. ``row * k + tags``) becomes integers."""
+    if "for index" not in msg or "int" not in msg:
+        return None
+    frames = _model_frames(exc)
+    given = {id(v) for v in kwargs.values()}
+    shapes = {tuple(v.shape) for v in (frames[-1].f_locals.values() if frames else ())
+              if isinstance(v, torch.Tensor) and v.is_floating_point() and id(v) not in given}
+    for name, val in kwargs.items():
+        if isinstance(val, torch.Tensor) and val.is_floating_point() and tuple(val.shape) in shapes \
+                and (name, "long") not in forbid:
+            return _as_long_zeros(kwargs, name, forbid, f"{name}: integer indices (an index computed from it)")
+    return None
+
+
+@rule
+def _empty_mapping(exc, msg, kwargs, make, forbid, params):
+    """``argument after ** must be a mapping, not NoneType``: the forward parameter the failing
+    statement spreads with ``**`` (an options dict left None) becomes an empty dict."""
+    if "must be a mapping, not NoneType" not in msg:
+        return None
+    for frame in reversed(_model_frames(exc)):
+        for name in re.findall(r"\*\*(\w+)", statement_text(frame)):
+            if name in params and frame.f_locals.get(name, 0) is None and kwargs.get(name) is None \
+                    and (name, "mapping") not in forbid:
+                forbid.add((name, "mapping"))
+                new = dict(kwargs)
+                new[name] = {}
+                return new, f"{name}: an empty options dict (spread with **)"
+    return None
+
+
+
+def explain(exc: BaseException, model) -> str:
+    """A named reason for an error no repair addresses, when the code says more than the message:
+    a ``KeyError`` on a dict built from a dict-annotated forward parameter (named features of a
+    running pipeline that the probe does not make up)."""
+    if not isinstance(exc, KeyError) or not exc.args:
+        return ""
+    try:
+        sig = inspect.signature(type(model).forward).parameters
+    except (TypeError, ValueError):
+        return ""
+    dicts = [n for n, p in sig.items() if "dict" in str(p.annotation).lower() or "mapping" in str(p.annotation).lower()]
+    dicts = [n for n in dicts if not never_supplied(n)]
+    if not dicts:
+        return ""
+    return (f" (the forward reads key {exc.args[0]!r} of the features it builds from the dict input "
+            f"{', '.join(repr(d) for d in dicts)}: named features the probe does not make up)")
+
+
