@@ -58,7 +58,10 @@ def verdict(benchmark: dict | None, cache: dict | None) -> dict:
         return out
     chosen = cache.get("chosen")
     if not chosen:
-        out["reason"] = "no cache configuration passed the gates on held-out seeds; ship the baseline"
+        refused = cache.get("refused")
+        out["reason"] = (f"the cache stage refused caching ({refused}), so no cache configuration passed; "
+                         "ship the baseline" if refused else
+                         "no cache configuration passed the gates on held-out seeds; ship the baseline")
         return out
     detail = cache.get("chosen_detail") or {}
     hq = detail.get("holdout_quality") or {}

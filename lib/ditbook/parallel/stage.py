@@ -30,8 +30,11 @@ from .plans import parse_plan, refusal
 
 def choose_plans(table: FeasibilityTable, nproc: int, wanted: list[str] | None = None,
                  with_cache: bool = False, with_graph: bool = False,
-                 present: int | None = None) -> tuple[list[str], list[dict]]:
+                 present: int | None = None, cache_refused: str | None = None) -> tuple[list[str], list[dict]]:
     """Plans to launch at ``nproc`` processes, and those ruled out with their reason.
+
+    ``cache_refused``: why the cache stage refused caching on this model (``cache_refusal``);
+    every ``+cache`` plan is then listed as not run with that reason, and the others go on.
 
     ``with_graph`` adds each feasible plan again as ``+compile+graph`` (regional compile, each
     transformer call replayed as a CUDA graph: GPU only, see ``parallel.graphs``). ``present``
@@ -42,7 +45,19 @@ def choose_plans(table: FeasibilityTable, nproc: int, wanted: list[str] | None =
         skipped += [{"name": p, "reason": f"not run: needs {parse_plan(p).world_size} GPUs, {present} present"}
                     for p in run]
         run = []
+    if cache_refused:
+        skipped += [{"name": p, "reason": f"not run: the cache stage refused caching ({cache_refused})"}
+                    for p in run if parse_plan(p).cache]
+        run = [p for p in run if not parse_plan(p).cache]
     return run, skipped
+
+
+def cache_refusal(ctx) -> str | None:
+    """Why the cache stage of this run refused caching (``cache/results.json`` ``refused``), or None."""
+    run = ctx.run
+    if not run.has_results("cache"):
+        return None
+    return run.read_results("cache").get("refused") or None
 
 
 def ranks_for(ctx) -> int | None:
