@@ -109,3 +109,22 @@ def test_cache_refusal_is_recorded_and_the_remaining_stages_run(tmp_path):
     assert v["name"] == "baseline" and not v["ship"]
     assert "refused caching" in v["reason"] and "no cache configuration passed" in v["reason"]
     assert "refused caching" in headline(v)
+
+
+# -- item 7: one approval state, read by the stages and the checklist ----------------------------
+
+def test_checklist_reads_the_approval_the_stages_accepted(tmp_path):
+    """The run begins unapproved (its card snapshot has no ``approved_plan``), the plan is approved
+    afterwards (``ditbook approve --run RUN``), the cache stage accepts it: the checklist says so."""
+    from test_cache import prepared_run, tiny_card
+
+    from ditbook.benchmark.verdict import checklist, read_stage_results
+    from ditbook.context import open_stage
+
+    card = tiny_card(tmp_path, steps=2, seeds=(0,), prompts=("a red square",))
+    run, _, _ = prepared_run(card, tmp_path / "outputs")  # intake, inspect, then approve
+    assert not (run.read_meta()["card"] or {}).get("approved_plan")  # the snapshot predates the approval
+    ctx = open_stage(str(card), str(run.path), "cache", {})
+    plan = ctx.require_approved_plan()  # the stage accepts the approval
+    item = {c["item"]: c for c in checklist(run.read_meta(), read_stage_results(run))}["plan approved"]
+    assert item["ok"] is True and plan["hash"] in item["figure"], item

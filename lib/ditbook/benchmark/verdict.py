@@ -173,12 +173,14 @@ def _gate_item(meta: dict, intake: dict | None) -> dict:
 
 
 def _plan_item(meta: dict, inspect: dict | None) -> dict:
-    approved = (meta.get("card") or {}).get("approved_plan")
-    made = (inspect or {}).get("plan_hash")
-    if not made:
+    from ..inspect.plan import approval_state
+
+    state = approval_state(meta, (inspect or {}).get("plan_hash"))  # the approval the stages accepted
+    made, approved = state["plan_hash"], state["approved"]
+    if state["ok"] is None:
         return _item("plan approved", None, NOT_RECORDED)
-    if approved == made:
-        return _item("plan approved", True, f"plan {made} approved in the card")
+    if state["ok"]:
+        return _item("plan approved", True, f"plan {made} approved ({state['source']})")
     return _item("plan approved", False, f"the card approves {approved or 'nothing'}, the inspection made {made}")
 
 
