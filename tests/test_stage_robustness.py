@@ -128,3 +128,42 @@ def test_checklist_reads_the_approval_the_stages_accepted(tmp_path):
     plan = ctx.require_approved_plan()  # the stage accepts the approval
     item = {c["item"]: c for c in checklist(run.read_meta(), read_stage_results(run))}["plan approved"]
     assert item["ok"] is True and plan["hash"] in item["figure"], item
+
+
+# -- item 5: a +cache plan whose cache skipped nothing fails -------------------------------------
+
+def _launch_result(tmp_path, entries: dict):
+    import numpy as np
+
+    from ditbook.parallel.launch import LaunchResult
+
+    img = np.full((8, 8, 3), 0.5)
+    np.save(tmp_path / "img.npy", img)
+    plans = {}
+    for name, extra in entries.items():
+        plans[name] = {"images": [{"key": "k", "npy": "img.npy"}], "median_seconds": 1.0,
+                       "world_size": 1 if name.startswith("single") else 2, **extra}
+    return LaunchResult(tmp_path, 2, 1.0, {"plans": plans}, [])
+
+
+def test_a_cache_plan_that_skipped_nothing_fails_with_its_named_error(tmp_path):
+    from ditbook.parallel.launch import judge
+
+    split = {"sharding": {"error": None, "check": {"degree": 2}}}
+    result = _launch_result(tmp_path, {
+        "single": {}, "single+cache": {"cached_steps": []},
+        "ulysses2+cache": {**split, "cached_steps": [], "cache_agreement": {"decisions": 6, "skips": 0}},
+        "cfg2+cache": {"cached_steps": [2, 3],
+                       "sharding": {"ranks": [{"block_inputs": {}}], "cfg_check": {"per_list": {}}}}})
+    by = {r.name: r for r in judge(result, ["ulysses2+cache"])}
+    r = by["ulysses2+cache"]
+    assert r.quality["passed"] and not r.passed  # the images agree exactly: parity alone would pass it
+    assert r.error.startswith("CacheSkippedNothing") and "ulysses2+cache" in r.error
+    assert any("CacheSkippedNothing" in x for x in r.quality["reasons"])
+    # a cache that skipped steps is not failed by this check
+    from ditbook.parallel.launch import cache_skip_failure
+    from ditbook.parallel.plans import parse_plan
+
+    assert cache_skip_failure(parse_plan("cfg2+cache"), result.worker["plans"]["cfg2+cache"]) is None
+    assert cache_skip_failure(parse_plan("ulysses2+cache"), {"cache_agreement": {"skips": 3}}) is None
+    assert cache_skip_failure(parse_plan("ulysses2"), {}) is None

@@ -277,7 +277,8 @@ def judge(result: LaunchResult, plans: list[str], gates: Gates | None = None,
             if spec.cache and base is not None else None
         quality = q.to_dict()
         sharding_problem = sharding_failure(spec, entry.get("sharding")) or cfg_split_failure(
-            spec, entry.get("sharding"), result.worker["plans"].get(ref_name, {}).get("sharding"))
+            spec, entry.get("sharding"), result.worker["plans"].get(ref_name, {}).get("sharding")) \
+            or cache_skip_failure(spec, entry)
         if sharding_problem:  # parity cannot see a plan that splits nothing: this can
             quality["reasons"] = list(quality.get("reasons") or []) + [sharding_problem]
         out.append(PlanResult(name=name, world_size=spec.world_size, passed=q.passed and not sharding_problem,
@@ -286,6 +287,22 @@ def judge(result: LaunchResult, plans: list[str], gates: Gates | None = None,
                               baseline_quality=bq, details=details, error=sharding_problem,
                               gates={"quality": gates.to_dict(), "baseline_quality": cache_gates.to_dict()}))
     return out
+
+
+def cache_skip_failure(spec, entry: dict) -> str | None:
+    """Why a ``+cache`` plan's record shows its cache skipped nothing (None when it skipped, and for
+    plans without a cache): no cached step (``cached_steps``, cache-dit's record of the last
+    generation) and no skip agreed across the ranks (``cache_agreement.skips``). Such a plan is the
+    uncached plan under another name; its parity and timing say nothing about caching."""
+    if not spec.cache:
+        return None
+    steps = entry.get("cached_steps")
+    skips = (entry.get("cache_agreement") or {}).get("skips") or 0
+    if steps or skips:
+        return None
+    return (f"CacheSkippedNothing: the cache of {spec.name} skipped no step (cached_steps "
+            f"{steps if steps is not None else 'not recorded'}, {skips} skips agreed across the ranks): it is the "
+            f"plan without the cache under another name; raise parallel.cache's residual_diff_threshold or drop +cache")
 
 
 def sharding_failure(spec, sharding: dict | None) -> str | None:
