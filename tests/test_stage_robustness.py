@@ -167,3 +167,58 @@ def test_a_cache_plan_that_skipped_nothing_fails_with_its_named_error(tmp_path):
     assert cache_skip_failure(parse_plan("cfg2+cache"), result.worker["plans"]["cfg2+cache"]) is None
     assert cache_skip_failure(parse_plan("ulysses2+cache"), {"cache_agreement": {"skips": 3}}) is None
     assert cache_skip_failure(parse_plan("ulysses2"), {}) is None
+
+
+# -- item 6: warm, repeated verdict rows; a drifting baseline gives "timing unstable" ------------
+
+def test_a_drifting_baseline_gives_timing_unstable_instead_of_a_speedup():
+    import time
+
+    from ditbook.benchmark.measure import benchmark
+    from ditbook.benchmark.synthetic import FakePipeline
+    from ditbook.benchmark.verdict import checklist, headline, verdict
+    from ditbook.configuration import Config
+    from ditbook.render import make_generator, to_image
+
+    pipe = FakePipeline()
+    render = lambda prompt, seed: to_image(pipe(prompt=prompt, generator=make_generator(seed),  # noqa: E731
+                                                num_inference_steps=2))
+    calls = {"n": 0}
+
+    def slow_from_now_on(pipe):  # the machine gets slower while the benchmark runs (a throttled GPU)
+        def slow(module, args):
+            time.sleep(0.3)
+        pipe.transformer.register_forward_pre_hook(slow)  # never removed: the re-timed baseline is slower
+        return lambda: None
+
+    def counted(pipe):
+        calls["n"] = 0
+        handle = pipe.transformer.register_forward_pre_hook(lambda *a: calls.__setitem__("n", calls["n"] + 1))
+        return handle.remove
+
+    configs = [Config("chosen[x=1]", "cache", counted), Config("throttle", "cache/fake", slow_from_now_on)]
+    rep = benchmark(pipe, configs, render, [("p0_s0", "a", 0)], warmup=0, repeats=1, count_flops=False,
+                    verdict_rows={"chosen[x=1]"}, drift_limit=0.10)
+    # the card's warmup 0 / repeats 1 are raised for the baseline and the verdict's row, not for the rest
+    assert rep.baseline.timing.end_to_end.n == 3
+    by = {c.name: c for c in rep.configs}
+    assert by["chosen[x=1]"].timing.end_to_end.n == 3 and by["throttle"].timing.end_to_end.n == 1
+    assert calls["n"] == 2 * (1 + 1 + 3)  # 2 steps x (quality render + warm-up + 3 repeats)
+    t = rep.to_dict()["timing"]
+    assert t["stable"] is False and t["drift"] > 2 and (t["warmup"], t["repeats"]) == (1, 3), t
+
+    bench = {**rep.to_dict(), "summary": [{"name": "chosen[x=1]", "source": "measured here", "speedup": 1.9,
+                                           "e2e_ms": 1.0, "psnr_min": 40.0, "ssim_min": 0.99, "passed": True}]}
+    cache = {"chosen": {"name": "chosen", "family": "cache", "config": {"x": 1}},
+             "chosen_detail": {"holdout_quality": {"psnr_min": 40.0, "ssim_min": 0.99, "n": 2}}}
+    v = verdict(bench, cache)
+    assert not v["ship"] and v["speedup"] is None and "timing unstable" in v["reason"]
+    assert "timing unstable" in headline(v) and "1.90" not in headline(v)
+    assert f"{t['drift']:.3f}" in headline(v)
+    item = {c["item"]: c for c in checklist({}, {"benchmark": bench, "cache": cache}, v)}["timing stable"]
+    assert item["ok"] is False and "timing unstable" in item["figure"] and f"{t['drift']:.3f}" in item["figure"]
+    # the same record within the bound: the speed-up is reported and the row is green
+    bench["timing"] = {**t, "drift": 1.02, "stable": True}
+    v = verdict(bench, cache)
+    assert v["ship"] and v["speedup"] == 1.9
+    assert {c["item"]: c for c in checklist({}, {"benchmark": bench, "cache": cache}, v)}["timing stable"]["ok"]
