@@ -222,3 +222,28 @@ def test_a_drifting_baseline_gives_timing_unstable_instead_of_a_speedup():
     v = verdict(bench, cache)
     assert v["ship"] and v["speedup"] == 1.9
     assert {c["item"]: c for c in checklist({}, {"benchmark": bench, "cache": cache}, v)}["timing stable"]["ok"]
+
+
+# -- item 2: one plan failing in the ranks does not sink the others ------------------------------
+
+@pytest.mark.slow
+def test_a_plan_failing_in_one_rank_is_recorded_and_the_others_run(tmp_path, monkeypatch):
+    """2 gloo processes, plans cfg2, ulysses2, ring2: rank 1 raises inside ulysses2's renders while
+    rank 0 waits in a collective. cfg2 (finished before) is kept, ulysses2 is recorded as failed with
+    its named error, ring2 runs in the next launch; parallel/results.json can be written."""
+    import test_parallel_models as models
+
+    from ditbook.parallel import run_plans
+
+    card = models.tiny_thirdparty(tmp_path)
+    monkeypatch.setenv("DITBOOK_PARALLEL_RAISE", "1:2:ulysses2")
+    results, launch = run_plans(card, ["cfg2", "ulysses2", "ring2"], 2, tmp_path / "run", timeout=60)
+    by = {r.name: r for r in results}
+    assert list(by) == ["cfg2", "ulysses2", "ring2"]
+    assert by["cfg2"].passed and by["ring2"].passed, (by["cfg2"].error, by["ring2"].error)
+    bad = by["ulysses2"]
+    assert not bad.passed and bad.error.startswith("InjectedFault") and "(rank 1)" in bad.error, bad.error
+    assert bad.quality["reasons"] == [bad.error] and bad.seconds is None
+    assert [a["failed"] for a in launch.attempts] == ["ulysses2", None]
+    assert launch.attempts[1]["plans"] == ["single", "ring2"]  # the rest, with its reference again
+    assert (tmp_path / "run" / "launch.1.log").is_file() and (tmp_path / "run" / "launch.log").is_file()

@@ -9,7 +9,9 @@
   per image), ``speedup`` (against that single-process run), ``reference``, ``details``;
 - ``not_run``: plans asked for but ruled out, with their reason;
 - ``gqa``: the GQA timing (``GqaTiming`` dict, or null for a model without GQA) and ``applied``;
-- ``launch``: command, processes, wall seconds; ``cp_plan_file``: the emitted plan code;
+- ``launch``: command, processes, wall seconds, ``attempts`` (one per torchrun launch: ``plans``,
+  ``failed`` — the plan that failed in the ranks, recorded as not passed with its named ``error``;
+  the plans after it ran in the next launch); ``cp_plan_file``: the emitted plan code;
 - ``sharding``: per plan, per rank, the sequence lengths each block list's blocks received, the
   number of sharded parameters per rank, and whether the split was verified (a CP plan whose
   blocks did not get full length / degree fails with a ``ShardingError``; the full record is
@@ -164,7 +166,8 @@ def stage_results(table: FeasibilityTable, results, launch, gqa: dict | None, no
         "not_run": not_run,
         "gqa": {"timing": gqa, "applied": (gqa or {}).get("faster")},
         "launch": {"command": launch.command if launch else None, "nproc": launch.nproc if launch else None,
-                   "seconds": round(launch.seconds, 2) if launch else None},
+                   "seconds": round(launch.seconds, 2) if launch else None,
+                   "attempts": list(getattr(launch, "attempts", None) or []) if launch else []},
         "cp_plan_file": files[0] if files else None,
         "sharding": {r.name: block_sequence_lengths(r.details.get("sharding")) for r in results},
         "passed": all(r.passed for r in results),
