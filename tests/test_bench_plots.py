@@ -180,7 +180,7 @@ def test_checklist_reads_the_stages_and_says_not_recorded():
     results = {"intake": {"images": [1, 2]}, "inspect": {"plan_hash": "abc"}, "cache": cache,
                "parallel": parallel, "benchmark": _bench()}
     items = {c["item"]: c for c in checklist(meta, results)}
-    assert [c["ok"] for c in items.values()] == [True, True, True, None, True, True]
+    assert [c["ok"] for c in items.values()] == [True, True, True, None, True, True, None]
     assert NOT_RECORDED in items["parity per plan, sharding verified"]["figure"]
     # each check can fail
     parallel["plans"][0]["details"] = {"sharding": {"verified": True}}

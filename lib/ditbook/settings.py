@@ -311,6 +311,13 @@ class BenchmarkSettings:
     compile: bool | str | dict | None = setting(None, compile_choice(), "also measure every configuration compiled (regional), with its compile cost")
     attention_backend: str | None = setting(None, optional(text()), "auto: measure diffusers' attention backends and add the fastest correct one; or a backend name")
     fp8: bool = setting(False, boolean(), "also measure every configuration with its block linears in fp8 (torchao float8; refused, with the reason, below CUDA capability 8.9)")
+    timing_drift: float = setting(0.10, number(0.0, 1.0), "how far the baseline re-timed at the end may move from its first timing (a share: 0.10 = 10%); beyond it the verdict says timing unstable instead of a speed-up")
+
+
+# the baseline and the verdict's rows are timed warm and repeated, whatever benchmark.warmup and
+# benchmark.repeats say (a speed-up from a cold, single timing is noise, issue 23)
+VERDICT_MIN_WARMUP = 1
+VERDICT_MIN_REPEATS = 3
 
 
 SECTIONS: dict[str, type] = {

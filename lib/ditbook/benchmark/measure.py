@@ -153,6 +153,7 @@ class BenchmarkReport:
     flops: FlopEstimate | None
     baseline_drift: float | None  # baseline re-measured at the end / at the start (1.0 = no drift)
     noise_floor: dict | None = None  # the baseline rendered twice, compared with itself
+    timing: dict | None = None  # timing_record(): drift, its limit, stable, the verdict rows' warm-up and repeats
 
     def all(self) -> list[ConfigResult]:
         return [self.baseline, *self.configs]
@@ -163,6 +164,7 @@ class BenchmarkReport:
             "flops": self.flops.to_dict() if self.flops else None,
             "baseline_drift": None if self.baseline_drift is None else round(self.baseline_drift, 4),
             "noise_floor": self.noise_floor,
+            "timing": self.timing,
             "baseline": self.baseline.to_dict(),
             "configs": [c.to_dict() for c in self.configs],
         }
@@ -234,19 +236,39 @@ def _compare_to_baseline(res: ConfigResult, baseline: ConfigResult, flops, peak_
         res.quality = compare_sets(res.images, baseline.images, gates).to_dict()
 
 
+def timing_record(drift: float | None, limit: float, warmup: int, repeats: int, verdict_rows) -> dict:
+    """Whether the timings are stable: the baseline re-timed at the end against its first timing
+    (``drift``, 1.0 = the same) within ``limit`` (a share, ``benchmark.timing_drift``); and the
+    warm-up and repeats the baseline and the verdict's rows got."""
+    stable = None if drift is None else bool(abs(drift - 1.0) <= limit)
+    return {"drift": None if drift is None else round(drift, 4), "limit": limit, "stable": stable,
+            "warmup": warmup, "repeats": repeats, "verdict_rows": sorted(verdict_rows)}
+
+
 def benchmark(pipe, configs: list[Config], render: Callable[[str, int], np.ndarray],
               cases: list[tuple[str, str, int]], *, warmup: int = 1, repeats: int = 3,
               peak_tflops: float | None = None, steps: int | None = None, count_flops: bool = True,
               gates_for: Callable[[Config], Any] | None = None,
               progress: Callable[[Iterable], Iterable] | None = None,
-              log: Callable[[str], None] | None = None) -> BenchmarkReport:
+              log: Callable[[str], None] | None = None, verdict_rows=(),
+              drift_limit: float | None = None) -> BenchmarkReport:
     """Measure the baseline, then each configuration, then the baseline again, in this process.
 
     ``render(prompt, seed) -> image`` runs the pipeline once; ``cases`` are (key, prompt, seed).
     Timing repeats use the first case; quality uses every case against the baseline images
     rendered here. A configuration that raises is recorded with its error, undone, and skipped.
+    The baseline, its re-timing and the configurations named in ``verdict_rows`` get at least
+    ``settings.VERDICT_MIN_WARMUP`` warm-up calls and ``VERDICT_MIN_REPEATS`` repeats whatever
+    ``warmup`` / ``repeats`` say; ``drift_limit`` (default ``BenchmarkSettings.timing_drift``)
+    judges the re-timed baseline (``BenchmarkReport.timing``).
     """
+    # long: one measuring sequence (baseline, FLOPs, noise floor, each configuration, baseline again)
     from ..quality import Gates, compare_sets
+    from ..settings import VERDICT_MIN_REPEATS, VERDICT_MIN_WARMUP, BenchmarkSettings
+
+    drift_limit = BenchmarkSettings().timing_drift if drift_limit is None else drift_limit
+    verdict_rows = set(verdict_rows or ())
+    firm_warmup, firm_repeats = max(warmup, VERDICT_MIN_WARMUP), max(repeats, VERDICT_MIN_REPEATS)
 
     if not cases:
         raise ValueError("benchmark needs at least one (key, prompt, seed) case")
@@ -261,7 +283,7 @@ def benchmark(pipe, configs: list[Config], render: Callable[[str, int], np.ndarr
         peak_tflops = default_peak_tflops(device)
 
     log(f"benchmark: baseline on {device} (warmup {warmup}, repeats {repeats})")
-    baseline = _measure_config(pipe, baseline_config(), render, cases, call, warmup, repeats)
+    baseline = _measure_config(pipe, baseline_config(), render, cases, call, firm_warmup, firm_repeats)
     if baseline.error:
         raise RuntimeError(f"the baseline failed, nothing to compare against: {baseline.error}")
     baseline.speedup = 1.0
@@ -281,15 +303,18 @@ def benchmark(pipe, configs: list[Config], render: Callable[[str, int], np.ndarr
     for cfg in progress(configs):
         if per_config_log:
             log(f"benchmark: {cfg.name} ({cfg.family})")
-        res = _measure_config(pipe, cfg, render, cases, call, warmup, repeats)
+        firm = cfg.name in verdict_rows
+        res = _measure_config(pipe, cfg, render, cases, call, firm_warmup if firm else warmup,
+                              firm_repeats if firm else repeats)
         _compare_to_baseline(res, baseline, flops, peak_tflops, gates_for(cfg) if res.images else None)
         results.append(res)
 
     drift = None
     if configs:
-        end = time_pipeline(pipe, call, warmup=0, repeats=repeats)
+        end = time_pipeline(pipe, call, warmup=firm_warmup, repeats=firm_repeats)
         drift = end.end_to_end.median / baseline.timing.end_to_end.median
-    return BenchmarkReport(device, warmup, repeats, baseline, results, flops, drift, noise)
+    timing = timing_record(drift, drift_limit, firm_warmup, firm_repeats, verdict_rows)
+    return BenchmarkReport(device, warmup, repeats, baseline, results, flops, drift, noise, timing)
 
 
 __all__ = ["FlopEstimate", "count_transformer_flops", "default_peak_tflops", "Efficiency", "efficiency",

@@ -9,7 +9,9 @@
   ``memory_ratio``, ``efficiency`` (achieved TFLOP/s, share of peak), ``psnr_min``, ``ssim_min``,
   ``worst_tile_psnr``, ``passed``, ``reasons``, ``error``;
 - ``baseline_drift`` (baseline re-timed at the end / at the start) and ``noise_floor`` (the
-  baseline rendered twice);
+  baseline rendered twice); ``timing`` (``measure.timing_record``: ``drift``, ``limit`` — the card's
+  ``benchmark.timing_drift`` —, ``stable``, and the ``warmup`` / ``repeats`` the baseline and the
+  ``verdict_rows`` got: at least ``settings.VERDICT_MIN_WARMUP`` / ``VERDICT_MIN_REPEATS``);
 - ``intake_agreement``: the baseline rendered here against the intake stage's stored images;
 - ``recorded``: ``{"cache": rows, "parallel": rows}`` — figures of the earlier stages;
 - ``video``: for video cases ``{frames, reduce, meaning}`` (every frame compared, a video's figures
@@ -90,7 +92,21 @@ def measure(ctx, pipe, configs: list[Config], *, warmup: int = 1, repeats: int =
         return Gates.from_dict(cfg.gates, **family.to_dict()) if cfg.gates else family
 
     return benchmark(pipe, configs, render, todo, warmup=warmup, repeats=repeats, peak_tflops=peak_tflops,
-                     steps=ctx.card.generation.steps, gates_for=gates_for, progress=progress, log=log)
+                     steps=ctx.card.generation.steps, gates_for=gates_for, progress=progress, log=log,
+                     verdict_rows=verdict_rows(ctx), drift_limit=ctx.card.benchmark.timing_drift)
+
+
+def verdict_rows(ctx) -> set[str]:
+    """The benchmark rows the verdict reads (the cache stage's chosen configuration and its
+    compiled twin): timed warm and repeated whatever the card's ``benchmark`` section says."""
+    from .verdict import chosen_row_name
+
+    run = ctx.run
+    chosen = (run.read_results("cache") if run.has_results("cache") else {}).get("chosen")
+    if not chosen:
+        return set()
+    name = chosen_row_name(chosen)
+    return {name, f"{name}+compile"}
 
 
 def measure_residuals(ctx, pipe, configs: list[Config] | None = None) -> dict[str, list[float]]:
@@ -167,4 +183,5 @@ def video_note(images: dict) -> dict | None:
             "meaning": f"every frame compared; a video's PSNR, SSIM and worst tile are the {FRAME_REDUCE} over its frames"}
 
 
-__all__ = ["STAGE", "resolve_knobs", "gate_overrides", "measure", "measure_residuals", "save", "make_figures"]
+__all__ = ["STAGE", "resolve_knobs", "gate_overrides", "measure", "measure_residuals", "save", "make_figures",
+           "verdict_rows"]

@@ -58,7 +58,10 @@ def verdict(benchmark: dict | None, cache: dict | None) -> dict:
         return out
     chosen = cache.get("chosen")
     if not chosen:
-        out["reason"] = "no cache configuration passed the gates on held-out seeds; ship the baseline"
+        refused = cache.get("refused")
+        out["reason"] = (f"the cache stage refused caching ({refused}), so no cache configuration passed; "
+                         "ship the baseline" if refused else
+                         "no cache configuration passed the gates on held-out seeds; ship the baseline")
         return out
     detail = cache.get("chosen_detail") or {}
     hq = detail.get("holdout_quality") or {}
@@ -76,7 +79,11 @@ def verdict(benchmark: dict | None, cache: dict | None) -> dict:
     if row is not None and row.get("source") == "measured here":
         out["speedup"], out["e2e_ms"] = row.get("speedup"), row.get("e2e_ms")
         out["measured_psnr_min"], out["measured_ssim_min"] = row.get("psnr_min"), row.get("ssim_min")
-    twin = compiled_twin(benchmark, cache, name, out["speedup"])
+    timing = timing_state(benchmark)
+    if timing and timing["stable"] is False:  # a speed-up read against a drifting baseline is noise
+        out["timing_unstable"] = {"drift": timing["drift"], "limit": timing["limit"]}
+        out["speedup"] = None
+    twin = compiled_twin(benchmark, cache, name, out["speedup"]) if "timing_unstable" not in out else None
     if twin is not None:
         out["compile"] = twin
         if twin.get("shipped") and out["passes_gates"] is True:
@@ -84,6 +91,8 @@ def verdict(benchmark: dict | None, cache: dict | None) -> dict:
     if out["passes_gates"] is not True:
         out["reason"] = (f"{name} has no held-out quality record" if not hq else
                          f"{name} does not meet the gates on held-out seeds")
+    elif "timing_unstable" in out:
+        out["reason"] = f"timing unstable: {drift_text(out['timing_unstable'])}, so no speed-up is reported"
     elif benchmark is None:
         out["reason"] = "the benchmark stage has not timed it; speed-up unknown"
     elif out["speedup"] is None:
@@ -97,6 +106,27 @@ def verdict(benchmark: dict | None, cache: dict | None) -> dict:
         if (out.get("compile") or {}).get("shipped"):
             out["reason"] += "; compiled, the faster of the two correct forms"
     return out
+
+
+def timing_state(benchmark: dict | None) -> dict | None:
+    """The benchmark's timing record (``measure.timing_record``: ``drift``, ``limit``, ``stable``),
+    or one made from an older record's ``baseline_drift`` and the default limit; None when the
+    baseline was not re-timed."""
+    from ..settings import BenchmarkSettings
+
+    rec = (benchmark or {}).get("timing")
+    if rec and rec.get("drift") is not None:
+        return rec
+    drift = (benchmark or {}).get("baseline_drift")
+    if drift is None:
+        return None
+    limit = BenchmarkSettings().timing_drift
+    return {"drift": drift, "limit": limit, "stable": abs(drift - 1.0) <= limit}
+
+
+def drift_text(t: dict) -> str:
+    return (f"the baseline re-timed at the end took {t['drift']:.3f}× its first timing "
+            f"(the bound is ±{t['limit']:.0%}, benchmark.timing_drift)")
 
 
 def compiled_twin(benchmark: dict | None, cache: dict | None, name: str, speedup: float | None) -> dict | None:
@@ -141,6 +171,8 @@ def headline(v: dict) -> str:
          f"SSIM {_f(h.get('ssim_min'), 4)} (gate > {g['ssim']:g})" + (f" on {h['n']} {_cases(h)}" if h.get("n") else "")
          if h else "no held-out quality recorded")
     sp = f"{v['speedup']:.2f}× end to end" if v.get("speedup") is not None else "speed-up not measured"
+    if v.get("timing_unstable"):
+        sp = f"timing unstable ({drift_text(v['timing_unstable'])})"
     c = v.get("compile") or {}
     if c.get("shipped") and c.get("compile_s") is not None:
         sp += f" (one-time compile {c['compile_s']:.1f} s)"
@@ -170,12 +202,14 @@ def _gate_item(meta: dict, intake: dict | None) -> dict:
 
 
 def _plan_item(meta: dict, inspect: dict | None) -> dict:
-    approved = (meta.get("card") or {}).get("approved_plan")
-    made = (inspect or {}).get("plan_hash")
-    if not made:
+    from ..inspect.plan import approval_state
+
+    state = approval_state(meta, (inspect or {}).get("plan_hash"))  # the approval the stages accepted
+    made, approved = state["plan_hash"], state["approved"]
+    if state["ok"] is None:
         return _item("plan approved", None, NOT_RECORDED)
-    if approved == made:
-        return _item("plan approved", True, f"plan {made} approved in the card")
+    if state["ok"]:
+        return _item("plan approved", True, f"plan {made} approved ({state['source']})")
     return _item("plan approved", False, f"the card approves {approved or 'nothing'}, the inspection made {made}")
 
 
@@ -274,6 +308,17 @@ def _holdout_item(v: dict, cache: dict | None) -> dict:
                  f"SSIM {_f(h.get('ssim_min'), 4)} (> {g['ssim']:g})" + (f", {h['n']} {_cases(h)}" if h.get("n") else ""))
 
 
+def _timing_item(benchmark: dict | None) -> dict:
+    t = timing_state(benchmark)
+    if t is None:
+        return _item("timing stable", None, NOT_RECORDED)
+    firm = (f"; baseline and verdict rows: {t['warmup']} warm-up, {t['repeats']} repeats"
+            if t.get("warmup") is not None else "")
+    if not t["stable"]:
+        return _item("timing stable", False, f"timing unstable: {drift_text(t)}{firm}")
+    return _item("timing stable", True, f"{drift_text(t)}{firm}")
+
+
 def checklist(meta: dict, results: dict[str, dict | None], v: dict | None = None) -> list[dict]:
     """The acceptance checklist: ``[{item, ok (True/False/None), figure}]``. ``results`` maps a
     stage name to its ``results.json`` (None when absent)."""
@@ -285,6 +330,7 @@ def checklist(meta: dict, results: dict[str, dict | None], v: dict | None = None
         _parity_item(results.get("parallel"), meta),
         _noise_item(results.get("cache"), results.get("benchmark")),
         _holdout_item(v, results.get("cache")),
+        _timing_item(results.get("benchmark")),
     ]
 
 
@@ -293,4 +339,4 @@ def read_stage_results(run) -> dict[str, dict | None]:
             for s in ("intake", "inspect", "cache", "parallel", "benchmark")}
 
 
-__all__ = ["verdict", "compiled_twin", "headline", "checklist", "read_stage_results", "chosen_row_name", "NOT_RECORDED"]
+__all__ = ["verdict", "timing_state", "compiled_twin", "headline", "checklist", "read_stage_results", "chosen_row_name", "NOT_RECORDED"]

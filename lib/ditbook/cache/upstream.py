@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .. import hooks
-from .adapter import AdapterInfo
+from .adapter import AdapterInfo, refused_module_source
 
 
 @dataclass
@@ -508,7 +508,8 @@ def write_upstream(session, folder: str | Path | None = None) -> UpstreamFiles:
     folder.mkdir(parents=True, exist_ok=True)
     base = safe_name(info.model)
     adapter_path = folder / f"{base}_adapter.py"
-    adapter_path.write_text(adapter_module_source(session.pipe, info))
+    refused = getattr(session, "refused", None)  # the cache stage refused caching: no adapter to ship, no example
+    adapter_path.write_text(refused_module_source(info) if refused else adapter_module_source(session.pipe, info))
     out = UpstreamFiles(folder=str(folder), adapter_module=adapter_path.name, example="")
     try:
         cp = resolve_cp_plan(session.pipe.transformer,
@@ -518,10 +519,13 @@ def write_upstream(session, folder: str | Path | None = None) -> UpstreamFiles:
         out.cp_planner, out.cp_plan_source = planner.name, cp.source
     except (PlanDerivationError, TypeError) as exc:
         out.cp_planner_reason = f"{type(exc).__name__}: {exc}"
-    strategy = example_strategy(session)
-    example = folder / f"{base}_example.py"
-    example.write_text(example_source(session, info, strategy))
-    out.example, out.example_strategy = example.name, {k: v for k, v in strategy.items() if k != "call"}
+    if refused:
+        out.notes.append(f"no adapter and no example: the cache stage refused caching ({refused})")
+    else:
+        strategy = example_strategy(session)
+        example = folder / f"{base}_example.py"
+        example.write_text(example_source(session, info, strategy))
+        out.example, out.example_strategy = example.name, {k: v for k, v in strategy.items() if k != "call"}
     if info.used == "cache-dit":
         out.notes.append(f"cache-dit has its own registration for {info.pipeline_class} "
                          f"({info.cache_dit_registered}); the example uses it, as the stage did")

@@ -46,6 +46,7 @@ class LaunchResult:
     seconds: float  # wall time of the whole launch
     worker: dict  # rank 0's worker.json
     command: list[str]
+    attempts: list = field(default_factory=list)  # every launch: plans, the plan that failed in the ranks, its error
 
     def images(self, plan: str) -> dict[str, np.ndarray]:
         rows = self.worker["plans"][plan].get("images", [])
@@ -214,8 +215,10 @@ def launch(card: str | Path, plans: list[str], nproc: int, out_dir: str | Path, 
     seconds = time.perf_counter() - start
     text = log_path.read_text(errors="replace")
     if rc != 0:
-        raise ParallelRunError(f"parallel run of {plans} failed after {seconds:.1f}s: {_failure_message(text, rc)} "
+        err = ParallelRunError(f"parallel run of {plans} failed after {seconds:.1f}s: {_failure_message(text, rc)} "
                                f"(log: {log_path})", text[-4000:], rc)
+        err.seconds = seconds
+        raise err
     if nodes.node_rank != 0:  # images, times and worker.json live with global rank 0, on node 0
         return LaunchResult(out_dir, nproc, seconds, {}, cmd)
     worker = json.loads((out_dir / "worker.json").read_text())
@@ -277,7 +280,8 @@ def judge(result: LaunchResult, plans: list[str], gates: Gates | None = None,
             if spec.cache and base is not None else None
         quality = q.to_dict()
         sharding_problem = sharding_failure(spec, entry.get("sharding")) or cfg_split_failure(
-            spec, entry.get("sharding"), result.worker["plans"].get(ref_name, {}).get("sharding"))
+            spec, entry.get("sharding"), result.worker["plans"].get(ref_name, {}).get("sharding")) \
+            or cache_skip_failure(spec, entry)
         if sharding_problem:  # parity cannot see a plan that splits nothing: this can
             quality["reasons"] = list(quality.get("reasons") or []) + [sharding_problem]
         out.append(PlanResult(name=name, world_size=spec.world_size, passed=q.passed and not sharding_problem,
@@ -286,6 +290,22 @@ def judge(result: LaunchResult, plans: list[str], gates: Gates | None = None,
                               baseline_quality=bq, details=details, error=sharding_problem,
                               gates={"quality": gates.to_dict(), "baseline_quality": cache_gates.to_dict()}))
     return out
+
+
+def cache_skip_failure(spec, entry: dict) -> str | None:
+    """Why a ``+cache`` plan's record shows its cache skipped nothing (None when it skipped, and for
+    plans without a cache): no cached step (``cached_steps``, cache-dit's record of the last
+    generation) and no skip agreed across the ranks (``cache_agreement.skips``). Such a plan is the
+    uncached plan under another name; its parity and timing say nothing about caching."""
+    if not spec.cache:
+        return None
+    steps = entry.get("cached_steps")
+    skips = (entry.get("cache_agreement") or {}).get("skips") or 0
+    if steps or skips:
+        return None
+    return (f"CacheSkippedNothing: the cache of {spec.name} skipped no step (cached_steps "
+            f"{steps if steps is not None else 'not recorded'}, {skips} skips agreed across the ranks): it is the "
+            f"plan without the cache under another name; raise parallel.cache's residual_diff_threshold or drop +cache")
 
 
 def sharding_failure(spec, sharding: dict | None) -> str | None:
@@ -378,14 +398,119 @@ def run_plans(card: str | Path, plans: list[str], nproc: int, out_dir: str | Pat
     if graphed and not _cuda_available():
         raise ValueError(f"plans {', '.join(graphed)} replay CUDA graphs and this machine has no CUDA GPU; "
                          "run them on a GPU host or drop +graph")
-    refs = ["single"] + (["single+cache"] if any(parse_plan(p).cache for p in plans) else [])
-    todo = refs + [p for p in plans if p not in refs]
-    result = launch(card, todo, nproc, out_dir, **launch_opts)
-    if not result.worker:  # a node other than node 0: its ranks ran, node 0 judges
-        return [], result
     if gates is None or cache_gates is None:
         from ..card import load_card
 
         c = load_card(card, launch_opts.get("overrides"))
         gates, cache_gates = gates or c.parallel.gates, cache_gates or c.cache.gates
-    return judge(result, plans, gates, cache_gates), result
+    judged, result = launch_each_plan(card, plans, nproc, out_dir, gates, cache_gates, **launch_opts)
+    order = {p: i for i, p in enumerate(plans)}
+    return sorted(judged, key=lambda r: order.get(r.name, len(order))), result
+
+
+def _refs(plans: list[str]) -> list[str]:
+    return ["single"] + (["single+cache"] if any(parse_plan(p).cache for p in plans) else [])
+
+
+def launch_each_plan(card, plans: list[str], nproc: int, out_dir: str | Path, gates: Gates, cache_gates: Gates,
+                     **launch_opts) -> tuple[list[PlanResult], LaunchResult]:
+    """Launch the references and ``plans`` in one torchrun; when a plan fails in the ranks (its
+    error, a dead or stalled rank), torchrun ends every rank, so the plans that finished are judged
+    from rank 0's progress record, the failed plan is recorded with its named error
+    (``failed_plan``), and the plans after it run in a new launch (with their references again, so
+    every figure still comes from the processes that made it). A failure of a reference is the
+    launch's: it raises ``ParallelRunError``. ``LaunchResult.attempts`` lists every launch."""
+    out_dir = Path(out_dir)
+    judged: list[PlanResult] = []
+    attempts: list[dict] = []
+    remaining = [p for p in plans if p not in _refs(plans)]
+    total = 0.0
+    while True:
+        refs = _refs(remaining)
+        todo = refs + remaining
+        _clear_progress(out_dir)
+        try:
+            result = launch(card, todo, nproc, out_dir, **launch_opts)
+        except ParallelRunError as exc:
+            failed, partial = _failed_plan(out_dir, refs, todo)
+            if failed is None:
+                raise
+            kept = _keep_log(out_dir, len(attempts))
+            error = _rank_error(out_dir, failed) or f"ParallelRunError: {exc}".replace(
+                str(out_dir / "launch.log"), str(kept))
+            attempts.append({"plans": todo, "failed": failed, "error": error})
+            done = [p for p in remaining if p in partial.worker["plans"]]
+            judged += judge(partial, done, gates, cache_gates) + [failed_plan(failed, error, gates, cache_gates)]
+            remaining = [p for p in remaining if p not in done and p != failed]
+            total += exc_seconds(exc)
+            if not remaining:
+                partial.attempts, partial.seconds = attempts, total
+                return judged, partial
+            continue
+        attempts.append({"plans": todo, "failed": None, "error": None})
+        result.attempts, result.seconds = attempts, total + result.seconds
+        if not result.worker:  # a node other than node 0: its ranks ran, node 0 judges
+            return judged, result
+        return judged + judge(result, remaining, gates, cache_gates), result
+
+
+def exc_seconds(exc: ParallelRunError) -> float:
+    return float(getattr(exc, "seconds", 0.0) or 0.0)
+
+
+def failed_plan(name: str, error: str, gates: Gates, cache_gates: Gates) -> PlanResult:
+    """The record of a plan that failed in the ranks: not passed, its named error, no figures."""
+    spec = parse_plan(name)
+    return PlanResult(name=name, world_size=spec.world_size, passed=False,
+                      quality={"psnr_min": None, "ssim_min": None, "worst_tile_psnr": None, "passed": False,
+                               "reasons": [error]},
+                      seconds=None, speedup=None, reference="single+cache" if spec.cache else "single",
+                      details={"failed_in_ranks": True}, error=error,
+                      gates={"quality": gates.to_dict(), "baseline_quality": cache_gates.to_dict()})
+
+
+def _clear_progress(out_dir: Path) -> None:
+    from .worker import PROGRESS_FILE
+
+    for f in [out_dir / PROGRESS_FILE, *out_dir.glob("worker.failed.rank*.json")]:
+        f.unlink(missing_ok=True)
+
+
+def _failed_plan(out_dir: Path, refs: list[str], todo: list[str]) -> tuple[str | None, LaunchResult | None]:
+    """(the plan that was running when the launch failed, the launch's finished plans) from rank
+    0's progress record; (None, None) when no plan other than a reference can be blamed."""
+    from .worker import PROGRESS_FILE
+
+    path = out_dir / PROGRESS_FILE
+    if not path.is_file():
+        return None, None
+    try:
+        worker = json.loads(path.read_text())
+    except ValueError:
+        return None, None
+    running = worker.pop("running", None)
+    if running is None or running in refs or running not in todo or any(r not in worker["plans"] for r in refs):
+        return None, None
+    return running, LaunchResult(out_dir, worker.get("world_size") or 0, 0.0, worker, [])
+
+
+def _rank_error(out_dir: Path, plan: str) -> str | None:
+    """The named error the first rank to fail recorded for ``plan`` (its peers fail after it, in the
+    collective it left: "connection closed by peer"), or None."""
+    recs = []
+    for f in out_dir.glob("worker.failed.rank*.json"):
+        try:
+            recs.append(json.loads(f.read_text()))
+        except ValueError:
+            continue
+    recs = sorted((r for r in recs if r.get("plan") == plan and r.get("error")),
+                  key=lambda r: (r.get("time") or 0.0, r.get("rank") or 0))
+    return f"{recs[0]['error']} (rank {recs[0].get('rank')})" if recs else None
+
+
+def _keep_log(out_dir: Path, attempt: int) -> Path:
+    """The failed launch's log moved aside (``launch.<n>.log``), before the next launch writes its own."""
+    log, kept = out_dir / "launch.log", out_dir / f"launch.{attempt + 1}.log"
+    if log.is_file():
+        log.replace(kept)
+    return kept

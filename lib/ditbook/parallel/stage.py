@@ -9,7 +9,9 @@
   per image), ``speedup`` (against that single-process run), ``reference``, ``details``;
 - ``not_run``: plans asked for but ruled out, with their reason;
 - ``gqa``: the GQA timing (``GqaTiming`` dict, or null for a model without GQA) and ``applied``;
-- ``launch``: command, processes, wall seconds; ``cp_plan_file``: the emitted plan code;
+- ``launch``: command, processes, wall seconds, ``attempts`` (one per torchrun launch: ``plans``,
+  ``failed`` — the plan that failed in the ranks, recorded as not passed with its named ``error``;
+  the plans after it ran in the next launch); ``cp_plan_file``: the emitted plan code;
 - ``sharding``: per plan, per rank, the sequence lengths each block list's blocks received, the
   number of sharded parameters per rank, and whether the split was verified (a CP plan whose
   blocks did not get full length / degree fails with a ``ShardingError``; the full record is
@@ -34,8 +36,11 @@ from .feasibility import feasibility  # noqa: F401
 
 def choose_plans(table: FeasibilityTable, nproc: int, wanted: list[str] | None = None,
                  with_cache: bool = False, with_graph: bool = False,
-                 present: int | None = None) -> tuple[list[str], list[dict]]:
+                 present: int | None = None, cache_refused: str | None = None) -> tuple[list[str], list[dict]]:
     """Plans to launch at ``nproc`` processes, and those ruled out with their reason.
+
+    ``cache_refused``: why the cache stage refused caching on this model (``cache_refusal``);
+    every ``+cache`` plan is then listed as not run with that reason, and the others go on.
 
     ``with_graph`` adds each feasible plan again as ``+compile+graph`` (regional compile, each
     transformer call replayed as a CUDA graph: GPU only, see ``parallel.graphs``). ``present``
@@ -46,7 +51,19 @@ def choose_plans(table: FeasibilityTable, nproc: int, wanted: list[str] | None =
         skipped += [{"name": p, "reason": f"not run: needs {parse_plan(p).world_size} GPUs, {present} present"}
                     for p in run]
         run = []
+    if cache_refused:
+        skipped += [{"name": p, "reason": f"not run: the cache stage refused caching ({cache_refused})"}
+                    for p in run if parse_plan(p).cache]
+        run = [p for p in run if not parse_plan(p).cache]
     return run, skipped
+
+
+def cache_refusal(ctx) -> str | None:
+    """Why the cache stage of this run refused caching (``cache/results.json`` ``refused``), or None."""
+    run = ctx.run
+    if not run.has_results("cache"):
+        return None
+    return run.read_results("cache").get("refused") or None
 
 
 def ranks_for(ctx) -> int | None:
@@ -153,7 +170,8 @@ def stage_results(table: FeasibilityTable, results, launch, gqa: dict | None, no
         "not_run": not_run,
         "gqa": {"timing": gqa, "applied": (gqa or {}).get("faster")},
         "launch": {"command": launch.command if launch else None, "nproc": launch.nproc if launch else None,
-                   "seconds": round(launch.seconds, 2) if launch else None},
+                   "seconds": round(launch.seconds, 2) if launch else None,
+                   "attempts": list(getattr(launch, "attempts", None) or []) if launch else []},
         "cp_plan_file": files[0] if files else None,
         "sharding": {r.name: block_sequence_lengths(r.details.get("sharding")) for r in results},
         "passed": all(r.passed for r in results),

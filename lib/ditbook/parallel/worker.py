@@ -7,8 +7,11 @@ rank, rank 0's figures reported.
 
 Failure handling: the process group has a timeout (``--timeout``); a stall watchdog ends a rank
 that makes no progress for that long; torchrun's agent ends the other ranks as soon as one
-exits non-zero. ``DITBOOK_PARALLEL_FAULT=RANK:CALL`` kills rank RANK at its CALL-th transformer
-call (used by the tests to prove a dead rank ends the run).
+exits non-zero. ``DITBOOK_PARALLEL_FAULT=RANK:CALL[:PLAN]`` kills rank RANK at its CALL-th transformer
+call, ``DITBOOK_PARALLEL_RAISE`` raises there (used by the tests to prove a dead rank ends the run,
+and that one plan failing in the ranks is recorded while the others run). Rank 0 keeps
+``worker.progress.json`` (the plans finished, the plan running) and a failing rank writes
+``worker.failed.rank<R>.json`` (its plan and named error) for ``launch.run_plans``.
 """
 
 from __future__ import annotations
@@ -60,22 +63,37 @@ class Watchdog:
                 os._exit(124)
 
 
-def _fault_hook(transformer, rank: int):
-    spec = os.environ.get("DITBOOK_PARALLEL_FAULT")
-    if not spec:
-        return
-    r, call = (int(x) for x in spec.split(":"))
-    if r != rank:
-        return
+class InjectedFault(RuntimeError):
+    """Raised in one rank by ``DITBOOK_PARALLEL_RAISE`` (the tests' plan that fails in the ranks)."""
+
+
+def _fault_hook(transformer, rank: int, plan: str = ""):
+    """``DITBOOK_PARALLEL_FAULT=RANK:CALL[:PLAN]`` kills rank RANK at its CALL-th transformer call
+    (of plan PLAN only, when named); ``DITBOOK_PARALLEL_RAISE=RANK:CALL[:PLAN]`` raises
+    ``InjectedFault`` there instead, while the other ranks wait in their collectives."""
+    for var, kill in (("DITBOOK_PARALLEL_FAULT", True), ("DITBOOK_PARALLEL_RAISE", False)):
+        spec = os.environ.get(var)
+        if not spec:
+            continue
+        r, call, *only = spec.split(":", 2)
+        if int(r) != rank or (only and only[0] != plan):
+            continue
+        transformer.register_forward_pre_hook(_fault(rank, int(call), kill), with_kwargs=True)
+
+
+def _fault(rank: int, call: int, kill: bool):
     count = {"n": 0}
 
     def hook(module, args, kwargs):
         count["n"] += 1
-        if count["n"] >= call:
-            sys.stderr.write(f"ditbook parallel: fault injection kills rank {rank} at call {count['n']}\n")
-            sys.stderr.flush()
-            os.kill(os.getpid(), signal.SIGKILL)
-    transformer.register_forward_pre_hook(hook, with_kwargs=True)
+        if count["n"] < call:
+            return
+        if not kill:
+            raise InjectedFault(f"fault injection in rank {rank} at transformer call {count['n']}")
+        sys.stderr.write(f"ditbook parallel: fault injection kills rank {rank} at call {count['n']}\n")
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return hook
 
 
 def _sync(device: str):
@@ -434,7 +452,7 @@ def _run_plan(pipe, card, spec, name: str, args, rank: int, dog: Watchdog, out_d
                       attention_kind=args.attention_kind, gqa_path=args.gqa_path,
                       out_dir=out_dir, heartbeat=dog.beat)
     recorder.reset()  # the plan's own traced call ran the blocks whole
-    _fault_hook(pipe.transformer, rank)
+    _fault_hook(pipe.transformer, rank, name)
     pipe.transformer.register_forward_pre_hook(lambda *a, **k: dog.beat(f"plan {name}: transformer call"))
     for _ in range(args.warmup):
         render_all(pipe, card, prompts=card.generation.prompts[:1], seeds=card.generation.seeds[:1])
@@ -469,8 +487,11 @@ def run(args) -> int:
     results: dict = {"world_size": world, "backend": backend, "placement": placement.to_dict(), "plans": {}}
     torch.set_grad_enabled(False)
     pristine = None
+    name = None
     try:
         for name in args.plans.split(","):
+            if rank == 0:  # which plan runs now, and what finished: the launcher relaunches the rest
+                write_progress(out_dir, results, name)
             spec = _checked_spec(name, card, world)
             # a world-size-1 plan (the baseline) runs replicated on every rank: collectives that
             # libraries issue whenever a process group exists (cache-dit's diff all-reduce) then
@@ -489,11 +510,38 @@ def run(args) -> int:
         sys.stderr.write(f"ditbook parallel: rank {rank} failed: {type(exc).__name__}: {exc}\n")
         traceback.print_exc()
         sys.stderr.flush()
+        write_failure(out_dir, rank, name, exc)
         os._exit(1)  # no destroy_process_group: peers blocked in a collective are ended by torchrun
     if rank == 0:
+        write_progress(out_dir, results, None)
         (out_dir / "worker.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
     dist.destroy_process_group()
     return 0
+
+
+PROGRESS_FILE = "worker.progress.json"  # rank 0: the plans finished so far and the one running
+FAILURE_FILE = "worker.failed.rank{rank}.json"  # a rank that failed: its plan and its named error
+
+
+def write_progress(out_dir: Path, results: dict, running: str | None) -> None:
+    """Rank 0's record of the plans finished so far (``worker.json``'s shape) and the plan now
+    running: when a plan fails in the ranks, torchrun ends every rank; this tells the launcher which
+    plan it was and which results stand (``launch.run_plans`` relaunches the plans after it)."""
+    text = json.dumps({**results, "running": running}, indent=2, default=str) + "\n"
+    tmp = out_dir / (PROGRESS_FILE + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, out_dir / PROGRESS_FILE)
+
+
+def write_failure(out_dir: Path, rank: int, plan: str | None, exc: BaseException) -> None:
+    """A failing rank's plan and named error (``Type: message``), with the time it failed (the first
+    rank to fail is the cause; its peers fail after it, in the collective it left), for the launcher."""
+    try:
+        (out_dir / FAILURE_FILE.format(rank=rank)).write_text(
+            json.dumps({"rank": rank, "plan": plan, "error": f"{type(exc).__name__}: {exc}", "time": time.time()})
+            + "\n")
+    except Exception:  # noqa: BLE001 - the exit must happen whatever the disk says
+        pass
 
 
 def sharding_record(transformer, recorder, spec, cp_plan: dict | None, kinds: dict | None = None) -> dict:
