@@ -991,33 +991,96 @@ def _wait_for(pred, timeout: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-@pytest.mark.slow
-def test_sigint_on_ditbook_parallel_ends_torchrun_and_its_ranks(tmp_path, zoo):
+def _parallel_proc(tmp_path, zoo, *extra):
+    card = zoo_card(tmp_path, zoo)
+    return subprocess.Popen([sys.executable, "-m", "ditbook", "parallel", str(card), "--plan", "ulysses2", "--nproc", "2",
+                             "--timeout", "60", "-p", "generation.steps=200", "-p", "device=cpu", *map(str, extra)],
+                            env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _ranks_of(proc) -> list[int]:
+    """The pids below ``proc`` once its two ranks are up (torchrun and both ranks)."""
     import psutil
 
-    card = zoo_card(tmp_path, zoo)
-    out = tmp_path / "pr"
-    proc = subprocess.Popen([sys.executable, "-m", "ditbook", "parallel", str(card), "--plan", "ulysses2", "--nproc", "2",
-                             "--out", str(out), "--timeout", "60", "-p", "generation.steps=200", "-p", "device=cpu"],
-                            env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        def ranks_up():
-            kids = psutil.Process(proc.pid).children(recursive=True)
-            workers = [k for k in kids if "ditbook.parallel.worker" in " ".join(k.cmdline())]
-            return kids if len(workers) >= 2 else None
+    def ranks_up():
+        kids = psutil.Process(proc.pid).children(recursive=True)
+        workers = [k for k in kids if "ditbook.parallel.worker" in " ".join(k.cmdline())]
+        return kids if len(workers) >= 2 else None
 
-        kids = _wait_for(ranks_up, 120, "two ranks")
-        pids = [k.pid for k in kids]
-        time.sleep(2)  # the ranks are loading / rendering
-        proc.send_signal(signal.SIGINT)
+    pids = [k.pid for k in _wait_for(ranks_up, 120, "two ranks")]
+    time.sleep(2)  # the ranks are loading / rendering
+    return pids
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGHUP])
+def test_sigint_or_sighup_on_ditbook_parallel_ends_torchrun_and_its_ranks(tmp_path, zoo, sig):
+    out = tmp_path / "pr"
+    proc = _parallel_proc(tmp_path, zoo, "--out", out)
+    try:
+        pids = _ranks_of(proc)
+        proc.send_signal(sig)
         _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 130, err
-    assert "Traceback" not in err and "interrupted by SIGINT" in err
+    assert proc.returncode == 130, err  # old code: SIGHUP had no handler, ditbook exited 129, ranks ran on
+    assert "Traceback" not in err and f"interrupted by {sig.name}" in err
     assert _alive(pids) == [], f"left running: {_alive(pids)}"
     assert not (out / "worker.json").exists()
+    assert not (out / "torchrun-logs").exists()  # torchrun's log folder goes with the launch
+
+
+@pytest.mark.slow
+def test_sigkill_of_ditbook_parallel_ends_torchrun_and_its_ranks_within_10s(tmp_path, zoo):
+    out = tmp_path / "pr"
+    proc = _parallel_proc(tmp_path, zoo, "--out", out)
+    try:
+        pids = _ranks_of(proc)
+        proc.kill()  # no handler runs: the kernel's parent-death signal and the ranks' watch do the work
+        proc.wait(timeout=10)
+        _wait_for(lambda: not _alive(pids), 10, "torchrun and the ranks to end")  # old code: they ran on
+    finally:
+        import psutil
+
+        for pid in _alive(pids if "pids" in locals() else []):
+            psutil.Process(pid).kill()
+    before = snapshot(out)
+    time.sleep(1)
+    assert snapshot(out) == before and not (out / "worker.json").exists()
+
+
+_MIDDLE = """
+import subprocess, sys, time
+from ditbook.processes import die_with_parent
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1]], start_new_session=True, preexec_fn=die_with_parent())
+print(child.pid, flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("grandchild", [
+    "import time; time.sleep(60)",  # dies by the parent-death signal set in preexec
+    # a child of the child (a rank of torchrun): its own watch on its parent ends it
+    "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
+    "'from ditbook.processes import watch_parent; import time; watch_parent(0.1); time.sleep(60)']); time.sleep(60)",
+])
+def test_children_in_their_own_session_die_with_a_killed_parent(tmp_path, grandchild):
+    import psutil
+
+    middle = subprocess.Popen([sys.executable, "-c", _MIDDLE, grandchild], env=_env(tmp_path), stdout=subprocess.PIPE,
+                              text=True)
+    child = psutil.Process(int(middle.stdout.readline()))
+    tree = [child] + _wait_for(lambda: child.children() if "subprocess" in grandchild else [child], 20, "the tree")
+    tree = list({p.pid: p for p in tree}.values())
+    middle.kill()
+    middle.wait()
+    try:
+        _wait_for(lambda: not _alive([p.pid for p in tree]), 10, "the children to end")
+    finally:
+        for p in tree:
+            if p.is_running():
+                p.kill()
 
 
 def _notebook(path: Path, body: str) -> None:
