@@ -521,6 +521,34 @@ def test_two_runs_in_one_second_get_two_folders(tmp_path, monkeypatch):
     assert a.path != b.path and a.read_meta()["run_id"] == a.path.name and b.read_meta()["run_id"] == b.path.name
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def test_every_file_of_a_run_has_one_mode(tmp_path):
+    run = make_run(tmp_path, synthetic_card(tmp_path))
+    (run.path / "other.txt").write_text("x")  # what any plain write of a stage gives
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in run.path.rglob("*") if p.is_file() and p.name != ".lock"}
+    assert set(modes.values()) == {oct(0o666 & ~_umask())}, modes  # old code: run.json, results.json 0600
+
+
+def test_a_failed_atomic_write_leaves_no_temporary_file(tmp_path, monkeypatch):
+    run = make_run(tmp_path, synthetic_card(tmp_path))
+    meta = run.read_meta()
+
+    def full_disk(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full_disk)
+    with pytest.raises(OSError):
+        run.write_meta({**meta, "status": "finished"})
+    monkeypatch.undo()
+    left = [p.name for p in run.path.iterdir() if p.name.startswith(".run.json")]
+    assert left == [] and run.read_meta()["status"] == meta["status"]  # old code: a .run.json.* left behind
+
+
 def test_truncated_results_json_names_the_file(tmp_path):
     run = make_run(tmp_path, synthetic_card(tmp_path))
     run.results_path("intake").write_text('{"images": [')
@@ -608,6 +636,58 @@ def test_approve_block_card_keeps_comments(tmp_path, capsys):
     assert code == 0
     text = card.read_text()
     assert text.startswith("# my model, my notes") and yaml.safe_load(text)["approved_plan"]
+
+
+def test_approve_flow_style_card_keeps_every_comment(tmp_path, capsys):
+    model = tmp_path / "model"
+    model.mkdir()
+    text = ("# ticket: DIT-1234 -- do not change the seeds without asking\n"
+            "{name: flow, path: %s,  # the model folder\n"
+            " pipeline: {class: FakePipeline, source: ditbook.benchmark.synthetic},\n"
+            " transformer: {class: FakeTransformer, source: ditbook.benchmark.synthetic},\n"
+            " generation: {prompts: ['a cat'], seeds: [0], height: 8, width: 8, steps: 3}  # keep\n"
+            "}\n# end of card\n" % model)
+    card = raw_card(tmp_path, text)
+    run = _inspected_run(tmp_path, card)
+    code, out, _ = cli(capsys, "approve", card, "--run", run.path, "--yes")
+    assert code == 0, out
+    after = card.read_text()
+    for comment in ("# ticket: DIT-1234 -- do not change the seeds without asking", "# the model folder", "# keep",
+                    "# end of card"):
+        assert comment in after, after  # old code: re-dumped the mapping, every comment gone
+    h = yaml.safe_load(after)["approved_plan"]
+    assert after.replace(f", approved_plan: {h}", "").replace(f', approved_plan: "{h}"', "") == text
+
+
+def test_approve_block_card_keeps_the_comment_on_the_approved_plan_line(tmp_path, capsys):
+    card = synthetic_card(tmp_path)
+    card.write_text(card.read_text() + "approved_plan: 0000  # approved by J. at review 12\n")
+    run = _inspected_run(tmp_path, card)
+    code, _, _ = cli(capsys, "approve", card, "--run", run.path, "--yes")
+    assert code == 0
+    last = card.read_text().splitlines()[-1]
+    assert last.endswith("# approved by J. at review 12") and "0000" not in last  # old code: comment deleted
+
+
+def test_approve_refuses_another_models_run(tmp_path, capsys):
+    mine = synthetic_card(tmp_path)
+    other = synthetic_card(tmp_path, lambda d: d.update(name="other"), name="other.yaml")
+    other.write_text(other.read_text() + "approved_plan: abcdef  # its own approval\n")
+    run = _inspected_run(tmp_path, mine)  # a run (and plan) of model 'synthetic'
+    before = other.read_text()
+    code, _, err = cli(capsys, "approve", other, "--run", run.path, "--yes")
+    assert code == 2 and "'synthetic'" in err and "'other'" in err  # old code: wrote synthetic's hash into it
+    assert other.read_text() == before
+
+
+def test_approve_refuses_a_card_that_fails_its_gate(tmp_path, capsys):
+    card = synthetic_card(tmp_path)
+    run = _inspected_run(tmp_path, card)
+    card.write_text(card.read_text().replace("FakeTransformer", "NoSuchTransformer"))
+    before = card.read_text()
+    code, _, err = cli(capsys, "approve", card, "--run", run.path, "--yes")
+    assert code == 2 and "gate check" in err and "NoSuchTransformer" in err  # old code: approved it
+    assert card.read_text() == before
 
 
 def test_approve_without_yes_and_no_terminal(tmp_path, capsys):

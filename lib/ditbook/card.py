@@ -358,24 +358,57 @@ def write_card(path: str | Path, data: dict) -> Path:
     return path
 
 
+def _yaml_scalar(value: Any) -> str:
+    """``value`` as YAML text that reads back as the same value."""
+    if isinstance(value, str):
+        try:
+            if value and yaml.safe_load(value) == value and "#" not in value and "\n" not in value:
+                return value
+        except yaml.YAMLError:
+            pass
+    return json.dumps(value)
+
+
+def _spliced(text: str, key: str, value: Any) -> str:
+    """``text`` with the top-level ``key`` set to ``value``, every other character untouched:
+    the old value's span (from the YAML parser's marks) is replaced, or the field is added at
+    the end of the mapping — inside its braces when the card is written in flow style."""
+    root = yaml.compose(text)
+    new = _yaml_scalar(value)
+    if root is None:
+        return text.rstrip("\n") + ("\n" if text.strip() else "") + f"{key}: {new}\n"
+    if not isinstance(root, yaml.MappingNode):
+        raise CardError("a card must be a YAML mapping at the top level")
+    for k, v in root.value:
+        if isinstance(k, yaml.ScalarNode) and k.value == key:
+            a, b = v.start_mark.index, v.end_mark.index
+            if isinstance(v, yaml.ScalarNode) and v.value == "" and a == b:
+                new = " " + new  # `key:` with no value
+            return text[:a] + new + text[b:]
+    if root.flow_style:  # after the last value (a comment may follow it), or just inside `{`
+        at = root.value[-1][1].end_mark.index if root.value else root.start_mark.index + 1
+        return text[:at] + (", " if root.value else "") + f"{key}: {new}" + text[at:]
+    return text.rstrip("\n") + "\n" + f"{key}: {new}\n"
+
+
 def set_card_field(path: str | Path, key: str, value: Any) -> None:
-    """Set one top-level field in a card file, keeping the rest of the file's text as written."""
+    """Set one top-level field in a card file and change nothing else: every comment (one on the
+    field's own line included), the order, the quoting and the layout, block or flow style, stay
+    as written. The file is replaced atomically, and only when it reads back as the card with
+    that one change; else ``CardError`` and the file is untouched."""
     path = Path(path)
     text = path.read_text()
-    line = f"{key}: {json.dumps(value) if not isinstance(value, str) else value}"
-    pattern = re.compile(rf"^{re.escape(key)}:.*$", re.MULTILINE)
-    if pattern.search(text):
-        text = pattern.sub(line, text)
-    else:
-        text = text.rstrip("\n") + "\n" + line + "\n"
-    before = yaml.safe_load(path.read_text()) or {}
     try:
-        after = yaml.safe_load(text)
-    except yaml.YAMLError:
-        after = None
-    if after != {**before, key: value}:  # e.g. a card in flow style: re-dump the mapping instead
-        text = yaml.safe_dump({**before, key: value}, sort_keys=False, allow_unicode=True)
-    path.write_text(text)
+        before = yaml.safe_load(text) or {}
+        new = _spliced(text, key, value)
+        after = yaml.safe_load(new)
+    except yaml.YAMLError as exc:
+        raise CardError(f"model card {path} is not valid YAML: {exc}") from exc
+    if not isinstance(before, dict) or after != {**before, key: value}:
+        raise CardError(f"cannot write {key} into {path} without changing the rest of the card")
+    from .files import atomic_write_text
+
+    atomic_write_text(path, new)
 
 
 __all__ = [

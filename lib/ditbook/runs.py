@@ -10,11 +10,11 @@ import datetime as _dt
 import json
 import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from .card import ModelCard
+from .files import atomic_write_text
 from .intake.environment import environment
 
 RUN_FILE = "run.json"
@@ -74,11 +74,7 @@ def new_run_id() -> str:
 
 
 def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
-    os.replace(tmp, path)
+    atomic_write_text(path, text)  # no temp file left on a failed write; mode 0644 like the run's other files
 
 
 def _check_scalars(value: Any, where: str = "results") -> None:
