@@ -173,6 +173,39 @@ def test_card_source_file_raising_on_import(tmp_path, capsys):
     assert code == 2 and "model code broke at import" in err
 
 
+@pytest.mark.parametrize("body", ["import time\nwhile True:\n    time.sleep(0.05)\n", "while True:\n    pass\n"])
+def test_card_source_file_that_never_finishes_importing(tmp_path, body):
+    (tmp_path / "forever.py").write_text(body)
+    card = synthetic_card(tmp_path, lambda d: d["transformer"].update({"class": "X", "source": "forever.py"}))
+    start = time.time()
+    done = subprocess.run([sys.executable, "-m", "ditbook", "check", str(card)], capture_output=True, text=True,
+                          timeout=90, env=_env(tmp_path, DITBOOK_IMPORT_TIMEOUT="2"))  # old code: waits forever
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "forever.py" in done.stderr and "did not finish within 2s" in done.stderr
+    assert "transformer.source" in done.stderr and time.time() - start < 60
+
+
+def test_card_yaml_alias_bomb_is_refused(tmp_path, capsys):
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"]
+    for i in range(1, 7):  # 9**6 values once expanded; the text is a few hundred bytes
+        lines.append(f"a{i}: &a{i} [{', '.join(f'*a{i - 1}' for _ in range(9))}]")
+    text = synthetic_card(tmp_path).read_text().replace("generation:\n", "generation:\n  extra:\n    bomb:\n"
+                                                        + "".join(f"      {ln}\n" for ln in lines) + "", 1)
+    card = raw_card(tmp_path, text)
+    assert "*a5" in card.read_text()
+    code, _, err = cli(capsys, "check", card)
+    assert code == 2 and "aliases expand to" in err  # old code: passed after materializing every alias
+
+
+def test_environment_is_expanded_in_paths_only_not_in_prompts(tmp_path, monkeypatch):
+    monkeypatch.setenv("DITBOOK_TEST_DIR", str(tmp_path))
+    card = synthetic_card(tmp_path, lambda d: (d.update(path="${DITBOOK_TEST_DIR}/model"),
+                                              d["generation"].update(prompts=["a ${HOME} sign", "${DITBOOK_TEST_DIR}"])))
+    c = load_card(card)
+    assert c.path == tmp_path / "model"
+    assert c.generation.prompts == ["a ${HOME} sign", "${DITBOOK_TEST_DIR}"]  # old code: the home folder's path
+
+
 def test_batch_goes_on_past_a_source_that_exits(tmp_path, capsys):
     (tmp_path / "evil.py").write_text("import sys\nsys.exit(0)\n")
     a = synthetic_card(tmp_path, lambda d: d["pipeline"].update({"class": "X", "source": "evil.py"}), "a.yaml")

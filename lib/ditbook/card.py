@@ -142,22 +142,68 @@ def _is_file_source(source: str) -> bool:
     return source.endswith(".py") or "/" in source or os.sep in source
 
 
+ENV_FIELDS = ("path", "pipeline.source", "transformer.source")  # where ${VAR} is expanded (README: paths)
+MAX_CARD_VALUES = 100_000  # values a card may hold once its YAML aliases are expanded
+
+
+def _expand_str(value: str, missing: list[str] | None) -> str:
+    def sub(m: re.Match) -> str:
+        var = m.group(1)
+        if var not in os.environ:
+            if missing is not None:
+                missing.append(var)
+            return m.group(0)
+        return os.environ[var]
+    return _ENV_RE.sub(sub, value)
+
+
 def expand_env(value: Any, missing: list[str] | None = None) -> Any:
-    """Expand ``${VAR}`` in every string of a YAML tree; unknown variables are recorded."""
-    if isinstance(value, str):
-        def sub(m: re.Match) -> str:
-            var = m.group(1)
-            if var not in os.environ:
-                if missing is not None:
-                    missing.append(var)
-                return m.group(0)
-            return os.environ[var]
-        return _ENV_RE.sub(sub, value)
-    if isinstance(value, list):
-        return [expand_env(v, missing) for v in value]
-    if isinstance(value, dict):
-        return {k: expand_env(v, missing) for k, v in value.items()}
-    return value
+    """A copy of a card mapping with ``${VAR}`` expanded in the fields documented for it
+    (``ENV_FIELDS``: the model folder and the classes' source files); unknown variables are
+    recorded. Every other string — a prompt, a note — is the user's text as written."""
+    if not isinstance(value, dict):
+        return value
+    out = dict(value)
+    for field in ENV_FIELDS:
+        *parents, leaf = field.split(".")
+        node = out
+        for part in parents:
+            if not isinstance(node.get(part), dict):
+                node = None
+                break
+            node[part] = dict(node[part])  # copy only the path to the expanded field
+            node = node[part]
+        if node is not None and isinstance(node.get(leaf), str):
+            node[leaf] = _expand_str(node[leaf], missing)
+    return out
+
+
+def _expanded_size(node, seen: dict) -> int:
+    """How many values ``node`` stands for once every alias is expanded (linear in the nodes)."""
+    key = id(node)
+    if key not in seen:
+        seen[key] = 1  # a recursive alias counts once
+        children = node.value if isinstance(node, (yaml.SequenceNode, yaml.MappingNode)) else []
+        flat = [c for pair in children for c in pair] if isinstance(node, yaml.MappingNode) else children
+        seen[key] = 1 + sum(_expanded_size(c, seen) for c in flat)
+    return seen[key]
+
+
+def _bounded_load(text: str, path: Path):
+    """``yaml.safe_load`` that refuses a card whose aliases expand to more than
+    ``MAX_CARD_VALUES`` values (an alias bomb), before anything is built from it."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        size = _expanded_size(node, {})
+        if size > MAX_CARD_VALUES:
+            raise CardError(f"model card {path}: its YAML aliases expand to {size:,} values, more than "
+                            f"{MAX_CARD_VALUES:,}; write the values out instead of nesting aliases")
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
 
 
 def read_card_mapping(path: str | Path) -> dict:
@@ -165,7 +211,7 @@ def read_card_mapping(path: str | Path) -> dict:
     if not path.is_file():
         raise CardError(f"model card not found: {path} (pass the path of a models/<name>.yaml file)")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = _bounded_load(path.read_text(), path)
     except yaml.YAMLError as exc:
         raise CardError(f"model card {path} is not valid YAML: {exc}") from exc
     if data is None:
@@ -224,35 +270,57 @@ def _from_mapping(data: dict, card_path: Path) -> ModelCard:
     return card
 
 
-def import_class(source: str, cls_name: str):
-    """Import ``cls_name`` from a diffusers module, any module path, or a .py file."""
-    if _is_file_source(source):
-        file = Path(source)
-        mod_name = f"ditbook_user_{file.stem}_{hashlib.sha1(str(file).encode()).hexdigest()[:8]}"
-        if mod_name in sys.modules:
-            module = sys.modules[mod_name]
-        else:
-            spec = importlib.util.spec_from_file_location(mod_name, file)
-            if spec is None or spec.loader is None:
-                raise ImportError(f"cannot import a module from {file}")
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[mod_name] = module
-            # sibling files of third-party code import each other by plain name
-            sys.path.insert(0, str(file.parent))
-            try:
-                spec.loader.exec_module(module)
-            except BaseException:
-                sys.modules.pop(mod_name, None)
-                raise
-            finally:
-                if sys.path and sys.path[0] == str(file.parent):
-                    sys.path.pop(0)
-    else:
-        module = importlib.import_module(source)
+IMPORT_TIMEOUT_ENV = "DITBOOK_IMPORT_TIMEOUT"  # seconds a source may take to import (default below)
+IMPORT_TIMEOUT = 300.0
+
+
+def import_timeout() -> float:
+    text = os.environ.get(IMPORT_TIMEOUT_ENV, "").strip()
     try:
-        return getattr(module, cls_name)
-    except AttributeError:
-        raise ImportError(f"{source} has no class {cls_name!r}") from None
+        return float(text) if text else IMPORT_TIMEOUT
+    except ValueError:
+        raise CardError(f"{IMPORT_TIMEOUT_ENV}={text!r} is not a number of seconds") from None
+
+
+def import_class(source: str, cls_name: str):
+    """Import ``cls_name`` from a diffusers module, any module path, or a .py file, within
+    ``$DITBOOK_IMPORT_TIMEOUT`` seconds (300): a source that never finishes importing raises
+    ``TimeLimitExceeded`` naming the file instead of waiting forever."""
+    from .processes import time_limit
+
+    seconds = import_timeout()
+    with time_limit(seconds, f"importing {source} did not finish within {seconds:g}s (it may wait forever at import; "
+                             f"set {IMPORT_TIMEOUT_ENV} to allow longer)"):
+        module = _import_source(source)
+        try:
+            return getattr(module, cls_name)  # a lazy module (diffusers) imports the class's file here
+        except AttributeError:
+            raise ImportError(f"{source} has no class {cls_name!r}") from None
+
+
+def _import_source(source: str):
+    if not _is_file_source(source):
+        return importlib.import_module(source)
+    file = Path(source)
+    mod_name = f"ditbook_user_{file.stem}_{hashlib.sha1(str(file).encode()).hexdigest()[:8]}"
+    if mod_name in sys.modules:
+        return sys.modules[mod_name]
+    spec = importlib.util.spec_from_file_location(mod_name, file)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import a module from {file}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = module
+    # sibling files of third-party code import each other by plain name
+    sys.path.insert(0, str(file.parent))
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(mod_name, None)
+        raise
+    finally:
+        if sys.path and sys.path[0] == str(file.parent):
+            sys.path.pop(0)
+    return module
 
 
 def parse_overrides(items: list[str] | None) -> dict:
@@ -304,6 +372,8 @@ def _class_problems(card: ModelCard) -> list[str]:
             problems.append(f"{key}.source: module {spec.source!r} cannot be imported ({exc})")
         except ImportError as exc:
             problems.append(f"{key}.class: {exc}")
+        except TimeoutError as exc:
+            problems.append(f"{key}.source: {exc}")
         except KeyboardInterrupt:
             raise
         except BaseException as exc:  # the user's file raised, or called sys.exit(), while importing

@@ -117,6 +117,48 @@ def watch_parent(interval: float = 0.5, sig: int = signal.SIGKILL) -> threading.
     return t
 
 
+class TimeLimitExceeded(TimeoutError):
+    """Code run under ``time_limit`` did not finish in time."""
+
+
+class time_limit:
+    """Raise ``TimeLimitExceeded(message)`` in the calling thread when the block runs longer than
+    ``seconds``: SIGALRM in the main thread (it also breaks a blocking sleep or read), an
+    asynchronous exception elsewhere (at the next bytecode). The previous alarm is restored."""
+
+    def __init__(self, seconds: float, message: str):
+        self.seconds, self.message = float(seconds), message
+        self._timer = self._old = None
+
+    def _raise(self, *_):
+        raise TimeLimitExceeded(self.message)
+
+    def __enter__(self):
+        if self.seconds <= 0:
+            return self
+        if threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer"):
+            self._old = (signal.signal(signal.SIGALRM, self._raise), signal.setitimer(signal.ITIMER_REAL, self.seconds))
+        else:
+            tid = threading.get_ident()
+            exc = type("TimeLimit", (TimeLimitExceeded,), {"__init__": lambda e: TimeLimitExceeded.__init__(e, self.message)})
+            self._timer = threading.Timer(self.seconds, lambda: ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                ctypes.c_ulong(tid), ctypes.py_object(exc)))
+            self._timer.daemon = True
+            self._timer.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self._old is not None:
+            handler, (delay, interval) = self._old
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, handler)
+            if delay:
+                signal.setitimer(signal.ITIMER_REAL, delay, interval)
+        if self._timer is not None:
+            self._timer.cancel()
+        return False
+
+
 _received: list[str] = []
 
 
@@ -163,4 +205,4 @@ class signals_end_children:
         return False
 
 
-__all__ = ["Interrupted", "die_with_parent", "watch_parent", "HANDLED", "descendants", "end_processes", "end_descendants", "signals_end_children", "received"]
+__all__ = ["TimeLimitExceeded", "time_limit", "Interrupted", "die_with_parent", "watch_parent", "HANDLED", "descendants", "end_processes", "end_descendants", "signals_end_children", "received"]
