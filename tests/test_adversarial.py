@@ -435,6 +435,58 @@ def test_model_name_must_be_one_safe_component(tmp_path, capsys, name):
     assert not (tmp_path.parent / "x").exists() and not absolute.exists()
 
 
+# ``ditbook check`` refuses what ``ditbook run`` refuses at its start (old code: check passed these)
+@pytest.mark.parametrize("name", ["../../x", "ABSOLUTE", "a/b"])
+def test_check_refuses_the_names_run_refuses(tmp_path, capsys, name):
+    name = str(tmp_path / "abs-name") if name == "ABSOLUTE" else name
+    code, _, err = cli(capsys, "check", synthetic_card(tmp_path, lambda d: d.update(name=name)))
+    assert code == 2 and "name:" in err and "model name" in err
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_check_refuses_a_device_this_machine_lacks(tmp_path, capsys):
+    card = synthetic_card(tmp_path, lambda d: d.update(runtime={"device": "cuda"}))
+    code, _, err = cli(capsys, "check", card)
+    assert code == 2 and "runtime.device" in err and "0 CUDA device" in err
+
+
+@pytest.mark.parametrize("value", ["[nosuch]", "[]"])
+def test_unknown_cache_strategies_through_the_card_route(tmp_path, capsys, value):
+    card = synthetic_card(tmp_path)
+    code, _, err = cli(capsys, "check", card, "-p", f"cache.strategies={value}")
+    assert code == 2 and "cache.strategies" in err and "registered" in err
+    code, _, err = cli(capsys, "run", card, "--stages", "intake", "-p", f"cache.strategies={value}")
+    assert code == 2 and "cache.strategies" in err and not (tmp_path / "outputs").exists()
+
+
+def test_empty_override_is_refused_not_read_as_the_default(tmp_path, capsys):
+    code, _, err = cli(capsys, "check", synthetic_card(tmp_path), "-p", "generation.steps=")
+    assert code == 2 and "generation.steps=" in err and "empty" in err
+    from ditbook.card import parse_overrides
+
+    assert parse_overrides(["generation.steps=null"]) == {"generation.steps": None}  # an explicit null still can
+
+
+@pytest.mark.parametrize("seeds", [[2**64], [-1]])
+def test_seeds_out_of_range_are_named(tmp_path, capsys, seeds):
+    code, _, err = cli(capsys, "check", synthetic_card(tmp_path, lambda d: d["generation"].update(seeds=seeds)))
+    assert code == 2 and "generation.seeds" in err and "between 0 and" in err
+
+
+@pytest.mark.parametrize("flag,value", [("--size", 7), ("--size", 0), ("--steps", 0)])
+def test_inspect_size_and_steps_are_named(tmp_path, capsys, flag, value):
+    code, _, err = cli(capsys, "inspect", synthetic_card(tmp_path), flag, value, "--no-save")
+    assert code == 2 and flag in err  # old code: torch's "Calculated padded input size" for --size 7
+
+
+def test_check_names_an_extra_argument_of_the_wrong_type(tmp_path, capsys, zoo):
+    card = zoo_card(tmp_path, zoo)
+    code, _, err = cli(capsys, "check", card, "-p", "generation.extra.max_sequence_length=[1]")
+    assert code == 2 and "generation.extra.max_sequence_length" in err and "int" in err
+    code, _, _ = cli(capsys, "check", card, "-p", "generation.extra.max_sequence_length=64")
+    assert code == 0
+
+
 def test_run_id_taken_is_refused_and_kept(tmp_path, capsys):
     card = synthetic_card(tmp_path)
     run = make_run(tmp_path, card, status="finished", run_id="taken")

@@ -330,6 +330,8 @@ def parse_overrides(items: list[str] | None) -> dict:
         if "=" not in item:
             raise CardError(f"-p expects key=value, got {item!r}")
         key, value = item.split("=", 1)
+        if not value.strip():  # YAML reads "" as null, which would quietly put back the default
+            raise CardError(f"-p {item!r}: the value is empty; give a value (write null to ask for the default)")
         out[key.strip()] = yaml.safe_load(value)
     return out
 

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .card import GateError, ModelCard, gate_check
+from .card import GateError, ModelCard
+from .preflight import start_check
 from .processes import Interrupted, end_descendants, received
 from .runs import RunError, RunFolder
 
@@ -226,7 +227,7 @@ def start_run(card_path: str | Path, *, stages: list[str] | None = None, overrid
               log: Callable[[str], None] = print) -> RunOutcome:
     """Gate-check the card, create a new run folder, and execute the chosen stages."""
     overrides = dict(overrides or {})
-    card = gate_check(card_path, overrides)
+    card = start_check(card_path, overrides)
     chosen = select_stages(stages)
     if not chosen:
         raise RunError(f"no stage notebooks found in {notebooks_dir()}")
@@ -254,7 +255,7 @@ def _resume(run: RunFolder, *, kernel_name: str | None, log: Callable[[str], Non
     if "card_path" not in meta:
         raise RunError(f"{run.meta_path} has no 'card_path'; it is not a run ditbook can resume")
     overrides = meta.get("overrides") or {}
-    card = gate_check(meta["card_path"], overrides)
+    card = start_check(meta["card_path"], overrides)
     if card.content_hash() != meta.get("card_hash"):
         raise RunError(
             f"card {meta['card_path']} changed since {run.path} started (hash {meta.get('card_hash')} -> "

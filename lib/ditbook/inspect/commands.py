@@ -16,7 +16,15 @@ def cmd_inspect(args) -> int:
     from ..display import Table
     from .tables import block_rows, fact_rows
 
+    from ..card import CardError
+    from ..settings import InspectSettings, parse_section
+
     overrides = parse_overrides(args.param)
+    # --steps and --size are the inspect section's trace_steps and trace_size: the same checks
+    _, bad = parse_section(InspectSettings, {"trace_steps": args.steps, "trace_size": args.size}, "inspect")
+    if bad:
+        flag = {"inspect.trace_steps": "--steps", "inspect.trace_size": "--size"}
+        raise CardError("; ".join(f"{flag.get(k, k)}: {m}" for k, m in bad))
     card = gate_check(args.card, overrides)
     pipe = load_pipeline(card, choose_placement(card))
     result = run_inspection(pipe, card, steps=args.steps, size=args.size)
