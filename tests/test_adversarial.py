@@ -845,6 +845,82 @@ def test_parallel_into_a_finished_run(tmp_path, capsys, zoo):
     assert snapshot(run.path) == before
 
 
+def _approved_zoo_run(tmp_path, zoo, overrides=None):
+    """A run of a copy of the zoo model whose plan (with the model's weights) the card approves."""
+    from ditbook.inspect.plan import acceptance_gates, approve, plan_hash, weights_identity
+
+    card = zoo_card(tmp_path, zoo, copy_model=True)
+    c = load_card(card)
+    run = RunFolder.create(c, tmp_path / "outputs", "approved", overrides=overrides)
+    plan = {"model": c.name, "risks": [], "acceptance_gates": acceptance_gates(load_card(card, overrides)),
+            "weights": weights_identity(c.path, [card])}
+    (run.stage_dir("inspect") / "plan.json").write_text(json.dumps({**plan, "hash": plan_hash(plan)}))
+    approve(c, run.stage_dir("inspect") / "plan.json")
+    return card, run
+
+
+def test_parallel_into_a_run_whose_weights_changed_since_approval(tmp_path, capsys, zoo):
+    card, run = _approved_zoo_run(tmp_path, zoo)
+    w = tmp_path / "flux" / "transformer" / "diffusion_pytorch_model.safetensors"
+    w.write_bytes(w.read_bytes()[:-4] + b"\0\0\0\0")
+    before = snapshot(run.path)
+    code, _, err = cli(capsys, "parallel", card, "--plan", "ulysses2", "--nproc", "2", "--run", run.path)
+    assert code == 2 and "weights changed" in err  # old code: launched, wrote into the run, exit 0
+    assert snapshot(run.path) == before
+
+
+def test_parallel_into_a_run_without_an_approved_plan(tmp_path, capsys, zoo):
+    card = zoo_card(tmp_path, zoo)
+    run = make_run(tmp_path, card)
+    before = snapshot(run.path)
+    code, _, err = cli(capsys, "parallel", card, "--plan", "ulysses2", "--nproc", "2", "--run", run.path)
+    assert code == 2 and "ditbook approve" in err
+    assert snapshot(run.path) == before
+
+
+def test_parallel_into_a_run_refuses_overrides_that_contradict_the_runs(tmp_path, capsys, zoo):
+    card, run = _approved_zoo_run(tmp_path, zoo, overrides={"generation.steps": 2})
+    before = snapshot(run.path)
+    code, _, err = cli(capsys, "parallel", card, "--plan", "ulysses2", "--nproc", "2", "--run", run.path,
+                       "-p", "steps=3")
+    assert code == 2 and "generation.steps=3" in err and "the run has 2" in err
+    assert snapshot(run.path) == before
+
+
+def test_parallel_into_another_models_run(tmp_path, capsys, zoo):
+    card = zoo_card(tmp_path, zoo)
+    run = make_run(tmp_path, synthetic_card(tmp_path))  # a run of model 'synthetic'
+    code, _, err = cli(capsys, "parallel", card, "--plan", "ulysses2", "--nproc", "2", "--run", run.path)
+    assert code == 2 and "'synthetic'" in err
+
+
+def test_cache_on_a_run_uses_the_runs_own_overrides(tmp_path, capsys, monkeypatch):
+    import ditbook.runner as runner
+
+    card = synthetic_card(tmp_path)
+    run = RunFolder.create(load_card(card, {"generation.steps": 2}), tmp_path / "outputs", "r",
+                           overrides={"generation.steps": 2})
+    seen = {}
+
+    def execute_stage(stage, run, card, overrides, **kw):
+        seen.update(overrides)
+        return SimpleNamespace(status="failed", error="stopped by the test", failing_cell=None)
+
+    monkeypatch.setattr(runner, "execute_stage", execute_stage)
+    code, _, _ = cli(capsys, "cache", card, "--run", run.path)
+    assert code == 1 and seen.get("generation.steps") == 2  # old code: the run's steps dropped
+
+
+def test_a_linked_model_folder_never_puts_a_run_outside_the_outputs_root(tmp_path, capsys):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "outputs").mkdir()
+    (tmp_path / "outputs" / "synthetic").symlink_to(elsewhere)
+    code, _, err = cli(capsys, "run", synthetic_card(tmp_path), "--stages", "intake", "--run-id", "r")
+    assert code == 2 and "outside the outputs folder" in err
+    assert list(elsewhere.iterdir()) == []  # old code: the run landed in elsewhere/r, exit 0
+
+
 class _Table:
     def feasible_plans(self, n):
         return ["single", "ulysses2", "cfg2"] if n == 2 else ["single"]
@@ -1216,9 +1292,10 @@ def test_sigkill_of_ditbook_parallel_ends_torchrun_and_its_ranks_within_10s(tmp_
 
 
 _MIDDLE = """
-import subprocess, sys, time
+import os, subprocess, sys, time
 from ditbook.processes import die_with_parent
-child = subprocess.Popen([sys.executable, "-c", sys.argv[1]], start_new_session=True, preexec_fn=die_with_parent())
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1]], start_new_session=True, preexec_fn=die_with_parent(),
+                         env={**os.environ, "DITBOOK_LAUNCHER_PID": str(os.getpid())})  # as launch() sets it
 print(child.pid, flush=True)
 time.sleep(60)
 """
@@ -1236,6 +1313,7 @@ def test_children_in_their_own_session_die_with_a_killed_parent(tmp_path, grandc
     middle = subprocess.Popen([sys.executable, "-c", _MIDDLE, grandchild], env=_env(tmp_path), stdout=subprocess.PIPE,
                               text=True)
     child = psutil.Process(int(middle.stdout.readline()))
+    # the middle process dies at once, maybe before the grandchild (a rank) has started its watch
     tree = [child] + _wait_for(lambda: child.children() if "subprocess" in grandchild else [child], 20, "the tree")
     tree = list({p.pid: p for p in tree}.values())
     middle.kill()

@@ -97,17 +97,34 @@ def die_with_parent(sig: int = signal.SIGTERM):
     return preexec
 
 
+LAUNCHER_ENV = "DITBOOK_LAUNCHER_PID"  # the ditbook process that started torchrun, for its ranks
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def watch_parent(interval: float = 0.5, sig: int = signal.SIGKILL) -> threading.Thread:
-    """End this process (``sig``) once its parent is gone: for processes started by a process
-    that is not ours (torchrun's ranks), so they never outlive it. The kernel's parent-death
-    signal is asked for too; the thread also covers a parent that died before this ran."""
+    """End this process (``sig``) once its parent is gone, or the ditbook process named by
+    ``$DITBOOK_LAUNCHER_PID``: for processes started by a process that is not ours (torchrun's
+    ranks), so they never outlive it. The launcher's pid also covers a parent that died before
+    this ran (then the parent seen here is already the reaper). The kernel's parent-death
+    signal is asked for too."""
     parent = os.getppid()
+    launcher = int(os.environ.get(LAUNCHER_ENV, "0") or 0)
     _pdeathsig(sig)
 
     def poll() -> None:
         while True:
-            if os.getppid() != parent:
-                sys.stderr.write(f"ditbook: process {os.getpid()}: its parent {parent} is gone; ending\n")
+            gone = parent if os.getppid() != parent else launcher if launcher and not _alive(launcher) else None
+            if gone:
+                sys.stderr.write(f"ditbook: process {os.getpid()}: process {gone}, which started it, is gone; ending\n")
                 sys.stderr.flush()
                 os.kill(os.getpid(), sig)
             time.sleep(interval)

@@ -41,6 +41,18 @@ def safe_component(value, what: str) -> str:
     return text
 
 
+def _inside_root(root: Path, model: str) -> Path:
+    """The outputs root, resolved once (it may itself be a link), after checking that
+    ``root/model`` is a real folder inside it — a link from ``outputs/<model>`` to a folder
+    elsewhere would put the run outside the outputs root."""
+    resolved = root.resolve()
+    where = (root / model).resolve()
+    if (root / model).is_symlink() or where.parent != resolved:
+        raise RunError(f"{root / model} leads to {where}, outside the outputs folder {resolved}; runs are only "
+                       f"written inside it — remove the link, or point --outputs/$DITBOOK_OUTPUTS at where runs go")
+    return resolved
+
+
 def _pid_alive(pid: int) -> bool:
     if pid <= 0:
         return False
@@ -156,6 +168,7 @@ class RunFolder:
             (root / model).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise RunError(f"cannot create the outputs folder {root / model}: {exc.strerror or exc}") from exc
+        root = _inside_root(root, model)
         # mkdir without exist_ok is the claim: of two processes creating one id, one gets it and
         # the other gets a clear refusal (explicit id) or the next free id (a timestamp id)
         base = chosen or new_run_id()

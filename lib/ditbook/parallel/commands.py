@@ -107,7 +107,15 @@ def cmd_parallel(args) -> int:
     from .plans import PlanNameError, parse_plan
 
     overrides = parse_overrides(args.param)
-    card = gate_check(args.card, overrides)
+    run = None
+    if args.run:  # writing into a run: what its own stages check (approval, weights, its overrides)
+        from ..context import open_run_for
+        from ..runs import RunFolder
+
+        run = RunFolder(args.run)
+        card, overrides = open_run_for("ditbook parallel --run", run, args.card, overrides)
+    else:
+        card = gate_check(args.card, overrides)
     plans = [p for item in args.plan for p in item.split(",") if p]
     try:
         specs = {p: parse_plan(p) for p in plans}
@@ -122,12 +130,6 @@ def cmd_parallel(args) -> int:
         print(f"ditbook parallel: --nproc {args.nproc} needs {args.nproc} GPUs, {present} present on this machine; "
               f"not launched", file=sys.stderr)
         return 2
-    run = None
-    if args.run:
-        from ..runs import RunFolder
-
-        run = RunFolder(args.run)
-        run.refuse_finished("ditbook parallel --run")
     arch = args.arch or (str(Path(args.run) / "inspect" / "arch.json") if args.run else None)
     if arch and not Path(arch).is_file():
         arch = None

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..processes import die_with_parent
+from ..processes import LAUNCHER_ENV, die_with_parent
 from ..quality import Gates, compare_sets
 from .plans import parse_plan, refusal
 
@@ -204,6 +204,7 @@ def launch(card: str | Path, plans: list[str], nproc: int, out_dir: str | Path, 
     full_env = {**os.environ, **(env or {})}
     src = str(Path(__file__).resolve().parents[2])  # lib/, so ranks import this ditbook
     full_env["PYTHONPATH"] = src + (os.pathsep + full_env["PYTHONPATH"] if full_env.get("PYTHONPATH") else "")
+    full_env[LAUNCHER_ENV] = str(os.getpid())  # each rank ends when this process is gone
     start = time.perf_counter()
     with open(log_path, "w") as log:
         # torchrun gets SIGTERM when this process dies, even by SIGKILL; its ranks watch torchrun
