@@ -819,6 +819,15 @@ def test_parallel_infeasible_plan_refused_without_a_run(tmp_path, capsys, zoo):
     assert not out.exists()
 
 
+def test_parallel_token_split_checked_before_launch_with_the_numbers(tmp_path, capsys, zoo):
+    card = zoo_card(tmp_path, zoo)
+    assert cli(capsys, "inspect", card)[0] == 0  # an inspected run traced at the card's size
+    out = tmp_path / "pr"
+    code, _, err = cli(capsys, "parallel", card, "--plan", "ring3", "--nproc", "3", "--out", out)
+    assert code == 3 and "16 image tokens" in err and "not divisible by 3" in err  # old code: 3 ranks launched
+    assert not out.exists()
+
+
 def test_parallel_unknown_plan_name(tmp_path, capsys, zoo):
     code, _, err = cli(capsys, "parallel", zoo_card(tmp_path, zoo), "--plan", "nosuch", "--nproc", "2",
                        "--out", tmp_path / "pr")
