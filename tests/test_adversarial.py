@@ -1394,3 +1394,19 @@ if flag.exists():
     meta = run.read_meta()
     assert meta["status"] == "finished" and meta["stages"]["second"]["status"] == "passed"
     assert (run.path / "second.txt").read_text() == "done"
+
+
+@pytest.mark.slow
+def test_the_kernels_connection_file_lies_in_the_stage_temp_folder_and_goes_with_it(tmp_path):
+    nbs = tmp_path / "notebooks"
+    nbs.mkdir()
+    _notebook(nbs / "01_only.ipynb", "import pathlib\nfrom ipykernel import get_connection_file\n"
+                                     "(pathlib.Path(RUN_DIR) / 'cf.txt').write_text(get_connection_file())")
+    env = _env(tmp_path, DITBOOK_NOTEBOOKS=str(nbs))
+    done = subprocess.run([sys.executable, "-m", "ditbook", "run", str(synthetic_card(tmp_path)), "--run-id", "r"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    cf = Path((tmp_path / "outputs" / "synthetic" / "r" / "cf.txt").read_text())
+    assert cf.parent.name.startswith("ditbook-kernel-")  # old code: the user's jupyter runtime folder
+    assert not cf.parent.exists()
+

@@ -121,15 +121,18 @@ KERNEL_LOG_ENV = {"CACHE_DIT_LOG_LEVEL": "error", "TRANSFORMERS_VERBOSITY": "err
 def kernel_environment():
     """The stage kernel's settings: quiet library loggers (``KERNEL_LOG_ENV``, values the user
     set win), and IPC transport in a private temporary folder — the kernel runs on this machine,
-    so its sockets need no TCP port (and ipykernel has no unencrypted-TCP warning to print)."""
+    so its sockets need no TCP port (and ipykernel has no unencrypted-TCP warning to print). The
+    kernel's connection file lies in that folder as well, so nothing
+    of the kernel is left behind after an interrupt."""
     from traitlets.config import Config
 
     saved = {k: os.environ.get(k) for k in KERNEL_LOG_ENV}
     for k, v in KERNEL_LOG_ENV.items():
         os.environ.setdefault(k, v)
     with tempfile.TemporaryDirectory(prefix="ditbook-kernel-") as sockets:
-        try:
-            yield Config({"KernelManager": {"transport": "ipc", "ip": os.path.join(sockets, "kernel")}})
+        try:  # the kernel's connection file goes there too: removed with the folder, however the stage ends
+            yield Config({"KernelManager": {"transport": "ipc", "ip": os.path.join(sockets, "kernel"),
+                                            "connection_file": os.path.join(sockets, "kernel.json")}})
         finally:
             for k, v in saved.items():
                 if v is None:
