@@ -930,6 +930,14 @@ def test_a_linked_model_folder_never_puts_a_run_outside_the_outputs_root(tmp_pat
     assert list(elsewhere.iterdir()) == []  # old code: the run landed in elsewhere/r, exit 0
 
 
+def test_a_stage_of_a_run_without_its_inspection_names_the_missing_stage(tmp_path):
+    from ditbook.inspect.report import ArchReport
+
+    run = make_run(tmp_path, synthetic_card(tmp_path))  # approved elsewhere, never inspected itself
+    with pytest.raises(FileNotFoundError, match="this run has no inspection.*run the inspect stage in this run"):
+        ArchReport.load(run.stage_dir("inspect", create=False) / "arch.json")  # old code: a bare errno message
+
+
 class _Table:
     def feasible_plans(self, n):
         return ["single", "ulysses2", "cfg2"] if n == 2 else ["single"]
