@@ -142,22 +142,68 @@ def _is_file_source(source: str) -> bool:
     return source.endswith(".py") or "/" in source or os.sep in source
 
 
+ENV_FIELDS = ("path", "pipeline.source", "transformer.source")  # where ${VAR} is expanded (README: paths)
+MAX_CARD_VALUES = 100_000  # values a card may hold once its YAML aliases are expanded
+
+
+def _expand_str(value: str, missing: list[str] | None) -> str:
+    def sub(m: re.Match) -> str:
+        var = m.group(1)
+        if var not in os.environ:
+            if missing is not None:
+                missing.append(var)
+            return m.group(0)
+        return os.environ[var]
+    return _ENV_RE.sub(sub, value)
+
+
 def expand_env(value: Any, missing: list[str] | None = None) -> Any:
-    """Expand ``${VAR}`` in every string of a YAML tree; unknown variables are recorded."""
-    if isinstance(value, str):
-        def sub(m: re.Match) -> str:
-            var = m.group(1)
-            if var not in os.environ:
-                if missing is not None:
-                    missing.append(var)
-                return m.group(0)
-            return os.environ[var]
-        return _ENV_RE.sub(sub, value)
-    if isinstance(value, list):
-        return [expand_env(v, missing) for v in value]
-    if isinstance(value, dict):
-        return {k: expand_env(v, missing) for k, v in value.items()}
-    return value
+    """A copy of a card mapping with ``${VAR}`` expanded in the fields documented for it
+    (``ENV_FIELDS``: the model folder and the classes' source files); unknown variables are
+    recorded. Every other string — a prompt, a note — is the user's text as written."""
+    if not isinstance(value, dict):
+        return value
+    out = dict(value)
+    for field in ENV_FIELDS:
+        *parents, leaf = field.split(".")
+        node = out
+        for part in parents:
+            if not isinstance(node.get(part), dict):
+                node = None
+                break
+            node[part] = dict(node[part])  # copy only the path to the expanded field
+            node = node[part]
+        if node is not None and isinstance(node.get(leaf), str):
+            node[leaf] = _expand_str(node[leaf], missing)
+    return out
+
+
+def _expanded_size(node, seen: dict) -> int:
+    """How many values ``node`` stands for once every alias is expanded (linear in the nodes)."""
+    key = id(node)
+    if key not in seen:
+        seen[key] = 1  # a recursive alias counts once
+        children = node.value if isinstance(node, (yaml.SequenceNode, yaml.MappingNode)) else []
+        flat = [c for pair in children for c in pair] if isinstance(node, yaml.MappingNode) else children
+        seen[key] = 1 + sum(_expanded_size(c, seen) for c in flat)
+    return seen[key]
+
+
+def _bounded_load(text: str, path: Path):
+    """``yaml.safe_load`` that refuses a card whose aliases expand to more than
+    ``MAX_CARD_VALUES`` values (an alias bomb), before anything is built from it."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        size = _expanded_size(node, {})
+        if size > MAX_CARD_VALUES:
+            raise CardError(f"model card {path}: its YAML aliases expand to {size:,} values, more than "
+                            f"{MAX_CARD_VALUES:,}; write the values out instead of nesting aliases")
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
 
 
 def read_card_mapping(path: str | Path) -> dict:
@@ -165,7 +211,7 @@ def read_card_mapping(path: str | Path) -> dict:
     if not path.is_file():
         raise CardError(f"model card not found: {path} (pass the path of a models/<name>.yaml file)")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = _bounded_load(path.read_text(), path)
     except yaml.YAMLError as exc:
         raise CardError(f"model card {path} is not valid YAML: {exc}") from exc
     if data is None:
@@ -224,35 +270,57 @@ def _from_mapping(data: dict, card_path: Path) -> ModelCard:
     return card
 
 
-def import_class(source: str, cls_name: str):
-    """Import ``cls_name`` from a diffusers module, any module path, or a .py file."""
-    if _is_file_source(source):
-        file = Path(source)
-        mod_name = f"ditbook_user_{file.stem}_{hashlib.sha1(str(file).encode()).hexdigest()[:8]}"
-        if mod_name in sys.modules:
-            module = sys.modules[mod_name]
-        else:
-            spec = importlib.util.spec_from_file_location(mod_name, file)
-            if spec is None or spec.loader is None:
-                raise ImportError(f"cannot import a module from {file}")
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[mod_name] = module
-            # sibling files of third-party code import each other by plain name
-            sys.path.insert(0, str(file.parent))
-            try:
-                spec.loader.exec_module(module)
-            except BaseException:
-                sys.modules.pop(mod_name, None)
-                raise
-            finally:
-                if sys.path and sys.path[0] == str(file.parent):
-                    sys.path.pop(0)
-    else:
-        module = importlib.import_module(source)
+IMPORT_TIMEOUT_ENV = "DITBOOK_IMPORT_TIMEOUT"  # seconds a source may take to import (default below)
+IMPORT_TIMEOUT = 300.0
+
+
+def import_timeout() -> float:
+    text = os.environ.get(IMPORT_TIMEOUT_ENV, "").strip()
     try:
-        return getattr(module, cls_name)
-    except AttributeError:
-        raise ImportError(f"{source} has no class {cls_name!r}") from None
+        return float(text) if text else IMPORT_TIMEOUT
+    except ValueError:
+        raise CardError(f"{IMPORT_TIMEOUT_ENV}={text!r} is not a number of seconds") from None
+
+
+def import_class(source: str, cls_name: str):
+    """Import ``cls_name`` from a diffusers module, any module path, or a .py file, within
+    ``$DITBOOK_IMPORT_TIMEOUT`` seconds (300): a source that never finishes importing raises
+    ``TimeLimitExceeded`` naming the file instead of waiting forever."""
+    from .processes import time_limit
+
+    seconds = import_timeout()
+    with time_limit(seconds, f"importing {source} did not finish within {seconds:g}s (it may wait forever at import; "
+                             f"set {IMPORT_TIMEOUT_ENV} to allow longer)"):
+        module = _import_source(source)
+        try:
+            return getattr(module, cls_name)  # a lazy module (diffusers) imports the class's file here
+        except AttributeError:
+            raise ImportError(f"{source} has no class {cls_name!r}") from None
+
+
+def _import_source(source: str):
+    if not _is_file_source(source):
+        return importlib.import_module(source)
+    file = Path(source)
+    mod_name = f"ditbook_user_{file.stem}_{hashlib.sha1(str(file).encode()).hexdigest()[:8]}"
+    if mod_name in sys.modules:
+        return sys.modules[mod_name]
+    spec = importlib.util.spec_from_file_location(mod_name, file)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import a module from {file}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = module
+    # sibling files of third-party code import each other by plain name
+    sys.path.insert(0, str(file.parent))
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(mod_name, None)
+        raise
+    finally:
+        if sys.path and sys.path[0] == str(file.parent):
+            sys.path.pop(0)
+    return module
 
 
 def parse_overrides(items: list[str] | None) -> dict:
@@ -262,6 +330,8 @@ def parse_overrides(items: list[str] | None) -> dict:
         if "=" not in item:
             raise CardError(f"-p expects key=value, got {item!r}")
         key, value = item.split("=", 1)
+        if not value.strip():  # YAML reads "" as null, which would quietly put back the default
+            raise CardError(f"-p {item!r}: the value is empty; give a value (write null to ask for the default)")
         out[key.strip()] = yaml.safe_load(value)
     return out
 
@@ -304,6 +374,8 @@ def _class_problems(card: ModelCard) -> list[str]:
             problems.append(f"{key}.source: module {spec.source!r} cannot be imported ({exc})")
         except ImportError as exc:
             problems.append(f"{key}.class: {exc}")
+        except TimeoutError as exc:
+            problems.append(f"{key}.source: {exc}")
         except KeyboardInterrupt:
             raise
         except BaseException as exc:  # the user's file raised, or called sys.exit(), while importing
@@ -358,24 +430,57 @@ def write_card(path: str | Path, data: dict) -> Path:
     return path
 
 
+def _yaml_scalar(value: Any) -> str:
+    """``value`` as YAML text that reads back as the same value."""
+    if isinstance(value, str):
+        try:
+            if value and yaml.safe_load(value) == value and "#" not in value and "\n" not in value:
+                return value
+        except yaml.YAMLError:
+            pass
+    return json.dumps(value)
+
+
+def _spliced(text: str, key: str, value: Any) -> str:
+    """``text`` with the top-level ``key`` set to ``value``, every other character untouched:
+    the old value's span (from the YAML parser's marks) is replaced, or the field is added at
+    the end of the mapping — inside its braces when the card is written in flow style."""
+    root = yaml.compose(text)
+    new = _yaml_scalar(value)
+    if root is None:
+        return text.rstrip("\n") + ("\n" if text.strip() else "") + f"{key}: {new}\n"
+    if not isinstance(root, yaml.MappingNode):
+        raise CardError("a card must be a YAML mapping at the top level")
+    for k, v in root.value:
+        if isinstance(k, yaml.ScalarNode) and k.value == key:
+            a, b = v.start_mark.index, v.end_mark.index
+            if isinstance(v, yaml.ScalarNode) and v.value == "" and a == b:
+                new = " " + new  # `key:` with no value
+            return text[:a] + new + text[b:]
+    if root.flow_style:  # after the last value (a comment may follow it), or just inside `{`
+        at = root.value[-1][1].end_mark.index if root.value else root.start_mark.index + 1
+        return text[:at] + (", " if root.value else "") + f"{key}: {new}" + text[at:]
+    return text.rstrip("\n") + "\n" + f"{key}: {new}\n"
+
+
 def set_card_field(path: str | Path, key: str, value: Any) -> None:
-    """Set one top-level field in a card file, keeping the rest of the file's text as written."""
+    """Set one top-level field in a card file and change nothing else: every comment (one on the
+    field's own line included), the order, the quoting and the layout, block or flow style, stay
+    as written. The file is replaced atomically, and only when it reads back as the card with
+    that one change; else ``CardError`` and the file is untouched."""
     path = Path(path)
     text = path.read_text()
-    line = f"{key}: {json.dumps(value) if not isinstance(value, str) else value}"
-    pattern = re.compile(rf"^{re.escape(key)}:.*$", re.MULTILINE)
-    if pattern.search(text):
-        text = pattern.sub(line, text)
-    else:
-        text = text.rstrip("\n") + "\n" + line + "\n"
-    before = yaml.safe_load(path.read_text()) or {}
     try:
-        after = yaml.safe_load(text)
-    except yaml.YAMLError:
-        after = None
-    if after != {**before, key: value}:  # e.g. a card in flow style: re-dump the mapping instead
-        text = yaml.safe_dump({**before, key: value}, sort_keys=False, allow_unicode=True)
-    path.write_text(text)
+        before = yaml.safe_load(text) or {}
+        new = _spliced(text, key, value)
+        after = yaml.safe_load(new)
+    except yaml.YAMLError as exc:
+        raise CardError(f"model card {path} is not valid YAML: {exc}") from exc
+    if not isinstance(before, dict) or after != {**before, key: value}:
+        raise CardError(f"cannot write {key} into {path} without changing the rest of the card")
+    from .files import atomic_write_text
+
+    atomic_write_text(path, new)
 
 
 __all__ = [

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from .card import CardError, GateError, gate_problems, parse_overrides
+from .card import CardError, GateError, parse_overrides
 from .processes import Interrupted, signals_end_children
 from .runs import RunError
 
@@ -27,7 +27,9 @@ COMMAND_MODULES = (zoo_commands, inspect_commands, cache_commands, parallel_comm
 
 
 def cmd_check(args) -> int:
-    card, problems = gate_problems(args.card, parse_overrides(args.param))
+    from .preflight import start_problems
+
+    card, problems = start_problems(args.card, parse_overrides(args.param))  # what `ditbook run` refuses at its start
     if not problems:  # the card is complete: now what the stages will read from the model folder
         from .loading import model_folder_problems
 

@@ -70,6 +70,45 @@ def _refuse_foreign_lock(run: RunFolder) -> None:
                        f"two processes never write one run")
 
 
+def run_overrides(run: RunFolder, given: dict | None, command: str) -> dict:
+    """The overrides a command writing into ``run`` runs with: the run's own (``run.json``), and
+    the command's ``-p`` where they add a key. A ``-p`` that changes one of the run's values is
+    refused: the run's baseline was made with the run's value."""
+    own = run.read_meta().get("overrides") or {}
+    from .card import override_key
+
+    own = {override_key(k): v for k, v in own.items()}
+    given = {override_key(k): v for k, v in (given or {}).items()}
+    clash = [f"{k}={given[k]!r} (the run has {own[k]!r})" for k in given if k in own and given[k] != own[k]]
+    if clash:
+        raise RunError(f"{command}: {run.path} was made with other overrides: {', '.join(clash)}; its results "
+                       f"hold for the run's own values — drop the -p, or start a new run")
+    return {**own, **given}
+
+
+def open_run_for(command: str, run: RunFolder, card_path: str, overrides: dict | None = None,
+                 approval: bool = True) -> tuple[ModelCard, dict]:
+    """What every command that writes into an existing run checks first (the same as a stage
+    of that run): the run exists and is not finished, it is this card's model's, the run's
+    own overrides apply, the card passes its gate with them, and (``approval``) its approved
+    plan is the run's, with the same weights and gates no looser. Returns the card and the
+    overrides to run with."""
+    if not run.exists():
+        raise RunError(f"{run.path} is not a run folder (it has no run.json)")
+    run.refuse_finished(command)
+    overrides = run_overrides(run, overrides, command)
+    card = gate_check(card_path, overrides)
+    model = run.read_meta().get("model")
+    if model is not None and model != card.name:
+        raise RunError(f"{command}: {run.path} is a run of model {model!r}, the card {card_path} is {card.name!r}")
+    if approval:
+        try:
+            check_approval(card, run)
+        except ApprovalError as exc:
+            raise RunError(f"{command}: {exc}") from None
+    return card, overrides
+
+
 def open_stage(card_path: str, run_dir: str | None, stage: str, overrides: dict | None = None,
                outputs_root: str | Path | None = None) -> StageContext:
     overrides = dict(overrides or {})

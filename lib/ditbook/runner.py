@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .card import GateError, ModelCard, gate_check
+from .card import GateError, ModelCard
+from .preflight import start_check
 from .processes import Interrupted, end_descendants, received
 from .runs import RunError, RunFolder
 
@@ -120,15 +121,18 @@ KERNEL_LOG_ENV = {"CACHE_DIT_LOG_LEVEL": "error", "TRANSFORMERS_VERBOSITY": "err
 def kernel_environment():
     """The stage kernel's settings: quiet library loggers (``KERNEL_LOG_ENV``, values the user
     set win), and IPC transport in a private temporary folder — the kernel runs on this machine,
-    so its sockets need no TCP port (and ipykernel has no unencrypted-TCP warning to print)."""
+    so its sockets need no TCP port (and ipykernel has no unencrypted-TCP warning to print). The
+    kernel's connection file lies in that folder as well, so nothing
+    of the kernel is left behind after an interrupt."""
     from traitlets.config import Config
 
     saved = {k: os.environ.get(k) for k in KERNEL_LOG_ENV}
     for k, v in KERNEL_LOG_ENV.items():
         os.environ.setdefault(k, v)
     with tempfile.TemporaryDirectory(prefix="ditbook-kernel-") as sockets:
-        try:
-            yield Config({"KernelManager": {"transport": "ipc", "ip": os.path.join(sockets, "kernel")}})
+        try:  # the kernel's connection file goes there too: removed with the folder, however the stage ends
+            yield Config({"KernelManager": {"transport": "ipc", "ip": os.path.join(sockets, "kernel"),
+                                            "connection_file": os.path.join(sockets, "kernel.json")}})
         finally:
             for k, v in saved.items():
                 if v is None:
@@ -226,7 +230,7 @@ def start_run(card_path: str | Path, *, stages: list[str] | None = None, overrid
               log: Callable[[str], None] = print) -> RunOutcome:
     """Gate-check the card, create a new run folder, and execute the chosen stages."""
     overrides = dict(overrides or {})
-    card = gate_check(card_path, overrides)
+    card = start_check(card_path, overrides)
     chosen = select_stages(stages)
     if not chosen:
         raise RunError(f"no stage notebooks found in {notebooks_dir()}")
@@ -254,7 +258,7 @@ def _resume(run: RunFolder, *, kernel_name: str | None, log: Callable[[str], Non
     if "card_path" not in meta:
         raise RunError(f"{run.meta_path} has no 'card_path'; it is not a run ditbook can resume")
     overrides = meta.get("overrides") or {}
-    card = gate_check(meta["card_path"], overrides)
+    card = start_check(meta["card_path"], overrides)
     if card.content_hash() != meta.get("card_hash"):
         raise RunError(
             f"card {meta['card_path']} changed since {run.path} started (hash {meta.get('card_hash')} -> "

@@ -10,11 +10,11 @@ import datetime as _dt
 import json
 import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from .card import ModelCard
+from .files import atomic_write_text
 from .intake.environment import environment
 
 RUN_FILE = "run.json"
@@ -39,6 +39,18 @@ def safe_component(value, what: str) -> str:
         raise RunError(f"{what} {text!r} must be one path component of letters, digits, '.', '_' and '-' "
                        f"starting with a letter or digit (it names a folder under the outputs folder)")
     return text
+
+
+def _inside_root(root: Path, model: str) -> Path:
+    """The outputs root, resolved once (it may itself be a link), after checking that
+    ``root/model`` is a real folder inside it — a link from ``outputs/<model>`` to a folder
+    elsewhere would put the run outside the outputs root."""
+    resolved = root.resolve()
+    where = (root / model).resolve()
+    if (root / model).is_symlink() or where.parent != resolved:
+        raise RunError(f"{root / model} leads to {where}, outside the outputs folder {resolved}; runs are only "
+                       f"written inside it — remove the link, or point --outputs/$DITBOOK_OUTPUTS at where runs go")
+    return resolved
 
 
 def _pid_alive(pid: int) -> bool:
@@ -74,11 +86,7 @@ def new_run_id() -> str:
 
 
 def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
-    os.replace(tmp, path)
+    atomic_write_text(path, text)  # no temp file left on a failed write; mode 0644 like the run's other files
 
 
 def _check_scalars(value: Any, where: str = "results") -> None:
@@ -160,6 +168,7 @@ class RunFolder:
             (root / model).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise RunError(f"cannot create the outputs folder {root / model}: {exc.strerror or exc}") from exc
+        root = _inside_root(root, model)
         # mkdir without exist_ok is the claim: of two processes creating one id, one gets it and
         # the other gets a clear refusal (explicit id) or the next free id (a timestamp id)
         base = chosen or new_run_id()

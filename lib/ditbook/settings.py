@@ -32,6 +32,7 @@ from typing import Any, Callable
 MAX_STEPS = 10_000  # denoising steps (and traced steps) above this are refused as a typo
 SIDE_MULTIPLE = 8  # height/width: the VAE's downsampling factor of every pipeline ditbook runs
 MAX_SIDE = 16_384
+MAX_SEED = 2**32 - 1  # every RNG a pipeline may seed (torch, numpy's legacy one) takes 0..2**32-1
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")  # or cuda:N
 # a speedup below this is within the run-to-run spread of a CPU benchmark: not worth shipping
@@ -221,15 +222,15 @@ class Generation:
     prompts: list[str] = setting(check=list_of(text(), nonempty=True, scalar_ok=True), factory=list,
                                  doc="prompts rendered by every stage (at least one)")
     negative_prompt: str | None = setting(None, optional(text()), "negative prompt (true CFG)")
-    seeds: list[int] = setting(check=list_of(integer(), nonempty=True, scalar_ok=True), factory=lambda: [0],
-                               doc="seeds; each prompt is rendered once per seed")
+    seeds: list[int] = setting(check=list_of(integer(0, MAX_SEED), nonempty=True, scalar_ok=True), factory=lambda: [0],
+                               doc=f"seeds (0..{MAX_SEED}); each prompt is rendered once per seed")
     height: int = setting(64, _side, f"image height, a multiple of {SIDE_MULTIPLE}")
     width: int = setting(64, _side, f"image width, a multiple of {SIDE_MULTIPLE}")
     steps: int = setting(8, integer(1, MAX_STEPS), f"denoising steps (1..{MAX_STEPS})")
     guidance_scale: float | None = setting(None, optional(number()), "guidance scale (null: the pipeline's default)")
     true_cfg_scale: float | None = setting(None, optional(number()), "> 1 with a negative prompt: true CFG")
     extra: dict = setting(check=mapping(), factory=dict, doc="any other pipeline __call__ argument")
-    holdout_seeds: list[int] = setting(check=list_of(integer()), factory=list,
+    holdout_seeds: list[int] = setting(check=list_of(integer(0, MAX_SEED)), factory=list,
                                        doc="seeds that confirm tuned settings (empty: seeds + cache.holdout_shift)")
     holdout_prompts: list[str] = setting(check=list_of(text()), factory=list,
                                          doc="prompts that confirm tuned settings (empty: the prompts)")

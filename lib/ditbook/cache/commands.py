@@ -37,19 +37,22 @@ def cmd_cache(args) -> int:
               f"'ditbook run {args.card} --stages intake,inspect' and 'ditbook approve {args.card}' first",
               file=sys.stderr)
         return 1
-    run.refuse_finished("ditbook cache")  # its cache results and notebook are never rewritten
+    from ..context import open_run_for
+
+    # a finished run is never rewritten; the run's own overrides (its steps, sizes) apply
+    card, run_overrides = open_run_for("ditbook cache", run, args.card, approval=False)
     with run.acquire("ditbook cache"):
-        return _run_cache(args, card, run, wanted)
+        return _run_cache(args, card, run, wanted, run_overrides)
 
 
-def _run_cache(args, card, run, wanted: list[str]) -> int:
+def _run_cache(args, card, run, wanted: list[str], run_overrides: dict | None = None) -> int:
     from ..runner import discover_stages, execute_stage
 
     stage = next((s for s in discover_stages() if s.name == "cache"), None)
     if stage is None:
         print("notebooks/03_cache.ipynb not found")
         return 1
-    overrides = {}
+    overrides = dict(run_overrides or {})
     if wanted:
         overrides["cache.strategies"] = wanted
     if args.max_configs:

@@ -16,7 +16,15 @@ def cmd_inspect(args) -> int:
     from ..display import Table
     from .tables import block_rows, fact_rows
 
+    from ..card import CardError
+    from ..settings import InspectSettings, parse_section
+
     overrides = parse_overrides(args.param)
+    # --steps and --size are the inspect section's trace_steps and trace_size: the same checks
+    _, bad = parse_section(InspectSettings, {"trace_steps": args.steps, "trace_size": args.size}, "inspect")
+    if bad:
+        flag = {"inspect.trace_steps": "--steps", "inspect.trace_size": "--size"}
+        raise CardError("; ".join(f"{flag.get(k, k)}: {m}" for k, m in bad))
     card = gate_check(args.card, overrides)
     pipe = load_pipeline(card, choose_placement(card))
     result = run_inspection(pipe, card, steps=args.steps, size=args.size)
@@ -53,10 +61,12 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_approve(args) -> int:
-    from ..card import load_card
-    from .plan import approve, find_plan_file, read_plan
+    from ..card import GateError, gate_problems
+    from .plan import approve, find_plan_file, not_this_models_plan, read_plan
 
-    card = load_card(args.card)
+    card, problems = gate_problems(args.card)
+    if problems or card is None:  # an approval is for a card that can run
+        raise GateError(args.card, problems)
     path = find_plan_file(card, args.run, Path(args.outputs) if args.outputs else None)
     if args.run and path is not None and not str(path).startswith(str(Path(args.run).resolve())):
         print(f"ditbook approve: {args.run} has no inspect/plan.json", file=sys.stderr)
@@ -66,6 +76,10 @@ def cmd_approve(args) -> int:
               f"or the inspect stage first", file=sys.stderr)
         return 2
     plan = read_plan(path)
+    other = not_this_models_plan(card, plan, path)
+    if other:
+        print(f"ditbook approve: the plan {path} is not {args.card}'s: {other}; nothing written", file=sys.stderr)
+        return 2
     md = path.with_name("plan.md")
     print(md.read_text() if md.is_file() else json.dumps(plan, indent=2))
     print(f"plan: {path}\nhash: {plan['hash']}")

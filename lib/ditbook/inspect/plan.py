@@ -462,6 +462,26 @@ def weights_changed(card, plan: dict) -> list[str]:
             + [f"{f} changed" for f in sorted(set(now) & set(then)) if list(now[f]) != list(then[f])])
 
 
+def not_this_models_plan(card, plan: dict, plan_path: str | Path) -> str | None:
+    """Why the plan belongs to another model than ``card`` (None when it is this card's): the
+    model its plan or its run names, or weights that are not the card's model folder's."""
+    from ..runs import RunFolder
+
+    named = {"the plan": plan.get("model")}
+    run_json = Path(plan_path).parent.parent / "run.json"
+    if run_json.is_file():
+        named["its run"] = RunFolder(run_json.parent).read_meta().get("model")
+    for where, model in named.items():
+        if model is not None and model != card.name:
+            return f"{where} is of model {model!r}, the card is {card.name!r}"
+    if (plan.get("weights") or {}).get("files") is not None:
+        changed = weights_changed(card, plan)
+        if changed:
+            return (f"its weights are not those of {card.path} "
+                    f"({', '.join(changed[:5])}{' ...' if len(changed) > 5 else ''})")
+    return None
+
+
 def approve(card, plan_path: str | Path) -> str:
     """Write the plan's hash into the card as ``approved_plan``; returns the hash."""
     from ..card import set_card_field

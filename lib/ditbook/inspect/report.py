@@ -139,7 +139,12 @@ class ArchReport:
 
     @classmethod
     def load(cls, path: str | Path) -> "ArchReport":
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        path = Path(path)
+        if not path.is_file():  # a run started without its inspect stage (another run's plan approved it)
+            raise FileNotFoundError(f"this run has no inspection: {path} is missing — a later stage reads its own "
+                                    f"run's inspect results; run the inspect stage in this run "
+                                    f"(ditbook run CARD --stages intake,inspect,...)")
+        return cls.from_dict(json.loads(path.read_text()))
 
     def block_list(self, path: str) -> BlockList:
         for b in self.block_lists:

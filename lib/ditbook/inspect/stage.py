@@ -22,6 +22,7 @@ class Inspection:
     report: ArchReport
     surface: CodeSurface
     plan: dict
+    traced_size: list[int] | None = None  # [height, width] of the traced generation: its sequence lengths hold there
 
     def to_dict(self) -> dict:
         return {"report": self.report.to_dict(), "code_surface": self.surface.to_dict(), "plan": self.plan}
@@ -56,7 +57,8 @@ def run_inspection(pipe, card, steps: int | None = None, size: int | None = None
     report = trace_pipeline(pipe, card, steps=steps, size=size, report=report)
     surface = code_surface(source_paths(pipe), report)
     plan = build_plan(report, surface, card)
-    return Inspection(report, surface, plan)
+    traced = [int(size), int(size)] if size else [card.generation.height, card.generation.width]
+    return Inspection(report, surface, plan, traced)
 
 
 def save_inspection(folder: str | Path, result: Inspection) -> dict:
@@ -78,4 +80,5 @@ def save_inspection(folder: str | Path, result: Inspection) -> dict:
         "heads": r.attention.heads, "kv_heads": r.attention.kv_heads,
         "risks": [x["id"] for x in result.plan["risks"]],
         "port_estimate_lines": result.surface.port_estimate_lines,
+        "traced_size": result.traced_size,
     }

@@ -28,10 +28,11 @@ def refusal(card_path: str, plans: list[str], arch: str | None, overrides: dict)
         return refused
     from ..inspect.report import ArchReport
     from ..card import load_card
-    from .feasibility import feasibility
+    from .feasibility import WORLD_SIZES, feasibility
     from .plans import parse_plan
 
-    table = feasibility(ArchReport.load(arch), load_card(card_path, overrides))
+    sizes = sorted(set(WORLD_SIZES) | {parse_plan(p).world_size for p in plans})  # ring3 is judged too
+    table = feasibility(ArchReport.load(arch), load_card(card_path, overrides), world_sizes=sizes)
     out = []
     for p in plans:
         spec = parse_plan(p)
@@ -67,6 +68,24 @@ def default_out(args) -> Path:
     return outputs_dir() / Path(args.card).stem / f"parallel-{new_run_id()}"
 
 
+def traced_arch(card) -> str | None:
+    """``inspect/arch.json`` of the newest inspected run of this model when it was traced at the
+    card's height and width: its sequence lengths are this run's, so the token counts of a
+    sequence split are checked before launch (None otherwise)."""
+    from ..runner import outputs_dir
+    from ..runs import RunError, latest_run
+
+    try:
+        run = latest_run(outputs_dir(), card.name, with_stage="inspect")
+        traced = run.read_results("inspect").get("traced_size") if run is not None else None
+    except (RunError, OSError):
+        return None
+    arch = run.stage_dir("inspect", create=False) / "arch.json" if run is not None else None
+    if traced == [card.generation.height, card.generation.width] and arch.is_file():
+        return str(arch)
+    return None
+
+
 def static_refusal(card, plans: list[str]) -> list[str]:
     """Without an inspected run: what the model's config alone rules out — the head count split
     by Ulysses or TP (the transformer built on the meta device, no weights read)."""
@@ -84,6 +103,9 @@ def static_refusal(card, plans: list[str]) -> list[str]:
     from .feasibility import device_refusal
 
     out = []
+    if any(parse_plan(p).uses_cp for p in plans):
+        print("ditbook parallel: token counts not pre-checked (no inspected run traced at this size); "
+              "pass --run RUN_DIR of an inspected run to check them before launch", file=sys.stderr)
     for p in plans:
         spec = parse_plan(p)
         if device_refusal(spec, choose_placement(card).device):
@@ -107,7 +129,15 @@ def cmd_parallel(args) -> int:
     from .plans import PlanNameError, parse_plan
 
     overrides = parse_overrides(args.param)
-    card = gate_check(args.card, overrides)
+    run = None
+    if args.run:  # writing into a run: what its own stages check (approval, weights, its overrides)
+        from ..context import open_run_for
+        from ..runs import RunFolder
+
+        run = RunFolder(args.run)
+        card, overrides = open_run_for("ditbook parallel --run", run, args.card, overrides)
+    else:
+        card = gate_check(args.card, overrides)
     plans = [p for item in args.plan for p in item.split(",") if p]
     try:
         specs = {p: parse_plan(p) for p in plans}
@@ -122,15 +152,10 @@ def cmd_parallel(args) -> int:
         print(f"ditbook parallel: --nproc {args.nproc} needs {args.nproc} GPUs, {present} present on this machine; "
               f"not launched", file=sys.stderr)
         return 2
-    run = None
-    if args.run:
-        from ..runs import RunFolder
-
-        run = RunFolder(args.run)
-        run.refuse_finished("ditbook parallel --run")
     arch = args.arch or (str(Path(args.run) / "inspect" / "arch.json") if args.run else None)
     if arch and not Path(arch).is_file():
         arch = None
+    arch = arch or traced_arch(card)  # the traced token counts, when an inspected run has them
     wrong = [f"{p}: needs {s.world_size} processes, --nproc {args.nproc} x --nnodes {args.nnodes} gives "
              f"{args.nproc * args.nnodes}" for p, s in specs.items()
              if s.world_size not in (1, args.nproc * args.nnodes)]

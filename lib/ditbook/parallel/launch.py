@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..processes import LAUNCHER_ENV, die_with_parent
 from ..quality import Gates, compare_sets
 from .plans import parse_plan, refusal
 
@@ -96,6 +98,9 @@ class Nodes:
                 "--master_port", port]
 
 
+TORCHRUN_LOGS = "torchrun-logs"  # torchrun's per-rank log files, inside the launch folder and removed after it
+
+
 def torchrun_command(card: str | Path, plans: list[str], nproc: int, out_dir: Path, *, overrides: dict | None = None,
                      timeout: float = 300.0, warmup: int = 1, cfg_style: str | None = None,
                      cp_plan_file: str | None = None, attention_kind: str | None = None,
@@ -103,6 +108,7 @@ def torchrun_command(card: str | Path, plans: list[str], nproc: int, out_dir: Pa
     nodes = nodes or Nodes()
     cmd = [sys.executable, "-m", "torch.distributed.run", *nodes.torchrun_args(),
            "--nproc_per_node", str(nproc), "--max_restarts", "0", "--monitor_interval", "0.5",
+           "--log-dir", str(out_dir / TORCHRUN_LOGS),  # not a torchelastic_* folder in /tmp per launch
            "--tee", "3",  # each rank's lines prefixed [default<local_rank>]: so a failure quotes its own rank
            "-m", "ditbook.parallel.worker", "--card", str(card), "--plans", ",".join(plans),
            "--out", str(out_dir), "--timeout", str(timeout), "--warmup", str(warmup), "--gqa-path", gqa_path]
@@ -199,9 +205,12 @@ def launch(card: str | Path, plans: list[str], nproc: int, out_dir: str | Path, 
     full_env = {**os.environ, **(env or {})}
     src = str(Path(__file__).resolve().parents[2])  # lib/, so ranks import this ditbook
     full_env["PYTHONPATH"] = src + (os.pathsep + full_env["PYTHONPATH"] if full_env.get("PYTHONPATH") else "")
+    full_env[LAUNCHER_ENV] = str(os.getpid())  # each rank ends when this process is gone
     start = time.perf_counter()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+        # torchrun gets SIGTERM when this process dies, even by SIGKILL; its ranks watch torchrun
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True,
+                                preexec_fn=die_with_parent())
         try:
             rc = proc.wait(timeout=total_timeout)
         except subprocess.TimeoutExpired:
@@ -212,6 +221,8 @@ def launch(card: str | Path, plans: list[str], nproc: int, out_dir: str | Path, 
         except BaseException:  # Ctrl-C / SIGTERM on the caller: torchrun's own session is not told
             _kill_group(proc)
             raise
+        finally:
+            shutil.rmtree(out_dir / TORCHRUN_LOGS, ignore_errors=True)
     seconds = time.perf_counter() - start
     text = log_path.read_text(errors="replace")
     if rc != 0:

@@ -607,7 +607,11 @@ def main(argv=None) -> int:
     p.add_argument("--cp-plan-file", default=None)
     p.add_argument("--attention-kind", default=None)
     p.add_argument("--gqa-path", default="enable_gqa")
-    return run(p.parse_args(argv))
+    args = p.parse_args(argv)
+    from ..processes import watch_parent
+
+    watch_parent()  # a rank never outlives torchrun (which dies with ditbook)
+    return run(args)
 
 
 if __name__ == "__main__":
