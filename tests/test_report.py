@@ -29,9 +29,33 @@ def test_result_md_has_commands_environment_table_readout_and_plots(runs):
     assert md.index("## Verdict") < md.index("## Reproduce") < md.index("## Summary")
     assert re.search(r"\*\*(Ship|Do not ship) gentle\b", md) and "held-out worst PSNR 41.50 dB" in md
     assert "| held-out confirmation | ✔ |" in md and "| plan approved | – | not recorded |" in md
-    for p in ("plots/tradeoff_psnr.png", "plots/residuals.png", "plots/scaling.png", "plots/grid.png"):
+    for p in ("plots/tradeoff_psnr.png", "plots/residuals.png", "plots/grid.png"):
         assert f"benchmark/{p}" in md
         assert (ok / "benchmark" / p).is_file()
+    # a CPU run: the parallel plans are parity results, not drawn as a scaling (speed) plot
+    assert not (ok / "benchmark" / "plots" / "scaling.png").exists() and "plots/scaling.png" not in md
+    assert "| ulysses | parallel | parallel stage | 2 | parity only (CPU processes) |" in md
+
+
+def test_result_md_says_the_rule_the_runner_up_and_one_quality_figure(runs):
+    """The verdict names its rule and the runner-up with why it was not chosen; the chosen
+    configuration's quality is its held-out figure, in the held-out columns only (its
+    calibration figure, 60.25 dB in the cache record, appears nowhere), and the summary's
+    held-out and calibration columns never share a row."""
+    ok, _, _ = runs
+    md = result_markdown(ok)
+    assert "Chosen by the cache stage's rule: most work skipped among the configurations passing on held-out seeds" in md
+    assert re.search(r"Runner-up: brisk \(speed-up not measured, held-out worst PSNR 43.25 dB\): skips less work "
+                     r"\(0.450 of block evaluations against 0.500\)", md), md
+    assert "60.25" not in md
+    table = [ln for ln in md.splitlines() if ln.startswith("| ") and ln.count("|") == 11]
+    head = [c.strip() for c in table[0].strip("|").split("|")]
+    assert head[5:9] == ["psnr_holdout", "ssim_holdout", "psnr_calibration", "ssim_calibration"]
+    rows = {c[0]: c for c in ([x.strip() for x in ln.strip("|").split("|")] for ln in table[2:])}
+    assert rows["gentle"][5:9] == ["41.50", "0.9900", "-", "-"]
+    assert rows["rough"][5] == "-" and rows["rough"][7] != "-"
+    for c in rows.values():
+        assert c[5] == "-" or c[7] == "-", c  # one quality figure per row
 
 
 def test_report_html_is_self_contained(runs):

@@ -38,6 +38,7 @@ from ..quality import Gates, compare_sets
 from .summary import family_gates, gates_dict, gates_for_family, recommend, summary_rows
 from ..configuration import Config
 from .measure import BenchmarkReport, benchmark
+from .shown import is_cpu_run
 
 STAGE = "benchmark"
 
@@ -163,6 +164,17 @@ def video_note(images: dict) -> dict | None:
             "meaning": f"every frame compared; a video's PSNR, SSIM and worst tile are the {FRAME_REDUCE} over its frames"}
 
 
+def plotted_rows(run, results: dict, rows: list[dict]) -> list[dict]:
+    """The rows as the speed plot draws them (``benchmark.shown``): each configuration's one
+    quality figure (held-out where the cache stage confirmed it), and no speed-up for a parallel
+    plan run as CPU processes (so it is not drawn)."""
+    from .shown import shown_rows
+
+    cache = run.read_results("cache") if run.has_results("cache") else None
+    return [dict(r, speedup=r["speedup_shown"], psnr_min=r["psnr"], ssim_min=r["ssim"])
+            for r in shown_rows(rows, results, cache)]
+
+
 def make_figures(run, results: dict | None = None) -> dict:
     """The speed-vs-quality plot and the image grid (plus residual and scaling plots) from
     ``benchmark/results.json`` and the stored images; updates ``plots``, ``grid``, ``labels`` and
@@ -180,12 +192,12 @@ def make_figures(run, results: dict | None = None) -> dict:
     labels = short_labels(rows)
     plots = {}
     cache_gate = gates_for_family("cache", results.get("gates"))
-    plots["tradeoff_psnr"] = plot_tradeoff(rows, "psnr_min", d / "plots" / "tradeoff_psnr.png", cache_gate.psnr,
-                                           labels=labels, highlight=results["verdict"].get("name"))
+    plots["tradeoff_psnr"] = plot_tradeoff(plotted_rows(run, results, rows), "psnr_min", d / "plots" / "tradeoff_psnr.png",
+                                           cache_gate.psnr, labels=labels, highlight=results["verdict"].get("name"))
     if results.get("residual_changes"):
         plots["residuals"] = plot_residuals(results["residual_changes"], d / "plots" / "residuals.png")
     par = [r for r in rows if str(r.get("family", "")).endswith("parallel")]
-    if par:
+    if par and not is_cpu_run(results):  # CPU processes sharing cores: parity, not a speed-up
         plots["scaling"] = plot_scaling(par, d / "plots" / "scaling.png")
     images = results.get("images") or {}
     base_rows = images.get("baseline", [])
