@@ -154,7 +154,7 @@ def plot_tradeoff(rows: list[dict], metric: str, path: str | Path, gate: float |
         ax.set_ylim(min(ys) - ypad, max(ys) + (3 if capped else 2) * ypad)
     label = {"psnr_min": "worst-image PSNR (dB)", "ssim_min": "worst-image SSIM"}.get(metric, metric)
     if any(r.get("quality_on") == "held-out" for r, _, _ in pts):
-        label += ", held-out seeds"
+        label += ",\nheld-out seeds where recorded"
     ax.set_xlabel("speed-up vs baseline, end to end (×)")
     ax.set_ylabel(label)
     ax.set_title("speed vs worst-image quality" + (f" (identical images count as {PSNR_CAP:g} dB)"

@@ -216,7 +216,7 @@ body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;max-width:11
 h1{font-size:1.3em;margin:.2em 0 .5em}h2{font-size:1.15em;margin:1.4em 0 .4em;border-bottom:1px solid #ddd}
 .box{overflow-x:auto;max-width:100%;margin:.5em 0}
 table{border-collapse:collapse;font-size:.88em}th,td{border:1px solid #ccc;padding:.2em .45em;text-align:left;vertical-align:top}
-td{overflow-wrap:normal;word-break:normal}th{background:#f3f3f3}td.name{min-width:9em}.note{font-size:.8em;color:#555;margin:.2em 0}
+td{overflow-wrap:normal;word-break:normal}th{background:#f3f3f3}td.name{min-width:9em}.tok{white-space:nowrap}.note{font-size:.8em;color:#555;margin:.2em 0}
 .verdict{border:2px solid #176f2c;background:#eef8f0;padding:.55em .9em;margin:.4em 0;font-size:1.02em}
 .verdict.no{border-color:#a11;background:#fdf0f0}
 #checklist td:nth-child(2){text-align:center;font-weight:700;width:2em}
@@ -224,7 +224,7 @@ td{overflow-wrap:normal;word-break:normal}th{background:#f3f3f3}td.name{min-widt
 .ok{color:#176f2c}.bad{color:#a11}.nr{color:#777}
 pre{background:#f7f7f7;padding:.5em;overflow-x:auto;font-size:.85em;white-space:pre-wrap;overflow-wrap:anywhere}
 img{max-width:100%;height:auto}figure{margin:.6em 0}figcaption{font-size:.85em;color:#555}
-.twocol{display:flex;flex-wrap:wrap;gap:1em;align-items:flex-start}.twocol>figure{flex:1 1 640px;min-width:0}.twocol>.box{flex:1 1 360px}#plot-key td:first-child,#plot-key td:nth-child(3),#plot-key td:nth-child(4),#summary-table td:nth-child(n+3){white-space:nowrap}
+.twocol{display:flex;flex-wrap:wrap;gap:1em;align-items:flex-start}.twocol>figure{flex:1 1 540px;min-width:0}.twocol>.box{flex:1 1 440px}#plot-key td:first-child,#plot-key td:nth-child(3),#summary-table td:nth-child(n+3){white-space:nowrap}#plot-key td.name{min-width:7em}
 nav.toc{font-size:.9em}nav.toc ol{margin:.2em 0;padding-left:1.4em;columns:2}
 .nb{border-top:1px solid #bbb;margin-top:.6em}.jp-InputPrompt,.jp-OutputPrompt,.prompt{display:none}
 .nb .input_area,.nb .jp-InputArea-editor{background:#f7f7f7}
@@ -316,8 +316,8 @@ def _checklist_html(items: list[dict]) -> str:
 def name_html(name) -> str:
     """A configuration's name, escaped, with line-break opportunities only after its separators
     (``[ , +`` and spaces), so a narrow cell wraps between settings, never inside one."""
-    text = html.escape("-" if name is None else str(name))
-    return re.sub(r"([\[,+])", r"\1<wbr>", text)
+    pieces = re.findall(r"[^\[,+ ]*[\[,+ ]?", "-" if name is None else str(name))
+    return "<wbr>".join(f"<span class=tok>{html.escape(p)}</span>" for p in pieces if p)
 
 
 def _psnr(x) -> str:
@@ -333,7 +333,7 @@ def _quality_text(r: dict) -> str:
     if r.get("psnr") is None and r.get("ssim") is None:
         return "-"
     on = "held-out" if r.get("quality_on") == "held-out" else "calibration"
-    return f"{_psnr(r.get('psnr'))} dB / {_ssim(r.get('ssim'))} <small>({on})</small>"
+    return f"{_psnr(r.get('psnr'))} dB / {_ssim(r.get('ssim'))}<br><small>({on})</small>"
 
 
 def _key_table(rows: list[dict], labels: dict[str, str], chosen: str | None) -> str:
@@ -349,13 +349,23 @@ def _key_table(rows: list[dict], labels: dict[str, str], chosen: str | None) -> 
         key = "base" if r.get("family") == "baseline" else labels.get(name)
         if key is None:
             continue
-        src = str(r.get("source") or "").replace(" stage", "").replace("measured ", "")
+        sp = html.escape(speed_text(r)).replace(" (", "<br><small>(", 1)
+        sp += "</small>" if "<small>" in sp else ""
         body.append(f"<tr><td>{html.escape(key)}{' ★' if r.get('name') == chosen else ''}</td>"
-                    f"<td class=name>{name_html(name)}</td><td>{html.escape(speed_text(r))}</td>"
-                    f"<td>{_quality_text(r)}</td><td>{html.escape(src)}</td></tr>")
+                    f"<td class=name>{name_html(name)}</td><td>{sp}</td>"
+                    f"<td>{_quality_text(r)}</td></tr>")
     return ('<div class="box"><table id="plot-key"><thead><tr><th>key</th><th>configuration</th><th>speed-up '
-            "(range)</th><th>worst PSNR / SSIM</th><th>from</th></tr></thead><tbody>" + "".join(body) +
+            "(range)</th><th>worst PSNR / SSIM</th></tr></thead><tbody>" + "".join(body) +
             "</tbody></table></div>")
+
+
+def _off_axis(rows: list[dict], labels: dict[str, str]) -> str:
+    """The caption's note of the parallel plans left off the speed axis (CPU processes)."""
+    from .plots import row_id
+
+    keys = [labels.get(row_id(r)) or row_id(r) for r in rows if r.get("parity_only")]
+    return (f' <span id="off-axis">Not on the speed axis (parallel plans run as CPU processes share the '
+            f'cores: parity results only): {html.escape(", ".join(keys))}.</span>' if keys else "")
 
 
 SUMMARY_HEAD = ("configuration", "from", "proc.", "speed-up (range)", "e2e ms", "PSNR held-out", "SSIM held-out",
@@ -436,9 +446,9 @@ def report_html(run_dir: str | Path) -> str:
             known[uri.split(",", 1)[1]] = ("plot", "speed vs quality plot")
             parts.append(f'<figure><img id="plot-img" alt="speed-up against worst-image PSNR per configuration, '
                          f'Pareto front ringed, the verdict starred" src="{uri}"><figcaption>Worst-image PSNR on '
-                         "held-out seeds (filled; hollow: calibration seeds, no held-out record) against end-to-end speed-up; parallel "
-                         "plans run as CPU processes are parity results, not drawn; ringed: the Pareto front; ★: the "
-                         "verdict; dotted: the gate.</figcaption></figure>")
+                         "held-out seeds (filled; hollow: calibration seeds, no held-out record) against "
+                         "end-to-end speed-up; ringed: the Pareto front; ★: the verdict; dotted: the gate."
+                         + _off_axis(rows, labels) + "</figcaption></figure>")
         parts.append(_key_table(rows, labels, v.get("name")) + "</div>")
         grid = bdir / res["grid"] if res.get("grid") else None
         parts.append('<h2 id="grid">Images</h2>')

@@ -18,7 +18,9 @@
 - ``images``: ``{config: [{key, png, npy}]}``; ``plots``: ``{name: path}`` (``tradeoff_psnr``: the
   speed-vs-quality plot); ``grid``: the image grid (``grid_videos``: ``{frames}`` when the cases
   are videos, drawn as a row of frames each, else null); ``labels``: the plot's short key per
-  configuration; ``sheets``: ``[]`` (no longer drawn); every path relative to ``benchmark/``;
+  configuration; ``plot_points``: the rows the speed plot draws, ``parity_only``: the parallel plans
+  run as CPU processes, left off it (``benchmark.shown``); ``sheets``: ``[]`` (no longer drawn);
+  every path relative to ``benchmark/``;
 - ``summary`` (rows of :func:`~ditbook.benchmark.summary.summary_rows`), ``recommendation`` (the
   fastest row passing its gates, kept for reference) and ``verdict``
   (:func:`~ditbook.benchmark.verdict.verdict`: the cache stage's choice, timed here, with its
@@ -181,7 +183,7 @@ def make_figures(run, results: dict | None = None) -> dict:
     ``sheets`` (no longer drawn: ``[]``) in the results. Rebuildable at any time
     (``ditbook report``)."""
     from ..render import is_video
-    from .plots import image_grid, plot_residuals, plot_scaling, plot_tradeoff, short_labels
+    from .plots import image_grid, plot_residuals, plot_scaling, plot_tradeoff, row_id, short_labels
     from .verdict import verdict
 
     results = results if results is not None else run.read_results(STAGE)
@@ -192,8 +194,12 @@ def make_figures(run, results: dict | None = None) -> dict:
     labels = short_labels(rows)
     plots = {}
     cache_gate = gates_for_family("cache", results.get("gates"))
-    plots["tradeoff_psnr"] = plot_tradeoff(plotted_rows(run, results, rows), "psnr_min", d / "plots" / "tradeoff_psnr.png",
+    drawn = plotted_rows(run, results, rows)
+    plots["tradeoff_psnr"] = plot_tradeoff(drawn, "psnr_min", d / "plots" / "tradeoff_psnr.png",
                                            cache_gate.psnr, labels=labels, highlight=results["verdict"].get("name"))
+    # what the speed axis carries, and the parity results left off it (CPU processes)
+    results["plot_points"] = [row_id(r) for r in drawn if r["speedup"] is not None and r["psnr_min"] is not None]
+    results["parity_only"] = [row_id(r) for r in drawn if r.get("parity_only")]
     if results.get("residual_changes"):
         plots["residuals"] = plot_residuals(results["residual_changes"], d / "plots" / "residuals.png")
     par = [r for r in rows if str(r.get("family", "")).endswith("parallel")]
