@@ -139,5 +139,9 @@ def test_compare_is_short_and_leaves_out_widget_state_and_outputs(runs, capsys):
     assert "gentle:" in out and "verdict:" in out and re.search(r"^  A: (Ship|Do not ship|Ship the)", out, re.M)
     assert "FloatProgressModel" not in out and "line A 1" not in out and "widget-state" not in out
     # with outputs asked for, the outputs are there: the filter above is what kept them out
-    assert main(["compare", str(ok), str(failed), "--outputs"]) == 0
+    assert main(["compare", str(ok), str(failed), "--cell-outputs"]) == 0
     assert "line A 1" in capsys.readouterr().out
+    # the old option name still works, and says it is deprecated
+    assert main(["compare", str(ok), str(failed), "--outputs"]) == 0
+    got = capsys.readouterr()
+    assert "line A 1" in got.out and "--outputs is deprecated" in got.err and "--cell-outputs" in got.err
