@@ -145,3 +145,19 @@ def test_compare_is_short_and_leaves_out_widget_state_and_outputs(runs, capsys):
     assert main(["compare", str(ok), str(failed), "--outputs"]) == 0
     got = capsys.readouterr()
     assert "line A 1" in got.out and "--outputs is deprecated" in got.err and "--cell-outputs" in got.err
+
+
+def test_reproduce_lines_are_relative_to_where_the_run_started(tmp_path):
+    """An installed package has no checkout to be relative to: the card and the run folder are
+    written relative to the directory the run was started from (run.json ``cwd``)."""
+    from ditbook.benchmark.report import environment_rows, reproduce_commands
+    from ditbook.runs import RunFolder
+
+    start = tmp_path / "work"
+    (start / "outputs" / "m" / "r1").mkdir(parents=True)
+    meta = {"cwd": str(start), "card_path": str(start / "models" / "m.yaml"),
+            "source": {"version": "0.1.0", "revision": "abc123", "dirty": False, "root": None, "from": "build"}}
+    lines = reproduce_commands(meta, RunFolder(start / "outputs" / "m" / "r1"))
+    assert lines == ["ditbook run models/m.yaml", "ditbook report outputs/m/r1"]
+    rows = dict(environment_rows(meta))
+    assert rows["ditbook"] == "0.1.0 (installed package)" and "recorded when the package was built" in rows["git revision"]

@@ -54,9 +54,10 @@ def notebooks(run: RunFolder) -> list[Path]:
 
 
 def relative_path(path: str | Path, meta: dict) -> str:
-    """``path`` relative to the checkout that made the run (``run.json`` ``source.root``), else to
-    the current directory; unchanged when it lies outside both."""
-    roots = [r for r in [((meta.get("source") or {}).get("root")), str(Path.cwd())] if r]
+    """``path`` relative to the directory the run was started from (``run.json`` ``cwd``), else
+    to the checkout that made it (``source.root``), else to the current directory; unchanged
+    when it lies outside all of them."""
+    roots = [r for r in [meta.get("cwd"), ((meta.get("source") or {}).get("root")), str(Path.cwd())] if r]
     for root in roots:
         try:
             return str(Path(path).resolve().relative_to(Path(root).resolve()))
@@ -80,8 +81,11 @@ def environment_rows(meta: dict) -> list[tuple[str, str]]:
     rows = [(k, str(v)) for k, v in (env.get("versions") or {}).items()]
     rows += [(k, str(v)) for k, v in (env.get("hardware") or {}).items()]
     src = meta.get("source") or {}
+    if src.get("version"):
+        rows.append(("ditbook", str(src["version"]) + (" (installed package)" if src.get("from") != "checkout" else "")))
     rows.append(("git revision", (src.get("revision") or NOT_RECORDED) +
-                 (" (uncommitted changes)" if src.get("dirty") else "")))
+                 (" (uncommitted changes)" if src.get("dirty") else "") +
+                 (" (recorded when the package was built)" if src.get("from") == "build" else "")))
     if "offline" in env:
         rows.append(("offline", str(env["offline"])))
     return rows
