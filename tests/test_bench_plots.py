@@ -169,6 +169,55 @@ def test_verdict_refuses_what_the_evidence_does_not_support():
     assert not v["ship"] and "speed-up unknown" in v["reason"]
 
 
+def test_verdict_names_its_rule_and_the_faster_passing_runner_up():
+    """The issue's case: teacache_fitted is faster here (2.6× against 1.9×) and passes on held-out
+    seeds, but skips less work; it is named as the runner-up with why it was not chosen. A faster
+    row with no held-out record is named too ("not confirmed on held-out seeds"); a parallel plan
+    of a CPU run is no runner-up (no speed-up)."""
+    from ditbook.benchmark.verdict import RULE, runner_up_text, verdict
+
+    cache = _cache()
+    v = verdict(_bench(), cache)
+    assert v["rule"] == RULE and [r["name"] for r in v["runner_ups"]] == ["teacache_fitted[threshold=0.3]"]
+    assert "not confirmed on held-out seeds" in v["runner_ups"][0]["why_not"]
+    cache["strategies"] = [{"name": "teacache_fitted", "config": {"threshold": 0.3}, "split": "holdout",
+                            "passed": True, "skipped_fraction": 0.48, "quality": {"psnr_min": 31.56, "ssim_min": 0.93}}]
+    bench = _bench()
+    bench["device"] = "cpu"
+    bench["summary"].append({"name": "te2", "family": "parallel", "nproc": 2, "source": "measured here",
+                             "speedup": 2.27, "psnr_min": 100.0, "ssim_min": 1.0, "passed": True})
+    v = verdict(bench, cache)
+    (up,) = v["runner_ups"]
+    assert up["name"] == "teacache_fitted[threshold=0.3]" and up["speedup"] == 2.6 and up["psnr_min"] == 31.56
+    assert up["quality_on"] == "held-out" and up["why_not"].startswith("skips less work (0.480 of block evaluations against 0.500)")
+    text = runner_up_text(v)
+    assert text.startswith(f"Chosen by the cache stage's rule: {RULE}.") and "Runner-up: teacache_fitted" in text
+    assert "2.60×, held-out worst PSNR 31.56 dB" in text and "te2" not in text
+    # a failing alternative, or one slower and worse, is no runner-up
+    cache["strategies"][0]["passed"] = False
+    assert verdict(bench, cache)["runner_ups"] == []
+
+
+def test_timing_stable_reads_the_drift_and_a_recorded_guard():
+    from ditbook.benchmark.verdict import checklist
+
+    meta = {"stages": {}}
+
+    def item(bench):
+        return {c["item"]: c for c in checklist(meta, {"benchmark": bench, "cache": _cache()})}["timing stable"]
+
+    bad = item({**_bench(), "baseline_drift": 0.402})
+    assert bad["ok"] is False and "0.402" in bad["figure"] and "not reliable" in bad["figure"]
+    good = item({**_bench(), "baseline_drift": 0.97})
+    assert good["ok"] is True and "0.970" in good["figure"]
+    # the benchmark's own timing record (the guard's bound, its verdict) wins over the default bound
+    guard = {"drift": 0.97, "limit": 0.01, "stable": False, "warmup": 1, "repeats": 3}
+    assert item({**_bench(), "baseline_drift": 0.97, "timing": guard})["ok"] is False
+    loose = {"drift": 0.6, "limit": 0.5, "stable": True, "warmup": 1, "repeats": 3}
+    assert "±50%" in item({**_bench(), "baseline_drift": 0.6, "timing": loose})["figure"]
+    assert item({**_bench(), "baseline_drift": 0.6, "timing": loose})["ok"] is True
+
+
 def test_checklist_reads_the_stages_and_says_not_recorded():
     from ditbook.benchmark.verdict import NOT_RECORDED, checklist
 
@@ -182,6 +231,7 @@ def test_checklist_reads_the_stages_and_says_not_recorded():
     items = {c["item"]: c for c in checklist(meta, results)}
     assert [c["ok"] for c in items.values()] == [True, True, True, None, True, True, None]
     assert NOT_RECORDED in items["parity per plan, sharding verified"]["figure"]
+    assert items["timing stable"]["figure"] == "baseline drift " + NOT_RECORDED
     # each check can fail
     parallel["plans"][0]["details"] = {"sharding": {"verified": True}}
     assert {c["item"]: c for c in checklist(meta, results)}["parity per plan, sharding verified"]["ok"] is True

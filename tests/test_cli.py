@@ -37,3 +37,49 @@ def test_run_without_card_or_resume():
 def test_resume_of_a_folder_that_is_not_a_run(tmp_path, capsys):
     assert main(["run", "--resume", str(tmp_path)]) == 2
     assert "not a run folder" in capsys.readouterr().err
+
+
+def _help(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as done:
+        main(argv + ["--help"])
+    assert done.value.code == 0
+    return capsys.readouterr().out
+
+
+def _first_line_after_usage(text: str) -> str:
+    """The first paragraph after argparse's usage block: the command's description."""
+    paragraphs = [p for p in text.split("\n\n") if p.strip()]
+    assert paragraphs[0].startswith("usage:"), text
+    return " ".join(paragraphs[1].split()) if len(paragraphs) > 1 else ""
+
+
+def test_help_says_what_the_tool_and_every_subcommand_does(capsys):
+    """``ditbook --help`` opens with what the tool does (not a developer's note); every
+    subcommand, nested ones included, opens with a description line; ``--stages`` lists the
+    stage names; compare's cell-output option does not clash with ``--outputs DIR``."""
+    import argparse
+
+    from ditbook.cli import build_parser
+    from ditbook.runner import discover_stages
+
+    top = _first_line_after_usage(_help([], capsys))
+    assert top.startswith("ditbook takes a new diffusion transformer") and "report" in top, top
+    assert "commands.py" not in top and "register(" not in top
+
+    def commands(parser, path=()):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    yield path + (name,)
+                    yield from commands(sub, path + (name,))
+
+    names = list(commands(build_parser()))
+    assert len(names) >= 12 and ("zoo", "build") in names
+    for argv in names:
+        first = _first_line_after_usage(_help(list(argv), capsys))
+        assert first and first[0].isupper() and not first.startswith(("positional", "options")), (argv, first)
+    run_help = " ".join(_help(["run"], capsys).split())
+    stages = [s.name for s in discover_stages()]
+    assert len(stages) >= 5 and ", ".join(stages) in run_help, run_help
+    compare_help = _help(["compare"], capsys)
+    assert "--cell-outputs" in compare_help and "--outputs" not in compare_help.replace("--cell-outputs", "")

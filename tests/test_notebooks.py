@@ -51,6 +51,49 @@ def test_committed_kernelspec_is_ipykernels(tmp_path):
     assert problems(path) == []
 
 
+def test_committed_metadata_is_what_jupyterlab_writes(tmp_path):
+    """The kernelspec and language_info JupyterLab sets on opening (the installed kernel's) are
+    what the notebooks carry; a notebook with only ``language_info.name`` (as they were) is named,
+    and ``strip`` sets both."""
+    from ditbook.notebook_hygiene import jupyterlab_metadata
+
+    want = jupyterlab_metadata()
+    assert set(want["language_info"]) >= {"name", "version", "mimetype", "file_extension", "pygments_lexer"}
+    path = tmp_path / "l.ipynb"
+    nb = nbformat.read(str(NOTEBOOKS[0]), as_version=4)
+    nb.metadata["language_info"] = {"name": "python"}
+    nbformat.write(nb, str(path))
+    assert any("language_info" in p and "modified" in p for p in problems(path))
+    strip(path)
+    assert problems(path) == [] and nbformat.read(str(path), as_version=4).metadata["language_info"] == want["language_info"]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_opening_in_jupyterlab_leaves_the_notebook_unmodified(path, tmp_path):
+    """The notebook read and saved back through the Jupyter server's contents API (the file
+    manager behind ``/api/contents``), with the metadata JupyterLab sets on opening applied as
+    JupyterLab applies it (a key is changed only when it differs, ``deepEqual``): nothing is
+    changed, so JupyterLab does not mark it modified, and the saved file is byte for byte the
+    committed one (``git status`` stays clean)."""
+    import shutil
+
+    from jupyter_server.services.contents.filemanager import FileContentsManager
+
+    from ditbook.notebook_hygiene import jupyterlab_metadata
+
+    shutil.copy(path, tmp_path / path.name)
+    cm = FileContentsManager(root_dir=str(tmp_path))
+    model = cm.get(path.name, content=True, type="notebook")
+    changed = []
+    for key, value in jupyterlab_metadata().items():  # NotebookPanel._updateSpec / _updateLanguage
+        if model["content"].metadata.get(key) != value:
+            changed.append(key)
+            model["content"].metadata[key] = value
+    assert changed == [], f"JupyterLab would mark {path.name} modified on opening: it rewrites {changed}"
+    cm.save({"type": "notebook", "format": "json", "content": model["content"]}, path.name)
+    assert (tmp_path / path.name).read_bytes() == path.read_bytes()
+
+
 def _executed(tmp_path, outputs):
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x = 1", outputs=outputs, execution_count=1)])
     path = tmp_path / "e.ipynb"

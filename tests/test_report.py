@@ -29,9 +29,33 @@ def test_result_md_has_commands_environment_table_readout_and_plots(runs):
     assert md.index("## Verdict") < md.index("## Reproduce") < md.index("## Summary")
     assert re.search(r"\*\*(Ship|Do not ship) gentle\b", md) and "held-out worst PSNR 41.50 dB" in md
     assert "| held-out confirmation | ✔ |" in md and "| plan approved | – | not recorded |" in md
-    for p in ("plots/tradeoff_psnr.png", "plots/residuals.png", "plots/scaling.png", "plots/grid.png"):
+    for p in ("plots/tradeoff_psnr.png", "plots/residuals.png", "plots/grid.png"):
         assert f"benchmark/{p}" in md
         assert (ok / "benchmark" / p).is_file()
+    # a CPU run: the parallel plans are parity results, not drawn as a scaling (speed) plot
+    assert not (ok / "benchmark" / "plots" / "scaling.png").exists() and "plots/scaling.png" not in md
+    assert "| ulysses | parallel | parallel stage | 2 | parity only (CPU processes) |" in md
+
+
+def test_result_md_says_the_rule_the_runner_up_and_one_quality_figure(runs):
+    """The verdict names its rule and the runner-up with why it was not chosen; the chosen
+    configuration's quality is its held-out figure, in the held-out columns only (its
+    calibration figure, 60.25 dB in the cache record, appears nowhere), and the summary's
+    held-out and calibration columns never share a row."""
+    ok, _, _ = runs
+    md = result_markdown(ok)
+    assert "Chosen by the cache stage's rule: most work skipped among the configurations passing on held-out seeds" in md
+    assert re.search(r"Runner-up: brisk \(speed-up not measured, held-out worst PSNR 43.25 dB\): skips less work "
+                     r"\(0.450 of block evaluations against 0.500\)", md), md
+    assert "60.25" not in md
+    table = [ln for ln in md.splitlines() if ln.startswith("| ") and ln.count("|") == 11]
+    head = [c.strip() for c in table[0].strip("|").split("|")]
+    assert head[5:9] == ["psnr_holdout", "ssim_holdout", "psnr_calibration", "ssim_calibration"]
+    rows = {c[0]: c for c in ([x.strip() for x in ln.strip("|").split("|")] for ln in table[2:])}
+    assert rows["gentle"][5:9] == ["41.50", "0.9900", "-", "-"]
+    assert rows["rough"][5] == "-" and rows["rough"][7] != "-"
+    for c in rows.values():
+        assert c[5] == "-" or c[7] == "-", c  # one quality figure per row
 
 
 def test_report_html_is_self_contained(runs):
@@ -115,5 +139,25 @@ def test_compare_is_short_and_leaves_out_widget_state_and_outputs(runs, capsys):
     assert "gentle:" in out and "verdict:" in out and re.search(r"^  A: (Ship|Do not ship|Ship the)", out, re.M)
     assert "FloatProgressModel" not in out and "line A 1" not in out and "widget-state" not in out
     # with outputs asked for, the outputs are there: the filter above is what kept them out
-    assert main(["compare", str(ok), str(failed), "--outputs"]) == 0
+    assert main(["compare", str(ok), str(failed), "--cell-outputs"]) == 0
     assert "line A 1" in capsys.readouterr().out
+    # the old option name still works, and says it is deprecated
+    assert main(["compare", str(ok), str(failed), "--outputs"]) == 0
+    got = capsys.readouterr()
+    assert "line A 1" in got.out and "--outputs is deprecated" in got.err and "--cell-outputs" in got.err
+
+
+def test_reproduce_lines_are_relative_to_where_the_run_started(tmp_path):
+    """An installed package has no checkout to be relative to: the card and the run folder are
+    written relative to the directory the run was started from (run.json ``cwd``)."""
+    from ditbook.benchmark.report import environment_rows, reproduce_commands
+    from ditbook.runs import RunFolder
+
+    start = tmp_path / "work"
+    (start / "outputs" / "m" / "r1").mkdir(parents=True)
+    meta = {"cwd": str(start), "card_path": str(start / "models" / "m.yaml"),
+            "source": {"version": "0.1.0", "revision": "abc123", "dirty": False, "root": None, "from": "build"}}
+    lines = reproduce_commands(meta, RunFolder(start / "outputs" / "m" / "r1"))
+    assert lines == ["ditbook run models/m.yaml", "ditbook report outputs/m/r1"]
+    rows = dict(environment_rows(meta))
+    assert rows["ditbook"] == "0.1.0 (installed package)" and "recorded when the package was built" in rows["git revision"]

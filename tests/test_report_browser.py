@@ -142,3 +142,122 @@ def test_probe_detects_a_broken_image(tmp_path):
                     "<tr><td>x</td></tr></tbody></table>" + PROBE + "</body></html>")
     dom = dump_dom(chromium, page, tmp_path / "profile")
     assert re.search(r"IMG 0 0x0", dom)
+
+
+# runs after load, at 1280x800: what a reviewer reads in the report's own sections (the executed
+# notebooks below them are the stages' records, tuning tables included, and are left out)
+REVIEW_PROBE = """<script>
+window.addEventListener('load', function () {
+  var W = window.innerWidth, lines = [];
+  function text(el) { return (el ? el.innerText : '').replace(/\\s+/g, ' ').trim(); }
+  lines.push('VERDICT ' + text(document.getElementById('verdict')));
+  lines.push('HEADLINE ' + text(document.querySelector('#verdict b')));
+  lines.push('OFFAXIS ' + text(document.getElementById('off-axis')));
+  ['checklist', 'plot-key', 'summary-table'].forEach(function (id) {
+    var t = document.getElementById(id); if (!t) return;
+    var head = Array.prototype.map.call(t.querySelectorAll('thead th'), text);
+    Array.prototype.forEach.call(t.querySelectorAll('tbody tr'), function (tr) {
+      var cells = Array.prototype.map.call(tr.children, text);
+      lines.push('ROW ' + id + ' ' + JSON.stringify(head) + ' ' + JSON.stringify(cells));
+    });
+    var box = t.parentElement;
+    lines.push('BOX ' + id + ' ' + box.scrollWidth + ' ' + box.clientWidth);
+    Array.prototype.forEach.call(t.querySelectorAll('thead th'), function (th) {
+      lines.push('TH ' + id + ' ' + JSON.stringify(text(th)) + ' ' + Math.round(th.getBoundingClientRect().right) + ' ' + W);
+    });
+  });
+  // a name broken mid-token: one text run between break opportunities laid out on two lines
+  Array.prototype.forEach.call(document.querySelectorAll('td.name'), function (td) {
+    var walk = document.createTreeWalker(td, NodeFilter.SHOW_TEXT), nodes = [];
+    while (walk.nextNode()) nodes.push(walk.currentNode);
+    nodes.forEach(function (n) {
+      n.textContent.split(' ').forEach(function (word, k, words) {
+        if (!word) return;
+        var start = words.slice(0, k).join(' ').length + (k ? 1 : 0), r = document.createRange();
+        r.setStart(n, start); r.setEnd(n, start + word.length);
+        var tops = {}; Array.prototype.forEach.call(r.getClientRects(), function (b) { if (b.width > 0) tops[Math.round(b.top)] = 1; });
+        if (Object.keys(tops).length > 1) lines.push('BROKEN ' + JSON.stringify(word));
+      });
+    });
+  });
+  var out = document.createElement('pre'); out.id = 'review'; out.textContent = lines.join('\\n');
+  document.body.appendChild(out);
+});
+</script>"""
+
+
+def review(chromium, page, tmp_path) -> dict:
+    import json
+
+    dom = dump_dom(chromium, page, tmp_path / "profile")
+    text = re.search(r'<pre id="review">(.*?)</pre>', dom, re.S).group(1)
+    text = text.replace("&amp;", "&").replace("&lt;", "<").replace("&gt;", ">").replace("&quot;", '"')
+    rows: dict[str, list[dict]] = {}
+    for table, head, cells in re.findall(r"^ROW (\S+) (\[.*?\]) (\[.*\])$", text, re.M):
+        rows.setdefault(table, []).append(dict(zip(json.loads(head), json.loads(cells))))
+    return {"verdict": re.search(r"^VERDICT (.*)$", text, re.M).group(1),
+            "headline": re.search(r"^HEADLINE (.*)$", text, re.M).group(1),
+            "off_axis": re.search(r"^OFFAXIS (.*)$", text, re.M).group(1), "rows": rows,
+            "box": {t: (int(a), int(b)) for t, a, b in re.findall(r"^BOX (\S+) (\d+) (\d+)$", text, re.M)},
+            "th": [(t, json.loads(n), int(r), int(w)) for t, n, r, w in re.findall(r"^TH (\S+) (\".*?\") (\d+) (\d+)$", text, re.M)],
+            "broken": re.findall(r"^BROKEN (.*)$", text, re.M)}
+
+
+LONG_NAME = "dbcache_taylorseer[Bn=0,Fn=1,max_warmup_steps=2,residual_diff_threshold=0.12,taylorseer_order=1]"
+
+
+def test_reviewer_reads_rule_one_held_out_figure_no_cpu_speedups_and_unscrolled_columns(tmp_path):
+    """At 1280x800: the verdict names its rule and its runner-up; every PSNR shown for the chosen
+    configuration (verdict, checklist, plot key, summary) is its one held-out figure; no parallel
+    plan of this CPU run is on the speed axis (the plot's points, the key's speed-ups); the
+    summary's quality columns are inside the page and its box does not scroll; no configuration
+    name is broken inside a token."""
+    import json
+
+    chromium = chromium_or_skip()
+    run = make_synthetic_run(tmp_path)
+    # a name as long as a tuned cache-dit configuration's, in the key table and the summary
+    path = run / "benchmark" / "results.json"
+    res = json.loads(path.read_text())
+    for r in res["summary"]:
+        if r["name"] == "rough":
+            r["name"] = LONG_NAME
+    res.pop("labels")
+    path.write_text(json.dumps(res))
+    text = build_report(run).read_text()
+    got = review(chromium, with_probe(text, REVIEW_PROBE, tmp_path / "review.html"), tmp_path)
+    v = got["verdict"]
+    assert "rule: most work skipped among the configurations passing on held-out seeds" in v, v
+    assert "Runner-up: brisk" in v and "skips less work" in v, v
+    held = "41.50"  # the cache stage's held-out worst PSNR of "gentle" (synthetic run)
+    psnrs = re.findall(r"PSNR (\d+\.\d+) dB", got["headline"])  # the verdict's sentence on the chosen one
+    for row in got["rows"]["checklist"]:
+        if row["acceptance check"] == "held-out confirmation":
+            psnrs += re.findall(r"PSNR (\d+\.\d+) dB", row["figure"])
+    key = [r for r in got["rows"]["plot-key"] if r["configuration"] == "gentle"]
+    summary = [r for r in got["rows"]["summary-table"] if r["configuration"] == "gentle"]
+    assert len(key) == 1 and len(summary) == 1, got["rows"]
+    psnrs += re.findall(r"(\d+\.\d+) dB", key[0]["worst PSNR / SSIM"])
+    psnrs += [x for k, x in summary[0].items() if "PSNR" in k and x != "-"]
+    assert "held-out" in key[0]["worst PSNR / SSIM"]
+    assert len(psnrs) == 4 and set(psnrs) == {held}, psnrs
+    results = json.loads((run / "benchmark" / "results.json").read_text())
+    # the benchmark's own re-render of "gentle" on the calibration seeds is not shown beside it
+    calib = next(f"{c['psnr_min']:.2f}" for c in results["configs"] if c["name"] == "gentle")
+    assert calib != held and calib not in json.dumps(got["rows"]) + v
+    parallel = {f"{r['name']} ×{r['nproc']} proc" for r in results["summary"] if r["family"].endswith("parallel")}
+    assert parallel and not parallel & set(results["plot_points"]) and "gentle" in results["plot_points"]
+    key_rows = {r["configuration"]: r for r in got["rows"]["plot-key"]}
+    for name in parallel:
+        r = key_rows[name]
+        assert r["speed-up (range)"].startswith("parity only") and r["key"] in got["off_axis"], r
+    for r in got["rows"]["summary-table"]:
+        assert "×" not in r["speed-up (range)"] or r["from"] != "parallel", r
+    assert any(r["configuration"] == LONG_NAME for r in got["rows"]["plot-key"])
+    for table in ("summary-table", "plot-key"):
+        scroll, width = got["box"][table]
+        assert scroll <= width, got["box"]
+    quality = [(n, right, w) for t, n, right, w in got["th"] if t == "summary-table"
+               and ("PSNR" in n or "SSIM" in n or n == "passed")]
+    assert len(quality) == 5 and all(right <= w for _, right, w in quality), quality
+    assert got["broken"] == [], got["broken"]

@@ -80,6 +80,12 @@ def test_non_editable_install_ships_the_notebooks(tmp_path):
     shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".git", ".venv", "outputs", "models", "build",
                                                              "*.egg-info", "__pycache__", ".pytest_cache"),
                     symlinks=True)
+    # built from a checkout: the build records its commit (setup.py, ditbook/_build.json)
+    env_git = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+               "GIT_COMMITTER_EMAIL": "t@t"}
+    for cmd in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "build me"]):
+        subprocess.run(["git", "-C", str(src), *cmd], check=True, env=env_git, capture_output=True)
+    commit = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
                            "--no-index", "--target", str(target), str(src)], capture_output=True, text=True,
                           timeout=300)
@@ -99,6 +105,15 @@ def test_non_editable_install_ships_the_notebooks(tmp_path):
     lines = proc.stdout.splitlines()
     assert lines[0].startswith(str(target))
     assert len([ln for ln in lines[1:] if str(target / "ditbook" / "notebooks") in ln]) == 5
+    # the installed copy's provenance: its version, and the commit it was built from
+    proc = subprocess.run([sys.executable, "-c", "import json; from ditbook.runs import source_revision; "
+                           "print(json.dumps(source_revision()))"], cwd=elsewhere, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    import json
+
+    got = json.loads(proc.stdout)
+    assert got["revision"] == commit and got["from"] == "build" and got["version"], got
 
 
 def test_run_json_records_the_source_revision(tmp_path):
@@ -108,7 +123,27 @@ def test_run_json_records_the_source_revision(tmp_path):
     if shutil.which("git") and (REPO / ".git").exists():
         assert len(here["revision"]) == 40 and isinstance(here["dirty"], bool)
     # outside a checkout: recorded as unknown, not guessed
-    assert source_revision(tmp_path) == {"revision": None, "dirty": None, "root": None}
+    assert source_revision(tmp_path) == {"version": here["version"], "revision": None, "dirty": None, "root": None}
+
+
+def test_an_untracked_copy_inside_a_checkout_is_not_that_checkout(tmp_path):
+    """A package installed into a venv inside some git repository (files the repository does not
+    track) does not take that repository's revision for its own."""
+    from ditbook.runs import installed_version, source_revision
+
+    if not shutil.which("git"):
+        pytest.skip("git is not installed")
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t"}
+    repo = tmp_path / "project"
+    (repo / ".venv" / "site" / "ditbook").mkdir(parents=True)
+    (repo / ".gitignore").write_text(".venv/\n")
+    (repo / ".venv" / "site" / "ditbook" / "__init__.py").write_text("")
+    for cmd in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "x"]):
+        subprocess.run(["git", "-C", str(repo), *cmd], check=True, env=env, capture_output=True)
+    assert source_revision(repo)["revision"]  # the project itself is a checkout
+    got = source_revision(repo / ".venv" / "site" / "ditbook")
+    assert got["revision"] is None and got["version"] == installed_version()
 
 
 def test_card_form_keeps_comments_and_layout(tmp_path, good_card_text):

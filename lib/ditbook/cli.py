@@ -86,13 +86,43 @@ def cmd_stages(args) -> int:
     return 0
 
 
+DESCRIPTION = ("ditbook takes a new diffusion transformer from a model card into caching (cache-dit / diffusers) "
+               "and torch.distributed parallelism: each stage is a notebook run into a run folder, judged by "
+               "PSNR/SSIM against the uncached model, and ends in a report (result.md, report.html) that says "
+               "what to ship.")
+
+
+def _stage_names() -> str:
+    from .runner import discover_stages
+
+    try:
+        return ", ".join(s.name for s in discover_stages())
+    except OSError:  # no notebooks folder: the help still prints
+        return "see `ditbook stages`"
+
+
+def describe_subcommands(sub) -> None:
+    """Give every subcommand (and theirs, e.g. ``zoo list``) a description line: its help text
+    when it has none, so ``ditbook COMMAND --help`` opens with what the command does."""
+    helps = {a.dest: a.help for a in sub._choices_actions}
+    for name, parser in sub.choices.items():
+        if not parser.description and helps.get(name):
+            text = helps[name]
+            parser.description = text[0].upper() + text[1:] + ("" if text.endswith(".") else ".")
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                describe_subcommands(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ditbook", description=__doc__.splitlines()[0] if __doc__ else None,
-                                     epilog="--debug (anywhere on the line) shows the traceback of an error")
+    parser = argparse.ArgumentParser(prog="ditbook", description=DESCRIPTION,
+                                     epilog="--debug (anywhere on the line) shows the traceback of an error; "
+                                            "`ditbook COMMAND --help` describes a command")
     from . import __version__
 
     parser.add_argument("--version", action="version", version=f"ditbook {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    stage_names = _stage_names()
 
     p = sub.add_parser("check", help="run the gate check of a model card (exit 0 when it passes)")
     p.add_argument("card", help="model card (models/<name>.yaml)")
@@ -100,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_check)
 
     def run_options(p):
-        p.add_argument("--stages", help="comma-separated stage names (default: all, in order)")
+        p.add_argument("--stages", help=f"comma-separated stage names, of: {stage_names} (default: all, in order)")
         p.add_argument("-p", "--param", action="append", metavar="KEY=VALUE",
                        help="override a card field, e.g. -p generation.steps=4 -p device=cpu")
         p.add_argument("--kernel", help="Jupyter kernel name (default: the notebook's)")
@@ -123,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     for module in COMMAND_MODULES:
         module.register(sub)
+    describe_subcommands(sub)
     return parser
 
 

@@ -120,7 +120,7 @@ def open_stage(card_path: str, run_dir: str | None, stage: str, overrides: dict 
         run.refuse_finished(f"the {stage} stage")
         _refuse_foreign_lock(run)
     else:
-        from .runner import outputs_dir
+        from .runs import outputs_dir
 
         run = RunFolder.create(card, outputs_root or outputs_dir(), overrides=overrides)
     return StageContext(card=card, run=run, stage=stage, placement=choose_placement(card), overrides=overrides)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 from pathlib import Path
@@ -14,6 +15,28 @@ REQUIRED_PARAMETERS = ("CARD", "RUN_DIR", "OVERRIDES", "INTERACTIVE")
 # the kernelspec ipykernel installs (JupyterLab rewrites any other one on opening, and the
 # notebook shows as modified before anyone touched it)
 KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
+
+
+
+def jupyterlab_metadata() -> dict:
+    """The notebook metadata JupyterLab writes on opening a notebook with the installed
+    ``python3`` kernel: ``kernelspec`` (name, display name, language: its kernel.json) and
+    ``language_info`` (the kernel's ``kernel_info`` reply, ipykernel's ``language_info``).
+    JupyterLab sets both and marks the notebook modified unless they are equal to what is
+    saved (``@jupyter/ydoc`` ``setMetadata`` compares with ``deepEqual``), so the committed
+    notebooks carry exactly these."""
+    spec = dict(KERNELSPEC)
+    try:
+        from jupyter_client.kernelspec import KernelSpecManager
+
+        ks = KernelSpecManager().get_kernel_spec(spec["name"])
+        spec.update(display_name=ks.display_name, language=ks.language)
+    except Exception:  # no jupyter_client or no installed kernelspec: ipykernel's default
+        pass
+    from ipykernel.ipkernel import IPythonKernel
+
+    return {"kernelspec": spec, "language_info": json.loads(json.dumps(IPythonKernel.language_info))}
+
 
 # what a reader of an executed notebook should not have to wade through: library log lines,
 # warnings, and progress bars saved mid-way
@@ -68,9 +91,10 @@ def problems(path: str | Path) -> list[str]:
         uncommented = [l.split("=")[0].strip() for l in lines if "#" not in l]
         if uncommented:
             out.append(f"parameters without a comment: {uncommented}")
-    spec = nb.metadata.get("kernelspec")
-    if spec != KERNELSPEC:
-        out.append(f"kernelspec is {spec}, not ipykernel's {KERNELSPEC} (JupyterLab would mark it modified)")
+    for key, want in jupyterlab_metadata().items():
+        if nb.metadata.get(key) != want:
+            out.append(f"{key} is {nb.metadata.get(key)}, not what JupyterLab writes with the installed kernel "
+                       f"({want}): opening it would mark it modified (--fix sets it)")
     if not nb.cells or nb.cells[0].cell_type != "markdown" or not nb.cells[0].source.lstrip().startswith("# "):
         out.append("first cell must be a markdown title")
     for i, cell in enumerate(nb.cells):
@@ -89,7 +113,7 @@ def strip(path: str | Path) -> None:
     nb = nbformat.read(str(path), as_version=4)
     nb.metadata.pop("papermill", None)
     nb.metadata.pop("widgets", None)
-    nb.metadata["kernelspec"] = dict(KERNELSPEC)
+    nb.metadata.update(jupyterlab_metadata())
     for cell in nb.cells:
         for key in ("papermill", "execution"):
             cell.metadata.pop(key, None)

@@ -21,7 +21,7 @@ from typing import Callable
 from .card import GateError, ModelCard
 from .preflight import start_check
 from .processes import Interrupted, end_descendants, received
-from .runs import RunError, RunFolder
+from .runs import RunError, RunFolder, outputs_dir  # noqa: F401 (outputs_dir: where runs go, in runs)
 
 PACKAGE_ROOT = Path(__file__).resolve().parent
 REPO_ROOT = PACKAGE_ROOT.parent.parent
@@ -36,13 +36,6 @@ def notebooks_dir() -> Path:
         return Path(env)
     shipped = PACKAGE_ROOT / "notebooks"
     return shipped if shipped.is_dir() else REPO_ROOT / "notebooks"
-
-
-def outputs_dir() -> Path:
-    """``$DITBOOK_OUTPUTS``, else ``outputs/`` in the current directory (the repository root for
-    ``make demo``)."""
-    env = os.environ.get("DITBOOK_OUTPUTS")
-    return Path(env) if env else Path.cwd() / "outputs"
 
 
 @dataclass

@@ -116,10 +116,38 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+BUILD_INFO = "_build.json"  # written into the package by setup.py's build step (the checkout it was built from)
+
+
+def installed_version() -> str:
+    """The installed distribution's version (``importlib.metadata``), else the package's own."""
+    from importlib import metadata
+
+    from . import __version__
+
+    try:
+        return metadata.version("ditbook")
+    except metadata.PackageNotFoundError:
+        return __version__
+
+
+def build_info(package_dir: str | Path | None = None) -> dict:
+    """What the build recorded of the checkout it was built from (``revision``, ``dirty``), from
+    ``_build.json`` inside the package; ``{}`` when there is none (a checkout, or a build outside git)."""
+    path = Path(package_dir or Path(__file__).resolve().parent) / BUILD_INFO
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def source_revision(root: str | Path | None = None) -> dict:
-    """The git revision of the ditbook checkout that ran (``revision``, ``dirty``: uncommitted
-    changes to tracked files, ``root``: the checkout, against which reproduce lines are written);
-    ``{"revision": None}`` for an installed copy outside git."""
+    """Which ditbook ran: ``version`` (the installed distribution's), ``revision`` and ``dirty``
+    (uncommitted changes to tracked files) of the checkout it runs from, and ``root`` (that
+    checkout). An installed copy is not a checkout, even inside one (a venv in a project): its
+    revision is the one its build recorded (``from: "build"``), else ``None``, never the enclosing
+    repository's."""
     import subprocess
 
     root = Path(root or Path(__file__).resolve().parent)
@@ -132,11 +160,16 @@ def source_revision(root: str | Path | None = None) -> dict:
         return proc.stdout.strip() if proc.returncode == 0 else None
 
     revision = git("rev-parse", "HEAD")
-    if not revision:
-        return {"revision": None, "dirty": None, "root": None}
+    tracked = bool(git("ls-files", "--", ".")) if revision else False  # the code here is the checkout's
+    out = {"version": installed_version()}
+    if not revision or not tracked:
+        built = build_info() if root == Path(__file__).resolve().parent else {}
+        if built.get("revision"):
+            return {**out, "revision": built["revision"], "dirty": built.get("dirty"), "root": None, "from": "build"}
+        return {**out, "revision": None, "dirty": None, "root": None}
     status = git("status", "--porcelain", "--untracked-files=no")
-    return {"revision": revision, "dirty": bool(status) if status is not None else None,
-            "root": git("rev-parse", "--show-toplevel")}
+    return {**out, "revision": revision, "dirty": bool(status) if status is not None else None,
+            "root": git("rev-parse", "--show-toplevel"), "from": "checkout"}
 
 
 def _environment_as_run() -> dict:
@@ -147,6 +180,13 @@ def _environment_as_run() -> dict:
     env["hf_hub_offline_env"] = os.environ.get("HF_HUB_OFFLINE")
     env["offline"] = True
     return env
+
+
+def outputs_dir() -> Path:
+    """``$DITBOOK_OUTPUTS``, else ``outputs/`` in the current directory (the repository root for
+    ``make demo``)."""
+    env = os.environ.get("DITBOOK_OUTPUTS")
+    return Path(env) if env else Path.cwd() / "outputs"
 
 
 class RunFolder:
@@ -192,6 +232,7 @@ class RunFolder:
             "run_id": run_id,
             "created": _dt.datetime.now().isoformat(timespec="seconds"),
             "card_path": str(card.card_path),
+            "cwd": str(Path.cwd()),  # where the command ran: reproduce lines are written against it
             "card": card.to_dict(),
             "card_hash": card.content_hash(),
             "overrides": overrides or {},

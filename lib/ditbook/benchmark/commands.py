@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
@@ -28,7 +29,10 @@ def cmd_compare(args) -> int:
         if not RunFolder(d).exists():
             print(f"ditbook compare: {d} is not a run folder (no run.json)", file=sys.stderr)
             return 2
-    cmp = compare_runs(args.run_a, args.run_b, outputs=args.outputs)
+    if args.outputs_deprecated:
+        print("ditbook compare: --outputs is deprecated (other commands use it for the outputs folder); "
+              "use --cell-outputs", file=sys.stderr)
+    cmp = compare_runs(args.run_a, args.run_b, outputs=args.cell_outputs or args.outputs_deprecated)
     if args.json:
         print(json.dumps(cmp.to_dict(), indent=2))
     else:
@@ -45,6 +49,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("compare", help="what changed between two runs: card, versions, stages, metrics, verdict, notebook sources")
     p.add_argument("run_a", help="the earlier run folder (A)")
     p.add_argument("run_b", help="the later run folder (B); deltas are B - A")
-    p.add_argument("--outputs", action="store_true", help="diff cell outputs too (left out by default)")
+    p.add_argument("--cell-outputs", action="store_true", help="diff the notebooks' cell outputs too (left out by default)")
+    # the old name, kept working: --outputs is every other command's outputs folder
+    p.add_argument("--outputs", dest="outputs_deprecated", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--json", action="store_true", help="print the comparison as JSON")
     p.set_defaults(func=cmd_compare)

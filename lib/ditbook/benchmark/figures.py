@@ -13,13 +13,25 @@ from .summary import gates_for_family, summary_rows
 STAGE = "benchmark"
 
 
+def plotted_rows(run, results: dict, rows: list[dict]) -> list[dict]:
+    """The rows as the speed plot draws them (``benchmark.shown``): each configuration's one
+    quality figure (held-out where the cache stage confirmed it), and no speed-up for a parallel
+    plan run as CPU processes (so it is not drawn)."""
+    from .shown import shown_rows
+
+    cache = run.read_results("cache") if run.has_results("cache") else None
+    return [dict(r, speedup=r["speedup_shown"], psnr_min=r["psnr"], ssim_min=r["ssim"])
+            for r in shown_rows(rows, results, cache)]
+
+
 def make_figures(run, results: dict | None = None) -> dict:
     """The speed-vs-quality plot and the image grid (plus residual and scaling plots) from
     ``benchmark/results.json`` and the stored images; updates ``plots``, ``grid``, ``labels`` and
     ``sheets`` (no longer drawn: ``[]``) in the results. Rebuildable at any time
     (``ditbook report``)."""
     from ..render import is_video
-    from .plots import image_grid, plot_residuals, plot_scaling, plot_tradeoff, short_labels
+    from .plots import image_grid, plot_residuals, plot_scaling, plot_tradeoff, row_id, short_labels
+    from .shown import is_cpu_run
     from .verdict import verdict
 
     results = results if results is not None else run.read_results(STAGE)
@@ -30,12 +42,16 @@ def make_figures(run, results: dict | None = None) -> dict:
     labels = short_labels(rows)
     plots = {}
     cache_gate = gates_for_family("cache", results.get("gates"))
-    plots["tradeoff_psnr"] = plot_tradeoff(rows, "psnr_min", d / "plots" / "tradeoff_psnr.png", cache_gate.psnr,
-                                           labels=labels, highlight=results["verdict"].get("name"))
+    drawn = plotted_rows(run, results, rows)
+    plots["tradeoff_psnr"] = plot_tradeoff(drawn, "psnr_min", d / "plots" / "tradeoff_psnr.png",
+                                           cache_gate.psnr, labels=labels, highlight=results["verdict"].get("name"))
+    # what the speed axis carries, and the parity results left off it (CPU processes)
+    results["plot_points"] = [row_id(r) for r in drawn if r["speedup"] is not None and r["psnr_min"] is not None]
+    results["parity_only"] = [row_id(r) for r in drawn if r.get("parity_only")]
     if results.get("residual_changes"):
         plots["residuals"] = plot_residuals(results["residual_changes"], d / "plots" / "residuals.png")
     par = [r for r in rows if str(r.get("family", "")).endswith("parallel")]
-    if par:
+    if par and not is_cpu_run(results):  # CPU processes sharing cores: parity, not a speed-up
         plots["scaling"] = plot_scaling(par, d / "plots" / "scaling.png")
     images = results.get("images") or {}
     base_rows = images.get("baseline", [])

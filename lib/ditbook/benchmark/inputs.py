@@ -89,7 +89,8 @@ def cache_rows(cache: dict | None) -> list[dict]:
     entries = [e for e in (cache.get("tuned") or cache.get("strategies") or []) if isinstance(e, dict)]
     # the cache stage records each configuration on calibration and on held-out seeds: the
     # held-out rows are the evidence
-    if any(e.get("split") == "holdout" for e in entries):
+    held_out = any(e.get("split") == "holdout" for e in entries)
+    if held_out:
         entries = [e for e in entries if e.get("split") == "holdout"]
     rows = []
     for e in entries:
@@ -105,6 +106,7 @@ def cache_rows(cache: dict | None) -> list[dict]:
             "ssim_min": _first(e, "ssim_min", "ssim", default=q.get("ssim_min")),
             "passed": e.get("passed"), "skipped_fraction": e.get("skipped_fraction"),
             "nproc": 1, "source": "cache stage",
+            "quality_on": "held-out" if held_out else "calibration",  # the seeds of psnr_min/ssim_min
         })
     return rows
 

@@ -115,8 +115,16 @@ def plot_tradeoff(rows: list[dict], metric: str, path: str | Path, gate: float |
                    edgecolors="0.3", lw=1.2, zorder=2)
     for k, fam in enumerate(families):
         sel = [(r, x, y) for r, x, y in pts if str(r.get("family", "?")) == fam]
-        ax.scatter([x for _, x, _ in sel], [y for _, _, y in sel], label=fam, marker=markers[k % len(markers)],
-                   s=48, zorder=3)
+        # a figure on the calibration seeds (no held-out record) is drawn hollow: the two are not alike
+        hollow = [r.get("quality_on") == "calibration" and r.get("family") != "baseline" for r, _, _ in sel]
+        held = [(x, y) for (_, x, y), h in zip(sel, hollow) if not h]
+        calib = [(x, y) for (_, x, y), h in zip(sel, hollow) if h]
+        sc = ax.scatter([x for x, _ in held], [y for _, y in held], label=fam, marker=markers[k % len(markers)],
+                        s=48, zorder=3)
+        if calib:
+            ax.scatter([x for x, _ in calib], [y for _, y in calib], label=f"{fam} (calibration seeds)",
+                       marker=markers[k % len(markers)], s=48, zorder=3, facecolors="none",
+                       edgecolors=sc.get_facecolor()[0] if held else None, linewidths=1.3)
     capped = []
     for r, x, y in pts:
         key = "base" if r.get("family") == "baseline" else labels.get(row_id(r), "?")
@@ -145,6 +153,8 @@ def plot_tradeoff(rows: list[dict], metric: str, path: str | Path, gate: float |
         ax.set_xlim(min(xs) - xpad, max(xs) + 2.5 * xpad)
         ax.set_ylim(min(ys) - ypad, max(ys) + (3 if capped else 2) * ypad)
     label = {"psnr_min": "worst-image PSNR (dB)", "ssim_min": "worst-image SSIM"}.get(metric, metric)
+    if any(r.get("quality_on") == "held-out" for r, _, _ in pts):
+        label += ",\nheld-out seeds where recorded"
     ax.set_xlabel("speed-up vs baseline, end to end (×)")
     ax.set_ylabel(label)
     ax.set_title("speed vs worst-image quality" + (f" (identical images count as {PSNR_CAP:g} dB)"

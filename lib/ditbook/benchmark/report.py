@@ -20,8 +20,9 @@ import shlex
 from pathlib import Path
 
 from ..runs import RunFolder
-from .summary import markdown_table, summary_rows
-from .verdict import NOT_RECORDED, checklist, headline, read_stage_results, verdict
+from .summary import summary_rows
+from .shown import shown_rows
+from .verdict import NOT_RECORDED, checklist, headline, read_stage_results, runner_up_text, verdict
 
 RESULT_MD = "result.md"
 REPORT_HTML = "report.html"
@@ -53,9 +54,10 @@ def notebooks(run: RunFolder) -> list[Path]:
 
 
 def relative_path(path: str | Path, meta: dict) -> str:
-    """``path`` relative to the checkout that made the run (``run.json`` ``source.root``), else to
-    the current directory; unchanged when it lies outside both."""
-    roots = [r for r in [((meta.get("source") or {}).get("root")), str(Path.cwd())] if r]
+    """``path`` relative to the directory the run was started from (``run.json`` ``cwd``), else
+    to the checkout that made it (``source.root``), else to the current directory; unchanged
+    when it lies outside all of them."""
+    roots = [r for r in [meta.get("cwd"), ((meta.get("source") or {}).get("root")), str(Path.cwd())] if r]
     for root in roots:
         try:
             return str(Path(path).resolve().relative_to(Path(root).resolve()))
@@ -79,8 +81,11 @@ def environment_rows(meta: dict) -> list[tuple[str, str]]:
     rows = [(k, str(v)) for k, v in (env.get("versions") or {}).items()]
     rows += [(k, str(v)) for k, v in (env.get("hardware") or {}).items()]
     src = meta.get("source") or {}
+    if src.get("version"):
+        rows.append(("ditbook", str(src["version"]) + (" (installed package)" if src.get("from") != "checkout" else "")))
     rows.append(("git revision", (src.get("revision") or NOT_RECORDED) +
-                 (" (uncommitted changes)" if src.get("dirty") else "")))
+                 (" (uncommitted changes)" if src.get("dirty") else "") +
+                 (" (recorded when the package was built)" if src.get("from") == "build" else "")))
     if "offline" in env:
         rows.append(("offline", str(env["offline"])))
     return rows
@@ -140,7 +145,8 @@ def result_markdown(run_dir: str | Path) -> str:
     out.append(f"Status: **{meta.get('status', 'unknown')}**. Written {_dt.datetime.now().isoformat(timespec='seconds')}.")
     stage_results = read_stage_results(run)
     v = verdict(res, stage_results.get("cache"))
-    out += ["", "## Verdict", "", f"**{headline(v)}**", "", "| check | | figure |", "| --- | --- | --- |"]
+    out += ["", "## Verdict", "", f"**{headline(v)}**", "", runner_up_text(v), "", "| check | | figure |",
+            "| --- | --- | --- |"]
     out += [f"| {c['item']} | {_mark(c['ok'])} | {c['figure'].replace('|', '/')} |"
             for c in checklist(meta, stage_results, v)]
     for f in failures(meta):
@@ -160,8 +166,12 @@ def result_markdown(run_dir: str | Path) -> str:
                 f"(status: {meta.get('stages', {}).get('benchmark', {}).get('status', 'not run')}); "
                 "nothing was measured."]
         return "\n".join(out) + "\n"
-    rows = res.get("summary") or summary_rows(res)
-    out += ["", "## Summary", "", markdown_table(rows), ""]
+    rows = shown_rows(res.get("summary") or summary_rows(res), res, stage_results.get("cache"))
+    out += ["", "## Summary", "", summary_markdown(rows), ""]
+    out += ["PSNR/SSIM: the worst image. `held-out`: the cache stage's confirmation on seeds it did not tune on; "
+            "`calibration`: the benchmark's render on the card's seeds, for configurations with no held-out record "
+            "(a row fills one pair, never both). Parallel plans run as CPU processes are parity results, no speed-up.",
+            ""]
     out += ["Speedups are end to end against the baseline measured in the same process (rows "
             "'measured here'); rows from the cache and parallel stages carry the figures those stages recorded.", ""]
     out += [f"- {line}" for line in timing_lines(res)]
@@ -170,6 +180,31 @@ def result_markdown(run_dir: str | Path) -> str:
     if res.get("grid"):
         out.append(f"- image grid: `benchmark/{res['grid']}`")
     return "\n".join(out) + "\n"
+
+
+MD_COLUMNS = ("name", "family", "source", "nproc", "speed-up (range)", "psnr_holdout", "ssim_holdout",
+              "psnr_calibration", "ssim_calibration", "passed")
+
+
+def summary_markdown(rows: list[dict]) -> str:
+    """The summary as a markdown table: held-out and calibration figures in their own columns."""
+    from .shown import speed_text
+
+    def cell(r, c):
+        if c == "speed-up (range)":
+            return speed_text(r)
+        if c == "passed":
+            v = r.get("passed_shown", r.get("passed"))
+            return "-" if v is None else "yes" if v else "no"
+        if c.startswith("psnr"):
+            return _psnr(r.get(c))
+        if c.startswith("ssim"):
+            return _ssim(r.get(c))
+        return str(r.get(c) if r.get(c) is not None else "-").replace("|", "/")
+
+    lines = ["| " + " | ".join(MD_COLUMNS) + " |", "|" + " --- |" * len(MD_COLUMNS)]
+    lines += ["| " + " | ".join(cell(r, c) for c in MD_COLUMNS) + " |" for r in rows]
+    return "\n".join(lines)
 
 
 def write_result_md(run_dir: str | Path) -> Path:
@@ -185,7 +220,7 @@ body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;max-width:11
 h1{font-size:1.3em;margin:.2em 0 .5em}h2{font-size:1.15em;margin:1.4em 0 .4em;border-bottom:1px solid #ddd}
 .box{overflow-x:auto;max-width:100%;margin:.5em 0}
 table{border-collapse:collapse;font-size:.88em}th,td{border:1px solid #ccc;padding:.2em .45em;text-align:left;vertical-align:top}
-td{overflow-wrap:break-word}th{background:#f3f3f3}
+td{overflow-wrap:normal;word-break:normal}th{background:#f3f3f3}td.name{min-width:9em}.tok{white-space:nowrap}.note{font-size:.8em;color:#555;margin:.2em 0}
 .verdict{border:2px solid #176f2c;background:#eef8f0;padding:.55em .9em;margin:.4em 0;font-size:1.02em}
 .verdict.no{border-color:#a11;background:#fdf0f0}
 #checklist td:nth-child(2){text-align:center;font-weight:700;width:2em}
@@ -193,7 +228,7 @@ td{overflow-wrap:break-word}th{background:#f3f3f3}
 .ok{color:#176f2c}.bad{color:#a11}.nr{color:#777}
 pre{background:#f7f7f7;padding:.5em;overflow-x:auto;font-size:.85em;white-space:pre-wrap;overflow-wrap:anywhere}
 img{max-width:100%;height:auto}figure{margin:.6em 0}figcaption{font-size:.85em;color:#555}
-.twocol{display:flex;flex-wrap:wrap;gap:1em;align-items:flex-start}.twocol>figure{flex:1 1 640px;min-width:0}.twocol>.box{flex:1 1 360px}#plot-key td:first-child{white-space:nowrap}#plot-key td:nth-child(2){overflow-wrap:anywhere;min-width:10em}
+.twocol{display:flex;flex-wrap:wrap;gap:1em;align-items:flex-start}.twocol>figure{flex:1 1 540px;min-width:0}.twocol>.box{flex:1 1 440px}#plot-key td:first-child,#plot-key td:nth-child(3),#summary-table td:nth-child(n+3){white-space:nowrap}#plot-key td.name{min-width:7em}
 nav.toc{font-size:.9em}nav.toc ol{margin:.2em 0;padding-left:1.4em;columns:2}
 .nb{border-top:1px solid #bbb;margin-top:.6em}.jp-InputPrompt,.jp-OutputPrompt,.prompt{display:none}
 .nb .input_area,.nb .jp-InputArea-editor{background:#f7f7f7}
@@ -282,21 +317,90 @@ def _checklist_html(items: list[dict]) -> str:
             f"</thead><tbody>{''.join(rows)}</tbody></table></div>")
 
 
-def _key_table(rows: list[dict], labels: dict[str, str], chosen: str | None) -> str:
-    key_rows = []
-    from .plots import row_id
+def name_html(name) -> str:
+    """A configuration's name, escaped, with line-break opportunities only after its separators
+    (``[ , +`` and spaces), so a narrow cell wraps between settings, never inside one."""
+    pieces = re.findall(r"[^\[,+ ]*[\[,+ ]?", "-" if name is None else str(name))
+    return "<wbr>".join(f"<span class=tok>{html.escape(p)}</span>" for p in pieces if p)
 
+
+def _psnr(x) -> str:
+    return "-" if not isinstance(x, (int, float)) or isinstance(x, bool) else f"{x:.2f}"
+
+
+def _ssim(x) -> str:
+    return "-" if not isinstance(x, (int, float)) or isinstance(x, bool) else f"{x:.4f}"
+
+
+def _quality_text(r: dict) -> str:
+    """The one PSNR/SSIM of a row, labelled with the seeds it was measured on."""
+    if r.get("psnr") is None and r.get("ssim") is None:
+        return "-"
+    on = "held-out" if r.get("quality_on") == "held-out" else "calibration"
+    return f"{_psnr(r.get('psnr'))} dB / {_ssim(r.get('ssim'))}<br><small>({on})</small>"
+
+
+def _key_table(rows: list[dict], labels: dict[str, str], chosen: str | None) -> str:
+    """The plot's key: per configuration its key, name, speed-up (with spread, or 'parity only'
+    for a parallel plan on CPU processes) and its one quality figure, labelled held-out or
+    calibration."""
+    from .plots import row_id
+    from .shown import speed_text
+
+    body = []
     for r in rows:
         name = row_id(r)
         key = "base" if r.get("family") == "baseline" else labels.get(name)
         if key is None:
             continue
-        num = lambda x, nd: None if not isinstance(x, (int, float)) else round(float(x), nd)  # noqa: E731
-        key_rows.append({"key": key + (" ★" if name == chosen else ""), "configuration": name,
-                         "speed-up": num(r.get("speedup"), 2), "PSNR": num(r.get("psnr_min"), 1),
-                         "SSIM": num(r.get("ssim_min"), 3),
-                         "from": str(r.get("source") or "").replace(" stage", "").replace("measured ", "")})
-    return table_html(key_rows, ["key", "configuration", "speed-up", "PSNR", "SSIM", "from"], "plot-key")
+        sp = html.escape(speed_text(r)).replace(" (", "<br><small>(", 1)
+        sp += "</small>" if "<small>" in sp else ""
+        body.append(f"<tr><td>{html.escape(key)}{' ★' if r.get('name') == chosen else ''}</td>"
+                    f"<td class=name>{name_html(name)}</td><td>{sp}</td>"
+                    f"<td>{_quality_text(r)}</td></tr>")
+    return ('<div class="box"><table id="plot-key"><thead><tr><th>key</th><th>configuration</th><th>speed-up '
+            "(range)</th><th>worst PSNR / SSIM</th></tr></thead><tbody>" + "".join(body) +
+            "</tbody></table></div>")
+
+
+def _off_axis(rows: list[dict], labels: dict[str, str]) -> str:
+    """The caption's note of the parallel plans left off the speed axis (CPU processes)."""
+    from .plots import row_id
+
+    keys = [labels.get(row_id(r)) or row_id(r) for r in rows if r.get("parity_only")]
+    return (f' <span id="off-axis">Not on the speed axis (parallel plans run as CPU processes share the '
+            f'cores: parity results only): {html.escape(", ".join(keys))}.</span>' if keys else "")
+
+
+SUMMARY_HEAD = ("configuration", "from", "proc.", "speed-up (range)", "e2e ms", "PSNR held-out", "SSIM held-out",
+                "PSNR calibration", "SSIM calibration", "passed")
+
+
+def summary_html(rows: list[dict]) -> str:
+    """The summary table: held-out figures and calibration figures in their own columns (a row
+    fills one pair, never both), the speed-up with its spread, parity only for CPU processes."""
+    from .shown import speed_text
+
+    def passed(v):
+        return "-" if v is None else '<span class="ok">yes</span>' if v else '<span class="bad">no</span>'
+
+    body = []
+    for r in rows:
+        src = str(r.get("source") or "").replace(" stage", "").replace("measured ", "")
+        e2e = r.get("e2e_ms")
+        cells = [f"<td class=name>{name_html(r.get('name'))}</td>", f"<td>{html.escape(src)}</td>",
+                 f"<td>{html.escape(r.get('devices') or str(r.get('nproc') or 1))}</td>",
+                 f"<td>{html.escape(speed_text(r))}</td>", f"<td>{'-' if e2e is None else f'{e2e:.4g}'}</td>",
+                 f"<td>{_psnr(r.get('psnr_holdout'))}</td>", f"<td>{_ssim(r.get('ssim_holdout'))}</td>",
+                 f"<td>{_psnr(r.get('psnr_calibration'))}</td>", f"<td>{_ssim(r.get('ssim_calibration'))}</td>",
+                 f"<td>{passed(r.get('passed_shown', r.get('passed')))}</td>"]
+        body.append("<tr>" + "".join(cells) + "</tr>")
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in SUMMARY_HEAD)
+    return (f'<div class="box"><table id="summary-table"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}'
+            "</tbody></table></div><p class=note>PSNR/SSIM: the worst image, in dB / SSIM. Held-out: the cache "
+            "stage's confirmation on seeds it did not tune on; calibration: the benchmark's render on the card's "
+            "seeds, for configurations with no held-out record. Speed-up: median end to end against the baseline "
+            "measured in the same process; in brackets the range the fastest and slowest timings allow.</p>")
 
 
 def report_html(run_dir: str | Path) -> str:
@@ -312,7 +416,8 @@ def report_html(run_dir: str | Path) -> str:
     g = v["gates"]
     parts.append(f'<div class="verdict{"" if v["ship"] else " no"}" id="verdict"><b>{html.escape(headline(v))}</b>'
                  f'<br><span id="gates">Gates (cache, on held-out seeds): worst-image PSNR &gt; {g["psnr"]:g} dB and '
-                 f'SSIM &gt; {g["ssim"]:g}. Chosen once, by the cache stage; the benchmark times it.</span></div>')
+                 f'SSIM &gt; {g["ssim"]:g}. Chosen once, by the cache stage; the benchmark times it.</span>'
+                 f'<br><span id="rule">{html.escape(runner_up_text(v))}</span></div>')
     parts.append(_checklist_html(checklist(meta, stage_results, v)))
     for f in failures(meta):
         cell = f"<pre>{html.escape(f['failing_cell'])}</pre>" if f.get("failing_cell") else ""
@@ -333,7 +438,7 @@ def report_html(run_dir: str | Path) -> str:
         parts.append('<h2 id="grid">Images</h2><p>No benchmark images.</p>')
         parts.append('<h2 id="summary">Summary table</h2>' + table_html([], ["name", "family", "speedup"], "summary-table"))
     else:
-        rows = res.get("summary") or summary_rows(res)
+        rows = shown_rows(res.get("summary") or summary_rows(res), res, stage_results.get("cache"))
         bdir = run.stage_dir("benchmark", create=False)
         from .plots import short_labels
 
@@ -345,8 +450,9 @@ def report_html(run_dir: str | Path) -> str:
             known[uri.split(",", 1)[1]] = ("plot", "speed vs quality plot")
             parts.append(f'<figure><img id="plot-img" alt="speed-up against worst-image PSNR per configuration, '
                          f'Pareto front ringed, the verdict starred" src="{uri}"><figcaption>Worst-image PSNR on '
-                         "the benchmark's cases against end-to-end speed-up; ringed: the Pareto front; ★: the "
-                         "verdict; dotted: the gate.</figcaption></figure>")
+                         "held-out seeds (filled; hollow: calibration seeds, no held-out record) against "
+                         "end-to-end speed-up; ringed: the Pareto front; ★: the verdict; dotted: the gate."
+                         + _off_axis(rows, labels) + "</figcaption></figure>")
         parts.append(_key_table(rows, labels, v.get("name")) + "</div>")
         grid = bdir / res["grid"] if res.get("grid") else None
         parts.append('<h2 id="grid">Images</h2>')
@@ -367,9 +473,7 @@ def report_html(run_dir: str | Path) -> str:
                              "Columns: one case per prompt.</figcaption></figure>")
         else:
             parts.append("<p>No image grid (no stored images).</p>")
-        parts.append('<h2 id="summary">Summary table</h2>' +
-                     table_html(rows, ["name", "family", "source", "nproc", "speedup", "e2e_ms", "psnr_min",
-                                       "ssim_min", "passed"], "summary-table"))
+        parts.append('<h2 id="summary">Summary table</h2>' + summary_html(rows))
         parts.append("<ul>" + "".join(f"<li>{html.escape(x)}</li>" for x in timing_lines(res)) + "</ul>")
         for k, p in (res.get("plots") or {}).items():
             if k != "tradeoff_psnr" and (bdir / p).is_file():

@@ -20,7 +20,9 @@
 - ``images``: ``{config: [{key, png, npy}]}``; ``plots``: ``{name: path}`` (``tradeoff_psnr``: the
   speed-vs-quality plot); ``grid``: the image grid (``grid_videos``: ``{frames}`` when the cases
   are videos, drawn as a row of frames each, else null); ``labels``: the plot's short key per
-  configuration; ``sheets``: ``[]`` (no longer drawn); every path relative to ``benchmark/``;
+  configuration; ``plot_points``: the rows the speed plot draws, ``parity_only``: the parallel plans
+  run as CPU processes, left off it (``benchmark.shown``); ``sheets``: ``[]`` (no longer drawn);
+  every path relative to ``benchmark/``;
 - ``summary`` (rows of :func:`~ditbook.benchmark.summary.summary_rows`), ``recommendation`` (the
   fastest row passing its gates, kept for reference) and ``verdict``
   (:func:`~ditbook.benchmark.verdict.verdict`: the cache stage's choice, timed here, with its

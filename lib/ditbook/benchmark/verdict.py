@@ -88,8 +88,15 @@ def verdict(benchmark: dict | None, cache: dict | None) -> dict:
         out["compile"] = twin
         if twin.get("shipped") and out["passes_gates"] is True:
             out.update(name=twin["name"], speedup=twin["speedup"], e2e_ms=twin["e2e_ms"])
+    out.update(rule_and_runner_ups(benchmark, cache, out))
+    _decide(out, benchmark, name, bool(hq))
+    return out
+
+
+def _decide(out: dict, benchmark: dict | None, name: str, has_holdout: bool) -> None:
+    """Set ``ship`` and ``reason`` of a verdict whose figures are in place."""
     if out["passes_gates"] is not True:
-        out["reason"] = (f"{name} has no held-out quality record" if not hq else
+        out["reason"] = (f"{name} has no held-out quality record" if not has_holdout else
                          f"{name} does not meet the gates on held-out seeds")
     elif "timing_unstable" in out:
         out["reason"] = f"timing unstable: {drift_text(out['timing_unstable'])}, so no speed-up is reported"
@@ -105,7 +112,6 @@ def verdict(benchmark: dict | None, cache: dict | None) -> dict:
         out["reason"] = "chosen by the cache stage, confirmed on held-out seeds, timed by the benchmark"
         if (out.get("compile") or {}).get("shipped"):
             out["reason"] += "; compiled, the faster of the two correct forms"
-    return out
 
 
 def timing_state(benchmark: dict | None) -> dict | None:
@@ -127,6 +133,65 @@ def timing_state(benchmark: dict | None) -> dict | None:
 def drift_text(t: dict) -> str:
     return (f"the baseline re-timed at the end took {t['drift']:.3f}× its first timing "
             f"(the bound is ±{t['limit']:.0%}, benchmark.timing_drift)")
+
+
+RULE = "most work skipped among the configurations passing on held-out seeds"
+
+
+def rule_and_runner_ups(benchmark: dict | None, cache: dict | None, v: dict) -> dict:
+    """``{rule, runner_ups}``: the cache stage's rule (:data:`RULE`) and every other configuration
+    that passes and is faster here or better on held-out seeds than the chosen one, each with
+    ``{name, speedup, psnr_min, ssim_min, quality_on, skipped_fraction, why_not}``. A parallel plan
+    run as CPU processes has no speed-up and is no runner-up."""
+    from .shown import HELD_OUT, holdout_records, is_cpu_run, is_parallel
+
+    chosen = v.get("name")
+    if chosen in ("baseline", "none"):
+        return {"rule": RULE, "runner_ups": []}
+    held = holdout_records(cache)
+    sp0, p0, k0 = v.get("speedup"), (v.get("holdout") or {}).get("psnr_min"), v.get("skipped_fraction")
+    k0 = k0 if k0 is not None else (held.get(chosen) or {}).get("skipped_fraction")
+    rows = {r.get("name"): r for r in ((benchmark or {}).get("summary") or []) if r.get("source") == "measured here"}
+    out = []
+    names = [n for n in held if n != chosen] + [n for n in rows if n not in held and n != chosen]
+    for name in names:
+        rec, row = held.get(name), rows.get(name) or {}
+        if name == f"{chosen}+compile" or row.get("family") == "baseline" or row.get("error"):
+            continue
+        if is_cpu_run(benchmark) and is_parallel(row):
+            continue
+        sp = row.get("speedup")
+        p, s = ((rec or {}).get("psnr_min"), (rec or {}).get("ssim_min")) if rec else (row.get("psnr_min"), row.get("ssim_min"))
+        passed = (rec or {}).get("passed") if rec else row.get("passed")
+        faster = sp is not None and sp0 is not None and sp > sp0
+        better = rec is not None and p is not None and p0 is not None and p > p0
+        if not passed or not (faster or better):
+            continue
+        if rec is None:
+            why = "not confirmed on held-out seeds (its figures are on the calibration seeds only)"
+        elif k0 is not None and (rec.get("skipped_fraction") or 0) < k0:
+            why = (f"skips less work ({rec['skipped_fraction']:.3f} of block evaluations against {k0:.3f}); "
+                   "the rule counts work skipped, which does not depend on this host's timing noise")
+        else:
+            why = "skips as much work; the rule's tie-break is the held-out PSNR"
+        out.append({"name": name, "speedup": sp, "psnr_min": p, "ssim_min": s,
+                    "quality_on": HELD_OUT if rec else "calibration",
+                    "skipped_fraction": (rec or {}).get("skipped_fraction"), "why_not": why})
+    out.sort(key=lambda r: -(r["speedup"] or 0))
+    return {"rule": RULE, "runner_ups": out}
+
+
+def runner_up_text(v: dict) -> str:
+    """One sentence: the rule, and the runner-ups with why they were not chosen."""
+    ups = v.get("runner_ups") or []
+    text = f"Chosen by the cache stage's rule: {v.get('rule', RULE)}."
+    if not ups:
+        return text + " No other passing configuration is faster or better on held-out seeds."
+    parts = []
+    for r in ups:
+        sp = f"{r['speedup']:.2f}×" if r.get("speedup") is not None else "speed-up not measured"
+        parts.append(f"{r['name']} ({sp}, {r['quality_on']} worst PSNR {_f(r.get('psnr_min'))} dB): {r['why_not']}")
+    return text + " Runner-up" + ("s" if len(ups) > 1 else "") + ": " + "; ".join(parts) + "."
 
 
 def compiled_twin(benchmark: dict | None, cache: dict | None, name: str, speedup: float | None) -> dict | None:
@@ -308,14 +373,17 @@ def _holdout_item(v: dict, cache: dict | None) -> dict:
                  f"SSIM {_f(h.get('ssim_min'), 4)} (> {g['ssim']:g})" + (f", {h['n']} {_cases(h)}" if h.get("n") else ""))
 
 
-def _timing_item(benchmark: dict | None) -> dict:
+def _timing_item(benchmark: dict | None, meta: dict | None = None) -> dict:
+    """Whether the baseline's speed held through the benchmark (re-timed at the end against the
+    start), with the drift figure, the bound it was held to and the warm-up / repeats it got."""
     t = timing_state(benchmark)
     if t is None:
-        return _item("timing stable", None, NOT_RECORDED)
+        return _item("timing stable", None, NOT_RECORDED if benchmark is None else "baseline drift " + NOT_RECORDED)
     firm = (f"; baseline and verdict rows: {t['warmup']} warm-up, {t['repeats']} repeats"
             if t.get("warmup") is not None else "")
     if not t["stable"]:
-        return _item("timing stable", False, f"timing unstable: {drift_text(t)}{firm}")
+        return _item("timing stable", False, f"timing unstable: {drift_text(t)}{firm}; "
+                     "the speed-ups of this run are not reliable")
     return _item("timing stable", True, f"{drift_text(t)}{firm}")
 
 
@@ -330,7 +398,7 @@ def checklist(meta: dict, results: dict[str, dict | None], v: dict | None = None
         _parity_item(results.get("parallel"), meta),
         _noise_item(results.get("cache"), results.get("benchmark")),
         _holdout_item(v, results.get("cache")),
-        _timing_item(results.get("benchmark")),
+        _timing_item(results.get("benchmark"), meta),
     ]
 
 
@@ -339,4 +407,5 @@ def read_stage_results(run) -> dict[str, dict | None]:
             for s in ("intake", "inspect", "cache", "parallel", "benchmark")}
 
 
-__all__ = ["verdict", "timing_state", "compiled_twin", "headline", "checklist", "read_stage_results", "chosen_row_name", "NOT_RECORDED"]
+__all__ = ["verdict", "timing_state", "compiled_twin", "rule_and_runner_ups", "runner_up_text", "RULE", "headline",
+           "checklist", "read_stage_results", "chosen_row_name", "NOT_RECORDED"]

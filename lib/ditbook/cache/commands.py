@@ -20,7 +20,7 @@ def cmd_cache(args) -> int:
         print("ditbook cache: give a model card (or --list)")
         return 2
     from ..card import gate_check
-    from ..runner import outputs_dir
+    from ..runs import outputs_dir
     from ..runs import RunFolder, latest_run
 
     wanted = [n.strip() for n in (args.strategies or "").split(",") if n.strip()]

@@ -30,7 +30,7 @@ def cmd_inspect(args) -> int:
     result = run_inspection(pipe, card, steps=args.steps, size=args.size)
     saved = None
     if not args.no_save:
-        from ..runner import outputs_dir
+        from ..runs import outputs_dir
 
         run = RunFolder.create(card, Path(args.outputs) if args.outputs else outputs_dir(), overrides=overrides)
         results = save_inspection(run.stage_dir("inspect"), result)

@@ -361,7 +361,7 @@ def find_plan_file(card, run=None, outputs_root: str | Path | None = None) -> Pa
         if outputs_root is None:
             outputs_root = run.path.parent.parent
     if outputs_root is None:
-        from ..runner import outputs_dir
+        from ..runs import outputs_dir
 
         outputs_root = outputs_dir()
     latest = latest_run(outputs_root, card.name, with_stage=STAGE)

@@ -62,7 +62,7 @@ def default_out(args) -> Path:
     outputs root (``outputs/<card>/parallel-<time>``), never a stray folder in the cwd."""
     if args.run:
         return Path(args.run) / "parallel" / "runs"
-    from ..runner import outputs_dir
+    from ..runs import outputs_dir
     from ..runs import new_run_id
 
     return outputs_dir() / Path(args.card).stem / f"parallel-{new_run_id()}"
@@ -72,7 +72,7 @@ def traced_arch(card) -> str | None:
     """``inspect/arch.json`` of the newest inspected run of this model when it was traced at the
     card's height and width: its sequence lengths are this run's, so the token counts of a
     sequence split are checked before launch (None otherwise)."""
-    from ..runner import outputs_dir
+    from ..runs import outputs_dir
     from ..runs import RunError, latest_run
 
     try:

@@ -1,0 +1,120 @@
+"""What the report shows per configuration, decided once for the page, the plot and ``result.md``.
+
+- **One quality figure per configuration.** A configuration the cache stage confirmed on
+  held-out seeds is shown with that held-out figure (``quality_on: "held-out"``) wherever it
+  appears; the benchmark's own re-measurement on the card's seeds (the calibration seeds) is not
+  shown beside it. A configuration with no held-out record (a parallel plan, an attention
+  backend, a card hook) is shown with its figure on the card's seeds, labelled
+  ``"calibration"``. The summary's two column pairs never mix: held-out figures in one pair,
+  calibration figures in the other.
+- **No CPU processes on the speed axis.** Parallel plans (``nproc`` > 1) run on a CPU host are
+  parity results (PSNR/SSIM, sharding verified) only: their speed-up is not shown and they are
+  left off the speed plot. On GPUs their speed-up is the parallel stage's, against the
+  single-process run on the same device, labelled with the device count.
+- **Speed figures carry their spread**: the speed-up range from the end-to-end timings' min and
+  max (``baseline.min / config.max`` to ``baseline.max / config.min``).
+- **Timing stable**: the benchmark's timing record (``verdict.timing_state``: the baseline
+  re-timed at the end against the start, within the card's ``benchmark.timing_drift``).
+"""
+
+from __future__ import annotations
+
+from ..configuration import config_label
+
+HELD_OUT = "held-out"
+CALIBRATION = "calibration"
+
+
+def is_cpu_run(benchmark: dict | None) -> bool:
+    """The benchmark ran on a CPU host (its ``device``): multi-process plans there share cores."""
+    return str((benchmark or {}).get("device") or "").startswith("cpu")
+
+
+def is_parallel(row: dict) -> bool:
+    return str(row.get("family") or "").endswith("parallel") and int(row.get("nproc") or 1) > 1
+
+
+def holdout_records(cache: dict | None) -> dict[str, dict]:
+    """``{benchmark row name: {psnr_min, ssim_min, n, passed, skipped_fraction}}`` of every
+    configuration the cache stage ran on held-out seeds (the chosen one's own record last, so it
+    wins)."""
+    out: dict[str, dict] = {}
+    for e in (cache or {}).get("strategies") or []:
+        if not isinstance(e, dict) or e.get("split") != "holdout":
+            continue
+        label = config_label(e.get("config") or {})
+        name = f"{e.get('name')}[{label}]" if label else str(e.get("name"))
+        q = e.get("quality") or {}
+        out[name] = {"psnr_min": q.get("psnr_min", e.get("psnr_min")), "ssim_min": q.get("ssim_min", e.get("ssim_min")),
+                     "n": q.get("n"), "passed": e.get("passed"), "skipped_fraction": e.get("skipped_fraction")}
+    chosen, detail = (cache or {}).get("chosen"), (cache or {}).get("chosen_detail") or {}
+    hq = detail.get("holdout_quality") or {}
+    if chosen and hq:
+        label = config_label(chosen.get("config") or {})
+        name = f"{chosen['name']}[{label}]" if label else str(chosen["name"])
+        out[name] = {"psnr_min": hq.get("psnr_min"), "ssim_min": hq.get("ssim_min"), "n": hq.get("n"),
+                     "passed": True, "skipped_fraction": detail.get("skipped_fraction")}
+    return out
+
+
+def speed_spread(benchmark: dict | None) -> dict[str, tuple[float, float]]:
+    """``{row name: (low, high)}``: the speed-up range the end-to-end timings allow (baseline
+    min / configuration max, baseline max / configuration min), for rows measured here."""
+    res = benchmark or {}
+    base = ((res.get("baseline") or {}).get("timing") or {}).get("end_to_end") or {}
+    out: dict[str, tuple[float, float]] = {}
+    if not base.get("min") or not base.get("max"):
+        return out
+    for c in res.get("configs") or []:
+        t = ((c or {}).get("timing") or {}).get("end_to_end") or {}
+        if t.get("min") and t.get("max"):
+            out[str(c.get("name"))] = (base["min"] / t["max"], base["max"] / t["min"])
+    return out
+
+
+def shown_rows(rows: list[dict], benchmark: dict | None, cache: dict | None) -> list[dict]:
+    """Each summary row with the figures the report shows: ``psnr_holdout``/``ssim_holdout`` or
+    ``psnr_calibration``/``ssim_calibration`` (never both), ``quality_on``, ``psnr``/``ssim`` (the
+    one figure), ``passed_shown`` (the gate result on the seeds of that figure), ``speedup_shown``
+    (None for a parallel plan on a CPU host), ``speedup_range``, ``parity_only`` and ``devices``."""
+    held = holdout_records(cache)
+    spread = speed_spread(benchmark)
+    cpu = is_cpu_run(benchmark)
+    out = []
+    for r in rows:
+        s = dict(r)
+        name = str(r.get("name"))
+        rec = held.get(name)
+        if rec is None and r.get("quality_on") == HELD_OUT:  # a recorded cache row taken from the held-out split
+            rec = {"psnr_min": r.get("psnr_min"), "ssim_min": r.get("ssim_min"), "passed": r.get("passed")}
+        if rec is not None and r.get("family") != "baseline":
+            s.update(quality_on=HELD_OUT, psnr=rec.get("psnr_min"), ssim=rec.get("ssim_min"),
+                     psnr_holdout=rec.get("psnr_min"), ssim_holdout=rec.get("ssim_min"),
+                     passed_shown=rec.get("passed") if not r.get("error") else False)
+        else:
+            s.update(quality_on=CALIBRATION, psnr=r.get("psnr_min"), ssim=r.get("ssim_min"),
+                     psnr_calibration=r.get("psnr_min"), ssim_calibration=r.get("ssim_min"),
+                     passed_shown=r.get("passed"))
+        par = is_parallel(r)
+        s["parity_only"] = bool(cpu and par)
+        s["speedup_shown"] = None if s["parity_only"] else r.get("speedup")
+        s["speedup_range"] = spread.get(name)
+        s["devices"] = (f"{int(r.get('nproc'))} {'CPU processes' if cpu else 'GPUs'}" if par else None)
+        out.append(s)
+    return out
+
+
+def speed_text(row: dict) -> str:
+    """The speed figure as the report writes it: ``1.31× (1.25–1.36)``; ``parity only`` for a
+    parallel plan on a CPU host; ``-`` when not measured."""
+    if row.get("parity_only"):
+        return "parity only (CPU processes)"
+    sp = row.get("speedup_shown", row.get("speedup"))
+    if sp is None:
+        return "-"
+    lo_hi = row.get("speedup_range")
+    return f"{sp:.2f}×" + (f" ({lo_hi[0]:.2f}–{lo_hi[1]:.2f})" if lo_hi else "")
+
+
+__all__ = ["HELD_OUT", "CALIBRATION", "is_cpu_run", "is_parallel", "holdout_records",
+           "speed_spread", "shown_rows", "speed_text"]
