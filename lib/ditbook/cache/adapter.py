@@ -252,6 +252,13 @@ def generate_adapter_source(pipe, report: ArchReport, model: str, *, force_fold:
             info.functor_reasons += reasons
         else:
             plan = _unfolded_plan(bl, transformer)
+            if isinstance(plan, str) and fold is not None and force_fold is None:
+                # no pattern matches the blocks by name, but ditbook's own fold can rename and
+                # reorder their streams: the folded block takes what cache-dit passes
+                why = [f"{plan}; folded, the loop body renames and reorders the streams"]
+                folds.append(fold)
+                plan = _folded_plan(transformer, bl.path, fold, why)
+                info.functor_reasons += why
             if isinstance(plan, str):
                 uncached.append(f"{bl.path}: {plan}")
                 continue

@@ -276,7 +276,8 @@ class ListUses:
     zipped_after: list[str] = field(default_factory=list)  # the list whose zip loop runs this one (not first)
     # outside the loop, an attribute of one element read (``self.<list>[0].norm1.emb(...)``) or of
     # each element in a comprehension (``[b.attn.processor for b in self.<list>]``), the element
-    # itself never called: safe when the code is pointed at the original blocks
+    # itself never called, or the list's length read (``len(self.<list>)``): safe when the code
+    # is pointed at the original blocks
     element_attrs: list[str] = field(default_factory=list)
 
     def unsafe(self) -> str:
@@ -372,6 +373,14 @@ def _element_attribute(node: ast.AST, parents: dict) -> bool:
         return False
     attr = parents.get(id(sub))
     return isinstance(attr, ast.Attribute) and attr.value is sub and isinstance(attr.ctx, ast.Load)
+
+
+def length_read(node: ast.AST, parents: dict) -> bool:
+    """``node`` (``self.<list>``) is only measured: ``len(self.<list>)`` reads how many blocks
+    there are, not the blocks (safe when the code is pointed at the original list)."""
+    call = parents.get(id(node))
+    return (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "len"
+            and len(call.args) == 1 and call.args[0] is node and not call.keywords)
 
 
 _COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)
@@ -518,7 +527,7 @@ def list_uses(cls, paths: list[str]) -> dict[str, ListUses]:
                 continue  # assignment in __init__-like helpers
             line = _use_text(node, parent, parents)
             where = _bucket(uses[p], body_nodes.get(id(node)) == p, _element_attribute(node, parents)
-                                                       or _comprehension_attribute(node, parents))
+                            or _comprehension_attribute(node, parents) or length_read(node, parents))
             guard = _optional_guard(fn, ifs, branches.get(id(node), []))
             if where is uses[p].other and guard:
                 where = uses[p].conditional

@@ -330,6 +330,18 @@ def _sdpa_facts(tracer: Tracer, att, masks: set) -> None:
             att.gqa_ratio = round(att.heads / att.kv_heads, 3)
 
 
+def _promote_attention_lists(tracer: Tracer, transformer: nn.Module, report: ArchReport, candidates: list[str]) -> None:
+    """Lists whose blocks made an attention call in the traced run are block lists, whatever their
+    attention is made of (a plain function calling scaled_dot_product_attention, no module)."""
+    from .static import add_block_lists
+
+    called = {s["block"][0] for s in tracer.sdpa if s.get("block")}
+    found = [p for p in candidates if p in called]
+    add_block_lists(transformer, report, found, "block list by its traced attention calls "
+                                               "(scaled_dot_product_attention inside every block call)")
+    tracer.calls = [c for c in tracer.calls if c.path not in set(candidates) - set(found)]
+
+
 def _dedupe(items: list[str]) -> list[str]:
     seen, out = set(), []
     for i in items:
@@ -347,7 +359,11 @@ def trace_calls(transformer: nn.Module, run: Callable[[], Any], report: ArchRepo
         from .static import inspect_transformer
 
         report = inspect_transformer(transformer)
-    tracer = Tracer(transformer, [b.path for b in report.block_lists])
+    from .static import candidate_lists
+
+    known = [b.path for b in report.block_lists]
+    candidates = [p for p, _ in candidate_lists(transformer, known)]
+    tracer = Tracer(transformer, known + candidates)
     original_step = None
     if scheduler is not None:
         original_step = scheduler.step
@@ -363,6 +379,7 @@ def trace_calls(transformer: nn.Module, run: Callable[[], Any], report: ArchRepo
     finally:
         if scheduler is not None and "step" in vars(scheduler):
             del scheduler.step
+    _promote_attention_lists(tracer, transformer, report, candidates)
     analyse_calls(tracer, transformer, report)
     cfg = report.cfg
     cfg.transformer_calls = tracer.forwards
