@@ -159,14 +159,19 @@ class _LoopReader:
                 continue  # ``x = out`` / ``x, c = out``: the block's output taken as is, no work
             self._add(s, active, condition)
 
+    def _output_part(self, v: ast.AST) -> bool:
+        """``out``, ``out[0]`` or ``out["key"]`` of a name a block call's result was assigned to."""
+        if isinstance(v, ast.Subscript) and isinstance(v.slice, ast.Constant) and isinstance(v.slice.value, (int, str)):
+            v = v.value
+        return isinstance(v, ast.Name) and v.id in self.block_outputs
+
     def _passes_output_on(self, s: ast.stmt) -> bool:
+        """``x = out`` / ``x, c = out`` / ``img, txt = out["img"], out["txt"]``: the block's output
+        (a tuple's items, a returned dict's values) taken as is, no work."""
         if not isinstance(s, ast.Assign):
             return False
         v = s.value
-        if isinstance(v, ast.Subscript) and isinstance(v.slice, ast.Constant) and isinstance(v.slice.value, int):
-            v = v.value  # ``x = out[0]``
-        return (isinstance(v, ast.Name) and v.id in self.block_outputs) or (
-            isinstance(v, ast.Tuple) and all(isinstance(e, ast.Name) and e.id in self.block_outputs for e in v.elts))
+        return self._output_part(v) or (isinstance(v, ast.Tuple) and all(self._output_part(e) for e in v.elts))
 
     def _block_call(self, stmt: ast.stmt, active: bool, condition: str) -> None:
         if isinstance(stmt, ast.Assign):
