@@ -174,14 +174,31 @@ def _unfolded_plan(bl, transformer) -> "BlockListPlan | str":
                          reason=bl.pattern_reason or "from the inspection report")
 
 
-def _list_problem(path: str, u) -> str:
+def _nesting(tcls, path: str, u) -> str:
+    """Who runs the loop over a nested list: the container's own forward, or the transformer's code
+    iterating the never-called containers (``for stage in self.stages: for blk in stage.blocks``)."""
+    if u.loops:
+        return "though the transformer's forward runs its loop"
+    parts = path.split(".")
+    outer = next((".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)
+                  if not parts[i - 1].isdigit() and parts[i].isdigit()), None)
+    outer_uses = list_uses(tcls, [outer])[outer] if outer else None
+    # a for statement over the containers only reads each one's block list: an attribute read
+    loops = (outer_uses.loops + [e.split(": ")[0] for e in outer_uses.element_attrs if ": for " in e]) \
+        if outer_uses else []
+    if loops:
+        return (f"whose containers are never called: the transformer's code iterates self.{outer} and runs "
+                f"each container's blocks itself ({', '.join(loops[:2])})")
+    return "whose own code runs the loop"
+
+
+def _list_problem(path: str, u, tcls=None) -> str:
     """Why the list cannot be handed to cache-dit at all ('' when it can): nested, or used unsafely."""
     if "." in path:
         # cache-dit finds (and swaps) a block list by a direct attribute of the transformer:
         # a list one level down cannot be handed to it, even when the transformer's own
         # forward runs its loop
-        where = ("whose own code runs the loop" if not u.loops else
-                 "though the transformer's forward runs its loop")
+        where = _nesting(tcls, path, u) if tcls is not None else "nested"
         return (f"nested inside {path.rsplit('.', 1)[0]}, {where}; "
                 f"cache-dit swaps block lists by attribute of the transformer, so it is left uncached")
     if u.zipped_after:
@@ -231,7 +248,7 @@ def generate_adapter_source(pipe, report: ArchReport, model: str, *, force_fold:
     uncached: list[str] = []
     for bl in report.block_lists:
         u = uses[bl.path]
-        unsafe = _list_problem(bl.path, u)
+        unsafe = _list_problem(bl.path, u, tcls)
         if unsafe:
             uncached.append(f"{bl.path}: {unsafe}")
             continue

@@ -485,6 +485,7 @@ def list_uses(cls, paths: list[str]) -> dict[str, ListUses]:
     uses = {p: ListUses(p) for p in paths}
     seen: set[str] = set()
     todo = ["forward"]
+    sites: dict[str, list[tuple[str, ast.AST, dict]]] = {}  # method -> (caller, call node, caller's branches)
     while todo:
         name = todo.pop()
         if name in seen or name not in methods:
@@ -500,6 +501,7 @@ def list_uses(cls, paths: list[str]) -> dict[str, ListUses]:
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
                     isinstance(node.func.value, ast.Name) and node.func.value.id == "self":
                 todo.append(node.func.attr)
+                sites.setdefault(node.func.attr, []).append((name, node, branches))
             if isinstance(node, ast.For) and not for_reads_attributes(node):
                 lists = _loop_iter_lists(node.iter)
                 for k, it in enumerate(lists):
@@ -538,4 +540,20 @@ def list_uses(cls, paths: list[str]) -> dict[str, ListUses]:
                 where = uses[p].conditional
                 line = f"{line} [only when {guard}]"
             where.append(f"{name}:{offset + node.lineno}: {line[:80]}")
+    for u in uses.values():
+        _exclusive_methods(u, sites)
     return uses
+
+
+def _exclusive_methods(u: ListUses, sites: dict) -> None:
+    """Loops over one list in several methods (modes), each method called once, from different
+    branches of one ``if`` in the same caller: only one of them runs per call."""
+    methods = [loop.split(":")[0] for loop in u.loops]
+    if len(methods) < 2 or len(set(methods)) != len(methods) or u.exclusive:
+        return
+    calls = [sites.get(m, []) for m in methods]
+    if any(len(c) != 1 for c in calls) or len({c[0][0] for c in calls}) != 1:
+        return
+    nodes = [c[0][1] for c in calls]
+    branches = calls[0][0][2]
+    u.exclusive = all(exclusive_branches(branches, a, b) for i, a in enumerate(nodes) for b in nodes[i + 1:])

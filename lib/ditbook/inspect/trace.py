@@ -332,6 +332,7 @@ def analyse_calls(tracer: Tracer, transformer: nn.Module, report: ArchReport) ->
     report.loop_extra_work_reasons = _dedupe(reasons + report.loop_extra_work_reasons)
     report.loop_extra_work = bool(report.loop_extra_work_reasons)
     _sdpa_facts(tracer, report.attention, masks)
+    _rope_tensors(tracer, report)
     report.attention.masks = sorted(masks)
 
 
@@ -407,6 +408,11 @@ def _sdpa_facts(tracer: Tracer, att, masks: set) -> None:
                 att.kind = "joint"
             elif cross and att.kind != "joint":
                 att.kind = "cross"
+            elif att.kind == "unknown" and any(lq == lk for lq, lk in lens):
+                att.kind = "self"
+            # no attention module to read them from: the traced call's query says
+            att.heads = att.heads or q[1]
+            att.head_dim = att.head_dim or q[3]
         if att.heads and att.kv_heads:
             att.gqa_ratio = round(att.heads / att.kv_heads, 3)
 
@@ -423,6 +429,41 @@ def _promote_attention_lists(tracer: Tracer, transformer: nn.Module, report: Arc
     tracer.calls = [c for c in tracer.calls if c.path not in set(candidates) - set(found)]
 
 
+def _position_table(v, lengths: set[int], head_dim: int) -> bool:
+    """A precomputed rotary table: a tensor (or a tuple of them, cos/sin) with an axis as long as
+    an attention's tokens and one of head_dim or head_dim / 2 entries after it."""
+    if isinstance(v, (tuple, list)):
+        return bool(v) and all(_position_table(x, lengths, head_dim) for x in v)
+    if not isinstance(v, torch.Tensor) or v.ndim < 2 or not v.is_floating_point():
+        return False
+    dims = list(v.shape)
+    return any(d in lengths and any(e in (head_dim, head_dim // 2) for e in dims[i + 1:])
+               for i, d in enumerate(dims))
+
+
+def _rope_tensors(tracer: Tracer, report: ArchReport) -> None:
+    """RoPE passed to the blocks as precomputed tensors (``pe``, ``(cos, sin)``): a non-stream block
+    argument, the same for every block, shaped as a per-token table of the traced attention."""
+    att = report.attention
+    if att.rope or not tracer.sdpa or len(tracer.sdpa[0]["q"]) != 4:
+        return
+    head_dim = tracer.sdpa[0]["q"][3]
+    lengths = {s["q"][2] for s in tracer.sdpa if len(s["q"]) == 4}
+    for b in report.block_lists:
+        calls = [c for c in tracer.calls if c.path == b.path]
+        if not calls:
+            continue
+        streams = set(getattr(calls[0], "stream_names", ()) or ()) | set(stream_names(calls)) | {H, E}
+        for name, v in calls[0].bound.items():
+            if name in streams or not all(name in c.bound and _same(c.bound[name], v) for c in calls):
+                continue
+            if _position_table(v, lengths, head_dim):
+                att.rope = True
+                report.notes.append(f"RoPE: {b.path} blocks receive the precomputed table '{name}' "
+                                    f"({_describe_value(v if isinstance(v, torch.Tensor) else v[0])})")
+                return
+
+
 def _dedupe(items: list[str]) -> list[str]:
     seen, out = set(), []
     for i in items:
@@ -433,9 +474,11 @@ def _dedupe(items: list[str]) -> list[str]:
 
 
 def trace_calls(transformer: nn.Module, run: Callable[[], Any], report: ArchReport | None = None,
-                scheduler=None) -> ArchReport:
+                scheduler=None, steps: int | None = None) -> ArchReport:
     """Run ``run()`` with hooks on ``transformer`` and fold what it saw into ``report``
-    (a static report is made when none is given). ``scheduler``: its ``step`` calls are counted."""
+    (a static report is made when none is given). ``scheduler``: its ``step`` calls are counted;
+    ``steps``: the denoising steps ``run()`` asks for, used when no scheduler step was seen (a
+    loop written without one, or in a function outside the pipeline)."""
     if report is None:
         from .static import inspect_transformer
 
@@ -465,7 +508,9 @@ def trace_calls(transformer: nn.Module, run: Callable[[], Any], report: ArchRepo
     cfg = report.cfg
     cfg.transformer_calls = tracer.forwards
     cfg.batch_per_call = max(tracer.batches) if tracer.batches else None
-    if scheduler is not None and tracer.steps:
+    if not tracer.steps and steps:  # no scheduler step to count (an own loop): the call's steps
+        tracer.steps = int(steps)
+    if tracer.steps:
         cfg.steps_traced = tracer.steps
         cfg.calls_per_step = round(tracer.forwards / tracer.steps, 3)
         if cfg.calls_per_step >= 2:
@@ -497,7 +542,7 @@ def trace_pipeline(pipe, card, steps: int = 2, size: int | None = None, report: 
     prompt = gen.prompts[0] if gen.prompts else "a photo"
     seed = gen.seeds[0] if gen.seeds else 0
     report = trace_calls(pipe.transformer, lambda: render_one(pipe, card, prompt, seed, **overrides),
-                         report=report, scheduler=getattr(pipe, "scheduler", None))
+                         report=report, scheduler=getattr(pipe, "scheduler", None), steps=steps)
     report.cfg.cache_dit_separate_cfg = cache_dit_separate_cfg(pipe)
     return report
 
