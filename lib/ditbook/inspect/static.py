@@ -199,9 +199,8 @@ def add_block_lists(module: nn.Module, report: ArchReport, paths: list[str], why
         return
     lists = [(p, module.get_submodule(p)) for p in paths]
     report.block_lists += _block_list_facts(lists, param_count(module))
-    for b in report.block_lists[-len(paths):]:
-        b.pattern_reason = f"{b.pattern_reason}; {why}" if b.pattern_reason else why
     report.notes = [n for n in report.notes if not any(n.startswith(f"other ModuleList {p} (") for p in paths)]
+    report.notes += [f"{p}: {why}" for p in paths]
     everything = [(b.path, module.get_submodule(b.path)) for b in report.block_lists]
     report.modulation, report.modulation_reason = modulation(module, everything)
     notes = list(report.notes)
