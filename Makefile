@@ -18,7 +18,7 @@ LAB_ARGS    ?=
 # JupyterLab refuses to start as root unless told
 ROOT_ARGS   := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: install demo test test-fast chromium clean clean-outputs lab
+.PHONY: install demo test test-fast novel chromium clean clean-outputs lab
 
 $(BIN)/python:
 	@$(PYTHON) -c 'import sys; sys.exit(not ((3, 11) <= sys.version_info[:2] <= (3, 12)))' || \
@@ -49,6 +49,11 @@ test: install chromium
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow"
+
+# the novel-model suite: all ten third-party DiTs of tests/novel/ through `ditbook run` with the
+# card's defaults (make test runs three of them); outcomes in docs/novel_models.md
+novel: install
+	DITBOOK_NOVEL_ALL=1 $(BIN)/python -m pytest -q tests/test_novel_models.py
 
 # JupyterLab on this environment (the notebooks' kernel is this venv's python3, "Python 3 (ipykernel)")
 lab: install

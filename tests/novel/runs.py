@@ -23,14 +23,20 @@ def _ditbook(*args, env=None) -> subprocess.CompletedProcess:
                           cwd=REPO, env=env, timeout=900)
 
 
-def run_model(name: str, root: Path, env=None) -> tuple[Path, list[str]]:
+# make test's lighter cache search (two strategy families, two configurations each); `make novel`
+# runs every model with the card's defaults (every strategy, its whole grid)
+LIGHT = ("cache.strategies=[dbcache, diffusers_fbc]", "cache.max_configs=2")
+
+
+def run_model(name: str, root: Path, env=None, params: tuple[str, ...] = ()) -> tuple[Path, list[str]]:
     """Build ``name`` and run it as a new user does: ``ditbook run`` (intake, inspect, then the cache
     stage stops at the approval gate), ``ditbook approve --yes`` (the user having read plan.md), and
     ``ditbook run --resume`` (cache, parallel, benchmark)."""
     card = suite.build(name, root)
     outputs = root / "outputs"
     log = []
-    first = _ditbook("run", card, "--run-id", "novel", "--outputs", outputs, env=env)
+    flags = [x for p in params for x in ("-p", p)]
+    first = _ditbook("run", card, "--run-id", "novel", "--outputs", outputs, *flags, env=env)
     log.append(first.stdout[-3000:] + first.stderr[-3000:])
     run = outputs / f"novel-{name}" / "novel"
     approve = _ditbook("approve", card, "--run", run, "--yes", env=env)
@@ -119,9 +125,9 @@ def outcome(run: Path) -> dict:
     return {
         "stages": stages,
         "errors": {k: (v or "")[:300] for k, v in errors.items() if v},
-        "cache": {"refused": cache.get("refused"), "chosen": chosen.get("name"),
-                  "skipped": next((r.get("skipped_fraction") for r in cache.get("strategies", [])
-                                   if r.get("name") == chosen.get("name") and r.get("passed")), None)},
+        "cache": {"refused": cache.get("refused"), "chosen": chosen.get("name"), "config": chosen.get("config"),
+                  "skipped": [r.get("skipped_fraction") for r in cache.get("strategies", [])
+                              if r.get("name") == chosen.get("name") and r.get("config") == chosen.get("config")]},
         "plans": {r["name"]: ("passed" if r.get("passed") else f"failed: {(_plan_error(r) or '')[:160]}")
                   for r in par.get("plans", [])},
         "not_run": {r["name"]: (r.get("reason") or "")[:160] for r in par.get("not_run", [])},
@@ -132,13 +138,14 @@ def outcome(run: Path) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("names", nargs="*")
-    ap.add_argument("--root", default="/tmp/ditbook-novel")
+    ap.add_argument("--root", default="/tmp/novel-models")
+    ap.add_argument("--light", action="store_true", help="make test's lighter cache search")
     args = ap.parse_args()
     root = Path(args.root)
     bad = 0
     for name in args.names or list(suite.MODELS):
         t = time.time()
-        run, _log = run_model(name, root)
+        run, _log = run_model(name, root, params=LIGHT if args.light else ())
         row = {"model": name, "seconds": round(time.time() - t, 1), **outcome(run)}
         bad += bool(row["problems"])
         print(json.dumps(row), flush=True)
