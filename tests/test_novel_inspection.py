@@ -114,3 +114,18 @@ def test_adapter_folds_when_no_pattern_matches_by_name(inspected):
     assert static.block_lists[0].forward_pattern is None
     _, info = generate_adapter_source(pipe, static, "dualstream")
     assert info.block_lists[0].folded and "renames and reorders the streams" in info.block_lists[0].reason
+
+
+def test_skipped_share_counts_every_block_list_the_forward_runs(inspected, tmp_path):
+    # an adapter that caches only the double-stream list: the counter still counts the single-stream
+    # blocks, so a share skipped of one list is not reported as a share of the whole transformer
+    from ditbook.cache.adapter import CacheAdapter, generate_adapter_source
+    from ditbook.cache.verify import counted_render
+
+    pipe, report = inspected("fluxref")
+    _, info = generate_adapter_source(pipe, report, "fluxref")
+    info.block_lists, info.patch_functor = info.block_lists[:1], None
+    adapter = CacheAdapter(pipe, report, info, None, "")
+    card = load_card(suite.build("fluxref", tmp_path))
+    _, counts = counted_render(pipe, card, adapter, card.generation.prompts, [0])
+    assert counts["calls"] and set(counts["calls"]) == {4}  # 2 double + 2 single per transformer call

@@ -516,6 +516,24 @@ class CacheAdapter:
                     for b in blocks]
         return out
 
+    def counted_blocks(self) -> list:
+        """The blocks a skipped share counts: every block of every list the forward runs (the
+        inspection's block lists), cached or not, each module once — a cache that skips half of
+        one list skips less of the whole transformer."""
+        out = self.original_blocks()
+        seen = {id(b) for b in out}
+        cached = {p.path for p in self.info.block_lists}
+        for bl in getattr(self.report, "block_lists", []) or []:
+            if bl.path in cached:
+                continue
+            try:
+                blocks = list(_get(self.pipe.transformer, bl.path))
+            except (AttributeError, TypeError):
+                continue
+            out += [b for b in blocks if id(b) not in seen]
+            seen |= {id(b) for b in blocks}
+        return out
+
     def block_adapter(self, **kwargs):
         """A fresh cache-dit BlockAdapter: cache-dit's registered one when ``info.used`` says
         so, else ours (which applies our patch functor)."""
