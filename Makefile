@@ -18,7 +18,7 @@ LAB_ARGS    ?=
 # JupyterLab refuses to start as root unless told
 ROOT_ARGS   := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: install demo test test-fast chromium clean clean-outputs lab gpu-check
+.PHONY: install demo test test-fast novel chromium clean clean-outputs lab gpu-check
 
 $(BIN)/python:
 	@$(PYTHON) -c 'import sys; sys.exit(not ((3, 11) <= sys.version_info[:2] <= (3, 12)))' || \
@@ -56,6 +56,11 @@ test-fast: install
 GPU_CHECK_ARGS ?=
 gpu-check:
 	python3 benchmarks/gpu_check.py --record docs/gpu-check.json $(GPU_CHECK_ARGS)
+
+# the novel-model suite: all ten third-party DiTs of tests/novel/ through `ditbook run` with the
+# card's defaults (make test runs three of them); outcomes in docs/novel_models.md
+novel: install
+	DITBOOK_NOVEL_ALL=1 $(BIN)/python -m pytest -q tests/test_novel_models.py
 
 # JupyterLab on this environment (the notebooks' kernel is this venv's python3, "Python 3 (ipykernel)")
 lab: install

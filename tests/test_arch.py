@@ -164,12 +164,13 @@ def test_third_party_gqa_keyword_calls_and_loop_work():
     report = trace_calls(model, lambda: model(torch.randn(1, 8, 32), torch.randn(1, 32)), report)
     b = report.block_list("layers")
     assert b.call.positional == [] and b.call.keywords == ["x", "cond"]
-    assert b.forward_pattern is None and "hidden_states" in b.pattern_reason
+    # the pattern from the traced roles, run through a fold that renames x -> hidden_states
+    assert b.forward_pattern == "Pattern_3" and "traced streams ['x']" in b.pattern_reason
     assert any("changed between block 0 and 1" in r for r in report.loop_extra_work_reasons)
     assert report.attention.native_gqa and report.modulation == "per_block"
     plan = build_plan(report, None, None)
     ids = {r["id"] for r in plan["risks"]}
-    assert {"gqa_path", "dropped_loop_work", "keyword_called_blocks", "no_forward_pattern"} <= ids
+    assert {"gqa_path", "dropped_loop_work", "keyword_called_blocks", "renamed_streams"} <= ids
     assert [p["degrees"] for p in plan["parallel_candidates"] if p["kind"] == "ulysses"] == [[2]]
 
 

@@ -174,14 +174,31 @@ def _unfolded_plan(bl, transformer) -> "BlockListPlan | str":
                          reason=bl.pattern_reason or "from the inspection report")
 
 
-def _list_problem(path: str, u) -> str:
+def _nesting(tcls, path: str, u) -> str:
+    """Who runs the loop over a nested list: the container's own forward, or the transformer's code
+    iterating the never-called containers (``for stage in self.stages: for blk in stage.blocks``)."""
+    if u.loops:
+        return "though the transformer's forward runs its loop"
+    parts = path.split(".")
+    outer = next((".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)
+                  if not parts[i - 1].isdigit() and parts[i].isdigit()), None)
+    outer_uses = list_uses(tcls, [outer])[outer] if outer else None
+    # a for statement over the containers only reads each one's block list: an attribute read
+    loops = (outer_uses.loops + [e.split(": ")[0] for e in outer_uses.element_attrs if ": for " in e]) \
+        if outer_uses else []
+    if loops:
+        return (f"whose containers are never called: the transformer's code iterates self.{outer} and runs "
+                f"each container's blocks itself ({', '.join(loops[:2])})")
+    return "whose own code runs the loop"
+
+
+def _list_problem(path: str, u, tcls=None) -> str:
     """Why the list cannot be handed to cache-dit at all ('' when it can): nested, or used unsafely."""
     if "." in path:
         # cache-dit finds (and swaps) a block list by a direct attribute of the transformer:
         # a list one level down cannot be handed to it, even when the transformer's own
         # forward runs its loop
-        where = ("whose own code runs the loop" if not u.loops else
-                 "though the transformer's forward runs its loop")
+        where = _nesting(tcls, path, u) if tcls is not None else "nested"
         return (f"nested inside {path.rsplit('.', 1)[0]}, {where}; "
                 f"cache-dit swaps block lists by attribute of the transformer, so it is left uncached")
     if u.zipped_after:
@@ -231,7 +248,7 @@ def generate_adapter_source(pipe, report: ArchReport, model: str, *, force_fold:
     uncached: list[str] = []
     for bl in report.block_lists:
         u = uses[bl.path]
-        unsafe = _list_problem(bl.path, u)
+        unsafe = _list_problem(bl.path, u, tcls)
         if unsafe:
             uncached.append(f"{bl.path}: {unsafe}")
             continue
@@ -252,6 +269,13 @@ def generate_adapter_source(pipe, report: ArchReport, model: str, *, force_fold:
             info.functor_reasons += reasons
         else:
             plan = _unfolded_plan(bl, transformer)
+            if isinstance(plan, str) and fold is not None and force_fold is None:
+                # no pattern matches the blocks by name, but ditbook's own fold can rename and
+                # reorder their streams: the folded block takes what cache-dit passes
+                why = [f"{plan}; folded, the loop body renames and reorders the streams"]
+                folds.append(fold)
+                plan = _folded_plan(transformer, bl.path, fold, why)
+                info.functor_reasons += why
             if isinstance(plan, str):
                 uncached.append(f"{bl.path}: {plan}")
                 continue
@@ -490,6 +514,24 @@ class CacheAdapter:
         for _, blocks, _ in self.block_lists():
             out += [getattr(b, "inner", b) if self.info.patch_functor and type(b).__name__.endswith("_LoopBody") else b
                     for b in blocks]
+        return out
+
+    def counted_blocks(self) -> list:
+        """The blocks a skipped share counts: every block of every list the forward runs (the
+        inspection's block lists), cached or not, each module once — a cache that skips half of
+        one list skips less of the whole transformer."""
+        out = self.original_blocks()
+        seen = {id(b) for b in out}
+        cached = {p.path for p in self.info.block_lists}
+        for bl in getattr(self.report, "block_lists", []) or []:
+            if bl.path in cached:
+                continue
+            try:
+                blocks = list(_get(self.pipe.transformer, bl.path))
+            except (AttributeError, TypeError):
+                continue
+            out += [b for b in blocks if id(b) not in seen]
+            seen |= {id(b) for b in blocks}
         return out
 
     def block_adapter(self, **kwargs):

@@ -491,6 +491,14 @@ class _OriginalElements(ast.NodeTransformer):
 
     visit_ListComp = visit_SetComp = visit_GeneratorExp = visit_DictComp = _comprehension
 
+    def visit_Call(self, node):
+        """``len(self.<path>)``: the number of original blocks (the stand-in may hold fewer)."""
+        self.generic_visit(node)
+        if (isinstance(node.func, ast.Name) and node.func.id == "len" and len(node.args) == 1
+                and _self_attr(node.args[0]) in self.paths):
+            node.args[0] = self._original(_self_attr(node.args[0]))
+        return node
+
     def visit_For(self, node):
         """A ``for`` statement that only reads each element's attributes: over the original blocks."""
         from ..inspect.loop_source import comprehension_element_var, for_reads_attributes

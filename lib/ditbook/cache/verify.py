@@ -47,7 +47,7 @@ def render_set(pipe, card, prompts, seeds, **overrides) -> dict:
 
 def counted_render(pipe, card, adapter, prompts, seeds, **overrides) -> tuple[dict, dict]:
     """Render with every original block and attention module counted."""
-    counter = EvalCounter(pipe.transformer, adapter.original_blocks())
+    counter = EvalCounter(pipe.transformer, adapter.counted_blocks())
     try:
         images = render_set(pipe, card, prompts, seeds, **overrides)
         return images, counter.snapshot()
@@ -59,7 +59,7 @@ def evaluate(pipe, card, adapter, name: str, config, references: dict, baseline_
              gates: Gates, prompts, seeds, split: str = "calibration", keep_images: dict | None = None) -> StrategyResult:
     strat = strategies.get(name)
     steps = card.generation.steps
-    counter = EvalCounter(pipe.transformer, adapter.original_blocks())
+    counter = EvalCounter(pipe.transformer, adapter.counted_blocks())
     start = time.perf_counter()
     undo = None
     try:

@@ -159,14 +159,19 @@ class _LoopReader:
                 continue  # ``x = out`` / ``x, c = out``: the block's output taken as is, no work
             self._add(s, active, condition)
 
+    def _output_part(self, v: ast.AST) -> bool:
+        """``out``, ``out[0]`` or ``out["key"]`` of a name a block call's result was assigned to."""
+        if isinstance(v, ast.Subscript) and isinstance(v.slice, ast.Constant) and isinstance(v.slice.value, (int, str)):
+            v = v.value
+        return isinstance(v, ast.Name) and v.id in self.block_outputs
+
     def _passes_output_on(self, s: ast.stmt) -> bool:
+        """``x = out`` / ``x, c = out`` / ``img, txt = out["img"], out["txt"]``: the block's output
+        (a tuple's items, a returned dict's values) taken as is, no work."""
         if not isinstance(s, ast.Assign):
             return False
         v = s.value
-        if isinstance(v, ast.Subscript) and isinstance(v.slice, ast.Constant) and isinstance(v.slice.value, int):
-            v = v.value  # ``x = out[0]``
-        return (isinstance(v, ast.Name) and v.id in self.block_outputs) or (
-            isinstance(v, ast.Tuple) and all(isinstance(e, ast.Name) and e.id in self.block_outputs for e in v.elts))
+        return self._output_part(v) or (isinstance(v, ast.Tuple) and all(self._output_part(e) for e in v.elts))
 
     def _block_call(self, stmt: ast.stmt, active: bool, condition: str) -> None:
         if isinstance(stmt, ast.Assign):
@@ -276,7 +281,8 @@ class ListUses:
     zipped_after: list[str] = field(default_factory=list)  # the list whose zip loop runs this one (not first)
     # outside the loop, an attribute of one element read (``self.<list>[0].norm1.emb(...)``) or of
     # each element in a comprehension (``[b.attn.processor for b in self.<list>]``), the element
-    # itself never called: safe when the code is pointed at the original blocks
+    # itself never called, or the list's length read (``len(self.<list>)``): safe when the code
+    # is pointed at the original blocks
     element_attrs: list[str] = field(default_factory=list)
 
     def unsafe(self) -> str:
@@ -372,6 +378,14 @@ def _element_attribute(node: ast.AST, parents: dict) -> bool:
         return False
     attr = parents.get(id(sub))
     return isinstance(attr, ast.Attribute) and attr.value is sub and isinstance(attr.ctx, ast.Load)
+
+
+def length_read(node: ast.AST, parents: dict) -> bool:
+    """``node`` (``self.<list>``) is only measured: ``len(self.<list>)`` reads how many blocks
+    there are, not the blocks (safe when the code is pointed at the original list)."""
+    call = parents.get(id(node))
+    return (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "len"
+            and len(call.args) == 1 and call.args[0] is node and not call.keywords)
 
 
 _COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)
@@ -471,6 +485,7 @@ def list_uses(cls, paths: list[str]) -> dict[str, ListUses]:
     uses = {p: ListUses(p) for p in paths}
     seen: set[str] = set()
     todo = ["forward"]
+    sites: dict[str, list[tuple[str, ast.AST, dict]]] = {}  # method -> (caller, call node, caller's branches)
     while todo:
         name = todo.pop()
         if name in seen or name not in methods:
@@ -486,6 +501,7 @@ def list_uses(cls, paths: list[str]) -> dict[str, ListUses]:
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
                     isinstance(node.func.value, ast.Name) and node.func.value.id == "self":
                 todo.append(node.func.attr)
+                sites.setdefault(node.func.attr, []).append((name, node, branches))
             if isinstance(node, ast.For) and not for_reads_attributes(node):
                 lists = _loop_iter_lists(node.iter)
                 for k, it in enumerate(lists):
@@ -518,10 +534,26 @@ def list_uses(cls, paths: list[str]) -> dict[str, ListUses]:
                 continue  # assignment in __init__-like helpers
             line = _use_text(node, parent, parents)
             where = _bucket(uses[p], body_nodes.get(id(node)) == p, _element_attribute(node, parents)
-                                                       or _comprehension_attribute(node, parents))
+                            or _comprehension_attribute(node, parents) or length_read(node, parents))
             guard = _optional_guard(fn, ifs, branches.get(id(node), []))
             if where is uses[p].other and guard:
                 where = uses[p].conditional
                 line = f"{line} [only when {guard}]"
             where.append(f"{name}:{offset + node.lineno}: {line[:80]}")
+    for u in uses.values():
+        _exclusive_methods(u, sites)
     return uses
+
+
+def _exclusive_methods(u: ListUses, sites: dict) -> None:
+    """Loops over one list in several methods (modes), each method called once, from different
+    branches of one ``if`` in the same caller: only one of them runs per call."""
+    methods = [loop.split(":")[0] for loop in u.loops]
+    if len(methods) < 2 or len(set(methods)) != len(methods) or u.exclusive:
+        return
+    calls = [sites.get(m, []) for m in methods]
+    if any(len(c) != 1 for c in calls) or len({c[0][0] for c in calls}) != 1:
+        return
+    nodes = [c[0][1] for c in calls]
+    branches = calls[0][0][2]
+    u.exclusive = all(exclusive_branches(branches, a, b) for i, a in enumerate(nodes) for b in nodes[i + 1:])

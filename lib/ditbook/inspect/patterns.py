@@ -54,15 +54,33 @@ def forward_params(block) -> list[str]:
     return [p.name for p in signature_params(block.forward)]
 
 
-def match_pattern(block, output_roles: list[str] | None, receives_encoder: bool | None) -> PatternMatch:
+def match_pattern(block, output_roles: list[str] | None, receives_encoder: bool | None,
+                  renamed: dict | None = None) -> PatternMatch:
     """Decide the pattern of one block.
 
     ``output_roles``: the roles of the block's outputs in order (``hidden_states`` /
     ``encoder_hidden_states`` / ``other``), from a trace or from diffusers' block metadata;
     ``None`` when unknown. ``receives_encoder``: whether the transformer passes a text stream.
+    ``renamed``: {H: image parameter, E: text parameter or None} when the trace found the streams
+    under other names; the pattern is then the one the roles make, run through a renaming fold.
     """
     params = signature_params(block.forward)
     names = [p.name for p in params]
+    note = ""
+    if renamed and renamed.get(H) in names and H not in names:
+        streams = [renamed[H]] + ([renamed[E]] if renamed.get(E) in names else [])
+        rest = [p for p in params if p.name not in streams]
+        params = [inspect.Parameter(H, inspect.Parameter.POSITIONAL_OR_KEYWORD)] + (
+            [inspect.Parameter(E, inspect.Parameter.POSITIONAL_OR_KEYWORD)] if len(streams) > 1 else []) + rest
+        names = [p.name for p in params]
+        note = (f"traced streams {streams} taken as {[H, E][:len(streams)]}; cache-dit binds them by name, "
+                f"so the loop is folded into blocks that take them: ")
+    match = _match_named(params, names, output_roles, receives_encoder)
+    match.reason = note + match.reason
+    return match
+
+
+def _match_named(params: list, names: list[str], output_roles, receives_encoder) -> PatternMatch:
     if H not in names:
         first = names[0] if names else "nothing"
         return PatternMatch(None, [], f"block.forward has no parameter named '{H}' (its first is '{first}'); "

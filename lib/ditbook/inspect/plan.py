@@ -214,7 +214,8 @@ def _plan_risks(report: ArchReport, parallel: list[dict]) -> list[dict]:
                            "check the CP plan shards every mask; compare a masked prompt against the single-process baseline"))
     kw_lists = [b.path for b in report.block_lists if b.call and b.call.keywords]
     if kw_lists:
-        unnamed = [b.path for b in report.block_lists if b.forward_pattern is None and "no parameter named" in b.pattern_reason]
+        unnamed = [b.path for b in report.block_lists if (b.forward_pattern is None and "no parameter named" in b.pattern_reason)
+                   or "traced streams" in b.pattern_reason]
         risks.append(_risk("keyword_called_blocks", "high" if unnamed else "low",
                            f"the transformer calls {kw_lists} with keyword arguments"
                            + (f"; {unnamed} name their streams differently, so cache-dit cannot bind them" if unnamed else ""),
@@ -246,6 +247,10 @@ def _plan_risks(report: ArchReport, parallel: list[dict]) -> list[dict]:
         if b.forward_pattern is None:
             risks.append(_risk("no_forward_pattern", "high", f"{b.path}: no cache-dit ForwardPattern: {b.pattern_reason}",
                                "wrap the blocks so they take and return the streams cache-dit expects"))
+        elif "traced streams" in b.pattern_reason:
+            risks.append(_risk("renamed_streams", "medium", f"{b.path}: {b.forward_pattern} only under other names: "
+                               f"{b.pattern_reason}", "the adapter folds the loop into blocks that take the streams "
+                               "under cache-dit's names; check the caching-off reproduction"))
     for a in sup.agreement:
         if "DISAGREE" in a or "differ" in a:
             risks.append(_risk("cache_dit_disagreement", "medium", a, "read both; trust the traced call"))

@@ -177,6 +177,37 @@ def find_block_lists(module: nn.Module) -> tuple[list[tuple[str, nn.ModuleList]]
     return blocks, others
 
 
+def candidate_lists(module: nn.Module, taken: list[str]) -> list[tuple[str, nn.ModuleList]]:
+    """ModuleLists the static rules did not take as blocks but whose elements are modules of their
+    own (not torch layers, not never-called containers): the trace takes those whose blocks make
+    an attention call as block lists (attention by the call, not by an attention module)."""
+    out: list[tuple[str, nn.ModuleList]] = []
+    for name, m in module.named_modules():
+        if not isinstance(m, nn.ModuleList) or not name or not len(m):
+            continue
+        if any(name == t or name.startswith(t + ".") for t in taken + [p for p, _ in out]):
+            continue
+        if all(not is_container(c) and not type(c).__module__.startswith("torch.") for c in m):
+            out.append((name, m))
+    return out
+
+
+def add_block_lists(module: nn.Module, report: ArchReport, paths: list[str], why: str) -> None:
+    """Take the ModuleLists at ``paths`` as block lists too (found by the trace): their facts, the
+    loop facts and modulation again over every list, the 'not blocks' notes of them dropped."""
+    if not paths:
+        return
+    lists = [(p, module.get_submodule(p)) for p in paths]
+    report.block_lists += _block_list_facts(lists, param_count(module))
+    report.notes = [n for n in report.notes if not any(n.startswith(f"other ModuleList {p} (") for p in paths)]
+    report.notes += [f"{p}: {why}" for p in paths]
+    everything = [(b.path, module.get_submodule(b.path)) for b in report.block_lists]
+    report.modulation, report.modulation_reason = modulation(module, everything)
+    notes = list(report.notes)
+    _add_loop_facts(module, report)
+    report.notes = list(dict.fromkeys(notes + report.notes))
+
+
 def _rope(module: nn.Module, block_lists) -> bool:
     for _, m in module.named_modules():
         n = type(m).__name__.lower()

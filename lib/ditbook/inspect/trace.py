@@ -86,6 +86,7 @@ class Tracer:
         self.sdpa: list[dict] = []  # first forward only
         self.steps = 0
         self._active: list[tuple[str, int]] = []  # block calls in progress (path, index)
+        self.latent_shape: list[int] | None = None  # the transformer's first tensor input, first call
         self._mode = None
 
     # -- hooks ----------------------------------------------------------------------------
@@ -95,8 +96,12 @@ class Tracer:
         bound = {p.name: a for p, a in zip(params, args)}
         bound.update(kwargs)
         hs = bound.get(H, args[0] if args else None)
+        if not isinstance(hs, torch.Tensor):  # the latents under another name: the first tensor argument
+            hs = next((v for v in bound.values() if isinstance(v, torch.Tensor)), None)
         if isinstance(hs, torch.Tensor):
             self.batches.append(int(hs.shape[0]))
+            if self.forwards == 1:
+                self.latent_shape = list(hs.shape)
         if isinstance(bound.get("guidance"), torch.Tensor):
             self.guidance = True
         for k, v in bound.items():
@@ -160,8 +165,74 @@ class Tracer:
         return False
 
 
+def _flat_outputs(outputs: list) -> list:
+    """A block's outputs with a returned dict's values in their place."""
+    flat = []
+    for o in outputs:
+        flat += list(o.values()) if isinstance(o, dict) else [o]
+    return flat
+
+
+def stream_names(calls: list) -> list[str]:
+    """Parameters that carry a stream through the list, in the block's parameter order: each later
+    block receives there a value an earlier call returned (the data flow, whatever the names)."""
+    names = []
+    for prev, nxt in zip(calls, calls[1:]):
+        outs = [o for o in _flat_outputs(prev.outputs) if isinstance(o, torch.Tensor)]
+        for name in getattr(nxt, "order", nxt.positional):
+            v = nxt.bound.get(name)
+            if isinstance(v, torch.Tensor) and name not in names and any(_same(v, o) for o in outs):
+                names.append(name)
+    return names
+
+
+def _image_tokens(latent_shape: list[int] | None) -> int | None:
+    """Image tokens the latents make: their length when they come as tokens (B, N, C), else their
+    spatial size (B, C, [F,] H, W), which patches divide by a square."""
+    if not latent_shape or len(latent_shape) < 3:
+        return None
+    if len(latent_shape) == 3:
+        return latent_shape[1]
+    n = 1
+    for d in latent_shape[2:]:
+        n *= d
+    return n
+
+
+def _is_image_stream(value, spatial: int | None, tokens: bool) -> bool:
+    if not isinstance(value, torch.Tensor) or value.ndim != 3 or spatial is None:
+        return False
+    n = int(value.shape[1])
+    if tokens:
+        return n == spatial
+    return n > 0 and spatial % n == 0 and round((spatial // n) ** 0.5) ** 2 == spatial // n
+
+
+def image_text_names(calls: list, latent_shape: list[int] | None) -> tuple[str | None, str | None]:
+    """(image-stream, text-stream) parameter names of a list whose blocks do not name them
+    ``hidden_states``/``encoder_hidden_states``: of the traced streams, the image stream is the one
+    whose token count the latents make; a single stream is the image stream."""
+    first = calls[0]
+    if H in first.bound:
+        return H, (E if isinstance(first.bound.get(E), torch.Tensor) else None)
+    names = stream_names(calls) or [n for n in getattr(first, "order", first.positional)
+                                    if isinstance(first.bound.get(n), torch.Tensor)][:1]
+    if len(names) < 2:
+        return (names[0] if names else None), None
+    spatial = _image_tokens(latent_shape)
+    tokens = bool(latent_shape) and len(latent_shape) == 3
+    images = [n for n in names[:2] if _is_image_stream(first.bound[n], spatial, tokens)]
+    image = images[0] if len(images) == 1 else names[0]
+    text = next(n for n in names[:2] if n != image)
+    return image, text
+
+
 def _streams(call: _Call):
     """(image-stream input, text-stream input) of a block call."""
+    names = getattr(call, "stream_names", None)
+    if names is not None:
+        h, e = (call.bound.get(n) if n else None for n in names)
+        return h, (e if isinstance(e, torch.Tensor) else None)
     h = call.bound.get(H)
     if h is None:  # the image stream under another name: the first tensor parameter
         for name in getattr(call, "order", call.positional):
@@ -175,7 +246,7 @@ def _streams(call: _Call):
 def _roles(call: _Call) -> list[str]:
     h, e = _streams(call)
     roles = []
-    for out in call.outputs:
+    for out in _flat_outputs(call.outputs):
         if not isinstance(out, torch.Tensor) or not isinstance(h, torch.Tensor):
             roles.append("other")
             continue
@@ -197,7 +268,7 @@ def _roles(call: _Call) -> list[str]:
 
 
 def _out(call: _Call, role: str):
-    for r, o in zip(_roles(call), call.outputs):
+    for r, o in zip(_roles(call), _flat_outputs(call.outputs)):
         if r == role:
             return o
     return None
@@ -210,6 +281,9 @@ def analyse_calls(tracer: Tracer, transformer: nn.Module, report: ArchReport) ->
         for o in call.outputs:
             if isinstance(o, torch.Tensor):
                 outputs_seen.setdefault(id(o), (call.path, call.index))
+    # the block call just before each one, across lists: the last block of one list feeding the
+    # first of the next (nested stages, double then single stream) is a chain, not a skip
+    previous = {id(c): (p.path, p.index) for p, c in zip(tracer.calls, tracer.calls[1:])}
     reasons: list[str] = []
     masks: set[str] = {f"transformer.{m}" for m in tracer.transformer_masks}
     for b in report.block_lists:
@@ -218,13 +292,17 @@ def analyse_calls(tracer: Tracer, transformer: nn.Module, report: ArchReport) ->
             b.pattern_reason += "; the traced run never called these blocks"
             continue
         first = calls[0]
+        image, text = image_text_names(calls, tracer.latent_shape)
+        for c in calls:
+            c.stream_names = (image, text)
         roles = _roles(first)
         h, e = _streams(first)
-        varying = _varying_arguments(b.path, calls, reasons)
-        _masks_and_skip_connections(b.path, calls, outputs_seen, masks, reasons)
+        varying = _varying_arguments(b.path, calls, reasons, set(stream_names(calls)) | {image, text})
+        _masks_and_skip_connections(b.path, calls, outputs_seen, masks, reasons, previous)
         _work_between_calls(b.path, calls, reasons)
         block = transformer.get_submodule(b.path)[0]
-        match = match_pattern(block, roles, receives_encoder=e is not None)
+        renamed = {H: image, E: text} if image and image != H else None
+        match = match_pattern(block, roles, receives_encoder=e is not None, renamed=renamed)
         b.forward_pattern, b.compatible_patterns, b.pattern_reason = match.pattern, match.compatible, match.reason
         b.pattern_source = "traced"
         b.call = CallConvention(
@@ -242,14 +320,16 @@ def analyse_calls(tracer: Tracer, transformer: nn.Module, report: ArchReport) ->
     report.loop_extra_work_reasons = _dedupe(reasons + report.loop_extra_work_reasons)
     report.loop_extra_work = bool(report.loop_extra_work_reasons)
     _sdpa_facts(tracer, report.attention, masks)
+    _rope_tensors(tracer, report)
     report.attention.masks = sorted(masks)
 
 
-def _varying_arguments(path: str, calls: list, reasons: list) -> list[str]:
-    """Block arguments (other than the streams) missing from some calls or new per call; says why."""
+def _varying_arguments(path: str, calls: list, reasons: list, streams: set | None = None) -> list[str]:
+    """Block arguments (other than the streams: hidden_states, encoder_hidden_states and any
+    parameter that takes the previous block's output) missing from some calls or new per call."""
     varying: list[str] = []
     names_all = set().union(*(set(c.bound) for c in calls))
-    for name in sorted(names_all - {H, E}):
+    for name in sorted(names_all - {H, E} - (streams or set())):
         present = [c.index for c in calls if name in c.bound]
         if len(present) != len(calls):
             varying.append(name)
@@ -262,8 +342,10 @@ def _varying_arguments(path: str, calls: list, reasons: list) -> list[str]:
     return varying
 
 
-def _masks_and_skip_connections(path: str, calls: list, outputs_seen: dict, masks: set, reasons: list) -> None:
-    """Mask arguments the blocks receive, and arguments that are an earlier call's output (skips)."""
+def _masks_and_skip_connections(path: str, calls: list, outputs_seen: dict, masks: set, reasons: list,
+                                previous: dict | None = None) -> None:
+    """Mask arguments the blocks receive, and arguments that are an earlier call's output (skips;
+    the output of the block call just before, ``previous[id(call)]``, is the chain, not a skip)."""
     for c in calls:
         for name, v in c.bound.items():
             if "mask" in name and isinstance(v, torch.Tensor):
@@ -273,7 +355,7 @@ def _masks_and_skip_connections(path: str, calls: list, outputs_seen: dict, mask
                              if "mask" in k and isinstance(vv, torch.Tensor))
             if name not in (H, E) and isinstance(v, torch.Tensor) and id(v) in outputs_seen:
                 src = outputs_seen[id(v)]
-                if src != (c.path, c.index - 1):
+                if src != (c.path, c.index - 1) and src != (previous or {}).get(id(c)):
                     reasons.append(f"{path}[{c.index}]: argument '{name}' is the output of {src[0]}[{src[1]}] "
                                    f"(skip connection)")
 
@@ -314,8 +396,60 @@ def _sdpa_facts(tracer: Tracer, att, masks: set) -> None:
                 att.kind = "joint"
             elif cross and att.kind != "joint":
                 att.kind = "cross"
+            elif att.kind == "unknown" and any(lq == lk for lq, lk in lens):
+                att.kind = "self"
+            # no attention module to read them from: the traced call's query says
+            att.heads = att.heads or q[1]
+            att.head_dim = att.head_dim or q[3]
         if att.heads and att.kv_heads:
             att.gqa_ratio = round(att.heads / att.kv_heads, 3)
+
+
+def _promote_attention_lists(tracer: Tracer, transformer: nn.Module, report: ArchReport, candidates: list[str]) -> None:
+    """Lists whose blocks made an attention call in the traced run are block lists, whatever their
+    attention is made of (a plain function calling scaled_dot_product_attention, no module)."""
+    from .static import add_block_lists
+
+    called = {s["block"][0] for s in tracer.sdpa if s.get("block")}
+    found = [p for p in candidates if p in called]
+    add_block_lists(transformer, report, found, "block list by its traced attention calls "
+                                               "(scaled_dot_product_attention inside every block call)")
+    tracer.calls = [c for c in tracer.calls if c.path not in set(candidates) - set(found)]
+
+
+def _position_table(v, lengths: set[int], head_dim: int) -> bool:
+    """A precomputed rotary table: a tensor (or a tuple of them, cos/sin) with an axis as long as
+    an attention's tokens and one of head_dim or head_dim / 2 entries after it."""
+    if isinstance(v, (tuple, list)):
+        return bool(v) and all(_position_table(x, lengths, head_dim) for x in v)
+    if not isinstance(v, torch.Tensor) or v.ndim < 2 or not v.is_floating_point():
+        return False
+    dims = list(v.shape)
+    return any(d in lengths and any(e in (head_dim, head_dim // 2) for e in dims[i + 1:])
+               for i, d in enumerate(dims))
+
+
+def _rope_tensors(tracer: Tracer, report: ArchReport) -> None:
+    """RoPE passed to the blocks as precomputed tensors (``pe``, ``(cos, sin)``): a non-stream block
+    argument, the same for every block, shaped as a per-token table of the traced attention."""
+    att = report.attention
+    if att.rope or not tracer.sdpa or len(tracer.sdpa[0]["q"]) != 4:
+        return
+    head_dim = tracer.sdpa[0]["q"][3]
+    lengths = {s["q"][2] for s in tracer.sdpa if len(s["q"]) == 4}
+    for b in report.block_lists:
+        calls = [c for c in tracer.calls if c.path == b.path]
+        if not calls:
+            continue
+        streams = set(getattr(calls[0], "stream_names", ()) or ()) | set(stream_names(calls)) | {H, E}
+        for name, v in calls[0].bound.items():
+            if name in streams or not all(name in c.bound and _same(c.bound[name], v) for c in calls):
+                continue
+            if _position_table(v, lengths, head_dim):
+                att.rope = True
+                report.notes.append(f"RoPE: {b.path} blocks receive the precomputed table '{name}' "
+                                    f"({_describe_value(v if isinstance(v, torch.Tensor) else v[0])})")
+                return
 
 
 def _dedupe(items: list[str]) -> list[str]:
@@ -328,14 +462,20 @@ def _dedupe(items: list[str]) -> list[str]:
 
 
 def trace_calls(transformer: nn.Module, run: Callable[[], Any], report: ArchReport | None = None,
-                scheduler=None) -> ArchReport:
+                scheduler=None, steps: int | None = None) -> ArchReport:
     """Run ``run()`` with hooks on ``transformer`` and fold what it saw into ``report``
-    (a static report is made when none is given). ``scheduler``: its ``step`` calls are counted."""
+    (a static report is made when none is given). ``scheduler``: its ``step`` calls are counted;
+    ``steps``: the denoising steps ``run()`` asks for, used when no scheduler step was seen (a
+    loop written without one, or in a function outside the pipeline)."""
     if report is None:
         from .static import inspect_transformer
 
         report = inspect_transformer(transformer)
-    tracer = Tracer(transformer, [b.path for b in report.block_lists])
+    from .static import candidate_lists
+
+    known = [b.path for b in report.block_lists]
+    candidates = [p for p, _ in candidate_lists(transformer, known)]
+    tracer = Tracer(transformer, known + candidates)
     counting = None
     if scheduler is not None:
         from ..hooks import wrap_method
@@ -351,11 +491,14 @@ def trace_calls(transformer: nn.Module, run: Callable[[], Any], report: ArchRepo
     finally:
         if counting is not None:
             counting.remove()
+    _promote_attention_lists(tracer, transformer, report, candidates)
     analyse_calls(tracer, transformer, report)
     cfg = report.cfg
     cfg.transformer_calls = tracer.forwards
     cfg.batch_per_call = max(tracer.batches) if tracer.batches else None
-    if scheduler is not None and tracer.steps:
+    if not tracer.steps and steps:  # no scheduler step to count (an own loop): the call's steps
+        tracer.steps = int(steps)
+    if tracer.steps:
         cfg.steps_traced = tracer.steps
         cfg.calls_per_step = round(tracer.forwards / tracer.steps, 3)
         if cfg.calls_per_step >= 2:
@@ -387,7 +530,7 @@ def trace_pipeline(pipe, card, steps: int = 2, size: int | None = None, report: 
     prompt = gen.prompts[0] if gen.prompts else "a photo"
     seed = gen.seeds[0] if gen.seeds else 0
     report = trace_calls(pipe.transformer, lambda: render_one(pipe, card, prompt, seed, **overrides),
-                         report=report, scheduler=getattr(pipe, "scheduler", None))
+                         report=report, scheduler=getattr(pipe, "scheduler", None), steps=steps)
     report.cfg.cache_dit_separate_cfg = cache_dit_separate_cfg(pipe)
     return report
 

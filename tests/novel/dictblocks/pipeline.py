@@ -1,0 +1,36 @@
+"""Own pipeline calling the transformer the default way (a ModelOutput back, ``.sample`` read)."""
+import torch
+from diffusers import DiffusionPipeline
+from diffusers.utils import BaseOutput
+
+
+class DictOutput(BaseOutput):
+    images: object
+
+
+class DictBlocksPipeline(DiffusionPipeline):
+    def __init__(self, transformer, scheduler):
+        super().__init__()
+        self.register_modules(transformer=transformer, scheduler=scheduler)
+
+    def ids(self, prompt):
+        n, vocab = self.transformer.config.text_len, self.transformer.config.vocab
+        vals = [ord(ch) % vocab for ch in (prompt or "")][:n]
+        return torch.tensor([vals + [1] * (n - len(vals))])
+
+    @torch.no_grad()
+    def __call__(self, prompt, negative_prompt=None, height=32, width=32, num_inference_steps=3,
+                 guidance_scale=3.0, generator=None):
+        c = self.transformer.config.in_channels
+        lat = torch.randn((1, c, height // 4, width // 4), generator=generator)
+        self.scheduler.set_timesteps(num_inference_steps)
+        cond, uncond = self.ids(prompt), self.ids(negative_prompt)
+        for t in self.scheduler.timesteps:
+            ts = (t / 1000).expand(1)
+            v = self.transformer(hidden_states=lat, encoder_ids=cond, timestep=ts).sample
+            if guidance_scale > 1:
+                vu = self.transformer(hidden_states=lat, encoder_ids=uncond, timestep=ts).sample
+                v = vu + guidance_scale * (v - vu)
+            lat = self.scheduler.step(v, t, lat).prev_sample
+        img = torch.nn.functional.interpolate(lat[:, :3], scale_factor=4, mode="nearest")
+        return DictOutput(images=(img.tanh() * 0.5 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).numpy())

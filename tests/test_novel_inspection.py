@@ -1,0 +1,131 @@
+"""Inspection and adapter decisions on the novel third-party DiTs (tests/novel/): facts that must
+come from the traced data flow and the traced attention calls, not from parameter names or
+attention modules (issue 23, items 3, 9 and 10). The whole-playbook runs are tests/test_novel_models.py."""
+
+import pytest
+
+from ditbook.card import load_card
+from ditbook.loading import load_pipeline
+from novel import suite
+
+H, E = "hidden_states", "encoder_hidden_states"
+
+
+@pytest.fixture(scope="module")
+def inspected(tmp_path_factory):
+    from ditbook.inspect.stage import run_inspection
+
+    root = tmp_path_factory.mktemp("novel")
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            card = load_card(suite.build(name, root))
+            pipe = load_pipeline(card)
+            cache[name] = (pipe, run_inspection(pipe, card).report)
+        return cache[name]
+    return get
+
+
+def test_blocks_without_an_attention_module_are_found_by_their_attention_calls(inspected):
+    # DiTBlock holds one fused qkv Linear and calls F.scaled_dot_product_attention itself
+    _, report = inspected("depthscale")
+    assert [b.path for b in report.block_lists] == ["blocks"]
+    assert any(n.startswith("blocks: block list by its traced attention calls") for n in report.notes), report.notes
+    assert (report.attention.heads, report.attention.head_dim, report.attention.kind) == (4, 8, "joint")
+
+
+def test_streams_named_otherwise_get_their_roles_from_the_data_flow(inspected):
+    # JointBlock(txt, img, vec) -> (txt, img): text first, names not hidden_states
+    _, report = inspected("dualstream")
+    b = report.block_lists[0]
+    assert b.call.output_roles == [E, H]
+    assert b.forward_pattern == "Pattern_1" and "traced streams ['img', 'txt']" in b.pattern_reason
+    assert report.loop_extra_work is False, report.loop_extra_work_reasons
+    assert report.attention.kind == "joint"
+    assert (report.attention.image_seq_len, report.attention.text_seq_len) == (16, 8)
+
+
+def test_reading_a_returned_dict_is_not_loop_work(inspected):
+    _, report = inspected("dictblocks")
+    assert report.loop_extra_work is False, report.loop_extra_work_reasons
+    assert report.block_lists[0].forward_pattern == "Pattern_0"
+
+
+def test_a_chain_from_one_nested_list_into_the_next_is_no_skip_connection(inspected):
+    pipe, report = inspected("stages")
+    assert [b.path for b in report.block_lists] == ["stages.0.blocks", "stages.1.blocks"]
+    assert report.loop_extra_work is False, report.loop_extra_work_reasons
+    # the own Euler loop has no scheduler: CFG read from the traced call's steps
+    assert (report.cfg.style, report.cfg.calls_per_step) == ("separate", 2.0)
+
+
+def test_nested_lists_in_never_called_containers_are_refused_with_the_true_reason(inspected):
+    from ditbook.cache.adapter import CacheRefused, generate_adapter_source
+
+    pipe, report = inspected("stages")
+    with pytest.raises(CacheRefused) as err:
+        generate_adapter_source(pipe, report, "stages")
+    assert "containers are never called" in str(err.value) and "iterates self.stages" in str(err.value)
+    assert "whose own code runs the loop" not in str(err.value)
+
+
+def test_flux_reference_shape(inspected):
+    # attention() function (no module), pe tensor, guidance argument, loop in a module-level denoise()
+    _, report = inspected("fluxref")
+    assert [b.path for b in report.block_lists] == ["double_blocks", "single_blocks"]
+    assert [b.forward_pattern for b in report.block_lists] == ["Pattern_0", "Pattern_3"]
+    assert report.loop_extra_work is False, report.loop_extra_work_reasons
+    a = report.attention
+    assert (a.kind, a.rope, a.heads, a.head_dim) == ("joint", True, 2, 16)
+    assert report.cfg.style == "distilled"
+
+
+def test_len_of_the_list_outside_the_loop_is_a_length_read(inspected):
+    from ditbook.cache.adapter import generate_adapter_source
+    from ditbook.inspect.loop_source import list_uses
+
+    pipe, report = inspected("depthscale")
+    u = list_uses(type(pipe.transformer), ["blocks"])["blocks"]
+    assert u.other == [] and any("len(self.blocks)" in e for e in u.element_attrs)
+    src, info = generate_adapter_source(pipe, report, "depthscale")
+    assert [p.path for p in info.block_lists] == ["blocks"] and info.block_lists[0].folded
+    assert "len(self._ditbook_originals['blocks'])" in src
+
+
+def test_one_list_looped_in_exclusive_mode_methods(inspected):
+    from ditbook.cache.adapter import generate_adapter_source
+    from ditbook.inspect.loop_source import list_uses
+
+    pipe, report = inspected("modes")
+    u = list_uses(type(pipe.transformer), ["blocks"])["blocks"]
+    assert len(u.loops) == 2 and u.exclusive and u.unsafe() == ""
+    _, info = generate_adapter_source(pipe, report, "modes")
+    assert [p.path for p in info.block_lists] == ["blocks"]
+
+
+def test_adapter_folds_when_no_pattern_matches_by_name(inspected):
+    # the static report alone (no trace) finds no pattern: the blocks have no 'hidden_states'
+    from ditbook.cache.adapter import generate_adapter_source
+    from ditbook.inspect.static import inspect_transformer
+
+    pipe, _ = inspected("dualstream")
+    static = inspect_transformer(pipe.transformer, type(pipe).__name__)
+    assert static.block_lists[0].forward_pattern is None
+    _, info = generate_adapter_source(pipe, static, "dualstream")
+    assert info.block_lists[0].folded and "renames and reorders the streams" in info.block_lists[0].reason
+
+
+def test_skipped_share_counts_every_block_list_the_forward_runs(inspected, tmp_path):
+    # an adapter that caches only the double-stream list: the counter still counts the single-stream
+    # blocks, so a share skipped of one list is not reported as a share of the whole transformer
+    from ditbook.cache.adapter import CacheAdapter, generate_adapter_source
+    from ditbook.cache.verify import counted_render
+
+    pipe, report = inspected("fluxref")
+    _, info = generate_adapter_source(pipe, report, "fluxref")
+    info.block_lists, info.patch_functor = info.block_lists[:1], None
+    adapter = CacheAdapter(pipe, report, info, None, "")
+    card = load_card(suite.build("fluxref", tmp_path))
+    _, counts = counted_render(pipe, card, adapter, card.generation.prompts, [0])
+    assert counts["calls"] and set(counts["calls"]) == {4}  # 2 double + 2 single per transformer call
