@@ -97,7 +97,9 @@ def open_run_for(command: str, run: RunFolder, card_path: str, overrides: dict |
         raise RunError(f"{run.path} is not a run folder (it has no run.json)")
     run.refuse_finished(command)
     overrides = run_overrides(run, overrides, command)
-    card = gate_check(card_path, overrides)
+    from .preflight import start_check
+
+    card = start_check(card_path, overrides)
     model = run.read_meta().get("model")
     if model is not None and model != card.name:
         raise RunError(f"{command}: {run.path} is a run of model {model!r}, the card {card_path} is {card.name!r}")

@@ -8,7 +8,6 @@ from pathlib import Path
 
 
 def cmd_inspect(args) -> int:
-    from ..card import gate_check
     from ..card import parse_overrides
     from ..loading import choose_placement, load_pipeline
     from ..runs import RunFolder
@@ -25,7 +24,9 @@ def cmd_inspect(args) -> int:
     if bad:
         flag = {"inspect.trace_steps": "--steps", "inspect.trace_size": "--size"}
         raise CardError("; ".join(f"{flag.get(k, k)}: {m}" for k, m in bad))
-    card = gate_check(args.card, overrides)
+    from ..preflight import start_check
+
+    card = start_check(args.card, overrides)  # what a run checks at its start
     pipe = load_pipeline(card, choose_placement(card))
     result = run_inspection(pipe, card, steps=args.steps, size=args.size)
     saved = None

@@ -123,7 +123,7 @@ def static_refusal(card, plans: list[str]) -> list[str]:
 
 
 def cmd_parallel(args) -> int:
-    from ..card import gate_check, parse_overrides
+    from ..card import parse_overrides
     from ..loading import choose_placement
     from .launch import Nodes, ParallelRunError, ranks_present, run_plans
     from .plans import PlanNameError, parse_plan
@@ -137,7 +137,9 @@ def cmd_parallel(args) -> int:
         run = RunFolder(args.run)
         card, overrides = open_run_for("ditbook parallel --run", run, args.card, overrides)
     else:
-        card = gate_check(args.card, overrides)
+        from ..preflight import start_check
+
+        card = start_check(args.card, overrides)  # what a run checks at its start
     plans = [p for item in args.plan for p in item.split(",") if p]
     try:
         specs = {p: parse_plan(p) for p in plans}
