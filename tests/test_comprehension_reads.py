@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from ditbook.cache import loopfold
-from ditbook.coverage import check_class
+from cache_harness import cache_check
 from ditbook.inspect.loop_source import list_uses
 
 from test_integration_mechanisms import Base, Comprehension, run
@@ -101,7 +101,7 @@ def test_without_the_rewrite_the_comprehension_sees_the_stand_in(monkeypatch, cl
     # the check can fail: a fold that leaves the comprehension (or for statement) over
     # self.blocks (cache-dit's one-unit stand-in while cached) is not reported correct
     monkeypatch.setattr(loopfold._OriginalElements, visit, ast_identity)
-    row = check_class(cls, cp=False)
+    row = cache_check(cls)
     assert row.outcome == "crash" and f"has no attribute '{attr}'" in row.reason, row
 
 

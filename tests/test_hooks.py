@@ -380,3 +380,61 @@ def test_snapshot_restores_what_a_third_party_patch_left_on_instances():
     assert "forward" not in root.__dict__ and "_is_patched" not in root.__dict__
     assert "forward" not in root[0].__dict__ and root[1].__dict__["forward"] is own
     assert torch.equal(root(torch.ones(1)), torch.full((1,), 2.0))
+
+
+def test_swap_attribute_undoes_exactly_on_instances_classes_and_modules():
+    import types
+
+    from ditbook.hooks import WrapError, swap_attribute
+
+    class Proc:
+        shared = "class value"
+
+    p = Proc()
+    h = swap_attribute(p, "shared", None)  # shadows the class attribute
+    assert p.shared is None
+    h.remove()
+    assert "shared" not in vars(p) and p.shared == "class value"  # absent again, not set to the old value
+    p.own = obj = object()
+    with swap_attribute(p, "own", 1):
+        assert p.own == 1
+    assert p.own is obj  # the very object again
+    mod = types.ModuleType("fake_diffusers_module")
+    mod.IDENTIFIERS = ids = ("blocks",)
+    h = swap_attribute(mod, "IDENTIFIERS", ids + ("layers",))
+    h.remove()
+    h.remove()  # idempotent
+    assert mod.IDENTIFIERS is ids
+    h = swap_attribute(p, "own", 2)
+    p.own = 3  # changed behind the handle's back: refused, not silently dropped
+    with pytest.raises(WrapError, match="changed outside"):
+        h.remove()
+
+
+def test_set_item_undoes_a_registry_entry_exactly():
+    from ditbook.hooks import set_item
+
+    registry = {"Known": "theirs"}
+    with set_item(registry, "Mine", "ours"):
+        assert registry["Mine"] == "ours"
+    assert registry == {"Known": "theirs"}
+    h = set_item(registry, "Known", "ours")
+    h.remove()
+    assert registry == {"Known": "theirs"}
+
+
+def test_cache_agreement_wraps_can_cache_and_comes_off_exactly():
+    from types import SimpleNamespace
+
+    from ditbook.parallel.cache_sync import agree_cache_decisions
+
+    class Manager:
+        def can_cache(self, *a, **k):
+            return True
+
+    cm = Manager()
+    stats = agree_cache_decisions(SimpleNamespace(_context_manager=cm, transformer=None))
+    assert cm.can_cache() is True and stats.decisions == 1 and stats.skips == 1
+    assert "handle" not in stats.to_dict()
+    stats.remove()
+    assert "can_cache" not in vars(cm)  # the class's method again (before: an instance attribute for good)

@@ -1,5 +1,5 @@
 """Issue 13: the classes of integration failure, each on a small third-party-shaped transformer
-written here (not in diffusers), run through the coverage check (``ditbook.cache.coverage``:
+written here (not in diffusers), run through the cache stage's checks (``cache_harness``:
 traced inspection, the automatic cache adapter with caching off against the plain forward and
 with caching on). Every model must come out ``correct`` or ``refused`` with a named reason —
 never ``crash`` or ``wrong``.
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from diffusers import ConfigMixin, ModelMixin
 from diffusers.configuration_utils import register_to_config
-from ditbook.coverage import check_class
+from cache_harness import cache_check
 from torch import nn
 
 # --- building blocks (projection names nobody lists: attention recognised by shape) ------------
@@ -93,7 +93,7 @@ class Base(ModelMixin, ConfigMixin):
 
 
 def run(cls):
-    row = check_class(cls, cp=False)
+    row = cache_check(cls)
     assert row.outcome in ("correct", "refused"), (row.outcome, row.stage, row.reason)
     return row
 
@@ -116,7 +116,7 @@ def test_attention_recognised_by_shape_not_by_names():
     for cls in (ShapeNamedAttention, FusedShapeAttention):
         row = run(cls)
         assert row.outcome == "correct", row
-        assert row.block_lists == ["blocks x2"] and row.off_max_abs <= 1e-5
+        assert row.block_lists == ["blocks x3"] and row.off_max_abs <= 1e-5
         skipped, total = (int(v) for v in row.skipped.split(" of "))
         assert 0 < skipped < total  # block evaluations really skipped
 

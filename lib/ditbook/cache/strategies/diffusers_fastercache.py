@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+from ...hooks import swap_attribute
 from .registry import Strategy, register
 from ._diffusers_hooks import finish_install, attention_lists, has_diffusers_attention, timestep_callback
 
@@ -14,6 +17,33 @@ class FasterCacheSettings:
     skip_range: int = 2
     window_low: int = -1
     window_high: int = 681
+
+
+def tensor_layout(rank: int) -> str:
+    """FasterCache's layout of the transformer's output, by its rank (the rank of the latents the
+    transformer is called with): a 5-d video latent is batch x frames x channels x height x width,
+    anything else batch x channels x height x width."""
+    return "BFCHW" if rank == 5 else "BCHW"
+
+
+class LayoutByRank:
+    """A forward pre-hook on the transformer that gives FasterCache's denoiser hook the layout of
+    the latents of the first call (``tensor_layout``), before that hook reads it; ``remove()``
+    takes the pre-hook off and the layout back."""
+
+    def __init__(self, transformer, denoiser):
+        self.denoiser, self.swap = denoiser, None
+        self.handle = transformer.register_forward_pre_hook(self._pick, with_kwargs=True)
+
+    def _pick(self, module, args, kwargs):
+        x = kwargs.get("hidden_states", args[0] if args else None)
+        if self.swap is None and torch.is_tensor(x):
+            self.swap = swap_attribute(self.denoiser, "tensor_format", tensor_layout(x.dim()))
+
+    def remove(self) -> None:
+        self.handle.remove()
+        if self.swap is not None:
+            self.swap.remove()
 
 
 @register
@@ -40,9 +70,12 @@ class DiffusersFasterCache(Strategy):
             current_timestep_callback=current,
             is_guidance_distilled=adapter.report.cfg.style != "batched",
             attention_weight_callback=lambda _: 0.5,
-            tensor_format="BFCHW" if "Video" in type(pipe).__name__ else "BCHW")
+            tensor_format="BCHW")  # replaced by the first call's latent rank (LayoutByRank)
         apply_faster_cache(pipe.transformer, cfg)
-        return finish_install(pipe, adapter, (fc._FASTER_CACHE_DENOISER_HOOK, fc._FASTER_CACHE_BLOCK_HOOK), handle)
+        denoiser = pipe.transformer._diffusers_hook.get_hook(fc._FASTER_CACHE_DENOISER_HOOK)
+        layout = LayoutByRank(pipe.transformer, denoiser)
+        return finish_install(pipe, adapter, (fc._FASTER_CACHE_DENOISER_HOOK, fc._FASTER_CACHE_BLOCK_HOOK), handle,
+                              layout)
 
     @classmethod
     def grid(cls, adapter, steps):
