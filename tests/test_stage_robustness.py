@@ -247,3 +247,94 @@ def test_a_plan_failing_in_one_rank_is_recorded_and_the_others_run(tmp_path, mon
     assert [a["failed"] for a in launch.attempts] == ["ulysses2", None]
     assert launch.attempts[1]["plans"] == ["single", "ring2"]  # the rest, with its reference again
     assert (tmp_path / "run" / "launch.1.log").is_file() and (tmp_path / "run" / "launch.log").is_file()
+
+
+# -- item 4: no cache state outlives a generation; order dependence is caught --------------------
+
+@pytest.fixture(scope="module")
+def fbc_setup(tmp_path_factory):
+    """The tiny GQA model (a transformer without diffusers' CacheMixin, a pipeline that sets no
+    cache context) with ditbook's adapter; two seeds of one prompt."""
+    from test_cache import tiny_card
+
+    from ditbook.cache.adapter import build_cache_adapter
+    from ditbook.card import load_card
+    from ditbook.inspect.stage import run_inspection
+    from ditbook.loading import choose_placement, load_pipeline
+
+    tmp = tmp_path_factory.mktemp("fbc")
+    card = load_card(tiny_card(tmp, steps=6, seeds=(0, 1), prompts=("a red square",)))
+    pipe = load_pipeline(card, choose_placement(card))
+    assert not hasattr(pipe.transformer, "_reset_stateful_cache")  # no CacheMixin: nobody resets its hooks
+    adapter = build_cache_adapter(pipe, run_inspection(pipe, card, steps=2).report, card.name)
+    return card, pipe, adapter
+
+
+def _fbc_renders(card, pipe, adapter, seeds):
+    from ditbook.cache import strategies
+    from ditbook.cache.verify import render_set
+
+    strat = strategies.get("diffusers_fbc")
+    undo = strat.apply(pipe, adapter, strat.config(threshold=0.5), steps=card.generation.steps)
+    try:
+        return render_set(pipe, card, card.generation.prompts, seeds)
+    finally:
+        undo()
+
+
+def test_first_block_cache_on_a_transformer_without_cachemixin_is_order_independent(fbc_setup):
+    import numpy as np
+
+    from ditbook.cache.verify import render_set
+
+    card, pipe, adapter = fbc_setup
+    cls = type(pipe)
+    plain = render_set(pipe, card, card.generation.prompts, [1])["p0_s1"]
+    after = _fbc_renders(card, pipe, adapter, [0, 1])["p0_s1"]  # seed 1 rendered after seed 0
+    alone = _fbc_renders(card, pipe, adapter, [1])["p0_s1"]  # seed 1 rendered alone
+    assert np.abs(alone - plain).max() > 1e-4  # the cache skipped something: the test can see a leak
+    assert np.array_equal(after, alone)  # used to differ: video 2's first step reused video 1's residual
+    assert type(pipe) is cls and "__call__" not in vars(pipe)  # the per-call reset came off exactly
+
+
+def test_an_order_dependent_cache_stops_with_a_named_error(fbc_setup, monkeypatch):
+    from ditbook.cache import strategies
+    from ditbook.cache.strategies import _diffusers_hooks
+    from ditbook.cache.verify import OrderDependentCache, order_check
+
+    card, pipe, adapter = fbc_setup
+    strat = strategies.get("diffusers_fbc")
+    cfg = strat.config(threshold=0.5)
+    in_order = _fbc_renders(card, pipe, adapter, [0, 1])
+    rec = order_check(pipe, card, adapter, "diffusers_fbc", cfg, in_order, card.generation.prompts, [0, 1])
+    assert rec["order_independent"] and rec["case"] == "p0_s1" and rec["rendered_after"] == "p0_s0"
+    # one case: rendered alone, and after the next seed's in one application
+    one = order_check(pipe, card, adapter, "diffusers_fbc", cfg, {"p0_s0": in_order["p0_s0"]},
+                      card.generation.prompts, [0])
+    assert one["order_independent"] and one["rendered_after"] == "seed 1" and one["max_abs"] == 0.0
+    # the same cache with its state kept from one generation to the next (no reset per call)
+    monkeypatch.setattr(_diffusers_hooks, "reset_hook_states", lambda transformer: None)
+    leaky = _fbc_renders(card, pipe, adapter, [0, 1])
+    with pytest.raises(OrderDependentCache, match="differently alone than after p0_s0"):
+        order_check(pipe, card, adapter, "diffusers_fbc", cfg, leaky, card.generation.prompts, [0, 1])
+
+
+def test_wrap_call_runs_on_instance_calls_only_and_comes_off_exactly():
+    import inspect
+
+    from ditbook import hooks
+
+    class Pipe:
+        def __call__(self, prompt: str = "", steps: int = 2):
+            return prompt, steps
+
+    a, b, seen = Pipe(), Pipe(), []
+    first = hooks.wrap_call(a, "one", lambda original, *args, **kw: (seen.append(1), original(*args, **kw))[1])
+    second = hooks.wrap_call(a, "two", lambda original, *args, **kw: (seen.append(2), original(*args, **kw))[1])
+    assert a("x") == ("x", 2) and b("y") == ("y", 2) and seen == [2, 1]  # a(...) runs them; b is untouched
+    assert isinstance(a, Pipe) and type(a).__name__ == "Pipe" and type(b) is Pipe
+    assert list(inspect.signature(a.__call__).parameters) == ["prompt", "steps"]
+    first.remove()
+    assert a("z") == ("z", 2) and seen == [2, 1, 2] and type(a) is not Pipe
+    second.remove()
+    assert type(a) is Pipe and "__call__" not in vars(a) and not hooks.is_wrapped(a, None, "__call__")

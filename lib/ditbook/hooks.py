@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 _REGISTRY_ATTR = "_ditbook_wraps"
+_CALL_BASE = "_ditbook_call_base"  # on a class made by wrap_call: the instance's class before
 _MISSING = object()
 
 Wrapper = Callable[..., Any]
@@ -66,7 +67,9 @@ def _stacks(obj: Any, create: bool) -> dict[str, _Stack] | None:
 def _original(obj: Any, attr: str, stack: _Stack) -> Callable:
     if stack.before is not _MISSING:
         return stack.before
-    return getattr(type(obj), attr).__get__(obj, type(obj))
+    # the class the instance had before ``wrap_call`` gave it one that dispatches ``__call__``
+    cls = type(obj).__dict__.get(_CALL_BASE, type(obj))
+    return getattr(cls, attr).__get__(obj, type(obj))
 
 
 def _install(obj: Any, attr: str, stack: _Stack) -> None:
@@ -169,6 +172,47 @@ def wrap_names(obj: Any, attr: str = "forward") -> list[str]:
     """The wraps on ``obj.<attr>``, innermost first."""
     stack = (_stacks(obj, create=False) or {}).get(attr)
     return [n for n, _ in stack.wraps] if stack else []
+
+
+@dataclass
+class CallWrapHandle(WrapHandle):
+    """Removes one ``wrap_call`` wrap; when it was the last, the instance is of its own class again."""
+
+    def remove(self) -> None:
+        super().remove()
+        base = type(self.obj).__dict__.get(_CALL_BASE)
+        if base is not None and not is_wrapped(self.obj, None, "__call__"):
+            object.__setattr__(self.obj, "__class__", base)
+
+
+def wrap_call(obj: Any, name: str, wrapper: Wrapper) -> CallWrapHandle:
+    """Wrap what ``obj(...)`` runs (a pipeline's ``__call__``) under ``name``, for this instance only.
+
+    Python looks ``__call__`` up on the type, never on the instance, so a wrap of the instance's
+    ``__call__`` alone would not run on ``obj(...)``. The instance is given a class of its own: a
+    subclass of its class with the same name, module and qualified name, whose ``__call__`` runs the
+    instance's wrapped ``__call__``; the wraps themselves are ``wrap_method``'s. When the last one
+    comes off, the instance is of its original class again (the class itself is never changed)."""
+    cls = type(obj)
+    if _CALL_BASE not in cls.__dict__:
+        base = cls
+
+        def __call__(self, *args, **kwargs):
+            own = self.__dict__.get("__call__")
+            return own(*args, **kwargs) if own is not None else base.__call__(self, *args, **kwargs)
+
+        with contextlib.suppress(AttributeError, TypeError):
+            functools.update_wrapper(__call__, base.__call__)  # the real parameters for inspect.signature
+        own_cls = type(base.__name__, (base,), {"__call__": __call__, "__module__": base.__module__,
+                                                "__qualname__": base.__qualname__, _CALL_BASE: base})
+        object.__setattr__(obj, "__class__", own_cls)
+    try:
+        handle = wrap_method(obj, name, wrapper, attr="__call__")
+    except BaseException:
+        if not is_wrapped(obj, None, "__call__") and _CALL_BASE in type(obj).__dict__:
+            object.__setattr__(obj, "__class__", type(obj).__dict__[_CALL_BASE])
+        raise
+    return CallWrapHandle(obj, name, "__call__")
 
 
 class WrapGroup:
@@ -318,4 +362,5 @@ def set_item(container: Any, key: Any, value: Any) -> SwapHandle:
     return SwapHandle(container, key, before, value, item=True)
 
 
-__all__ = ["SwapHandle", "swap_attribute", "set_item", "snapshot_instance_attrs", "WrapError", "WrapHandle", "WrapGroup", "wrap_method", "remove_wrap", "is_wrapped", "wrap_names", "remove_all"]
+__all__ = ["SwapHandle", "swap_attribute", "set_item", "snapshot_instance_attrs", "WrapError", "WrapHandle", "CallWrapHandle",
+           "WrapGroup", "wrap_method", "wrap_call", "remove_wrap", "is_wrapped", "wrap_names", "remove_all"]

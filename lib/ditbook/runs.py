@@ -266,6 +266,13 @@ class RunFolder:
         self.write_meta(meta)
         return meta
 
+    def record_approval(self, approved_plan: str | None, plan_hash: str, card: str) -> None:
+        """``run.json`` ``approval``: the approved hash a stage accepted for the plan ``plan_hash``
+        (``inspect.plan.check_approval``); ``approval_state`` reads it."""
+        meta = self.read_meta()
+        meta["approval"] = {"approved_plan": approved_plan, "plan_hash": plan_hash, "card": card}
+        self.write_meta(meta)
+
     def set_status(self, status: str) -> None:
         meta = self.read_meta()
         meta["status"] = status
@@ -386,6 +393,19 @@ class RunLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def approval_state(meta: dict, plan_hash: str | None) -> dict:
+    """Whether the run's plan ``plan_hash`` is approved: ``{ok, approved, plan_hash, source}``.
+    The approval a stage accepted (``RunFolder.record_approval``) when one did, else the card
+    snapshot the run began with; ``ok`` None when the run made no plan."""
+    recorded = meta.get("approval") or {}
+    if recorded.get("plan_hash") == plan_hash and recorded.get("approved_plan"):
+        approved, source = recorded["approved_plan"], "accepted by the stages"
+    else:
+        approved, source = (meta.get("card") or {}).get("approved_plan"), "in the card"
+    return {"ok": None if not plan_hash else approved == plan_hash, "approved": approved, "plan_hash": plan_hash,
+            "source": source}
 
 
 def latest_run(outputs_root: str | Path, model: str, with_stage: str | None = None) -> RunFolder | None:

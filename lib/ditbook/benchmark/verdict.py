@@ -58,10 +58,7 @@ def verdict(benchmark: dict | None, cache: dict | None) -> dict:
         return out
     chosen = cache.get("chosen")
     if not chosen:
-        refused = cache.get("refused")
-        out["reason"] = (f"the cache stage refused caching ({refused}), so no cache configuration passed; "
-                         "ship the baseline" if refused else
-                         "no cache configuration passed the gates on held-out seeds; ship the baseline")
+        out["reason"] = _no_choice_reason(cache)
         return out
     detail = cache.get("chosen_detail") or {}
     hq = detail.get("holdout_quality") or {}
@@ -79,10 +76,7 @@ def verdict(benchmark: dict | None, cache: dict | None) -> dict:
     if row is not None and row.get("source") == "measured here":
         out["speedup"], out["e2e_ms"] = row.get("speedup"), row.get("e2e_ms")
         out["measured_psnr_min"], out["measured_ssim_min"] = row.get("psnr_min"), row.get("ssim_min")
-    timing = timing_state(benchmark)
-    if timing and timing["stable"] is False:  # a speed-up read against a drifting baseline is noise
-        out["timing_unstable"] = {"drift": timing["drift"], "limit": timing["limit"]}
-        out["speedup"] = None
+    _mark_unstable(out, benchmark)
     twin = compiled_twin(benchmark, cache, name, out["speedup"]) if "timing_unstable" not in out else None
     if twin is not None:
         out["compile"] = twin
@@ -112,6 +106,21 @@ def _decide(out: dict, benchmark: dict | None, name: str, has_holdout: bool) -> 
         out["reason"] = "chosen by the cache stage, confirmed on held-out seeds, timed by the benchmark"
         if (out.get("compile") or {}).get("shipped"):
             out["reason"] += "; compiled, the faster of the two correct forms"
+
+
+def _no_choice_reason(cache: dict) -> str:
+    refused = cache.get("refused")
+    if refused:
+        return f"the cache stage refused caching ({refused}), so no cache configuration passed; ship the baseline"
+    return "no cache configuration passed the gates on held-out seeds; ship the baseline"
+
+
+def _mark_unstable(out: dict, benchmark: dict | None) -> None:
+    """A speed-up read against a drifting baseline is noise: ``timing_unstable`` replaces it."""
+    timing = timing_state(benchmark)
+    if timing and timing["stable"] is False:
+        out["timing_unstable"] = {"drift": timing["drift"], "limit": timing["limit"]}
+        out["speedup"] = None
 
 
 def timing_state(benchmark: dict | None) -> dict | None:
@@ -267,7 +276,7 @@ def _gate_item(meta: dict, intake: dict | None) -> dict:
 
 
 def _plan_item(meta: dict, inspect: dict | None) -> dict:
-    from ..inspect.plan import approval_state
+    from ..runs import approval_state
 
     state = approval_state(meta, (inspect or {}).get("plan_hash"))  # the approval the stages accepted
     made, approved = state["plan_hash"], state["approved"]

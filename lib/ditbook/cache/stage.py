@@ -26,7 +26,8 @@ from ..quality import Gates
 from . import strategies
 from .adapter import CacheAdapter, CacheRefused, build_cache_adapter
 from .loopfold import FoldError
-from .verify import StrategyResult, counted_render, disabled_check, evaluate, max_abs, noise_floor
+from .verify import (OrderDependentCache, StrategyResult, counted_render, disabled_check,  # noqa: F401
+                     evaluate, max_abs, noise_floor, order_check)
 # the 03_cache notebook imports this module (and the display helpers) only: the other names it uses
 from ..context import open_stage  # noqa: F401
 from ..inspect.report import ArchReport  # noqa: F401
@@ -94,6 +95,7 @@ class CacheSession:
     compiled: dict = field(default_factory=dict)  # the chosen configuration compiled (compiled_check)
     refused: str | None = None  # why no cache strategy can be applied safely (the stage still passes)
     fallback: list = field(default_factory=list)  # why cache-dit's registered adapter was replaced by ours
+    order: dict = field(default_factory=dict)  # the chosen configuration rendered alone vs after another (order_check)
 
     # -- setup ---------------------------------------------------------------------------
     @classmethod
@@ -277,7 +279,9 @@ class CacheSession:
         return pareto([r.to_dict() for r in self.results if r.split == split])
 
     def choose(self) -> dict | None:
-        """The held-out-confirmed configuration that skips the most block evaluations."""
+        """The held-out-confirmed configuration that skips the most block evaluations; its cases
+        rendered again, and its last case alone against it after the others (``order_check``:
+        ``OrderDependentCache`` stops the stage when they differ)."""
         held = [r for r in self.results if r.split == "holdout" and r.passed]
         if not held:
             self.chosen = None
@@ -290,6 +294,8 @@ class CacheSession:
         images: dict = {}
         evaluate(self.pipe, self.card, self.adapter, best.name, cfg, self.baseline, self.baseline_counts, self.gates,
                  gen.prompts, gen.seeds, split="chosen", keep_images=images)
+        # a case alone must render as it does after another: else state outlives a generation
+        self.order = order_check(self.pipe, self.card, self.adapter, best.name, cfg, images, gen.prompts, gen.seeds)
         self.chosen_images = images
         folder = self.ctx.dir / "images" / "chosen"
         folder.mkdir(parents=True, exist_ok=True)
@@ -406,6 +412,7 @@ class CacheSession:
             "chosen": ({k: self.chosen[k] for k in ("name", "family", "config")} if self.chosen else None),
             "chosen_detail": self.chosen,
             "passing_at_40pct": self.passing_at(0.4),
+            "order_check": self.order or None,  # the chosen configuration: a case alone vs after another
             "reproduction": self.reproduction,
             "compiled": self.compiled or {"ran": False, "reason": "cache.compile is off"},
         }

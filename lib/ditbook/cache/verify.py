@@ -120,6 +120,51 @@ def noise_floor(pipe, card, adapter, intake: dict, gates: Gates, other_backend: 
     return out, rerun, counts
 
 
+class OrderDependentCache(RuntimeError):
+    """A cache configuration renders a case differently alone than after another case: its state
+    outlives a generation (one render's residuals reused in the next), so its quality and savings
+    depend on the order of the renders; the cache stage stops."""
+
+
+def order_check(pipe, card, adapter, name: str, config, in_order: dict, prompts, seeds,
+                tolerance: float | None = None) -> dict:
+    """The last of ``in_order``'s cases (rendered in that order with one application of the
+    strategy) rendered again alone, with the strategy applied afresh: the two must agree within
+    ``tolerance`` (default the card's ``cache.reproduce_tolerance``). With one case, that case is
+    rendered after the next seed's, in one application. Raises ``OrderDependentCache``; returns
+    the record."""
+    from ..render import cases
+
+    tolerance = card.cache.reproduce_tolerance if tolerance is None else tolerance
+    strat = strategies.get(name)
+    todo = [c for c in cases(card, prompts, seeds) if c[0] in in_order]
+    key, prompt, seed = todo[-1]
+    before = todo[-2][0] if len(todo) > 1 else f"seed {seed + 1}"
+
+    def render_one(s):
+        return next(iter(render_set(pipe, card, [prompt], [s]).values()))
+
+    undo = strat.apply(pipe, adapter, config, steps=card.generation.steps)
+    try:
+        alone = render_one(seed)
+        if len(todo) > 1:
+            after = in_order[key]
+        else:
+            render_one(seed + 1)
+            after = render_one(seed)
+    finally:
+        undo()
+    diff = float(np.max(np.abs(np.asarray(alone, np.float64) - np.asarray(after, np.float64))))
+    record = {"name": name, "case": key, "rendered_after": before, "max_abs": diff, "tolerance": tolerance,
+              "order_independent": diff <= tolerance}
+    if diff > tolerance:
+        raise OrderDependentCache(
+            f"{name} {strat.config_dict(config)} renders {key} differently alone than after "
+            f"{record['rendered_after']} (max abs {diff:.3g} > {tolerance:g}): the cache keeps state from one "
+            "generation into the next, so its quality and savings depend on the order of the renders")
+    return record
+
+
 def disabled_check(pipe, card, adapter, name: str, references: dict, baseline_counts: dict, gates: Gates,
                    prompts, seeds, tolerance: float | None = None) -> dict:
     """The strategy with caching turned off by its threshold must reproduce the baseline

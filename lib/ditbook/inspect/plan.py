@@ -411,28 +411,11 @@ def check_approval(card, run) -> dict:
 
 
 def record_approval(run, card, plan: dict) -> None:
-    """Write the approval a stage just accepted into the run's ``run.json`` (``approval``: the
-    approved hash, the plan's hash, the card it was read from): the one approval state that the
-    stages pass and the report's checklist reads (``approval_state``), even when the card was
-    approved after the run began (``ditbook approve --run RUN``, then ``run --resume RUN``)."""
-    if run is None or not run.exists():
-        return
-    meta = run.read_meta()
-    meta["approval"] = {"approved_plan": card.approved_plan, "plan_hash": plan["hash"], "card": str(card.card_path)}
-    run.write_meta(meta)
-
-
-def approval_state(meta: dict, plan_hash: str | None) -> dict:
-    """Whether the run's plan ``plan_hash`` is approved: ``{ok, approved, plan_hash, source}``.
-    The approval a stage accepted (``record_approval``) when one did, else the card snapshot the
-    run began with; ``ok`` None when the run made no plan."""
-    recorded = meta.get("approval") or {}
-    if recorded.get("plan_hash") == plan_hash and recorded.get("approved_plan"):
-        approved, source = recorded["approved_plan"], "accepted by the stages"
-    else:
-        approved, source = (meta.get("card") or {}).get("approved_plan"), "in the card"
-    return {"ok": None if not plan_hash else approved == plan_hash, "approved": approved, "plan_hash": plan_hash,
-            "source": source}
+    """Write the approval a stage just accepted into the run's ``run.json`` (``runs.approval_state``
+    reads it: the one approval state of the stages and the report's checklist), even when the card
+    was approved after the run began (``ditbook approve --run RUN``, then ``run --resume RUN``)."""
+    if run is not None and run.exists():
+        run.record_approval(card.approved_plan, plan["hash"], str(card.card_path))
 
 
 def gates_looser_than_approved(card, plan: dict) -> list[str]:

@@ -57,7 +57,7 @@ def finish_install(pipe, adapter, hook_names, *handles):
     context when the pipeline sets none, and return the undo (context, hooks by name, the
     per-instance ``handles``, then the adapter's patch), the same for every diffusers strategy."""
     refresh_registry(pipe.transformer)
-    context_undo = ensure_context(pipe.transformer, 2 if adapter.info.has_separate_cfg else 1)
+    context_undo = ensure_context(pipe.transformer, 2 if adapter.info.has_separate_cfg else 1, pipe=pipe)
 
     def undo():
         context_undo()
@@ -91,11 +91,30 @@ def needs_top_level(adapter) -> str | None:
     return None
 
 
-def ensure_context(transformer, slots: int = 1):
+def reset_hook_states(transformer) -> None:
+    """Every stateful diffusers hook on the transformer and its submodules back to its initial
+    state (``HookRegistry.reset_stateful_hooks``: what diffusers' ``CacheMixin`` pipelines do
+    through ``maybe_free_model_hooks`` after a call, which a transformer without ``CacheMixin`` or a
+    third-party pipeline never gets)."""
+    from diffusers.hooks import HookRegistry
+
+    registry = getattr(transformer, "_diffusers_hook", None)
+    if isinstance(registry, HookRegistry):
+        registry.reset_stateful_hooks(recurse=True)
+    else:
+        for module in transformer.modules():
+            reg = getattr(module, "_diffusers_hook", None)
+            if isinstance(reg, HookRegistry):
+                reg.reset_stateful_hooks(recurse=False)
+
+
+def ensure_context(transformer, slots: int = 1, pipe=None):
     """Pipelines outside diffusers do not wrap their transformer call in
     ``transformer.cache_context(...)``; set a default context for that call when none is set.
     With separate CFG (``slots`` = 2 calls per step) the calls alternate between two contexts so
-    conditional and unconditional states never mix. Returns an undo callable."""
+    conditional and unconditional states never mix. With ``pipe``, every pipeline call starts from
+    a clean state (``reset_hook_states``, the alternation from its first slot): no state of one
+    generation reaches the next (``ditbook.hooks.wrap_call``). Returns an undo callable."""
     from diffusers.hooks import HookRegistry
     from diffusers.hooks.hooks import CacheContext, StateManager, _set_cache_context
 
@@ -123,4 +142,13 @@ def ensure_context(transformer, slots: int = 1):
 
     handles = [transformer.register_forward_pre_hook(pre, with_kwargs=True),
                transformer.register_forward_hook(post, with_kwargs=True)]
-    return lambda: [h.remove() for h in handles]
+    if pipe is not None:
+        from ... import hooks
+
+        def fresh_generation(original, *args, **kwargs):
+            reset_hook_states(transformer)
+            state["calls"] = 0
+            return original(*args, **kwargs)
+
+        handles.append(hooks.wrap_call(pipe, "ditbook.cache-state-per-call", fresh_generation))
+    return lambda: [h.remove() for h in reversed(handles)]
