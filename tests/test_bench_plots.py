@@ -299,3 +299,27 @@ def test_tradeoff_marks_the_verdict_and_keeps_capped_points_from_squashing_the_r
     assert "verdict" in seen["legend"]
     assert seen["ylim"][1] < 60  # the range near the gate is not squashed by the 100 dB points
     assert any("base" in t and "A" in t for t in seen["texts"])  # capped points named in one note
+
+
+def test_grid_row_labels_keep_the_setting_that_tells_rows_apart(tmp_path, monkeypatch):
+    """Two configurations that differ only in their last setting get different row labels (the
+    labels were cut to three lines of 18 characters), and no setting is broken inside."""
+    from ditbook.benchmark import plots
+
+    seen = {}
+    save = plots._save
+
+    def spy(fig, path, **kw):
+        seen["labels"] = [ax.get_ylabel() for ax in fig.axes if ax.get_ylabel()]
+        return save(fig, path, **kw)
+
+    monkeypatch.setattr(plots, "_save", spy)
+    rng = np.random.default_rng(0)
+    base = {"p0_s0": rng.random((8, 8, 3)).astype(np.float32)}
+    stem = "dbcache_taylorseer[Bn=0,Fn=1,max_warmup_steps=2,residual_diff_threshold=0.12,taylorseer_order="
+    names = [stem + "1]", stem + "2]"]
+    plots.image_grid(base, {n: dict(base) for n in names}, tmp_path / "g.png", labels={names[0]: "A", names[1]: "E"})
+    a, e = seen["labels"][1:3]  # after the baseline row; before the colour bar
+    assert a.replace("\n", "") == "A: " + names[0] and e.replace("\n", "") == "E: " + names[1]
+    for line in a.splitlines():
+        assert line.endswith(("[", ",", "]")), line
