@@ -323,3 +323,18 @@ def test_grid_row_labels_keep_the_setting_that_tells_rows_apart(tmp_path, monkey
     assert a.replace("\n", "") == "A: " + names[0] and e.replace("\n", "") == "E: " + names[1]
     for line in a.splitlines():
         assert line.endswith(("[", ",", "]")), line
+
+
+def test_headline_speed_carries_its_spread():
+    """The verdict's speed-up comes with the range its timings allow (baseline min / config max
+    to baseline max / config min)."""
+    from ditbook.benchmark.verdict import headline, verdict
+
+    bench = _bench()
+    bench["baseline"] = {"timing": {"end_to_end": {"median": 1.9, "min": 1.8, "max": 2.0}}}
+    bench["configs"] = [{"name": "dbcache_taylorseer[Fn=1,threshold=0.24]",
+                         "timing": {"end_to_end": {"median": 1.0, "min": 0.9, "max": 1.2}}}]
+    v = verdict(bench, _cache())
+    assert v["speedup_range"] == [1.5, 2.222]
+    assert "1.90× end to end (timings allow 1.50–2.22×)" in headline(v)
+    assert "timings allow" not in headline(verdict(_bench(), _cache()))  # no timings: no range invented

@@ -82,6 +82,7 @@ def verdict(benchmark: dict | None, cache: dict | None) -> dict:
         if twin.get("shipped") and out["passes_gates"] is True:
             out.update(name=twin["name"], speedup=twin["speedup"], e2e_ms=twin["e2e_ms"])
     out.update(rule_and_runner_ups(benchmark, cache, out))
+    out["speedup_range"] = speedup_range(benchmark, out["name"])
     if out["passes_gates"] is not True:
         out["reason"] = (f"{name} has no held-out quality record" if not hq else
                          f"{name} does not meet the gates on held-out seeds")
@@ -100,6 +101,14 @@ def verdict(benchmark: dict | None, cache: dict | None) -> dict:
     return out
 
 
+def speedup_range(benchmark: dict | None, name: str) -> list[float] | None:
+    """The speed-up range the end-to-end timings of ``name`` allow (``benchmark.shown.speed_spread``)."""
+    from .shown import speed_spread
+
+    lo_hi = speed_spread(benchmark).get(name)
+    return [round(lo_hi[0], 3), round(lo_hi[1], 3)] if lo_hi else None
+
+
 RULE = "most work skipped among the configurations passing on held-out seeds"
 
 
@@ -110,7 +119,7 @@ def rule_and_runner_ups(benchmark: dict | None, cache: dict | None, v: dict) -> 
     run as CPU processes has no speed-up and is no runner-up."""
     from .shown import HELD_OUT, holdout_records, is_cpu_run, is_parallel
 
-    chosen = v.get("name")
+    chosen = str(v.get("name")).removesuffix("+compile")  # the shipped twin is the chosen configuration compiled
     if chosen in ("baseline", "none"):
         return {"rule": RULE, "runner_ups": []}
     held = holdout_records(cache)
@@ -201,6 +210,8 @@ def headline(v: dict) -> str:
          f"SSIM {_f(h.get('ssim_min'), 4)} (gate > {g['ssim']:g})" + (f" on {h['n']} {_cases(h)}" if h.get("n") else "")
          if h else "no held-out quality recorded")
     sp = f"{v['speedup']:.2f}× end to end" if v.get("speedup") is not None else "speed-up not measured"
+    if v.get("speedup") is not None and v.get("speedup_range"):
+        sp += f" (timings allow {v['speedup_range'][0]:.2f}–{v['speedup_range'][1]:.2f}×)"
     c = v.get("compile") or {}
     if c.get("shipped") and c.get("compile_s") is not None:
         sp += f" (one-time compile {c['compile_s']:.1f} s)"
