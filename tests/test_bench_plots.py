@@ -338,3 +338,16 @@ def test_headline_speed_carries_its_spread():
     assert v["speedup_range"] == [1.5, 2.222]
     assert "1.90× end to end (timings allow 1.50–2.22×)" in headline(v)
     assert "timings allow" not in headline(verdict(_bench(), _cache()))  # no timings: no range invented
+
+
+def test_parallel_plans_are_parity_on_cpu_and_speed_against_one_gpu_on_gpus():
+    """The same parallel plan: on a CPU host no speed-up (parity only); on GPUs its speed-up is
+    shown against the single-process run, with the device count in the label."""
+    from ditbook.benchmark.shown import display_name, shown_rows, speed_text
+
+    rows = [{"name": "te2", "family": "parallel", "nproc": 2, "speedup": 2.27, "psnr_min": 100.0, "passed": True}]
+    (cpu,) = shown_rows(rows, {"device": "cpu"}, None)
+    assert cpu["parity_only"] and cpu["speedup_shown"] is None and speed_text(cpu).startswith("parity only")
+    assert display_name(cpu) == "te2 (2 CPU processes)" and cpu["quality_on"] == "calibration"
+    (gpu,) = shown_rows(rows, {"device": "cuda:0"}, None)
+    assert not gpu["parity_only"] and speed_text(gpu) == "2.27× vs 1 GPU" and display_name(gpu) == "te2 (2 GPUs)"

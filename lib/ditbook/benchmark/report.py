@@ -347,7 +347,7 @@ def _key_table(rows: list[dict], labels: dict[str, str], chosen: str | None) -> 
     for a parallel plan on CPU processes) and its one quality figure, labelled held-out or
     calibration."""
     from .plots import row_id
-    from .shown import speed_text
+    from .shown import display_name, speed_text
 
     body = []
     for r in rows:
@@ -358,7 +358,7 @@ def _key_table(rows: list[dict], labels: dict[str, str], chosen: str | None) -> 
         sp = html.escape(speed_text(r)).replace(" (", "<br><small>(", 1)
         sp += "</small>" if "<small>" in sp else ""
         body.append(f"<tr><td>{html.escape(key)}{' ★' if r.get('name') == chosen else ''}</td>"
-                    f"<td class=name>{name_html(name)}</td><td>{sp}</td>"
+                    f"<td class=name>{name_html(display_name(r))}</td><td>{sp}</td>"
                     f"<td>{_quality_text(r)}</td></tr>")
     return ('<div class="box"><table id="plot-key"><thead><tr><th>key</th><th>configuration</th><th>speed-up '
             "(range)</th><th>worst PSNR / SSIM</th></tr></thead><tbody>" + "".join(body) +

@@ -116,7 +116,14 @@ def speed_text(row: dict) -> str:
     if sp is None:
         return "-"
     lo_hi = row.get("speedup_range")
-    return f"{sp:.2f}×" + (f" ({lo_hi[0]:.2f}–{lo_hi[1]:.2f})" if lo_hi else "")
+    vs = " vs 1 GPU" if row.get("devices") else ""  # a plan's speed-up is against its own single-process run
+    return f"{sp:.2f}×{vs}" + (f" ({lo_hi[0]:.2f}–{lo_hi[1]:.2f})" if lo_hi else "")
+
+
+def display_name(row: dict) -> str:
+    """A row's name as the report's tables write it: a parallel plan with its device count
+    (``ulysses (2 GPUs)``, ``ulysses (2 CPU processes)``)."""
+    return f"{row.get('name')} ({row['devices']})" if row.get("devices") else str(row.get("name"))
 
 
 def drift_bound(benchmark: dict | None, meta: dict | None = None) -> tuple[float, str]:
@@ -148,4 +155,4 @@ def timing_stable(benchmark: dict | None, meta: dict | None = None) -> dict:
 
 
 __all__ = ["HELD_OUT", "CALIBRATION", "DRIFT_TOLERANCE", "is_cpu_run", "is_parallel", "holdout_records",
-           "speed_spread", "shown_rows", "speed_text", "drift_bound", "timing_stable"]
+           "speed_spread", "shown_rows", "speed_text", "display_name", "drift_bound", "timing_stable"]

@@ -42,7 +42,7 @@ from ..quality import Gates, compare_sets
 from .summary import family_gates, gates_dict, gates_for_family, recommend, summary_rows
 from ..configuration import Config
 from .measure import BenchmarkReport, benchmark
-from .shown import is_cpu_run
+from .shown import is_cpu_run, is_parallel
 
 STAGE = "benchmark"
 
@@ -146,7 +146,9 @@ def save(ctx, report: BenchmarkReport, inputs: StageInputs,
     results["images"] = images
     results["summary"] = summary_rows(results)
     results["gates"] = gates_dict(gate_overrides(ctx.card))
-    results["recommendation"] = recommend(results["summary"], gate_overrides(ctx.card)).to_dict()
+    # parallel plans run as CPU processes have no speed-up to recommend them by (benchmark.shown)
+    speed_rows = [r for r in results["summary"] if not (is_cpu_run(results) and is_parallel(r))]
+    results["recommendation"] = recommend(speed_rows, gate_overrides(ctx.card)).to_dict()
     # the verdict is the cache stage's choice, timed here (one decision, made once: verdict.py)
     from .verdict import verdict
 
