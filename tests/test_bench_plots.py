@@ -351,3 +351,17 @@ def test_parallel_plans_are_parity_on_cpu_and_speed_against_one_gpu_on_gpus():
     assert display_name(cpu) == "te2 (2 CPU processes)" and cpu["quality_on"] == "calibration"
     (gpu,) = shown_rows(rows, {"device": "cuda:0"}, None)
     assert not gpu["parity_only"] and speed_text(gpu) == "2.27× vs 1 GPU" and display_name(gpu) == "te2 (2 GPUs)"
+
+
+def test_compiled_twin_takes_the_held_out_figure_only_when_the_compiled_check_passed():
+    from ditbook.benchmark.shown import shown_rows
+
+    cache = _cache()
+    rows = [{"name": "dbcache_taylorseer[Fn=1,threshold=0.24]", "family": "cache/x", "psnr_min": 41.2, "ssim_min": 0.99},
+            {"name": "dbcache_taylorseer[Fn=1,threshold=0.24]+compile", "family": "cache/x", "psnr_min": 41.1,
+             "ssim_min": 0.99}]
+    plain, twin = shown_rows(rows, {}, cache)
+    assert plain["psnr"] == 33.1 and plain["quality_on"] == "held-out" and plain.get("psnr_calibration") is None
+    assert twin["psnr"] == 41.1 and twin["quality_on"] == "calibration"  # no compiled check: its own figure
+    cache["compiled"] = {"ran": True, "ok": True}
+    assert shown_rows(rows, {}, cache)[1]["psnr"] == 33.1
