@@ -365,3 +365,12 @@ def test_compiled_twin_takes_the_held_out_figure_only_when_the_compiled_check_pa
     assert twin["psnr"] == 41.1 and twin["quality_on"] == "calibration"  # no compiled check: its own figure
     cache["compiled"] = {"ran": True, "ok": True}
     assert shown_rows(rows, {}, cache)[1]["psnr"] == 33.1
+
+
+def test_runner_up_text_names_the_fastest_three_and_counts_the_rest():
+    from ditbook.benchmark.verdict import runner_up_text
+
+    ups = [{"name": f"c{i}", "speedup": 3.0 - i / 10, "psnr_min": 35.0, "quality_on": "calibration",
+            "why_not": "not confirmed on held-out seeds"} for i in range(5)]
+    text = runner_up_text({"runner_ups": ups})
+    assert "c0 (3.00×" in text and "c2 (" in text and "c3 (" not in text and "2 more in benchmark/results.json" in text

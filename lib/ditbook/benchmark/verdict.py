@@ -155,17 +155,18 @@ def rule_and_runner_ups(benchmark: dict | None, cache: dict | None, v: dict) -> 
     return {"rule": RULE, "runner_ups": out}
 
 
-def runner_up_text(v: dict) -> str:
-    """One sentence: the rule, and the runner-ups with why they were not chosen."""
+def runner_up_text(v: dict, shown: int = 3) -> str:
+    """One sentence: the rule, and the (``shown`` fastest) runner-ups with why they were not chosen."""
     ups = v.get("runner_ups") or []
     text = f"Chosen by the cache stage's rule: {v.get('rule', RULE)}."
     if not ups:
         return text + " No other passing configuration is faster or better on held-out seeds."
     parts = []
-    for r in ups:
+    for r in ups[:shown]:
         sp = f"{r['speedup']:.2f}×" if r.get("speedup") is not None else "speed-up not measured"
         parts.append(f"{r['name']} ({sp}, {r['quality_on']} worst PSNR {_f(r.get('psnr_min'))} dB): {r['why_not']}")
-    return text + " Runner-up" + ("s" if len(ups) > 1 else "") + ": " + "; ".join(parts) + "."
+    more = f"; {len(ups) - shown} more in benchmark/results.json (verdict.runner_ups)" if len(ups) > shown else ""
+    return text + " Runner-up" + ("s" if len(ups) > 1 else "") + ": " + "; ".join(parts) + more + "."
 
 
 def compiled_twin(benchmark: dict | None, cache: dict | None, name: str, speedup: float | None) -> dict | None:
