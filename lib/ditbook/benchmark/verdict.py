@@ -144,8 +144,7 @@ def rule_and_runner_ups(benchmark: dict | None, cache: dict | None, v: dict) -> 
         if rec is None:
             why = "not confirmed on held-out seeds (its figures are on the calibration seeds only)"
         elif k0 is not None and (rec.get("skipped_fraction") or 0) < k0:
-            why = (f"skips less work ({rec['skipped_fraction']:.3f} of block evaluations against {k0:.3f}); "
-                   "the rule counts work skipped, which does not depend on this host's timing noise")
+            why = f"skips less work ({rec['skipped_fraction']:.3f} of block evaluations against {k0:.3f})"
         else:
             why = "skips as much work; the rule's tie-break is the held-out PSNR"
         out.append({"name": name, "speedup": sp, "psnr_min": p, "ssim_min": s,
@@ -166,7 +165,9 @@ def runner_up_text(v: dict, shown: int = 3) -> str:
         sp = f"{r['speedup']:.2f}×" if r.get("speedup") is not None else "speed-up not measured"
         parts.append(f"{r['name']} ({sp}, {r['quality_on']} worst PSNR {_f(r.get('psnr_min'))} dB): {r['why_not']}")
     more = f"; {len(ups) - shown} more in benchmark/results.json (verdict.runner_ups)" if len(ups) > shown else ""
-    return text + " Runner-up" + ("s" if len(ups) > 1 else "") + ": " + "; ".join(parts) + more + "."
+    why = (" (the rule counts work skipped, which does not depend on this host's timing noise)"
+           if any(str(r.get("why_not", "")).startswith("skips less") for r in ups[:shown]) else "")
+    return text + " Runner-up" + ("s" if len(ups) > 1 else "") + ": " + "; ".join(parts) + more + "." + why
 
 
 def compiled_twin(benchmark: dict | None, cache: dict | None, name: str, speedup: float | None) -> dict | None:
