@@ -165,9 +165,9 @@ def runner_up_text(v: dict, shown: int = 3) -> str:
         sp = f"{r['speedup']:.2f}×" if r.get("speedup") is not None else "speed-up not measured"
         parts.append(f"{r['name']} ({sp}, {r['quality_on']} worst PSNR {_f(r.get('psnr_min'))} dB): {r['why_not']}")
     more = f"; {len(ups) - shown} more in benchmark/results.json (verdict.runner_ups)" if len(ups) > shown else ""
-    why = (" (the rule counts work skipped, which does not depend on this host's timing noise)"
+    why = (" — the rule counts work skipped, which does not depend on this host's timing noise"
            if any(str(r.get("why_not", "")).startswith("skips less") for r in ups[:shown]) else "")
-    return text + " Runner-up" + ("s" if len(ups) > 1 else "") + ": " + "; ".join(parts) + more + "." + why
+    return text + " Runner-up" + ("s" if len(ups) > 1 else "") + ": " + "; ".join(parts) + more + why + "."
 
 
 def compiled_twin(benchmark: dict | None, cache: dict | None, name: str, speedup: float | None) -> dict | None:
