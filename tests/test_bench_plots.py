@@ -301,3 +301,78 @@ def test_tradeoff_marks_the_verdict_and_keeps_capped_points_from_squashing_the_r
     assert "verdict" in seen["legend"]
     assert seen["ylim"][1] < 60  # the range near the gate is not squashed by the 100 dB points
     assert any("base" in t and "A" in t for t in seen["texts"])  # capped points named in one note
+
+
+def test_grid_row_labels_keep_the_setting_that_tells_rows_apart(tmp_path, monkeypatch):
+    """Two configurations that differ only in their last setting get different row labels (the
+    labels were cut to three lines of 18 characters), and no setting is broken inside."""
+    from ditbook.benchmark import plots
+
+    seen = {}
+    save = plots._save
+
+    def spy(fig, path, **kw):
+        seen["labels"] = [ax.get_ylabel() for ax in fig.axes if ax.get_ylabel()]
+        return save(fig, path, **kw)
+
+    monkeypatch.setattr(plots, "_save", spy)
+    rng = np.random.default_rng(0)
+    base = {"p0_s0": rng.random((8, 8, 3)).astype(np.float32)}
+    stem = "dbcache_taylorseer[Bn=0,Fn=1,max_warmup_steps=2,residual_diff_threshold=0.12,taylorseer_order="
+    names = [stem + "1]", stem + "2]"]
+    plots.image_grid(base, {n: dict(base) for n in names}, tmp_path / "g.png", labels={names[0]: "A", names[1]: "E"})
+    a, e = seen["labels"][1:3]  # after the baseline row; before the colour bar
+    assert a.replace("\n", "") == "A: " + names[0] and e.replace("\n", "") == "E: " + names[1]
+    for line in a.splitlines():
+        assert line.endswith(("[", ",", "]")), line
+
+
+def test_headline_speed_carries_its_spread():
+    """The verdict's speed-up comes with the range its timings allow (baseline min / config max
+    to baseline max / config min)."""
+    from ditbook.benchmark.verdict import headline, verdict
+
+    bench = _bench()
+    bench["baseline"] = {"timing": {"end_to_end": {"median": 1.9, "min": 1.8, "max": 2.0}}}
+    bench["configs"] = [{"name": "dbcache_taylorseer[Fn=1,threshold=0.24]",
+                         "timing": {"end_to_end": {"median": 1.0, "min": 0.9, "max": 1.2}}}]
+    v = verdict(bench, _cache())
+    assert v["speedup_range"] == [1.5, 2.222]
+    assert "1.90× end to end (timings allow 1.50–2.22×)" in headline(v)
+    assert "timings allow" not in headline(verdict(_bench(), _cache()))  # no timings: no range invented
+
+
+def test_parallel_plans_are_parity_on_cpu_and_speed_against_one_gpu_on_gpus():
+    """The same parallel plan: on a CPU host no speed-up (parity only); on GPUs its speed-up is
+    shown against the single-process run, with the device count in the label."""
+    from ditbook.benchmark.shown import display_name, shown_rows, speed_text
+
+    rows = [{"name": "te2", "family": "parallel", "nproc": 2, "speedup": 2.27, "psnr_min": 100.0, "passed": True}]
+    (cpu,) = shown_rows(rows, {"device": "cpu"}, None)
+    assert cpu["parity_only"] and cpu["speedup_shown"] is None and speed_text(cpu).startswith("parity only")
+    assert display_name(cpu) == "te2 (2 CPU processes)" and cpu["quality_on"] == "calibration"
+    (gpu,) = shown_rows(rows, {"device": "cuda:0"}, None)
+    assert not gpu["parity_only"] and speed_text(gpu) == "2.27× vs 1 GPU" and display_name(gpu) == "te2 (2 GPUs)"
+
+
+def test_compiled_twin_takes_the_held_out_figure_only_when_the_compiled_check_passed():
+    from ditbook.benchmark.shown import shown_rows
+
+    cache = _cache()
+    rows = [{"name": "dbcache_taylorseer[Fn=1,threshold=0.24]", "family": "cache/x", "psnr_min": 41.2, "ssim_min": 0.99},
+            {"name": "dbcache_taylorseer[Fn=1,threshold=0.24]+compile", "family": "cache/x", "psnr_min": 41.1,
+             "ssim_min": 0.99}]
+    plain, twin = shown_rows(rows, {}, cache)
+    assert plain["psnr"] == 33.1 and plain["quality_on"] == "held-out" and plain.get("psnr_calibration") is None
+    assert twin["psnr"] == 41.1 and twin["quality_on"] == "calibration"  # no compiled check: its own figure
+    cache["compiled"] = {"ran": True, "ok": True}
+    assert shown_rows(rows, {}, cache)[1]["psnr"] == 33.1
+
+
+def test_runner_up_text_names_the_fastest_three_and_counts_the_rest():
+    from ditbook.benchmark.verdict import runner_up_text
+
+    ups = [{"name": f"c{i}", "speedup": 3.0 - i / 10, "psnr_min": 35.0, "quality_on": "calibration",
+            "why_not": "not confirmed on held-out seeds"} for i in range(5)]
+    text = runner_up_text({"runner_ups": ups})
+    assert "c0 (3.00×" in text and "c2 (" in text and "c3 (" not in text and "2 more in benchmark/results.json" in text

@@ -257,6 +257,19 @@ def test_reference_model_skips_40pct_with_quality_on_holdout(tmp_path):
     assert all(h["psnr_min"] >= 30 and h["ssim_min"] >= 0.9 and h["skipped_fraction"] >= 0.4 for h in hits)
     chosen = s.choose()
     assert chosen and chosen["skipped_fraction"] >= 0.4
+    # the held-out images behind the figure are saved: the chosen configuration's and the uncached
+    # references, and the worst of them is the one the held-out worst PSNR is taken from
+    saved = chosen["holdout_images"]
+    per = chosen["holdout_quality"]["per_image"]
+    assert saved["keys"] == sorted(per) and per[saved["worst"]]["psnr"] == chosen["holdout_quality"]["psnr_min"]
+    for sub in (saved["folder"], saved["baseline"]):
+        for key in saved["keys"]:
+            assert (s.ctx.dir / sub / f"{key}.npy").is_file(), (sub, key)
+    worst = np.load(s.ctx.dir / saved["folder"] / f"{saved['worst']}.npy")
+    ref = np.load(s.ctx.dir / saved["baseline"] / f"{saved['worst']}.npy")
+    from ditbook.quality import psnr
+
+    assert abs(psnr(worst, ref) - chosen["holdout_quality"]["psnr_min"]) < 1e-3
 
 
 # --- issue 13: the caching-off check is a hard gate; a refusal lets the run go on -----------------

@@ -152,6 +152,7 @@ window.addEventListener('load', function () {
   function text(el) { return (el ? el.innerText : '').replace(/\\s+/g, ' ').trim(); }
   lines.push('VERDICT ' + text(document.getElementById('verdict')));
   lines.push('HEADLINE ' + text(document.querySelector('#verdict b')));
+  lines.push('WORST ' + text(document.querySelector('.verdict-row #holdout-worst figcaption')));
   lines.push('OFFAXIS ' + text(document.getElementById('off-axis')));
   ['checklist', 'plot-key', 'summary-table'].forEach(function (id) {
     var t = document.getElementById(id); if (!t) return;
@@ -197,6 +198,7 @@ def review(chromium, page, tmp_path) -> dict:
         rows.setdefault(table, []).append(dict(zip(json.loads(head), json.loads(cells))))
     return {"verdict": re.search(r"^VERDICT (.*)$", text, re.M).group(1),
             "headline": re.search(r"^HEADLINE (.*)$", text, re.M).group(1),
+            "worst": re.search(r"^WORST (.*)$", text, re.M).group(1),
             "off_axis": re.search(r"^OFFAXIS (.*)$", text, re.M).group(1), "rows": rows,
             "box": {t: (int(a), int(b)) for t, a, b in re.findall(r"^BOX (\S+) (\d+) (\d+)$", text, re.M)},
             "th": [(t, json.loads(n), int(r), int(w)) for t, n, r, w in re.findall(r"^TH (\S+) (\".*?\") (\d+) (\d+)$", text, re.M)],
@@ -240,7 +242,10 @@ def test_reviewer_reads_rule_one_held_out_figure_no_cpu_speedups_and_unscrolled_
     psnrs += re.findall(r"(\d+\.\d+) dB", key[0]["worst PSNR / SSIM"])
     psnrs += [x for k, x in summary[0].items() if "PSNR" in k and x != "-"]
     assert "held-out" in key[0]["worst PSNR / SSIM"]
-    assert len(psnrs) == 4 and set(psnrs) == {held}, psnrs
+    # beside the verdict: the worst held-out image, the one the figure is taken from
+    assert "p1_s1000" in got["worst"] and "(held-out)" in got["worst"], got["worst"]
+    psnrs += re.findall(r"PSNR (\d+\.\d+) dB", got["worst"])
+    assert len(psnrs) == 5 and set(psnrs) == {held}, psnrs
     results = json.loads((run / "benchmark" / "results.json").read_text())
     # the benchmark's own re-render of "gentle" on the calibration seeds is not shown beside it
     calib = next(f"{c['psnr_min']:.2f}" for c in results["configs"] if c["name"] == "gentle")
@@ -248,7 +253,8 @@ def test_reviewer_reads_rule_one_held_out_figure_no_cpu_speedups_and_unscrolled_
     parallel = {f"{r['name']} ×{r['nproc']} proc" for r in results["summary"] if r["family"].endswith("parallel")}
     assert parallel and not parallel & set(results["plot_points"]) and "gentle" in results["plot_points"]
     key_rows = {r["configuration"]: r for r in got["rows"]["plot-key"]}
-    for name in parallel:
+    shown = {f"{r['name']} ({r['nproc']} CPU processes)" for r in results["summary"] if r["family"].endswith("parallel")}
+    for name in shown:  # the device count in the label
         r = key_rows[name]
         assert r["speed-up (range)"].startswith("parity only") and r["key"] in got["off_axis"], r
     for r in got["rows"]["summary-table"]:

@@ -24,6 +24,35 @@ def plotted_rows(run, results: dict, rows: list[dict]) -> list[dict]:
             for r in shown_rows(rows, results, cache)]
 
 
+def holdout_figure(run, d: Path) -> dict | None:
+    """The worst held-out image of the cache stage's chosen configuration beside its uncached
+    reference (``cache/images/holdout``, saved by the cache stage), drawn to
+    ``plots/holdout_worst.png``: ``{plot, key, psnr, ssim, name}``; None when the cache stage
+    saved no held-out images."""
+    from .plots import worst_image_figure
+    from .verdict import chosen_row_name
+
+    cache = run.read_results("cache") if run.has_results("cache") else None
+    detail = (cache or {}).get("chosen_detail") or {}
+    saved = detail.get("holdout_images") or {}
+    key = saved.get("worst")
+    cdir = run.stage_dir("cache", create=False)
+    paths = [cdir / saved.get(k, "") / f"{key}.npy" for k in ("baseline", "folder")] if key else []
+    if not paths or not all(p.is_file() for p in paths):
+        return None
+    ref, img = (np.load(p) for p in paths)
+    per = ((detail.get("holdout_quality") or {}).get("per_image") or {}).get(key) or {}
+    if ref.ndim == 4:  # a video: its worst frame
+        f = int(((per.get("frames") or {}).get("worst_frame")) or 0)
+        ref, img = ref[f], img[f]
+    name = chosen_row_name(cache["chosen"])
+    title = (f"worst held-out image of {name}: {key}, PSNR {per.get('psnr', float('nan')):.2f} dB, "
+             f"SSIM {per.get('ssim', float('nan')):.4f}")
+    path = worst_image_figure(ref, img, d / "plots" / "holdout_worst.png", title)
+    return {"plot": str(Path(path).relative_to(d)), "key": key, "psnr": per.get("psnr"), "ssim": per.get("ssim"),
+            "name": name}
+
+
 def make_figures(run, results: dict | None = None) -> dict:
     """The speed-vs-quality plot and the image grid (plus residual and scaling plots) from
     ``benchmark/results.json`` and the stored images; updates ``plots``, ``grid``, ``labels`` and
@@ -80,6 +109,7 @@ def make_figures(run, results: dict | None = None) -> dict:
     frames = {int(v.shape[0]) for v in baseline.values() if is_video(v)}
     results["grid_videos"] = {"frames": max(frames)} if frames else None  # the grid shows rows of frames
     results["labels"] = labels
+    results["holdout_worst"] = holdout_figure(run, d)
     results["sheets"] = []
     run.write_results(STAGE, results)
     return results

@@ -58,6 +58,21 @@ def diff_map(image, reference, gain: float = 10.0) -> np.ndarray:
     return rgb.astype(np.float32)
 
 
+def wrap_name(name: str, width: int) -> list[str]:
+    """A configuration's name in lines of about ``width`` characters, broken only after its
+    separators (``[ , + space``), every setting kept (a row's label must tell it apart from its
+    neighbours, and the setting that does is often the last one)."""
+    import re
+
+    lines, line = [], ""
+    for piece in re.findall(r"[^\[,+ ]*[\[,+ ]?", name):
+        if line and len(line) + len(piece) > width:
+            lines.append(line.rstrip())
+            line = ""
+        line += piece
+    return lines + ([line.rstrip()] if line.strip() else [])
+
+
 def row_id(r: dict) -> str:
     """A row's name, with its process count when it ran on more than one (a plan appears once per
     world size)."""
@@ -275,8 +290,8 @@ def image_grid(baseline: dict[str, np.ndarray], images: dict[str, dict[str, np.n
     axes[0][0].set_ylabel("baseline", fontsize=8)
     for i, name in enumerate(names, start=1):
         short = (labels or {}).get(name)
-        rowname = "\n".join(textwrap.wrap(name, 18)[:3])
-        axes[i][0].set_ylabel(f"{short}: {rowname}" if short else rowname, fontsize=6.5)
+        rowname = "\n".join(wrap_name(f"{short}: {name}" if short else name, 22))
+        axes[i][0].set_ylabel(rowname, fontsize=6.5 if rowname.count("\n") < 6 else 5)
         for j, key in enumerate(keys):
             img = images[name].get(key)
             if img is None:
@@ -321,7 +336,7 @@ def video_grid(baseline: dict[str, np.ndarray], images: dict[str, dict[str, np.n
                 continue
             q = compare(img, base)
             short = (labels or {}).get(name)
-            head = "\n".join(textwrap.wrap(f"{short}: {name}" if short else name, 34)[:2])
+            head = "\n".join(wrap_name(f"{short}: {name}" if short else name, 60))
             fig_q = (f"worst frame {q.frames['worst_frame']}: {q.psnr:.1f} dB, SSIM {q.ssim:.3f}"
                      if q.frames and q.frames.get("worst_frame") is not None else "; ".join(q.reasons)[:60])
             rows.append((f"{head}\n{fig_q}", img))
@@ -333,6 +348,29 @@ def video_grid(baseline: dict[str, np.ndarray], images: dict[str, dict[str, np.n
 
     plt.close(fig)
     return Path(path)
+
+
+def worst_image_figure(reference: np.ndarray, image: np.ndarray, path: str | Path, title: str,
+                       gain: float = DIFF_GAIN) -> Path:
+    """The image behind a worst-case figure: the uncached reference, the configuration's image
+    and their difference (one scale, ``gain``) side by side, ``title`` above (a video: its worst
+    frame, chosen by the caller)."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, 3, figsize=(7.2, 2.7), dpi=200)
+    d = np.abs(np.asarray(image, dtype=np.float64) - np.asarray(reference, dtype=np.float64))
+    d = d.mean(axis=-1) if d.ndim == 3 else d
+    for ax, img, label in ((axes[0], np.clip(reference, 0, 1), "uncached (held-out seed)"),
+                           (axes[1], np.clip(np.nan_to_num(image), 0, 1), "chosen configuration"),
+                           (axes[2], None, f"|difference| (×{gain:g}: full scale {1 / gain:g})")):
+        if img is None:
+            ax.imshow(np.nan_to_num(d, nan=1 / gain), cmap="magma", vmin=0, vmax=1 / gain)
+        else:
+            ax.imshow(img)
+        ax.set_title(label, fontsize=7)
+        ax.set_xticks([])
+        ax.set_yticks([])
+    fig.suptitle(title, fontsize=8)
+    return _save(fig, path)
 
 
 def _save(fig, path, tight: bool = True) -> Path:
@@ -349,4 +387,4 @@ def _save(fig, path, tight: bool = True) -> Path:
 
 
 __all__ = ["pareto_frontier", "diff_map", "short_labels", "plot_tradeoff", "plot_residuals", "plot_scaling",
-           "contact_sheet", "image_grid", "video_grid", "row_id", "DIFF_GAIN"]
+           "contact_sheet", "image_grid", "video_grid", "worst_image_figure", "row_id", "DIFF_GAIN"]

@@ -223,6 +223,8 @@ table{border-collapse:collapse;font-size:.88em}th,td{border:1px solid #ccc;paddi
 td{overflow-wrap:normal;word-break:normal}th{background:#f3f3f3}td.name{min-width:9em}.tok{white-space:nowrap}.note{font-size:.8em;color:#555;margin:.2em 0}
 .verdict{border:2px solid #176f2c;background:#eef8f0;padding:.55em .9em;margin:.4em 0;font-size:1.02em}
 .verdict.no{border-color:#a11;background:#fdf0f0}
+.verdict-row{display:flex;gap:.8em;align-items:flex-start}.verdict-row>.verdict{flex:1 1 0;min-width:0}
+.verdict-row>figure{flex:0 0 400px;margin:.4em 0}.verdict-row figcaption{font-size:.78em}
 #checklist td:nth-child(2){text-align:center;font-weight:700;width:2em}
 .fail{background:#fde8e8;border:1px solid #e0a0a0;padding:.6em 1em;margin:1em 0}
 .ok{color:#176f2c}.bad{color:#a11}.nr{color:#777}
@@ -345,7 +347,7 @@ def _key_table(rows: list[dict], labels: dict[str, str], chosen: str | None) -> 
     for a parallel plan on CPU processes) and its one quality figure, labelled held-out or
     calibration."""
     from .plots import row_id
-    from .shown import speed_text
+    from .shown import display_name, speed_text
 
     body = []
     for r in rows:
@@ -356,11 +358,24 @@ def _key_table(rows: list[dict], labels: dict[str, str], chosen: str | None) -> 
         sp = html.escape(speed_text(r)).replace(" (", "<br><small>(", 1)
         sp += "</small>" if "<small>" in sp else ""
         body.append(f"<tr><td>{html.escape(key)}{' ★' if r.get('name') == chosen else ''}</td>"
-                    f"<td class=name>{name_html(name)}</td><td>{sp}</td>"
+                    f"<td class=name>{name_html(display_name(r))}</td><td>{sp}</td>"
                     f"<td>{_quality_text(r)}</td></tr>")
     return ('<div class="box"><table id="plot-key"><thead><tr><th>key</th><th>configuration</th><th>speed-up '
             "(range)</th><th>worst PSNR / SSIM</th></tr></thead><tbody>" + "".join(body) +
             "</tbody></table></div>")
+
+
+def _holdout_worst_html(run: RunFolder, res: dict | None) -> str:
+    """The worst held-out image of the chosen configuration (``benchmark.holdout_worst``) as a
+    figure with its key and figures; '' when none was drawn."""
+    w = (res or {}).get("holdout_worst") or {}
+    path = run.stage_dir("benchmark", create=False) / str(w.get("plot") or "")
+    if not w.get("plot") or not path.is_file():
+        return ""
+    cap = (f"Worst held-out image of {html.escape(str(w.get('name')))}: {html.escape(str(w.get('key')))}, "
+           f"PSNR {_psnr(w.get('psnr'))} dB, SSIM {_ssim(w.get('ssim'))} (held-out), against the uncached render.")
+    return (f'<figure id="holdout-worst"><img alt="the worst held-out image of the chosen configuration, its uncached '
+            f'reference and their difference" src="{_data_uri(path)}"><figcaption>{cap}</figcaption></figure>')
 
 
 def _off_axis(rows: list[dict], labels: dict[str, str]) -> str:
@@ -418,6 +433,9 @@ def report_html(run_dir: str | Path) -> str:
                  f'<br><span id="gates">Gates (cache, on held-out seeds): worst-image PSNR &gt; {g["psnr"]:g} dB and '
                  f'SSIM &gt; {g["ssim"]:g}. Chosen once, by the cache stage; the benchmark times it.</span>'
                  f'<br><span id="rule">{html.escape(runner_up_text(v))}</span></div>')
+    worst = _holdout_worst_html(run, res)
+    if worst:  # the image behind the held-out worst figure, beside the verdict
+        parts[-1] = f'<div class="verdict-row">{parts[-1]}{worst}</div>'
     parts.append(_checklist_html(checklist(meta, stage_results, v)))
     for f in failures(meta):
         cell = f"<pre>{html.escape(f['failing_cell'])}</pre>" if f.get("failing_cell") else ""

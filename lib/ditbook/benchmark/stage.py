@@ -20,7 +20,9 @@
 - ``images``: ``{config: [{key, png, npy}]}``; ``plots``: ``{name: path}`` (``tradeoff_psnr``: the
   speed-vs-quality plot); ``grid``: the image grid (``grid_videos``: ``{frames}`` when the cases
   are videos, drawn as a row of frames each, else null); ``labels``: the plot's short key per
-  configuration; ``plot_points``: the rows the speed plot draws, ``parity_only``: the parallel plans
+  configuration; ``holdout_worst``: the worst held-out image of the chosen configuration beside
+  its reference (``{plot, key, psnr, ssim, name}``, from the cache stage's saved held-out images, or
+  null); ``plot_points``: the rows the speed plot draws, ``parity_only``: the parallel plans
   run as CPU processes, left off it (``benchmark.shown``); ``sheets``: ``[]`` (no longer drawn);
   every path relative to ``benchmark/``;
 - ``summary`` (rows of :func:`~ditbook.benchmark.summary.summary_rows`), ``recommendation`` (the
@@ -48,6 +50,7 @@ from .inputs import discover_configs, read_inputs  # noqa: F401
 from .report import build_report, table_html, write_result_md  # noqa: F401
 from .variants import derived_configs  # noqa: F401
 from .verdict import headline  # noqa: F401
+from .shown import is_cpu_run, is_parallel
 
 
 def _slug(name: str) -> str:
@@ -163,7 +166,9 @@ def save(ctx, report: BenchmarkReport, inputs: StageInputs,
     results["images"] = images
     results["summary"] = summary_rows(results)
     results["gates"] = gates_dict(gate_overrides(ctx.card))
-    results["recommendation"] = recommend(results["summary"], gate_overrides(ctx.card)).to_dict()
+    # parallel plans run as CPU processes have no speed-up to recommend them by (benchmark.shown)
+    speed_rows = [r for r in results["summary"] if not (is_cpu_run(results) and is_parallel(r))]
+    results["recommendation"] = recommend(speed_rows, gate_overrides(ctx.card)).to_dict()
     # the verdict is the cache stage's choice, timed here (one decision, made once: verdict.py)
     from .verdict import verdict
 

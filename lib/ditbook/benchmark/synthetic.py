@@ -148,6 +148,24 @@ def executed_notebook(path: Path, title: str, image: np.ndarray, error: str | No
     return path
 
 
+# the chosen configuration's held-out figures per image: p1 is the worst (the held-out worst PSNR)
+HOLDOUT_PER_IMAGE = {"p0_s1000": {"psnr": 44.0, "ssim": 0.995}, "p1_s1000": {"psnr": 41.5, "ssim": 0.99}}
+
+
+def _holdout_images(run, renders) -> dict:
+    """Held-out images as the cache stage saves them (``cache/images/holdout``): references, and
+    the chosen configuration's, each offset so its PSNR is the one in :data:`HOLDOUT_PER_IMAGE`."""
+    root = run.stage_dir("cache") / "images" / "holdout"
+    for sub in ("baseline", "chosen"):
+        (root / sub).mkdir(parents=True, exist_ok=True)
+    for r, (key, q) in zip(renders, HOLDOUT_PER_IMAGE.items()):
+        ref = np.asarray(r.image, dtype=np.float32)[::-1].copy()  # another seed: another image
+        np.save(root / "baseline" / f"{key}.npy", ref)
+        np.save(root / "chosen" / f"{key}.npy", ref + np.float32(10 ** (-q["psnr"] / 20)))
+    return {"folder": "images/holdout/chosen", "baseline": "images/holdout/baseline",
+            "keys": sorted(HOLDOUT_PER_IMAGE), "worst": "p1_s1000"}
+
+
 def make_synthetic_run(root: str | Path, *, failed_stage: str | None = None, benchmark: bool = True,
                        repeats: int = 2, parallel: bool = True, frames: int = 0) -> Path:
     """Write a run folder under ``root`` and return its path (``frames``: of a video pipeline)."""
@@ -201,7 +219,9 @@ def make_synthetic_run(root: str | Path, *, failed_stage: str | None = None, ben
                                 "chosen": {"name": "gentle", "family": "cache/fake", "config": {}},
                                 "chosen_detail": {"name": "gentle", "family": "cache/fake", "config": {},
                                                   "skipped_fraction": 0.5,
-                                                  "holdout_quality": {"n": 2, "psnr_min": 41.5, "ssim_min": 0.99}},
+                                                  "holdout_quality": {"n": 2, "psnr_min": 41.5, "ssim_min": 0.99,
+                                                                      "per_image": HOLDOUT_PER_IMAGE},
+                                                  "holdout_images": _holdout_images(run, renders)},
                                 "adapter_checks": [{"name": "gentle", "checked": True, "max_abs": 0.0,
                                                     "reproduces": True}],
                                 "noise_floor": {"rerun_vs_intake": {"psnr_min": 100.0}, "rerun_max_abs": 0.0}})

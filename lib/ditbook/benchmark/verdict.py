@@ -83,6 +83,7 @@ def verdict(benchmark: dict | None, cache: dict | None) -> dict:
         if twin.get("shipped") and out["passes_gates"] is True:
             out.update(name=twin["name"], speedup=twin["speedup"], e2e_ms=twin["e2e_ms"])
     out.update(rule_and_runner_ups(benchmark, cache, out))
+    out["speedup_range"] = None if "timing_unstable" in out else speedup_range(benchmark, out["name"])
     _decide(out, benchmark, name, bool(hq))
     return out
 
@@ -144,6 +145,14 @@ def drift_text(t: dict) -> str:
             f"(the bound is ±{t['limit']:.0%}, benchmark.timing_drift)")
 
 
+def speedup_range(benchmark: dict | None, name: str) -> list[float] | None:
+    """The speed-up range the end-to-end timings of ``name`` allow (``benchmark.shown.speed_spread``)."""
+    from .shown import speed_spread
+
+    lo_hi = speed_spread(benchmark).get(name)
+    return [round(lo_hi[0], 3), round(lo_hi[1], 3)] if lo_hi else None
+
+
 RULE = "most work skipped among the configurations passing on held-out seeds"
 
 
@@ -154,7 +163,7 @@ def rule_and_runner_ups(benchmark: dict | None, cache: dict | None, v: dict) -> 
     run as CPU processes has no speed-up and is no runner-up."""
     from .shown import HELD_OUT, holdout_records, is_cpu_run, is_parallel
 
-    chosen = v.get("name")
+    chosen = str(v.get("name")).removesuffix("+compile")  # the shipped twin is the chosen configuration compiled
     if chosen in ("baseline", "none"):
         return {"rule": RULE, "runner_ups": []}
     held = holdout_records(cache)
@@ -179,8 +188,7 @@ def rule_and_runner_ups(benchmark: dict | None, cache: dict | None, v: dict) -> 
         if rec is None:
             why = "not confirmed on held-out seeds (its figures are on the calibration seeds only)"
         elif k0 is not None and (rec.get("skipped_fraction") or 0) < k0:
-            why = (f"skips less work ({rec['skipped_fraction']:.3f} of block evaluations against {k0:.3f}); "
-                   "the rule counts work skipped, which does not depend on this host's timing noise")
+            why = f"skips less work ({rec['skipped_fraction']:.3f} of block evaluations against {k0:.3f})"
         else:
             why = "skips as much work; the rule's tie-break is the held-out PSNR"
         out.append({"name": name, "speedup": sp, "psnr_min": p, "ssim_min": s,
@@ -190,17 +198,20 @@ def rule_and_runner_ups(benchmark: dict | None, cache: dict | None, v: dict) -> 
     return {"rule": RULE, "runner_ups": out}
 
 
-def runner_up_text(v: dict) -> str:
-    """One sentence: the rule, and the runner-ups with why they were not chosen."""
+def runner_up_text(v: dict, shown: int = 3) -> str:
+    """One sentence: the rule, and the (``shown`` fastest) runner-ups with why they were not chosen."""
     ups = v.get("runner_ups") or []
     text = f"Chosen by the cache stage's rule: {v.get('rule', RULE)}."
     if not ups:
         return text + " No other passing configuration is faster or better on held-out seeds."
     parts = []
-    for r in ups:
+    for r in ups[:shown]:
         sp = f"{r['speedup']:.2f}×" if r.get("speedup") is not None else "speed-up not measured"
         parts.append(f"{r['name']} ({sp}, {r['quality_on']} worst PSNR {_f(r.get('psnr_min'))} dB): {r['why_not']}")
-    return text + " Runner-up" + ("s" if len(ups) > 1 else "") + ": " + "; ".join(parts) + "."
+    more = f"; {len(ups) - shown} more in benchmark/results.json (verdict.runner_ups)" if len(ups) > shown else ""
+    why = (" — the rule counts work skipped, which does not depend on this host's timing noise"
+           if any(str(r.get("why_not", "")).startswith("skips less") for r in ups[:shown]) else "")
+    return text + " Runner-up" + ("s" if len(ups) > 1 else "") + ": " + "; ".join(parts) + more + why + "."
 
 
 def compiled_twin(benchmark: dict | None, cache: dict | None, name: str, speedup: float | None) -> dict | None:
@@ -247,6 +258,8 @@ def headline(v: dict) -> str:
     sp = f"{v['speedup']:.2f}× end to end" if v.get("speedup") is not None else "speed-up not measured"
     if v.get("timing_unstable"):
         sp = f"timing unstable ({drift_text(v['timing_unstable'])})"
+    if v.get("speedup") is not None and v.get("speedup_range"):
+        sp += f" (timings allow {v['speedup_range'][0]:.2f}–{v['speedup_range'][1]:.2f}×)"
     c = v.get("compile") or {}
     if c.get("shipped") and c.get("compile_s") is not None:
         sp += f" (one-time compile {c['compile_s']:.1f} s)"

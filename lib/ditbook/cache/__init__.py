@@ -26,6 +26,9 @@ Main API (all dataclasses have ``to_dict``):
 ``cache/results.json`` holds: ``strategies`` (list of {name, family, config, quality (SetQuality
 dict), skipped_fraction, attention_skipped_fraction, cached_steps, passed, split
 ("calibration"/"holdout"/...), error}), ``chosen`` ({name, family, config} or null),
+``chosen_detail`` (the chosen one's ``skipped_fraction``, ``holdout_quality`` and
+``holdout_images``: {folder, baseline, keys, worst} — its held-out images and their uncached
+references saved under ``cache/images/holdout/``, ``worst`` the key of the held-out worst PSNR),
 ``frontier`` / ``frontier_holdout`` (compute saved vs worst PSNR, Pareto set), ``noise_floor``,
 ``adapter_checks`` (caching disabled reproduces the baseline), ``adapter`` (AdapterInfo),
 ``adapter_module`` (relative path of the generated module), ``calibration``,

@@ -93,6 +93,7 @@ class CacheSession:
     max_configs: int | None = None  # per strategy (None: the card's, else the whole grid)
     confirm_tries: int | None = None  # held-out confirmations per strategy (None: card.cache.confirm_tries)
     compiled: dict = field(default_factory=dict)  # the chosen configuration compiled (compiled_check)
+    holdout_kept: dict = field(default_factory=dict)  # {result, images}: the best passing held-out render so far
     refused: str | None = None  # why no cache strategy can be applied safely (the stage still passes)
     fallback: list = field(default_factory=list)  # why cache-dit's registered adapter was replaced by ours
     order: dict = field(default_factory=dict)  # the chosen configuration rendered alone vs after another (order_check)
@@ -253,8 +254,10 @@ class CacheSession:
                 if key in tried or r.skipped_fraction == 0.0:
                     continue  # same savings as one already confirmed or refuted; or no savings at all
                 tried.add(key)
+                kept: dict = {}
                 h = evaluate(self.pipe, self.card, self.adapter, name, cfg, self.holdout_refs, self.holdout_counts,
-                             self.gates, hp, hs, split="holdout")
+                             self.gates, hp, hs, split="holdout", keep_images=kept)
+                self._keep_holdout(h, kept)
                 self.results.append(h)
                 if progress:
                     progress(h)
@@ -278,6 +281,34 @@ class CacheSession:
     def frontier(self, split: str = "calibration") -> list[dict]:
         return pareto([r.to_dict() for r in self.results if r.split == split])
 
+    @staticmethod
+    def _rank(r) -> tuple:
+        """How :meth:`choose` ranks held-out-passing results: most work skipped, then PSNR."""
+        return (r.skipped_fraction, r.quality["psnr_min"])
+
+    def _keep_holdout(self, result, images: dict) -> None:
+        """Keep the held-out images of the best passing held-out result so far (the one
+        :meth:`choose` will pick), and only those: one set in memory."""
+        best = self.holdout_kept.get("result")
+        if result.passed and result.quality and (best is None or self._rank(result) > self._rank(best)):
+            self.holdout_kept = {"result": result, "images": images}
+
+    def _save_holdout(self, best) -> dict | None:
+        """Save the chosen configuration's held-out images and their uncached references
+        (``images/holdout/chosen``, ``images/holdout/baseline``, ``.npy``), so the report can show
+        the image behind the held-out worst figure; ``{folder, baseline, keys, worst}`` or None."""
+        if self.holdout_kept.get("result") is not best or not self.holdout_refs:
+            return None
+        root = self.ctx.dir / "images" / "holdout"
+        for sub, images in (("chosen", self.holdout_kept["images"]), ("baseline", self.holdout_refs)):
+            (root / sub).mkdir(parents=True, exist_ok=True)
+            for key, img in images.items():
+                np.save(root / sub / f"{key}.npy", np.asarray(img, dtype=np.float32))
+        per = (best.quality or {}).get("per_image") or {}
+        worst = min(per, key=lambda k: per[k].get("psnr", float("inf"))) if per else None
+        return {"folder": "images/holdout/chosen", "baseline": "images/holdout/baseline",
+                "keys": sorted(self.holdout_kept["images"]), "worst": worst}
+
     def choose(self) -> dict | None:
         """The held-out-confirmed configuration that skips the most block evaluations; its cases
         rendered again, and its last case alone against it after the others (``order_check``:
@@ -286,9 +317,10 @@ class CacheSession:
         if not held:
             self.chosen = None
             return None
-        best = max(held, key=lambda r: (r.skipped_fraction, r.quality["psnr_min"]))
+        best = max(held, key=self._rank)
         self.chosen = {"name": best.name, "family": best.family, "config": best.config,
-                       "skipped_fraction": best.skipped_fraction, "holdout_quality": best.quality}
+                       "skipped_fraction": best.skipped_fraction, "holdout_quality": best.quality,
+                       "holdout_images": self._save_holdout(best)}
         gen = self.card.generation
         cfg = strategies.get(best.name).config(**best.config)
         images: dict = {}
