@@ -129,3 +129,20 @@ def test_skipped_share_counts_every_block_list_the_forward_runs(inspected, tmp_p
     card = load_card(suite.build("fluxref", tmp_path))
     _, counts = counted_render(pipe, card, adapter, card.generation.prompts, [0])
     assert counts["calls"] and set(counts["calls"]) == {4}  # 2 double + 2 single per transformer call
+
+
+def test_attention_through_a_plain_function_is_routed(inspected):
+    # the reference blocks call attention(q, k, v, pe), a module-level function that calls SDPA:
+    # the CP redirect and ditbook's ring find the blocks as the modules to route
+    from ditbook.parallel.attention import route_attention, sdpa_callers
+    from ditbook.parallel.ring import attention_modules
+
+    pipe, _ = inspected("fluxref")
+    names = [n for n, _ in sdpa_callers(pipe.transformer)]
+    assert names == ["double_blocks.0", "double_blocks.1", "single_blocks.0", "single_blocks.1"]
+    assert [n for n, _ in attention_modules(pipe.transformer)] == names
+    route = route_attention(pipe.transformer)
+    try:
+        assert route.modules == names
+    finally:
+        route.remove()

@@ -214,6 +214,19 @@ def _folded_plan(transformer, path: str, fold: LoopFold, reasons: list[str]) -> 
                          True, fold.to_dict(), "; ".join(reasons) or "forced")
 
 
+def _unfolded_or_renamed(bl, transformer, fold: LoopFold | None, folds: list, info: AdapterInfo):
+    """The unfolded plan; where no pattern matches the blocks by name but ditbook's own fold can
+    rename and reorder their streams, the folded plan (the folded block takes what cache-dit
+    passes); else why the list cannot be cached as it is."""
+    plan = _unfolded_plan(bl, transformer)
+    if isinstance(plan, str) and fold is not None:
+        why = [f"{plan}; folded, the loop body renames and reorders the streams"]
+        folds.append(fold)
+        info.functor_reasons += why
+        return _folded_plan(transformer, bl.path, fold, why)
+    return plan
+
+
 def _try_plan_fold(tcls, path: str) -> tuple[LoopFold | None, str]:
     """The loop fold of ``self.<path>``, or None and why it cannot be folded."""
     try:
@@ -268,14 +281,7 @@ def generate_adapter_source(pipe, report: ArchReport, model: str, *, force_fold:
             plans.append(_folded_plan(transformer, bl.path, fold, reasons))
             info.functor_reasons += reasons
         else:
-            plan = _unfolded_plan(bl, transformer)
-            if isinstance(plan, str) and fold is not None and force_fold is None:
-                # no pattern matches the blocks by name, but ditbook's own fold can rename and
-                # reorder their streams: the folded block takes what cache-dit passes
-                why = [f"{plan}; folded, the loop body renames and reorders the streams"]
-                folds.append(fold)
-                plan = _folded_plan(transformer, bl.path, fold, why)
-                info.functor_reasons += why
+            plan = _unfolded_or_renamed(bl, transformer, fold if force_fold is None else None, folds, info)
             if isinstance(plan, str):
                 uncached.append(f"{bl.path}: {plan}")
                 continue

@@ -503,17 +503,7 @@ def list_uses(cls, paths: list[str]) -> dict[str, ListUses]:
                 todo.append(node.func.attr)
                 sites.setdefault(node.func.attr, []).append((name, node, branches))
             if isinstance(node, ast.For) and not for_reads_attributes(node):
-                lists = _loop_iter_lists(node.iter)
-                for k, it in enumerate(lists):
-                    if k and _attr_path(it) in uses:
-                        uses[_attr_path(it)].zipped_after.append(_attr_path(lists[0]))
-                    p = _attr_path(it)
-                    if p in uses:
-                        loop_nodes.add(id(it))
-                        loops_by_list.setdefault(p, []).append(node)
-                        uses[p].loops.append(f"{name}:{offset + node.lineno}")
-                        body_nodes.update({id(n): p for st in node.body for n in ast.walk(st)})
-                        uses[p].loop_flow += _loop_flow(node)
+                _record_loop(node, f"{name}:{offset + node.lineno}", uses, loop_nodes, loops_by_list, body_nodes)
         for p, found in loops_by_list.items():
             if len(found) > 1 and len(uses[p].loops) == len(found):
                 uses[p].exclusive = all(exclusive_branches(branches, a, b)
@@ -543,6 +533,21 @@ def list_uses(cls, paths: list[str]) -> dict[str, ListUses]:
     for u in uses.values():
         _exclusive_methods(u, sites)
     return uses
+
+
+def _record_loop(node: ast.For, where: str, uses: dict, loop_nodes: set, loops_by_list: dict, body_nodes: dict) -> None:
+    """A for statement over one or more of the lists (``zip`` of several): recorded on each."""
+    lists = _loop_iter_lists(node.iter)
+    for k, it in enumerate(lists):
+        if k and _attr_path(it) in uses:
+            uses[_attr_path(it)].zipped_after.append(_attr_path(lists[0]))
+        p = _attr_path(it)
+        if p in uses:
+            loop_nodes.add(id(it))
+            loops_by_list.setdefault(p, []).append(node)
+            uses[p].loops.append(where)
+            body_nodes.update({id(n): p for st in node.body for n in ast.walk(st)})
+            uses[p].loop_flow += _loop_flow(node)
 
 
 def _exclusive_methods(u: ListUses, sites: dict) -> None:

@@ -135,11 +135,47 @@ ROUTE_WRAP = "ditbook.attention-route"
 
 
 def _calls_sdpa(obj) -> bool:
+    """The class's own code calls SDPA: directly, or through a plain function of its module
+    (a reference implementation's ``attention(q, k, v, pe)``, no attention module around it)."""
     try:
         src = inspect.getsource(type(obj))
     except (OSError, TypeError):
         return False
-    return "scaled_dot_product_attention" in src
+    if "scaled_dot_product_attention" in src:
+        return True
+    import sys
+
+    namespace = vars(sys.modules.get(type(obj).__module__) or object())
+    return any(_function_calls_sdpa(namespace.get(name), 2) for name in _called_names(src))
+
+
+def _called_names(src: str) -> set[str]:
+    """Names called as plain functions (``f(...)``) in ``src``."""
+    import ast
+    import textwrap
+
+    try:
+        tree = ast.parse(textwrap.dedent(src))
+    except SyntaxError:
+        return set()
+    return {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+
+
+def _function_calls_sdpa(fn, depth: int) -> bool:
+    """A plain Python function whose code (or that of the module functions it calls, ``depth``
+    levels down) calls ``scaled_dot_product_attention``."""
+    import sys
+
+    if not inspect.isfunction(fn) or depth < 0:
+        return False
+    try:
+        src = inspect.getsource(fn)
+    except (OSError, TypeError):
+        return False
+    if "scaled_dot_product_attention" in src:
+        return True
+    namespace = vars(sys.modules.get(fn.__module__) or object())
+    return any(_function_calls_sdpa(namespace.get(n), depth - 1) for n in _called_names(src) if n != fn.__name__)
 
 
 def _dispatch_aware(module) -> bool:
