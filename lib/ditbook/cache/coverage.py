@@ -1015,10 +1015,10 @@ def _summary(exc: BaseException) -> str:
 
 
 def _refusal_types() -> tuple:
-    from .adapter import CacheRefused
+    from .adapter import CacheRefused, run_time_refusals
     from .loopfold import FoldError
 
-    return (Refused, CacheRefused, FoldError)
+    return (Refused, CacheRefused, FoldError, *run_time_refusals())
 
 
 def check_class(cls: type, steps: int = STEPS, cp: bool = True) -> ClassOutcome:
