@@ -78,18 +78,32 @@ def _get(x: Tensor, gate: Tensor) -> Tensor:  # the name the adapter module uses
     return x * gate
 
 
-class RefBlock(nn.Module):
+class RefAttention(nn.Module):
     def __init__(self, dim: int, heads: int = 2):
         super().__init__()
         self.heads = heads
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.out = nn.Linear(dim, dim)
+        self.to_q, self.to_k, self.to_v = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.to_out = nn.Linear(dim, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, n, d = x.shape
+
+        def split(t: Tensor) -> Tensor:
+            return t.view(b, n, self.heads, d // self.heads).transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(split(self.to_q(x)), split(self.to_k(x)), split(self.to_v(x)))
+        return self.to_out(out.transpose(1, 2).reshape(b, n, d))
+
+
+class RefBlock(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.attn = RefAttention(dim)
         self.mod = nn.Linear(dim, dim)
 
     def forward(self, x: Tensor, temb: Tensor) -> Tensor:
-        b, n, d = x.shape
-        q, k, v = self.qkv(x + self.mod(temb)[:, None]).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        return x + self.out(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, d))
+        return x + self.attn(self.norm(x) + self.mod(temb)[:, None])
 
 
 class RefModel(nn.Module):
@@ -116,7 +130,8 @@ from diffusers.configuration_utils import register_to_config
 from {ref} import RefModel
 
 
-class MyModel(ModelMixin, ConfigMixin, RefModel):
+class MyModel(RefModel, ModelMixin, ConfigMixin):  # (ModelMixin, ConfigMixin, RefModel) hides submodules:
+    # ConfigMixin.__getattr__ would come before nn.Module's
     @register_to_config
     def __init__(self, in_channels: int = 8, dim: int = 16, num_layers: int = 3):
         super().__init__()
