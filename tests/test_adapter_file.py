@@ -158,9 +158,13 @@ def test_inherited_forward_is_folded_with_the_names_of_its_own_module(tmp_path):
 def test_emitted_module_imports_names_from_the_defining_module_and_aliases_collisions(tmp_path):
     from ditbook.cache.adapter_source import ModelNames, _OWN
 
-    scope = {"__name__": "somewhere.ref", "Tensor": object(), "_get": object()}
+    import torch.nn.functional
+
+    scope = {"__name__": "somewhere.ref", "Tensor": object(), "_get": object(), "F": torch.nn.functional}
     names = ModelNames({"_get": _OWN})
-    src = names.resolve("def f(x: Tensor):\n    return _get(x, len(x))\n", scope, "_folded_f")
-    assert src.startswith("def _folded_f(x: Tensor):") and "_somewhere_ref__get(x, len(x))" in src
-    assert names.lines() == ["from somewhere.ref import Tensor, _get as _somewhere_ref__get  "
-                             "# names the model's code uses, where it is defined"]
+    src = names.resolve("def f(x: Tensor):\n    return F.relu(_get(x, len(x), missing))\n", scope, "_folded_f")
+    assert src.startswith("def _folded_f(x: Tensor):") and "F.relu(_somewhere_ref__get(x, len(x), missing))" in src
+    assert names.lines() == ["import torch.nn.functional as F",
+                             "from somewhere.ref import Tensor, _get as _somewhere_ref__get  "
+                             "# names the model's code uses, where it is defined",
+                             "# not found in somewhere.ref: missing"]

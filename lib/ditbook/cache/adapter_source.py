@@ -113,6 +113,7 @@ class ModelNames:
         self.bound: dict[str, object] = dict(reserved)  # name in the adapter module -> its object
         self.imports: dict[str, list[str]] = {}  # defining module -> ["name", "name as alias"]
         self.missing: dict[str, list[str]] = {}
+        self.modules: list[str] = []  # modules the model's code names: ``import torch.nn.functional as F``
 
     def resolve(self, source: str, scope: dict, new_name: str) -> str:
         """``source`` (one ``def``) renamed ``new_name``, its free names imported from ``scope``'s module."""
@@ -143,11 +144,14 @@ class ModelNames:
             if local in self.bound:
                 return local
         self.bound[local] = obj
-        self.imports.setdefault(module, []).append(name if local == name else f"{name} as {local}")
+        if isinstance(obj, types.ModuleType) and sys.modules.get(obj.__name__) is obj:
+            self.modules.append(f"import {obj.__name__}" + (f" as {local}" if local != obj.__name__ else ""))
+        else:
+            self.imports.setdefault(module, []).append(name if local == name else f"{name} as {local}")
         return local
 
     def lines(self) -> list[str]:
-        out = []
+        out = sorted(set(self.modules))
         for module, names in self.imports.items():
             plain, folder = importable_module_name(module)
             if folder:
