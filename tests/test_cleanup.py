@@ -72,6 +72,6 @@ def test_adapter_file_is_written_even_when_the_same_source_was_imported_before(t
     source = "VALUE = 42\n"
     first = import_adapter_module(source, tmp_path / "a" / "adapter_x.py", name="x")
     second = import_adapter_module(source, tmp_path / "b" / "adapter_x.py", name="x")
-    assert first is second and first.VALUE == 42
+    assert first.VALUE == second.VALUE == 42 and first.__file__ != second.__file__
     assert (tmp_path / "a" / "adapter_x.py").read_text() == source
     assert (tmp_path / "b" / "adapter_x.py").read_text() == source

@@ -65,6 +65,8 @@ def test_written_files_are_plain_modules(stage):
         assert "exec(" not in text and "import ditbook" not in text and "from ditbook" not in text, name
         assert "ditbook_user_" not in text and "ditbook_generated" not in text, name
     adapter = (folder / up.adapter_module).read_text()
+    # the shipped file is the very text the stage imported and ran, not a second rendering
+    assert adapter == (s.ctx.dir / f"{s.adapter.info.module_name}.py").read_text() == s.adapter.source
     assert "@BlockAdapterRegister.register('TinyPipeline')\ndef tiny_adapter(pipe, **kwargs) -> BlockAdapter:" in adapter
     assert "class TinyGQATransformerPatchFunctor(PatchFunctor):" in adapter
     assert "def _blocks_loop_body(owner, index, block, x, context, *, temb=None" in adapter

@@ -6,9 +6,12 @@ Main API (all dataclasses have ``to_dict``):
 * ``build_cache_adapter(pipe, report, model) -> CacheAdapter`` (``adapter``): block lists,
   forward patterns, separate-CFG flag and, when blocks are called with keywords cache-dit cannot
   route or the loop does work per block, a generated ``PatchFunctor`` that folds the loop body
-  into per-instance block wrappers (``loopfold``). The adapter *is* a generated module
-  (``cache/adapter_<model>.py`` in the run folder), imported; ``adapter.info`` says what was
-  decided and where it differs from cache-dit's own registration.
+  into per-instance block wrappers (``loopfold``). The adapter *is* a plain module file
+  (``adapter_source``: registration function, patch functor class, the folded loop as ordinary
+  ``def``s), written to ``cache/adapter_<model>.py`` of the run folder first and imported from
+  that file (``adapter.load_adapter_module``): every strategy the stage verifies runs through it,
+  and ``upstream`` ships the same text; ``adapter.info`` says what was decided and where it
+  differs from cache-dit's own registration.
 * ``strategies``: registry by name; one file + one config dataclass per strategy:
   ``dbcache``, ``dbcache_taylorseer``, ``scm`` (cache-dit), ``diffusers_fbc``,
   ``diffusers_magcache``, ``diffusers_taylorseer``, ``diffusers_pab``, ``diffusers_fastercache``
@@ -72,7 +75,7 @@ class CacheConfig:
         from . import strategies
         from .adapter import load_adapter_file
 
-        module = load_adapter_file(self._module_path)
+        module = load_adapter_file(self._module_path, pipe.transformer)
         adapter = CacheAdapter.from_module(pipe, ArchReport.load(self._arch_path), module, self._used)
         strat = strategies.get(self.name)
         return strat.apply(pipe, adapter, strat.config(**self.config), steps=steps)

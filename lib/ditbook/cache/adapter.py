@@ -3,9 +3,11 @@
 ``build_cache_adapter(pipe, report)`` decides, per block list of the report, the cache-dit
 ``ForwardPattern`` and whether the loop must be folded into the blocks (blocks called with
 keyword names cache-dit cannot route, or a loop that does extra work per block: see
-``loopfold``). It then *generates the adapter as a Python module* (the same text that the stage
-writes to ``cache/adapter_<model>.py`` for upstreaming) and imports it, so the adapter that runs
-is the adapter that is shipped.
+``loopfold``). It then *writes the adapter as a plain Python module file*
+(``adapter_source``: the registration function, the patch functor class, the folded loop as
+ordinary ``def``s) — ``cache/adapter_<model>.py`` of the run folder for the cache stage, a
+temporary file otherwise — and imports that file (``load_adapter_module``), so the adapter the
+stage verifies is the file it ships (``upstream`` copies it unchanged).
 
 Where cache-dit has its own registration for the pipeline (``cache_dit.BlockAdapterRegister``),
 that one is used for cache-dit strategies (``prefer_registered``) and ``info.differences`` says
@@ -16,22 +18,24 @@ where ours differs. ``register_diffusers_blocks`` registers the block classes wi
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import importlib.machinery
 import importlib.util
+import itertools
 import sys
-import textwrap
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..inspect.report import ArchReport
 from ..inspect.loop_source import list_uses
-from .loopfold import FoldError, LoopFold, fold_source, plan_fold
+from .adapter_source import (  # noqa: F401  (PATTERN_OUTPUT_INDEX, refused_module_source: public here)
+    PATTERN_OUTPUT_INDEX,
+    adapter_function_name,
+    adapter_module_source,
+    refused_module_source,
+    safe_name,
+)
+from .loopfold import FoldError, LoopFold, loop_body_class_name, plan_fold
 
-# (hidden_states index, encoder_hidden_states index) in a block's returned tuple
-PATTERN_OUTPUT_INDEX = {
-    "Pattern_0": (0, 1), "Pattern_1": (1, 0), "Pattern_2": (0, None),
-    "Pattern_3": (0, None), "Pattern_4": (0, 1), "Pattern_5": (1, 0),
-}
 STANDARD_INPUTS = {"hidden_states", "encoder_hidden_states"}
 
 
@@ -209,9 +213,8 @@ def _list_problem(path: str, u, tcls=None) -> str:
 
 def _folded_plan(transformer, path: str, fold: LoopFold, reasons: list[str]) -> "BlockListPlan":
     """The plan for a list whose loop body is folded into its blocks."""
-    return BlockListPlan(path, len(_get(transformer, path)),
-                         f"{type(transformer).__name__}_{path.replace('.', '_')}_LoopBody", fold.pattern,
-                         True, fold.to_dict(), "; ".join(reasons) or "forced")
+    return BlockListPlan(path, len(_get(transformer, path)), loop_body_class_name(type(transformer), path),
+                         fold.pattern, True, fold.to_dict(), "; ".join(reasons) or "forced")
 
 
 def _unfolded_or_renamed(bl, transformer, fold: LoopFold | None, folds: list, info: AdapterInfo):
@@ -297,143 +300,125 @@ def generate_adapter_source(pipe, report: ArchReport, model: str, *, force_fold:
     functor = f"{tcls.__name__}PatchFunctor" if folds else None
     info.patch_functor = functor
     info.module_name = f"adapter_{model}".replace("-", "_").replace(".", "_")
-    src = _module_source(pipe, info, folds, tcls, functor)
-    return src, info
+    from .. import __version__
+
+    return adapter_module_source(tcls, info, folds, __version__), info
 
 
-def _module_source(pipe, info: AdapterInfo, folds, tcls, functor: str | None) -> str:
-    """The adapter module: its header (what it is, constants), the patch code, and the entry points."""
-    body = fold_source(tcls, folds, functor) if folds else _NO_FUNCTOR_SOURCE
-    return _module_head(info, functor) + body + _module_tail(functor)
+class _AdapterFileLoader(importlib.machinery.SourceFileLoader):
+    """Imports an adapter file as it is on disk now: no ``__pycache__`` read or written (an edit
+    made in the same second as the last import must not be hidden by stale bytecode); keeps the
+    exact text it ran in ``text``."""
+
+    text = ""
+
+    def get_code(self, fullname):
+        path = self.get_filename(fullname)
+        data = self.get_data(path)
+        self.text = data.decode("utf-8")
+        return self.source_to_code(data, path)
 
 
-def _module_head(info: AdapterInfo, functor: str | None) -> str:
-    """The module docstring, imports and constants of the adapter module."""
-    from .. import __version__ as ditbook_version
+@contextlib.contextmanager
+def _model_modules_by_plain_name(transformer):
+    """While an adapter file is imported: the model's modules that were loaded from a file under
+    another name (a card's ``source: file.py``) answer to the plain name the file imports them by,
+    so the adapter's functions see the very module objects the model's classes were defined in.
+    Put back exactly afterwards."""
+    from .adapter_source import importable_module_name
 
-    lists = [(p.path, p.pattern) for p in info.block_lists]
-    meta = {p.block_class: PATTERN_OUTPUT_INDEX[p.pattern] for p in info.block_lists}
-    return textwrap.dedent(f'''\
-        """cache-dit adapter for {info.transformer_class} ({info.pipeline_class}), generated by ditbook {ditbook_version}.
-
-        Made from the inspection report of model {info.model!r}; ready to contribute to cache-dit.
-
-            import {info.module_name} as adapter
-            adapter.register()                       # cache_dit.enable_cache(pipe, ...) now knows it
-            cache_dit.enable_cache(adapter.block_adapter(pipe), cache_config=DBCacheConfig(...))
-            ...
-            cache_dit.disable_cache(pipe); adapter.unpatch(pipe.transformer)
-
-        Block lists and forward patterns: {lists}.
-        Patch functor: {functor or "none (blocks are called the way cache-dit calls them, and the loop does no extra work)"}.
-        """
-
-        import sys
-        import textwrap
-        import types
-
-        import torch
-        from cache_dit import BlockAdapter, BlockAdapterRegister, ForwardPattern, PatchFunctor
-
-        PIPELINE_CLASS = {info.pipeline_class!r}
-        TRANSFORMER_CLASS = {info.transformer_class!r}
-        BLOCK_LISTS = {lists!r}  # (attribute path, cache-dit ForwardPattern)
-        HAS_SEPARATE_CFG = {info.has_separate_cfg!r}  # CFG runs as a second transformer call per step
-        # for diffusers' hooks: block class -> (hidden_states index, encoder_hidden_states index) of its output
-        DIFFUSERS_BLOCK_OUTPUTS = {meta!r}
-        ''')
-
-
-_NO_FUNCTOR_SOURCE = textwrap.dedent('''
-    def _get(obj, path):
-        for part in path.split("."):
-            obj = getattr(obj, part)
-        return obj
-
-
-    def unpatch(transformer):
-        """Nothing to undo: this adapter has no patch functor."""
-        return transformer
-    ''')
-
-
-def _module_tail(functor: str | None) -> str:
-    """``block_adapter`` (the cache-dit BlockAdapter) and ``register`` of the adapter module."""
-    return textwrap.dedent(f'''
-
-        def block_adapter(pipe, **kwargs):
-            """The cache-dit BlockAdapter for this pipeline (applies the patch functor, if any)."""
-            transformer = pipe.transformer
-            return BlockAdapter(
-                pipe=pipe,
-                transformer=transformer,
-                blocks=[_get(transformer, path) for path, _ in BLOCK_LISTS],
-                forward_pattern=[getattr(ForwardPattern, pattern) for _, pattern in BLOCK_LISTS],
-                patch_functor={f"{functor}()" if functor else "None"},
-                has_separate_cfg=HAS_SEPARATE_CFG,
-                check_forward_pattern=True,
-                **kwargs,
-            )
-
-
-        def register():
-            """Register with cache-dit so that cache_dit.enable_cache(pipe) finds this adapter."""
-            BlockAdapterRegister.register(PIPELINE_CLASS)(block_adapter)
-        ''')
-
-
-def load_adapter_file(path: str | Path):
-    """Import a generated adapter module from its file."""
-    path = Path(path)
-    return import_adapter_module(path.read_text(), None, path.stem, existing=path)
-
-
-def import_adapter_module(source: str, path: str | Path | None = None, name: str = "adapter",
-                          existing: Path | None = None):
-    """Import generated adapter source as a fresh module. Written to ``path`` when given (and
-    imported from there); without a path it is compiled from memory under a pseudo file name
-    registered with ``linecache`` (tracebacks and ``inspect`` still show the source), so no
-    temporary folder is left behind."""
-    import linecache
-    import types
-
-    digest = hashlib.sha1(source.encode()).hexdigest()[:10]
-    mod_name = f"ditbook_generated_{name}_{digest}"
-    if path is not None and existing is None:  # the file is part of the run's record: always written
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(source)
-    if mod_name in sys.modules:  # the same source imported before in this process
-        return sys.modules[mod_name]
-    if existing is not None:
-        path = existing
-    if path is None:
-        filename = f"<ditbook generated adapter {name} {digest}>"
-        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-        module = types.ModuleType(mod_name)
-        module.__file__ = None
-        sys.modules[mod_name] = module
-        try:
-            exec(compile(source, filename, "exec"), module.__dict__)
-        except BaseException:
-            sys.modules.pop(mod_name, None)
-            raise
-        return module
-    path = Path(path)
-    spec = importlib.util.spec_from_file_location(mod_name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[mod_name] = module
+    aliases = {}
+    for cls in type(transformer).__mro__ if transformer is not None else ():
+        plain, folder = importable_module_name(cls.__module__)
+        module = sys.modules.get(cls.__module__)
+        if folder and module is not None and plain not in aliases:
+            aliases[plain] = module
+    before = {name: sys.modules.get(name, _ABSENT) for name in aliases}
+    sys.modules.update(aliases)
     try:
-        spec.loader.exec_module(module)
+        yield
+    finally:
+        for name, old in before.items():
+            if old is _ABSENT:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = old
+
+
+_ABSENT = object()
+
+
+@contextlib.contextmanager
+def _registrations_kept():
+    """The adapter file registers its function with cache-dit when imported (cache-dit's layout);
+    the stage passes the adapter explicitly, so cache-dit's process-wide registry is put back
+    exactly as it was once the import is done."""
+    from cache_dit import BlockAdapterRegister
+
+    table = BlockAdapterRegister._adapters
+    before = dict(table)
+    try:
+        yield
+    finally:
+        table.clear()
+        table.update(before)
+
+
+_LOADS = itertools.count()
+_RUN_TIME_REFUSALS: list[type] = []
+
+
+def run_time_refusals() -> tuple:
+    """The exception classes the loaded adapter files raise when the model cannot be cached their
+    way (``CarriedNotTensor``): a refusal with a named reason, not a crash."""
+    return tuple(_RUN_TIME_REFUSALS)
+
+
+def load_adapter_module(path: str | Path, transformer=None, *, register: bool = False):
+    """Import the adapter module from its file, under a fresh unique module name (every load runs
+    the file as it is now). ``transformer``: the model instance whose modules the file imports
+    names from (see ``_model_modules_by_plain_name``). ``register``: leave the file's registration
+    in cache-dit's registry (a plain import's effect), else put the registry back."""
+    path = Path(path).resolve()
+    name = f"ditbook_adapter_{safe_name(path.stem)}_{next(_LOADS)}"
+    loader = _AdapterFileLoader(name, str(path))
+    spec = importlib.util.spec_from_file_location(name, path, loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        with _model_modules_by_plain_name(transformer), \
+                (contextlib.nullcontext() if register else _registrations_kept()):
+            loader.exec_module(module)
     except BaseException:
-        sys.modules.pop(mod_name, None)
+        sys.modules.pop(name, None)
         raise
+    _RUN_TIME_REFUSALS.extend(v for v in vars(module).values() if isinstance(v, type)
+                              and issubclass(v, Exception) and v.__module__ == name)
     return module
 
 
-def refused_module_source(info: AdapterInfo) -> str:
-    """The text written in place of the adapter module when the adapter is refused."""
-    return (f'"""No cache-dit adapter for {info.transformer_class} ({info.pipeline_class}): refused by ditbook.\n\n'
-            f'{info.refused}\n"""\n\nREFUSED = {info.refused!r}\nBLOCK_LISTS = []\n')
+def load_adapter_file(path: str | Path, transformer=None, *, register: bool = False):
+    """Import a generated adapter module from its file (``load_adapter_module``)."""
+    return load_adapter_module(path, transformer, register=register)
+
+
+def import_adapter_module(source: str, path: str | Path | None = None, name: str = "adapter", transformer=None):
+    """Write adapter source to ``path`` and import it from there (``load_adapter_module``). Without
+    a path it goes to a temporary folder that is removed once imported (tracebacks and
+    ``inspect`` still show the text: it is kept in ``linecache``), so no folder is left behind."""
+    import linecache
+    import tempfile
+
+    if path is not None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(source)  # the file is part of the run's record: always written
+        return load_adapter_module(path, transformer)
+    with tempfile.TemporaryDirectory(prefix="ditbook_adapter_") as tmp:
+        file = Path(tmp).resolve() / f"{safe_name(name)}.py"
+        file.write_text(source)
+        module = load_adapter_module(file, transformer)
+    linecache.cache[str(file)] = (len(source), None, source.splitlines(True), str(file))
+    return module
 
 
 class CacheAdapter:
@@ -462,24 +447,24 @@ class CacheAdapter:
 
     @classmethod
     def from_module(cls, pipe, report: ArchReport, module, used: str = "ditbook") -> "CacheAdapter":
-        """An adapter from an already generated module (e.g. ``cache/adapter_<model>.py`` of a run)."""
+        """An adapter from an adapter module loaded from its file (``load_adapter_module``, e.g.
+        ``cache/adapter_<model>.py`` of a run)."""
         import inspect as _inspect
 
         from cache_dit import PatchFunctor
 
         folded = getattr(module, "FOLDED", {})
         functors = [n for n, v in vars(module).items() if _inspect.isclass(v) and issubclass(v, PatchFunctor)
-                    and v is not PatchFunctor]
+                    and v.__module__ == module.__name__]
         info = AdapterInfo(model=module.__name__, transformer_class=module.TRANSFORMER_CLASS,
                            pipeline_class=module.PIPELINE_CLASS, has_separate_cfg=module.HAS_SEPARATE_CFG,
                            patch_functor=functors[0] if functors else None, used=used,
-                           cache_dit_registered=cache_dit_registered(pipe))
+                           cache_dit_registered=cache_dit_registered(pipe), module_name=Path(module.__file__).stem)
         for path, pattern in module.BLOCK_LISTS:
             blocks = _get(pipe.transformer, path)
-            info.block_lists.append(BlockListPlan(path, len(blocks), folded.get(path, type(blocks[0]).__name__),
-                                                  pattern, path in folded))
-        source = Path(module.__file__).read_text() if getattr(module, "__file__", None) else ""
-        return cls(pipe, report, info, module, source)
+            block_class = folded[path].__name__ if path in folded else type(blocks[0]).__name__
+            info.block_lists.append(BlockListPlan(path, len(blocks), block_class, pattern, path in folded))
+        return cls(pipe, report, info, module, module_text(module))
 
     # --- the patch functor -------------------------------------------------------------
     def patch(self):
@@ -517,9 +502,9 @@ class CacheAdapter:
     def original_blocks(self) -> list:
         """Every original block module (inside loop-body wrappers when folded)."""
         out = []
+        bodies = tuple(getattr(self.module, "FOLDED", {}).values())
         for _, blocks, _ in self.block_lists():
-            out += [getattr(b, "inner", b) if self.info.patch_functor and type(b).__name__.endswith("_LoopBody") else b
-                    for b in blocks]
+            out += [b.inner if isinstance(b, bodies) else b for b in blocks]
         return out
 
     def counted_blocks(self) -> list:
@@ -547,7 +532,7 @@ class CacheAdapter:
             import cache_dit
 
             return cache_dit.BlockAdapterRegister.get_adapter(self.pipe, **kwargs)
-        return self.module.block_adapter(self.pipe, **kwargs)
+        return getattr(self.module, adapter_function_name(self.module.PIPELINE_CLASS))(self.pipe, **kwargs)
 
     def register_diffusers_blocks(self) -> dict:
         """Register the block classes in diffusers' TransformerBlockRegistry (class-keyed, at
@@ -637,16 +622,22 @@ def compare_with_registered(pipe, info: AdapterInfo) -> list[str]:
     return diffs
 
 
+def module_text(module) -> str:
+    """The exact text an adapter module was imported from."""
+    return getattr(module.__spec__.loader, "text", "") or Path(module.__file__).read_text()
+
+
 def build_cache_adapter(pipe, report: ArchReport, model: str | None = None, *, write_to: str | Path | None = None,
                         prefer_registered: bool = True, force_fold: bool | None = None,
                         pattern_overrides: dict | None = None) -> CacheAdapter:
-    """Generate, import and return the adapter of ``pipe`` (see the module docstring)."""
+    """Write the adapter module of ``pipe`` (to ``write_to``, else a temporary folder), import
+    that file and return the adapter (see the module docstring)."""
     model = model or type(pipe.transformer).__name__
     source, info = generate_adapter_source(pipe, report, model, force_fold=force_fold,
                                            pattern_overrides=pattern_overrides)
-    path = Path(write_to) / f"{info.module_name}.py" if write_to else None
-    module = import_adapter_module(source, path, info.module_name)
     info.cache_dit_registered = cache_dit_registered(pipe)
+    path = Path(write_to) / f"{info.module_name}.py" if write_to else None
+    module = import_adapter_module(source, path, info.module_name, transformer=pipe.transformer)
     if info.cache_dit_registered:
         info.differences = compare_with_registered(pipe, info)
         usable = not any(d.startswith("cache-dit's registered adapter could not be built") for d in info.differences)
@@ -655,4 +646,4 @@ def build_cache_adapter(pipe, report: ArchReport, model: str | None = None, *, w
             # a prefix may be refused by its factory; then ours is used (the stage's caching-off
             # check also falls back to ours when cache-dit's changes the output)
             info.used = "cache-dit" if usable else "ditbook"
-    return CacheAdapter(pipe, report, info, module, source)
+    return CacheAdapter(pipe, report, info, module, module_text(module))

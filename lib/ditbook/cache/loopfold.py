@@ -1,4 +1,4 @@
-"""Folding a transformer's block loop into its blocks, as generated source code.
+"""Folding a transformer's block loop into its blocks: the loop analysis and the rewritten source.
 
 cache-dit's cached blocks (and diffusers' block hooks) run a block list themselves: the
 transformer's ``for block in self.blocks: ...`` loop then sees one unified module, so any work
@@ -6,18 +6,21 @@ the loop does besides calling the block (a gate, a skip connection, a re-scale, 
 residual) would run once instead of once per block, and blocks called with keyword names other
 than ``hidden_states`` / ``encoder_hidden_states`` cannot be routed at all.
 
-``plan_fold`` reads the transformer's ``forward`` with ``ast`` (no model-specific knowledge),
-finds the loop over each block list, and ``fold_source`` writes:
+``plan_fold`` reads the transformer's ``forward`` with ``ast`` (no model-specific knowledge) and
+finds the loop over each block list; this module then gives the pieces of the fold as plain
+function source, which ``adapter_source`` writes into the adapter module file:
 
-* one ``<Block>LoopBody`` module class per list: ``forward(hidden_states,
-  encoder_hidden_states=None, **loop_inputs)`` runs the *whole original loop body* for one block
-  (the block call and the extra work), with ``self`` of the transformer bound to the owner and
-  the loop index bound to the block's position; it returns ``(hidden_states,
-  encoder_hidden_states)`` (cache-dit ``Pattern_0``) or ``hidden_states`` (``Pattern_3``);
-* a rewritten transformer ``forward`` whose loop only calls ``block(hidden_states=...,
+* ``loop_body_source``: the *whole original loop body* for one block (the block call and the
+  extra work), with ``self`` of the transformer renamed ``owner`` and the loop index bound to the
+  block's position; it returns the carried names (``(hidden_states, encoder_hidden_states)``,
+  cache-dit ``Pattern_0``, or ``hidden_states``, ``Pattern_3``); the module's
+  ``<Transformer><List>LoopBody`` class (``loop_body_class_name``) runs it per block;
+* ``rewritten_method_source``: the transformer method whose loop only calls ``block(hidden_states=...,
   encoder_hidden_states=..., <every outer name the body reads>=...)``;
-* a cache-dit ``PatchFunctor`` that installs both on one transformer *instance* (block list
-  entries replaced in place, ``forward`` bound on the instance) and an ``unpatch`` that undoes it.
+* ``extra_method_sources``: other methods that read ``self.<list>[i].<attr>``, pointed at the
+  original blocks;
+* ``defining_globals``: where the names of a method's source resolve (the module that defines it,
+  a base class's module when it is inherited).
 
 Written by hand because no library folds loop work into blocks; the rewrite is plain ``ast``.
 """
@@ -25,7 +28,6 @@ Written by hand because no library folds loop work into blocks; the rewrite is p
 from __future__ import annotations
 
 import ast
-import builtins
 import inspect
 import textwrap
 from dataclasses import asdict, dataclass, field
@@ -398,13 +400,6 @@ def plan_fold(cls, path: str) -> LoopFold:
                     call_keywords=[k.arg for k in call.keywords if k.arg], body_source=body_src)
 
 
-def code_literal(source: str) -> str:
-    """A readable triple-quoted literal for generated source text."""
-    if "'''" in source or source.endswith("\\"):
-        return repr(source)
-    return "'''\\\n" + source.replace("\\", "\\\\") + "'''"
-
-
 class _RenameSelf(ast.NodeTransformer):
     def visit_Name(self, node):
         if node.id == "self":
@@ -412,8 +407,9 @@ class _RenameSelf(ast.NodeTransformer):
         return node
 
 
-def _class_name(cls, path: str) -> str:
-    return f"{cls.__name__}_{path.replace('.', '_')}_LoopBody"
+def loop_body_class_name(cls, path: str) -> str:
+    """The name of the module class that runs one block of ``self.<path>`` with the loop's work."""
+    return f"{cls.__name__}{''.join(s[:1].upper() + s[1:] for s in path.replace('.', '_').split('_'))}LoopBody"
 
 
 class _OriginalList(ast.NodeTransformer):
@@ -429,7 +425,9 @@ class _OriginalList(ast.NodeTransformer):
         return node
 
 
-def _body_function_source(fold: LoopFold) -> str:
+def loop_body_source(fold: LoopFold) -> str:
+    """``def loop_body(owner, index, block, <carried>, *, <inputs>=None, _original_list=None, ...)``:
+    the whole loop body for one block, ``self`` renamed ``owner``, returning the carried names."""
     body = ast.parse(fold.body_source).body
     body = [_RenameSelf().visit(_OriginalList(fold.path).visit(s)) for s in body]
     args = ", ".join(["owner", "index", "block", *fold.carried] + [f"{n}=None" for n in fold.inputs[:0]])
@@ -542,7 +540,9 @@ def _insert_before(fn: ast.AST, target: ast.stmt, stmts: list[ast.stmt]) -> None
     raise FoldError("the folded loop was not found in its method")
 
 
-def _rewritten_forward_source(cls, folds: list[LoopFold]) -> str:
+def rewritten_method_source(cls, folds: list[LoopFold]) -> str:
+    """The method holding the folded loops, each loop reduced to one call per block (docstring
+    and decorators dropped)."""
     method = fold_method(folds)
     fn, _ = _forward_function(cls, method)
     fn.decorator_list = []
@@ -573,172 +573,22 @@ def _rewritten_forward_source(cls, folds: list[LoopFold]) -> str:
     return ast.unparse(ast.fix_missing_locations(fn)) + "\n"
 
 
-def _loop_body_class_source(cls, fold: LoopFold) -> str:
-    """The ``<Block>LoopBody`` module class of one folded list: one block plus the loop's work for it."""
-    cname = _class_name(cls, fold.path)
-    body_src = _body_function_source(fold)
-    ret_doc = "(hidden_states, encoder_hidden_states)" if len(fold.carried) == 2 else "hidden_states"
-    enc_arg = ", encoder_hidden_states=None" if len(fold.carried) == 2 else ""
-    enc_pass = ", encoder_hidden_states" if len(fold.carried) == 2 else ""
-    doc_body = textwrap.indent(fold.body_source, "        ")
-    piece = "\n".join([
-        "",
-        f"class {cname}(torch.nn.Module):",
-        f'    """One block of ``{fold.path}`` together with the loop\'s work for it.',
-        "",
-        f"    Loop body of {cls.__name__}.forward, run per block:",
-        "",
-        doc_body,
-        "",
-        f"    Returns {ret_doc} ({fold.pattern}).",
-        '    """',
-        "",
-        "    BODY_SOURCE = {body_literal}",
-        "    _body = None",
-        "",
-        "    def __init__(self, block, index, owner, originals=None):",
-        "        super().__init__()",
-        '        self.inner = block  # not named "block": cache-dit would inspect it instead of this wrapper',
-        "        self.index = index",
-        '        object.__setattr__(self, "_owner", owner)  # not a submodule: no cycle',
-        "        # the original blocks, for a loop body that reads the list itself (len, indexing):",
-        "        # while cached, the transformer's attribute holds cache-dit's one-unit stand-in",
-        '        object.__setattr__(self, "_originals", originals)',
-        "",
-        f"    def forward(self, hidden_states{enc_arg}, **loop_inputs):",
-        "        cls = type(self)",
-        "        if cls._body is None:",
-        '            cls._body = _compile(cls.BODY_SOURCE, "loop_body")',
-        f"        out = cls._body(self._owner, self.index, self.inner, hidden_states{enc_pass}, "
-        "_original_list=self._originals, **loop_inputs)",
-        *([f"        if out[1] is not None and not isinstance(out[1], torch.Tensor):  # what the source could not show",
-           f"            raise CarriedNotTensor(f\"the loop over self.{fold.path} carries '{fold.carried[1]}' besides "
-           f"the stream, and at run time it is a {{type(out[1]).__name__}}, not a tensor: cache-dit carries a "
-           f"second loop name as the encoder stream (a tensor it caches and slices)\")"]
-          if len(fold.carried) == 2 else []),
-        "        return out",
-        "",
-    ])
-    return piece.replace("{body_literal}", textwrap.indent(code_literal(body_src), "    ").lstrip())
 
 
-def _extra_sources_literal(cls, folds: list[LoopFold]) -> str:
-    """``EXTRA_SOURCES = {name: source}``: each method besides the folded one that reads an
-    attribute of a folded list's element, rewritten to read it from the original block."""
+def extra_method_sources(cls, folds: list[LoopFold]) -> dict[str, str]:
+    """Each method besides the rewritten one that reads an attribute of a folded list's element,
+    rewritten to read it from the original block: {method name: source}."""
     method = fold_method(folds)
-    names = sorted({m for f in folds for m in f.element_methods} - {method})
-    lines = ["EXTRA_SOURCES = {"]
-    for name in names:
+    out = {}
+    for name in sorted({m for f in folds for m in f.element_methods} - {method}):
         fn, _ = _forward_function(cls, name)
         fn.decorator_list = []
         fn = _OriginalElements([f.path for f in folds]).visit(fn)
-        lines.append(f"    {name!r}: {code_literal(ast.unparse(ast.fix_missing_locations(fn)) + chr(10))},")
-    return "\n".join(lines) + "\n}\n"
+        out[name] = ast.unparse(ast.fix_missing_locations(fn)) + "\n"
+    return out
 
 
-def fold_source(cls, folds: list[LoopFold], functor_name: str) -> str:
-    """Source text (a module fragment) defining the loop-body classes, the patch functor and
-    ``unpatch``. It needs ``torch``, ``types``, ``sys`` and cache-dit's ``PatchFunctor``."""
-    out = []
-    mod = cls.__module__
-    out.append(f"MODEL_MODULE = {mod!r}  # the module that defines {cls.__name__}; its globals run the code below\n")
-    out.append(f"METHOD = {fold_method(folds)!r}  # the method of {cls.__name__} that runs the loop\n")
-    out.append("# that method with each folded loop reduced to one block call per block\n"
-               f"FORWARD_SOURCE = {code_literal(_rewritten_forward_source(cls, folds))}\n")
-    out.append("# other methods that read self.<list>[i].<attr>, pointed at the original blocks\n"
-               + _extra_sources_literal(cls, folds))
-    out += [_loop_body_class_source(cls, fold) for fold in folds]
-    out.append(_functor_source(cls, folds, functor_name))
-    return "\n".join(out)
-
-
-# long: one straight template of the generated functor code
-def _functor_source(cls, folds: list[LoopFold], functor_name: str) -> str:
-    """``FOLDED``, ``_compile``, ``_get``, the patch functor class and ``unpatch``."""
-    paths = [f.path for f in folds]
-    classes = [_class_name(cls, f.path) for f in folds]
-    return textwrap.dedent(f'''
-        FOLDED = {dict(zip(paths, classes))!r}  # block list -> loop-body class name
-
-
-        def _compile(source, name):
-            namespace = dict(sys.modules[MODEL_MODULE].__dict__)
-            exec(compile(textwrap.dedent(source), f"<folded {{name}} of {cls.__name__}>", "exec"), namespace)
-            return namespace[name]
-
-
-        def _get(obj, path):
-            for part in path.split("."):
-                obj = getattr(obj, part)
-            return obj
-
-
-        try:  # inside ditbook a refusal it records; on its own a TypeError
-            from ditbook.cache.loopfold import FoldError as CarriedNotTensor
-        except ImportError:
-            CarriedNotTensor = TypeError
-
-
-        class {functor_name}(PatchFunctor):
-            """Folds the per-block loop work of {cls.__name__} into its blocks, per instance."""
-
-            @classmethod
-            def is_from_diffusers(cls, transformer):
-                return True  # generated for this class; it needs no diffusers check
-
-            def _apply(self, transformer, *args, **kwargs):
-                if getattr(transformer, "_ditbook_folded", False):
-                    return transformer
-                # atomic: everything that can fail (compiling, wrapping) happens before the
-                # instance changes; the swap itself is undone if it fails half-way
-                sources = {{METHOD: FORWARD_SOURCE, **EXTRA_SOURCES}}
-                bound = {{name: types.MethodType(_compile(src, name), transformer) for name, src in sources.items()}}
-                lists = {{path: _get(transformer, path) for path in FOLDED}}
-                wrapped = {{path: [globals()[cname](b, i, transformer, list(lists[path]))
-                                  for i, b in enumerate(lists[path])]
-                           for path, cname in FOLDED.items()}}
-                saved = {{path: list(blocks) for path, blocks in lists.items()}}
-                old_methods = {{name: transformer.__dict__[name] for name in bound if name in transformer.__dict__}}
-                had_patched = "_is_patched" in transformer.__dict__
-                old_patched = transformer.__dict__.get("_is_patched")
-                try:
-                    for path, blocks in lists.items():
-                        for i, w in enumerate(wrapped[path]):
-                            blocks[i] = w
-                    for name, method in bound.items():
-                        setattr(transformer, name, method)
-                    # the original blocks, for ``self.<list>[i].attr`` outside the loop (not a submodule)
-                    object.__setattr__(transformer, "_ditbook_originals", saved)
-                    transformer._ditbook_folded = True
-                    transformer._is_patched = True
-                except BaseException:
-                    for path, blocks in lists.items():
-                        for i, b in enumerate(saved[path]):
-                            blocks[i] = b
-                    for name in bound:
-                        transformer.__dict__.pop(name, None)
-                    transformer.__dict__.update(old_methods)
-                    transformer.__dict__.pop("_ditbook_folded", None)
-                    transformer.__dict__.pop("_ditbook_originals", None)
-                    transformer.__dict__.pop("_is_patched", None)
-                    if had_patched:
-                        transformer._is_patched = old_patched
-                    raise
-                return transformer
-
-
-        def unpatch(transformer):
-            """Undo {functor_name} on one transformer instance."""
-            if not getattr(transformer, "_ditbook_folded", False):
-                return transformer
-            for path in FOLDED:
-                blocks = _get(transformer, path)
-                for i in range(len(blocks)):
-                    blocks[i] = blocks[i].inner
-            for name in [METHOD, *EXTRA_SOURCES]:
-                transformer.__dict__.pop(name, None)
-            transformer.__dict__.pop("_ditbook_originals", None)
-            del transformer._ditbook_folded
-            transformer.__dict__.pop("_is_patched", None)
-            return transformer
-        ''')
+def defining_globals(cls, method: str) -> dict:
+    """The globals of the module that defines ``cls.<method>`` (a base class's module when the
+    method is inherited): the names its source reads resolve there."""
+    return inspect.unwrap(getattr(cls, method)).__globals__

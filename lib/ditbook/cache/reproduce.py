@@ -1,8 +1,8 @@
 """Rerun a chosen cache configuration from the generated adapter module, in a fresh process.
 
 ``python -m ditbook.cache.reproduce SPEC.json`` (written by ``CacheSession.reproduce``): loads
-the card's pipeline, imports ``cache/adapter_<model>.py`` from the run folder, registers it with
-cache-dit, applies the chosen strategy through it, renders the calibration cases and prints one
+the card's pipeline, imports ``cache/adapter_<model>.py`` from the run folder (which registers it
+with cache-dit), applies the chosen strategy through it, renders the calibration cases and prints one
 JSON line with the largest absolute difference from the images the stage verified.
 """
 
@@ -27,8 +27,8 @@ def main(argv: list[str] | None = None) -> int:
 
     card = gate_check(spec["card"], spec.get("overrides") or {})
     pipe = load_pipeline(card, Placement(spec["device"], spec["dtype"]))
-    module = load_adapter_file(spec["adapter_module"])
-    module.register()
+    # a plain import, as a maintainer's: the file registers its function with cache-dit
+    module = load_adapter_file(spec["adapter_module"], pipe.transformer, register=True)
     adapter = CacheAdapter.from_module(pipe, ArchReport.load(spec["arch"]), module, spec.get("used", "ditbook"))
     strat = strategies.get(spec["name"])
     undo = strat.apply(pipe, adapter, strat.config(**spec["config"]), steps=card.generation.steps)

@@ -1,13 +1,15 @@
 """Code a cache-dit maintainer can merge: for the model of a cache stage, three plain files under
 ``cache/upstream/`` of the run folder, in the layouts cache-dit 1.5 uses for its own models.
 
-- ``<model>_adapter.py`` — like ``cache_dit/caching/block_adapters/adapters.py``: a registration
+- ``<model>_adapter.py`` — the adapter module the cache stage ran (``cache/adapter_<model>.py``),
+  copied byte for byte: like ``cache_dit/caching/block_adapters/adapters.py``, a registration
   function decorated with ``BlockAdapterRegister.register("<PipelineClass>")`` that returns the
   ``BlockAdapter`` (block lists, forward patterns, separate-CFG flag), and, when the inspection
   found loop work that cache-dit's cached blocks would skip, the patch functor as a
   ``PatchFunctor`` class (like ``cache_dit/caching/patch_functors/functor_*.py``) whose loop-body
   modules and folded forward are ordinary ``def``s — no ``exec``, no source strings, no generated
-  module names; the names the model's code uses are imported from the model's own module.
+  module names (``adapter_source`` writes it); the names the model's code uses are imported from
+  the modules that define it.
 - ``<model>_cp_planner.py`` — like ``cache_dit/distributed/transformers/<model>.py``: a
   ``ContextParallelismPlanner`` subclass whose ``_apply`` returns the context-parallel plan with
   cache-dit's ``_ContextParallelInput`` / ``_ContextParallelOutput``, and ``register_cp_planner()``
@@ -15,24 +17,21 @@
 - ``<model>_example.py`` — like cache-dit's examples: load the pipeline, enable the cache with the
   configuration the stage chose (or the best passing cache-dit one), render, save.
 
-They need diffusers, cache-dit and the model's own code, never ditbook. ``write_upstream`` reads
-the stage's ``AdapterInfo`` and ``CPPlan`` objects; the folded loop is written from the same loop
-analysis (``loopfold``) as the adapter the stage ran.
+They need diffusers, cache-dit and the model's own code, never ditbook. ``write_upstream`` copies
+the text the stage's adapter was imported from and reads the stage's ``AdapterInfo`` and ``CPPlan``.
 """
 
 from __future__ import annotations
 
 import ast
-import builtins
 import json
-import re
-import sys
 import textwrap
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .. import hooks
-from .adapter import AdapterInfo, refused_module_source
+from .adapter import AdapterInfo
+from .adapter_source import adapter_function_name, importable_module_name, refused_module_source, safe_name
 
 
 @dataclass
@@ -50,180 +49,10 @@ class UpstreamFiles:
         return asdict(self)
 
 
-def safe_name(text: str) -> str:
-    name = re.sub(r"[^A-Za-z0-9_]+", "_", text).strip("_").lower()
-    return name if name and not name[0].isdigit() else f"m_{name}"
-
-
-def _snake(cls_name: str) -> str:
-    base = cls_name[: -len("Pipeline")] if cls_name.endswith("Pipeline") and cls_name != "Pipeline" else cls_name
-    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", base).lower()
-
-
 def importable_module(cls) -> tuple[str, str | None]:
     """The name a plain interpreter imports ``cls``'s module by, and the folder that must be on
     ``sys.path`` for it (None when the module is importable by its own name, e.g. diffusers')."""
-    name = cls.__module__
-    file = getattr(sys.modules.get(name), "__file__", None)
-    if file is None:
-        return name, None
-    stem = Path(file).with_suffix("").as_posix()
-    if stem.endswith("/" + name.replace(".", "/")) or stem.endswith("/" + name.replace(".", "/") + "/__init__"):
-        return name, None
-    return Path(file).stem, str(Path(file).parent)  # loaded from a file under another name
-
-
-# --------------------------------------------------------------------------------------------
-# the adapter module
-
-
-def _free_names(source: str) -> list[str]:
-    """Names a function reads that it neither binds nor gets from builtins."""
-    tree = ast.parse(source)
-    bound, loaded = set(), []
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.Lambda, ast.AsyncFunctionDef)):
-            a = node.args
-            for arg in a.posonlyargs + a.args + a.kwonlyargs + [x for x in (a.vararg, a.kwarg) if x]:
-                bound.add(arg.arg)
-        elif isinstance(node, ast.Name):
-            if isinstance(node.ctx, (ast.Store, ast.Del)):
-                bound.add(node.id)
-            elif node.id not in loaded:
-                loaded.append(node.id)
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            for alias in node.names:
-                bound.add((alias.asname or alias.name).split(".")[0])
-        elif isinstance(node, ast.comprehension):
-            for n in ast.walk(node.target):
-                if isinstance(n, ast.Name):
-                    bound.add(n.id)
-    return [n for n in loaded if n not in bound and not hasattr(builtins, n)]
-
-
-def _rename_def(source: str, new: str) -> str:
-    return re.sub(r"^def \w+\(", f"def {new}(", source, count=1)
-
-
-def adapter_module_source(pipe, info: AdapterInfo) -> str:
-    """The text of ``<model>_adapter.py`` (see the module docstring)."""
-    # long: the generated module's text from top to bottom; split, one file's template would be scattered
-    from .loopfold import _body_function_source, _rewritten_forward_source, plan_fold
-
-    tcls = type(pipe.transformer)
-    folded = [p for p in info.block_lists if p.folded]
-    folds = [plan_fold(tcls, p.path) for p in folded]
-    fn_name = f"{_snake(info.pipeline_class)}_adapter"
-    functor = f"{tcls.__name__}PatchFunctor" if folds else None
-    header = [
-        f'"""cache-dit adapter for {info.transformer_class} ({info.pipeline_class}).',
-        "",
-        f"Written by ditbook from the inspection of model {info.model!r}, in the layout of cache-dit's own",
-        "adapters (caching/block_adapters/adapters.py) and patch functors (caching/patch_functors/).",
-        "",
-        f"    from {safe_name(info.model)}_adapter import {fn_name}",
-        f"    cache_dit.enable_cache({fn_name}(pipe), cache_config=cache_dit.DBCacheConfig(...))",
-        "",
-        "Block lists and forward patterns: "
-        + ", ".join(f"{p.path} ({p.pattern}{', folded' if p.folded else ''})" for p in info.block_lists) + ".",
-    ]
-    if functor:
-        header += ["", f"{functor} folds the per-block work of the transformer's loop into its blocks, because:"]
-        header += [f"- {r}" for r in (info.functor_reasons or ["forced"])]
-    header += ['"""', "", "import types" if functor else None, "", "import torch" if functor else None,
-               "from cache_dit import BlockAdapter, BlockAdapterRegister, ForwardPattern"
-               + (", PatchFunctor" if functor else "")]
-    lines = [h for h in header if h is not None]
-    body: list[str] = []
-    if functor:
-        mod_name, folder = importable_module(tcls)
-        pieces, body_classes = [], {}
-        for p, fold in zip(folded, folds):
-            name = f"_{safe_name(p.path)}_loop_body"
-            pieces.append((p, fold, name, _rename_def(_body_function_source(fold), name)))
-        forward_src = _rename_def(_rewritten_forward_source(tcls, folds), "_folded_forward")
-        model_globals = vars(sys.modules[tcls.__module__])
-        wanted, missing = [], []
-        for src in [forward_src] + [s for *_, s in pieces]:
-            for n in _free_names(src):
-                if n in ("torch", "types") or n in wanted:
-                    continue
-                (wanted if n in model_globals else missing).append(n)
-        if folder:
-            lines.append(f"# {tcls.__name__} is third-party code: put {folder} on sys.path (PYTHONPATH)")
-        if wanted:
-            lines.append(f"from {mod_name} import {', '.join(sorted(wanted))}  # names the model's loop uses")
-        if missing:
-            lines.append(f"# not found in {mod_name}: {', '.join(missing)}")
-        for p, fold, name, src in pieces:
-            cname = f"{tcls.__name__}{''.join(s.capitalize() for s in re.split(r'[._]', p.path))}LoopBody"
-            p_cls = cname
-            two = len(fold.carried) == 2
-            body += ["", "", src.rstrip(), "", "",
-                     f"class {p_cls}(torch.nn.Module):",
-                     f'    """Block i of ``{p.path}`` with the loop\'s work for it; returns '
-                     f'{"(hidden_states, encoder_hidden_states)" if two else "hidden_states"} ({fold.pattern})."""',
-                     "",
-                     "    def __init__(self, block, index, owner):",
-                     "        super().__init__()",
-                     "        self.inner = block  # not named 'block': cache-dit inspects that name",
-                     "        self.index = index",
-                     '        object.__setattr__(self, "_owner", owner)  # not a submodule: no cycle',
-                     "",
-                     f"    def forward(self, hidden_states{', encoder_hidden_states=None' if two else ''}, **loop_inputs):",
-                     f"        return {name}(self._owner, self.index, self.inner, hidden_states"
-                     f"{', encoder_hidden_states' if two else ''}, **loop_inputs)"]
-            body_classes[p.path] = p_cls
-        folded_map = ", ".join(f"{path!r}: {c}" for path, c in body_classes.items())
-        body += ["", "", forward_src.rstrip(), "", "",
-                 f"FOLDED = {{{folded_map}}}  # block list -> loop-body class", "", "",
-                 "def _get(obj, path):",
-                 '    for part in path.split("."):',
-                 "        obj = getattr(obj, part)",
-                 "    return obj", "", "",
-                 f"class {functor}(PatchFunctor):",
-                 f'    """Folds the per-block loop work of {tcls.__name__}.forward into its blocks, per instance."""',
-                 "",
-                 "    @classmethod",
-                 "    def is_from_diffusers(cls, transformer):",
-                 "        return True  # written for this transformer class",
-                 "",
-                 "    def _apply(self, transformer, **kwargs):",
-                 "        for path, body_cls in FOLDED.items():",
-                 "            blocks = _get(transformer, path)",
-                 "            for i in range(len(blocks)):",
-                 "                blocks[i] = body_cls(blocks[i], i, transformer)",
-                 "        transformer.forward = types.MethodType(_folded_forward, transformer)",
-                 "        transformer._is_patched = True",
-                 "        return transformer", "", "",
-                 "def unpatch(transformer):",
-                 f'    """Undo {functor} on one transformer instance."""',
-                 '    if not getattr(transformer, "_is_patched", False):',
-                 "        return transformer",
-                 "    for path in FOLDED:",
-                 "        blocks = _get(transformer, path)",
-                 "        for i in range(len(blocks)):",
-                 "            blocks[i] = blocks[i].inner",
-                 '    transformer.__dict__.pop("forward", None)',
-                 "    del transformer._is_patched",
-                 "    return transformer"]
-    blocks = ", ".join(f"pipe.transformer.{p.path}" for p in info.block_lists)
-    patterns = ", ".join(f"ForwardPattern.{p.pattern}" for p in info.block_lists)
-    body += ["", "",
-             f"@BlockAdapterRegister.register({info.pipeline_class!r})",
-             f"def {fn_name}(pipe, **kwargs) -> BlockAdapter:",
-             f'    """{info.pipeline_class}: {len(info.block_lists)} block list(s) of {info.transformer_class}."""',
-             "    return BlockAdapter(",
-             "        pipe=pipe,",
-             "        transformer=pipe.transformer,",
-             f"        blocks=[{blocks}],",
-             f"        forward_pattern=[{patterns}],",
-             f"        patch_functor={functor + '()' if functor else 'None'},",
-             f"        has_separate_cfg={info.has_separate_cfg!r},",
-             "        check_forward_pattern=True,",
-             "        **kwargs,",
-             "    )", ""]
-    return "\n".join(lines + body)
+    return importable_module_name(cls.__module__)
 
 
 # --------------------------------------------------------------------------------------------
@@ -426,7 +255,7 @@ def example_source(session, info: AdapterInfo, strategy: dict) -> str:
     _, p_dir = importable_module(pcls)
     _, t_dir = importable_module(tcls)
     adapter_mod = f"{safe_name(info.model)}_adapter"
-    fn_name = f"{_snake(info.pipeline_class)}_adapter"
+    fn_name = adapter_function_name(info.pipeline_class)
     folders = sorted({d for d in (p_dir, t_dir) if d})
     kwargs = {k: v for k, v in call_kwargs(pipe, card).items()}
     sub = card.transformer.subfolder or "transformer"
@@ -509,7 +338,8 @@ def write_upstream(session, folder: str | Path | None = None) -> UpstreamFiles:
     base = safe_name(info.model)
     adapter_path = folder / f"{base}_adapter.py"
     refused = getattr(session, "refused", None)  # the cache stage refused caching: no adapter to ship, no example
-    adapter_path.write_text(refused_module_source(info) if refused else adapter_module_source(session.pipe, info))
+    # the very text the stage's adapter was imported from (a refusal: the note saying why there is none)
+    adapter_path.write_text(refused_module_source(info) if refused else session.adapter.source)
     out = UpstreamFiles(folder=str(folder), adapter_module=adapter_path.name, example="")
     try:
         cp = resolve_cp_plan(session.pipe.transformer,
@@ -533,5 +363,5 @@ def write_upstream(session, folder: str | Path | None = None) -> UpstreamFiles:
     return out
 
 
-__all__ = ["UpstreamFiles", "write_upstream", "adapter_module_source", "cp_planner_source", "example_source",
+__all__ = ["UpstreamFiles", "write_upstream", "cp_planner_source", "example_source",
            "importable_module", "cache_dit_call"]

@@ -75,10 +75,10 @@ def _steps_pipeline(transformer, kwargs: dict, hidden_name: str):
 
 
 def _refusal_types() -> tuple:
-    from ..cache.adapter import CacheRefused
+    from ..cache.adapter import CacheRefused, run_time_refusals
     from ..cache.loopfold import FoldError
 
-    return (Refused, CacheRefused, FoldError)
+    return (Refused, CacheRefused, FoldError, *run_time_refusals())
 
 
 def check_class(cls: type, steps: int = STEPS, cp: bool = True) -> ClassOutcome:
