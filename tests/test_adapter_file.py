@@ -143,7 +143,7 @@ def test_inherited_forward_is_folded_with_the_names_of_its_own_module(tmp_path):
     # before: the fold ran RefModel.forward with the globals of the card's file, which never
     # imports Tensor or _get: "NameError: name 'Tensor' is not defined", a crash with caching off
     from ditbook.card import import_class
-    from ditbook.cache.coverage import check_class
+    from ditbook.coverage.check import check_class
 
     ref = f"two_file_reference_{tmp_path.name.replace('-', '_')}"
     (tmp_path / f"{ref}.py").write_text(textwrap.dedent(REF))
