@@ -24,12 +24,10 @@ class DiTBlock(nn.Module):
     def forward(self, hidden_states, encoder_hidden_states, temb):
         b, n, d = hidden_states.shape
         s1, c1, g1, s2, c2, g2 = self.adaLN(temb)[:, None].chunk(6, dim=-1)
-        joint = torch.cat([encoder_hidden_states, hidden_states], dim=1)
         h = torch.cat([encoder_hidden_states, self.n1(hidden_states) * (1 + c1) + s1], dim=1)
         q, k, v = self.qkv(h).view(b, h.shape[1], 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
         a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, h.shape[1], d)
         x = hidden_states + g1 * self.proj(a[:, encoder_hidden_states.shape[1]:])
-        del joint
         return x + g2 * self.mlp(self.n2(x) * (1 + c2) + s2)
 
 
