@@ -152,6 +152,13 @@ def benchmark_rows(result: dict) -> list[dict]:
     return rows
 
 
+def write_record(path: Path, record: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    tmp.replace(path)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--record", type=Path, default=REPO / "docs" / "gpu-check.json", help="where the record goes")
@@ -177,12 +184,12 @@ def main(argv=None) -> int:
               "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), **environment(),
               "command": "make gpu-check"}
     record["cards"] = run_cards(args.cards.split(","), work / "outputs", work / "logs", args.card_timeout)
+    write_record(args.record, record)  # the cards' part kept even if the benchmark never returns
     record["benchmark"] = {"shape": "FLUX.1-dev, 1024x1024, 28 steps, bf16, random weights" if not args.tiny else "tiny",
                            "repeats": args.repeats, **run_benchmark(work / "compose", args.repeats, args.bench_timeout, args.tiny)}
     record["seconds"] = round(time.perf_counter() - t0, 1)
     record["passed"] = all(c["status"] == "finished" for c in record["cards"]) and record["benchmark"]["status"] == "passed"
-    args.record.parent.mkdir(parents=True, exist_ok=True)
-    args.record.write_text(json.dumps(record, indent=1) + "\n")
+    write_record(args.record, record)
     print(json.dumps({k: record[k] for k in ("revision", "device", "seconds", "passed")}))
     for c in record["cards"]:
         print(c["card"], c["status"], c["seconds"], {k: (v["status"], v["seconds"]) for k, v in c["stages"].items()})
