@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ditbook.cache import strategies
-from ditbook.cache.adapter import CacheRefused, build_cache_adapter
+from ditbook.cache.adapter import CacheRefused, build_cache_adapter, run_time_refusals
 from ditbook.cache.counting import EvalCounter
 from ditbook.cache.loopfold import FoldError
 from ditbook.inspect.static import inspect_transformer
@@ -108,7 +108,7 @@ def cache_check(cls, inputs: dict | None = None, steps: int = STEPS) -> Row:
     row = Row()
     try:
         _check(cls, row, inputs, steps)
-    except (CacheRefused, FoldError) as exc:
+    except (CacheRefused, FoldError, *run_time_refusals()) as exc:
         row.outcome, row.reason = "refused", str(exc).splitlines()[0][:300]
     except Exception as exc:
         where = traceback.extract_tb(exc.__traceback__)[-1]

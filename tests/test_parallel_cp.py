@@ -255,7 +255,10 @@ def test_cfg_parallel_with_a_cache_makes_no_call_the_other_rank_does_not(tmp_pat
 
     card = zoo.build("wan", tmp_path)
     ov = {"generation.prompts": ["a red circle"], "generation.seeds": [0], "runtime.device": "cpu",
-          "runtime.dtype": "float32", "generation.steps": 4}
+          "runtime.dtype": "float32", "generation.steps": 4,
+          # a threshold this 4-step run skips at (the strategy's default skips nothing here, and a
+          # +cache plan that skips nothing fails with CacheSkippedNothing)
+          "parallel.cache.residual_diff_threshold": 0.12, "parallel.cache.max_warmup_steps": 2}
     (r,) = run_plans(card, ["cfg2+cache"], 2, tmp_path / "run", overrides=ov, timeout=90)[0]
     assert r.passed, r.error
     assert r.details["sharding"]["cfg_check"]["per_list"]

@@ -448,8 +448,12 @@ def _rope_tensors(tracer: Tracer, report: ArchReport) -> None:
             if _position_table(v, lengths, head_dim):
                 att.rope = True
                 report.notes.append(f"RoPE: {b.path} blocks receive the precomputed table '{name}' "
-                                    f"({_describe_value(v if isinstance(v, torch.Tensor) else v[0])})")
+                                    f"({_table_text(v if isinstance(v, torch.Tensor) else v[0])})")
                 return
+
+
+def _table_text(v) -> str:
+    return f"tensor{_shape(v)}" if isinstance(v, torch.Tensor) else type(v).__name__
 
 
 def _dedupe(items: list[str]) -> list[str]:
