@@ -338,3 +338,37 @@ def test_wrap_call_runs_on_instance_calls_only_and_comes_off_exactly():
     assert a("z") == ("z", 2) and seen == [2, 1, 2] and type(a) is not Pipe
     second.remove()
     assert type(a) is Pipe and "__call__" not in vars(a) and not hooks.is_wrapped(a, None, "__call__")
+
+
+
+def test_a_pipeline_named_like_a_registered_one_does_not_get_its_cfg_guess():
+    """cache-dit guesses ``enable_separate_cfg``, when a config leaves it unset, from its adapters
+    matched by pipeline-class-name prefix: a third-party ``FluxReference...Pipeline`` got cache-dit's
+    FLUX adapter built on a model without ``transformer_blocks`` (AttributeError in the cache stage's
+    upstream example; tests/novel ``fluxref`` end to end). ditbook's BlockAdapter states its own CFG
+    style on the config, so the registry is never asked."""
+    import cache_dit
+    import torch
+    from cache_dit.caching.block_adapters.block_registers import BlockAdapterRegister
+    from diffusers import DiffusionPipeline
+
+    from ditbook.cache.strategies.dbcache import cfg_from_adapter
+
+    class FluxLookalikePipeline(DiffusionPipeline):  # a name the prefix registry matches ("Flux")
+        def __init__(self, transformer):
+            super().__init__()
+            self.register_modules(transformer=transformer)
+
+    with pytest.raises(AttributeError, match="transformer_blocks"):  # what cache-dit does unasked
+        BlockAdapterRegister.has_separate_cfg(FluxLookalikePipeline(torch.nn.Linear(2, 2)))
+
+    def block_adapter(separate: bool):
+        ba = cache_dit.BlockAdapter.__new__(cache_dit.BlockAdapter)
+        ba.has_separate_cfg = separate
+        return ba
+
+    assert cfg_from_adapter(cache_dit.DBCacheConfig(), block_adapter(False)).enable_separate_cfg is False
+    assert cfg_from_adapter(cache_dit.DBCacheConfig(), block_adapter(True)).enable_separate_cfg is True
+    given = cache_dit.DBCacheConfig(enable_separate_cfg=True)
+    assert cfg_from_adapter(given, block_adapter(False)).enable_separate_cfg is True  # a set value stays
+    assert cfg_from_adapter(cache_dit.DBCacheConfig(), object()).enable_separate_cfg is None  # a pipe: cache-dit's

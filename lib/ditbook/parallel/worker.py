@@ -140,11 +140,12 @@ def _enable_cp_on_mesh(tr, spec, cp, cache_cfg, target, cp_mesh, info: dict) -> 
     from cache_dit.distributed.core import _ContextParallelConfig, _enable_context_parallelism
     from cache_dit.distributed.core._context_parallel import _apply_context_parallel
 
+    from ..cache.strategies.dbcache import cfg_from_adapter
     from .cache_sync import split_at_cached_units
 
     plan, units, unit_plans = cp.plan, {}, {}
     if cache_cfg is not None:
-        cache_dit.enable_cache(target, cache_config=cache_cfg)
+        cache_dit.enable_cache(target, cache_config=cfg_from_adapter(cache_cfg, target))
         plan, units, unit_plans = split_at_cached_units(tr, cp.plan, cp.facts)
         info["cp_split_at_cached_units"] = sorted(unit_plans)
     if cp_mesh is None:
@@ -235,8 +236,10 @@ def apply_plan(pipe, card, spec, *, cfg_style: str | None, cp_plan_file: str | N
     elif spec.cache:
         import cache_dit
 
+        from ..cache.strategies.dbcache import cfg_from_adapter
+
         target, info["cache_adapter"] = cache_target(pipe, card)
-        cache_dit.enable_cache(target, cache_config=dbcache_config(spec.options.get("cache")))
+        cache_dit.enable_cache(target, cache_config=cfg_from_adapter(dbcache_config(spec.options.get("cache")), target))
     if spec.compile:
         info["compiled"] = compile_repeated_blocks(tr, backend=card.parallel.compile_backend)
     _apply_graphs(tr, card, spec, info)

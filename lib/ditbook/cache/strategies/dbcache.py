@@ -18,6 +18,19 @@ class DBCacheSettings:
     max_continuous_cached_steps: int = -1
 
 
+def cfg_from_adapter(cache_config, target):
+    """``cache_config`` with ``enable_separate_cfg`` set from ``target``'s own ``has_separate_cfg``
+    when ``target`` is a BlockAdapter and the config leaves it unset. Left unset, cache-dit looks
+    it up in its registry of adapters matched by pipeline-class-name prefix: a third-party pipeline
+    whose name begins like a registered one (``FluxReferencePipeline``) gets that adapter built on
+    its model, which fails on block lists the model does not have."""
+    from cache_dit import BlockAdapter
+
+    if isinstance(target, BlockAdapter) and getattr(cache_config, "enable_separate_cfg", None) is None:
+        cache_config.enable_separate_cfg = bool(target.has_separate_cfg)
+    return cache_config
+
+
 def enable_dbcache(pipe, adapter, cache_config_kwargs: dict, calibrator=None):
     """Enable cache-dit on ``pipe`` through ``adapter``; returns the undo callable."""
     import cache_dit
@@ -30,7 +43,8 @@ def enable_dbcache(pipe, adapter, cache_config_kwargs: dict, calibrator=None):
     # mark it _is_patched, and disable_cache leaves them: put the instances back exactly
     restore_instances = snapshot_instance_attrs(transformer)
     block_adapter = adapter.block_adapter()
-    cache_dit.enable_cache(block_adapter, cache_config=cache_dit.DBCacheConfig(**cache_config_kwargs),
+    cache_dit.enable_cache(block_adapter, cache_config=cfg_from_adapter(cache_dit.DBCacheConfig(**cache_config_kwargs),
+                                                                        block_adapter),
                            calibrator_config=calibrator)
 
     def undo():
