@@ -573,14 +573,22 @@ class CacheAdapter:
 
 
 def cache_dit_registered(pipe) -> str | None:
+    """The name of cache-dit's registered adapter for ``pipe``, or None. cache-dit's registry
+    matches pipeline class names by prefix, so a match counts only when that adapter's factory
+    builds on this pipeline: a third-party pipeline named like a registered one (``FluxReference...``)
+    whose model has other block lists is not cache-dit's (every caller — the cache stage, the
+    parallel worker's ``+cache`` — then uses ditbook's own adapter)."""
     import cache_dit
 
     reg = cache_dit.BlockAdapterRegister
     name = type(pipe).__name__
-    for prefix in reg._adapters:
-        if name.startswith(prefix):
-            return prefix
-    return None
+    prefix = next((p for p in reg._adapters if name.startswith(p)), None)
+    if prefix is None:
+        return None
+    try:
+        return prefix if reg.get_adapter(pipe, skip_post_init=True) is not None else None
+    except Exception:  # noqa: BLE001 - their factory assumes attributes this model does not have
+        return None
 
 
 def compare_with_registered(pipe, info: AdapterInfo) -> list[str]:
