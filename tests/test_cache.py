@@ -370,15 +370,17 @@ def test_generated_adapter_import_leaves_no_temp_folder():
 def test_prefix_only_cache_dit_registration_falls_back_to_ours(tiny_run):
     # cache-dit matches registrations by pipeline-name prefix: a pipeline that merely starts with
     # "Flux" gets cache-dit's Flux factory, which refuses this transformer; ditbook's adapter is used
-    from ditbook.cache.adapter import build_cache_adapter
+    from ditbook.cache.adapter import build_cache_adapter, cache_dit_adapter_builds
 
     card, run, pipe, report = tiny_run
     original = type(pipe)
     pipe.__class__ = type("FluxLikeTinyPipeline", (original,), {})
     try:
         adapter = build_cache_adapter(pipe, report, "tiny-prefix")
+        builds = cache_dit_adapter_builds(pipe)  # what the parallel worker's +cache plans ask
     finally:
         pipe.__class__ = original
+    assert builds is False
     assert adapter.info.cache_dit_registered == "Flux"
     assert adapter.info.used == "ditbook"
     assert any("could not be built" in d for d in adapter.info.differences)

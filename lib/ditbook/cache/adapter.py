@@ -573,22 +573,26 @@ class CacheAdapter:
 
 
 def cache_dit_registered(pipe) -> str | None:
-    """The name of cache-dit's registered adapter for ``pipe``, or None. cache-dit's registry
-    matches pipeline class names by prefix, so a match counts only when that adapter's factory
-    builds on this pipeline: a third-party pipeline named like a registered one (``FluxReference...``)
-    whose model has other block lists is not cache-dit's (every caller — the cache stage, the
-    parallel worker's ``+cache`` — then uses ditbook's own adapter)."""
+    """The name of the cache-dit registration whose prefix ``pipe``'s class name matches (cache-dit's
+    registry matches by prefix), or None; whether it applies is ``cache_dit_adapter_builds``."""
     import cache_dit
 
-    reg = cache_dit.BlockAdapterRegister
     name = type(pipe).__name__
-    prefix = next((p for p in reg._adapters if name.startswith(p)), None)
-    if prefix is None:
-        return None
+    return next((p for p in cache_dit.BlockAdapterRegister._adapters if name.startswith(p)), None)
+
+
+def cache_dit_adapter_builds(pipe) -> bool:
+    """cache-dit's registered adapter applies to ``pipe``: its name matches and the factory builds
+    on this very pipeline (a third-party pipeline named like a registered one, ``FluxReference...``,
+    whose model has other block lists, is not cache-dit's: ditbook's own adapter is used)."""
+    import cache_dit
+
+    if cache_dit_registered(pipe) is None:
+        return False
     try:
-        return prefix if reg.get_adapter(pipe, skip_post_init=True) is not None else None
+        return cache_dit.BlockAdapterRegister.get_adapter(pipe, skip_post_init=True) is not None
     except Exception:  # noqa: BLE001 - their factory assumes attributes this model does not have
-        return None
+        return False
 
 
 def compare_with_registered(pipe, info: AdapterInfo) -> list[str]:

@@ -340,12 +340,12 @@ class CacheRefused(RuntimeError):
 
 
 def cache_target(pipe, card):
-    """What ``cache_dit.enable_cache`` is given: the pipeline where cache-dit registers an adapter
-    for it, else ditbook's generated adapter (``cache.build_cache_adapter`` on an inspection of
+    """What ``cache_dit.enable_cache`` is given: the pipeline where cache-dit's registered adapter
+    builds on it (``cache.adapter.cache_dit_adapter_builds``), else ditbook's generated adapter (``cache.build_cache_adapter`` on an inspection of
     this pipeline) as a ``BlockAdapter``. Returns (target, which)."""
-    from ..cache.adapter import build_cache_adapter, cache_dit_registered
+    from ..cache.adapter import build_cache_adapter, cache_dit_adapter_builds
 
-    if cache_dit_registered(pipe):
+    if cache_dit_adapter_builds(pipe):
         return pipe, "cache-dit"
     from ..inspect.stage import run_inspection
 
