@@ -121,6 +121,57 @@ def test_strategies_skip_blocks_with_quality_and_wrong_adapter_is_caught(tiny_ru
     assert again.passed and again.quality["max_abs"] <= 1e-5
 
 
+def test_search_rows_stop_rendering_at_the_first_failing_case(tiny_run):
+    """The search stops a configuration's renders at the first case that fails a gate (every gate
+    holds per image, so the verdict is already known), and says where; a passing configuration
+    still renders every case, and the checks that need every image are unchanged."""
+    from ditbook.cache import strategies
+    from ditbook.cache.verify import evaluate
+    from ditbook.quality import Gates
+    from ditbook.render import cases
+
+    card, run, pipe, report = tiny_run
+    s = session_for(card, run, pipe, report)
+    s.noise_floor()
+    gen = s.card.generation
+    total = len(gen.prompts) * len(gen.seeds)
+    assert total >= 2
+    harsh = strategies.get("dbcache").Config(Fn=1, threshold=5.0, max_warmup_steps=0)
+    strict = Gates(psnr=90.0)  # a skipping configuration fails these on some case
+    full = evaluate(pipe, s.card, s.adapter, "dbcache", harsh, s.baseline, s.baseline_counts, strict,
+                    gen.prompts, gen.seeds)
+    assert full.stopped is None and full.quality["n"] == total and not full.passed
+    order = [key for key, _, _ in cases(s.card, gen.prompts, gen.seeds)]
+    first = next(i for i, k in enumerate(order) if full.quality["per_image"][k]["reasons"])
+    short = evaluate(pipe, s.card, s.adapter, "dbcache", harsh, s.baseline, s.baseline_counts, strict,
+                     gen.prompts, gen.seeds, stop_at_failure=True)
+    assert not short.passed and short.quality["n"] == first + 1
+    if first + 1 < total:
+        assert short.stopped == f"stopped at {order[first]}, which failed the gates ({first + 1} of {total} cases rendered)"
+        assert short.quality["psnr_min"] >= full.quality["psnr_min"]  # the worst of fewer cases
+        assert short.counts["baseline_block_evals"] < s.baseline_counts["block_evals"]
+    good = strategies.get("dbcache").Config(Fn=1, threshold=0.08, max_warmup_steps=1)
+    kept = evaluate(pipe, s.card, s.adapter, "dbcache", good, s.baseline, s.baseline_counts, s.gates,
+                    gen.prompts, gen.seeds, stop_at_failure=True)
+    assert kept.passed and kept.stopped is None and kept.quality["n"] == total
+
+
+def test_release_pipeline_lets_the_model_go_before_the_fresh_process_loads_its_own(tiny_run):
+    """Before the reproduction's fresh process loads a second copy, the stage drops its own: no
+    reference to the transformer is left in the session (at a 12B model the two copies together
+    needed twice its memory on the device)."""
+    import gc
+    import weakref
+
+    card, run, _, report = tiny_run
+    s = session_for(card, run, None, report, only=["dbcache"])
+    ref = weakref.ref(s.pipe.transformer)
+    s.release_pipeline()
+    gc.collect()
+    assert s.pipe is None and ref() is None
+    assert s.write_results()["adapter"]["transformer_class"]  # what follows reads no pipeline
+
+
 def test_teacache_polynomial_is_fitted_on_the_model(tiny_run):
     card, run, pipe, report = tiny_run
     s = session_for(card, run, pipe, report, only=["teacache_fitted"])

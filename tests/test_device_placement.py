@@ -96,3 +96,21 @@ def test_cache_decision_flag_lives_where_the_collective_needs_it(monkeypatch):
     monkeypatch.setattr(sync.dist, "get_backend", lambda group=None: "nccl")
     monkeypatch.setattr(sync.torch.cuda, "current_device", lambda: 0)
     assert sync._collective_device() == torch.device("cuda", 0)
+
+
+def test_noise_floor_compares_with_a_linear_memory_kernel_on_a_gpu():
+    """On a GPU the noise floor's other attention backend is the memory-efficient kernel: math
+    SDPA holds every head's tokens x tokens scores (26 GB a call at a 480p Wan video); on the CPU
+    it stays math SDPA."""
+    import types
+
+    import torch
+
+    from ditbook.cache.verify import other_attention_backend
+
+    def pipe_on(device):
+        weight = types.SimpleNamespace(device=torch.device(device))
+        return types.SimpleNamespace(transformer=types.SimpleNamespace(parameters=lambda: iter([weight])))
+
+    assert other_attention_backend(pipe_on("cuda:0")) == "_native_efficient"
+    assert other_attention_backend(pipe_on("cpu")) == "_native_math"

@@ -121,3 +121,61 @@ def test_batch_goes_on_past_failures(stages_dir, card_path, tmp_path):
 def test_unknown_stage_rejected(stages_dir, card_path):
     with pytest.raises(RunError, match="unknown stage"):
         start_run(card_path, stages=["nope"], log=lambda s: None)
+
+
+# each probe notebook records whether its stage's package was imported before its first cell ran,
+# in which process, and the names its namespace holds
+_PROBE = """
+import json, os, pathlib, sys
+seen = {"warm": "ditbook.%s.stage" in sys.modules, "pid": os.getpid(), "cwd": os.getcwd(),
+        "names": sorted(k for k in globals() if not k.startswith("_") and k not in ("In", "Out", "exit", "quit", "get_ipython", "open"))}
+(pathlib.Path(RUN_DIR) / "%s.json").write_text(json.dumps(seen))
+if pathlib.Path(os.environ["DITBOOK_TEST_FLAG"]).exists() and "%s" == "intake":
+    raise ValueError("first stage broke on purpose")
+"""
+
+
+@pytest.fixture
+def probe_stages(tmp_path, monkeypatch):
+    d = tmp_path / "probe_notebooks"
+    d.mkdir()
+    for i, name in enumerate(("intake", "inspect", "cache"), 1):
+        _notebook(d / f"{i:02d}_{name}.ipynb", _PROBE % (name, name, name))
+    flag = tmp_path / "fail.flag"
+    monkeypatch.setenv("DITBOOK_NOTEBOOKS", str(d))
+    monkeypatch.setenv("DITBOOK_TEST_FLAG", str(flag))
+    monkeypatch.setenv("DITBOOK_OUTPUTS", str(tmp_path / "outputs"))
+    return d, flag
+
+
+def _children() -> list:
+    import psutil
+
+    return [p for p in psutil.Process().children(recursive=True) if p.is_running() and p.status() != "zombie"]
+
+
+def test_next_stage_kernel_is_started_ahead_with_its_imports_done(probe_stages, card_path, monkeypatch):
+    """While a stage runs, the next stage's kernel starts and imports that stage's package (and the
+    card's pipeline class): its notebook finds them done, in its own kernel, in the run folder,
+    with nothing added to its namespace; turned off, every stage imports for itself."""
+    outcome = start_run(card_path, run_id="ahead", log=lambda s: None)
+    assert outcome.ok, outcome.stages
+    seen = {n: json.loads((outcome.run.path / f"{n}.json").read_text()) for n in ("intake", "inspect", "cache")}
+    assert [seen[n]["warm"] for n in ("intake", "inspect", "cache")] == [False, True, True]
+    assert len({s["pid"] for s in seen.values()}) == 3  # a fresh kernel per stage, as before
+    assert {s["cwd"] for s in seen.values()} == {str(outcome.run.path)}
+    assert seen["inspect"]["names"] == seen["intake"]["names"]  # the warm-up leaves no name behind
+    assert not _children()  # every kernel shut down
+
+    monkeypatch.setenv("DITBOOK_KERNEL_AHEAD", "0")
+    off = start_run(card_path, run_id="off", log=lambda s: None)
+    assert off.ok and not json.loads((off.run.path / "inspect.json").read_text())["warm"]
+
+
+def test_kernel_started_ahead_is_shut_down_when_its_stage_never_comes(probe_stages, card_path):
+    _, flag = probe_stages
+    flag.write_text("x")
+    outcome = start_run(card_path, run_id="broken", log=lambda s: None)
+    assert [s.status for s in outcome.stages] == ["failed"]
+    assert not (outcome.run.path / "inspect.json").exists()
+    assert not _children()  # the inspect stage's kernel, started ahead, is gone too

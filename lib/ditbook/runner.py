@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from .card import GateError, ModelCard
+from .kernels import KERNEL_LOG_ENV, KernelAhead, kernel_config, start_ahead
 from .preflight import start_check
 from .processes import Interrupted, end_descendants, received
 from .runs import RunError, RunFolder, outputs_dir  # noqa: F401 (outputs_dir: where runs go, in runs)
@@ -105,27 +106,17 @@ def _failure_details(exc: BaseException) -> tuple[str, str | None]:
     return f"{type(exc).__name__}: {exc}", None
 
 
-# Library loggers that would write into every executed notebook: a stage kernel starts them at
-# ERROR unless the user set them (cache-dit and transformers read these at import).
-KERNEL_LOG_ENV = {"CACHE_DIT_LOG_LEVEL": "error", "TRANSFORMERS_VERBOSITY": "error"}
-
-
 @contextmanager
 def kernel_environment():
-    """The stage kernel's settings: quiet library loggers (``KERNEL_LOG_ENV``, values the user
-    set win), and IPC transport in a private temporary folder — the kernel runs on this machine,
-    so its sockets need no TCP port (and ipykernel has no unencrypted-TCP warning to print). The
-    kernel's connection file lies in that folder as well, so nothing
-    of the kernel is left behind after an interrupt."""
-    from traitlets.config import Config
-
+    """The stage kernel's settings when papermill starts it: quiet library loggers
+    (``kernels.KERNEL_LOG_ENV``, values the user set win) and IPC transport in a private temporary
+    folder (``kernels.kernel_config``), removed however the stage ends."""
     saved = {k: os.environ.get(k) for k in KERNEL_LOG_ENV}
     for k, v in KERNEL_LOG_ENV.items():
         os.environ.setdefault(k, v)
     with tempfile.TemporaryDirectory(prefix="ditbook-kernel-") as sockets:
-        try:  # the kernel's connection file goes there too: removed with the folder, however the stage ends
-            yield Config({"KernelManager": {"transport": "ipc", "ip": os.path.join(sockets, "kernel"),
-                                            "connection_file": os.path.join(sockets, "kernel.json")}})
+        try:
+            yield kernel_config(sockets)
         finally:
             for k, v in saved.items():
                 if v is None:
@@ -134,24 +125,54 @@ def kernel_environment():
                     os.environ[k] = v
 
 
-def execute_stage(stage: Stage, run: RunFolder, card: ModelCard, overrides: dict, *,
-                  kernel_name: str | None = None, log: Callable[[str], None] = print) -> StageOutcome:
+# a kernel started ahead may still be importing when its stage begins: wait for it this long
+AHEAD_START_TIMEOUT = 900
+
+
+def _papermill(stage: Stage, run: RunFolder, card: ModelCard, overrides: dict, kernel_name: str | None,
+               ahead: KernelAhead | None) -> None:
     import papermill as pm
 
+    given = {"km": ahead.km, "start_timeout": AHEAD_START_TIMEOUT} if ahead is not None else {}
+    with kernel_environment() as config:
+        pm.execute_notebook(
+            str(stage.notebook), str(run.path / stage.notebook.name),
+            parameters={"CARD": str(card.card_path), "RUN_DIR": str(run.path), "OVERRIDES": overrides,
+                        "INTERACTIVE": False},
+            kernel_name=kernel_name, cwd=str(run.path), log_output=False,
+            # cell n of m on stderr while the stage runs; the bar is removed when it ends
+            progress_bar={"desc": f"[{stage.order:02d} {stage.name}]", "leave": False, "file": sys.stderr},
+            request_save_on_cell_execute=True, config=config, **given,
+        )
+
+
+def _usable(ahead: KernelAhead | None) -> KernelAhead | None:
+    """The kernel started ahead if it is still alive (one that died at start-up is dropped, and
+    papermill starts a kernel of its own)."""
+    if ahead is None:
+        return None
+    from jupyter_core.utils import run_sync
+
+    try:
+        if run_sync(ahead.km.is_alive)():
+            return ahead
+    except Exception:
+        pass
+    ahead.close()
+    return None
+
+
+def execute_stage(stage: Stage, run: RunFolder, card: ModelCard, overrides: dict, *,
+                  kernel_name: str | None = None, log: Callable[[str], None] = print,
+                  ahead: KernelAhead | None = None) -> StageOutcome:
+    """Run one stage notebook; ``ahead``: its kernel, started while the stage before it ran
+    (``kernels.KernelAhead``; shut down here when the stage ends)."""
     out_nb = run.path / stage.notebook.name
     run.update_stage(stage.name, status="running", notebook=out_nb.name, started=time.time())
     start = time.perf_counter()
+    ahead = _usable(ahead)
     try:
-        with kernel_environment() as kernel_config:
-            pm.execute_notebook(
-                str(stage.notebook), str(out_nb),
-                parameters={"CARD": str(card.card_path), "RUN_DIR": str(run.path), "OVERRIDES": overrides,
-                            "INTERACTIVE": False},
-                kernel_name=kernel_name, cwd=str(run.path), log_output=False,
-                # cell n of m on stderr while the stage runs; the bar is removed when it ends
-                progress_bar={"desc": f"[{stage.order:02d} {stage.name}]", "leave": False, "file": sys.stderr},
-                request_save_on_cell_execute=True, config=kernel_config,
-            )
+        _papermill(stage, run, card, overrides, kernel_name, ahead)
     except BaseException as exc:  # papermill raises PapermillExecutionError; anything else is recorded too
         seconds = time.perf_counter() - start
         signame = received()
@@ -172,6 +193,9 @@ def execute_stage(stage: Stage, run: RunFolder, card: ModelCard, overrides: dict
         run.update_stage(stage.name, status="failed", seconds=round(seconds, 2), error=error, failing_cell=cell,
                          traceback=traceback.format_exception_only(type(exc), exc)[-1].strip())
         return StageOutcome(stage.name, "failed", seconds, error, cell)
+    finally:
+        if ahead is not None:
+            ahead.close()
     seconds = time.perf_counter() - start
     run.update_stage(stage.name, status="passed", seconds=round(seconds, 2), error=None, failing_cell=None)
     return StageOutcome(stage.name, "passed", seconds)
@@ -199,23 +223,37 @@ def _run_stages(run: RunFolder, card: ModelCard, stages: list[Stage], overrides:
                 kernel_name: str | None = None, log: Callable[[str], None] = print) -> RunOutcome:
     outcome = RunOutcome(run)
     run.set_status("running")
-    for stage in stages:
-        log(f"[{stage.order:02d} {stage.name}] running ...")
-        res = execute_stage(stage, run, card, overrides, kernel_name=kernel_name, log=log)
-        outcome.stages.append(res)
-        if res.status == "failed":
-            log(f"[{stage.order:02d} {stage.name}] FAILED after {res.seconds:.1f}s: {res.error}")
-            if res.failing_cell:
-                log("  failing " + res.failing_cell.replace("\n", "\n    "))
-            log(f"  executed notebook kept at {run.path / stage.notebook.name}")
-            run.set_status("failed")
-            return outcome
-        log(f"[{stage.order:02d} {stage.name}] passed in {res.seconds:.1f}s")
+    ahead = None
+    try:
+        for i, stage in enumerate(stages):
+            log(f"[{stage.order:02d} {stage.name}] running ...")
+            current, ahead = ahead, None
+            ahead = start_ahead(stages[i + 1] if i + 1 < len(stages) else None, run.path, card, kernel_name, log)
+            res = execute_stage(stage, run, card, overrides, kernel_name=kernel_name, log=log, ahead=current)
+            outcome.stages.append(res)
+            if not _stage_went_on(res, stage, run, log):
+                return outcome
+    finally:
+        if ahead is not None:  # the stage before it failed or was interrupted: not needed
+            ahead.close()
     meta = run.read_meta()
     all_stage_names = [s.name for s in discover_stages(stages[0].notebook.parent)] if stages else []
     done = {k for k, v in meta.get("stages", {}).items() if v.get("status") == "passed"}
     run.set_status("finished" if set(all_stage_names) <= done else "partial")
     return outcome
+
+
+def _stage_went_on(res: StageOutcome, stage: Stage, run: RunFolder, log: Callable[[str], None]) -> bool:
+    """Log a stage's end; False (and the run marked failed) when it failed."""
+    if res.status == "failed":
+        log(f"[{stage.order:02d} {stage.name}] FAILED after {res.seconds:.1f}s: {res.error}")
+        if res.failing_cell:
+            log("  failing " + res.failing_cell.replace("\n", "\n    "))
+        log(f"  executed notebook kept at {run.path / stage.notebook.name}")
+        run.set_status("failed")
+        return False
+    log(f"[{stage.order:02d} {stage.name}] passed in {res.seconds:.1f}s")
+    return True
 
 
 def start_run(card_path: str | Path, *, stages: list[str] | None = None, overrides: dict | None = None,

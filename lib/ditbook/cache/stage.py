@@ -233,11 +233,14 @@ class CacheSession:
             grid = strat.grid(self.adapter, gen.steps)
             if limit:
                 grid = grid[: int(limit)]
-            family = []
+            family, seen = [], []
             for cfg in grid:
                 cfg = self._calibrated(name, cfg)
+                if strat.config_dict(cfg) in seen:
+                    continue  # the same configuration twice in a grid renders the same images
+                seen.append(strat.config_dict(cfg))
                 r = evaluate(self.pipe, self.card, self.adapter, name, cfg, self.baseline, self.baseline_counts,
-                             self.gates, gen.prompts, gen.seeds)
+                             self.gates, gen.prompts, gen.seeds, stop_at_failure=True)
                 family.append((r, cfg))
                 self.results.append(r)
                 if progress:
@@ -256,7 +259,7 @@ class CacheSession:
                 tried.add(key)
                 kept: dict = {}
                 h = evaluate(self.pipe, self.card, self.adapter, name, cfg, self.holdout_refs, self.holdout_counts,
-                             self.gates, hp, hs, split="holdout", keep_images=kept)
+                             self.gates, hp, hs, split="holdout", keep_images=kept, stop_at_failure=True)
                 self._keep_holdout(h, kept)
                 self.results.append(h)
                 if progress:
@@ -275,7 +278,7 @@ class CacheSession:
                          "skipped": r.skipped_fraction, "attn skipped": r.attention_skipped_fraction,
                          "cached steps": r.cached_steps, "PSNR min": q.get("psnr_min"), "SSIM min": q.get("ssim_min"),
                          "worst tile": q.get("worst_tile_psnr"), "max abs": q.get("max_abs"), "passed": r.passed,
-                         "error": (r.error or "").splitlines()[0] if r.error else ""})
+                         "stopped": r.stopped or "", "error": (r.error or "").splitlines()[0] if r.error else ""})
         return rows
 
     def frontier(self, split: str = "calibration") -> list[dict]:
@@ -395,6 +398,21 @@ class CacheSession:
         return out
 
     # -- the generated module, in a fresh process ------------------------------------------
+    def release_pipeline(self) -> None:
+        """Let go of the pipeline (and the cached images made with it stay on disk): the fresh
+        process of :meth:`reproduce` loads its own, and at a 12B model two copies at once would need
+        twice the model's memory on the device. Everything after it reads files only."""
+        import gc
+
+        import torch
+
+        self.pipe = None
+        if self.adapter is not None:
+            self.adapter.pipe = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
     def reproduce(self, timeout: float = 600) -> dict:
         """Import the generated adapter module in a fresh Python process, rerun the chosen
         configuration and compare with the images verified here."""

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from ..quality import Gates, compare_sets
+from ..quality import Gates, compare, compare_sets
 from ..render import render_all
 from . import strategies
 from .counting import EvalCounter, savings
@@ -36,6 +36,9 @@ class StrategyResult:
     seconds: float = 0.0
     error: str | None = None
     counts: dict = field(default_factory=dict)
+    # set when the renders stopped at the first case that failed a gate: which case, and how
+    # many of the cases were rendered (the quality and savings are over those)
+    stopped: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -55,16 +58,52 @@ def counted_render(pipe, card, adapter, prompts, seeds, **overrides) -> tuple[di
         counter.remove()
 
 
+class _CaseFailed(Exception):
+    pass
+
+
+def render_until_failure(pipe, card, prompts, seeds, references: dict, gates: Gates) -> tuple[dict, str | None]:
+    """Render the cases in order, each compared with its reference as it comes; stop at the first
+    that fails a gate. Every gate holds per image, so one failing case fails the set: the cases
+    left would not change the verdict. Returns (images rendered, why it stopped or None)."""
+    images: dict = {}
+
+    def check(done: int, total: int, r) -> None:
+        images[r.key] = r.image
+        report = compare(r.image, references[r.key], gates)
+        if not report.passed and done < total:
+            raise _CaseFailed(f"stopped at {r.key}, which failed the gates ({done} of {total} cases rendered)")
+
+    try:
+        render_all(pipe, card, prompts=prompts, seeds=seeds, progress=check)
+    except _CaseFailed as exc:
+        return images, str(exc)
+    return images, None
+
+
+def _partial(baseline_counts: dict, rendered: int, total: int) -> dict:
+    """The uncached count of the cases rendered: every case runs the same steps, so a share."""
+    share = rendered / total if total else 1.0
+    return {**baseline_counts, "block_evals": baseline_counts["block_evals"] * share,
+            "attention_evals": baseline_counts["attention_evals"] * share}
+
+
 def evaluate(pipe, card, adapter, name: str, config, references: dict, baseline_counts: dict,
-             gates: Gates, prompts, seeds, split: str = "calibration", keep_images: dict | None = None) -> StrategyResult:
+             gates: Gates, prompts, seeds, split: str = "calibration", keep_images: dict | None = None,
+             stop_at_failure: bool = False) -> StrategyResult:
+    """``stop_at_failure``: stop rendering at the first case that fails a gate (the verdict of the
+    set is then known); the search's rows use it, the checks that need every image do not."""
     strat = strategies.get(name)
     steps = card.generation.steps
     counter = EvalCounter(pipe.transformer, adapter.counted_blocks())
     start = time.perf_counter()
-    undo = None
+    undo, stopped = None, None
     try:
         undo = strat.apply(pipe, adapter, config, steps=steps)
-        images = render_set(pipe, card, prompts, seeds)
+        if stop_at_failure:
+            images, stopped = render_until_failure(pipe, card, prompts, seeds, references, gates)
+        else:
+            images = render_set(pipe, card, prompts, seeds)
         counts = counter.snapshot()
     except Exception as exc:  # a strategy that cannot run on this model is reported, not hidden
         return StrategyResult(name, strat.family, strat.config_dict(config), None, 0.0, 0.0, 0, False, split,
@@ -75,14 +114,15 @@ def evaluate(pipe, card, adapter, name: str, config, references: dict, baseline_
             with contextlib.suppress(Exception):
                 undo()
         counter.remove()
-    q = compare_sets(images, references, gates)
-    s = savings(counts, baseline_counts)
+    q = compare_sets(images, {k: references[k] for k in images} if stopped else references, gates)
+    s = savings(counts, _partial(baseline_counts, len(images), len(references)) if stopped else baseline_counts)
     if keep_images is not None:
         keep_images.update(images)
     return StrategyResult(name, strat.family, strat.config_dict(config), q.to_dict(), s["skipped_fraction"],
-                          s["attention_skipped_fraction"], s["cached_steps"], bool(q.passed), split,
+                          s["attention_skipped_fraction"], s["cached_steps"], bool(q.passed) and not stopped, split,
                           round(time.perf_counter() - start, 3),
-                          counts={k: v for k, v in s.items() if k not in ("skipped_fraction", "cached_steps")})
+                          counts={k: v for k, v in s.items() if k not in ("skipped_fraction", "cached_steps")},
+                          stopped=stopped)
 
 
 def max_abs(images: dict, references: dict) -> float:
@@ -90,8 +130,18 @@ def max_abs(images: dict, references: dict) -> float:
                      for k in references))
 
 
-def other_backend_render(pipe, card, prompts, seeds, backend: str = "_native_math") -> tuple[dict | None, str]:
-    """Render under another diffusers attention backend (math SDPA by default)."""
+def other_attention_backend(pipe) -> str:
+    """The attention backend the noise floor compares with: on a GPU torch's memory-efficient
+    kernel (another kernel than the default flash / cuDNN pick, in O(tokens) memory: math SDPA
+    holds every head's tokens x tokens scores, 26 GB per call at a Wan-1.3B 480p video's 32,760
+    tokens); on the CPU math SDPA (the default there is the flash-style CPU kernel)."""
+    device = next((p.device for p in pipe.transformer.parameters()), None)
+    return "_native_efficient" if device is not None and device.type == "cuda" else "_native_math"
+
+
+def other_backend_render(pipe, card, prompts, seeds, backend: str | None = None) -> tuple[dict | None, str]:
+    """Render under another diffusers attention backend (``other_attention_backend`` by default)."""
+    backend = backend or other_attention_backend(pipe)
     try:
         from diffusers.models.attention_dispatch import attention_backend
     except ImportError as exc:

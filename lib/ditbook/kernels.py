@@ -1,0 +1,116 @@
+"""The stage kernels: their settings, and the next stage's kernel started ahead.
+
+Every stage notebook runs in a fresh Jupyter kernel whose first cell imports torch, diffusers,
+the card's pipeline class (and through it transformers) and the stage's package: 15-20 s of every
+stage on an H200 host, the same on a small model as on a 12B one (``docs/gpu.md``). While one stage
+runs, the runner starts the next stage's kernel (``KernelAhead``), which does those imports at its
+start-up (ipykernel's ``exec_lines``, before it answers any request), so the next notebook finds
+them done. The kernel is the one papermill would have started (same kernel name, working folder,
+settings and environment); its notebook's cells are unchanged, and whatever the start-up prints
+goes to no cell. ``DITBOOK_KERNEL_AHEAD=0`` turns it off.
+
+A kernel started ahead and not used (the stage before it failed, or was interrupted) is shut
+down; nothing of it stays behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+# Library loggers that would write into every executed notebook: a stage kernel starts them at
+# ERROR unless the user set them (cache-dit and transformers read these at import).
+KERNEL_LOG_ENV = {"CACHE_DIT_LOG_LEVEL": "error", "TRANSFORMERS_VERBOSITY": "error"}
+AHEAD_ENV = "DITBOOK_KERNEL_AHEAD"
+# nbclient's own start-up argument (a notebook run keeps no IPython history file)
+HISTORY_ARG = "--HistoryManager.hist_file=:memory:"
+
+
+def kernel_config(sockets: str):
+    """IPC transport in a private folder: the kernel runs on this machine, so its sockets need no
+    TCP port (and ipykernel has no unencrypted-TCP warning to print); its connection file lies
+    there too, so nothing of the kernel is left behind after an interrupt."""
+    from traitlets.config import Config
+
+    return Config({"KernelManager": {"transport": "ipc", "ip": os.path.join(sockets, "kernel"),
+                                     "connection_file": os.path.join(sockets, "kernel.json")}})
+
+
+def kernel_env() -> dict:
+    """The kernel's environment: this process's, with the quiet loggers where the user set none."""
+    return {**KERNEL_LOG_ENV, **os.environ}
+
+
+def ahead_enabled() -> bool:
+    return os.environ.get(AHEAD_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def notebook_kernel_name(notebook: Path) -> str | None:
+    try:
+        return (json.loads(Path(notebook).read_text()).get("metadata", {}).get("kernelspec") or {}).get("name")
+    except (OSError, ValueError):
+        return None
+
+
+def warm_line(stage: str, card) -> str:
+    """The kernel's ``exec_lines`` entry: the imports the stage's notebook starts with — its stage
+    package, when it is one of ditbook's, and the card's pipeline class, when it comes from a package
+    (a third-party file is imported by the stage's own gate check, as always). One statement of
+    expressions ending in ``;``: no name is left in the notebook's namespace and nothing is shown;
+    a failure is only printed by the kernel at start-up, and the notebook meets and reports it."""
+    parts = []
+    if (Path(__file__).resolve().parent / stage / "stage.py").is_file():
+        parts.append(f"__import__({f'ditbook.{stage}.stage'!r})")
+    source = card.resolve_source(card.pipeline.source) if card.pipeline.source else None
+    if source and card.pipeline.cls and not source.endswith(".py"):
+        parts.append(f"getattr(__import__({source!r}, fromlist=['_']), {card.pipeline.cls!r}, None)")
+    return "; ".join(parts) + ";" if parts else "pass"
+
+
+class KernelAhead:
+    """A stage's kernel, started before its turn, doing the stage's imports at start-up."""
+
+    def __init__(self, stage, run_path: Path, card, kernel_name: str | None = None):
+        from jupyter_client.manager import AsyncKernelManager
+        from jupyter_core.utils import run_sync
+
+        self.stage = stage.name
+        self.sockets = tempfile.mkdtemp(prefix="ditbook-kernel-")
+        name = kernel_name or notebook_kernel_name(stage.notebook)
+        kw = {"kernel_name": name} if name else {}
+        self.km = AsyncKernelManager(config=kernel_config(self.sockets), **kw)
+        try:
+            run_sync(self.km.start_kernel)(cwd=str(run_path), env=kernel_env(),
+                                           extra_arguments=[HISTORY_ARG, f"--IPKernelApp.exec_lines={warm_line(stage.name, card)}"])
+        except BaseException:
+            shutil.rmtree(self.sockets, ignore_errors=True)
+            raise
+
+    def close(self) -> None:
+        """Shut the kernel down (politely, then for good) and remove its sockets folder."""
+        from jupyter_core.utils import run_sync
+
+        try:
+            if run_sync(self.km.is_alive)():
+                run_sync(self.km.shutdown_kernel)(now=False)
+            run_sync(self.km.cleanup_resources)()
+        except Exception:  # already gone: nothing to shut down
+            pass
+        finally:
+            shutil.rmtree(self.sockets, ignore_errors=True)
+
+
+def start_ahead(stage, run_path: Path, card, kernel_name: str | None = None, log=None) -> KernelAhead | None:
+    """The next stage's kernel, or None (turned off, or it could not start: papermill then starts
+    one itself, as without this)."""
+    if stage is None or not ahead_enabled():
+        return None
+    try:
+        return KernelAhead(stage, run_path, card, kernel_name)
+    except Exception as exc:  # no kernel ahead is a slower stage, never a failed one
+        if log is not None:
+            log(f"  (the {stage.name} stage's kernel could not be started ahead: {type(exc).__name__}: {exc})")
+        return None
