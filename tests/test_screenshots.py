@@ -70,3 +70,14 @@ def test_staleness_sees_each_change(current_screen, tmp_path):
     assert "first screen checklist" in " ".join(screenshots.staleness(m, tmp_path, readme, renamed))
     moved = dict(current_screen, ids=[i for i in current_screen["ids"] if i != "gates"])
     assert "first screen ids" in " ".join(screenshots.staleness(m, tmp_path, readme, moved))
+
+
+def test_the_newest_finished_run_is_taken(tmp_path):
+    for model, run, status, created in (("a", "old", "finished", "2026-01-01T10:00:00"),
+                                        ("b", "new", "finished", "2026-01-02T10:00:00"),
+                                        ("a", "newest", "failed", "2026-01-03T10:00:00")):
+        (tmp_path / model / run).mkdir(parents=True)
+        (tmp_path / model / run / "run.json").write_text(json.dumps({"run_id": run, "status": status, "created": created}))
+    assert screenshots.newest_finished_run(tmp_path).path.name == "new"
+    with pytest.raises(screenshots.ScreenshotError, match="no finished run"):
+        screenshots.newest_finished_run(tmp_path / "a" / "old")

@@ -535,8 +535,6 @@ class CacheAdapter:
         fill, ``_register()``, is what any ``apply_*`` call does first and is diffusers')."""
         from diffusers.hooks._helpers import TransformerBlockMetadata, TransformerBlockRegistry
 
-        from .. import hooks
-
         TransformerBlockRegistry._register()
         status, handles = {}, []
         for path, blocks, pattern in self.block_lists():
@@ -556,8 +554,6 @@ class CacheAdapter:
     def diffusers_identifiers(self, *modules):
         """diffusers' block hooks look for top-level children named like ``blocks`` /
         ``transformer_blocks``; this adds our block lists' names while a hook is applied."""
-        from .. import hooks
-
         extra = tuple(p for p, _, _ in self.block_lists() if "." not in p)
         with contextlib.ExitStack() as stack:
             for mod in modules:
