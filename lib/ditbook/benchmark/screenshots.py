@@ -144,6 +144,14 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
+def _relative(path: str | None, cwd: str | None) -> str | None:
+    """``path`` as the run's command named it from its working folder (``models/x.yaml``)."""
+    try:
+        return Path(path).relative_to(cwd).as_posix() if path and cwd else path
+    except ValueError:
+        return path
+
+
 def take(run_dir: str | Path, docs: str | Path) -> dict:
     """The three screenshots of ``run_dir``'s ``report.html`` and their manifest, into ``docs``."""
     run = RunFolder(run_dir)
@@ -164,7 +172,7 @@ def take(run_dir: str | Path, docs: str | Path) -> dict:
             chromium([f"--screenshot={docs / name}"], page, work / f"profile-{part}", size=size)
     meta = run.read_meta()
     manifest = {"run": meta.get("run_id", run.path.name), "model": meta.get("model"),
-                "card": meta.get("card_path"), "revision": (meta.get("source") or {}).get("revision"),
+                "card": _relative(meta.get("card_path"), meta.get("cwd")), "revision": (meta.get("source") or {}).get("revision"),
                 "run_created": meta.get("created"), "taken": _dt.date.today().isoformat(),
                 "window": list(WINDOW), "command": "ditbook screenshots",
                 "files": {name: sha256(docs / name) for name in SHOTS}, "first_screen": screen}
