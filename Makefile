@@ -18,7 +18,7 @@ LAB_ARGS    ?=
 # JupyterLab refuses to start as root unless told
 ROOT_ARGS   := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: install demo test test-fast novel chromium clean clean-outputs lab gpu-check
+.PHONY: install demo test test-fast novel chromium clean clean-outputs lab gpu-check screenshots
 
 $(BIN)/python:
 	@$(PYTHON) -c 'import sys; sys.exit(not ((3, 11) <= sys.version_info[:2] <= (3, 12)))' || \
@@ -43,6 +43,11 @@ chromium:
 
 demo: install
 	$(BIN)/ditbook run $(CARD)
+
+# the README's screenshots of report.html from the newest finished run (after `make demo`): the
+# three docs/report_*.png and docs/screenshots.json; then name the run in the README's caption
+screenshots: install chromium
+	$(BIN)/ditbook screenshots
 
 test: install chromium
 	$(BIN)/python -m pytest -q

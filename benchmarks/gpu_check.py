@@ -23,13 +23,16 @@ import datetime as dt
 import hashlib
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "lib"))  # this checkout's ditbook, the code the record is about
+
+from ditbook.intake.environment import environment as run_environment  # noqa: E402
+from ditbook.runs import source_revision  # noqa: E402
 CARDS = ("models/reference.yaml", "models/video_reference.yaml")
 DIGEST_PARTS = ("lib", "notebooks", "models")
 BENCH_ROWS = "eager,cache,cache+compile"
@@ -58,28 +61,19 @@ def tree_digest(root: Path = REPO) -> str:
 
 
 def git_revision(root: Path = REPO) -> tuple[str | None, bool | None]:
-    """(HEAD, dirty) of the checkout, or (None, None) without git."""
-    try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
-        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                                capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None, None
-    return rev, bool(status)
+    """(HEAD, dirty) of the checkout, or (None, None) without git: ``ditbook.runs.source_revision``,
+    the revision every run records."""
+    rev = source_revision(root)
+    return rev["revision"], rev["dirty"]
 
 
 def environment() -> dict:
-    import torch
-
-    versions = {"python": platform.python_version(), "torch": torch.__version__,
-                "cuda": torch.version.cuda}
-    for mod in ("diffusers", "cache_dit", "transformers", "papermill", "torchao"):
-        try:
-            versions[mod] = __import__(mod).__version__
-        except Exception:  # noqa: BLE001 - a missing optional package is recorded as missing
-            versions[mod] = None
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    return {"device": device, "gpus": torch.cuda.device_count(), "versions": versions}
+    """The run's environment record (``ditbook.intake.environment.environment``: versions and
+    hardware), with the GPU named as the record's ``device`` and counted as ``gpus``."""
+    env = run_environment()
+    gpus = env["hardware"].get("gpus") or []
+    return {"device": gpus[0] if gpus else "cpu", "gpus": len(gpus), "versions": env["versions"],
+            "hardware": env["hardware"]}
 
 
 def start_card(card: str, outputs: Path, log_dir: Path) -> tuple[subprocess.Popen, float, object]:

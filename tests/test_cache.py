@@ -456,3 +456,82 @@ def test_fold_skipped_by_a_foreign_patched_mark_is_an_error(tiny_run):
     assert pipe.transformer._ditbook_folded
     s.adapter.unpatch()
     assert "forward" not in pipe.transformer.__dict__
+
+
+@pytest.mark.parametrize("name", ["diffusers_fbc", "diffusers_magcache"])
+def test_diffusers_block_strategies_leave_diffusers_registry_as_it_was(tiny_run, name):
+    # the block classes are registered in diffusers' TransformerBlockRegistry while the strategy is
+    # on (hooks.set_item) and taken out by its undo: the registry holds the same entries after
+    from diffusers.hooks._helpers import TransformerBlockRegistry
+
+    from ditbook.cache import strategies
+    from ditbook.cache.adapter import build_cache_adapter
+
+    card, run, pipe, report = tiny_run
+    adapter = build_cache_adapter(pipe, report, "tiny-registry")
+    strat = strategies.get(name)
+    assert strat.applicable(adapter) is None
+    TransformerBlockRegistry._register()  # diffusers' own lazy fill, what any apply_* call does first
+    before = dict(TransformerBlockRegistry._registry)
+    undo = strat.apply(pipe, adapter, strat.config(), steps=8)
+    try:  # the cached blocks' class (the folded loop body here) is registered while the strategy is on
+        block_cls = type(adapter.block_lists()[0][1][0])
+        assert block_cls in TransformerBlockRegistry._registry and block_cls not in before
+    finally:
+        undo()
+    after = TransformerBlockRegistry._registry
+    assert list(after) == list(before) and all(after[k] is v for k, v in before.items())
+
+
+def test_importing_the_adapter_file_leaves_cache_dits_table_untouched(tmp_path):
+    # the emitted file registers itself with cache-dit when imported (a maintainer's merged file
+    # does); the stage's import runs it against a copy: the process-wide table is never written
+    from cache_dit import BlockAdapterRegister
+
+    from ditbook import hooks
+    from ditbook.cache.adapter import load_adapter_module
+
+    class Watched(dict):
+        writes: list = []
+
+        def __setitem__(self, key, value):
+            self.writes.append(key)
+            super().__setitem__(key, value)
+
+        def clear(self):
+            self.writes.append("clear")
+            super().clear()
+
+        def update(self, *a, **kw):
+            self.writes.append("update")
+            super().update(*a, **kw)
+
+    file = tmp_path / "adapter_probe.py"
+    file.write_text("from cache_dit import BlockAdapterRegister\n\n\n"
+                    "@BlockAdapterRegister.register('ProbeRegisteredPipeline')\n"
+                    "def probe_adapter(pipe, **kwargs):\n    return None\n")
+    table = Watched(BlockAdapterRegister._adapters)
+    with hooks.swap_attribute(BlockAdapterRegister, "_adapters", table):
+        module = load_adapter_module(file)
+        assert BlockAdapterRegister._adapters is table and table.writes == []
+        assert dict(table) == dict(BlockAdapterRegister._adapters) and "ProbeRegisteredPipeline" not in table
+        load_adapter_module(file, register=True)  # a plain import's effect (the reproduction's)
+        assert table["ProbeRegisteredPipeline"].__name__ == "probe_adapter"
+    assert callable(module.probe_adapter)
+    assert "ProbeRegisteredPipeline" not in BlockAdapterRegister._adapters
+
+
+def test_a_registered_factory_that_builds_nothing_is_not_used(tiny_run):
+    # whether cache-dit's registered adapter is used is cache_dit_adapter_builds (the parallel
+    # worker's rule): a registration matching the name whose factory returns no adapter is not
+    from cache_dit import BlockAdapterRegister
+
+    from ditbook import hooks
+    from ditbook.cache.adapter import build_cache_adapter, cache_dit_adapter_builds
+
+    card, run, pipe, report = tiny_run
+    with hooks.set_item(BlockAdapterRegister._adapters, type(pipe).__name__, lambda pipe, **kw: None):
+        adapter = build_cache_adapter(pipe, report, "tiny-none-factory")
+        assert adapter.info.cache_dit_registered == type(pipe).__name__
+        assert cache_dit_adapter_builds(pipe) is False
+    assert adapter.info.used == "ditbook"

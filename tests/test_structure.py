@@ -214,9 +214,61 @@ def foreign_changes(source: str) -> list[str]:
     return [first[k] for k in sorted(first)]
 
 
+REGISTRY_WRITES = ("register", "update", "clear", "setdefault", "pop", "popitem", "__setitem__", "__delitem__")
+# the process environment is the process's settings (entry points set them on purpose, child
+# processes read them), not another library's registry of objects
+PROCESS_SETTINGS = ("os.environ", "_os.environ")
+
+
+def _foreign_names(tree) -> set[str]:
+    """Names bound by importing another library: ``import x`` (the root name) and
+    ``from x import Y`` where x is not ditbook; then names assigned an attribute of one of those
+    (``table = Registry._adapters``), so an alias is seen too."""
+    names = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Import):
+            names |= {(a.asname or a.name).split(".")[0] for a in n.names}
+        elif isinstance(n, ast.ImportFrom) and n.level == 0 and not (n.module or "").startswith("ditbook"):
+            names |= {a.asname or a.name for a in n.names}
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Assign) and isinstance(n.value, ast.Attribute) and _root(n.value) in names:
+            names |= {t.id for t in n.targets if isinstance(t, ast.Name)}
+    return names
+
+
+def _root(e) -> str | None:
+    while isinstance(e, (ast.Attribute, ast.Subscript, ast.Call)):
+        e = e.func if isinstance(e, ast.Call) else e.value
+    return e.id if isinstance(e, ast.Name) else None
+
+
+def registry_changes(source: str) -> list[str]:
+    """Entries of another library's registry changed around ``ditbook.hooks.set_item``: an item
+    assigned or deleted in something reached from an imported name (``Registry._registry[k] = v``,
+    ``sys.modules[name] = m``, ``del ...``), and a registering or dict-writing call on one
+    (``Registry.register(...)``, ``table.update(...)``, ``.clear()``, ``.pop(key)``; a list's
+    ``pop(0)`` is not a registry's)."""
+    tree = ast.parse(source)
+    foreign = _foreign_names(tree)
+
+    def foreign_obj(e) -> bool:
+        return _root(e) in foreign and not ast.unparse(e).startswith(PROCESS_SETTINGS)
+
+    out = []
+    for n in ast.walk(tree):
+        targets = (n.targets if isinstance(n, (ast.Assign, ast.Delete))
+                   else [n.target] if isinstance(n, ast.AugAssign) else [])
+        out += [f"{n.lineno}: {ast.unparse(t)}" for t in targets if isinstance(t, ast.Subscript) and foreign_obj(t.value)]
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in REGISTRY_WRITES \
+                and foreign_obj(n.func.value) and not (n.func.attr == "pop" and n.args and isinstance(n.args[0], ast.Constant)
+                                                       and type(n.args[0].value) is int):
+            out.append(f"{n.lineno}: {ast.unparse(n)[:60]}")
+    return sorted(set(out), key=lambda x: int(x.split(":")[0]))
+
+
 def test_run_time_changes_go_through_hooks():
     offenders = {str(p.relative_to(ROOT)): found for p in sorted((LIB / "ditbook").rglob("*.py"))
-                 if p.name != "hooks.py" and (found := foreign_changes(p.read_text()))}
+                 if p.name != "hooks.py" and (found := foreign_changes(p.read_text()) + registry_changes(p.read_text()))}
     assert offenders == {}, f"changes around ditbook.hooks (use wrap_method / swap_attribute / set_item): {offenders}"
 
 
@@ -241,6 +293,39 @@ def test_foreign_change_check_sees_each_kind():
           "        row.outcome = 'correct'\n"
           "        swap_attribute(proc, '_cp_config', None)\n")
     assert foreign_changes(ok) == []
+
+
+def test_registry_change_check_sees_each_kind():
+    # the check itself can fail: a foreign registry written directly is reported (also through an
+    # alias), set_item, ditbook's own registries, a list's pop(0) and the environment are not
+    bad = ("import sys\n"
+           "from cache_dit import BlockAdapterRegister\n"
+           "def f(cls, meta, name, module):\n"
+           "    from diffusers.hooks._helpers import TransformerBlockRegistry\n"
+           "    TransformerBlockRegistry._registry[cls] = meta\n"
+           "    TransformerBlockRegistry.register(cls, meta)\n"
+           "    table = BlockAdapterRegister._adapters\n"
+           "    table.clear()\n"
+           "    table.update({})\n"
+           "    sys.modules[name] = module\n"
+           "    del sys.modules[name]\n"
+           "    sys.modules.pop(name, None)\n"
+           "    BlockAdapterRegister.register('X')(f)\n")
+    assert [x.split(":")[0] for x in registry_changes(bad)] == ["5", "6", "8", "9", "10", "11", "12", "13"]
+    ok = ("import os\n"
+          "import sys\n"
+          "from ditbook import hooks\n"
+          "from .registry import register, REGISTRY\n"
+          "def f(cls, meta, name, module, sub, rows):\n"
+          "    from diffusers.hooks._helpers import TransformerBlockRegistry\n"
+          "    hooks.set_item(TransformerBlockRegistry._registry, cls, meta)\n"
+          "    REGISTRY[name] = module\n"
+          "    module.register(sub)\n"
+          "    rows[name] = 1\n"
+          "    sys.path.pop(0)\n"
+          "    os.environ['HF_HUB_OFFLINE'] = '1'\n"
+          "    os.environ.setdefault('X', '1')\n")
+    assert registry_changes(ok) == []
 
 
 # --- function length: over LONG_LINES lines only with a reason ---------------------------------

@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from . import hooks
 from .settings import (DEVICES, DTYPES, SECTIONS, BenchmarkSettings, CacheSettings, Generation,  # noqa: F401
                        InspectSettings, ParallelSettings, RuntimeSettings, parse_section)
 
@@ -309,13 +310,13 @@ def _import_source(source: str):
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot import a module from {file}")
     module = importlib.util.module_from_spec(spec)
-    sys.modules[mod_name] = module
+    entry = hooks.set_item(sys.modules, mod_name, module)  # an import: stays unless the file fails
     # sibling files of third-party code import each other by plain name
     sys.path.insert(0, str(file.parent))
     try:
         spec.loader.exec_module(module)
     except BaseException:
-        sys.modules.pop(mod_name, None)
+        entry.remove()
         raise
     finally:
         if sys.path and sys.path[0] == str(file.parent):

@@ -22,7 +22,9 @@ torch hook handles) as one change: all or nothing, removed together.
 Data attributes and registry entries of objects ditbook does not own (a processor's config, a
 diffusers module constant, a diffusers registry dict) change through ``swap_attribute`` /
 ``set_item``, whose ``SwapHandle`` undoes exactly the same way. Nothing in ``lib/`` uses
-``unittest.mock`` or assigns a method or a module attribute directly (``tests/test_structure.py``).
+``unittest.mock``, assigns a method or a module attribute directly, or writes an entry of another
+library's registry (``sys.modules``, diffusers' and cache-dit's registries) but through
+``set_item`` / ``swap_attribute`` (``tests/test_structure.py``).
 
 Written here rather than taken from diffusers: diffusers' registry wraps ``forward`` of
 ``torch.nn.Module`` only and keeps hooks with state resets for its cache techniques; ditbook also

@@ -1,10 +1,11 @@
-"""``ditbook report RUN_DIR`` and ``ditbook compare RUN_A RUN_B``."""
+"""``ditbook report RUN_DIR``, ``ditbook compare RUN_A RUN_B`` and ``ditbook screenshots [--run RUN_DIR]``."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from pathlib import Path
 
 
 def cmd_report(args) -> int:
@@ -40,6 +41,29 @@ def cmd_compare(args) -> int:
     return 0
 
 
+def cmd_screenshots(args) -> int:
+    from ..runs import RunFolder, outputs_dir
+    from .report import rebuild
+    from .screenshots import ScreenshotError, newest_finished_run, take
+
+    try:
+        run = RunFolder(args.run) if args.run else newest_finished_run(args.outputs or outputs_dir())
+        if not run.exists():
+            print(f"ditbook screenshots: {args.run} is not a run folder (no run.json)", file=sys.stderr)
+            return 2
+        if args.rebuild:
+            rebuild(run.path)
+        manifest = take(run.path, args.docs)
+    except ScreenshotError as exc:
+        print(f"ditbook screenshots: {exc}", file=sys.stderr)
+        return 2
+    print(f"run: {run.path}")
+    for name in manifest["files"]:
+        print(f"wrote: {Path(args.docs) / name}")
+    print(f"manifest: {Path(args.docs) / 'screenshots.json'} (name run {manifest['run']} in the README's caption)")
+    return 0
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser("report", help="rebuild result.md and report.html of a run folder")
     p.add_argument("run_dir", help="run folder (outputs/<model>/<run-id>)")
@@ -54,3 +78,11 @@ def register(subparsers) -> None:
     p.add_argument("--outputs", dest="outputs_deprecated", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--json", action="store_true", help="print the comparison as JSON")
     p.set_defaults(func=cmd_compare)
+
+    p = subparsers.add_parser("screenshots", help="the README's screenshots of report.html (headless Chromium, 1280x800) "
+                                                  "and docs/screenshots.json, from the newest finished run")
+    p.add_argument("--run", help="run folder (default: the newest finished run under the outputs root)")
+    p.add_argument("--outputs", help="outputs root (default: $DITBOOK_OUTPUTS, else outputs/ in the current directory)")
+    p.add_argument("--docs", default="docs", help="where the PNGs and screenshots.json go (default: docs)")
+    p.add_argument("--rebuild", action="store_true", help="rebuild report.html with the current code first")
+    p.set_defaults(func=cmd_screenshots)

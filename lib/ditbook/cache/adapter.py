@@ -12,7 +12,8 @@ stage verifies is the file it ships (``upstream`` copies it unchanged).
 Where cache-dit has its own registration for the pipeline (``cache_dit.BlockAdapterRegister``),
 that one is used for cache-dit strategies (``prefer_registered``) and ``info.differences`` says
 where ours differs. ``register_diffusers_blocks`` registers the block classes with diffusers'
-``TransformerBlockRegistry`` so FirstBlockCache / MagCache find their outputs on unknown models.
+``TransformerBlockRegistry`` so FirstBlockCache / MagCache find their outputs on unknown models
+(through ``hooks.set_item``: the strategy's undo takes the entries out again).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .. import hooks
 from ..inspect.report import ArchReport
 from ..inspect.loop_source import list_uses
 from .adapter_source import (  # noqa: F401  (PATTERN_OUTPUT_INDEX, refused_module_source: public here)
@@ -333,35 +335,25 @@ def _model_modules_by_plain_name(transformer):
         module = sys.modules.get(cls.__module__)
         if folder and module is not None and plain not in aliases:
             aliases[plain] = module
-    before = {name: sys.modules.get(name, _ABSENT) for name in aliases}
-    sys.modules.update(aliases)
+    entries = [hooks.set_item(sys.modules, name, module) for name, module in aliases.items()]
     try:
         yield
     finally:
-        for name, old in before.items():
-            if old is _ABSENT:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = old
-
-
-_ABSENT = object()
+        for entry in reversed(entries):
+            entry.remove()
 
 
 @contextlib.contextmanager
 def _registrations_kept():
-    """The adapter file registers its function with cache-dit when imported (cache-dit's layout);
-    the stage passes the adapter explicitly, so cache-dit's process-wide registry is put back
-    exactly as it was once the import is done."""
+    """The adapter file registers its function with cache-dit when imported (cache-dit's layout:
+    ``@BlockAdapterRegister.register(...)``, what a maintainer's merged file does). The stage passes
+    the adapter explicitly and is done with the registration once the file is imported, so the
+    import runs against a copy of cache-dit's table (``hooks.swap_attribute``): the process-wide
+    table is never written, and is the very same object with the same entries afterwards."""
     from cache_dit import BlockAdapterRegister
 
-    table = BlockAdapterRegister._adapters
-    before = dict(table)
-    try:
+    with hooks.swap_attribute(BlockAdapterRegister, "_adapters", dict(BlockAdapterRegister._adapters)):
         yield
-    finally:
-        table.clear()
-        table.update(before)
 
 
 _LOADS = itertools.count()
@@ -384,13 +376,13 @@ def load_adapter_module(path: str | Path, transformer=None, *, register: bool = 
     loader = _AdapterFileLoader(name, str(path))
     spec = importlib.util.spec_from_file_location(name, path, loader=loader)
     module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
+    entry = hooks.set_item(sys.modules, name, module)  # an import: stays unless the file fails
     try:
         with _model_modules_by_plain_name(transformer), \
                 (contextlib.nullcontext() if register else _registrations_kept()):
             loader.exec_module(module)
     except BaseException:
-        sys.modules.pop(name, None)
+        entry.remove()
         raise
     _RUN_TIME_REFUSALS.extend(v for v in vars(module).values() if isinstance(v, type)
                               and issubclass(v, Exception) and v.__module__ == name)
@@ -417,7 +409,8 @@ def import_adapter_module(source: str, path: str | Path | None = None, name: str
         file = Path(tmp).resolve() / f"{safe_name(name)}.py"
         file.write_text(source)
         module = load_adapter_module(file, transformer)
-    linecache.cache[str(file)] = (len(source), None, source.splitlines(True), str(file))
+    # the module's text for tracebacks and ``inspect``, for the module's life (as an imported file's)
+    hooks.set_item(linecache.cache, str(file), (len(source), None, source.splitlines(True), str(file)))
     return module
 
 
@@ -534,31 +527,33 @@ class CacheAdapter:
             return cache_dit.BlockAdapterRegister.get_adapter(self.pipe, **kwargs)
         return getattr(self.module, adapter_function_name(self.module.PIPELINE_CLASS))(self.pipe, **kwargs)
 
-    def register_diffusers_blocks(self) -> dict:
-        """Register the block classes in diffusers' TransformerBlockRegistry (class-keyed, at
-        run time) so FirstBlockCache / MagCache read their outputs; keeps existing entries."""
+    def register_diffusers_blocks(self) -> list:
+        """Register the block classes in diffusers' TransformerBlockRegistry (class-keyed, at run
+        time) so FirstBlockCache / MagCache read their outputs; keeps existing entries. Returns the
+        ``hooks.set_item`` handles of the entries ditbook added: the strategy removes them with its
+        hooks, so diffusers' registry is exactly as before once the strategy is off (its own lazy
+        fill, ``_register()``, is what any ``apply_*`` call does first and is diffusers')."""
         from diffusers.hooks._helpers import TransformerBlockMetadata, TransformerBlockRegistry
 
-        status = {}
+        TransformerBlockRegistry._register()
+        status, handles = {}, []
         for path, blocks, pattern in self.block_lists():
             cls = type(blocks[0])
-            TransformerBlockRegistry._register()
             if cls in TransformerBlockRegistry._registry:
-                status[cls.__name__] = "registered by diffusers"
+                status.setdefault(cls.__name__, "registered by diffusers")
                 continue
             hs, ehs = PATTERN_OUTPUT_INDEX[pattern]
-            TransformerBlockRegistry.register(cls, TransformerBlockMetadata(
-                return_hidden_states_index=hs, return_encoder_hidden_states_index=ehs))
-            status[cls.__name__] = f"registered by ditbook ({pattern})"
+            metadata = TransformerBlockMetadata(return_hidden_states_index=hs, return_encoder_hidden_states_index=ehs)
+            metadata._cls = cls  # what TransformerBlockRegistry.register sets on the entry
+            handles.append(hooks.set_item(TransformerBlockRegistry._registry, cls, metadata))
+            status[cls.__name__] = f"registered by ditbook ({pattern}) while the strategy is on"
         self.info.diffusers_hooks = status
-        return status
+        return handles
 
     @contextlib.contextmanager
     def diffusers_identifiers(self, *modules):
         """diffusers' block hooks look for top-level children named like ``blocks`` /
         ``transformer_blocks``; this adds our block lists' names while a hook is applied."""
-        from .. import hooks
-
         extra = tuple(p for p, _, _ in self.block_lists() if "." not in p)
         with contextlib.ExitStack() as stack:
             for mod in modules:
@@ -652,10 +647,10 @@ def build_cache_adapter(pipe, report: ArchReport, model: str | None = None, *, w
     module = import_adapter_module(source, path, info.module_name, transformer=pipe.transformer)
     if info.cache_dit_registered:
         info.differences = compare_with_registered(pipe, info)
-        usable = not any(d.startswith("cache-dit's registered adapter could not be built") for d in info.differences)
         if prefer_registered and pattern_overrides is None and force_fold is None:
             # cache-dit's registration matches pipeline names by prefix: a class that merely shares
-            # a prefix may be refused by its factory; then ours is used (the stage's caching-off
-            # check also falls back to ours when cache-dit's changes the output)
-            info.used = "cache-dit" if usable else "ditbook"
+            # a prefix may be refused by its factory; then ours is used, the same rule as the
+            # parallel worker's +cache plans (the stage's caching-off check also falls back to ours
+            # when cache-dit's changes the output)
+            info.used = "cache-dit" if cache_dit_adapter_builds(pipe) else "ditbook"
     return CacheAdapter(pipe, report, info, module, module_text(module))

@@ -1,5 +1,5 @@
 """What diffusers' cache hooks need on any model, shared by the diffusers_* strategies:
-block classes registered (``adapter.register_diffusers_blocks``), our block-list names known to
+block classes registered while a strategy is on (``install_block_hooks``), our block-list names known to
 the hook while it is applied, the current timestep for hooks that skip by timestep, and removal
 through the hook registry (the same calls as diffusers' ``CacheMixin.disable_cache``)."""
 
@@ -67,6 +67,26 @@ def finish_install(pipe, adapter, hook_names, *handles):
         adapter.unpatch()
 
     return undo
+
+
+def install_block_hooks(pipe, adapter, module, hook_names, apply):
+    """The diffusers block-hook strategies (FirstBlockCache, MagCache): patch the adapter, register
+    the block classes in diffusers' ``TransformerBlockRegistry`` (``hooks.set_item`` handles), run
+    ``apply()`` with our block-list names known to ``module``, and return the undo that also takes
+    the registry entries out, so the registry is exactly as before once the strategy is off. A
+    failure half-way undoes what went on and re-raises."""
+    adapter.patch()
+    entries = adapter.register_diffusers_blocks()
+    try:
+        with adapter.diffusers_identifiers(module):
+            apply()
+            return finish_install(pipe, adapter, hook_names, *reversed(entries))
+    except BaseException:
+        remove_hooks(pipe.transformer, *hook_names)
+        for entry in reversed(entries):
+            entry.remove()
+        adapter.unpatch()
+        raise
 
 
 def attention_lists(adapter) -> list[str]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .registry import Strategy, register
-from ._diffusers_hooks import finish_install, needs_top_level
+from ._diffusers_hooks import install_block_hooks, needs_top_level
 
 
 @dataclass
@@ -31,11 +31,9 @@ class DiffusersFirstBlockCache(Strategy):
         from diffusers.hooks import FirstBlockCacheConfig, apply_first_block_cache
         from diffusers.hooks import first_block_cache as fbc
 
-        adapter.patch()
-        adapter.register_diffusers_blocks()
-        with adapter.diffusers_identifiers(fbc):
-            apply_first_block_cache(pipe.transformer, FirstBlockCacheConfig(threshold=config.threshold))
-            return finish_install(pipe, adapter, (fbc._FBC_LEADER_BLOCK_HOOK, fbc._FBC_BLOCK_HOOK))
+        return install_block_hooks(
+            pipe, adapter, fbc, (fbc._FBC_LEADER_BLOCK_HOOK, fbc._FBC_BLOCK_HOOK),
+            lambda: apply_first_block_cache(pipe.transformer, FirstBlockCacheConfig(threshold=config.threshold)))
 
     @classmethod
     def grid(cls, adapter, steps):

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from ...hooks import WrapGroup
 from .registry import Strategy, register
-from ._diffusers_hooks import finish_install, needs_top_level
+from ._diffusers_hooks import install_block_hooks, needs_top_level
 
 
 @dataclass
@@ -23,11 +23,8 @@ def _apply(pipe, adapter, cfg_obj):
     from diffusers.hooks import apply_mag_cache
     from diffusers.hooks import mag_cache as mc
 
-    adapter.patch()
-    adapter.register_diffusers_blocks()
-    with adapter.diffusers_identifiers(mc):
-        apply_mag_cache(pipe.transformer, cfg_obj)
-        return finish_install(pipe, adapter, (mc._MAG_CACHE_LEADER_BLOCK_HOOK, mc._MAG_CACHE_BLOCK_HOOK))
+    return install_block_hooks(pipe, adapter, mc, (mc._MAG_CACHE_LEADER_BLOCK_HOOK, mc._MAG_CACHE_BLOCK_HOOK),
+                               lambda: apply_mag_cache(pipe.transformer, cfg_obj))
 
 
 @register
