@@ -13,26 +13,47 @@ import math
 import torch
 
 from . import dataflow as ci
-from . import repairs
+from . import reconfig, repairs
 from .build import LADDER, Refused, _summary, _tied_width_instance, tiny_instances
 
 # --- inputs ------------------------------------------------------------------------------------
 
 def tiny_with_inputs(cls: type, ladder=LADDER):
-    """(instance, factor, keyword inputs): the first rung whose instance runs."""
-    last = None
-    for model, f in tiny_instances(cls, ladder):
+    """(instance, factor, keyword inputs): the first rung whose instance runs. When the forward
+    asks for another constructor setting (``reconfig.Reconfigure``), the class is built again
+    with it (at most ``reconfig.RECONFIGURES`` times); what the probe set up beyond the defaults
+    is the instance's ``coverage_setup`` note."""
+    overrides: dict = {}
+    notes: list = []
+    for _ in range(reconfig.RECONFIGURES + 1):
         try:
-            kwargs, _ = find_inputs(model)
+            return _first_running(cls, ladder, overrides, notes)
+        except reconfig.Reconfigure as exc:
+            overrides.update(exc.changes)
+            notes.append(exc.note)
+    raise Refused("; ".join(notes))
+
+
+def _first_running(cls: type, ladder, overrides: dict, notes: list):
+    last = None
+    for model, f in tiny_instances(cls, ladder, overrides):
+        try:
+            kwargs, cand = find_inputs(model)
+            model.coverage_setup = "; ".join(notes + cand.get("setup", []))
             return model, f, kwargs
+        except reconfig.Reconfigure:
+            raise
         except Refused as exc:
             last = exc
     tied = _tied_width_instance(cls, ladder)
     if tied is not None:
         model, f = tied
         try:
-            kwargs, _ = find_inputs(model)
+            kwargs, cand = find_inputs(model)
+            model.coverage_setup = "; ".join(notes + cand.get("setup", []))
             return model, f, kwargs
+        except reconfig.Reconfigure:
+            raise
         except Refused:
             pass
     raise Refused(f"{last}")
@@ -444,6 +465,9 @@ def find_inputs(model, log=None) -> tuple[dict, dict]:
                 try:
                     _run(model, kwargs)
                 except Exception as exc:
+                    change = reconfig.config_repair(exc, model)
+                    if change is not None:
+                        raise reconfig.Reconfigure(*change) from None
                     if repairs.missing_dependency(exc):
                         raise Refused(repairs.missing_dependency(exc)) from None
                     fixed = (_regrid(exc, kwargs, model, cand, needs, maker, forbid)

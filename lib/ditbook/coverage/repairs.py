@@ -1026,6 +1026,40 @@ def _empty_mapping(exc, msg, kwargs, make, forbid, params):
     return None
 
 
+_OUT_OF_BOUNDS = re.compile(r"index (\d+) is out of bounds for dimension (\d+) with size (\d+)")
+STACK_MAX = 64  # entries a stacked input grows to at most
+
+
+@rule
+def _stacked_entries(exc, msg, kwargs, make, forbid, params):
+    """``index i is out of bounds for dimension d with size s`` where the failing statement
+    subscripts a forward input (``x[k]``, ``k`` from a setting: a stack of per-layer states):
+    the input gets ``i + 1`` entries along ``d``; a batch-sized leading axis (size 1) is kept and
+    a new leading stack axis is put before it. Grown one error at a time (bounded by STACK_MAX)."""
+    m = _OUT_OF_BOUNDS.search(msg)
+    if not m:
+        return None
+    i, d, size = (int(x) for x in m.groups())
+    if i + 1 > STACK_MAX:
+        return None
+    texts = " ".join(statement_text(f) for f in _model_frames(exc))
+    for name, val in kwargs.items():
+        if not (isinstance(val, torch.Tensor) and val.ndim > d and val.shape[d] == size
+                and re.search(rf"\b{re.escape(name)}\s*\[", texts)) or (name, "stack", i) in forbid:
+            continue
+        forbid.add((name, "stack", i))
+        gen = getattr(make, "gen", None)
+        if d == 0 and size == 1 and (name, "stacked") not in forbid:  # the batch axis: stack before it
+            forbid.add((name, "stacked"))
+            shape = (i + 1, *val.shape)
+        else:
+            shape = tuple(i + 1 if k == d else n for k, n in enumerate(val.shape))
+        new = dict(kwargs)
+        new[name] = (torch.randn(shape, generator=gen) if val.is_floating_point()
+                     else torch.zeros(shape, dtype=val.dtype))
+        return new, f"{name}: {i + 1} entries along axis {d} (indexed by the code) -> {list(shape)}"
+    return None
+
 
 def explain(exc: BaseException, model) -> str:
     """A named reason for an error no repair addresses, when the code says more than the message:
