@@ -1162,6 +1162,50 @@ def _stated_count(exc, msg, kwargs, make, forbid, params):
         new[name] = count
     return new, f"{name}: {count} (the count the forward's check got)"
 
+_TOO_MANY = re.compile(r"too many indices for tensor of dimension (\d+)")
+
+
+def _index_count(text: str, name: str) -> int:
+    """The most indices the statement ``text`` gives ``name[...]`` at once."""
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return 0
+    best = 0
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) and n.value.id == name:
+            best = max(best, len(n.slice.elts) if isinstance(n.slice, ast.Tuple) else 1)
+    return best
+
+
+@rule
+def _per_frame_values(exc, msg, kwargs, make, forbid, params):
+    """``too many indices for tensor of dimension k`` where the failing statement indexes a forward
+    input with more axes than it has (``timestep[:, -n:]``, one value per frame): the input gets
+    the axes it is indexed with, each new one the grid's frame count, its values repeated along it."""
+    m = _TOO_MANY.search(msg)
+    if not m:
+        return None
+    rank = int(m.group(1))
+    frames = max(1, getattr(getattr(make, "grid", None), "frames", 1) or 1)
+    for frame in reversed(_model_frames(exc)):
+        text = statement_text(frame)
+        for local in re.findall(r"(\w+)\s*\[", text):
+            lv = frame.f_locals.get(local)
+            name = next((n for n, v in kwargs.items() if isinstance(v, torch.Tensor) and v is lv), None)
+            want = _index_count(text, local)
+            if name is None or lv.ndim != rank or want <= rank or (name, "rank", want) in forbid:
+                continue
+            forbid.add((name, "rank", want))
+            val = lv
+            while val.ndim < want:
+                val = val.unsqueeze(-1).expand(*val.shape, frames)
+            new = dict(kwargs)
+            new[name] = val.clone()
+            return new, f"{name}: {list(val.shape)} (indexed with {want} axes: a value per frame)"
+        break
+    return None
+
 
 def explain(exc: BaseException, model) -> str:
     """A named reason for an error no repair addresses, when the code says more than the message:
