@@ -80,7 +80,8 @@ def _choices(model, name: str, annotation) -> list | None:
     if annotation in (str, "str"):
         modes = _mode_constants(forward, name)
         return [(m, f"{name}={m!r} (a mode the forward compares it with)") for m in modes] or None
-    if inspect.isclass(annotation) and annotation.__module__ not in ("builtins", "typing", "torch"):
+    if inspect.isclass(annotation) and annotation is not inspect.Parameter.empty \
+            and annotation.__module__ not in ("builtins", "typing", "torch", "inspect"):
         obj = _empty_state(model, annotation)
         if obj is not None:
             return [(obj, f"{name}: an empty {annotation.__name__}")]
