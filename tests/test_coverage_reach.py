@@ -429,5 +429,10 @@ def test_a_none_setting_of_the_model_is_not_blamed_on_an_unrelated_optional_inpu
     make.params = ("hidden_states", "extra", "return_dict")
     assert repairs.repair(err, kwargs, make, set()) is None  # before: "supplied extra", a repair of nothing
     assert repairs._own_none(err) == "self.config.layer_ids"
-    with pytest.raises(coverage.Refused, match=r"self\.config\.layer_ids is None: a setting the class's defaults"):
+    # the setting is the model's, not an input's: the probe asks for the class built with it set
+    # (coverage.reconfig; before, a refusal naming it)
+    from ditbook.coverage import reconfig
+
+    with pytest.raises(reconfig.Reconfigure, match=r"self\.config\.layer_ids, which the defaults leave None") as info:
         coverage.find_inputs(UnsetSetting())
+    assert info.value.changes == {"layer_ids": [0, 1]}

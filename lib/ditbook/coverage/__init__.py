@@ -24,7 +24,12 @@ Per class (``check_class``):
    its annotation) and repairs it from the errors the forward raises (a None parameter the code
    reads, a matrix product's width, index/mask dtypes, a rank, a text length or frame count a
    positional table fixes, a token grid too small; see ``coverage.dataflow`` and ``coverage.repairs`` for the full list, with
-   inputs built as diffusers' own pipeline builds them), a bounded number of times. None runs:
+   inputs built as diffusers' own pipeline builds them), a bounded number of times. An error that
+   comes from the instance's own settings (an optional dependency used only under a config flag,
+   a list setting left None, rotary axes indexed past their end) rebuilds the class with the
+   setting changed (``coverage.reconfig``); required state inputs of a running pipeline (a cache
+   object, its mode string) are made where the code says how (``coverage.state``); both are
+   recorded in the row's ``setup`` note (shown in the table's reason column). None runs:
    ``refused`` with the errors (the data-flow attempts' first), or with the optional dependency
    the forward lacks, or with the kv cache every diffusers pipeline passes this class.
 3. **inspection** (``ditbook.inspect``): static report plus a traced call.
@@ -40,7 +45,8 @@ Outcomes: ``correct``; ``refused`` (a named reason: ditbook declined to integrat
 ``wrong`` (caching off differs from the plain forward, non-finite output, or nothing skipped).
 
 Modules: ``build`` (step 1), ``inputs`` (step 2), ``dataflow`` (what the forward's code says about
-its inputs), ``repairs`` (one registered function per error kind), ``check`` (steps 3-4, the table),
+its inputs), ``repairs`` (one registered function per error kind), ``reconfig`` (constructor
+settings per error kind), ``state`` (state inputs), ``check`` (steps 3-4, the table),
 ``cp`` (step 5). This package is a probe run by ``benchmarks/coverage.py`` and the tests: it
 imports the stage packages, and no stage package imports it.
 """

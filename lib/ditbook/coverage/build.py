@@ -392,14 +392,15 @@ def _settings_keys(exc: BaseException, own, name: str) -> list[str]:
     return keys
 
 
-def tiny_instances(cls: type, ladder=LADDER):
+def tiny_instances(cls: type, ladder=LADDER, overrides: dict | None = None):
     """Instances for each rung (width divisor, head cap) the constructor accepts, smallest
-    first; Refused when none."""
+    first, with ``overrides`` (constructor keywords the forward asked for, ``coverage.reconfig``)
+    set on every rung; Refused when none."""
     errors = []
     built = False
     for f, heads in ladder:
         try:
-            kwargs = shrink_config(cls, f, heads)
+            kwargs = {**shrink_config(cls, f, heads), **(overrides or {})}
         except Refused as exc:
             errors.append(f"/{f}: {exc}")
             continue

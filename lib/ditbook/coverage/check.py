@@ -33,6 +33,7 @@ class ClassOutcome:
     cp: str = "not run"
     cp_reason: str = ""
     seconds: float = 0.0
+    setup: str = ""  # what the probe set beyond the class's defaults and the shrink rules (a setting, a state input)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -150,6 +151,7 @@ def _inspected_pipeline(cls: type, row: ClassOutcome):
 
     row.stage = "build+inputs"
     model, row.factor, kwargs = tiny_with_inputs(cls)
+    row.setup = getattr(model, "coverage_setup", "")
     # the image stream: the first floating tensor input (a first parameter may be a list of conditioning pairs)
     hidden_name = next((k for k, v in kwargs.items() if _float_tensors(v)), next(iter(kwargs)))
     row.stage = "inspect"
@@ -247,7 +249,7 @@ def markdown(rows: list[ClassOutcome], seconds: float | None = None, command: st
     lines += ["", "| class | outcome | stage | reason | block lists | folded | caching off max abs | skipped | cp | s |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        reason = r.reason.replace("|", "\\|").replace("\n", " ")
+        reason = (r.reason or (f"probe setup: {r.setup}" if r.setup else "")).replace("|", "\\|").replace("\n", " ")
         cp = r.cp + (f": {r.cp_reason}" if r.cp_reason and r.cp != "not run" else "")
         off = "" if r.off_max_abs is None else f"{r.off_max_abs:.1e}"
         lines.append(f"| {r.name} | {r.outcome} | {r.stage} | {reason} | {', '.join(r.block_lists)} | "

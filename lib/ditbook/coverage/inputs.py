@@ -13,26 +13,47 @@ import math
 import torch
 
 from . import dataflow as ci
-from . import repairs
+from . import reconfig, repairs, state
 from .build import LADDER, Refused, _summary, _tied_width_instance, tiny_instances
 
 # --- inputs ------------------------------------------------------------------------------------
 
 def tiny_with_inputs(cls: type, ladder=LADDER):
-    """(instance, factor, keyword inputs): the first rung whose instance runs."""
-    last = None
-    for model, f in tiny_instances(cls, ladder):
+    """(instance, factor, keyword inputs): the first rung whose instance runs. When the forward
+    asks for another constructor setting (``reconfig.Reconfigure``), the class is built again
+    with it (at most ``reconfig.RECONFIGURES`` times); what the probe set up beyond the defaults
+    is the instance's ``coverage_setup`` note."""
+    overrides: dict = {}
+    notes: list = []
+    for _ in range(reconfig.RECONFIGURES + 1):
         try:
-            kwargs, _ = find_inputs(model)
+            return _first_running(cls, ladder, overrides, notes)
+        except reconfig.Reconfigure as exc:
+            overrides.update(exc.changes)
+            notes.append(exc.note)
+    raise Refused("; ".join(notes))
+
+
+def _first_running(cls: type, ladder, overrides: dict, notes: list):
+    last = None
+    for model, f in tiny_instances(cls, ladder, overrides):
+        try:
+            kwargs, cand = find_inputs(model)
+            model.coverage_setup = "; ".join(notes + cand.get("setup", []))
             return model, f, kwargs
+        except reconfig.Reconfigure:
+            raise
         except Refused as exc:
             last = exc
     tied = _tied_width_instance(cls, ladder)
     if tied is not None:
         model, f = tied
         try:
-            kwargs, _ = find_inputs(model)
+            kwargs, cand = find_inputs(model)
+            model.coverage_setup = "; ".join(notes + cand.get("setup", []))
             return model, f, kwargs
+        except reconfig.Reconfigure:
+            raise
         except Refused:
             pass
     raise Refused(f"{last}")
@@ -413,28 +434,49 @@ def _regrid_inputs(exc, model, cand, needs, maker, forbid):
 def find_inputs(model, log=None) -> tuple[dict, dict]:
     """(keyword inputs, the candidate) of the first combination whose forward runs: the name
     rules' candidates as they are, then each with the code's data flow applied and repaired from
-    the errors the forward raises (``coverage.dataflow``, ``coverage.repairs``)."""
+    the errors the forward raises (``coverage.dataflow``, ``coverage.repairs``). Required state
+    inputs of a running pipeline (a cache object, its mode) are made where the code says how
+    (``coverage.state``), each option in turn; the candidate's ``setup`` notes them."""
+    required = [p.name for p in inspect.signature(model.forward).parameters.values()
+                if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    names = [n for n in required if repairs.never_supplied(n)]
+    if not names:
+        return _search(model, log, {})
+    options = state.state_options(model, names)
+    if not options:
+        raise Refused(f"the forward requires {names}: state/cache objects of a running pipeline that the probe "
+                      f"does not make up")
+    last = None
+    for values, notes in options:
+        try:
+            kwargs, cand = _search(model, log, values)
+        except reconfig.Reconfigure:
+            raise
+        except Refused as exc:
+            last = exc
+            continue
+        return kwargs, {**cand, "setup": cand.get("setup", []) + notes}
+    raise Refused(f"with {names} made empty ({'; '.join(options[-1][1])}): {last}")
+
+
+def _search(model, log, given: dict) -> tuple[dict, dict]:  # long: the two passes share the error record
+    """``find_inputs`` for one set of ``given`` inputs (state objects), set on every attempt."""
     errors: dict[str, str] = {}
     cands = input_candidates(model)
     needs = ci.forward_needs(model)
     for cand in cands:
-        kwargs = _tagged(make_inputs(model, cand), needs)
+        kwargs = {**_tagged(make_inputs(model, cand), needs), **given}
         try:
             _run(model, kwargs)
         except Exception as exc:
             errors.setdefault(cand["hidden"][0], _first_line(exc))
             continue
         return kwargs, cand
-    required = [p.name for p in inspect.signature(model.forward).parameters.values()
-                if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    state = [n for n in required if repairs.never_supplied(n)]
-    if state:
-        raise Refused(f"the forward requires {state}: state/cache objects of a running pipeline that the probe "
-                      f"does not make up")
     seen = []
     for cand in cands:
         maker = _Maker(model, cand, needs)
         for start in (_flow_inputs(model, cand, needs, maker), make_inputs(model, cand)):
+            start = {**start, **given}
             sig = {k: (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else repr(v) for k, v in start.items()}
             if sig in seen:
                 continue
@@ -444,6 +486,9 @@ def find_inputs(model, log=None) -> tuple[dict, dict]:
                 try:
                     _run(model, kwargs)
                 except Exception as exc:
+                    change = reconfig.config_repair(exc, model)
+                    if change is not None:
+                        raise reconfig.Reconfigure(*change) from None
                     if repairs.missing_dependency(exc):
                         raise Refused(repairs.missing_dependency(exc)) from None
                     fixed = (_regrid(exc, kwargs, model, cand, needs, maker, forbid)
@@ -461,9 +506,9 @@ def find_inputs(model, log=None) -> tuple[dict, dict]:
                 return kwargs, cand
     # the data-flow attempts' last errors first: they went furthest
     order = sorted(errors, key=lambda k: not k.endswith("+flow"))
-    state = ci.pipeline_state_inputs(type(model))
-    if state:
-        raise Refused(f"every call of this transformer in diffusers' pipelines passes {state}: state of a running "
+    pipe_state = ci.pipeline_state_inputs(type(model))
+    if pipe_state:
+        raise Refused(f"every call of this transformer in diffusers' pipelines passes {pipe_state}: state of a running "
                       f"pipeline (a kv cache filled by earlier calls) that the probe does not make up; without it "
                       f"no input runs the forward: " + "; ".join(f"{k}: {errors[k]}" for k in order[:2]))
     raise Refused("no inputs from the forward signature run it: " + "; ".join(f"{k}: {errors[k]}" for k in order))

@@ -233,6 +233,15 @@ def _as_long_zeros(kwargs: dict, name: str, forbid: set, note: str) -> tuple[dic
     return new, note
 
 
+def _held(v, named: list) -> bool:
+    """``v`` (a tensor, or a list of tensors: one per sample) is, or holds, one of ``named``."""
+    if isinstance(v, torch.Tensor):  # itself, or one of its rows (a loop or zip over its first axis)
+        return any(v is x or (isinstance(x, torch.Tensor) and v.ndim >= 2 and x.shape == v.shape[1:]
+                              and x.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()) for x in named)
+    return isinstance(v, list) and bool(v) and all(isinstance(x, torch.Tensor) for x in v) \
+        and any(x is y for x in v for y in named)
+
+
 @rule
 def _like_concatenated(exc, msg, kwargs, make, forbid, params):
     """A concatenation of an input with another: make the one we made up like the other."""
@@ -244,15 +253,18 @@ def _like_concatenated(exc, msg, kwargs, make, forbid, params):
                 text = ""
             if "cat(" not in text and "stack(" not in text:
                 continue
-            present = [(n, v) for n, v in kwargs.items() if isinstance(v, torch.Tensor) and any(
-                v is lv for ln, lv in frame.f_locals.items() if re.search(rf"\b{re.escape(ln)}\b", text))]
+            named = [lv for ln, lv in frame.f_locals.items() if re.search(rf"\b{re.escape(ln)}\b", text)]
+            present = [(n, v) for n, v in kwargs.items() if _held(v, named)]
             first = getattr(make, "first", None)
             for name, val in sorted(present, key=lambda nv: nv[0] == first):
                 others = [v for n, v in present if n != name]
                 if name != first and others and (name, "like") not in forbid:
                     forbid.add((name, "like"))
                     new = dict(kwargs)
-                    new[name] = torch.randn(others[0].shape).to(val.dtype)
+                    if isinstance(val, list):  # per-sample lists zipped together: each item like the other's
+                        new[name] = [torch.randn(o.shape).to(x.dtype) for x, o in zip(val, list(others[0]))]
+                    else:
+                        new[name] = torch.randn(others[0].shape).to(val.dtype)
                     return new, f"{name}: shaped like the tensor it is concatenated with"
             break
     return None
@@ -637,6 +649,10 @@ def _split_concat_channels(exc, msg, kwargs, make, forbid, params):
         return None
     want = int(m.group(1))
     out_w = _output_width(model)
+    if not out_w or out_w >= want:  # the last layer writes patches: the config's output channels
+        cfg = dict(getattr(model, "config", {}) or {})
+        out_w = next((v for k in ("out_channels", "out_dim") for v in [cfg.get(k)]
+                      if isinstance(v, int) and not isinstance(v, bool)), None)
     if not out_w or out_w >= want:
         return None
     for frame in reversed(_model_frames(exc)):
@@ -649,11 +665,13 @@ def _split_concat_channels(exc, msg, kwargs, make, forbid, params):
             if not (isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute) and c.func.attr in ("cat", "concat")
                     and c.args and isinstance(c.args[0], (ast.List, ast.Tuple))):
                 continue
-            names = [e.id for e in c.args[0].elts if isinstance(e, ast.Name)]
+            aliases = _loop_aliases(tree)
+            locs = [e.id for e in c.args[0].elts if isinstance(e, ast.Name)]
+            names = [n for n in (_input_of(x, frame, kwargs, aliases) for x in locs) if n is not None]
             dim = next((k.value.value if isinstance(k.value, ast.Constant) else
                         -k.value.operand.value if isinstance(k.value, ast.UnaryOp) else None
                         for k in c.keywords if k.arg == "dim"), None)
-            others = [n for n in names if n != first and isinstance(kwargs.get(n), torch.Tensor)]
+            others = [n for n in names if n != first and _tensors(kwargs.get(n))]
             if first not in names or len(others) != 1 or not isinstance(dim, int):
                 continue
             other = others[0]
@@ -663,10 +681,52 @@ def _split_concat_channels(exc, msg, kwargs, make, forbid, params):
             forbid.add(key)
             new = dict(kwargs)
             for n, w in ((first, out_w), (other, want - out_w)):
-                shape = list(kwargs[n].shape)
-                shape[dim] = w
-                new[n] = torch.randn(shape)
+                new[n] = _with_width(kwargs[n], dim, w, per_item=n not in locs)
             return new, f"{first}: width {out_w} (the output's), {other}: the other {want - out_w} of {want}"
+
+
+def _tensors(v) -> bool:
+    return isinstance(v, torch.Tensor) or (isinstance(v, list) and bool(v) and all(isinstance(x, torch.Tensor) for x in v))
+
+
+def _loop_aliases(tree) -> dict:
+    """{loop variable: the name it iterates}: ``for u in xs`` and ``for u, v in zip(xs, ys)``, in
+    statements and comprehensions."""
+    out = {}
+    for n in ast.walk(tree):
+        if not isinstance(n, (ast.For, ast.comprehension)):
+            continue
+        targets = n.target.elts if isinstance(n.target, ast.Tuple) else [n.target]
+        it = n.iter
+        iters = it.args if isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "zip" else [it]
+        if len(iters) == len(targets):
+            for t, i in zip(targets, iters):
+                if isinstance(t, ast.Name) and isinstance(i, ast.Name):
+                    out.setdefault(t.id, i.id)
+    return out
+
+
+def _input_of(local: str, frame, kwargs: dict, aliases: dict) -> str | None:
+    """The forward input a local of ``frame`` is (by name), or is an item or row of (a loop over
+    a per-sample list or over a tensor's first axis)."""
+    if local in kwargs:
+        return local
+    if aliases.get(local) in kwargs:
+        return aliases[local]
+    val = frame.f_locals.get(local)
+    if not isinstance(val, torch.Tensor):
+        return None
+    return next((n for n, v in kwargs.items() if _tensors(v) and _held(v, [val])), None)
+
+
+def _with_width(val, dim: int, width: int, per_item: bool):
+    """``val`` made again with ``width`` along ``dim`` of each item (a list's items, a tensor's
+    rows when ``per_item``) or of the tensor itself."""
+    if isinstance(val, list):
+        return [_with_width(x, dim, width, False) for x in val]
+    shape = list(val.shape)
+    shape[dim + 1 if per_item and dim >= 0 else dim] = width
+    return torch.randn(shape)
 
 
 _NORM_SHAPE = re.compile(r"normalized_shape=\[(\d+)\], expected input with shape \[\*,? ?\d+\], but got input of "
@@ -1025,6 +1085,126 @@ def _empty_mapping(exc, msg, kwargs, make, forbid, params):
                 return new, f"{name}: an empty options dict (spread with **)"
     return None
 
+
+_OUT_OF_BOUNDS = re.compile(r"index (\d+) is out of bounds for dimension (\d+) with size (\d+)")
+STACK_MAX = 64  # entries a stacked input grows to at most
+
+
+def _subscripted_inputs(exc, kwargs: dict, d: int) -> list:
+    """(input name, tensor, axis) for each tensor input a failing statement subscripts (``x[k]``),
+    by its name or through a local that is the input or a row of it (then the axis is one further
+    in)."""
+    out = []
+    for frame in reversed(_model_frames(exc)):
+        for local in re.findall(r"(\w+)\s*\[", statement_text(frame)):
+            if isinstance(kwargs.get(local), torch.Tensor):
+                out.append((local, kwargs[local], d))
+                continue
+            lv = frame.f_locals.get(local)
+            for name, val in kwargs.items():
+                if isinstance(lv, torch.Tensor) and isinstance(val, torch.Tensor):
+                    if lv is val:
+                        out.append((name, val, d))
+                    elif _held(val, [lv]):
+                        out.append((name, val, d + 1))
+    return out
+
+
+@rule
+def _stacked_entries(exc, msg, kwargs, make, forbid, params):
+    """``index i is out of bounds for dimension d with size s`` where the failing statement
+    subscripts a forward input (``x[k]``, ``k`` from a setting: a stack of per-layer states):
+    the input gets ``i + 1`` entries along ``d``; a batch-sized leading axis (size 1) is kept and
+    a new leading stack axis is put before it. Grown one error at a time (bounded by STACK_MAX)."""
+    m = _OUT_OF_BOUNDS.search(msg)
+    if not m:
+        return None
+    i, d, size = (int(x) for x in m.groups())
+    if i + 1 > STACK_MAX:
+        return None
+    for name, val, d in _subscripted_inputs(exc, kwargs, d):
+        # ``x[0][k]``: the axis the failing subscript reaches may lie further in
+        d = next((a for a in range(d, val.ndim) if val.shape[a] == size), None)
+        if d is None or (name, "stack", i) in forbid:
+            continue
+        forbid.add((name, "stack", i))
+        gen = getattr(make, "gen", None)
+        if d == 0 and size == 1 and (name, "stacked") not in forbid:  # the batch axis: stack before it
+            forbid.add((name, "stacked"))
+            shape = (i + 1, *val.shape)
+        else:
+            shape = tuple(i + 1 if k == d else n for k, n in enumerate(val.shape))
+        new = dict(kwargs)
+        new[name] = (torch.randn(shape, generator=gen) if val.is_floating_point()
+                     else torch.zeros(shape, dtype=val.dtype))
+        return new, f"{name}: {i + 1} entries along axis {d} (indexed by the code) -> {list(shape)}"
+    return None
+
+_NAMED_COUNT = re.compile(r"`(\w+)` \(([^)]*)\)[^`]*?\bgot \[?(\d+)")
+
+
+@rule
+def _stated_count(exc, msg, kwargs, make, forbid, params):
+    """A check whose message names a forward input, its value and the count the code got
+    (``Each sample must hold exactly `seq_len` (8) tokens, got [32]``): the input becomes that
+    count (an int where the forward annotates an int)."""
+    m = _NAMED_COUNT.search(msg)
+    if not m or m.group(1) not in params or (m.group(1), "count", m.group(3)) in forbid:
+        return None
+    name, count = m.group(1), int(m.group(3))
+    forbid.add((name, "count", m.group(3)))
+    ann = str(getattr(make, "annotations", {}).get(name, ""))
+    old = kwargs.get(name)
+    new = dict(kwargs)
+    if isinstance(old, torch.Tensor) and "int" not in ann.replace("Tensor", ""):
+        new[name] = torch.full(old.shape, count, dtype=old.dtype)
+    else:
+        new[name] = count
+    return new, f"{name}: {count} (the count the forward's check got)"
+
+_TOO_MANY = re.compile(r"too many indices for tensor of dimension (\d+)")
+
+
+def _index_count(text: str, name: str) -> int:
+    """The most indices the statement ``text`` gives ``name[...]`` at once."""
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return 0
+    best = 0
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) and n.value.id == name:
+            best = max(best, len(n.slice.elts) if isinstance(n.slice, ast.Tuple) else 1)
+    return best
+
+
+@rule
+def _per_frame_values(exc, msg, kwargs, make, forbid, params):
+    """``too many indices for tensor of dimension k`` where the failing statement indexes a forward
+    input with more axes than it has (``timestep[:, -n:]``, one value per frame): the input gets
+    the axes it is indexed with, each new one the grid's frame count, its values repeated along it."""
+    m = _TOO_MANY.search(msg)
+    if not m:
+        return None
+    rank = int(m.group(1))
+    frames = max(1, getattr(getattr(make, "grid", None), "frames", 1) or 1)
+    for frame in reversed(_model_frames(exc)):
+        text = statement_text(frame)
+        for local in re.findall(r"(\w+)\s*\[", text):
+            lv = frame.f_locals.get(local)
+            name = next((n for n, v in kwargs.items() if isinstance(v, torch.Tensor) and v is lv), None)
+            want = _index_count(text, local)
+            if name is None or lv.ndim != rank or want <= rank or (name, "rank", want) in forbid:
+                continue
+            forbid.add((name, "rank", want))
+            val = lv
+            while val.ndim < want:
+                val = val.unsqueeze(-1).expand(*val.shape, frames)
+            new = dict(kwargs)
+            new[name] = val.clone()
+            return new, f"{name}: {list(val.shape)} (indexed with {want} axes: a value per frame)"
+        break
+    return None
 
 
 def explain(exc: BaseException, model) -> str:
