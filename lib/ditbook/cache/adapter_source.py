@@ -284,7 +284,7 @@ def _fold_pieces(tcls, folds: list[LoopFold], functor: str, names: ModelNames) -
     out = [_NOT_TENSOR.rstrip("\n")] if any(len(f.carried) == 2 for f in folds) else []
     for fold in folds:
         fn_name = f"_{safe_name(fold.path)}_loop_body"
-        src = names.resolve(loop_body_source(fold), defining_globals(tcls, fold.method), fn_name)
+        src = names.resolve(loop_body_source(fold, [f.path for f in folds]), defining_globals(tcls, fold.method), fn_name)
         out += ["", "", src.rstrip(), _loop_body_class(tcls, fold, fn_name).rstrip()]
     methods = {method: rewritten_method_source(tcls, folds), **extra_method_sources(tcls, folds)}
     for name, src in methods.items():

@@ -425,11 +425,17 @@ class _OriginalList(ast.NodeTransformer):
         return node
 
 
-def loop_body_source(fold: LoopFold) -> str:
+def loop_body_source(fold: LoopFold, folded_paths=()) -> str:
     """``def loop_body(owner, index, block, <carried>, *, <inputs>=None, _original_list=None, ...)``:
-    the whole loop body for one block, ``self`` renamed ``owner``, returning the carried names."""
+    the whole loop body for one block, ``self`` renamed ``owner``, returning the carried names.
+
+    ``folded_paths``: every list folded with it. The body's reads of another folded list
+    (``len(self.<other>)``, ``self.<other>[i].attr``) are pointed at that list's original blocks:
+    while cached, ``owner.<other>`` is cache-dit's stand-in (``len`` of one unit), as in the
+    rewritten method."""
     body = ast.parse(fold.body_source).body
-    body = [_RenameSelf().visit(_OriginalList(fold.path).visit(s)) for s in body]
+    others = _OriginalElements(set(folded_paths) - {fold.path})
+    body = [_RenameSelf().visit(others.visit(_OriginalList(fold.path).visit(s))) for s in body]
     args = ", ".join(["owner", "index", "block", *fold.carried] + [f"{n}=None" for n in fold.inputs[:0]])
     kw = "".join(f", {fold.input_keyword(n)}=None" for n in fold.inputs) + ", _original_list=None"
     kw += ", _loop_control=None" if fold.control else ""
