@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .cp_plan import (ForwardTrace, PlanCheckError, Streams, _is_input, _is_output, _main_output, _shapes,
+from .cp_plan import (_MASK_NAMES, ForwardTrace, PlanCheckError, Streams, _is_input, _is_output, _main_output, _shapes,
                       _tensors, expected_lengths)
 from ..hooks import WrapGroup, swap_attribute
 from ..settings import CP_DRYRUN_REL_TOL
@@ -389,12 +389,51 @@ class _RankAttention(TorchFunctionMode):
                 "rank's queries would need the keys before them only, across ranks; the context-parallel "
                 "attention does not take a causal mask")
         args = list(args)
+        qk = (args[0] if args else kwargs.get("query"), key)
+        if len(args) > 3:
+            args[3] = self._mask_for_rank(args[3], *qk)
+        elif "attn_mask" in kwargs:
+            kwargs["attn_mask"] = self._mask_for_rank(kwargs["attn_mask"], *qk)
         for i, name in ((1, "key"), (2, "value")):
             if i < len(args):
                 args[i] = self._gathered(args[i], where if i == 1 else None)
             elif name in kwargs:
                 kwargs[name] = self._gathered(kwargs[name], where if name == "key" else None)
         return func(*args, **kwargs)
+
+    def _query_rows(self, n_local: int) -> tuple[int, int, int]:
+        """(first row, rows, all rows) of this rank's queries in the sequence the Ulysses all-to-all
+        gives every rank (the ranks' queries in rank order); alone: rank 0's, of ``degree`` times as many."""
+        world = self.world
+        if world.exchange is None:
+            return 0, n_local, n_local * world.degree
+        lens = world.exchange.all_gather(world.state().rank, n_local)
+        rank = world.state().rank
+        return sum(lens[:rank]), n_local, sum(lens)
+
+    def _mask_for_rank(self, mask, query, key):
+        """The mask as Ulysses attention applies it, cut to this rank's query rows. After the
+        all-to-all the attention holds every rank's queries and keys for a share of the heads, and the
+        mask is passed as it is: its query axis must be 1 or every rank's queries, its head axis 1.
+        Alone (rank 0 only), its key axis is fitted to the repeated keys (the simulation checks values)."""
+        if not torch.is_tensor(mask) or not torch.is_tensor(query) or not torch.is_tensor(key):
+            return mask
+        start, n, total = self._query_rows(query.shape[-2])
+        if mask.dim() >= 3 and mask.shape[-3] != 1:
+            raise DryRunError(f"a mask {list(mask.shape)} with {mask.shape[-3]} heads reaches context-parallel "
+                              f"attention: under Ulysses each rank's attention holds 1/{self.world.degree} of the "
+                              f"heads, and the mask is passed to it as it is")
+        alone = self.world.exchange is None  # rank 0 alone: the other ranks' query counts are not known
+        if mask.dim() >= 2 and mask.shape[-2] != 1:
+            if mask.shape[-2] != total and not (alone and mask.shape[-2] > n):
+                raise DryRunError(f"a mask {list(mask.shape)} reaches context-parallel attention with "
+                                  f"{mask.shape[-2]} query rows: under Ulysses the attention holds all {total} "
+                                  f"queries of the ranks (a mask built from a rank's own {n} queries does not fit)")
+            mask = mask.narrow(-2, start, n)
+        keys = key.shape[-2] * self.world.degree
+        if alone and mask.shape[-1] not in (1, keys):
+            mask = torch.cat([mask] * -(-keys // mask.shape[-1]), dim=-1)[..., :keys]
+        return mask
 
     def _gathered(self, x: torch.Tensor, keys_of: str | None) -> torch.Tensor:
         """Every rank's ``x`` on the sequence axis; for keys, rank 0 notes how many of its key
@@ -879,6 +918,8 @@ def check_token_axes(tr: ForwardTrace, streams: Streams, run: DryRun, degree: in
         for param, shapes in full.items():
             if not streams.joint and param != own and (param == streams.text or shapes == [streams.text_shape]):
                 continue  # cross attention: the text is whole on every rank
+            if _MASK_NAMES.search(param):
+                continue  # Ulysses attention takes a mask whole (rows fitted in the simulation, which judges it)
             bad = _unsplit_axis(shapes, got.get(param), counts, degree)
             if bad is None:
                 continue

@@ -623,6 +623,7 @@ class _Draft:
     # id of a tensor split by a pre-hook at a block -> its split: the same whole tensor entering a
     # later list is split there too
     at_blocks: dict[int, Any] = field(default_factory=dict)
+    whole_masks: list[str] = field(default_factory=list)  # "<list>:<param>": masks over the image kept whole
 
     @property
     def first(self) -> ListTrace:
@@ -718,8 +719,13 @@ def _split_mask(d: _Draft, lname: str, param: str, shapes: list[list[int]]) -> N
             d.notes.append(f"text mask '{param}' {s} kept whole (cross attention)")
         return
     if len(s) >= 2 and any(L in (s_img, s_img + (s_txt or 0)) for L in s[1:]):
-        raise PlanDerivationError(f"mask '{param}' {s} of '{lname}' covers the image sequence; a "
-                                  f"derived plan does not split masks over it")
+        # Ulysses: after the all-to-all each rank's attention holds the whole sequence (for a
+        # share of the heads), so a mask that only the attention reads stays whole; one applied
+        # to the split tokens outside the attention fails the dry run or the simulated ranks
+        d.notes.append(f"mask '{param}' {s} of '{lname}' covers the image sequence: kept whole (under Ulysses "
+                       f"the attention sees the whole sequence; the dry run and the simulated ranks judge "
+                       f"whether only the attention reads it)")
+        d.whole_masks.append(f"{lname}:{param}")
 
 
 def _is_concatenated_stream(d: _Draft, lname: str, shapes: list[list[int]]) -> bool:
@@ -880,7 +886,8 @@ def _plan_facts(d: _Draft, site: ModuleCall) -> dict:
     return {"image_seq_len": st.s_img, "text_seq_len": st.s_txt, "width": st.image_shape[2],
             "attention_kind": _attention_kind(st), "block_lists": st.lists, "block_list": st.lists[0],
             "keyword_called": d.first.keywords, "image_input": st.image, "text_input": st.text,
-            "gather_site": site.name, "sharding_expected": expected_lengths(d.tr, st)}
+            "gather_site": site.name, "sharding_expected": expected_lengths(d.tr, st),
+            "whole_masks": list(d.whole_masks)}
 
 
 def derive_cp_plan(transformer, args, kwargs, attention_kind: str | None = None, degree: int | None = None,
