@@ -238,6 +238,7 @@ class _World:
 
     def __init__(self, degree: int, run: DryRun, exchange: _Exchange | None = None, uneven: bool = False):
         self.degree, self.run, self.exchange, self.uneven = degree, run, exchange, uneven
+        self.full_of: dict[int, int] = {}  # rank 0's share of an uneven split -> the split's full length
         self.local = threading.local()
         self.probe = _ConfigProbe()
 
@@ -248,8 +249,10 @@ class _World:
         return st
 
     def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        if self.exchange is None:
-            return torch.cat([x] * self.degree, dim=dim)
+        if self.exchange is None:  # alone: rank 0's share repeated, cut to the full length of an uneven split
+            out = torch.cat([x] * self.degree, dim=dim)
+            full = self.full_of.get(x.shape[dim])
+            return out.narrow(dim, 0, full) if full is not None else out
         return torch.cat(self.exchange.all_gather(self.state().rank, x), dim=dim)
 
 
@@ -480,8 +483,10 @@ def _shard(x: torch.Tensor, cpi, where: str, world: _World) -> torch.Tensor:
                 if n >= degree else "")
         raise DryRunError(f"the plan splits {where} {list(x.shape)} on dim {cpi.split_dim}: {n} does not "
                           f"divide into {degree} equal shards{more}")
-    if n % degree and rank == 0 and not run.inputs_seen_uneven(where):
-        run.uneven.append(f"{where} {list(x.shape)} dim {cpi.split_dim}: {shard_sizes(n, degree)}")
+    if n % degree and rank == 0:
+        world.full_of[shard_sizes(n, degree)[0]] = n
+        if not run.inputs_seen_uneven(where):
+            run.uneven.append(f"{where} {list(x.shape)} dim {cpi.split_dim}: {shard_sizes(n, degree)}")
     # torch.tensor_split, as cache-dit's uneven sharder (the same as chunk where degree divides n)
     return x.tensor_split(degree, dim=cpi.split_dim)[rank]
 

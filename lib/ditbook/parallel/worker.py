@@ -192,6 +192,12 @@ def _apply_library_cp(pipe, card, spec, cp, cp_mesh, route, info: dict) -> None:
         cache_dit.enable_cache(pipe, cache_config=cache_cfg, parallelism_config=pc)
     else:
         _enable_cp_on_mesh(tr, spec, cp, cache_cfg, target, cp_mesh, info)
+    from .cp_plan import needs_ulysses_anything
+
+    if needs_ulysses_anything(cp):  # uneven shares: cache-dit's gather needs NCCL; padded elsewhere (gloo)
+        from .cp_uneven import gather_unevenly
+
+        info["cp_uneven_gathers"] = gather_unevenly(tr)
     # attention outside the split block lists (a text refiner) stays local on every rank
     info["cp_local_attention"] = limit_cp_to(tr, cp.facts.get("block_lists"), route)
     if spec.cache:
