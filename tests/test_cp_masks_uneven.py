@@ -209,3 +209,20 @@ def test_uneven_shares_run_on_two_gloo_ranks_with_cache_dits_ulysses_anything(tm
     assert all(got[r][0] for r in range(2)), got  # the gather changed on both ranks (no error)
     assert [got[r][1]["hidden_states"] for r in range(2)] == [[9], [8]]
     assert torch.allclose(torch.from_numpy(got[0][2]), ref, atol=1e-5)
+
+
+def test_cp_takes_the_transformer_level_entry_where_the_pipelines_name_prefix_registration_does_not_build():
+    """cache-dit's pipeline-level entry finds a pipeline's registration by class-name prefix; a
+    third-party ``Flux...`` pipeline whose transformer has other block lists made ``ulysses2`` fail
+    there (fluxref, issue 23 item 10). Such a pipeline now takes the transformer-level entry."""
+    from ditbook.parallel.worker import _pipeline_entry_fits
+
+    class FluxReferencePipeline:  # named like cache-dit's FLUX registration, blocks named otherwise
+        def __init__(self):
+            self.transformer = OddDiT()
+
+    class TinyOwnPipeline(FluxReferencePipeline):
+        pass
+
+    assert not _pipeline_entry_fits(FluxReferencePipeline())
+    assert _pipeline_entry_fits(TinyOwnPipeline())

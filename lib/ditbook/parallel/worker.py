@@ -170,6 +170,16 @@ def _enable_cp_on_mesh(tr, spec, cp, cache_cfg, target, cp_mesh, info: dict) -> 
             pass
 
 
+def _pipeline_entry_fits(pipe) -> bool:
+    """cache-dit's pipeline-level entry (``enable_cache(pipe, parallelism_config=...)``) resolves the
+    pipeline's registration by its class-name prefix: it fits where no registration matches or the
+    matching one builds on this pipeline; a third-party pipeline named like a registered one
+    (``FluxReference...`` whose transformer has other block lists) takes the transformer-level entry."""
+    from ..cache.adapter import cache_dit_adapter_builds, cache_dit_registered
+
+    return cache_dit_registered(pipe) is None or cache_dit_adapter_builds(pipe)
+
+
 def _apply_library_cp(pipe, card, spec, cp, cp_mesh, route, info: dict) -> None:
     """Context parallelism through cache-dit / diffusers (with the plan's cache, if any); the
     attention outside the split block lists stays local; cache decisions agreed across ranks."""
@@ -181,7 +191,7 @@ def _apply_library_cp(pipe, card, spec, cp, cp_mesh, route, info: dict) -> None:
     tr = pipe.transformer
     cache_cfg = dbcache_config(spec.options.get("cache")) if spec.cache else None
     target, info["cache_adapter"] = cache_target(pipe, card) if spec.cache else (pipe, None)
-    if cp_mesh is None and target is pipe:
+    if cp_mesh is None and target is pipe and _pipeline_entry_fits(pipe):
         from cache_dit import ParallelismConfig
 
         from .cp_plan import needs_ulysses_anything
