@@ -46,10 +46,14 @@ def test_ulysses():
     assert ok and plan == "ulysses4" and "2 KV heads not divisible by 4: K/V repeated" in why
     ok, _, why = row(judge_ulysses, facts(heads=6), 4)
     assert not ok and "6 query heads not divisible by 4" in why
-    ok, _, why = row(judge_ulysses, facts(s_img=18), 4)
-    assert not ok and "18 image tokens" in why and "uneven split needs padding" in why
+    ok, _, why = row(judge_ulysses, facts(s_img=18), 4)  # ulysses_anything: tensor_split shares
+    assert ok and "18 image tokens" in why and "split unevenly" in why
+    ok, _, why = row(judge_ulysses, facts(s_img=3), 4)
+    assert not ok and "fewer tokens than ranks" in why
+    ok, _, why = row(judge_ulysses_x_ring, facts(s_img=17), 4)  # ring: no ulysses_anything
+    assert not ok and "sequence divisible" in why
     ok, _, why = row(judge_ulysses, facts(s_txt=6, joint=True), 4)
-    assert not ok and "6 text tokens" in why
+    assert ok and "6 text tokens" in why
     assert row(judge_ulysses, facts(s_txt=6, joint=False), 2)[0]  # text not split outside joint attention
     assert "head count unknown" in row(judge_ulysses, facts(heads=None), 2)[2]
 

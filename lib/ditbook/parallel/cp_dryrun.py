@@ -49,11 +49,11 @@ from dataclasses import dataclass, field
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .cp_plan import (ForwardTrace, PlanCheckError, Streams, _is_input, _is_output, _main_output, _shapes,
+from .cp_plan import (_MASK_NAMES, ForwardTrace, PlanCheckError, Streams, _is_input, _is_output, _main_output, _shapes,
                       _tensors, expected_lengths)
 from ..hooks import WrapGroup, swap_attribute
 from ..settings import CP_DRYRUN_REL_TOL
-from .sharding import bind_inputs
+from .sharding import bind_inputs, shard_sizes
 
 _SDPA = torch.nn.functional.scaled_dot_product_attention
 
@@ -155,6 +155,8 @@ def check_grid_reshape(transformer, tr: ForwardTrace, streams: Streams) -> None:
 class DryRun:
     inputs: dict[str, dict[str, list[list[int]]]] = field(default_factory=dict)  # list -> param -> shapes
     skipped: list[str] = field(default_factory=list)  # splits not applied (dimension count differs)
+    uneven: list[str] = field(default_factory=list)  # splits the degree does not divide (tensor_split sizes)
+    allow_uneven: bool = False  # such splits are simulated (the launch enables ulysses_anything), else refused
     sdpa_calls: int = 0  # attention calls inside the split blocks
     keys: dict[str, dict] = field(default_factory=dict)  # attention module -> rank 0's first SDPA call there
     output_shape: list[int] | None = None  # the transformer's main output after the plan's gathers
@@ -162,8 +164,11 @@ class DryRun:
     # (None: every SDPA call of that module call runs locally on each rank's tokens)
     cp_calls: dict[tuple[str, int], int | None] = field(default_factory=dict)
 
+    def inputs_seen_uneven(self, where: str) -> bool:
+        return any(u.startswith(where + " ") for u in self.uneven)
+
     def to_dict(self) -> dict:
-        return {"inputs": self.inputs, "skipped": self.skipped, "sdpa_calls": self.sdpa_calls,
+        return {"inputs": self.inputs, "skipped": self.skipped, "uneven": self.uneven, "sdpa_calls": self.sdpa_calls,
                 "output_shape": self.output_shape,
                 "local_attention": sorted({n for (n, _), k in self.cp_calls.items() if k is None})}
 
@@ -231,8 +236,9 @@ class _World:
     between simulated ranks (None: rank 0 alone, where a gather repeats its shard and CP attention
     repeats its keys)."""
 
-    def __init__(self, degree: int, run: DryRun, exchange: _Exchange | None = None):
-        self.degree, self.run, self.exchange = degree, run, exchange
+    def __init__(self, degree: int, run: DryRun, exchange: _Exchange | None = None, uneven: bool = False):
+        self.degree, self.run, self.exchange, self.uneven = degree, run, exchange, uneven
+        self.full_of: dict[int, int] = {}  # rank 0's share of an uneven split -> the split's full length
         self.local = threading.local()
         self.probe = _ConfigProbe()
 
@@ -243,8 +249,10 @@ class _World:
         return st
 
     def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        if self.exchange is None:
-            return torch.cat([x] * self.degree, dim=dim)
+        if self.exchange is None:  # alone: rank 0's share repeated, cut to the full length of an uneven split
+            out = torch.cat([x] * self.degree, dim=dim)
+            full = self.full_of.get(x.shape[dim])
+            return out.narrow(dim, 0, full) if full is not None else out
         return torch.cat(self.exchange.all_gather(self.state().rank, x), dim=dim)
 
 
@@ -389,12 +397,51 @@ class _RankAttention(TorchFunctionMode):
                 "rank's queries would need the keys before them only, across ranks; the context-parallel "
                 "attention does not take a causal mask")
         args = list(args)
+        qk = (args[0] if args else kwargs.get("query"), key)
+        if len(args) > 3:
+            args[3] = self._mask_for_rank(args[3], *qk)
+        elif "attn_mask" in kwargs:
+            kwargs["attn_mask"] = self._mask_for_rank(kwargs["attn_mask"], *qk)
         for i, name in ((1, "key"), (2, "value")):
             if i < len(args):
                 args[i] = self._gathered(args[i], where if i == 1 else None)
             elif name in kwargs:
                 kwargs[name] = self._gathered(kwargs[name], where if name == "key" else None)
         return func(*args, **kwargs)
+
+    def _query_rows(self, n_local: int) -> tuple[int, int, int]:
+        """(first row, rows, all rows) of this rank's queries in the sequence the Ulysses all-to-all
+        gives every rank (the ranks' queries in rank order); alone: rank 0's, of ``degree`` times as many."""
+        world = self.world
+        if world.exchange is None:
+            return 0, n_local, n_local * world.degree
+        lens = world.exchange.all_gather(world.state().rank, n_local)
+        rank = world.state().rank
+        return sum(lens[:rank]), n_local, sum(lens)
+
+    def _mask_for_rank(self, mask, query, key):
+        """The mask as Ulysses attention applies it, cut to this rank's query rows. After the
+        all-to-all the attention holds every rank's queries and keys for a share of the heads, and the
+        mask is passed as it is: its query axis must be 1 or every rank's queries, its head axis 1.
+        Alone (rank 0 only), its key axis is fitted to the repeated keys (the simulation checks values)."""
+        if not torch.is_tensor(mask) or not torch.is_tensor(query) or not torch.is_tensor(key):
+            return mask
+        start, n, total = self._query_rows(query.shape[-2])
+        if mask.dim() >= 3 and mask.shape[-3] != 1:
+            raise DryRunError(f"a mask {list(mask.shape)} with {mask.shape[-3]} heads reaches context-parallel "
+                              f"attention: under Ulysses each rank's attention holds 1/{self.world.degree} of the "
+                              f"heads, and the mask is passed to it as it is")
+        alone = self.world.exchange is None  # rank 0 alone: the other ranks' query counts are not known
+        if mask.dim() >= 2 and mask.shape[-2] != 1:
+            if mask.shape[-2] != total and not (alone and mask.shape[-2] > n):
+                raise DryRunError(f"a mask {list(mask.shape)} reaches context-parallel attention with "
+                                  f"{mask.shape[-2]} query rows: under Ulysses the attention holds all {total} "
+                                  f"queries of the ranks (a mask built from a rank's own {n} queries does not fit)")
+            mask = mask.narrow(-2, start, n)
+        keys = key.shape[-2] * self.world.degree
+        if alone and mask.shape[-1] not in (1, keys):
+            mask = torch.cat([mask] * -(-keys // mask.shape[-1]), dim=-1)[..., :keys]
+        return mask
 
     def _gathered(self, x: torch.Tensor, keys_of: str | None) -> torch.Tensor:
         """Every rank's ``x`` on the sequence axis; for keys, rank 0 notes how many of its key
@@ -431,10 +478,17 @@ def _shard(x: torch.Tensor, cpi, where: str, world: _World) -> torch.Tensor:
             run.skipped.append(f"{where}: expects {cpi.expected_dims} dims, got {list(x.shape)}: not split")
         return x
     n = x.shape[cpi.split_dim]
-    if n % degree:
+    if n % degree and not (world.uneven and n >= degree):
+        more = (" (an uneven split needs cache-dit's ulysses_anything, which this launch does not enable)"
+                if n >= degree else "")
         raise DryRunError(f"the plan splits {where} {list(x.shape)} on dim {cpi.split_dim}: {n} does not "
-                          f"divide into {degree} equal shards")
-    return x.chunk(degree, dim=cpi.split_dim)[rank]
+                          f"divide into {degree} equal shards{more}")
+    if n % degree and rank == 0:
+        world.full_of[shard_sizes(n, degree)[0]] = n
+        if not run.inputs_seen_uneven(where):
+            run.uneven.append(f"{where} {list(x.shape)} dim {cpi.split_dim}: {shard_sizes(n, degree)}")
+    # torch.tensor_split, as cache-dit's uneven sharder (the same as chunk where degree divides n)
+    return x.tensor_split(degree, dim=cpi.split_dim)[rank]
 
 
 def _split_hooks(key: str, spec: dict, module, world: _World):
@@ -602,12 +656,13 @@ def _plan_installed(transformer, plan: dict, world: _World, lists: list[str], pr
             transformer.__dict__["_cp_config"] = old_cp
 
 
-def dry_run(transformer, args, kwargs, plan: dict, degree: int, lists: list[str]) -> DryRun:
+def dry_run(transformer, args, kwargs, plan: dict, degree: int, lists: list[str], uneven: bool = False) -> DryRun:
     """Run the forward once with ``plan`` re-enacted for rank 0 of ``degree``; returns what the
     first block of each list received and which attention calls run as CP attention. Raises
-    ``DryRunError`` naming the module that failed."""
-    run = DryRun()
-    world = _World(degree, run)
+    ``DryRunError`` naming the module that failed. ``uneven``: a split the degree does not divide
+    takes ``torch.tensor_split``'s shares (cache-dit's ``ulysses_anything``), else it is refused."""
+    run = DryRun(allow_uneven=uneven)
+    world = _World(degree, run, uneven=uneven)
     try:
         with _plan_installed(transformer, plan, world, lists, probe=True):
             with torch.no_grad(), _RankAttention(world):
@@ -641,14 +696,14 @@ def _wait_os_threads(before: int | None, timeout: float = 5.0) -> None:
 
 
 def simulate_ranks(transformer, args, kwargs, plan: dict, degree: int, lists: list[str], cp_calls: dict,
-                   watch: set | None = None) -> tuple[list, dict, DryRun]:
+                   watch: set | None = None, uneven: bool = False) -> tuple[list, dict, DryRun]:
     """Every rank of ``plan`` in one process, one thread each: each applies its own splits, CP
     attention takes every rank's keys and values, gathers concatenate every rank's output (as
     the Ulysses all-to-all and all-gather do); attention calls that the probe of ``dry_run`` found
     local (``cp_calls``) run on the rank's own tokens. Returns each rank's main output and, with
     ``watch`` (module names), each rank's outputs of those modules."""
-    run = DryRun(cp_calls=dict(cp_calls))
-    world = _World(degree, run, _Exchange(degree))
+    run = DryRun(cp_calls=dict(cp_calls), allow_uneven=uneven)
+    world = _World(degree, run, _Exchange(degree), uneven=uneven)
     outputs: dict | None = {} if watch else None
     results: list = [None] * degree
     errors: list = [None] * degree
@@ -706,14 +761,16 @@ def _rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 def _whole(parts: list[torch.Tensor], shape) -> torch.Tensor | None:
     """A module's output over the whole sequence from every rank's: rank 0's when it already has
-    the full shape, else the ranks' concatenated on the one axis that is 1/degree of it."""
+    the full shape, else the ranks' concatenated on the one axis they share out (equally or not)."""
     first = parts[0]
     if list(first.shape) == list(shape):
         return first
-    if first.dim() != len(shape) or any(p.shape != first.shape for p in parts):
+    if first.dim() != len(shape) or any(p.dim() != first.dim() for p in parts):
         return None
     axes = [d for d in range(first.dim()) if first.shape[d] != shape[d]]
-    if len(axes) == 1 and first.shape[axes[0]] * len(parts) == shape[axes[0]]:
+    if len(axes) == 1 and sum(p.shape[axes[0]] for p in parts) == shape[axes[0]] and all(
+            list(p.shape[:axes[0]]) + list(p.shape[axes[0] + 1:]) == list(shape[:axes[0]]) + list(shape[axes[0] + 1:])
+            for p in parts):
         return torch.cat(parts, dim=axes[0])
     return None
 
@@ -763,12 +820,12 @@ def _attention_note(name: str, keys: dict, degree: int) -> str:
 
 
 def _first_divergence(transformer, args, kwargs, plan: dict, degree: int, lists: list[str],
-                      cp_calls: dict) -> str:
+                      cp_calls: dict, uneven: bool = False) -> str:
     """Where the simulated ranks first part from the plain forward, inside the first block of the
     split lists (modules in the order they return); '' when they agree there."""
     watch = _watched(transformer, lists)
     ref = _reference_outputs(transformer, args, kwargs, watch)
-    _, outs, run = simulate_ranks(transformer, args, kwargs, plan, degree, lists, cp_calls, watch=watch)
+    _, outs, run = simulate_ranks(transformer, args, kwargs, plan, degree, lists, cp_calls, watch=watch, uneven=uneven)
     per_rank = [dict(outs.get(r, [])) for r in range(degree)]
     for name, tensors in ref:
         if any(name not in o for o in per_rank):
@@ -819,11 +876,11 @@ def check_parity(transformer, args, kwargs, plan: dict, degree: int, lists: list
     if ref is None:  # nothing to compare: the plan cannot be verified here, so it is not passed
         raise ParityError("the transformer's output holds no tensor to compare with the plain forward's: the "
                           "simulated ranks cannot be checked")
-    outs, _, _ = simulate_ranks(transformer, args, kwargs, plan, degree, lists, run.cp_calls)
+    outs, _, _ = simulate_ranks(transformer, args, kwargs, plan, degree, lists, run.cp_calls, uneven=run.allow_uneven)
     err = max(_rel_error(o, ref) if o is not None else float("inf") for o in outs)
     if err <= _tolerance(ref):
         return err
-    where = _first_divergence(transformer, args, kwargs, plan, degree, lists, run.cp_calls)
+    where = _first_divergence(transformer, args, kwargs, plan, degree, lists, run.cp_calls, run.allow_uneven)
     raise ParityError(
         f"simulated in one process ({degree} ranks as threads: each applies its own splits, CP attention takes "
         f"every rank's keys and values, gathers concatenate), the plan's output differs from the plain forward: "
@@ -853,11 +910,11 @@ def token_counts(tr: ForwardTrace, streams: Streams, lname: str) -> set[int]:
 
 def _unsplit_axis(shapes, after, counts, degree):
     """(index, full shape, axis, shape under the plan) of the first full-length token axis the
-    plan left unsplit, else None."""
+    plan left unsplit (rank 0 holds not its share: ``shard_sizes``), else None."""
     for i, s in enumerate(shapes):
         g = after[i] if after and i < len(after) else None
         for axis, n in enumerate(s[:-1]):  # never the last (feature) axis
-            if n in counts and (g is None or len(g) != len(s) or g[axis] * degree != n):
+            if n in counts and (g is None or len(g) != len(s) or g[axis] != shard_sizes(n, degree)[0]):
                 return i, s, axis, g
     return None
 
@@ -873,12 +930,14 @@ def check_token_axes(tr: ForwardTrace, streams: Streams, run: DryRun, degree: in
             continue
         counts = token_counts(tr, streams, lname)
         checked[lname] = sorted(p for p, sh in full.items() if any(n in counts for s in sh for n in s[:-1]))
-        split = [p for p, sh in got.items() if sh and len(sh) == 1 and len(sh[0]) == 3
-                 and sh[0][1] * degree in counts and full.get(p) and full[p][0][1] == sh[0][1] * degree]
+        split = [p for p, sh in got.items() if sh and len(sh) == 1 and len(sh[0]) == 3 and full.get(p)
+                 and full[p][0][1] in counts and sh[0][1] == shard_sizes(full[p][0][1], degree)[0] < full[p][0][1]]
         own = expected_lengths(tr, streams).get(lname, {}).get("argument")
         for param, shapes in full.items():
             if not streams.joint and param != own and (param == streams.text or shapes == [streams.text_shape]):
                 continue  # cross attention: the text is whole on every rank
+            if _MASK_NAMES.search(param):
+                continue  # Ulysses attention takes a mask whole (rows fitted in the simulation, which judges it)
             bad = _unsplit_axis(shapes, got.get(param), counts, degree)
             if bad is None:
                 continue
@@ -895,11 +954,13 @@ def check_token_axes(tr: ForwardTrace, streams: Streams, run: DryRun, degree: in
 
 
 def verify_before_launch(transformer, args, kwargs, plan: dict, tr: ForwardTrace, streams: Streams,
-                         degree: int) -> dict:
-    """All three checks; returns a summary for the plan's facts. Raises a ``PlanCheckError``."""
+                         degree: int, uneven: bool = False) -> dict:
+    """All three checks; returns a summary for the plan's facts (``uneven_splits``: the splits the
+    degree does not divide, simulated with ``tensor_split``'s shares when ``uneven``: the launch must
+    then enable cache-dit's ``ulysses_anything``). Raises a ``PlanCheckError``."""
     check_grid_reshape(transformer, tr, streams)
     try:
-        run = dry_run(transformer, args, kwargs, plan, degree, streams.lists)
+        run = dry_run(transformer, args, kwargs, plan, degree, streams.lists, uneven=uneven)
     except DryRunUnavailable as exc:
         return {"degree": degree, "dry_run": f"not possible: {exc}"}
     except DryRunError as exc:
@@ -924,5 +985,6 @@ def verify_before_launch(transformer, args, kwargs, plan: dict, tr: ForwardTrace
     except DryRunUnavailable as exc:
         parity = f"not simulated: {exc}"
     return {"degree": degree, "checked": checked, "block_inputs": run.inputs, "skipped_splits": run.skipped,
+            "uneven_splits": run.uneven,
             "split_attention_calls": run.sdpa_calls, "simulated_parity": parity,
             "local_attention": run.to_dict()["local_attention"]}

@@ -58,6 +58,7 @@ Derivation, in named steps (no model names anywhere):
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,7 +68,7 @@ import torch
 
 from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
 
-from .sharding import _tensors, bind_inputs, block_lists
+from .sharding import _tensors, bind_inputs, block_lists, shard_sizes
 
 # names of a block's *parameters* (not of models): which token stream is which
 _IMAGE_NAMES = re.compile(r"^(hidden_states|x|img|image|latents?|h|tokens)$")
@@ -623,6 +624,7 @@ class _Draft:
     # id of a tensor split by a pre-hook at a block -> its split: the same whole tensor entering a
     # later list is split there too
     at_blocks: dict[int, Any] = field(default_factory=dict)
+    whole_masks: list[str] = field(default_factory=list)  # "<list>:<param>": masks over the image kept whole
 
     @property
     def first(self) -> ListTrace:
@@ -647,11 +649,18 @@ def _stream_notes(st: Streams) -> list[str]:
     return notes
 
 
-def _check_shards_divide(st: Streams, degree: int | None) -> None:
-    """Refuse a degree that does not divide the image tokens (and the text, for joint attention)."""
+def _check_shards_divide(st: Streams, degree: int | None, uneven: bool = False) -> list[str]:
+    """Refuse a degree that does not divide the image tokens (and the text, for joint attention);
+    with ``uneven`` (the launch enables cache-dit's ``ulysses_anything``) such counts are split into
+    ``torch.tensor_split``'s shares instead, when every rank gets a token: returns the notes."""
     if not degree:
-        return
+        return []
     s_img, s_txt = st.s_img, st.s_txt
+    counts = [("image", s_img)] + ([("text", s_txt)] if st.joint and s_txt else [])
+    if uneven and all(n >= degree for _, n in counts):
+        return [f"{n} {what} tokens split unevenly into {shard_sizes(n, degree)} over {degree} ranks "
+                f"(torch.tensor_split shares: the launch enables cache-dit's ulysses_anything)"
+                for what, n in counts if n % degree]
     if s_img % degree:
         layout = (f" (the blocks take '{st.image}' as {st.image_shape}: its dim 1, the token axis of a "
                   f"[batch, sequence, width] input, has {s_img}; a sequence-first or per-frame layout is not "
@@ -660,6 +669,7 @@ def _check_shards_divide(st: Streams, degree: int | None) -> None:
     if st.joint and s_txt and s_txt % degree:
         raise PlanDerivationError(f"joint attention: {s_txt} text tokens do not divide into {degree} equal "
                                   f"shards, and the text must be split with the image")
+    return []
 
 
 def _split_stream(d: _Draft, param: str, dim: int, what: str) -> None:
@@ -718,8 +728,13 @@ def _split_mask(d: _Draft, lname: str, param: str, shapes: list[list[int]]) -> N
             d.notes.append(f"text mask '{param}' {s} kept whole (cross attention)")
         return
     if len(s) >= 2 and any(L in (s_img, s_img + (s_txt or 0)) for L in s[1:]):
-        raise PlanDerivationError(f"mask '{param}' {s} of '{lname}' covers the image sequence; a "
-                                  f"derived plan does not split masks over it")
+        # Ulysses: after the all-to-all each rank's attention holds the whole sequence (for a
+        # share of the heads), so a mask that only the attention reads stays whole; one applied
+        # to the split tokens outside the attention fails the dry run or the simulated ranks
+        d.notes.append(f"mask '{param}' {s} of '{lname}' covers the image sequence: kept whole (under Ulysses "
+                       f"the attention sees the whole sequence; the dry run and the simulated ranks judge "
+                       f"whether only the attention reads it)")
+        d.whole_masks.append(f"{lname}:{param}")
 
 
 def _is_concatenated_stream(d: _Draft, lname: str, shapes: list[list[int]]) -> bool:
@@ -880,22 +895,26 @@ def _plan_facts(d: _Draft, site: ModuleCall) -> dict:
     return {"image_seq_len": st.s_img, "text_seq_len": st.s_txt, "width": st.image_shape[2],
             "attention_kind": _attention_kind(st), "block_lists": st.lists, "block_list": st.lists[0],
             "keyword_called": d.first.keywords, "image_input": st.image, "text_input": st.text,
-            "gather_site": site.name, "sharding_expected": expected_lengths(d.tr, st)}
+            "gather_site": site.name, "sharding_expected": expected_lengths(d.tr, st),
+            "whole_masks": list(d.whole_masks)}
 
 
 def derive_cp_plan(transformer, args, kwargs, attention_kind: str | None = None, degree: int | None = None,
-                   trace: ForwardTrace | None = None, at_input: bool = False, split_text: bool = False) -> CPPlan:
+                   trace: ForwardTrace | None = None, at_input: bool = False, split_text: bool = False,
+                   uneven: bool = False) -> CPPlan:
     """A CP plan for a transformer nobody has planned, from one traced forward call (steps 1-4
     of the module docstring); checked by ``check_plan_sites`` (step 5) before it is returned.
     ``at_input``: split the token streams at the transformer's own inputs where they are
     ``[B, S, C]`` inputs (so that a token count the forward reads from them is the shard's), else
     where they are made (the module that returns them, or the first block). ``split_text``: under
-    cross attention, split the text with the image instead of keeping it whole."""
+    cross attention, split the text with the image instead of keeping it whole. ``uneven``: token
+    counts the degree does not divide are split into ``tensor_split``'s shares (the launch must
+    enable cache-dit's ``ulysses_anything``), else refused."""
     tr = trace if trace is not None else trace_forward(transformer, args, kwargs)
     st = find_streams(tr, attention_kind)
     d = _Draft(tr, st, at_input, notes=_stream_notes(st), split_text=split_text and not st.joint and bool(st.text))
-    _check_shards_divide(st, degree)
-    if d.split_text and degree and st.s_txt % degree:
+    d.notes += _check_shards_divide(st, degree, uneven)
+    if d.split_text and degree and st.s_txt % degree and not (uneven and st.s_txt >= degree):
         raise PlanDerivationError(f"{st.s_txt} text tokens do not divide into {degree} equal shards")
     _split_token_streams(d)
     _split_block_inputs(d)
@@ -983,7 +1002,7 @@ def _checked_registered(reg: CPPlan, transformer, args, kwargs, tr: ForwardTrace
 
 
 def _derive_checked(transformer, args, kwargs, tr: ForwardTrace, st: Streams, attention_kind, degree: int,
-                    check, notes: list[str]) -> CPPlan:
+                    check, notes: list[str], uneven: bool = False) -> CPPlan:
     """The derived plan splitting where the streams are made, else the one splitting at the
     transformer's inputs; under cross attention then the same two with the text split too (an
     attention that joins the text's keys to the image's needs every rank to hold a slice of the
@@ -996,7 +1015,7 @@ def _derive_checked(transformer, args, kwargs, tr: ForwardTrace, st: Streams, at
     for at_input, split_text, label in variants:
         try:
             cp = derive_cp_plan(transformer, args, kwargs, attention_kind, degree, trace=tr, at_input=at_input,
-                                split_text=split_text)
+                                split_text=split_text, uneven=uneven)
         except PlanDerivationError as exc:
             if split_text:  # a variant tried after the others failed: its reason joins theirs
                 failures.append((label, exc, {}))
@@ -1023,7 +1042,7 @@ def _derive_checked(transformer, args, kwargs, tr: ForwardTrace, st: Streams, at
 
 
 def resolve_cp_plan(transformer, capture=None, attention_kind: str | None = None, degree: int = 2,
-                    plan_file: str | Path | None = None, check=None) -> CPPlan:
+                    plan_file: str | Path | None = None, check=None, uneven: bool = False) -> CPPlan:
     """The plan of ``plan_file`` if given, else the registered plan when there is one (a failing
     planner is noted, never silently replaced), else a derived one. With ``capture()`` (giving
     the transformer call's (args, kwargs)) the plan is checked against a traced forward
@@ -1033,7 +1052,24 @@ def resolve_cp_plan(transformer, capture=None, attention_kind: str | None = None
     registered plan that fails it is noted and a derived one tried; the derived plan splitting the
     streams where they are made, then the one splitting them at the transformer's inputs; the
     first that passes is the plan (``facts["prelaunch"]``: what the check saw), else the
-    ``PlanCheckError`` names why. A ``plan_file`` is run as given (only its sites are checked)."""
+    ``PlanCheckError`` names why. A ``plan_file`` is run as given (only its sites are checked).
+    ``uneven``: the launch can enable cache-dit's ``ulysses_anything`` (Ulysses alone, no ring), so a
+    token count the degree does not divide is split into ``tensor_split``'s shares (derived plans and
+    ``check(..., uneven=True)``); ``needs_ulysses_anything(plan)`` then tells the launch to enable it."""
+    cp = _resolve(transformer, capture, attention_kind, degree, plan_file,
+                  functools.partial(check, uneven=True) if check is not None and uneven else check, uneven)
+    cp.facts["ulysses_anything"] = bool((cp.facts.get("prelaunch") or {}).get("uneven_splits"))
+    return cp
+
+
+def needs_ulysses_anything(cp: CPPlan) -> bool:
+    """The plan splits a token count its degree does not divide (found by the check before launch):
+    cache-dit's config must then enable ``ulysses_anything`` (uneven split, gather and all-to-all)."""
+    return bool(cp.facts.get("ulysses_anything"))
+
+
+def _resolve(transformer, capture, attention_kind, degree: int, plan_file, check, uneven: bool) -> CPPlan:
+    """``resolve_cp_plan`` without the last fact."""
     # the unsplit trace first: some registered planners change the attention processors of the
     # model (cache-dit's patch a processor class to read a CP config the runtime sets later)
     traced = None
@@ -1053,7 +1089,7 @@ def resolve_cp_plan(transformer, capture=None, attention_kind: str | None = None
         chosen, notes = _checked_registered(reg, transformer, args, kwargs, tr, st, degree, check)
         if chosen is not None:
             return chosen
-    return _derive_checked(transformer, args, kwargs, tr, st, attention_kind, degree, check, notes)
+    return _derive_checked(transformer, args, kwargs, tr, st, attention_kind, degree, check, notes, uneven)
 
 
 # ---------------------------------------------------------------------------------------------

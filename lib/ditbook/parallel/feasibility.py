@@ -175,7 +175,10 @@ def model_facts(report: ArchReport, card: ModelCard, device: str) -> ModelFacts:
         vae_problem=vae_problem, latent_height=latent_height)
 
 
-def ulysses_check(f: ModelFacts, n: int) -> tuple[bool, str]:
+def ulysses_check(f: ModelFacts, n: int, uneven: bool = False) -> tuple[bool, str]:
+    """Heads and sequence under Ulysses ``n``. ``uneven`` (Ulysses without ring: the launch can set
+    cache-dit's ``ulysses_anything``): a token count ``n`` does not divide is split into
+    ``tensor_split`` shares (every rank one token at least) instead of refused."""
     if f.heads is None:
         return False, "head count unknown (inspection found no attention)"
     notes = []
@@ -186,8 +189,13 @@ def ulysses_check(f: ModelFacts, n: int) -> tuple[bool, str]:
         notes.append(f"{f.kv} KV heads not divisible by {n}: K/V repeated to the {f.heads} query heads "
                      f"before the all-to-all")
     s = f.seq_reason(n)
-    if s:
-        return False, s + ": uneven split needs padding (ulysses_anything)"
+    counts = [c for c in (f.s_img, f.s_txt if f.joint else None) if c is not None]
+    if s and uneven and all(c >= n for c in counts):
+        notes.append(s + ": split unevenly (torch.tensor_split shares, cache-dit's ulysses_anything)")
+    elif s:
+        why = "uneven split needs cache-dit's ulysses_anything, which ring attention does not take" if not uneven \
+            else "fewer tokens than ranks"
+        return False, f"{s}: {why}"
     notes.append(f.cp_how())
     return True, "; ".join(notes)
 
@@ -234,7 +242,7 @@ def judge_cfg(f: ModelFacts, n: int) -> Feasibility:
 def judge_ulysses(f: ModelFacts, n: int) -> Feasibility:
     if n == 1:
         return Feasibility("ulysses", 1, True, "single", "the single-process baseline")
-    ok, why = ulysses_check(f, n)
+    ok, why = ulysses_check(f, n, uneven=True)
     return Feasibility("ulysses", n, ok, plan_name(ulysses=n), why)
 
 
@@ -269,7 +277,7 @@ def judge_cfg_x_ulysses(f: ModelFacts, n: int) -> Feasibility:
         return Feasibility("cfg_x_ulysses", n, False, None, "needs at least 4 processes (cfg2 x ulysses2)")
     if not f.cfg_ok:
         return Feasibility("cfg_x_ulysses", n, False, None, f.cfg_why)
-    ok, why = ulysses_check(f, n // 2)
+    ok, why = ulysses_check(f, n // 2, uneven=True)
     return Feasibility("cfg_x_ulysses", n, ok, plan_name(cfg=2, ulysses=n // 2), f"cfg2 x ulysses{n // 2}: {why}")
 
 

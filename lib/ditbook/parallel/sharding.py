@@ -6,7 +6,9 @@ whole image, and the images agree at 100 dB).
 *before* the plan's own hooks so that it sees what the block's forward gets after any split,
 and records per list the sequence length (dim 1) of each ``[B, S, ...]`` tensor argument.
 ``check_sharding(record, expected, degree)`` raises ``ShardingError`` unless, on every rank,
-the image stream of every main block list had ``full // degree`` tokens in every block call.
+the image stream of every main block list had its share of the tokens in every block call:
+``full // degree``, or where the degree does not divide them the uneven shares of
+``torch.tensor_split`` (``shard_sizes``: what cache-dit's ``ulysses_anything`` gives each rank).
 """
 
 from __future__ import annotations
@@ -122,6 +124,13 @@ class BlockInputRecorder:
         self.handles = []
 
 
+def shard_sizes(n: int, degree: int) -> list[int]:
+    """Each rank's share of ``n`` tokens: ``torch.tensor_split``'s sizes (equal where ``degree``
+    divides ``n``; else the first ``n % degree`` ranks hold one more), as cache-dit's uneven
+    sharder and ``cp_dryrun`` split them."""
+    return [n // degree + (1 if r < n % degree else 0) for r in range(degree)]
+
+
 def check_sharding(ranks: list[dict], expected: dict[str, dict], degree: int) -> dict:
     """``ranks``: each rank's ``BlockInputRecorder.to_dict()``. Returns a summary; raises
     ``ShardingError`` when a main list's blocks did not get ``full // degree`` tokens on a rank."""
@@ -129,17 +138,18 @@ def check_sharding(ranks: list[dict], expected: dict[str, dict], degree: int) ->
         raise ShardingError("no block list with [batch, sequence, width] inputs to check the split on")
     problems, seen = [], {}
     for name, e in expected.items():
-        want = e["full"] // degree
-        if e["full"] % degree:
-            problems.append(f"'{name}': {e['full']} tokens do not divide by {degree}")
+        sizes = shard_sizes(e["full"], degree)
+        if not all(sizes):
+            problems.append(f"'{name}': {e['full']} tokens cannot give each of {degree} ranks one")
         for r, rec in enumerate(ranks):
             got = rec.get(name, {}).get("seq_lens", {}).get(e["argument"])
             seen.setdefault(name, []).append(got)
+            want = sizes[r] if r < len(sizes) else None
             if not got:
                 problems.append(f"rank {r}: the blocks of '{name}' never received '{e['argument']}'")
             elif got != [want]:
                 problems.append(f"rank {r}: the blocks of '{name}' received '{e['argument']}' with {got} tokens, "
-                                f"expected {want} (= {e['full']} / {degree})")
+                                f"expected {want} (rank {r}'s share of {e['full']} over {degree})")
     if problems:
         raise ShardingError("the plan did not split the blocks' sequence: " + "; ".join(problems))
     return {"degree": degree, "expected": expected, "per_rank": seen}

@@ -118,12 +118,14 @@ def _cfg_groups(tr, spec):
 
 def _resolve_plan(pipe, card, spec, *, attention_kind, cp_plan_file, out_dir, info: dict, check=None):
     """The CP plan for this transformer (``cp_plan.resolve_cp_plan``), recorded in ``info`` and,
-    on rank 0, written as code to ``out_dir``."""
+    on rank 0, written as code to ``out_dir``. Ulysses alone (no ring; checked before launch) may
+    split token counts the degree does not divide: the launch then enables ``ulysses_anything``."""
     from .cp_plan import capture_transformer_call, resolve_cp_plan, write_plan_code
 
     tr = pipe.transformer
     cp = resolve_cp_plan(tr, capture=lambda: capture_transformer_call(pipe, card), attention_kind=attention_kind,
-                         degree=spec.cp, plan_file=cp_plan_file, check=check)
+                         degree=spec.cp, plan_file=cp_plan_file, check=check,
+                         uneven=check is not None and spec.ring == 1)
     info["cp_plan"] = cp.to_dict()
     if out_dir is not None and dist.get_rank() == 0:
         info["cp_plan_file"] = str(write_plan_code(cp, out_dir, card.name, type(tr).__name__))
@@ -142,6 +144,7 @@ def _enable_cp_on_mesh(tr, spec, cp, cache_cfg, target, cp_mesh, info: dict) -> 
 
     from ..cache.strategies.dbcache import cfg_from_adapter
     from .cache_sync import split_at_cached_units
+    from .cp_plan import needs_ulysses_anything
 
     plan, units, unit_plans = cp.plan, {}, {}
     if cache_cfg is not None:
@@ -154,7 +157,8 @@ def _enable_cp_on_mesh(tr, spec, cp, cache_cfg, target, cp_mesh, info: dict) -> 
         dev_type = "cuda" if str(tr.device).startswith("cuda") else "cpu"
         cp_mesh = init_device_mesh(dev_type, (spec.ring, spec.ulysses), mesh_dim_names=("ring", "ulysses"))
     _maybe_register_custom_attn_backends()
-    cpc = _ContextParallelConfig(ulysses_degree=spec.ulysses, ring_degree=spec.ring)
+    cpc = _ContextParallelConfig(ulysses_degree=spec.ulysses, ring_degree=spec.ring,
+                                 ulysses_anything=needs_ulysses_anything(cp))
     cpc.setup(dist.get_rank(), dist.get_world_size(), tr.device, mesh=cp_mesh)
     _enable_context_parallelism(tr, config=cpc, cp_plan=plan)
     for name, unit_plan in unit_plans.items():
@@ -164,6 +168,16 @@ def _enable_cp_on_mesh(tr, spec, cp, cache_cfg, target, cp_mesh, info: dict) -> 
             tr.set_attention_backend("native")
         except Exception:  # noqa: BLE001 - models without diffusers attention
             pass
+
+
+def _pipeline_entry_fits(pipe) -> bool:
+    """cache-dit's pipeline-level entry (``enable_cache(pipe, parallelism_config=...)``) resolves the
+    pipeline's registration by its class-name prefix: it fits where no registration matches or the
+    matching one builds on this pipeline; a third-party pipeline named like a registered one
+    (``FluxReference...`` whose transformer has other block lists) takes the transformer-level entry."""
+    from ..cache.adapter import cache_dit_adapter_builds, cache_dit_registered
+
+    return cache_dit_registered(pipe) is None or cache_dit_adapter_builds(pipe)
 
 
 def _apply_library_cp(pipe, card, spec, cp, cp_mesh, route, info: dict) -> None:
@@ -177,14 +191,23 @@ def _apply_library_cp(pipe, card, spec, cp, cp_mesh, route, info: dict) -> None:
     tr = pipe.transformer
     cache_cfg = dbcache_config(spec.options.get("cache")) if spec.cache else None
     target, info["cache_adapter"] = cache_target(pipe, card) if spec.cache else (pipe, None)
-    if cp_mesh is None and target is pipe:
+    if cp_mesh is None and target is pipe and _pipeline_entry_fits(pipe):
         from cache_dit import ParallelismConfig
 
+        from .cp_plan import needs_ulysses_anything
+
         pc = ParallelismConfig(ulysses_size=spec.ulysses if spec.ulysses > 1 else None,
-                               ring_size=spec.ring if spec.ring > 1 else None, cp_plan=cp.plan)
+                               ring_size=spec.ring if spec.ring > 1 else None, cp_plan=cp.plan,
+                               ulysses_anything=needs_ulysses_anything(cp))
         cache_dit.enable_cache(pipe, cache_config=cache_cfg, parallelism_config=pc)
     else:
         _enable_cp_on_mesh(tr, spec, cp, cache_cfg, target, cp_mesh, info)
+    from .cp_plan import needs_ulysses_anything
+
+    if needs_ulysses_anything(cp):  # uneven shares: cache-dit's gather needs NCCL; padded elsewhere (gloo)
+        from .cp_uneven import gather_unevenly
+
+        info["cp_uneven_gathers"] = gather_unevenly(tr)
     # attention outside the split block lists (a text refiner) stays local on every rank
     info["cp_local_attention"] = limit_cp_to(tr, cp.facts.get("block_lists"), route)
     if spec.cache:

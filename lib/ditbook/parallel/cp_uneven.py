@@ -1,0 +1,80 @@
+"""Uneven context-parallel shares (cache-dit's ``ulysses_anything``) on every process-group backend.
+
+A token count that the degree does not divide is split into ``torch.tensor_split``'s shares
+(``cp_plan.resolve_cp_plan(uneven=True)``; ``needs_ulysses_anything(plan)`` tells the launch to set
+``ulysses_anything`` in cache-dit's config, whose split hooks, Ulysses all-to-all and gathers then
+take unequal shares). cache-dit's uneven gather is one ``dist.all_gather`` of unequal tensors, which
+NCCL takes but gloo refuses ("ProcessGroupGloo::allgather: invalid tensor size"): on a backend other
+than NCCL ``gather_unevenly`` makes each of cache-dit's gather hooks gather by padding every share
+to the largest, one equal all-gather, and cutting each rank's padding off again before the shares are
+joined (the padding never reaches a block or an attention: it exists only inside the collective).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..hooks import WrapGroup, swap_attribute
+
+
+def padded_all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Every rank's ``x`` joined along ``dim`` in rank order, the ranks' lengths on ``dim`` unequal:
+    each share padded to the longest, one all-gather of equal tensors, each share cut back."""
+    world = dist.get_world_size(group)
+    size = torch.tensor([x.shape[dim]], dtype=torch.long, device=x.device)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size, group=group)
+    lens = [int(s.item()) for s in sizes]
+    longest = max(lens)
+    x = x.contiguous()
+    if x.shape[dim] < longest:
+        pad = list(x.shape)
+        pad[dim] = longest - x.shape[dim]
+        x = torch.cat([x, x.new_zeros(pad)], dim=dim)
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x, group=group)
+    return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, lens)], dim=dim)
+
+
+def _gather_post(hook, original):
+    """The replacement of one cache-dit gather hook's ``post_forward`` (its checks, this gather)."""
+    def post(module, output):
+        cfg = hook.parallel_config
+        if not getattr(cfg, "ulysses_anything", False):
+            return original(module, output)
+        is_tensor = torch.is_tensor(output)
+        outs = [output] if is_tensor else list(output) if isinstance(output, (list, tuple)) else None
+        if outs is None or not all(torch.is_tensor(o) for o in outs) or len(outs) != len(hook.metadata):
+            return original(module, output)  # cache-dit's own error for what it cannot gather
+        group = cfg._flattened_mesh.get_group()
+        for i, cpm in enumerate(hook.metadata):
+            if cpm is not None:
+                outs[i] = padded_all_gather(outs[i], cpm.gather_dim, group)
+        return outs[0] if is_tensor else type(output)(outs)
+    return post
+
+
+def gather_unevenly(transformer, undo: WrapGroup | None = None) -> list[str]:
+    """After CP is enabled with ``ulysses_anything``: on a process group other than NCCL, every
+    cache-dit gather hook on ``transformer``'s modules gathers unequal shares by padding
+    (``padded_all_gather``). Returns the modules whose gather changed; ``undo`` keeps the handles
+    (``hooks.WrapGroup``) that give the hooks back exactly."""
+    from cache_dit.distributed.core._context_parallel import _ContextParallelGatherHook
+
+    changed = []
+    for name, module in transformer.named_modules():
+        registry = getattr(module, "_cache_dit_hook", None)
+        for hook in list(getattr(registry, "hooks", {}).values()):
+            if not isinstance(hook, _ContextParallelGatherHook):
+                continue
+            cfg = hook.parallel_config
+            if not getattr(cfg, "ulysses_anything", False) or dist.get_backend(cfg._flattened_mesh.get_group()) == "nccl":
+                continue
+            # cache-dit's registry calls the post_forward it kept in the hook's function reference
+            ref = hook.fn_ref
+            handle = swap_attribute(ref, "post_forward", _gather_post(hook, ref.post_forward))
+            if undo is not None:
+                undo.track(handle)
+            changed.append(name or "<transformer>")
+    return changed
