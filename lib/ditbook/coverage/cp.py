@@ -51,7 +51,7 @@ def _where(exc: BaseException) -> str:
     return f"{tb[-1].filename.split('site-packages/')[-1].split('lib/')[-1]}:{tb[-1].lineno}" if tb else ""
 
 
-def _rank(rank, world, init_file, transformer, args, kwargs, plan, queue, scope=None) -> None:
+def _rank(rank, world, init_file, transformer, args, kwargs, plan, queue, scope=None, uneven=False) -> None:
     reported = False
     try:
         import torch.distributed as dist
@@ -71,7 +71,7 @@ def _rank(rank, world, init_file, transformer, args, kwargs, plan, queue, scope=
         route = route_attention(transformer)
         recorder = BlockInputRecorder(transformer)  # before the plan's hooks: sees the split inputs
         mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("ring", "ulysses"))
-        cpc = _ContextParallelConfig(ulysses_degree=world, ring_degree=1)
+        cpc = _ContextParallelConfig(ulysses_degree=world, ring_degree=1, ulysses_anything=uneven)
         cpc.setup(rank, world, torch.device("cpu"), mesh=mesh)
         _enable_context_parallelism(transformer, config=cpc, cp_plan=plan)
         if hasattr(transformer, "set_attention_backend"):
@@ -80,6 +80,10 @@ def _rank(rank, world, init_file, transformer, args, kwargs, plan, queue, scope=
             except Exception:  # noqa: BLE001 - models without diffusers attention
                 pass
         limit_cp_to(transformer, scope, route)  # attention outside the split lists stays local
+        if uneven:  # unequal shares: cache-dit's gather is NCCL's; on gloo, padded inside the collective
+            from ..parallel.cp_uneven import gather_unevenly
+
+            gather_unevenly(transformer)
         with torch.no_grad():
             out = _output(transformer(*args, **kwargs))
         queue.put((rank, "ok", recorder.to_dict(), out.detach().float().numpy().copy() if rank == 0 else None))
@@ -93,8 +97,9 @@ def _rank(rank, world, init_file, transformer, args, kwargs, plan, queue, scope=
 
 
 def execute_cp_plan(transformer, args, kwargs, plan: dict, expected: dict, degree: int = 2,
-                    timeout: float = 120.0, reference: torch.Tensor | None = None) -> dict:
-    """Run ``plan`` on ``degree`` forked gloo ranks; judge the split and the output."""
+                    timeout: float = 120.0, reference: torch.Tensor | None = None, uneven: bool = False) -> dict:
+    """Run ``plan`` on ``degree`` forked gloo ranks; judge the split and the output. ``uneven``: the
+    plan splits a token count the degree does not divide (cache-dit's ``ulysses_anything``)."""
     from ..parallel.sharding import ShardingError, check_sharding
 
     if reference is None:
@@ -105,7 +110,7 @@ def execute_cp_plan(transformer, args, kwargs, plan: dict, expected: dict, degre
     folder = tempfile.mkdtemp(prefix="ditbook-cp-")
     init_file = os.path.join(folder, "rendezvous")
     scope = list(expected)  # CP attention only inside the lists whose tokens are split
-    procs = [ctx.Process(target=_rank, args=(r, degree, init_file, transformer, args, kwargs, plan, queue, scope),
+    procs = [ctx.Process(target=_rank, args=(r, degree, init_file, transformer, args, kwargs, plan, queue, scope, uneven),
                          daemon=True) for r in range(degree)]
     for p in procs:
         p.start()
@@ -190,7 +195,7 @@ def _coverage_cp(transformer, args, kwargs, degree: int = 2, plan: dict | None =
     from ..parallel.cp_plan import (PlanDerivationError, RegisteredPlanError, find_streams, check_plan_sites,
                           resolve_cp_plan, trace_forward)
     from ..parallel.cp_dryrun import verify_before_launch
-    from ..parallel.cp_plan import expected_lengths
+    from ..parallel.cp_plan import expected_lengths, needs_ulysses_anything
 
     filled = fill_zero_parameters(transformer)  # this is the forked driver's copy
     try:
@@ -202,19 +207,20 @@ def _coverage_cp(transformer, args, kwargs, degree: int = 2, plan: dict | None =
     try:
         if plan is None:
             cp = resolve_cp_plan(transformer, capture=lambda: (args, kwargs), degree=degree,
-                                 check=verify_before_launch)
+                                 check=verify_before_launch, uneven=True)
             plan, source, expected = cp.plan, cp.source, cp.facts["sharding_expected"]
+            uneven = needs_ulysses_anything(cp)
         else:
             tr = trace_forward(transformer, args, kwargs)
             st = find_streams(tr)
             check_plan_sites(plan, tr, st)
-            source, expected = "given", expected_lengths(tr, st)
+            source, expected, uneven = "given", expected_lengths(tr, st), False
     except (PlanDerivationError, RegisteredPlanError) as exc:
         return {"outcome": "refused", "reason": f"{type(exc).__name__}: {exc}", "seq_lens": None, "source": None,
                 "filled_zero_parameters": len(filled)}
     except Exception as exc:  # noqa: BLE001 - a crash of the derivation is a crash row
         return {"outcome": "crash", "reason": f"{type(exc).__name__}: {exc}", "seq_lens": None, "source": None}
-    result = execute_cp_plan(transformer, args, kwargs, plan, expected, degree, timeout, reference)
+    result = execute_cp_plan(transformer, args, kwargs, plan, expected, degree, timeout, reference, uneven=uneven)
     result["source"] = source
     result["filled_zero_parameters"] = len(filled)
     return result
