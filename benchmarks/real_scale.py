@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -75,10 +74,6 @@ CARDS = {
 
 def _log(msg: str) -> None:
     print(f"[real_scale {time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def _tokenizer(src: Path, dest: Path) -> None:
-    shutil.copytree(src, dest, dirs_exist_ok=True)
 
 
 def build_flux(folder: Path, device: str = "cuda", tiny: bool = False) -> dict:
@@ -228,10 +223,10 @@ def stage_rows(run: Path, sampler: MemorySampler) -> list[dict]:
 
 def verdict(run: Path) -> dict:
     out = {}
-    for stage, key in (("cache", "chosen"), ("cache", "refused")):
-        p = run / stage / "results.json"
-        if p.exists():
-            out[f"{stage}.{key}"] = json.loads(p.read_text()).get(key)
+    cache = run / "cache" / "results.json"
+    if cache.exists():
+        res = json.loads(cache.read_text())
+        out.update({f"cache.{key}": res.get(key) for key in ("chosen", "refused")})
     result = run / "result.md"
     if result.exists():
         out["result_md_head"] = result.read_text()[:1500]

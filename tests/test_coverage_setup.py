@@ -13,6 +13,7 @@ from diffusers import ConfigMixin, ModelMixin
 from diffusers.configuration_utils import register_to_config
 from ditbook import coverage
 from ditbook.coverage import reconfig, repairs, state
+from test_coverage_inputs import _error  # one helper: the error a call raises
 from torch import nn
 
 if importlib.util.find_spec("ditbook_never_installed_dependency") is not None:  # an optional dependency
@@ -148,14 +149,6 @@ def test_required_state_inputs_are_made_where_the_code_says_how():
     assert any("cache_mode='fill'" in n for n in cand["setup"])
     # a state object the code does not say how to make is still refused with its names
     assert state.state_options(model, ["cache", "hidden_states"]) is None
-
-
-def _error(fn):
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - the error is the input of the repair
-        return exc
-    raise AssertionError("no error")
 
 
 def _maker(params, first="hidden_states", frames=2, model=None):
