@@ -168,11 +168,20 @@ def test_killed_rank_ends_run_with_error(root, tmp_path, monkeypatch):
     assert not (tmp_path / "worker.json").exists()
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "known defect (fifth session, merge of the uneven-shares change): sharding.check_sharding indexes each "
-    "rank's expected share by its global rank, so under cfg x Ulysses ranks 2 and 3 expect None and a plan "
-    "that ran correctly (PSNR 100) is reported failed (a false refusal, never a false pass). Fix: the rank's "
-    "position in its Ulysses group; lands with the next GPU check."))
+def test_sharding_check_reads_each_rank_in_its_own_cp_group():
+    """Under cfg x Ulysses the world holds two CP groups: global ranks 2 and 3 are positions 0 and 1
+    of the second group, and expect the same shares as ranks 0 and 1 (they were held against
+    nothing before, and a correct plan was reported failed)."""
+    from ditbook.parallel.sharding import ShardingError, check_sharding
+
+    expected = {"blocks": {"full": 9, "argument": "x"}}
+    rec = lambda n: {"blocks": {"seq_lens": {"x": [n]}}}  # noqa: E731
+    out = check_sharding([rec(5), rec(4), rec(5), rec(4)], expected, 2)
+    assert out["per_rank"]["blocks"] == [[5], [4], [5], [4]]
+    with pytest.raises(ShardingError, match="rank 3"):
+        check_sharding([rec(5), rec(4), rec(5), rec(9)], expected, 2)
+
+
 def test_four_processes_cfg_x_ulysses(root, tmp_path):
     """Issue 9 on the CPU: the plans are written for any world size; 4 gloo processes."""
     results, launch = run_plans(models.tiny_thirdparty(root), ["cfg2_ulysses2"], 4, tmp_path, timeout=90)

@@ -132,8 +132,9 @@ def shard_sizes(n: int, degree: int) -> list[int]:
 
 
 def check_sharding(ranks: list[dict], expected: dict[str, dict], degree: int) -> dict:
-    """``ranks``: each rank's ``BlockInputRecorder.to_dict()``. Returns a summary; raises
-    ``ShardingError`` when a main list's blocks did not get ``full // degree`` tokens on a rank."""
+    """``ranks``: each rank's ``BlockInputRecorder.to_dict()``, in global rank order (under cfg x CP
+    the world holds several CP groups of ``degree`` ranks each). Returns a summary; raises
+    ``ShardingError`` when a main list's blocks did not get the rank's share of the tokens."""
     if not expected:
         raise ShardingError("no block list with [batch, sequence, width] inputs to check the split on")
     problems, seen = [], {}
@@ -144,7 +145,9 @@ def check_sharding(ranks: list[dict], expected: dict[str, dict], degree: int) ->
         for r, rec in enumerate(ranks):
             got = rec.get(name, {}).get("seq_lens", {}).get(e["argument"])
             seen.setdefault(name, []).append(got)
-            want = sizes[r] if r < len(sizes) else None
+            # the (cfg, ring, ulysses) mesh is laid out row-major: a rank's place in its CP group
+            # is its global rank modulo the CP degree (with CFG alone in the world, the rank itself)
+            want = sizes[r % degree]
             if not got:
                 problems.append(f"rank {r}: the blocks of '{name}' never received '{e['argument']}'")
             elif got != [want]:
