@@ -1352,11 +1352,6 @@ def _notebook(path: Path, body: str) -> None:
     nbf.write(nb, path)
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "known defect (fifth session, found in the clean-clone run after the GPU check was spent): when the "
-    "stage's kernel was started ahead (ditbook.kernels, owned by the runner, not by nbclient), SIGTERM "
-    "leaves nbclient's DeadKernelError task unretrieved and Python prints its traceback at exit (the exit code "
-    "is still 130). Passes with DITBOOK_KERNEL_AHEAD=0. Fix with the next GPU check."))
 @pytest.mark.slow
 def test_sigterm_on_ditbook_run_ends_the_kernel_and_its_session_then_resume_continues(tmp_path):
     nbs = tmp_path / "notebooks"

@@ -103,6 +103,27 @@ class KernelAhead:
             shutil.rmtree(self.sockets, ignore_errors=True)
 
 
+def settle_abandoned_tasks() -> None:
+    """Cancel and collect what an interrupted stage left pending on this thread's event loop.
+
+    papermill runs the notebook inside jupyter_core's per-thread loop; a signal raised there leaves
+    nbclient's cell task pending. The next call on that loop (shutting a kernel down) resumes it, it
+    meets the dead kernel, and its ``DeadKernelError`` is printed at exit as never retrieved. Cancelled
+    and gathered here, before anything else runs on the loop, no task is left to report."""
+    import asyncio
+
+    from jupyter_core.utils import ensure_event_loop
+
+    loop = ensure_event_loop()
+    if loop.is_running():
+        return
+    pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+    for task in pending:
+        task.cancel()
+    if pending:
+        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+
+
 def start_ahead(stage, run_path: Path, card, kernel_name: str | None = None, log=None) -> KernelAhead | None:
     """The next stage's kernel, or None (turned off, or it could not start: papermill then starts
     one itself, as without this)."""

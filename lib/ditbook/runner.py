@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from .card import GateError, ModelCard
-from .kernels import KERNEL_LOG_ENV, KernelAhead, kernel_config, start_ahead
+from .kernels import KERNEL_LOG_ENV, KernelAhead, kernel_config, settle_abandoned_tasks, start_ahead
 from .preflight import start_check
 from .processes import Interrupted, end_descendants, received
 from .runs import RunError, RunFolder, outputs_dir  # noqa: F401 (outputs_dir: where runs go, in runs)
@@ -182,6 +182,7 @@ def execute_stage(stage: Stage, run: RunFolder, card: ModelCard, overrides: dict
             signame = signame or getattr(exc, "signame", None) or "SIGINT"
             if received() is None:
                 end_descendants()
+            settle_abandoned_tasks()
             run.update_stage(stage.name, status="interrupted", seconds=round(seconds, 2),
                              error=f"interrupted by {signame}", failing_cell=None)
             run.set_status("interrupted")
