@@ -120,6 +120,50 @@ def test_save_renders_stores_all_frames_and_a_row_of_frames(tmp_path):
     assert np.array_equal(png[:, 33 * 8:], (v[8] * 255).round().astype(np.uint8))  # the last frame is there
 
 
+def test_a_long_videos_pictures_show_a_bounded_choice_of_frames_and_the_npy_keeps_all(tmp_path, monkeypatch):
+    """A Wan-length video (81 frames): its PNG and its sheets show PREVIEW_FRAMES evenly spaced
+    frames, first and last among them, at most SHEET_FRAME_PX wide in a sheet (drawing every frame
+    of 480x832 took minutes per sheet); the benchmark sheet adds each row's worst frame."""
+    import matplotlib.pyplot as plt
+    from PIL import Image
+
+    from ditbook.benchmark.plots import video_grid
+    from ditbook.intake.stage import baseline_sheet
+    from ditbook.render import PREVIEW_FRAMES, preview_frames
+    from ditbook.render_sheet import SHEET_FRAME_PX
+
+    rng = np.random.default_rng(0)
+    v = rng.random((81, 24, 600, 3), dtype=np.float32)
+    shown = preview_frames(81)
+    assert len(shown) == PREVIEW_FRAMES and shown[0] == 0 and shown[-1] == 80
+    rows = save_renders([Render("long", 0, v, 0.1, "p0_s0")], tmp_path / "images")
+    assert rows[0]["png_frames"] == shown and np.array_equal(load_images(tmp_path, rows)["p0_s0"], v)
+    png = np.asarray(Image.open(tmp_path / rows[0]["png"]))
+    assert png.shape == (24, PREVIEW_FRAMES * 601 - 1, 3)
+    assert np.array_equal(png[:, 601 * 4: 601 * 4 + 600], (v[shown[4]] * 255).round().astype(np.uint8))
+    fig = baseline_sheet([Render("long", 0, v, 0.0, "p0_s0")])
+    (h, w, _), = _strip_widths(fig)
+    step = -(-600 // SHEET_FRAME_PX)
+    assert w == PREVIEW_FRAMES * (-(-600 // step) + 1) - 1 and h == -(-24 // step)
+    assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == [str(i) for i in shown]
+    plt.close(fig)
+    bad = v.copy()
+    bad[37] = 0.0  # the worst frame, not among the evenly spaced ones
+    assert 37 not in shown
+    import ditbook.render_sheet as sheet
+
+    seen = {}
+
+    def spy(rows, title="", path=None, px=0.025, frame_numbers=None):
+        seen["frames"], seen["widths"] = frame_numbers, {np.shape(r)[0] for _, r in rows}
+        return real(rows, title, path, px, frame_numbers)
+
+    real = sheet.video_sheet
+    monkeypatch.setattr(sheet, "video_sheet", spy)
+    assert Path(video_grid({"p0_s0": v}, {"c": {"p0_s0": bad}}, tmp_path / "grid.png")).is_file()
+    assert seen["frames"] == sorted(shown + [37]) and seen["widths"] == {PREVIEW_FRAMES + 1}
+
+
 # -- sheets: a row of frames per video ---------------------------------------------------------
 def _strip_widths(fig):
     return [ax.get_images()[0].get_array().shape for ax in fig.axes if ax.get_images()]

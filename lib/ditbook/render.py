@@ -3,8 +3,10 @@
 Every stage renders through here, so baseline, cached and parallel images come from the same
 call with the same seeds. Images are float32 arrays in [0, 1], shape (H, W, 3); a video (a
 pipeline output with ``.frames``, or any 5-d output) keeps every frame: (F, H, W, 3). Its ``.npy``
-holds all frames, its PNG one row of frames side by side (``frame_strip``); ``quality.compare``
-judges it frame by frame.
+holds all frames, its PNG a row of at most ``PREVIEW_FRAMES`` of them, evenly spaced from the first
+to the last (``preview_frames``, ``frame_strip``): 81 frames of 480x832 in one PNG are 97 M pixels,
+seconds to compress per video on every stage that saves one; ``quality.compare`` judges every frame
+from the ``.npy``.
 """
 
 from __future__ import annotations
@@ -41,12 +43,26 @@ def is_video(arr) -> bool:
     return np.ndim(arr) == 4
 
 
-def frame_strip(arr, gap: int = 1, fill: float = 1.0) -> np.ndarray:
+# the most frames a video's picture (its PNG, a contact sheet's row) shows
+PREVIEW_FRAMES = 9
+
+
+def preview_frames(count: int, most: int = PREVIEW_FRAMES) -> list[int]:
+    """Indices of the frames a video's picture shows: all of them up to ``most``, else ``most``
+    evenly spaced ones, the first and the last among them."""
+    if count <= most:
+        return list(range(count))
+    return sorted({round(i * (count - 1) / (most - 1)) for i in range(most)})
+
+
+def frame_strip(arr, gap: int = 1, fill: float = 1.0, frames: list[int] | None = None) -> np.ndarray:
     """A video's frames side by side in one (H, F*(W+gap)-gap, C) picture, ``gap`` columns of
-    ``fill`` between frames; an image is returned as it is."""
+    ``fill`` between frames (``frames``: those indices only); an image is returned as it is."""
     arr = np.asarray(arr)
     if not is_video(arr):
         return arr
+    if frames is not None:
+        arr = arr[list(frames)]
     f, h, w = arr.shape[:3]
     out = np.full((h, f * (w + gap) - gap) + arr.shape[3:], fill, dtype=arr.dtype)
     for i in range(f):
@@ -154,10 +170,12 @@ def save_renders(renders: list[Render], folder: Path, prefix: str = "") -> list[
     for r in renders:
         stem = f"{prefix}{r.key}"
         np.save(folder / f"{stem}.npy", r.image.astype(np.float32))  # a video: every frame
-        picture = frame_strip(np.clip(r.image, 0, 1))  # a video: its frames in one row
+        shown = preview_frames(len(r.image)) if is_video(r.image) else None
+        picture = frame_strip(np.clip(r.image[shown] if shown else r.image, 0, 1))  # a video: a row of frames
         Image.fromarray((picture * 255).round().astype(np.uint8)).save(folder / f"{stem}.png")
         rel = folder.name
-        rows.append({**r.to_dict(), "png": f"{rel}/{stem}.png", "npy": f"{rel}/{stem}.npy"})
+        rows.append({**r.to_dict(), "png": f"{rel}/{stem}.png", "npy": f"{rel}/{stem}.npy",
+                     **({"png_frames": shown} if shown is not None else {})})
     return rows
 
 

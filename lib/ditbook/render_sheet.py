@@ -8,9 +8,12 @@ from pathlib import Path
 
 import numpy as np
 
-from .render import frame_strip, is_video
+from .render import frame_strip, is_video, preview_frames
 
 GAP = 1  # white pixel columns between frames
+# a sheet draws each frame at most this many pixels wide (every n-th pixel of a larger one): the
+# figure's size stays bounded at any resolution (481x833 frames drawn whole made a sheet take minutes)
+SHEET_FRAME_PX = 256
 
 
 def diff_frames(video, reference, gain: float = 10.0) -> np.ndarray:
@@ -24,18 +27,45 @@ def diff_frames(video, reference, gain: float = 10.0) -> np.ndarray:
     return matplotlib.colormaps["magma"](d)[..., :3].astype(np.float32)
 
 
+def sheet_frames(videos, extra: list[int] | tuple = ()) -> list[int] | None:
+    """The frame indices a sheet of these videos shows: ``render.preview_frames`` of the longest,
+    with ``extra`` ones (e.g. a row's worst frame) added; None when none is a video."""
+    counts = [len(v) for v in videos if is_video(v)]
+    if not counts:
+        return None
+    most = max(counts)
+    return sorted(set(preview_frames(most)) | {int(i) for i in extra if 0 <= int(i) < most})
+
+
+def pick_frames(video, frames: list[int] | None):
+    """``video``'s frames at ``frames`` (those it has); an image, or ``frames`` None, as it is."""
+    v = np.asarray(video)
+    return v[[i for i in frames if i < len(v)]] if is_video(v) and frames is not None else v
+
+
+def _sheet_strip(video) -> np.ndarray:
+    v = np.asarray(video)
+    step = max(1, -(-v.shape[-2] // SHEET_FRAME_PX))
+    return np.clip(np.nan_to_num(frame_strip(v[..., ::step, ::step, :].astype(np.float32), GAP), nan=0.0), 0, 1)
+
+
 def video_sheet(rows: list[tuple[str, np.ndarray]], title: str = "", path: str | Path | None = None,
-                px: float = 0.025):
-    """A figure with one row per (label, video): the video's frames side by side (a 3-d image is
-    drawn as one picture). ``px`` inches per pixel. Saved to ``path`` when given; the figure is
-    returned (open, so a notebook shows it, like the image grids)."""
+                px: float = 0.025, frame_numbers: list[int] | None = None):
+    """A figure with one row per (label, video): frames side by side, each at most
+    ``SHEET_FRAME_PX`` wide (a 3-d image is drawn as one picture). The frames shown are
+    ``sheet_frames`` of the rows (at most ``render.PREVIEW_FRAMES``, evenly spaced), or, with
+    ``frame_numbers``, the rows are those frames already (``pick_frames``) and the numbers label
+    them. ``px`` inches per pixel. Saved to ``path`` when given; the figure is returned (open, so a
+    notebook shows it, like the image grids)."""
     import matplotlib
 
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
-    strips = [np.clip(np.nan_to_num(frame_strip(np.asarray(v, dtype=np.float32), GAP), nan=0.0), 0, 1)
-              for _, v in rows]
+    if frame_numbers is None:
+        frame_numbers = sheet_frames([v for _, v in rows])
+        rows = [(label, pick_frames(v, frame_numbers)) for label, v in rows]
+    strips = [_sheet_strip(v) for _, v in rows]
     if not strips:
         return None
     width = max(s.shape[1] for s in strips)
@@ -49,10 +79,12 @@ def video_sheet(rows: list[tuple[str, np.ndarray]], title: str = "", path: str |
         for spine in ax.spines.values():
             spine.set_visible(False)
         ax.set_ylabel(label, rotation=0, ha="right", va="center", fontsize=7)
-        if is_video(video) and i == 0:  # frame numbers once, above the first row
-            f, w = video.shape[0], video.shape[2]
+        if is_video(video) and i == 0:  # the numbers of the frames shown, once, above the first row
+            shown = list(frame_numbers or range(len(video)))[:len(video)]
+            w = (strip.shape[1] + GAP) // len(video) - GAP
             ax.xaxis.set_ticks_position("top")
-            ax.set_xticks([j * (w + GAP) + (w - 1) / 2 for j in range(f)], [str(j) for j in range(f)], fontsize=6)
+            ax.set_xticks([k * (w + GAP) + (w - 1) / 2 for k in range(len(shown))], [str(j) for j in shown],
+                          fontsize=6)
             ax.tick_params(length=0)
         else:
             ax.set_xticks([])
@@ -66,4 +98,4 @@ def video_sheet(rows: list[tuple[str, np.ndarray]], title: str = "", path: str |
     return fig
 
 
-__all__ = ["diff_frames", "video_sheet"]
+__all__ = ["diff_frames", "pick_frames", "sheet_frames", "video_sheet"]

@@ -61,7 +61,7 @@ def explorer_state(data: ExplorerData, config: str, key: str, accelerated: bool 
                    gain: float = 4.0) -> ExplorerState:
     """What the explorer shows for a (configuration, prompt) pick and the baseline/accelerated toggle."""
     from .quality import compare, psnr, ssim
-    from .render import frame_strip, is_video
+    from .render import frame_strip, is_video, preview_frames
 
     if config not in data.images or config == "baseline":
         raise KeyError(f"no configuration {config!r}; choose one of {data.configs}")
@@ -71,7 +71,8 @@ def explorer_state(data: ExplorerData, config: str, key: str, accelerated: bool 
     if is_video(base) or is_video(acc):  # frame by frame, the worst frame's figures; shown as a row of frames
         q = compare(acc, base)
         p, s = q.psnr, q.ssim
-        base, acc = frame_strip(base), frame_strip(acc)
+        shown = preview_frames(len(base))  # the frames a video's picture shows everywhere
+        base, acc = frame_strip(base, frames=shown), frame_strip(acc, frames=[i for i in shown if i < len(acc)])
         if base.shape != acc.shape:
             acc = np.zeros_like(base) * np.nan  # a dropped frame: nothing to set side by side
     else:

@@ -324,26 +324,33 @@ def video_grid(baseline: dict[str, np.ndarray], images: dict[str, dict[str, np.n
     import textwrap
 
     from ..quality import compare
-    from ..render_sheet import diff_frames, video_sheet
+    from ..render_sheet import diff_frames, pick_frames, sheet_frames, video_sheet
 
+    judged, worst = [], []  # (key, name, image, comparison); every worst frame is among those shown
+    for key, base in baseline.items():
+        for name, by_key in images.items():
+            img = by_key.get(key)
+            if img is not None:
+                q = compare(img, base)
+                judged.append((key, name, img, q))
+                if q.frames and q.frames.get("worst_frame") is not None:
+                    worst.append(q.frames["worst_frame"])
+    shown = sheet_frames(list(baseline.values()), worst)
     rows: list[tuple[str, np.ndarray]] = []
     for key, base in baseline.items():
         text = (prompts or {}).get(key, "")
-        rows.append(("\n".join(textwrap.wrap(f"{key} baseline: {text}", 34)[:2]), base))
-        for name, by_key in images.items():
-            img = by_key.get(key)
-            if img is None:
-                continue
-            q = compare(img, base)
+        picked = pick_frames(base, shown)
+        rows.append(("\n".join(textwrap.wrap(f"{key} baseline: {text}", 34)[:2]), picked))
+        for _, name, img, q in (j for j in judged if j[0] == key):
             short = (labels or {}).get(name)
             head = "\n".join(wrap_name(f"{short}: {name}" if short else name, 60))
             fig_q = (f"worst frame {q.frames['worst_frame']}: {q.psnr:.1f} dB, SSIM {q.ssim:.3f}"
                      if q.frames and q.frames.get("worst_frame") is not None else "; ".join(q.reasons)[:60])
-            rows.append((f"{head}\n{fig_q}", img))
+            rows.append((f"{head}\n{fig_q}", pick_frames(img, shown)))
             if np.shape(img) == np.shape(base):
-                rows.append((f"|Δ| ×{gain:g} (full scale {1 / gain:g})", diff_frames(img, base, gain)))
-    fig = video_sheet(rows, "videos: a row of frames each (frame numbers on top); under each configuration its "
-                            "difference map", path)
+                rows.append((f"|Δ| ×{gain:g} (full scale {1 / gain:g})", diff_frames(pick_frames(img, shown), picked, gain)))
+    fig = video_sheet(rows, "videos: a row of frames each (frame numbers on top, the worst frames among them); under "
+                            "each configuration its difference map", path, frame_numbers=shown)
     import matplotlib.pyplot as plt
 
     plt.close(fig)

@@ -74,11 +74,14 @@ def image_grid(baseline: dict, cached: dict, title: str = "", path=None, max_ima
     if not keys:
         return None
     if any(is_video(baseline[k]) for k in keys):
-        from ..render_sheet import diff_frames, video_sheet
+        from ..render_sheet import diff_frames, pick_frames, sheet_frames, video_sheet
 
-        rows = [row for k in keys for row in ((f"{k} baseline", baseline[k]), (f"{k} cached", cached[k]),
-                                               (f"{k} |diff| x10", diff_frames(cached[k], baseline[k])))]
-        return video_sheet(rows, title, path)
+        shown = sheet_frames([baseline[k] for k in keys])
+        b = {k: pick_frames(baseline[k], shown) for k in keys}
+        c = {k: pick_frames(cached[k], shown) for k in keys}
+        rows = [row for k in keys for row in ((f"{k} baseline", b[k]), (f"{k} cached", c[k]),
+                                               (f"{k} |diff| x10", diff_frames(c[k], b[k])))]
+        return video_sheet(rows, title, path, frame_numbers=shown)
     fig, axes = plt.subplots(3, len(keys), figsize=(2.2 * len(keys), 6.4), squeeze=False)
     for j, k in enumerate(keys):
         diff = np.clip(np.abs(cached[k].astype(np.float64) - baseline[k]) * 10, 0, 1)
