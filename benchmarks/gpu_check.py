@@ -11,8 +11,9 @@ On a GPU host with the wheel bundle (``../shared/gpu/README.md``), from the repo
     . .gpu-wheels/install.sh && python3 benchmarks/gpu_check.py --record docs/gpu-check.json \\
         --revision <commit>                                    # a host without the git folder
 
-The two cards run side by side (separate processes, one GPU: the shipped models are small), then
-the benchmark runs alone, so its timings see an idle GPU. A card that fails or runs past
+The two cards run side by side (separate processes, one GPU: the shipped models are small), or with
+``--one-at-a-time`` one after the other, so each card's stage times and its verdict's timings see an
+idle GPU; then the benchmark runs alone. A card that fails or runs past
 ``--card-timeout`` is recorded with its status and the run's error; the check goes on.
 """
 
@@ -104,7 +105,9 @@ def finish_card(card: str, proc: subprocess.Popen, t0: float, log, outputs: Path
     return rec
 
 
-def run_cards(cards, outputs: Path, log_dir: Path, timeout: float) -> list[dict]:
+def run_cards(cards, outputs: Path, log_dir: Path, timeout: float, one_at_a_time: bool = False) -> list[dict]:
+    if one_at_a_time:
+        return [finish_card(c, *start_card(c, outputs, log_dir), outputs, timeout) for c in cards]
     started = [(c, *start_card(c, outputs, log_dir)) for c in cards]
     return [finish_card(c, p, t0, log, outputs, timeout) for c, p, t0, log in started]
 
@@ -161,6 +164,8 @@ def main(argv=None) -> int:
                     help="the commit checked, for a copy without its git folder (default: git HEAD, clean tree)")
     ap.add_argument("--cards", default=",".join(CARDS))
     ap.add_argument("--card-timeout", type=float, default=420.0)
+    ap.add_argument("--one-at-a-time", action="store_true",
+                    help="run the cards one after the other (each on an idle GPU), not side by side")
     ap.add_argument("--bench-timeout", type=float, default=240.0)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tiny", action="store_true", help="the benchmark at a tiny FLUX shape (for a CPU try-out)")
@@ -177,7 +182,9 @@ def main(argv=None) -> int:
     record = {"revision": args.revision or rev, "tree_digest": tree_digest(), "digest_of": list(DIGEST_PARTS),
               "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), **environment(),
               "command": "make gpu-check"}
-    record["cards"] = run_cards(args.cards.split(","), work / "outputs", work / "logs", args.card_timeout)
+    record["cards_run"] = "one at a time" if args.one_at_a_time else "side by side"
+    record["cards"] = run_cards(args.cards.split(","), work / "outputs", work / "logs", args.card_timeout,
+                                args.one_at_a_time)
     write_record(args.record, record)  # the cards' part kept even if the benchmark never returns
     record["benchmark"] = {"shape": "FLUX.1-dev, 1024x1024, 28 steps, bf16, random weights" if not args.tiny else "tiny",
                            "repeats": args.repeats, **run_benchmark(work / "compose", args.repeats, args.bench_timeout, args.tiny)}

@@ -17,6 +17,12 @@ gate), ``ditbook approve CARD --run RUN --yes``, ``ditbook run --resume RUN``. P
 device's used memory (``nvidia-smi``, every 0.25 s) over each stage's wall-clock window, so it
 counts the CUDA context and any helper process the stage starts. ``--budget`` bounds the whole
 command: a stage that would run past it is stopped, and the record says which.
+
+``--continue`` picks up a ``--work`` folder an earlier command left (on a host that kept it, as a
+warm device does between calls): the saved pipeline is not built again, an unfinished run is
+approved and resumed, and the record counts the calls and memory samples of every command
+(``state.json`` in the work folder), so a playbook longer than one command's limit is measured
+whole.
 """
 
 from __future__ import annotations
@@ -195,10 +201,14 @@ def _ditbook(args: list[str], deadline: float, log) -> dict:
 
 
 def run_playbook(card: Path, outputs: Path, deadline: float, log) -> tuple[Path, list[dict]]:
+    """The user's calls that are still to make: ``run`` (when the run folder is not there yet),
+    ``approve`` and ``run --resume`` (until the run is finished)."""
     run = outputs / card.stem / "real"
-    steps = [("run", ["run", str(card), "--run-id", "real", "--outputs", str(outputs)]),
-             ("approve", ["approve", str(card), "--run", str(run), "--yes"]),
-             ("resume", ["run", "--resume", str(run)])]
+    meta = json.loads((run / "run.json").read_text()) if (run / "run.json").exists() else None
+    steps = [] if meta else [("run", ["run", str(card), "--run-id", "real", "--outputs", str(outputs)])]
+    if not meta or meta.get("status") != "finished":
+        steps += [("approve", ["approve", str(card), "--run", str(run), "--yes"]),
+                  ("resume", ["run", "--resume", str(run)])]
     calls = []
     for name, args in steps:
         _log(f"ditbook {' '.join(args)}")
@@ -240,6 +250,9 @@ def main(argv=None) -> int:
     ap.add_argument("--record", type=Path, required=True, help="JSON record written here")
     ap.add_argument("--budget", type=float, default=560.0, help="seconds for the whole command")
     ap.add_argument("--tiny", action="store_true", help="every width shrunk, on the CPU: the code path in minutes")
+    ap.add_argument("--continue", dest="resume", action="store_true",
+                    help="continue what an earlier command left in --work (no new build; the run resumed; the record "
+                         "covers every command)")
     ap.add_argument("--build-only", action="store_true",
                     help="build and save the pipeline, write built.json beside it, and exit (the run does this in a "
                          "child process, so the measuring process holds no GPU memory)")
@@ -252,26 +265,38 @@ def main(argv=None) -> int:
         built = (build_flux if args.shape == "flux" else build_wan)(folder, "cpu" if args.tiny else "cuda", args.tiny)
         (work / "built.json").write_text(json.dumps(built))
         return 0
+    state_path = work / "state.json"
+    state = json.loads(state_path.read_text()) if args.resume and state_path.exists() else {}
     sampler = MemorySampler()
+    sampler.samples = [tuple(x) for x in state.get("samples", [])]
     sampler.start()
     t0 = time.time()
-    _log(f"building the {args.shape}-shaped pipeline into {folder}")
-    subprocess.run([sys.executable, __file__, "--shape", args.shape, "--work", str(args.work), "--record", str(args.record),
-                    "--build-only"] + (["--tiny"] if args.tiny else []), check=True)
-    built = json.loads((work / "built.json").read_text())
-    built["build_s"] = round(time.time() - t0, 1)
-    _log(f"built: {built}")
-    time.sleep(1.0)
-    built["gpu_used_before_run_gib"] = sampler.peak_gib(time.time() - 0.9, time.time())
-    write_card(args.shape, folder, built, card, args.tiny)
-    with (work / "ditbook.log").open("w") as log:
+    if state.get("built") and (folder / "model_index.json").exists():
+        built = state["built"]
+        _log(f"continuing in {work}: the pipeline built by an earlier command is kept")
+    else:
+        _log(f"building the {args.shape}-shaped pipeline into {folder}")
+        subprocess.run([sys.executable, __file__, "--shape", args.shape, "--work", str(args.work), "--record",
+                        str(args.record), "--build-only"] + (["--tiny"] if args.tiny else []), check=True)
+        built = json.loads((work / "built.json").read_text())
+        built["build_s"] = round(time.time() - t0, 1)
+        _log(f"built: {built}")
+        time.sleep(1.0)
+        built["gpu_used_before_run_gib"] = sampler.peak_gib(time.time() - 0.9, time.time())
+        write_card(args.shape, folder, built, card, args.tiny)
+        state = {"built": built, "calls": [], "commands_s": []}
+    with (work / "ditbook.log").open("a") as log:
         run, calls = run_playbook(card, work / "outputs", deadline, log)
     sampler.stop.set()
+    state["calls"] = state.get("calls", []) + calls
+    state["commands_s"] = state.get("commands_s", []) + [round(time.time() - t0, 1)]
+    state["samples"] = sampler.samples
+    state_path.write_text(json.dumps(state))
     rows = stage_rows(run, sampler)
-    record = {"shape": args.shape, "card": CARDS[args.shape], "built": built, "calls": calls, "stages": rows,
+    record = {"shape": args.shape, "card": CARDS[args.shape], "built": built, "calls": state["calls"], "stages": rows,
               "whole_playbook_s": round(sum(r["seconds"] or 0 for r in rows), 1),
-              "command_s": round(time.time() - t0, 1), "run": str(run), **verdict(run),
-              "log_tail": (work / "ditbook.log").read_text()[-4000:]}
+              "command_s": round(sum(state["commands_s"]), 1), "commands_s": state["commands_s"], "run": str(run),
+              **verdict(run), "log_tail": (work / "ditbook.log").read_text()[-4000:]}
     args.record.parent.mkdir(parents=True, exist_ok=True)
     args.record.write_text(json.dumps(record, indent=2))
     for r in rows:
