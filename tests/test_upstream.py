@@ -143,3 +143,37 @@ def test_broken_adapter_file_does_not_reproduce(stage):
     if run.returncode == 0:
         got = _images(tmp / "broken_out")
         assert max(float(np.max(np.abs(got[k] - chosen[k]))) for k in chosen) > 1e-3
+
+
+def test_reproduction_started_ahead_gives_the_fresh_process_result_and_catches_a_broken_module(stage):
+    """``start_reproduction`` starts the fresh process early (its imports overlap the stage); handed
+    the spec it reproduces the chosen images exactly as a process started at its turn does, and a
+    broken adapter module still fails there. An unused one ends when told to."""
+    import shutil
+
+    from ditbook.cache.reproduce import Ahead
+
+    s, up, _, tmp = stage
+    s.start_reproduction()
+    ahead = s._ahead
+    assert ahead is not None and ahead.proc.poll() is None
+    warm = s.reproduce()
+    assert s._ahead is None and ahead.proc.returncode == 0
+    assert warm["ran"] and warm["ok"] and warm["max_abs"] <= s.card.cache.reproduce_tolerance, warm
+    cold = s.reproduce()  # no process ahead now: started at its turn
+    assert cold["ok"] and cold["per_image"] == warm["per_image"]
+
+    module = s.ctx.dir / f"{s.adapter.info.module_name}.py"
+    saved = tmp / "saved_adapter.py"
+    shutil.copy(module, saved)
+    try:
+        module.write_text(module.read_text().replace("ForwardPattern.Pattern_0", "ForwardPattern.Pattern_1"))
+        s.start_reproduction()
+        broken = s.reproduce()
+        assert broken["ran"] and not broken["ok"], broken
+    finally:
+        shutil.copy(saved, module)
+
+    idle = Ahead()
+    idle.close()
+    assert idle.proc.poll() is not None

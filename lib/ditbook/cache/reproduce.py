@@ -4,6 +4,12 @@
 the card's pipeline, imports ``cache/adapter_<model>.py`` from the run folder (which registers it
 with cache-dit), applies the chosen strategy through it, renders the calibration cases and prints one
 JSON line with the largest absolute difference from the images the stage verified.
+
+``python -m ditbook.cache.reproduce --wait`` is the same process started ahead (``Ahead``, by
+``CacheSession.open``): it imports the libraries (torch, diffusers, cache-dit: 15-20 s on a GPU
+host) and the pipeline's package while the stage works, then reads the spec's path from its
+standard input and runs as above. Nothing of the run (the card's files, the adapter module) is
+imported before the spec arrives; an end of input without a path ends it doing nothing.
 """
 
 from __future__ import annotations
@@ -15,8 +21,27 @@ from pathlib import Path
 import numpy as np
 
 
+def _warm(package: str | None) -> None:
+    """The imports a reproduction starts with; a failure is left for the run itself to meet."""
+    import importlib
+
+    for name in ("torch", "diffusers", "cache_dit", "ditbook.cache.adapter", "ditbook.cache.strategies",
+                 "ditbook.cache.verify", "ditbook.loading", package):
+        if name:
+            try:
+                importlib.import_module(name)
+            except Exception:  # noqa: BLE001 - the real run reports it
+                pass
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--wait":
+        _warm(argv[1] if len(argv) > 1 else None)
+        line = sys.stdin.readline().strip()
+        if not line:  # the stage ended without a reproduction
+            return 0
+        argv = [line]
     spec = json.loads(Path(argv[0]).read_text())
     from ..inspect.report import ArchReport
     from ..card import gate_check
@@ -41,6 +66,36 @@ def main(argv: list[str] | None = None) -> int:
              for k in images}
     print(json.dumps({"max_abs": max(diffs.values()), "per_image": diffs, "module": module.__name__}))
     return 0
+
+
+class Ahead:
+    """The reproduction process, started before its turn (``--wait``): ``run(spec_path)`` hands it
+    the spec and waits for it; ``close()`` ends an unused one."""
+
+    def __init__(self, package: str | None = None, env: dict | None = None):
+        import subprocess
+
+        cmd = [sys.executable, "-m", "ditbook.cache.reproduce", "--wait"] + ([package] if package else [])
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env=env)
+
+    def run(self, spec_path: Path, timeout: float):
+        """(returncode, stdout, stderr) of the reproduction of ``spec_path``."""
+        import subprocess
+
+        try:
+            out, err = self.proc.communicate(f"{spec_path}\n", timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out, err = self.proc.communicate()
+            raise
+        return self.proc.returncode, out, err
+
+    def close(self) -> None:
+        """End an unused process now (it holds nothing but its imports)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.communicate()
 
 
 if __name__ == "__main__":

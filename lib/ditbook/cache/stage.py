@@ -97,6 +97,7 @@ class CacheSession:
     refused: str | None = None  # why no cache strategy can be applied safely (the stage still passes)
     fallback: list = field(default_factory=list)  # why cache-dit's registered adapter was replaced by ours
     order: dict = field(default_factory=dict)  # the chosen configuration rendered alone vs after another (order_check)
+    _ahead: object = field(default=None, repr=False)  # reproduce's process, started ahead (start_reproduction)
 
     # -- setup ---------------------------------------------------------------------------
     @classmethod
@@ -413,10 +414,34 @@ class CacheSession:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
+    def start_reproduction(self) -> None:
+        """Start :meth:`reproduce`'s fresh process now, so its library imports overlap the stage's
+        work (``reproduce.Ahead``; the stage notebook calls it right after opening the session). It
+        is used or ended by :meth:`reproduce`; a stage that never gets there ends it when the
+        session goes (its input closes when the stage's kernel ends, too)."""
+        import weakref
+
+        from .reproduce import Ahead
+
+        if self.refused or self._ahead is not None:
+            return
+        source = self.card.resolve_source(self.card.pipeline.source) if self.card.pipeline.source else None
+        package = source if source and not source.endswith(".py") else None
+        try:
+            self._ahead = Ahead(package, env=dict(os.environ))
+        except OSError:  # started when its turn comes instead
+            self._ahead = None
+            return
+        weakref.finalize(self, self._ahead.close)
+
     def reproduce(self, timeout: float = 600) -> dict:
-        """Import the generated adapter module in a fresh Python process, rerun the chosen
-        configuration and compare with the images verified here."""
+        """Import the generated adapter module in a fresh Python process (started ahead by
+        :meth:`start_reproduction` where it could be), rerun the chosen configuration and compare
+        with the images verified here."""
+        ahead, self._ahead = self._ahead, None
         if not self.chosen:
+            if ahead is not None:
+                ahead.close()
             self.reproduction = {"ran": False, "reason": f"cache refused: {self.refused}" if self.refused
                                  else "no configuration passed on held-out cases"}
             return self.reproduction
@@ -428,13 +453,16 @@ class CacheSession:
                 "dtype": self.ctx.placement.dtype}
         spec_path = self.ctx.dir / "reproduce.json"
         spec_path.write_text(json.dumps(spec, indent=2))
-        env = dict(os.environ)
-        proc = subprocess.run([sys.executable, "-m", "ditbook.cache.reproduce", str(spec_path)], capture_output=True,
-                              text=True, timeout=timeout, env=env)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-        if proc.returncode != 0 or not lines:
-            self.reproduction = {"ran": True, "ok": False, "returncode": proc.returncode,
-                                 "stderr_tail": proc.stderr[-2000:]}
+        if ahead is not None and ahead.proc.poll() is None:
+            returncode, stdout, stderr = ahead.run(spec_path, timeout)
+        else:
+            proc = subprocess.run([sys.executable, "-m", "ditbook.cache.reproduce", str(spec_path)],
+                                  capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
+            returncode, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
+        lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
+        if returncode != 0 or not lines:
+            self.reproduction = {"ran": True, "ok": False, "returncode": returncode,
+                                 "stderr_tail": stderr[-2000:]}
         else:
             out = json.loads(lines[-1])
             tol = self.card.cache.reproduce_tolerance
