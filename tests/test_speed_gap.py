@@ -157,3 +157,6 @@ def test_the_compose_table_says_when_no_peak_was_measured():
     assert "no peak measured" in md
     assert gap_cells(_result(measure_peaks("cpu"))["rows"][0]).split("|")[2].strip() == "–"
     assert gap_notes({"peaks": {}})[0] == "FLOPs not counted."
+    no_attn = gap_notes({"flops": {"total": 2, "gemm": 2, "attention": 0, "other": 0}, "peaks": {}})
+    assert "No attention operator was counted" in no_attn[1]
+    assert not any("No attention" in line for line in gap_notes(_result({})))

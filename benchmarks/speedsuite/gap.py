@@ -245,6 +245,9 @@ def gap_notes(result: dict) -> list[str]:
         lines.append(f"FLOPs of one transformer call at this shape ({fl.get('counter', 'FlopCounterMode')}): "
                      f"{fl['total'] / 1e12:.4g} TFLOP, of which GEMM {fl['gemm'] / 1e12:.4g}, attention "
                      f"{fl['attention'] / 1e12:.4g}, other {fl['other'] / 1e12:.4g}.")
+        if not fl["attention"]:
+            lines.append("No attention operator was counted (a kernel torch's FLOP registry does not know): the "
+                         "at-peak times are GEMM-only lower bounds.")
     else:
         lines.append("FLOPs not counted.")
     if pk.get("bf16_tflops"):
