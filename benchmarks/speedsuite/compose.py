@@ -22,6 +22,9 @@ Rows (``ROWS``), measured in one process against the eager row of the same proce
   applies each row without its compile (fp8's compile alone takes minutes: 212 s at the FLUX shape
   on an H200, which would break the 8-minute budget twice); ``--quality-compiled`` judges the
   compiled forms.
+- The gap to the limit (``speedsuite.gap``): each row's computed-step time (its transformer calls
+  of computed steps, timed apart) beside the FLOPs of one call (counted on the eager model) at the
+  bf16 / fp8 matmul rates measured in this process, and the achieved share of those peaks.
 - A row that cannot run here is ``refused`` with the reason (fp8 below CUDA capability 8.9 or on a
   CPU; graphs on a CPU); nothing else is skipped silently.
 
