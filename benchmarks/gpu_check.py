@@ -130,14 +130,21 @@ def run_benchmark(out: Path, repeats: int, timeout: float, tiny: bool) -> dict:
         data = json.loads(found.read_text())
         rec["schedule"] = (data.get("schedule") or {}).get("name")
         rec["rows"] = benchmark_rows(data)
+        rec["peaks"] = data.get("peaks")
+        fl = data.get("flops") or {}
+        rec["flops_per_call"] = {k: fl.get(k) for k in ("total", "gemm", "attention", "other")} if fl else None
     else:
         rec["tail"] = (proc.stdout + proc.stderr)[-2000:]
     return rec
 
 
+GAP_KEYS = ("computed_step_s", "at_bf16_peak_s", "of_bf16_peak", "at_fp8_peak_s", "of_fp8_peak")
+
+
 def benchmark_rows(result: dict) -> list[dict]:
     """Per row: the median end-to-end seconds, their spread, the computed transformer step, peak
-    memory and the speed-up against the eager row of the same process."""
+    memory, the speed-up against the eager row of the same process, and the gap to the measured
+    peak (``speedsuite.gap``: the computed step's time beside its FLOPs at the bf16 / fp8 peak)."""
     rows = []
     for r in result.get("rows", []):
         t = r.get("timing") or {}
@@ -145,7 +152,8 @@ def benchmark_rows(result: dict) -> list[dict]:
         rows.append({"row": r.get("row"), "status": r.get("status"), "end_to_end_s": e2e.get("median"),
                      "min_s": e2e.get("min"), "max_s": e2e.get("max"), "n": e2e.get("n"),
                      "transformer_step_s": step.get("median"), "speedup": r.get("speedup"),
-                     "first_call_s": r.get("first_call_s"), "peak_memory_mb": t.get("peak_memory_mb")})
+                     "first_call_s": r.get("first_call_s"), "peak_memory_mb": t.get("peak_memory_mb"),
+                     **{k: (r.get("gap") or {}).get(k) for k in GAP_KEYS}})
     return rows
 
 

@@ -45,6 +45,11 @@ def test_tiny_cpu_run_measures_what_runs_and_refuses_the_rest_with_reasons(tmp_p
     assert ref["fp8+compile"]["status"] == "refused" and ref["cache+compile+graph"]["status"] == "refused"
     md = (tmp_path / "compose.md").read_text()
     assert "| fp8+compile | refused |" in md and "| compile |" in md and "reference PSNR min" in md
+    # the gap columns: FLOPs counted on the eager model, each computed transformer call timed, no peak on a CPU
+    assert res["flops"]["gemm"] > 0 and res["flops"]["attention"] > 0 and res["peaks"]["bf16_tflops"] is None
+    assert by["eager"]["gap"]["computed_calls"] == 6 and by["compile"]["gap"]["computed_calls"] == 6
+    assert by["cache"]["gap"]["computed_calls"] == res["schedule"]["computed"] < 6
+    assert "computed step (s)" in md and "no peak measured" in md
 
 
 def test_the_graphed_row_composes_cache_compile_and_graphs_of_the_computed_steps():

@@ -64,7 +64,10 @@ def test_a_dirty_tree_is_refused(tmp_path, monkeypatch):
 def test_benchmark_rows_carry_median_spread_and_ratio():
     result = {"rows": [{"row": "eager", "status": "measured", "speedup": 1.0, "first_call_s": 5.9,
                         "timing": {"end_to_end": {"median": 5.0, "min": 4.9, "max": 5.1, "n": 3},
-                                   "parts": {"transformer_step": {"median": 0.17}}, "peak_memory_mb": 25e3}}]}
+                                   "parts": {"transformer_step": {"median": 0.17}}, "peak_memory_mb": 25e3},
+                        "gap": {"computed_step_s": 0.18, "at_bf16_peak_s": 0.09, "of_bf16_peak": 0.5}}]}
     (row,) = gpu_check.benchmark_rows(result)
     assert row == {"row": "eager", "status": "measured", "end_to_end_s": 5.0, "min_s": 4.9, "max_s": 5.1, "n": 3,
-                   "transformer_step_s": 0.17, "speedup": 1.0, "first_call_s": 5.9, "peak_memory_mb": 25e3}
+                   "transformer_step_s": 0.17, "speedup": 1.0, "first_call_s": 5.9, "peak_memory_mb": 25e3,
+                   "computed_step_s": 0.18, "at_bf16_peak_s": 0.09, "of_bf16_peak": 0.5, "at_fp8_peak_s": None,
+                   "of_fp8_peak": None}

@@ -21,4 +21,8 @@ def test_tiny_cpu_run_records_what_ran(tmp_path):
     assert by["eager"]["last_block_calls"] == 12  # true CFG: two transformer calls per step, all computed
     assert by["cache"]["last_block_calls"] == 8  # 4 computed steps x 2 calls: the rest really skipped
     assert res["schedule"]["computed"] == 4 and by["cache"]["speedup"] > 0
-    assert "| cache |" in (tmp_path / "video_tiny.md").read_text()
+    md = (tmp_path / "video_tiny.md").read_text()
+    assert "| cache |" in md and "computed step (s)" in md and "no peak measured" in md
+    # the gap columns: two calls per step, only the computed steps' calls of the cache row
+    assert by["eager"]["gap"]["computed_calls"] == 12 and by["cache"]["gap"]["computed_calls"] == 8
+    assert res["flops"]["gemm"] > 0 and res["flops"]["attention"] > 0

@@ -22,6 +22,9 @@ Rows (``ROWS``), measured in one process against the eager row of the same proce
   applies each row without its compile (fp8's compile alone takes minutes: 212 s at the FLUX shape
   on an H200, which would break the 8-minute budget twice); ``--quality-compiled`` judges the
   compiled forms.
+- The gap to the limit (``speedsuite.gap``): each row's computed-step time (its transformer calls
+  of computed steps, timed apart) beside the FLOPs of one call (counted on the eager model) at the
+  bf16 / fp8 matmul rates measured in this process, and the achieved share of those peaks.
 - A row that cannot run here is ``refused`` with the reason (fp8 below CUDA capability 8.9 or on a
   CPU; graphs on a CPU); nothing else is skipped silently.
 
@@ -38,6 +41,7 @@ from typing import Callable
 import torch
 
 from .fullsize import flux_pipeline
+from .gap import GAP_ALIGN, GAP_HEADER, CallCapture, CallTimer, computed_calls, gap, gap_cells, gap_notes, measure_peaks
 from .schedules import ditbook_schedule
 from .suite import _dump, _log, chosen_schedule, environment
 from ditbook.benchmark.compiled import compiled_config
@@ -46,7 +50,7 @@ from ditbook.configuration import Config, baseline_config
 from ditbook.parallel.cache_sync import static_schedule
 from ditbook.parallel.graphs import GraphUnavailable, install_cached_step_graphs
 from ditbook.quality import Gates, compare, compare_sets
-from ditbook.timing import time_pipeline
+from ditbook.timing import device_of, time_pipeline
 
 ROWS = ("eager", "cache", "compile", "cache+compile", "fp8+compile", "cache+fp8+compile", "cache+compile+graph")
 REFUSALS = (Fp8Refused, GraphUnavailable)
@@ -102,7 +106,8 @@ def _image(fp) -> "object":
 
 
 def speed_row(fp, cfg: Config, repeats: int, eager_image) -> tuple[dict, object]:
-    """Apply, first call timed apart, ``repeats`` timed calls, undo. Refusals become a row."""
+    """Apply, first call timed apart, ``repeats`` timed calls, undo. Refusals become a row. Each
+    transformer call of the timed calls is timed apart too (``row["call_s"]``: the gap columns)."""
     row: dict = {"config": cfg.name}
     img = None
     try:
@@ -118,7 +123,12 @@ def speed_row(fp, cfg: Config, repeats: int, eager_image) -> tuple[dict, object]
         img = _image(fp)
         sync()
         row["first_call_s"] = round(time.perf_counter() - t0, 3)
-        t = time_pipeline(fp.pipe, fp, warmup=0, repeats=repeats)
+        timer = CallTimer(fp.pipe.transformer, cuda=torch.cuda.is_available() and device_of(fp.pipe).startswith("cuda"))
+        try:
+            t = time_pipeline(fp.pipe, fp, warmup=0, repeats=repeats)
+        finally:
+            timer.remove()
+        row["call_s"] = [round(x, 6) for x in timer.seconds()]
     except REFUSALS as exc:  # e.g. a refusal raised at the first call
         row.update(status="refused", reason=f"{type(exc).__name__}: {exc}")
         return row, None
@@ -225,12 +235,21 @@ def run(out: Path, *, tiny: bool = False, device: str = "cuda", size: int | None
                        **({"text_tokens": 32} if tiny else {}))
     result["transformer_params"] = fp.transformer_params
     configs = row_configs(schedule, compile_opts, steps)
+    result["peaks"] = measure_peaks(device)  # the device's bf16 / fp8 matmul rates, this process
     eager_img = None
     for name in rows:
-        row, img = speed_row(fp, configs[name], repeats, eager_img)
+        capture = CallCapture(fp.pipe.transformer) if name == "eager" else None
+        try:
+            row, img = speed_row(fp, configs[name], repeats, eager_img)
+        finally:
+            if capture is not None:
+                capture.remove()
+        if capture is not None:  # one transformer call at this shape, counted on the eager model
+            result["flops"] = capture.count()
         row["row"] = name
         if name == "eager":
             eager_img = img
+        add_gap(row, result.get("flops"), result["peaks"], repeats)
         result["rows"].append(row)
         _dump(out / "compose.json", result)
     base = next(r for r in result["rows"] if r["row"] == "eager")["timing"]["end_to_end"]["median"]
@@ -253,6 +272,18 @@ def run(out: Path, *, tiny: bool = False, device: str = "cuda", size: int | None
     return result
 
 
+def add_gap(row: dict, flops: dict | None, peaks: dict, repeats: int) -> None:
+    """``row["gap"]``: its computed-step time (the transformer calls of computed steps) beside the
+    time at the measured peaks (``speedsuite.gap``)."""
+    call_s = row.pop("call_s", [])
+    if row.get("status") != "measured":
+        return
+    params = row.get("params") or {}
+    mask = (params.get("schedule") or {}).get("mask")
+    picked, how = computed_calls(call_s, repeats, mask)
+    row["gap"] = gap(flops, peaks, picked, how, fp8=bool((params.get("fp8") or {}).get("quantized")))
+
+
 def _f(v, nd=3, suffix=""):
     return "–" if v is None else f"{v:.{nd}f}{suffix}"
 
@@ -269,8 +300,8 @@ def markdown(result: dict) -> str:
              f"versions: {result['env'].get('versions')}; GPUs: {result['env'].get('gpus', 'none')}.",
              "",
              "| configuration | end to end (s), median (min–max) | speedup vs eager | first call (s) | compile (s) "
-             f"| reference PSNR min / SSIM min (gates > {g.get('psnr', '?')} / > {g.get('ssim', '?')}) | notes |",
-             "| --- | --- | ---: | ---: | ---: | --- | --- |"]
+             f"{GAP_HEADER} reference PSNR min / SSIM min (gates > {g.get('psnr', '?')} / > {g.get('ssim', '?')}) | notes |",
+             f"| --- | --- | ---: | ---: | ---: {GAP_ALIGN} --- | --- |"]
     for r in result["rows"]:
         q = ref.get(r["row"]) or {}
         if q.get("status") == "measured":
@@ -282,7 +313,7 @@ def markdown(result: dict) -> str:
         else:
             rq = "baseline" if r["row"] == "eager" else "–"
         if r["status"] != "measured":
-            lines.append(f"| {r['row']} | refused | – | – | – | {rq} | {r['reason']} |")
+            lines.append(f"| {r['row']} | refused | – | – | – {gap_cells(r)}| {rq} | {r['reason']} |")
             continue
         e = r["timing"]["end_to_end"]
         params = r.get("params") or {}
@@ -299,7 +330,8 @@ def markdown(result: dict) -> str:
         if sv and r["row"] != "eager":
             notes.append(f"vs eager at this shape {_f(sv['psnr'], 1)} dB / {_f(sv['ssim'], 4)}")
         lines.append(f"| {r['row']} | {_f(e['median'])} ({_f(e['min'])}–{_f(e['max'])}) | {_f(r.get('speedup'), 2, '×')} "
-                     f"| {_f(r.get('first_call_s'), 1)} | {_f(comp, 1)} | {rq} | {'; '.join(notes)} |")
+                     f"| {_f(r.get('first_call_s'), 1)} | {_f(comp, 1)} {gap_cells(r)}| {rq} | {'; '.join(notes)} |")
+    lines += [""] + gap_notes(result)
     refd = result.get("reference") or {}
     if refd:
         lines += ["", f"Reference model: {refd['prompts']} prompt(s) x seeds {refd['seeds']}, {refd['steps']} steps, "

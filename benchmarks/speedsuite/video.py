@@ -36,10 +36,11 @@ from pathlib import Path
 import torch
 
 from .fullsize import FullSizePipeline, _make
+from .gap import GAP_ALIGN, GAP_HEADER, CallCapture, CallTimer, gap_cells, gap_notes, measure_peaks
 from .schedules import ditbook_schedule
 from .suite import _dump, _log, environment
 from ditbook.configuration import Config
-from ditbook.timing import time_pipeline
+from ditbook.timing import device_of, time_pipeline
 
 WAN_1_3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16,
                 out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
@@ -107,7 +108,12 @@ def time_row(fp, cfg: Config, repeats: int, steps: int) -> dict:
         row["first_call_s"] = round(time.perf_counter() - t0, 3)
         # what ran, not what was configured: the last block's calls in one generation (2 per computed step)
         row["last_block_calls"] = len(seen)
-        t = time_pipeline(fp.pipe, fp, warmup=0, repeats=repeats)
+        timer = CallTimer(fp.pipe.transformer, cuda=torch.cuda.is_available() and device_of(fp.pipe).startswith("cuda"))
+        try:
+            t = time_pipeline(fp.pipe, fp, warmup=0, repeats=repeats)
+        finally:
+            timer.remove()
+        row["call_s"] = timer.seconds()  # each transformer call: the gap columns (speedsuite.gap)
     finally:
         if undo is not None:
             undo()
@@ -142,9 +148,20 @@ def run(out: Path, *, shape: str = "1.3b", device: str = "cuda", height: int = 4
     fp = wan_pipeline(shape, device, dtype, height=height, width=width, frames=frames, steps=steps)
     result["transformer_params"] = fp.transformer_params
     configs = row_configs(schedule, {"backend": compile_backend}, steps)
+    result["peaks"] = measure_peaks(device)
+    from .compose import add_gap
+
     for name in rows:
-        row = time_row(fp, configs[name], repeats, steps)
+        capture = CallCapture(fp.pipe.transformer) if name == "eager" else None
+        try:
+            row = time_row(fp, configs[name], repeats, steps)
+        finally:
+            if capture is not None:
+                capture.remove()
+        if capture is not None:  # one transformer call (one CFG branch) at this shape, counted on the eager model
+            result["flops"] = capture.count()
         row["row"] = name
+        add_gap(row, result.get("flops"), result["peaks"], repeats)
         result["rows"].append(row)
         _dump(out / f"video_{shape}.json", result)
     base = result["rows"][0]["timing"]["end_to_end"]["median"]
@@ -166,14 +183,15 @@ def markdown(result: dict) -> str:
              f"{result['env'].get('versions')}; GPUs: {result['env'].get('gpus', 'none')}.",
              "",
              "| configuration | end to end (s), median (min–max) | s per step | transformer call (s) | speedup vs eager "
-             "| first call (s) | last block ran (2 per computed step) |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+             f"| first call (s) | last block ran (2 per computed step) {GAP_HEADER}",
+             f"| --- | --- | ---: | ---: | ---: | ---: | ---: {GAP_ALIGN}"]
     for r in result["rows"]:
         e = r["timing"]["end_to_end"]
         call = r.get("transformer_call_median_s")
         lines.append(f"| {r['row']} | {e['median']:.3f} ({e['min']:.3f}–{e['max']:.3f}) | {r['per_step_s']:.3f} "
                      f"| {'–' if call is None else f'{call:.3f}'} | {r['speedup']:.2f}× | {r['first_call_s']:.1f} "
-                     f"| {r['last_block_calls']} |")
+                     f"| {r['last_block_calls']} {gap_cells(r)}|")
+    lines += [""] + gap_notes(result)
     lines += ["", f"Total {result.get('total_seconds')} s."]
     return "\n".join(lines) + "\n"
 
