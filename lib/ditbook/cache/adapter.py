@@ -158,6 +158,9 @@ def _fold_reasons(report: ArchReport, bl, u, fold: LoopFold | None, fold_problem
     if fold is not None and fold.partners:
         reasons.append(f"the loop zips self.{bl.path} with {sorted(fold.partners.values())}; folded, each block "
                        f"runs its partners as one unit")
+    if u.early_exits:
+        reasons.append(f"the loop over self.{bl.path} uses {'/'.join(u.early_exits)}: a cached unit runs every block "
+                       f"of its list; folded, each block's loop body returns early as the loop would")
     if u.in_body:
         reasons.append(f"the loop body reads self.{bl.path} itself ({'; '.join(u.in_body[:2])}); folded, it "
                        f"sees the original list")

@@ -57,6 +57,9 @@ class LoopFold:
     control: list[str] = field(default_factory=list)
     # a zip loop's other lists: {loop variable: list path}; each folded block runs its partners too
     partners: dict[str, str] = field(default_factory=dict)
+    # the loop's own early exits ("break", "continue"): folded, the block's body returns its
+    # carried names there; after a ``break`` every later block returns them unchanged (``_loop_stop``)
+    flow: list[str] = field(default_factory=list)
 
     @property
     def pattern(self) -> str:
@@ -265,6 +268,9 @@ def _control_slice(stmts: list[ast.stmt], control: set[str], tainted: set[str]) 
     around them), or None when an update or its test reads a ``tainted`` name (a stream)."""
     out: list[ast.stmt] = []
     for st in stmts:
+        if isinstance(st, (ast.Continue, ast.Break)):  # the loop's own exits: the updates after them are skipped
+            out.append(st)
+            continue
         stores = set(_names(st, ast.Store)) & control
         if isinstance(st, ast.If):
             body, orelse = _control_slice(st.body, control, tainted), _control_slice(st.orelse, control, tainted)
@@ -359,9 +365,7 @@ def plan_fold(cls, path: str) -> LoopFold:
     fn, _ = _forward_function(cls, method)
     loop = _the_loop(cls, fn, method, path)
     _, block_var, index_var = _loop_list(loop)
-    if loop.orelse or any(isinstance(n, (ast.Break, ast.Continue, ast.Return, ast.Yield)) for s in loop.body
-                          for n in ast.walk(s)):
-            raise FoldError(f"the loop over self.{path} uses break/continue/return/else")
+    flow = _early_exits(loop, path)
     calls = [c for c in _block_calls(loop.body, block_var) if isinstance(c.func, ast.Name)]
     if not calls:
         raise FoldError(f"the loop over self.{path} never calls {block_var}(...)")
@@ -397,7 +401,19 @@ def plan_fold(cls, path: str) -> LoopFold:
     return LoopFold(path=path, method=method, element_methods=element_methods(cls, path), control=control, partners=partners,
                     block_var=block_var, index_var=index_var, carried=carried, inputs=inputs,
                     extra_statements=len(extra), keyword_call=bool(call.keywords) and not call.args,
-                    call_keywords=[k.arg for k in call.keywords if k.arg], body_source=body_src)
+                    call_keywords=[k.arg for k in call.keywords if k.arg], body_source=body_src, flow=flow)
+
+
+def _early_exits(loop: ast.For, path: str) -> list[str]:
+    """The loop's own ``continue`` / ``break`` (folded: the block's body returns early); a
+    ``return``, ``yield`` or ``for ... else`` cannot be folded (``FoldError``)."""
+    from ..inspect.loop_source import FOLDABLE_FLOW, own_flow_nodes
+
+    kinds = sorted({type(n).__name__.lower() for n in own_flow_nodes(loop.body)} | ({"for-else"} if loop.orelse else set()))
+    bad = [k for k in kinds if k not in FOLDABLE_FLOW]
+    if bad:
+        raise FoldError(f"the loop over self.{path} uses {'/'.join(bad)}: a folded block cannot leave the method")
+    return kinds
 
 
 class _RenameSelf(ast.NodeTransformer):
@@ -436,10 +452,15 @@ def loop_body_source(fold: LoopFold, folded_paths=()) -> str:
     body = ast.parse(fold.body_source).body
     others = _OriginalElements(set(folded_paths) - {fold.path})
     body = [_RenameSelf().visit(others.visit(_OriginalList(fold.path).visit(s))) for s in body]
+    returned = f"return {', '.join(fold.carried)}"
+    body = [_EarlyExit(returned).visit(s) for s in body]
     args = ", ".join(["owner", "index", "block", *fold.carried] + [f"{n}=None" for n in fold.inputs[:0]])
     kw = "".join(f", {fold.input_keyword(n)}=None" for n in fold.inputs) + ", _original_list=None"
     kw += ", _loop_control=None" if fold.control else ""
+    kw += ", _loop_stop=None" if "break" in fold.flow else ""
     lines = [f"def loop_body({args}, *{kw}):"]
+    if "break" in fold.flow:  # an earlier block broke the loop: this one does nothing
+        lines += ["    if _loop_stop is not None and _loop_stop[0]:", f"        {returned}"]
     lines += [f"    {n} = {fold.input_keyword(n)}" for n in fold.inputs if fold.input_keyword(n) != n]
     if fold.index_var:
         lines.append(f"    {fold.index_var} = index")
@@ -448,9 +469,36 @@ def loop_body_source(fold: LoopFold, folded_paths=()) -> str:
     if fold.block_var != "block":
         lines.append(f"    {fold.block_var} = block")
     lines += [f"    {var} = owner.{p}[index]" for var, p in fold.partners.items()]
-    lines += [textwrap.indent(ast.unparse(s), "    ") for s in body]
-    lines.append(f"    return {', '.join(fold.carried)}")
+    lines += [textwrap.indent(ast.unparse(ast.fix_missing_locations(s)), "    ") for s in body]
+    lines.append(f"    {returned}")
     return "\n".join(lines) + "\n"
+
+
+class _EarlyExit(ast.NodeTransformer):
+    """The loop's own ``continue`` -> ``return <carried>`` (the rest of this block's body is
+    skipped, the next block starts from the names as they are); its own ``break`` -> the same
+    after ``_loop_stop[0] = True`` (every later block then returns at once). A loop nested in
+    the body keeps its own ``break`` / ``continue`` (its ``else`` clause's are the outer loop's)."""
+
+    def __init__(self, returned: str):
+        self.returned = returned
+
+    def visit_Continue(self, node):
+        return ast.parse(self.returned).body
+
+    def visit_Break(self, node):
+        return ast.parse(f"_loop_stop[0] = True\n{self.returned}").body
+
+    def _nested_loop(self, node):
+        node.orelse = [self.visit(s) for s in node.orelse]  # body: the nested loop's own exits
+        return node
+
+    visit_For = visit_AsyncFor = visit_While = _nested_loop
+
+    def visit_FunctionDef(self, node):
+        return node
+
+    visit_AsyncFunctionDef = visit_Lambda = visit_ClassDef = visit_FunctionDef
 
 
 def fold_method(folds: list[LoopFold]) -> str:
@@ -567,6 +615,9 @@ def rewritten_method_source(cls, folds: list[LoopFold]) -> str:
         if fold.control:
             kws.append(f"_loop_control=_loop_control_{len(controls)}")
             controls.append((loop, _control_source(fold, len(controls))))
+        if "break" in fold.flow:  # one flag per run of the loop: set by the block that breaks
+            kws.append(f"_loop_stop=_loop_stop_{len(controls)}")
+            controls.append((loop, f"_loop_stop_{len(controls)} = [False]\n"))
         target = ", ".join(fold.carried)
         loop.body = ast.parse(f"{target} = {block_var}({', '.join(kws)})").body
     for loop, src in controls:

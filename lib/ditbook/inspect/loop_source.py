@@ -277,13 +277,21 @@ class ListUses:
     other: list[str] = field(default_factory=list)  # "method:line: code" per other use
     in_body: list[str] = field(default_factory=list)  # uses inside the loop's own body (len, indexing)
     conditional: list[str] = field(default_factory=list)  # other uses only under a test of an optional argument
-    loop_flow: list[str] = field(default_factory=list)  # break/continue/return/else inside a loop
+    # break/continue/return/else of a loop over the list; break and continue (``FOLDABLE_FLOW``)
+    # are safe once the loop is folded (each block's body returns early): see ``early_exits``
+    loop_flow: list[str] = field(default_factory=list)
     zipped_after: list[str] = field(default_factory=list)  # the list whose zip loop runs this one (not first)
     # outside the loop, an attribute of one element read (``self.<list>[0].norm1.emb(...)``) or of
     # each element in a comprehension (``[b.attn.processor for b in self.<list>]``), the element
     # itself never called, or the list's length read (``len(self.<list>)``): safe when the code
     # is pointed at the original blocks
     element_attrs: list[str] = field(default_factory=list)
+
+    @property
+    def early_exits(self) -> list[str]:
+        """The loop's ``break`` / ``continue``: the loop must be folded (a cached unit runs every
+        block of its list; folded, the block's loop body returns early as the loop would)."""
+        return sorted({f for f in self.loop_flow if f in FOLDABLE_FLOW})
 
     def unsafe(self) -> str:
         """Why replacing the list by one cached unit would change what the code does ('' if safe)."""
@@ -292,8 +300,9 @@ class ListUses:
                     f"stands in one unit for the list would change what that code sees")
         if len(self.loops) > 1 and not self.exclusive:
             return f"the code loops over self.{self.path} {len(self.loops)} times ({', '.join(self.loops)})"
-        if self.loop_flow:
-            return f"the loop over self.{self.path} uses {', '.join(self.loop_flow)}: a cached unit cannot stop early"
+        stops = [f for f in self.loop_flow if f not in FOLDABLE_FLOW]
+        if stops:
+            return f"the loop over self.{self.path} uses {', '.join(stops)}: a cached unit cannot stop early"
         if not self.loops:
             return f"no loop over self.{self.path} found in the transformer's code"
         return ""
@@ -472,10 +481,34 @@ def _bucket(u: ListUses, in_body: bool, element_attr: bool) -> list[str]:
     return u.in_body if in_body else u.element_attrs if element_attr else u.other
 
 
+def own_flow_nodes(stmts: list[ast.stmt]):
+    """The ``break`` / ``continue`` / ``return`` / ``yield`` nodes under ``stmts`` that act on the
+    loop whose body they are: not those of a loop nested in it (its body's ``break`` and
+    ``continue`` are its own; its ``else`` clause's act on the outer loop), nor of a function
+    or class defined in it."""
+    todo = list(stmts)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            continue
+        if isinstance(node, (ast.Break, ast.Continue, ast.Return, ast.Yield, ast.YieldFrom)):
+            yield node
+        if isinstance(node, (ast.For, ast.AsyncFor, ast.While)):
+            # the nested loop's own break/continue stay inside it; a return still leaves the method
+            todo.extend(n for s in node.body for n in ast.walk(s) if isinstance(n, (ast.Return, ast.Yield)))
+            todo.extend(node.orelse)
+            todo.append(node.iter if not isinstance(node, ast.While) else node.test)
+            continue
+        todo.extend(ast.iter_child_nodes(node))
+
+
+# the early exits a folded loop body reproduces (``loopfold``): the block's body returns early
+FOLDABLE_FLOW = ("break", "continue")
+
+
 def _loop_flow(loop: ast.For) -> list[str]:
     """The ways a loop can stop early or run extra code: break/continue/return, for-else."""
-    flow = sorted({type(n).__name__.lower() for s in loop.body for n in ast.walk(s)
-                   if isinstance(n, (ast.Break, ast.Continue, ast.Return))})
+    flow = sorted({type(n).__name__.lower() for n in own_flow_nodes(loop.body)})
     return flow + (["for-else"] if loop.orelse else [])
 
 
