@@ -15,7 +15,7 @@ function source, which ``adapter_source`` writes into the adapter module file:
   block's position; it returns the carried names (``(hidden_states, encoder_hidden_states)``,
   cache-dit ``Pattern_0``, or ``hidden_states``, ``Pattern_3``); the module's
   ``<Transformer><List>LoopBody`` class (``loop_body_class_name``) runs it per block;
-* ``rewritten_method_source``: the transformer method whose loop only calls ``block(hidden_states=...,
+* ``rewritten_method_source``: each transformer method whose loop only calls ``block(hidden_states=...,
   encoder_hidden_states=..., <every outer name the body reads>=...)``;
 * ``extra_method_sources``: other methods that read ``self.<list>[i].<attr>``, pointed at the
   original blocks;
@@ -60,6 +60,17 @@ class LoopFold:
     # the loop's own early exits ("break", "continue"): folded, the block's body returns its
     # carried names there; after a ``break`` every later block returns them unchanged (``_loop_stop``)
     flow: list[str] = field(default_factory=list)
+    # block-call arguments that differ per block (``kv_cache[i]``, ``temb_per_block[i]``): only a
+    # fold hands each block its own
+    per_block_args: list[str] = field(default_factory=list)
+    # the same list's loops in other methods never run in the same call (modes): each folded too,
+    # with its own loop body; the rewritten method tells the block which one runs (``_loop_mode``)
+    modes: list["LoopFold"] = field(default_factory=list)
+
+    @property
+    def variants(self) -> list["LoopFold"]:
+        """This fold and its modes' (``_loop_mode`` k is the k-th)."""
+        return [self, *self.modes]
 
     @property
     def pattern(self) -> str:
@@ -76,6 +87,7 @@ class LoopFold:
         d = asdict(self)
         d["pattern"] = self.pattern
         d.pop("body_source")
+        d["modes"] = [m.to_dict() for m in self.modes]
         return d
 
 
@@ -87,15 +99,6 @@ def _forward_function(cls, method: str = "forward") -> tuple[ast.FunctionDef, st
     if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
         raise FoldError(f"{cls.__name__}.{method} is not a plain function")
     return node, src
-
-
-def loop_method(cls, path: str) -> str:
-    """The method that loops over ``self.<path>``: ``forward`` or a method it calls as
-    ``self.<name>(...)`` (found from the source, any depth)."""
-    from ..inspect.loop_source import list_uses
-
-    loops = list_uses(cls, [path])[path].loops
-    return loops[0].split(":")[0] if loops else "forward"
 
 
 def element_methods(cls, path: str) -> list[str]:
@@ -236,10 +239,10 @@ def _the_loop(cls, fn: ast.FunctionDef, method: str, path: str) -> ast.For:
         raise FoldError(f"{cls.__name__}.forward has no loop 'for ... in self.{path}' "
                         f"(or enumerate(self.{path})) to fold")
     if len(loops) > 1:
-        from ..inspect.loop_source import _branches, exclusive_branches
+        from ..inspect.loop_source import Flow
 
-        branches = _branches(fn)
-        if not all(exclusive_branches(branches, a, b) for i, a in enumerate(loops) for b in loops[i + 1:]):
+        flow = Flow(fn)
+        if not all(flow.never_both(a, b) for i, a in enumerate(loops) for b in loops[i + 1:]):
             raise FoldError(f"{cls.__name__}.{method} loops over self.{path} {len(loops)} times")
         # alternatives of one ``if`` (the gradient-checkpointing switch): fold the one that calls
         # the block itself; the rewrite below reduces every one of them to the block call
@@ -359,9 +362,38 @@ def _refuse_non_tensor_carried(loop: ast.For, path: str, carried: list[str]) -> 
                     f"value computed from the stream cannot be precomputed before the loop like a counter")
 
 
+def loop_methods(cls, path: str) -> list[str]:
+    """Every method that loops over ``self.<path>``, in the order ``list_uses`` finds them."""
+    from ..inspect.loop_source import list_uses
+
+    loops = list_uses(cls, [path])[path].loops
+    return list(dict.fromkeys(loop.split(":")[0] for loop in loops)) or ["forward"]
+
+
 def plan_fold(cls, path: str) -> LoopFold:
-    """Read the loop over ``self.<path>`` in ``cls.forward`` (or the helper method that has it)."""
-    method = loop_method(cls, path)
+    """Read the loop over ``self.<path>`` in ``cls.forward`` (or the helper method that has it).
+
+    One list looped in several methods that never run in the same call (modes: ``forward``
+    dispatching to ``_forward_train`` / ``_forward_cache`` / ...) is folded in each of them: the
+    first method's fold, the others' in ``modes`` (each its own loop body; all carry as many
+    streams, so the list has one forward pattern)."""
+    from ..inspect.loop_source import list_uses
+
+    methods = loop_methods(cls, path)
+    folds = [_plan_fold_in(cls, path, m) for m in methods]
+    if len(folds) > 1:
+        uses = list_uses(cls, [path])[path]
+        if not uses.exclusive:
+            raise FoldError(f"{cls.__name__} loops over self.{path} in {methods}, which may run in one call")
+        if len({len(f.carried) for f in folds}) > 1:
+            raise FoldError(f"the loops over self.{path} in {methods} carry different streams "
+                            f"{[f.carried for f in folds]}: one list has one forward pattern")
+    folds[0].modes = folds[1:]
+    return folds[0]
+
+
+def _plan_fold_in(cls, path: str, method: str) -> LoopFold:
+    """The fold of the loop over ``self.<path>`` in ``cls.<method>``."""
     fn, _ = _forward_function(cls, method)
     loop = _the_loop(cls, fn, method, path)
     _, block_var, index_var = _loop_list(loop)
@@ -397,8 +429,13 @@ def plan_fold(cls, path: str) -> LoopFold:
               and n not in control and n not in loop_vars and n != "self"]
     extra = [s for s in loop.body if not _is_checkpoint_branch(s) and not (
         isinstance(s, (ast.Assign, ast.Expr)) and any(c is call for c in ast.walk(s)))]
+    # arguments that differ per block: they read the loop index, the block, a partner or a name the
+    # body assigns (a cached unit is called once, with the first block's values)
+    local = (loop_vars - {None}) | (set(stored) - set(carried))
+    per_block = [ast.unparse(a) for a in [*call.args, *(k.value for k in call.keywords)]
+                 if set(_names(a, ast.Load)) & local]
     body_src = "\n".join(ast.unparse(s) for s in loop.body)
-    return LoopFold(path=path, method=method, element_methods=element_methods(cls, path), control=control, partners=partners,
+    return LoopFold(path=path, method=method, per_block_args=per_block, element_methods=element_methods(cls, path), control=control, partners=partners,
                     block_var=block_var, index_var=index_var, carried=carried, inputs=inputs,
                     extra_statements=len(extra), keyword_call=bool(call.keywords) and not call.args,
                     call_keywords=[k.arg for k in call.keywords if k.arg], body_source=body_src, flow=flow)
@@ -501,11 +538,9 @@ class _EarlyExit(ast.NodeTransformer):
     visit_AsyncFunctionDef = visit_Lambda = visit_ClassDef = visit_FunctionDef
 
 
-def fold_method(folds: list[LoopFold]) -> str:
-    methods = sorted({f.method for f in folds})
-    if len(methods) > 1:
-        raise FoldError(f"the folded loops live in different methods {methods}; one method can be rewritten")
-    return methods[0] if methods else "forward"
+def fold_methods(folds: list[LoopFold]) -> list[str]:
+    """The methods holding the folded loops (each rewritten), modes' included."""
+    return sorted({v.method for f in folds for v in f.variants})
 
 
 class _OriginalElements(ast.NodeTransformer):
@@ -594,13 +629,22 @@ def _insert_before(fn: ast.AST, target: ast.stmt, stmts: list[ast.stmt]) -> None
     raise FoldError("the folded loop was not found in its method")
 
 
-def rewritten_method_source(cls, folds: list[LoopFold]) -> str:
-    """The method holding the folded loops, each loop reduced to one call per block (docstring
-    and decorators dropped)."""
-    method = fold_method(folds)
+def rewritten_method_source(cls, folds: list[LoopFold], method: str | None = None) -> str:
+    """``method`` (by default the one method holding the folded loops), each of its folded loops
+    reduced to one call per block (docstring and decorators dropped). A list folded in several
+    mode methods passes ``_loop_mode=k``: the block runs the k-th loop body (``LoopFold.variants``)."""
+    methods = fold_methods(folds)
+    if method is None:
+        if len(methods) > 1:
+            raise FoldError(f"the folded loops live in methods {methods}: name the one to rewrite")
+        method = methods[0] if methods else "forward"
     fn, _ = _forward_function(cls, method)
     fn.decorator_list = []
-    by_path = {f.path: f for f in folds}
+    by_path, mode = {}, {}
+    for f in folds:
+        for k, v in enumerate(f.variants):
+            if v.method == method:
+                by_path[f.path], mode[f.path] = v, (k if f.modes else None)
     controls: list[tuple[ast.For, str]] = []
     from ..inspect.loop_source import for_reads_attributes
 
@@ -615,6 +659,8 @@ def rewritten_method_source(cls, folds: list[LoopFold]) -> str:
         if fold.control:
             kws.append(f"_loop_control=_loop_control_{len(controls)}")
             controls.append((loop, _control_source(fold, len(controls))))
+        if mode[path] is not None:
+            kws.append(f"_loop_mode={mode[path]}")
         if "break" in fold.flow:  # one flag per run of the loop: set by the block that breaks
             kws.append(f"_loop_stop=_loop_stop_{len(controls)}")
             controls.append((loop, f"_loop_stop_{len(controls)} = [False]\n"))
@@ -622,7 +668,7 @@ def rewritten_method_source(cls, folds: list[LoopFold]) -> str:
         loop.body = ast.parse(f"{target} = {block_var}({', '.join(kws)})").body
     for loop, src in controls:
         _insert_before(fn, loop, ast.parse(src).body)
-    fn = _OriginalElements(by_path).visit(fn)
+    fn = _OriginalElements([f.path for f in folds]).visit(fn)
     fn.name = method
     if fn.body and isinstance(fn.body[0], ast.Expr) and isinstance(getattr(fn.body[0], "value", None), ast.Constant) \
             and isinstance(fn.body[0].value.value, str):
@@ -635,9 +681,8 @@ def rewritten_method_source(cls, folds: list[LoopFold]) -> str:
 def extra_method_sources(cls, folds: list[LoopFold]) -> dict[str, str]:
     """Each method besides the rewritten one that reads an attribute of a folded list's element,
     rewritten to read it from the original block: {method name: source}."""
-    method = fold_method(folds)
     out = {}
-    for name in sorted({m for f in folds for m in f.element_methods} - {method}):
+    for name in sorted({m for f in folds for m in f.element_methods} - set(fold_methods(folds))):
         fn, _ = _forward_function(cls, name)
         fn.decorator_list = []
         fn = _OriginalElements([f.path for f in folds]).visit(fn)

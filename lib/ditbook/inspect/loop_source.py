@@ -367,6 +367,68 @@ def exclusive_branches(branches: dict, a: ast.AST, b: ast.AST) -> bool:
     return any(k in cb and cb[k] != v for k, v in ca.items())
 
 
+class Flow:
+    """Which two places of one function can both run in one call of it, read from its ``if`` /
+    ``return`` structure: never when they sit in different branches of one ``if``, or when the
+    earlier one is always followed by a ``return`` / ``raise`` before the later is reached
+    (``if a: return self._one(...)`` then ``return self._other(...)``: modes dispatched by early
+    returns). Conservative: a loop around both, a ``try``, a ``break`` / ``continue`` on the way
+    count as "may both run"."""
+
+    def __init__(self, fn: ast.AST):
+        self.fn = fn
+        self.branches = _branches(fn)
+        self.parents = {id(c): n for n in ast.walk(fn) for c in ast.iter_child_nodes(n)}
+
+    def _up(self, node: ast.AST) -> list[ast.AST]:
+        out = []
+        while id(node) in self.parents:
+            node = self.parents[id(node)]
+            out.append(node)
+        return out
+
+    def never_both(self, a: ast.AST, b: ast.AST) -> bool:
+        if exclusive_branches(self.branches, a, b):
+            return True
+        up_a, up_b = self._up(a), self._up(b)
+        if any(isinstance(n, (ast.For, ast.AsyncFor, ast.While)) and any(m is n for m in up_b) for n in up_a):
+            return False  # a loop around both: the later one may run before the earlier on a next pass
+        first, second = sorted((a, b), key=lambda n: (n.lineno, n.col_offset))
+        return self._returns_before(first, second)
+
+    def _returns_before(self, first: ast.AST, second: ast.AST) -> bool:
+        """After ``first`` runs, the function always returns (or raises) before reaching ``second``."""
+        inside_second = {id(n) for n in ast.walk(self._statement(second))}
+        cur = self._statement(first)
+        if any(n is second for n in ast.walk(cur)):
+            return False  # one statement holds both (``return self._a() + self._b()``, an ``if`` test and its body)
+        if any(isinstance(n, ast.Try) or type(n).__name__ == "TryStar" for n in self._up(cur)):
+            return False  # a ``finally`` / handler may run more code after the return
+        while True:
+            if isinstance(cur, ast.Return):
+                return True
+            parent = self.parents.get(id(cur))
+            block = next((getattr(parent, f) for f in ("body", "orelse", "finalbody")
+                          if any(s is cur for s in getattr(parent, f, None) or [])), None)
+            if block is None or isinstance(parent, (ast.Try, ast.For, ast.AsyncFor, ast.While)):
+                return False  # a handler, a loop body that runs again, a finally clause: not followed
+            for s in block[next(i for i, x in enumerate(block) if x is cur) + 1:]:
+                if id(s) in inside_second or any(id(n) in inside_second for n in ast.walk(s)):
+                    return False
+                if isinstance(s, (ast.Return, ast.Raise)):
+                    return True
+                if any(isinstance(n, (ast.Break, ast.Continue)) for n in own_flow_nodes([s])):
+                    return False
+            if parent is self.fn:
+                return False
+            cur = parent
+
+    def _statement(self, node: ast.AST) -> ast.AST:
+        while not isinstance(node, ast.stmt) and id(node) in self.parents:
+            node = self.parents[id(node)]
+        return node
+
+
 def _loop_iter_lists(it: ast.AST) -> list[ast.AST]:
     """The ``self.<x>`` nodes a for-loop's iterable runs over one by one: ``self.x`` itself or
     ``enumerate(self.x)``, or each list of ``zip(self.x, self.y)`` (all ``self`` attributes, one
@@ -518,7 +580,7 @@ def list_uses(cls, paths: list[str]) -> dict[str, ListUses]:
     uses = {p: ListUses(p) for p in paths}
     seen: set[str] = set()
     todo = ["forward"]
-    sites: dict[str, list[tuple[str, ast.AST, dict]]] = {}  # method -> (caller, call node, caller's branches)
+    sites: dict[str, list[tuple[str, ast.AST, Flow]]] = {}  # method -> (caller, call node, caller's flow)
     while todo:
         name = todo.pop()
         if name in seen or name not in methods:
@@ -527,20 +589,20 @@ def list_uses(cls, paths: list[str]) -> dict[str, ListUses]:
         fn, offset = methods[name]
         loop_nodes: set[int] = set()
         body_nodes: dict[int, str] = {}
-        branches = _branches(fn)
+        flow = Flow(fn)
+        branches = flow.branches
         ifs = {id(n): n for n in ast.walk(fn) if isinstance(n, ast.If)}
         loops_by_list: dict[str, list[ast.For]] = {}
         for node in ast.walk(fn):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
                     isinstance(node.func.value, ast.Name) and node.func.value.id == "self":
                 todo.append(node.func.attr)
-                sites.setdefault(node.func.attr, []).append((name, node, branches))
+                sites.setdefault(node.func.attr, []).append((name, node, flow))
             if isinstance(node, ast.For) and not for_reads_attributes(node):
                 _record_loop(node, f"{name}:{offset + node.lineno}", uses, loop_nodes, loops_by_list, body_nodes)
         for p, found in loops_by_list.items():
             if len(found) > 1 and len(uses[p].loops) == len(found):
-                uses[p].exclusive = all(exclusive_branches(branches, a, b)
-                                        for i, a in enumerate(found) for b in found[i + 1:])
+                uses[p].exclusive = all(flow.never_both(a, b) for i, a in enumerate(found) for b in found[i + 1:])
         parents = {id(c): n for n in ast.walk(fn) for c in ast.iter_child_nodes(n)}
         for node in ast.walk(fn):
             if not isinstance(node, ast.Attribute) or id(node) in loop_nodes:
@@ -584,8 +646,9 @@ def _record_loop(node: ast.For, where: str, uses: dict, loop_nodes: set, loops_b
 
 
 def _exclusive_methods(u: ListUses, sites: dict) -> None:
-    """Loops over one list in several methods (modes), each method called once, from different
-    branches of one ``if`` in the same caller: only one of them runs per call."""
+    """Loops over one list in several methods (modes), each method called once, from places of
+    the same caller that never both run (different branches of one ``if``, or each followed by a
+    ``return``: ``Flow.never_both``): only one of them runs per call."""
     methods = [loop.split(":")[0] for loop in u.loops]
     if len(methods) < 2 or len(set(methods)) != len(methods) or u.exclusive:
         return
@@ -593,5 +656,5 @@ def _exclusive_methods(u: ListUses, sites: dict) -> None:
     if any(len(c) != 1 for c in calls) or len({c[0][0] for c in calls}) != 1:
         return
     nodes = [c[0][1] for c in calls]
-    branches = calls[0][0][2]
-    u.exclusive = all(exclusive_branches(branches, a, b) for i, a in enumerate(nodes) for b in nodes[i + 1:])
+    flow = calls[0][0][2]
+    u.exclusive = all(flow.never_both(a, b) for i, a in enumerate(nodes) for b in nodes[i + 1:])
