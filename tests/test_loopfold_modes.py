@@ -121,3 +121,26 @@ def _calls(src: str):
 def test_flow_never_both(src, exclusive):
     flow, (a, b) = _calls(src)
     assert flow.never_both(a, b) is exclusive
+
+
+class ModesInOneMethod(HBase):
+    """Two exclusive loops of one method (an early return) with different bodies."""
+
+    def forward(self, hidden_states, timestep, scales=None, return_dict: bool = False):
+        x, temb = self.embed(hidden_states, timestep)
+        if scales is not None:
+            for i, block in enumerate(self.blocks):
+                x = block(x, temb * scales[i])
+            return (self.proj_out(x),)
+        for block in self.blocks:
+            x = block(x, temb)
+        return (self.proj_out(x),)
+
+
+def test_different_exclusive_loops_of_one_method_are_refused_not_folded_as_one():
+    # exclusive by the return, but one fold would give both loops the first loop's body
+    assert list_uses(ModesInOneMethod, ["blocks"])["blocks"].exclusive
+    with pytest.raises(Exception, match="different loop bodies"):
+        plan_fold(ModesInOneMethod, "blocks")
+    row = cache_check(ModesInOneMethod, _inputs(scales=torch.tensor([0.5, 1.0, 2.0])))
+    assert row.outcome == "refused", (row.outcome, row.reason)

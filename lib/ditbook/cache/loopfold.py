@@ -247,6 +247,11 @@ def _the_loop(cls, fn: ast.FunctionDef, method: str, path: str) -> ast.For:
         # alternatives of one ``if`` (the gradient-checkpointing switch): fold the one that calls
         # the block itself; the rewrite below reduces every one of them to the block call
         direct = [lp for lp in loops if any(isinstance(c.func, ast.Name) for c in _block_calls(lp.body, _loop_list(lp)[1]))]
+        if len({ast.dump(ast.Module(body=lp.body, type_ignores=[])) for lp in direct}) > 1:
+            # exclusive loops of one method doing different work (modes in one method): one fold
+            # would give every one of them the first one's body
+            raise FoldError(f"{cls.__name__}.{method} loops over self.{path} {len(loops)} times, in alternatives "
+                            f"with different loop bodies")
         loops = direct or loops
     return loops[0]
 

@@ -398,7 +398,7 @@ class Flow:
 
     def _returns_before(self, first: ast.AST, second: ast.AST) -> bool:
         """After ``first`` runs, the function always returns (or raises) before reaching ``second``."""
-        inside_second = {id(n) for n in ast.walk(self._statement(second))}
+        second_stmt = self._statement(second)
         cur = self._statement(first)
         if any(n is second for n in ast.walk(cur)):
             return False  # one statement holds both (``return self._a() + self._b()``, an ``if`` test and its body)
@@ -413,8 +413,8 @@ class Flow:
             if block is None or isinstance(parent, (ast.Try, ast.For, ast.AsyncFor, ast.While)):
                 return False  # a handler, a loop body that runs again, a finally clause: not followed
             for s in block[next(i for i, x in enumerate(block) if x is cur) + 1:]:
-                if id(s) in inside_second or any(id(n) in inside_second for n in ast.walk(s)):
-                    return False
+                if any(n is second_stmt for n in ast.walk(s)):
+                    return False  # ``second`` reached
                 if isinstance(s, (ast.Return, ast.Raise)):
                     return True
                 if any(isinstance(n, (ast.Break, ast.Continue)) for n in own_flow_nodes([s])):
