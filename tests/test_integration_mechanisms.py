@@ -215,10 +215,16 @@ def test_list_touched_outside_its_loop_is_refused_with_a_reason():
     # before: cache-dit's one-unit stand-in replaced the list, so `self.blocks[0].norm1` raised,
     # the second loop / comprehension / zip saw one unit instead of the blocks
     for cls, words in ((BlockCalledOutsideLoop, "outside its loop"), (TwoLoops, "2 times"),
-                       (Comprehension, "outside its loop"),
-                       (BreakEarly, "break")):
+                       (Comprehension, "outside its loop")):
         row = run(cls)
         assert row.outcome == "refused" and words in row.reason, (cls.__name__, row.reason)
+
+
+def test_loop_with_break_is_folded():
+    # before (issue 23): refused ("uses break: a cached unit cannot stop early"); folded, the block
+    # that breaks sets a flag and every later block returns at once (tests/test_loopfold_flow.py)
+    row = run(BreakEarly)
+    assert row.outcome == "correct" and row.folded and row.off_max_abs <= 1e-5, (row.outcome, row.reason)
 
 
 class BlockAttributeInHelper(Base):

@@ -130,6 +130,10 @@ def needs_fold(report: ArchReport, bl, fold: LoopFold | None) -> list[str]:
         mine = [r for r in report.loop_extra_work_reasons if bl.path in r] or report.loop_extra_work_reasons
         reasons += [f"inspection: {r}" for r in mine] or [
             f"the loop over {bl.path} does {fold.extra_statements} statement(s) of extra work per block"]
+    if fold is not None and fold.per_block_args:
+        reasons.append(f"the loop over {bl.path} in {fold.method} passes each block its own "
+                       f"{', '.join(fold.per_block_args[:3])}: a cached unit is called once, with the first "
+                       f"block's; folded, each block gets its own")
     pattern = _pattern_from_report(bl)
     if pattern is not None and bl.signature:
         from ..inspect.patterns import PATTERNS
@@ -148,8 +152,15 @@ def needs_fold(report: ArchReport, bl, fold: LoopFold | None) -> list[str]:
 
 
 def _fold_reasons(report: ArchReport, bl, u, fold: LoopFold | None, fold_problem: str) -> tuple[list[str], str]:
-    """Why the loop over ``bl`` must be folded, and why it cannot be cached at all ('' if it can)."""
+    """Why the loop over ``bl`` must be folded, and why it cannot be cached at all ('' if it can).
+    A list looped in several mode methods is folded in all of them when one of them needs it."""
     reasons = needs_fold(report, bl, fold)
+    for mode in fold.modes if fold is not None else []:
+        reasons += [r for r in needs_fold(report, bl, mode) if r not in reasons]
+    if reasons and fold is not None and fold.modes:  # not a reason by itself: unfolded, every mode's loop runs the unit
+        reasons.append(f"self.{bl.path} is looped in {len(fold.variants)} mode methods "
+                       f"({', '.join(v.method for v in fold.variants)}), one per call; folded, each "
+                       f"runs its own loop body")
     if report.loop_extra_work and fold is None:
         reasons.append(f"inspection reports loop work but the loop cannot be folded: {fold_problem}")
     if u.element_attrs:
@@ -158,6 +169,9 @@ def _fold_reasons(report: ArchReport, bl, u, fold: LoopFold | None, fold_problem
     if fold is not None and fold.partners:
         reasons.append(f"the loop zips self.{bl.path} with {sorted(fold.partners.values())}; folded, each block "
                        f"runs its partners as one unit")
+    if u.early_exits:
+        reasons.append(f"the loop over self.{bl.path} uses {'/'.join(u.early_exits)}: a cached unit runs every block "
+                       f"of its list; folded, each block's loop body returns early as the loop would")
     if u.in_body:
         reasons.append(f"the loop body reads self.{bl.path} itself ({'; '.join(u.in_body[:2])}); folded, it "
                        f"sees the original list")

@@ -5,8 +5,9 @@
 
 - constants (``PIPELINE_CLASS``, ``TRANSFORMER_CLASS``, ``BLOCK_LISTS``, ``HAS_SEPARATE_CFG``,
   ``DIFFUSERS_BLOCK_OUTPUTS``, ``FOLDED``);
-- when the loop is folded: each loop body as an ordinary ``def``, the ``<Transformer><List>LoopBody``
-  module class that runs it for one block, the rewritten transformer method(s) as ordinary ``def``s,
+- when the loop is folded: each loop body as an ordinary ``def`` (one per mode method of a list
+  looped in several), the ``<Transformer><List>LoopBody`` module class that runs it for one block
+  (the mode's body by ``_loop_mode``), the rewritten transformer method(s) as ordinary ``def``s,
   the ``PatchFunctor`` class (atomic, per instance) and ``unpatch``; no ``exec``, no source strings;
 - the registration function, decorated with ``BlockAdapterRegister.register("<PipelineClass>")``,
   returning the ``BlockAdapter``.
@@ -32,7 +33,7 @@ from .loopfold import (
     LoopFold,
     defining_globals,
     extra_method_sources,
-    fold_method,
+    fold_methods,
     loop_body_class_name,
     loop_body_source,
     rewritten_method_source,
@@ -212,8 +213,24 @@ class CarriedNotTensor(TypeError):
 '''
 
 
-def _loop_body_class(tcls, fold: LoopFold, fn_name: str) -> str:
-    """The module class that runs one block of ``fold.path`` with the loop's work for it."""
+def _body_function_name(fold: LoopFold, variant: LoopFold) -> str:
+    """The loop body's ``def``: one per list, or one per mode method of a list looped in several
+    (named by the method; by its ``_loop_mode`` number where two methods' safe names collide)."""
+    base = f"_{safe_name(fold.path)}_loop_body"
+    if not fold.modes:
+        return base
+    tails = [safe_name(v.method) for v in fold.variants]
+    k = next(i for i, v in enumerate(fold.variants) if v is variant)
+    return f"{base}_{tails[k]}" if tails.count(tails[k]) == 1 else f"{base}_{k}"
+
+
+def _loop_body_class(tcls, fold: LoopFold, fn_names: list[str]) -> str:
+    """The module class that runs one block of ``fold.path`` with the loop's work for it (with
+    several mode methods, the body of the one the rewritten method names by ``_loop_mode``)."""
+    if len(fn_names) > 1:
+        fn_name, mode_kw = f"({', '.join(fn_names)})[_loop_mode]", ", _loop_mode=0"
+    else:
+        fn_name, mode_kw = fn_names[0], ""
     two = len(fold.carried) == 2
     guard = ""
     if two:
@@ -238,7 +255,7 @@ def _loop_body_class(tcls, fold: LoopFold, fn_name: str) -> str:
                 # while cached, the transformer's attribute holds cache-dit's one-unit stand-in
                 object.__setattr__(self, "_originals", originals)
 
-            def forward(self, hidden_states{", encoder_hidden_states=None" if two else ""}, **loop_inputs):
+            def forward(self, hidden_states{", encoder_hidden_states=None" if two else ""}{mode_kw}, **loop_inputs):
                 out = {fn_name}(self._owner, self.index, self.inner, hidden_states{", encoder_hidden_states" if two else ""},
                     _original_list=self._originals, **loop_inputs)
         ''') + guard + "        return out\n"
@@ -269,9 +286,9 @@ def _reserved(tcls, info, folds: list[LoopFold], functor: str) -> dict[str, obje
     own = {n: _OWN for n in ("PIPELINE_CLASS", "TRANSFORMER_CLASS", "BLOCK_LISTS", "HAS_SEPARATE_CFG",
                              "DIFFUSERS_BLOCK_OUTPUTS", "FOLDED", "FOLDED_METHODS", "CarriedNotTensor", "_get",
                              "unpatch", functor, adapter_function_name(info.pipeline_class), "annotations")}
-    own.update({f"_{safe_name(f.path)}_loop_body": _OWN for f in folds})
+    own.update({_body_function_name(f, v): _OWN for f in folds for v in f.variants})
     own.update({loop_body_class_name(tcls, f.path): _OWN for f in folds})
-    own.update({f"_folded_{m}": _OWN for m in [fold_method(folds), *extra_method_sources(tcls, folds)]})
+    own.update({f"_folded_{m}": _OWN for m in [*fold_methods(folds), *extra_method_sources(tcls, folds)]})
     own.update(torch=torch, types=types, BlockAdapter=cache_dit.BlockAdapter,
                BlockAdapterRegister=cache_dit.BlockAdapterRegister, ForwardPattern=cache_dit.ForwardPattern,
                PatchFunctor=cache_dit.PatchFunctor)
@@ -280,13 +297,15 @@ def _reserved(tcls, info, folds: list[LoopFold], functor: str) -> dict[str, obje
 
 def _fold_pieces(tcls, folds: list[LoopFold], functor: str, names: ModelNames) -> list[str]:
     """Loop bodies, their block classes, the rewritten methods, the functor and ``unpatch``."""
-    method = fold_method(folds)
     out = [_NOT_TENSOR.rstrip("\n")] if any(len(f.carried) == 2 for f in folds) else []
     for fold in folds:
-        fn_name = f"_{safe_name(fold.path)}_loop_body"
-        src = names.resolve(loop_body_source(fold, [f.path for f in folds]), defining_globals(tcls, fold.method), fn_name)
-        out += ["", "", src.rstrip(), _loop_body_class(tcls, fold, fn_name).rstrip()]
-    methods = {method: rewritten_method_source(tcls, folds), **extra_method_sources(tcls, folds)}
+        fn_names = [_body_function_name(fold, v) for v in fold.variants]
+        for v, fn_name in zip(fold.variants, fn_names):
+            src = names.resolve(loop_body_source(v, [f.path for f in folds]), defining_globals(tcls, v.method), fn_name)
+            out += ["", "", src.rstrip()]
+        out.append(_loop_body_class(tcls, fold, fn_names).rstrip())
+    methods = {m: rewritten_method_source(tcls, folds, m) for m in fold_methods(folds)}
+    methods.update(extra_method_sources(tcls, folds))
     for name, src in methods.items():
         out += ["", "", names.resolve(src, defining_globals(tcls, name), f"_folded_{name}").rstrip()]
     folded = ", ".join(f"{f.path!r}: {loop_body_class_name(tcls, f.path)}" for f in folds)

@@ -15,7 +15,7 @@ function source, which ``adapter_source`` writes into the adapter module file:
   block's position; it returns the carried names (``(hidden_states, encoder_hidden_states)``,
   cache-dit ``Pattern_0``, or ``hidden_states``, ``Pattern_3``); the module's
   ``<Transformer><List>LoopBody`` class (``loop_body_class_name``) runs it per block;
-* ``rewritten_method_source``: the transformer method whose loop only calls ``block(hidden_states=...,
+* ``rewritten_method_source``: each transformer method whose loop only calls ``block(hidden_states=...,
   encoder_hidden_states=..., <every outer name the body reads>=...)``;
 * ``extra_method_sources``: other methods that read ``self.<list>[i].<attr>``, pointed at the
   original blocks;
@@ -57,6 +57,20 @@ class LoopFold:
     control: list[str] = field(default_factory=list)
     # a zip loop's other lists: {loop variable: list path}; each folded block runs its partners too
     partners: dict[str, str] = field(default_factory=dict)
+    # the loop's own early exits ("break", "continue"): folded, the block's body returns its
+    # carried names there; after a ``break`` every later block returns them unchanged (``_loop_stop``)
+    flow: list[str] = field(default_factory=list)
+    # block-call arguments that differ per block (``kv_cache[i]``, ``temb_per_block[i]``): only a
+    # fold hands each block its own
+    per_block_args: list[str] = field(default_factory=list)
+    # the same list's loops in other methods never run in the same call (modes): each folded too,
+    # with its own loop body; the rewritten method tells the block which one runs (``_loop_mode``)
+    modes: list["LoopFold"] = field(default_factory=list)
+
+    @property
+    def variants(self) -> list["LoopFold"]:
+        """This fold and its modes' (``_loop_mode`` k is the k-th)."""
+        return [self, *self.modes]
 
     @property
     def pattern(self) -> str:
@@ -73,6 +87,7 @@ class LoopFold:
         d = asdict(self)
         d["pattern"] = self.pattern
         d.pop("body_source")
+        d["modes"] = [m.to_dict() for m in self.modes]
         return d
 
 
@@ -84,15 +99,6 @@ def _forward_function(cls, method: str = "forward") -> tuple[ast.FunctionDef, st
     if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
         raise FoldError(f"{cls.__name__}.{method} is not a plain function")
     return node, src
-
-
-def loop_method(cls, path: str) -> str:
-    """The method that loops over ``self.<path>``: ``forward`` or a method it calls as
-    ``self.<name>(...)`` (found from the source, any depth)."""
-    from ..inspect.loop_source import list_uses
-
-    loops = list_uses(cls, [path])[path].loops
-    return loops[0].split(":")[0] if loops else "forward"
 
 
 def element_methods(cls, path: str) -> list[str]:
@@ -233,14 +239,19 @@ def _the_loop(cls, fn: ast.FunctionDef, method: str, path: str) -> ast.For:
         raise FoldError(f"{cls.__name__}.forward has no loop 'for ... in self.{path}' "
                         f"(or enumerate(self.{path})) to fold")
     if len(loops) > 1:
-        from ..inspect.loop_source import _branches, exclusive_branches
+        from ..inspect.loop_source import Flow
 
-        branches = _branches(fn)
-        if not all(exclusive_branches(branches, a, b) for i, a in enumerate(loops) for b in loops[i + 1:]):
+        flow = Flow(fn)
+        if not all(flow.never_both(a, b) for i, a in enumerate(loops) for b in loops[i + 1:]):
             raise FoldError(f"{cls.__name__}.{method} loops over self.{path} {len(loops)} times")
         # alternatives of one ``if`` (the gradient-checkpointing switch): fold the one that calls
         # the block itself; the rewrite below reduces every one of them to the block call
         direct = [lp for lp in loops if any(isinstance(c.func, ast.Name) for c in _block_calls(lp.body, _loop_list(lp)[1]))]
+        if len({ast.dump(ast.Module(body=lp.body, type_ignores=[])) for lp in direct}) > 1:
+            # exclusive loops of one method doing different work (modes in one method): one fold
+            # would give every one of them the first one's body
+            raise FoldError(f"{cls.__name__}.{method} loops over self.{path} {len(loops)} times, in alternatives "
+                            f"with different loop bodies")
         loops = direct or loops
     return loops[0]
 
@@ -265,6 +276,9 @@ def _control_slice(stmts: list[ast.stmt], control: set[str], tainted: set[str]) 
     around them), or None when an update or its test reads a ``tainted`` name (a stream)."""
     out: list[ast.stmt] = []
     for st in stmts:
+        if isinstance(st, (ast.Continue, ast.Break)):  # the loop's own exits: the updates after them are skipped
+            out.append(st)
+            continue
         stores = set(_names(st, ast.Store)) & control
         if isinstance(st, ast.If):
             body, orelse = _control_slice(st.body, control, tainted), _control_slice(st.orelse, control, tainted)
@@ -353,15 +367,42 @@ def _refuse_non_tensor_carried(loop: ast.For, path: str, carried: list[str]) -> 
                     f"value computed from the stream cannot be precomputed before the loop like a counter")
 
 
+def loop_methods(cls, path: str) -> list[str]:
+    """Every method that loops over ``self.<path>``, in the order ``list_uses`` finds them."""
+    from ..inspect.loop_source import list_uses
+
+    loops = list_uses(cls, [path])[path].loops
+    return list(dict.fromkeys(loop.split(":")[0] for loop in loops)) or ["forward"]
+
+
 def plan_fold(cls, path: str) -> LoopFold:
-    """Read the loop over ``self.<path>`` in ``cls.forward`` (or the helper method that has it)."""
-    method = loop_method(cls, path)
+    """Read the loop over ``self.<path>`` in ``cls.forward`` (or the helper method that has it).
+
+    One list looped in several methods that never run in the same call (modes: ``forward``
+    dispatching to ``_forward_train`` / ``_forward_cache`` / ...) is folded in each of them: the
+    first method's fold, the others' in ``modes`` (each its own loop body; all carry as many
+    streams, so the list has one forward pattern)."""
+    from ..inspect.loop_source import list_uses
+
+    methods = loop_methods(cls, path)
+    folds = [_plan_fold_in(cls, path, m) for m in methods]
+    if len(folds) > 1:
+        uses = list_uses(cls, [path])[path]
+        if not uses.exclusive:
+            raise FoldError(f"{cls.__name__} loops over self.{path} in {methods}, which may run in one call")
+        if len({len(f.carried) for f in folds}) > 1:
+            raise FoldError(f"the loops over self.{path} in {methods} carry different streams "
+                            f"{[f.carried for f in folds]}: one list has one forward pattern")
+    folds[0].modes = folds[1:]
+    return folds[0]
+
+
+def _plan_fold_in(cls, path: str, method: str) -> LoopFold:
+    """The fold of the loop over ``self.<path>`` in ``cls.<method>``."""
     fn, _ = _forward_function(cls, method)
     loop = _the_loop(cls, fn, method, path)
     _, block_var, index_var = _loop_list(loop)
-    if loop.orelse or any(isinstance(n, (ast.Break, ast.Continue, ast.Return, ast.Yield)) for s in loop.body
-                          for n in ast.walk(s)):
-            raise FoldError(f"the loop over self.{path} uses break/continue/return/else")
+    flow = _early_exits(loop, path)
     calls = [c for c in _block_calls(loop.body, block_var) if isinstance(c.func, ast.Name)]
     if not calls:
         raise FoldError(f"the loop over self.{path} never calls {block_var}(...)")
@@ -393,11 +434,28 @@ def plan_fold(cls, path: str) -> LoopFold:
               and n not in control and n not in loop_vars and n != "self"]
     extra = [s for s in loop.body if not _is_checkpoint_branch(s) and not (
         isinstance(s, (ast.Assign, ast.Expr)) and any(c is call for c in ast.walk(s)))]
+    # arguments that differ per block: they read the loop index, the block, a partner or a name the
+    # body assigns (a cached unit is called once, with the first block's values)
+    local = (loop_vars - {None}) | (set(stored) - set(carried))
+    per_block = [ast.unparse(a) for a in [*call.args, *(k.value for k in call.keywords)]
+                 if set(_names(a, ast.Load)) & local]
     body_src = "\n".join(ast.unparse(s) for s in loop.body)
-    return LoopFold(path=path, method=method, element_methods=element_methods(cls, path), control=control, partners=partners,
+    return LoopFold(path=path, method=method, per_block_args=per_block, element_methods=element_methods(cls, path), control=control, partners=partners,
                     block_var=block_var, index_var=index_var, carried=carried, inputs=inputs,
                     extra_statements=len(extra), keyword_call=bool(call.keywords) and not call.args,
-                    call_keywords=[k.arg for k in call.keywords if k.arg], body_source=body_src)
+                    call_keywords=[k.arg for k in call.keywords if k.arg], body_source=body_src, flow=flow)
+
+
+def _early_exits(loop: ast.For, path: str) -> list[str]:
+    """The loop's own ``continue`` / ``break`` (folded: the block's body returns early); a
+    ``return``, ``yield`` or ``for ... else`` cannot be folded (``FoldError``)."""
+    from ..inspect.loop_source import FOLDABLE_FLOW, own_flow_nodes
+
+    kinds = sorted({type(n).__name__.lower() for n in own_flow_nodes(loop.body)} | ({"for-else"} if loop.orelse else set()))
+    bad = [k for k in kinds if k not in FOLDABLE_FLOW]
+    if bad:
+        raise FoldError(f"the loop over self.{path} uses {'/'.join(bad)}: a folded block cannot leave the method")
+    return kinds
 
 
 class _RenameSelf(ast.NodeTransformer):
@@ -436,10 +494,15 @@ def loop_body_source(fold: LoopFold, folded_paths=()) -> str:
     body = ast.parse(fold.body_source).body
     others = _OriginalElements(set(folded_paths) - {fold.path})
     body = [_RenameSelf().visit(others.visit(_OriginalList(fold.path).visit(s))) for s in body]
+    returned = f"return {', '.join(fold.carried)}"
+    body = [_EarlyExit(returned).visit(s) for s in body]
     args = ", ".join(["owner", "index", "block", *fold.carried] + [f"{n}=None" for n in fold.inputs[:0]])
     kw = "".join(f", {fold.input_keyword(n)}=None" for n in fold.inputs) + ", _original_list=None"
     kw += ", _loop_control=None" if fold.control else ""
+    kw += ", _loop_stop=None" if "break" in fold.flow else ""
     lines = [f"def loop_body({args}, *{kw}):"]
+    if "break" in fold.flow:  # an earlier block broke the loop: this one does nothing
+        lines += ["    if _loop_stop is not None and _loop_stop[0]:", f"        {returned}"]
     lines += [f"    {n} = {fold.input_keyword(n)}" for n in fold.inputs if fold.input_keyword(n) != n]
     if fold.index_var:
         lines.append(f"    {fold.index_var} = index")
@@ -448,16 +511,41 @@ def loop_body_source(fold: LoopFold, folded_paths=()) -> str:
     if fold.block_var != "block":
         lines.append(f"    {fold.block_var} = block")
     lines += [f"    {var} = owner.{p}[index]" for var, p in fold.partners.items()]
-    lines += [textwrap.indent(ast.unparse(s), "    ") for s in body]
-    lines.append(f"    return {', '.join(fold.carried)}")
+    lines += [textwrap.indent(ast.unparse(ast.fix_missing_locations(s)), "    ") for s in body]
+    lines.append(f"    {returned}")
     return "\n".join(lines) + "\n"
 
 
-def fold_method(folds: list[LoopFold]) -> str:
-    methods = sorted({f.method for f in folds})
-    if len(methods) > 1:
-        raise FoldError(f"the folded loops live in different methods {methods}; one method can be rewritten")
-    return methods[0] if methods else "forward"
+class _EarlyExit(ast.NodeTransformer):
+    """The loop's own ``continue`` -> ``return <carried>`` (the rest of this block's body is
+    skipped, the next block starts from the names as they are); its own ``break`` -> the same
+    after ``_loop_stop[0] = True`` (every later block then returns at once). A loop nested in
+    the body keeps its own ``break`` / ``continue`` (its ``else`` clause's are the outer loop's)."""
+
+    def __init__(self, returned: str):
+        self.returned = returned
+
+    def visit_Continue(self, node):
+        return ast.parse(self.returned).body
+
+    def visit_Break(self, node):
+        return ast.parse(f"_loop_stop[0] = True\n{self.returned}").body
+
+    def _nested_loop(self, node):
+        node.orelse = [self.visit(s) for s in node.orelse]  # body: the nested loop's own exits
+        return node
+
+    visit_For = visit_AsyncFor = visit_While = _nested_loop
+
+    def visit_FunctionDef(self, node):
+        return node
+
+    visit_AsyncFunctionDef = visit_Lambda = visit_ClassDef = visit_FunctionDef
+
+
+def fold_methods(folds: list[LoopFold]) -> list[str]:
+    """The methods holding the folded loops (each rewritten), modes' included."""
+    return sorted({v.method for f in folds for v in f.variants})
 
 
 class _OriginalElements(ast.NodeTransformer):
@@ -546,13 +634,22 @@ def _insert_before(fn: ast.AST, target: ast.stmt, stmts: list[ast.stmt]) -> None
     raise FoldError("the folded loop was not found in its method")
 
 
-def rewritten_method_source(cls, folds: list[LoopFold]) -> str:
-    """The method holding the folded loops, each loop reduced to one call per block (docstring
-    and decorators dropped)."""
-    method = fold_method(folds)
+def rewritten_method_source(cls, folds: list[LoopFold], method: str | None = None) -> str:
+    """``method`` (by default the one method holding the folded loops), each of its folded loops
+    reduced to one call per block (docstring and decorators dropped). A list folded in several
+    mode methods passes ``_loop_mode=k``: the block runs the k-th loop body (``LoopFold.variants``)."""
+    methods = fold_methods(folds)
+    if method is None:
+        if len(methods) > 1:
+            raise FoldError(f"the folded loops live in methods {methods}: name the one to rewrite")
+        method = methods[0] if methods else "forward"
     fn, _ = _forward_function(cls, method)
     fn.decorator_list = []
-    by_path = {f.path: f for f in folds}
+    by_path, mode = {}, {}
+    for f in folds:
+        for k, v in enumerate(f.variants):
+            if v.method == method:
+                by_path[f.path], mode[f.path] = v, (k if f.modes else None)
     controls: list[tuple[ast.For, str]] = []
     from ..inspect.loop_source import for_reads_attributes
 
@@ -567,11 +664,16 @@ def rewritten_method_source(cls, folds: list[LoopFold]) -> str:
         if fold.control:
             kws.append(f"_loop_control=_loop_control_{len(controls)}")
             controls.append((loop, _control_source(fold, len(controls))))
+        if mode[path] is not None:
+            kws.append(f"_loop_mode={mode[path]}")
+        if "break" in fold.flow:  # one flag per run of the loop: set by the block that breaks
+            kws.append(f"_loop_stop=_loop_stop_{len(controls)}")
+            controls.append((loop, f"_loop_stop_{len(controls)} = [False]\n"))
         target = ", ".join(fold.carried)
         loop.body = ast.parse(f"{target} = {block_var}({', '.join(kws)})").body
     for loop, src in controls:
         _insert_before(fn, loop, ast.parse(src).body)
-    fn = _OriginalElements(by_path).visit(fn)
+    fn = _OriginalElements([f.path for f in folds]).visit(fn)
     fn.name = method
     if fn.body and isinstance(fn.body[0], ast.Expr) and isinstance(getattr(fn.body[0], "value", None), ast.Constant) \
             and isinstance(fn.body[0].value.value, str):
@@ -584,9 +686,8 @@ def rewritten_method_source(cls, folds: list[LoopFold]) -> str:
 def extra_method_sources(cls, folds: list[LoopFold]) -> dict[str, str]:
     """Each method besides the rewritten one that reads an attribute of a folded list's element,
     rewritten to read it from the original block: {method name: source}."""
-    method = fold_method(folds)
     out = {}
-    for name in sorted({m for f in folds for m in f.element_methods} - {method}):
+    for name in sorted({m for f in folds for m in f.element_methods} - set(fold_methods(folds))):
         fn, _ = _forward_function(cls, name)
         fn.decorator_list = []
         fn = _OriginalElements([f.path for f in folds]).visit(fn)

@@ -277,13 +277,21 @@ class ListUses:
     other: list[str] = field(default_factory=list)  # "method:line: code" per other use
     in_body: list[str] = field(default_factory=list)  # uses inside the loop's own body (len, indexing)
     conditional: list[str] = field(default_factory=list)  # other uses only under a test of an optional argument
-    loop_flow: list[str] = field(default_factory=list)  # break/continue/return/else inside a loop
+    # break/continue/return/else of a loop over the list; break and continue (``FOLDABLE_FLOW``)
+    # are safe once the loop is folded (each block's body returns early): see ``early_exits``
+    loop_flow: list[str] = field(default_factory=list)
     zipped_after: list[str] = field(default_factory=list)  # the list whose zip loop runs this one (not first)
     # outside the loop, an attribute of one element read (``self.<list>[0].norm1.emb(...)``) or of
     # each element in a comprehension (``[b.attn.processor for b in self.<list>]``), the element
     # itself never called, or the list's length read (``len(self.<list>)``): safe when the code
     # is pointed at the original blocks
     element_attrs: list[str] = field(default_factory=list)
+
+    @property
+    def early_exits(self) -> list[str]:
+        """The loop's ``break`` / ``continue``: the loop must be folded (a cached unit runs every
+        block of its list; folded, the block's loop body returns early as the loop would)."""
+        return sorted({f for f in self.loop_flow if f in FOLDABLE_FLOW})
 
     def unsafe(self) -> str:
         """Why replacing the list by one cached unit would change what the code does ('' if safe)."""
@@ -292,8 +300,9 @@ class ListUses:
                     f"stands in one unit for the list would change what that code sees")
         if len(self.loops) > 1 and not self.exclusive:
             return f"the code loops over self.{self.path} {len(self.loops)} times ({', '.join(self.loops)})"
-        if self.loop_flow:
-            return f"the loop over self.{self.path} uses {', '.join(self.loop_flow)}: a cached unit cannot stop early"
+        stops = [f for f in self.loop_flow if f not in FOLDABLE_FLOW]
+        if stops:
+            return f"the loop over self.{self.path} uses {', '.join(stops)}: a cached unit cannot stop early"
         if not self.loops:
             return f"no loop over self.{self.path} found in the transformer's code"
         return ""
@@ -356,6 +365,68 @@ def exclusive_branches(branches: dict, a: ast.AST, b: ast.AST) -> bool:
     """True when ``a`` and ``b`` sit in different branches of one ``if``."""
     ca, cb = dict(branches.get(id(a), [])), dict(branches.get(id(b), []))
     return any(k in cb and cb[k] != v for k, v in ca.items())
+
+
+class Flow:
+    """Which two places of one function can both run in one call of it, read from its ``if`` /
+    ``return`` structure: never when they sit in different branches of one ``if``, or when the
+    earlier one is always followed by a ``return`` / ``raise`` before the later is reached
+    (``if a: return self._one(...)`` then ``return self._other(...)``: modes dispatched by early
+    returns). Conservative: a loop around both, a ``try``, a ``break`` / ``continue`` on the way
+    count as "may both run"."""
+
+    def __init__(self, fn: ast.AST):
+        self.fn = fn
+        self.branches = _branches(fn)
+        self.parents = {id(c): n for n in ast.walk(fn) for c in ast.iter_child_nodes(n)}
+
+    def _up(self, node: ast.AST) -> list[ast.AST]:
+        out = []
+        while id(node) in self.parents:
+            node = self.parents[id(node)]
+            out.append(node)
+        return out
+
+    def never_both(self, a: ast.AST, b: ast.AST) -> bool:
+        if exclusive_branches(self.branches, a, b):
+            return True
+        up_a, up_b = self._up(a), self._up(b)
+        if any(isinstance(n, (ast.For, ast.AsyncFor, ast.While)) and any(m is n for m in up_b) for n in up_a):
+            return False  # a loop around both: the later one may run before the earlier on a next pass
+        first, second = sorted((a, b), key=lambda n: (n.lineno, n.col_offset))
+        return self._returns_before(first, second)
+
+    def _returns_before(self, first: ast.AST, second: ast.AST) -> bool:
+        """After ``first`` runs, the function always returns (or raises) before reaching ``second``."""
+        second_stmt = self._statement(second)
+        cur = self._statement(first)
+        if any(n is second for n in ast.walk(cur)):
+            return False  # one statement holds both (``return self._a() + self._b()``, an ``if`` test and its body)
+        if any(isinstance(n, ast.Try) or type(n).__name__ == "TryStar" for n in self._up(cur)):
+            return False  # a ``finally`` / handler may run more code after the return
+        while True:
+            if isinstance(cur, ast.Return):
+                return True
+            parent = self.parents.get(id(cur))
+            block = next((getattr(parent, f) for f in ("body", "orelse", "finalbody")
+                          if any(s is cur for s in getattr(parent, f, None) or [])), None)
+            if block is None or isinstance(parent, (ast.Try, ast.For, ast.AsyncFor, ast.While)):
+                return False  # a handler, a loop body that runs again, a finally clause: not followed
+            for s in block[next(i for i, x in enumerate(block) if x is cur) + 1:]:
+                if any(n is second_stmt for n in ast.walk(s)):
+                    return False  # ``second`` reached
+                if isinstance(s, (ast.Return, ast.Raise)):
+                    return True
+                if any(isinstance(n, (ast.Break, ast.Continue)) for n in own_flow_nodes([s])):
+                    return False
+            if parent is self.fn:
+                return False
+            cur = parent
+
+    def _statement(self, node: ast.AST) -> ast.AST:
+        while not isinstance(node, ast.stmt) and id(node) in self.parents:
+            node = self.parents[id(node)]
+        return node
 
 
 def _loop_iter_lists(it: ast.AST) -> list[ast.AST]:
@@ -472,10 +543,34 @@ def _bucket(u: ListUses, in_body: bool, element_attr: bool) -> list[str]:
     return u.in_body if in_body else u.element_attrs if element_attr else u.other
 
 
+def own_flow_nodes(stmts: list[ast.stmt]):
+    """The ``break`` / ``continue`` / ``return`` / ``yield`` nodes under ``stmts`` that act on the
+    loop whose body they are: not those of a loop nested in it (its body's ``break`` and
+    ``continue`` are its own; its ``else`` clause's act on the outer loop), nor of a function
+    or class defined in it."""
+    todo = list(stmts)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            continue
+        if isinstance(node, (ast.Break, ast.Continue, ast.Return, ast.Yield, ast.YieldFrom)):
+            yield node
+        if isinstance(node, (ast.For, ast.AsyncFor, ast.While)):
+            # the nested loop's own break/continue stay inside it; a return still leaves the method
+            todo.extend(n for s in node.body for n in ast.walk(s) if isinstance(n, (ast.Return, ast.Yield)))
+            todo.extend(node.orelse)
+            todo.append(node.iter if not isinstance(node, ast.While) else node.test)
+            continue
+        todo.extend(ast.iter_child_nodes(node))
+
+
+# the early exits a folded loop body reproduces (``loopfold``): the block's body returns early
+FOLDABLE_FLOW = ("break", "continue")
+
+
 def _loop_flow(loop: ast.For) -> list[str]:
     """The ways a loop can stop early or run extra code: break/continue/return, for-else."""
-    flow = sorted({type(n).__name__.lower() for s in loop.body for n in ast.walk(s)
-                   if isinstance(n, (ast.Break, ast.Continue, ast.Return))})
+    flow = sorted({type(n).__name__.lower() for n in own_flow_nodes(loop.body)})
     return flow + (["for-else"] if loop.orelse else [])
 
 
@@ -485,7 +580,7 @@ def list_uses(cls, paths: list[str]) -> dict[str, ListUses]:
     uses = {p: ListUses(p) for p in paths}
     seen: set[str] = set()
     todo = ["forward"]
-    sites: dict[str, list[tuple[str, ast.AST, dict]]] = {}  # method -> (caller, call node, caller's branches)
+    sites: dict[str, list[tuple[str, ast.AST, Flow]]] = {}  # method -> (caller, call node, caller's flow)
     while todo:
         name = todo.pop()
         if name in seen or name not in methods:
@@ -494,20 +589,20 @@ def list_uses(cls, paths: list[str]) -> dict[str, ListUses]:
         fn, offset = methods[name]
         loop_nodes: set[int] = set()
         body_nodes: dict[int, str] = {}
-        branches = _branches(fn)
+        flow = Flow(fn)
+        branches = flow.branches
         ifs = {id(n): n for n in ast.walk(fn) if isinstance(n, ast.If)}
         loops_by_list: dict[str, list[ast.For]] = {}
         for node in ast.walk(fn):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
                     isinstance(node.func.value, ast.Name) and node.func.value.id == "self":
                 todo.append(node.func.attr)
-                sites.setdefault(node.func.attr, []).append((name, node, branches))
+                sites.setdefault(node.func.attr, []).append((name, node, flow))
             if isinstance(node, ast.For) and not for_reads_attributes(node):
                 _record_loop(node, f"{name}:{offset + node.lineno}", uses, loop_nodes, loops_by_list, body_nodes)
         for p, found in loops_by_list.items():
             if len(found) > 1 and len(uses[p].loops) == len(found):
-                uses[p].exclusive = all(exclusive_branches(branches, a, b)
-                                        for i, a in enumerate(found) for b in found[i + 1:])
+                uses[p].exclusive = all(flow.never_both(a, b) for i, a in enumerate(found) for b in found[i + 1:])
         parents = {id(c): n for n in ast.walk(fn) for c in ast.iter_child_nodes(n)}
         for node in ast.walk(fn):
             if not isinstance(node, ast.Attribute) or id(node) in loop_nodes:
@@ -551,8 +646,9 @@ def _record_loop(node: ast.For, where: str, uses: dict, loop_nodes: set, loops_b
 
 
 def _exclusive_methods(u: ListUses, sites: dict) -> None:
-    """Loops over one list in several methods (modes), each method called once, from different
-    branches of one ``if`` in the same caller: only one of them runs per call."""
+    """Loops over one list in several methods (modes), each method called once, from places of
+    the same caller that never both run (different branches of one ``if``, or each followed by a
+    ``return``: ``Flow.never_both``): only one of them runs per call."""
     methods = [loop.split(":")[0] for loop in u.loops]
     if len(methods) < 2 or len(set(methods)) != len(methods) or u.exclusive:
         return
@@ -560,5 +656,5 @@ def _exclusive_methods(u: ListUses, sites: dict) -> None:
     if any(len(c) != 1 for c in calls) or len({c[0][0] for c in calls}) != 1:
         return
     nodes = [c[0][1] for c in calls]
-    branches = calls[0][0][2]
-    u.exclusive = all(exclusive_branches(branches, a, b) for i, a in enumerate(nodes) for b in nodes[i + 1:])
+    flow = calls[0][0][2]
+    u.exclusive = all(flow.never_both(a, b) for i, a in enumerate(nodes) for b in nodes[i + 1:])
