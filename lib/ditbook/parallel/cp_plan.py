@@ -625,6 +625,9 @@ class _Draft:
     # later list is split there too
     at_blocks: dict[int, Any] = field(default_factory=dict)
     whole_masks: list[str] = field(default_factory=list)  # "<list>:<param>": masks over the image kept whole
+    # every split where the first block takes it (never at a producer or an input): what the forward
+    # makes before the blocks (rotary tables from the token count) is made whole, then split once
+    at_block: bool = False
 
     @property
     def first(self) -> ListTrace:
@@ -678,12 +681,12 @@ def _split_stream(d: _Draft, param: str, dim: int, what: str) -> None:
     tr, first, plan = d.tr, d.first, d.plan
     ids, shapes = first.input_ids[param], first.inputs[param]
     root = _stream_root(tr, first, param, d.before) if d.at_input else None
+    prod = _producer(tr, ids, d.before) if not d.at_block else None
     if root is not None:
         plan.setdefault("", {})[root] = ContextParallelInput(split_dim=1, expected_dims=len(tr.roots[root][0]))
         d.notes.append(f"split {what} at the transformer's input '{root}' (dim 1): what the forward reads from "
                        f"that input (its token count) is then the shard's")
         return
-    prod = _producer(tr, ids, d.before)
     if prod is not None:
         entry = plan.setdefault(prod[0], {})
         for i, s in zip(prod[1], shapes):
@@ -768,6 +771,13 @@ def _split_joint_table(d: _Draft, lname: str, param: str, shapes: list[list[int]
                    f"instead, so each rank builds the table of its own [text shard, image shard]")
 
 
+_WHOLE = "whole"  # a table of a list of tables that no split touches
+
+
+def _dims_note(dims: list) -> str:
+    return "[" + ", ".join("kept whole" if dd is _WHOLE else str(dd) for dd in dims) + "]"
+
+
 def _split_image_table(d: _Draft, lt: ListTrace, param: str, shapes: list[list[int]], ids: list[int]) -> None:
     """An input with an image-length axis (positions, a second image stream): split on that axis
     at its producer, else at every block of the list; one without such an axis stays whole."""
@@ -781,26 +791,37 @@ def _split_image_table(d: _Draft, lt: ListTrace, param: str, shapes: list[list[i
         # the position axis, never the last (feature) axis: a [B, D] embedding whose width
         # happens to equal the token count is not a table of positions
         dims = [next((dd for dd, L in enumerate(s[:-1]) if L == s_img), None) for s in shapes]
+        if len(shapes) > 1 and any(dd is not None for dd in dims):
+            # a list of tables, some over the image (image and text rotary tables): the others
+            # follow the text (split with it, else whole), or stay whole when no axis is the text's
+            text_split = bool(st.s_txt) and (st.joint or d.split_text)
+            dims = [dd if dd is not None else next((k for k, L in enumerate(s[:-1]) if text_split and L == st.s_txt),
+                                                    _WHOLE) for s, dd in zip(shapes, dims)]
     if any(dd is None for dd in dims):
         return  # no image-length axis: the same on every rank (timestep embedding, ...)
-    prod = _producer(d.tr, ids, d.before)
+    prod = _producer(d.tr, ids, d.before) if not d.at_block else None
     if prod is not None and prod[0] not in plan:
         entry = plan.setdefault(prod[0], {})
         for i, s, dd in zip(prod[1], shapes, dims):
-            entry[i] = ContextParallelInput(split_dim=dd, expected_dims=len(s), split_output=True)
+            if dd is not _WHOLE:
+                entry[i] = ContextParallelInput(split_dim=dd, expected_dims=len(s), split_output=True)
         d.covered.update(ids)
-        d.notes.append(f"split positional table(s) of '{prod[0]}' {shapes} on dims {dims} (image "
+        d.notes.append(f"split positional table(s) of '{prod[0]}' {shapes} on dims {_dims_note(dims)} (image "
                        f"positions), before the first block")
     else:
-        cps = [ContextParallelInput(split_dim=dd, expected_dims=len(s)) for s, dd in zip(shapes, dims)]
+        # a table kept whole inside a list: an entry marked split_output, which cache-dit's input hook
+        # (and the dry run) pass through as they are
+        cps = [ContextParallelInput(split_dim=0, expected_dims=len(s), split_output=True) if dd is _WHOLE
+               else ContextParallelInput(split_dim=dd, expected_dims=len(s)) for s, dd in zip(shapes, dims)]
         spec = cps if param in lt.sequences else cps[0]
         key = _block_key(lt, param, unknown_every=True)
         plan.setdefault(key, {})[param] = spec
         if key.endswith(".0"):  # carried from block to block (a second stream): split once, where it enters
-            d.notes.append(f"split '{param}' {shapes} on dims {dims} where it enters '{lname}.0' (a stream "
-                           f"its blocks carry)")
+            d.notes.append(f"split '{param}' {shapes} on dims {_dims_note(dims)} where it enters '{lname}.0' (a "
+                           f"stream its blocks carry)")
         else:
-            d.notes.append(f"split '{param}' {shapes} on dims {dims} at every block of '{lname}' (image positions)")
+            d.notes.append(f"split '{param}' {shapes} on dims {_dims_note(dims)} at every block of '{lname}' "
+                           f"(image positions)")
         d.at_blocks.update({i: spec for i in ids})
 
 
@@ -852,12 +873,17 @@ def _split_block_inputs(d: _Draft) -> None:
                 _split_image_table(d, lt, param, shapes, ids)
 
 
-def _gather_site(tr: ForwardTrace, st: Streams) -> tuple[ModuleCall, str]:
+def _gather_site(tr: ForwardTrace, st: Streams, at_block: bool = False) -> tuple[ModuleCall, str]:
     """Step 4: where the image tokens are gathered (the first module after the last main block
-    that takes and returns them, else the last block itself) and a phrase saying which."""
+    that takes and returns them, else the last block itself; ``at_block``: the last block when it
+    returns them) and a phrase saying which."""
     s_img = st.s_img
     end = max(tr.lists[n].last_order for n in st.lists)
     site = None
+    last = max((tr.lists[n] for n in st.lists), key=lambda lt: lt.last_order)
+    if at_block and any(len(o) >= 2 and o[1] == s_img for o in last.outputs):
+        site = ModuleCall(f"{last.name}.{last.length - 1}", last.last_order, [], last.outputs)
+        return site, "the last block (every split where a block takes it, every gather where one returns it)"
     for c in tr.calls:
         if c.order <= end or not c.outputs:
             continue
@@ -901,7 +927,7 @@ def _plan_facts(d: _Draft, site: ModuleCall) -> dict:
 
 def derive_cp_plan(transformer, args, kwargs, attention_kind: str | None = None, degree: int | None = None,
                    trace: ForwardTrace | None = None, at_input: bool = False, split_text: bool = False,
-                   uneven: bool = False) -> CPPlan:
+                   uneven: bool = False, at_block: bool = False) -> CPPlan:
     """A CP plan for a transformer nobody has planned, from one traced forward call (steps 1-4
     of the module docstring); checked by ``check_plan_sites`` (step 5) before it is returned.
     ``at_input``: split the token streams at the transformer's own inputs where they are
@@ -909,16 +935,19 @@ def derive_cp_plan(transformer, args, kwargs, attention_kind: str | None = None,
     where they are made (the module that returns them, or the first block). ``split_text``: under
     cross attention, split the text with the image instead of keeping it whole. ``uneven``: token
     counts the degree does not divide are split into ``tensor_split``'s shares (the launch must
-    enable cache-dit's ``ulysses_anything``), else refused."""
+    enable cache-dit's ``ulysses_anything``), else refused. ``at_block``: every split where the first
+    block takes it (tables the forward makes from the token count before the blocks are then whole,
+    split once, with the positions of the rank's share)."""
     tr = trace if trace is not None else trace_forward(transformer, args, kwargs)
     st = find_streams(tr, attention_kind)
-    d = _Draft(tr, st, at_input, notes=_stream_notes(st), split_text=split_text and not st.joint and bool(st.text))
+    d = _Draft(tr, st, at_input and not at_block, notes=_stream_notes(st),
+               split_text=split_text and not st.joint and bool(st.text), at_block=at_block)
     d.notes += _check_shards_divide(st, degree, uneven)
     if d.split_text and degree and st.s_txt % degree and not (uneven and st.s_txt >= degree):
         raise PlanDerivationError(f"{st.s_txt} text tokens do not divide into {degree} equal shards")
     _split_token_streams(d)
     _split_block_inputs(d)
-    site, where = _gather_site(tr, st)
+    site, where = _gather_site(tr, st, at_block)
     _add_gather(d, site, where)
     cp = CPPlan(d.plan, "derived", d.notes, _plan_facts(d, site))
     check_plan_sites(cp.plan, tr, st)
@@ -1008,14 +1037,17 @@ def _derive_checked(transformer, args, kwargs, tr: ForwardTrace, st: Streams, at
     attention that joins the text's keys to the image's needs every rank to hold a slice of the
     text): the first that passes ``check``; else ``PlanCheckError`` naming why."""
     variants = [(False, False, ""), (True, False, "the plan splitting at the transformer's inputs")]
+    if check is not None:
+        variants += [("block", False, "the plan splitting at the first block")]
     if check is not None and st.text and not st.joint:
         variants += [(False, True, "the plan splitting the text with the image"),
-                     (True, True, "the plan splitting the text with the image at the transformer's inputs")]
+                     (True, True, "the plan splitting the text with the image at the transformer's inputs"),
+                     ("block", True, "the plan splitting the text with the image at the first block")]
     failures: list[tuple[str, PlanCheckError, dict]] = []
     for at_input, split_text, label in variants:
         try:
-            cp = derive_cp_plan(transformer, args, kwargs, attention_kind, degree, trace=tr, at_input=at_input,
-                                split_text=split_text, uneven=uneven)
+            cp = derive_cp_plan(transformer, args, kwargs, attention_kind, degree, trace=tr, at_input=at_input is True,
+                                split_text=split_text, uneven=uneven, at_block=at_input == "block")
         except PlanDerivationError as exc:
             if split_text:  # a variant tried after the others failed: its reason joins theirs
                 failures.append((label, exc, {}))
