@@ -83,6 +83,9 @@ def _rank(rank, world, init_file, transformer, args, kwargs, plan, queue, scope=
             except Exception:  # noqa: BLE001 - models without diffusers attention
                 pass
         limit_cp_to(transformer, scope, route)  # attention outside the split lists stays local
+        from ..parallel.cp_uneven import gather_around_none
+
+        gather_around_none(transformer)  # a gather at a block returning (tensor, None)
         if uneven:  # unequal shares: cache-dit's gather is NCCL's; on gloo, padded inside the collective
             from ..parallel.cp_uneven import gather_unevenly
 

@@ -552,15 +552,22 @@ def _tensor_outputs(out, where: str) -> None:
 
 def _gather_hook(spec, world: _World):
     """The post hook that re-enacts a gather: every rank's output concatenated (alone: the shard
-    repeated ``degree`` times)."""
+    repeated ``degree`` times). An output tuple with ``None`` entries: the specs apply to its tensors
+    in order (the launch's gather hooks do so too: ``cp_uneven.gather_around_none``)."""
     specs = [spec] if _is_output(spec) else list(spec)
 
     def post(m, a, out):
+        whole = out
+        if isinstance(out, (list, tuple)) and any(o is None for o in out) and any(o is not None for o in out):
+            out = [o for o in out if o is not None]
         _tensor_outputs(out, f"the gather at '{type(m).__name__}'")
         outs = [out] if torch.is_tensor(out) else list(out)
         for i, cpo in enumerate(specs):
             if cpo is not None and i < len(outs):
                 outs[i] = world.gather(outs[i], cpo.gather_dim)
+        if out is not whole:
+            it = iter(outs)
+            return type(whole)(next(it) if o is not None else None for o in whole)
         return outs[0] if torch.is_tensor(out) else type(out)(outs)
     return post
 
