@@ -927,7 +927,7 @@ def _plan_facts(d: _Draft, site: ModuleCall) -> dict:
 
 def derive_cp_plan(transformer, args, kwargs, attention_kind: str | None = None, degree: int | None = None,
                    trace: ForwardTrace | None = None, at_input: bool = False, split_text: bool = False,
-                   uneven: bool = False, at_block: bool = False) -> CPPlan:
+                   uneven: bool = False, at_block: bool = False, streams: Streams | None = None) -> CPPlan:
     """A CP plan for a transformer nobody has planned, from one traced forward call (steps 1-4
     of the module docstring); checked by ``check_plan_sites`` (step 5) before it is returned.
     ``at_input``: split the token streams at the transformer's own inputs where they are
@@ -937,9 +937,10 @@ def derive_cp_plan(transformer, args, kwargs, attention_kind: str | None = None,
     counts the degree does not divide are split into ``tensor_split``'s shares (the launch must
     enable cache-dit's ``ulysses_anything``), else refused. ``at_block``: every split where the first
     block takes it (tables the forward makes from the token count before the blocks are then whole,
-    split once, with the positions of the rank's share)."""
+    split once, with the positions of the rank's share). ``streams``: the streams to split (default:
+    ``find_streams``'s)."""
     tr = trace if trace is not None else trace_forward(transformer, args, kwargs)
-    st = find_streams(tr, attention_kind)
+    st = streams if streams is not None else find_streams(tr, attention_kind)
     d = _Draft(tr, st, at_input and not at_block, notes=_stream_notes(st),
                split_text=split_text and not st.joint and bool(st.text), at_block=at_block)
     d.notes += _check_shards_divide(st, degree, uneven)
@@ -1030,36 +1031,61 @@ def _checked_registered(reg: CPPlan, transformer, args, kwargs, tr: ForwardTrace
         return None, [f"registered plan ({reg.source}) not used: {type(exc).__name__}: {exc}"]
 
 
+def _last_list_streams(tr: ForwardTrace, st: Streams) -> Streams | None:
+    """The streams of a plan that splits the last main list alone, where that list takes a longer
+    stream than the first (the model joins the text to the image tokens after refiner lists): its
+    whole token stream is split where its first block takes it and gathered where its last block
+    returns it; every list before it runs whole on every rank. None when there is no such list."""
+    if len(st.lists) < 2:
+        return None
+    last = max(st.lists, key=lambda n: tr.lists[n].last_order)
+    lt = tr.lists[last]
+    img = _image_of(lt)
+    shape = _token_inputs(lt).get(img) if img else None
+    if shape is None or shape[1] <= st.s_img:
+        return None
+    return Streams([last], img, shape, None, None, False, [n for n in tr.lists if n != last])
+
+
 def _derive_checked(transformer, args, kwargs, tr: ForwardTrace, st: Streams, attention_kind, degree: int,
                     check, notes: list[str], uneven: bool = False) -> CPPlan:
     """The derived plan splitting where the streams are made, else the one splitting at the
-    transformer's inputs; under cross attention then the same two with the text split too (an
-    attention that joins the text's keys to the image's needs every rank to hold a slice of the
-    text): the first that passes ``check``; else ``PlanCheckError`` naming why."""
-    variants = [(False, False, ""), (True, False, "the plan splitting at the transformer's inputs")]
+    transformer's inputs; with ``check`` then the one splitting every stream where the first block
+    takes it (gathered where the last returns it); under cross attention then the same with the text
+    split too (an attention that joins the text's keys to the image's needs every rank to hold a slice
+    of the text); last the one splitting the last main list alone (``_last_list_streams``): the first
+    that passes ``check``; else the ``PlanDerivationError`` naming every variant's reason."""
+    variants = [(False, False, "", st), (True, False, "the plan splitting at the transformer's inputs", st)]
     if check is not None:
-        variants += [("block", False, "the plan splitting at the first block")]
+        variants += [("block", False, "the plan splitting at the first block", st)]
     if check is not None and st.text and not st.joint:
-        variants += [(False, True, "the plan splitting the text with the image"),
-                     (True, True, "the plan splitting the text with the image at the transformer's inputs"),
-                     ("block", True, "the plan splitting the text with the image at the first block")]
-    failures: list[tuple[str, PlanCheckError, dict]] = []
-    for at_input, split_text, label in variants:
+        variants += [(False, True, "the plan splitting the text with the image", st),
+                     (True, True, "the plan splitting the text with the image at the transformer's inputs", st),
+                     ("block", True, "the plan splitting the text with the image at the first block", st)]
+    last = _last_list_streams(tr, st) if check is not None else None
+    if last is not None:
+        variants += [("block", False, f"the plan splitting '{last.lists[0]}' alone", last)]
+    failures: list[tuple[str, PlanDerivationError, dict]] = []
+    for at_input, split_text, label, streams in variants:
         try:
             cp = derive_cp_plan(transformer, args, kwargs, attention_kind, degree, trace=tr, at_input=at_input is True,
-                                split_text=split_text, uneven=uneven, at_block=at_input == "block")
+                                split_text=split_text, uneven=uneven, at_block=at_input == "block",
+                                streams=streams if streams is not st else None)
         except PlanDerivationError as exc:
-            if split_text:  # a variant tried after the others failed: its reason joins theirs
+            if split_text or (check is not None and failures):  # a variant tried after others failed
                 failures.append((label, exc, {}))
                 continue
-            if notes:
-                raise type(exc)(f"{exc}; and {notes[0]}") from exc
-            raise
-        if any(plan_to_jsonable(cp.plan) == j for _, _, j in failures):
+            if check is None or len(variants) == 1:
+                if notes:
+                    raise type(exc)(f"{exc}; and {notes[0]}") from exc
+                raise
+            failures.append((label, exc, {}))
+            continue
+        if any(plan_to_jsonable(cp.plan) == j for _, _, j in failures if j):
             continue  # the same plan again (no stream is made from an input of the transformer)
         try:
             if check is not None:
-                cp.facts["prelaunch"] = check(transformer, args, kwargs, cp.plan, tr, st, degree)
+                cp.facts["prelaunch"] = check(transformer, args, kwargs, cp.plan, tr, streams, degree)
         except PlanCheckError as exc:
             if exc.final:
                 raise
@@ -1069,6 +1095,8 @@ def _derive_checked(transformer, args, kwargs, tr: ForwardTrace, st: Streams, at
                                 f"{type(e).__name__}: {e}" for lab, e, _ in failures]
         return cp
     exc = failures[0][1]
+    if not failures[0][0] and all(str(e) == str(exc) for _, e, _ in failures):
+        raise type(exc)(f"{exc}" + (f"; and {notes[0]}" if notes else "")) from exc  # one reason for all
     reasons = "; ".join(f"{lab + ': ' if lab else ''}{type(e).__name__}: {e}" for lab, e, _ in failures)
     raise type(exc)(f"derived plan: {reasons}" + (f"; and {notes[0]}" if notes else "")) from exc
 
