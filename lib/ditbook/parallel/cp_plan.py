@@ -730,6 +730,13 @@ def _split_mask(d: _Draft, lname: str, param: str, shapes: list[list[int]]) -> N
         else:
             d.notes.append(f"text mask '{param}' {s} kept whole (cross attention)")
         return
+    if d.at_block and len(shapes) == 1 and len(s) == 2 and s[0] == st.image_shape[0] and s[1] == s_img:
+        # one flag per token [B, S]: split with the tokens at every block, so a block that applies it
+        # to its tokens gets the rank's; an attention that reads it gets every rank's flags back
+        # (the launch gathers a mask's keys of the rank's own tokens: ``cp_mask``)
+        d.plan.setdefault(f"{lname}.*", {})[param] = ContextParallelInput(split_dim=1, expected_dims=2)
+        d.notes.append(f"token mask '{param}' {s} split with the tokens at every block of '{lname}'")
+        return
     if len(s) >= 2 and any(L in (s_img, s_img + (s_txt or 0)) for L in s[1:]):
         # Ulysses: after the all-to-all each rank's attention holds the whole sequence (for a
         # share of the heads), so a mask that only the attention reads stays whole; one applied
