@@ -552,14 +552,16 @@ def _tensor_outputs(out, where: str) -> None:
 
 def _gather_hook(spec, world: _World):
     """The post hook that re-enacts a gather: every rank's output concatenated (alone: the shard
-    repeated ``degree`` times). An output tuple with ``None`` entries: the specs apply to its tensors
-    in order (the launch's gather hooks do so too: ``cp_uneven.gather_around_none``)."""
+    repeated ``degree`` times). An output tuple with ``None`` entries and one spec per tensor: the
+    specs apply to its tensors in order (the launch's gather hooks do so too:
+    ``cp_uneven.gather_around_none``); other specs for it are refused as cache-dit refuses them."""
     specs = [spec] if _is_output(spec) else list(spec)
 
     def post(m, a, out):
         whole = out
-        if isinstance(out, (list, tuple)) and any(o is None for o in out) and any(o is not None for o in out):
-            out = [o for o in out if o is not None]
+        if isinstance(out, (list, tuple)) and any(o is None for o in out) and \
+                len([o for o in out if o is not None]) == len(specs):
+            out = [o for o in out if o is not None]  # the specs name the output's tensors
         _tensor_outputs(out, f"the gather at '{type(m).__name__}'")
         outs = [out] if torch.is_tensor(out) else list(out)
         for i, cpo in enumerate(specs):
