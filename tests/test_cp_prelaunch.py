@@ -225,7 +225,12 @@ def test_text_refiner_attention_stays_local(monkeypatch):
     assert r["source"] == "derived" and "refiner" not in r["seq_lens"]
     import ditbook.parallel.cp_scope as scope
 
+    import ditbook.parallel.cp_mask as cp_mask
+
     monkeypatch.setattr(scope, "limit_cp_to", lambda *a, **k: [])  # the old behaviour (forked ranks see it)
+    # (and no mask fitting: since ``cp_mask`` gathers the mask's rows and keys, a Ulysses attention
+    # over the whole text on every rank is the same attention over repeated keys, and runs)
+    monkeypatch.setattr(cp_mask, "install_mask_fit", lambda *a, **k: None)
     old = coverage_cp(m, (), kw, timeout=60)
     assert old["outcome"] == "crash" and "size of tensor" in old["reason"], old
 

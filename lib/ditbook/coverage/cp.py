@@ -68,6 +68,9 @@ def _rank(rank, world, init_file, transformer, args, kwargs, plan, queue, scope=
         from cache_dit.distributed.core import _ContextParallelConfig, _enable_context_parallelism
 
         _maybe_register_custom_attn_backends()
+        from ..parallel.cp_mask import install_mask_fit
+
+        install_mask_fit()  # masks fitted to what each rank's Ulysses attention holds
         route = route_attention(transformer)
         recorder = BlockInputRecorder(transformer)  # before the plan's hooks: sees the split inputs
         mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("ring", "ulysses"))
@@ -80,6 +83,9 @@ def _rank(rank, world, init_file, transformer, args, kwargs, plan, queue, scope=
             except Exception:  # noqa: BLE001 - models without diffusers attention
                 pass
         limit_cp_to(transformer, scope, route)  # attention outside the split lists stays local
+        from ..parallel.cp_uneven import gather_around_none
+
+        gather_around_none(transformer)  # a gather at a block returning (tensor, None)
         if uneven:  # unequal shares: cache-dit's gather is NCCL's; on gloo, padded inside the collective
             from ..parallel.cp_uneven import gather_unevenly
 

@@ -421,25 +421,34 @@ class _RankAttention(TorchFunctionMode):
 
     def _mask_for_rank(self, mask, query, key):
         """The mask as Ulysses attention applies it, cut to this rank's query rows. After the
-        all-to-all the attention holds every rank's queries and keys for a share of the heads, and the
-        mask is passed as it is: its query axis must be 1 or every rank's queries, its head axis 1.
-        Alone (rank 0 only), its key axis is fitted to the repeated keys (the simulation checks values)."""
+        all-to-all the attention holds every rank's queries and keys for a share of the heads; the
+        launch fits the mask to that (``cp_mask.fit_mask``): a heads axis of all the heads is cut to
+        the rank's share, query rows or keys of the rank's own tokens are gathered from every rank.
+        Here each rank computes its own queries with every head: a mask of all the heads stays, one
+        of every rank's query rows is cut to this rank's, one of its own rows stays, one of its own
+        keys is joined to the other ranks' (alone: repeated; the simulation checks values)."""
         if not torch.is_tensor(mask) or not torch.is_tensor(query) or not torch.is_tensor(key):
             return mask
         start, n, total = self._query_rows(query.shape[-2])
-        if mask.dim() >= 3 and mask.shape[-3] != 1:
+        heads, degree = query.shape[-3] if query.dim() >= 3 else 1, self.world.degree
+        if mask.dim() >= 3 and mask.shape[-3] != 1 and not (mask.dim() == 4 and mask.shape[-3] == heads
+                                                            and heads % degree == 0):
             raise DryRunError(f"a mask {list(mask.shape)} with {mask.shape[-3]} heads reaches context-parallel "
-                              f"attention: under Ulysses each rank's attention holds 1/{self.world.degree} of the "
-                              f"heads, and the mask is passed to it as it is")
+                              f"attention with {heads} heads: under Ulysses each rank's attention holds "
+                              f"1/{degree} of the heads, and the mask's heads are not the attention's to cut "
+                              f"into the ranks' shares")
         alone = self.world.exchange is None  # rank 0 alone: the other ranks' query counts are not known
-        if mask.dim() >= 2 and mask.shape[-2] != 1:
+        own_rows = mask.dim() == 4 and mask.shape[-2] == n and n > 1  # the launch gathers them
+        if mask.dim() >= 2 and mask.shape[-2] != 1 and not own_rows:
             if mask.shape[-2] != total and not (alone and mask.shape[-2] > n):
                 raise DryRunError(f"a mask {list(mask.shape)} reaches context-parallel attention with "
                                   f"{mask.shape[-2]} query rows: under Ulysses the attention holds all {total} "
-                                  f"queries of the ranks (a mask built from a rank's own {n} queries does not fit)")
+                                  f"queries of the ranks (the mask's rows are neither theirs nor this rank's {n})")
             mask = mask.narrow(-2, start, n)
-        keys = key.shape[-2] * self.world.degree
-        if alone and mask.shape[-1] not in (1, keys):
+        keys = key.shape[-2] * degree
+        if not alone and mask.shape[-1] == key.shape[-2] and key.shape[-2] > 1:
+            mask = torch.cat(self.world.exchange.all_gather(self.world.state().rank, mask), dim=-1)
+        elif alone and mask.shape[-1] not in (1, keys):
             mask = torch.cat([mask] * -(-keys // mask.shape[-1]), dim=-1)[..., :keys]
         return mask
 
@@ -543,15 +552,24 @@ def _tensor_outputs(out, where: str) -> None:
 
 def _gather_hook(spec, world: _World):
     """The post hook that re-enacts a gather: every rank's output concatenated (alone: the shard
-    repeated ``degree`` times)."""
+    repeated ``degree`` times). An output tuple with ``None`` entries and one spec per tensor: the
+    specs apply to its tensors in order (the launch's gather hooks do so too:
+    ``cp_uneven.gather_around_none``); other specs for it are refused as cache-dit refuses them."""
     specs = [spec] if _is_output(spec) else list(spec)
 
     def post(m, a, out):
+        whole = out
+        if isinstance(out, (list, tuple)) and any(o is None for o in out) and \
+                len([o for o in out if o is not None]) == len(specs):
+            out = [o for o in out if o is not None]  # the specs name the output's tensors
         _tensor_outputs(out, f"the gather at '{type(m).__name__}'")
         outs = [out] if torch.is_tensor(out) else list(out)
         for i, cpo in enumerate(specs):
             if cpo is not None and i < len(outs):
                 outs[i] = world.gather(outs[i], cpo.gather_dim)
+        if out is not whole:
+            it = iter(outs)
+            return type(whole)(next(it) if o is not None else None for o in whole)
         return outs[0] if torch.is_tensor(out) else type(out)(outs)
     return post
 

@@ -625,6 +625,9 @@ class _Draft:
     # later list is split there too
     at_blocks: dict[int, Any] = field(default_factory=dict)
     whole_masks: list[str] = field(default_factory=list)  # "<list>:<param>": masks over the image kept whole
+    # every split where the first block takes it (never at a producer or an input): what the forward
+    # makes before the blocks (rotary tables from the token count) is made whole, then split once
+    at_block: bool = False
 
     @property
     def first(self) -> ListTrace:
@@ -678,12 +681,12 @@ def _split_stream(d: _Draft, param: str, dim: int, what: str) -> None:
     tr, first, plan = d.tr, d.first, d.plan
     ids, shapes = first.input_ids[param], first.inputs[param]
     root = _stream_root(tr, first, param, d.before) if d.at_input else None
+    prod = _producer(tr, ids, d.before) if not d.at_block else None
     if root is not None:
         plan.setdefault("", {})[root] = ContextParallelInput(split_dim=1, expected_dims=len(tr.roots[root][0]))
         d.notes.append(f"split {what} at the transformer's input '{root}' (dim 1): what the forward reads from "
                        f"that input (its token count) is then the shard's")
         return
-    prod = _producer(tr, ids, d.before)
     if prod is not None:
         entry = plan.setdefault(prod[0], {})
         for i, s in zip(prod[1], shapes):
@@ -727,6 +730,13 @@ def _split_mask(d: _Draft, lname: str, param: str, shapes: list[list[int]]) -> N
         else:
             d.notes.append(f"text mask '{param}' {s} kept whole (cross attention)")
         return
+    if d.at_block and len(shapes) == 1 and len(s) == 2 and s[0] == st.image_shape[0] and s[1] == s_img:
+        # one flag per token [B, S]: split with the tokens at every block, so a block that applies it
+        # to its tokens gets the rank's; an attention that reads it gets every rank's flags back
+        # (the launch gathers a mask's keys of the rank's own tokens: ``cp_mask``)
+        d.plan.setdefault(f"{lname}.*", {})[param] = ContextParallelInput(split_dim=1, expected_dims=2)
+        d.notes.append(f"token mask '{param}' {s} split with the tokens at every block of '{lname}'")
+        return
     if len(s) >= 2 and any(L in (s_img, s_img + (s_txt or 0)) for L in s[1:]):
         # Ulysses: after the all-to-all each rank's attention holds the whole sequence (for a
         # share of the heads), so a mask that only the attention reads stays whole; one applied
@@ -768,6 +778,13 @@ def _split_joint_table(d: _Draft, lname: str, param: str, shapes: list[list[int]
                    f"instead, so each rank builds the table of its own [text shard, image shard]")
 
 
+_WHOLE = "whole"  # a table of a list of tables that no split touches
+
+
+def _dims_note(dims: list) -> str:
+    return "[" + ", ".join("kept whole" if dd is _WHOLE else str(dd) for dd in dims) + "]"
+
+
 def _split_image_table(d: _Draft, lt: ListTrace, param: str, shapes: list[list[int]], ids: list[int]) -> None:
     """An input with an image-length axis (positions, a second image stream): split on that axis
     at its producer, else at every block of the list; one without such an axis stays whole."""
@@ -781,26 +798,37 @@ def _split_image_table(d: _Draft, lt: ListTrace, param: str, shapes: list[list[i
         # the position axis, never the last (feature) axis: a [B, D] embedding whose width
         # happens to equal the token count is not a table of positions
         dims = [next((dd for dd, L in enumerate(s[:-1]) if L == s_img), None) for s in shapes]
+        if len(shapes) > 1 and any(dd is not None for dd in dims):
+            # a list of tables, some over the image (image and text rotary tables): the others
+            # follow the text (split with it, else whole), or stay whole when no axis is the text's
+            text_split = bool(st.s_txt) and (st.joint or d.split_text)
+            dims = [dd if dd is not None else next((k for k, L in enumerate(s[:-1]) if text_split and L == st.s_txt),
+                                                    _WHOLE) for s, dd in zip(shapes, dims)]
     if any(dd is None for dd in dims):
         return  # no image-length axis: the same on every rank (timestep embedding, ...)
-    prod = _producer(d.tr, ids, d.before)
+    prod = _producer(d.tr, ids, d.before) if not d.at_block else None
     if prod is not None and prod[0] not in plan:
         entry = plan.setdefault(prod[0], {})
         for i, s, dd in zip(prod[1], shapes, dims):
-            entry[i] = ContextParallelInput(split_dim=dd, expected_dims=len(s), split_output=True)
+            if dd is not _WHOLE:
+                entry[i] = ContextParallelInput(split_dim=dd, expected_dims=len(s), split_output=True)
         d.covered.update(ids)
-        d.notes.append(f"split positional table(s) of '{prod[0]}' {shapes} on dims {dims} (image "
+        d.notes.append(f"split positional table(s) of '{prod[0]}' {shapes} on dims {_dims_note(dims)} (image "
                        f"positions), before the first block")
     else:
-        cps = [ContextParallelInput(split_dim=dd, expected_dims=len(s)) for s, dd in zip(shapes, dims)]
+        # a table kept whole inside a list: an entry marked split_output, which cache-dit's input hook
+        # (and the dry run) pass through as they are
+        cps = [ContextParallelInput(split_dim=0, expected_dims=len(s), split_output=True) if dd is _WHOLE
+               else ContextParallelInput(split_dim=dd, expected_dims=len(s)) for s, dd in zip(shapes, dims)]
         spec = cps if param in lt.sequences else cps[0]
         key = _block_key(lt, param, unknown_every=True)
         plan.setdefault(key, {})[param] = spec
         if key.endswith(".0"):  # carried from block to block (a second stream): split once, where it enters
-            d.notes.append(f"split '{param}' {shapes} on dims {dims} where it enters '{lname}.0' (a stream "
-                           f"its blocks carry)")
+            d.notes.append(f"split '{param}' {shapes} on dims {_dims_note(dims)} where it enters '{lname}.0' (a "
+                           f"stream its blocks carry)")
         else:
-            d.notes.append(f"split '{param}' {shapes} on dims {dims} at every block of '{lname}' (image positions)")
+            d.notes.append(f"split '{param}' {shapes} on dims {_dims_note(dims)} at every block of '{lname}' "
+                           f"(image positions)")
         d.at_blocks.update({i: spec for i in ids})
 
 
@@ -852,12 +880,17 @@ def _split_block_inputs(d: _Draft) -> None:
                 _split_image_table(d, lt, param, shapes, ids)
 
 
-def _gather_site(tr: ForwardTrace, st: Streams) -> tuple[ModuleCall, str]:
+def _gather_site(tr: ForwardTrace, st: Streams, at_block: bool = False) -> tuple[ModuleCall, str]:
     """Step 4: where the image tokens are gathered (the first module after the last main block
-    that takes and returns them, else the last block itself) and a phrase saying which."""
+    that takes and returns them, else the last block itself; ``at_block``: the last block when it
+    returns them) and a phrase saying which."""
     s_img = st.s_img
     end = max(tr.lists[n].last_order for n in st.lists)
     site = None
+    last = max((tr.lists[n] for n in st.lists), key=lambda lt: lt.last_order)
+    if at_block and any(len(o) >= 2 and o[1] == s_img for o in last.outputs):
+        site = ModuleCall(f"{last.name}.{last.length - 1}", last.last_order, [], last.outputs)
+        return site, "the last block (every split where a block takes it, every gather where one returns it)"
     for c in tr.calls:
         if c.order <= end or not c.outputs:
             continue
@@ -901,7 +934,7 @@ def _plan_facts(d: _Draft, site: ModuleCall) -> dict:
 
 def derive_cp_plan(transformer, args, kwargs, attention_kind: str | None = None, degree: int | None = None,
                    trace: ForwardTrace | None = None, at_input: bool = False, split_text: bool = False,
-                   uneven: bool = False) -> CPPlan:
+                   uneven: bool = False, at_block: bool = False, streams: Streams | None = None) -> CPPlan:
     """A CP plan for a transformer nobody has planned, from one traced forward call (steps 1-4
     of the module docstring); checked by ``check_plan_sites`` (step 5) before it is returned.
     ``at_input``: split the token streams at the transformer's own inputs where they are
@@ -909,16 +942,20 @@ def derive_cp_plan(transformer, args, kwargs, attention_kind: str | None = None,
     where they are made (the module that returns them, or the first block). ``split_text``: under
     cross attention, split the text with the image instead of keeping it whole. ``uneven``: token
     counts the degree does not divide are split into ``tensor_split``'s shares (the launch must
-    enable cache-dit's ``ulysses_anything``), else refused."""
+    enable cache-dit's ``ulysses_anything``), else refused. ``at_block``: every split where the first
+    block takes it (tables the forward makes from the token count before the blocks are then whole,
+    split once, with the positions of the rank's share). ``streams``: the streams to split (default:
+    ``find_streams``'s)."""
     tr = trace if trace is not None else trace_forward(transformer, args, kwargs)
-    st = find_streams(tr, attention_kind)
-    d = _Draft(tr, st, at_input, notes=_stream_notes(st), split_text=split_text and not st.joint and bool(st.text))
+    st = streams if streams is not None else find_streams(tr, attention_kind)
+    d = _Draft(tr, st, at_input and not at_block, notes=_stream_notes(st),
+               split_text=split_text and not st.joint and bool(st.text), at_block=at_block)
     d.notes += _check_shards_divide(st, degree, uneven)
     if d.split_text and degree and st.s_txt % degree and not (uneven and st.s_txt >= degree):
         raise PlanDerivationError(f"{st.s_txt} text tokens do not divide into {degree} equal shards")
     _split_token_streams(d)
     _split_block_inputs(d)
-    site, where = _gather_site(tr, st)
+    site, where = _gather_site(tr, st, at_block)
     _add_gather(d, site, where)
     cp = CPPlan(d.plan, "derived", d.notes, _plan_facts(d, site))
     check_plan_sites(cp.plan, tr, st)
@@ -1001,33 +1038,61 @@ def _checked_registered(reg: CPPlan, transformer, args, kwargs, tr: ForwardTrace
         return None, [f"registered plan ({reg.source}) not used: {type(exc).__name__}: {exc}"]
 
 
+def _last_list_streams(tr: ForwardTrace, st: Streams) -> Streams | None:
+    """The streams of a plan that splits the last main list alone, where that list takes a longer
+    stream than the first (the model joins the text to the image tokens after refiner lists): its
+    whole token stream is split where its first block takes it and gathered where its last block
+    returns it; every list before it runs whole on every rank. None when there is no such list."""
+    if len(st.lists) < 2:
+        return None
+    last = max(st.lists, key=lambda n: tr.lists[n].last_order)
+    lt = tr.lists[last]
+    img = _image_of(lt)
+    shape = _token_inputs(lt).get(img) if img else None
+    if shape is None or shape[1] <= st.s_img:
+        return None
+    return Streams([last], img, shape, None, None, False, [n for n in tr.lists if n != last])
+
+
 def _derive_checked(transformer, args, kwargs, tr: ForwardTrace, st: Streams, attention_kind, degree: int,
                     check, notes: list[str], uneven: bool = False) -> CPPlan:
     """The derived plan splitting where the streams are made, else the one splitting at the
-    transformer's inputs; under cross attention then the same two with the text split too (an
-    attention that joins the text's keys to the image's needs every rank to hold a slice of the
-    text): the first that passes ``check``; else ``PlanCheckError`` naming why."""
-    variants = [(False, False, ""), (True, False, "the plan splitting at the transformer's inputs")]
+    transformer's inputs; with ``check`` then the one splitting every stream where the first block
+    takes it (gathered where the last returns it); under cross attention then the same with the text
+    split too (an attention that joins the text's keys to the image's needs every rank to hold a slice
+    of the text); last the one splitting the last main list alone (``_last_list_streams``): the first
+    that passes ``check``; else the ``PlanDerivationError`` naming every variant's reason."""
+    variants = [(False, False, "", st), (True, False, "the plan splitting at the transformer's inputs", st)]
+    if check is not None:
+        variants += [("block", False, "the plan splitting at the first block", st)]
     if check is not None and st.text and not st.joint:
-        variants += [(False, True, "the plan splitting the text with the image"),
-                     (True, True, "the plan splitting the text with the image at the transformer's inputs")]
-    failures: list[tuple[str, PlanCheckError, dict]] = []
-    for at_input, split_text, label in variants:
+        variants += [(False, True, "the plan splitting the text with the image", st),
+                     (True, True, "the plan splitting the text with the image at the transformer's inputs", st),
+                     ("block", True, "the plan splitting the text with the image at the first block", st)]
+    last = _last_list_streams(tr, st) if check is not None else None
+    if last is not None:
+        variants += [("block", False, f"the plan splitting '{last.lists[0]}' alone", last)]
+    failures: list[tuple[str, PlanDerivationError, dict]] = []
+    for at_input, split_text, label, streams in variants:
         try:
-            cp = derive_cp_plan(transformer, args, kwargs, attention_kind, degree, trace=tr, at_input=at_input,
-                                split_text=split_text, uneven=uneven)
+            cp = derive_cp_plan(transformer, args, kwargs, attention_kind, degree, trace=tr, at_input=at_input is True,
+                                split_text=split_text, uneven=uneven, at_block=at_input == "block",
+                                streams=streams if streams is not st else None)
         except PlanDerivationError as exc:
-            if split_text:  # a variant tried after the others failed: its reason joins theirs
+            if split_text or (check is not None and failures):  # a variant tried after others failed
                 failures.append((label, exc, {}))
                 continue
-            if notes:
-                raise type(exc)(f"{exc}; and {notes[0]}") from exc
-            raise
-        if any(plan_to_jsonable(cp.plan) == j for _, _, j in failures):
+            if check is None or len(variants) == 1:
+                if notes:
+                    raise type(exc)(f"{exc}; and {notes[0]}") from exc
+                raise
+            failures.append((label, exc, {}))
+            continue
+        if any(plan_to_jsonable(cp.plan) == j for _, _, j in failures if j):
             continue  # the same plan again (no stream is made from an input of the transformer)
         try:
             if check is not None:
-                cp.facts["prelaunch"] = check(transformer, args, kwargs, cp.plan, tr, st, degree)
+                cp.facts["prelaunch"] = check(transformer, args, kwargs, cp.plan, tr, streams, degree)
         except PlanCheckError as exc:
             if exc.final:
                 raise
@@ -1037,6 +1102,8 @@ def _derive_checked(transformer, args, kwargs, tr: ForwardTrace, st: Streams, at
                                 f"{type(e).__name__}: {e}" for lab, e, _ in failures]
         return cp
     exc = failures[0][1]
+    if not failures[0][0] and all(str(e) == str(exc) for _, e, _ in failures):
+        raise type(exc)(f"{exc}" + (f"; and {notes[0]}" if notes else "")) from exc  # one reason for all
     reasons = "; ".join(f"{lab + ': ' if lab else ''}{type(e).__name__}: {e}" for lab, e, _ in failures)
     raise type(exc)(f"derived plan: {reasons}" + (f"; and {notes[0]}" if notes else "")) from exc
 

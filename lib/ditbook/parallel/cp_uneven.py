@@ -55,6 +55,61 @@ def _gather_post(hook, original):
     return post
 
 
+def _around_none_post(hook, original):
+    """The replacement of one cache-dit gather hook's ``post_forward`` for an output tuple with
+    ``None`` entries (a block returning ``(tensor, None)``), which cache-dit's gather refuses: the
+    hook's metadata applies to the output's tensors in order, the ``None`` entries pass through."""
+    def post(module, output):
+        if not isinstance(output, (list, tuple)) or all(o is not None for o in output):
+            return original(module, output)
+        slots = [i for i, o in enumerate(output) if o is not None]
+        if not slots or not all(torch.is_tensor(output[i]) for i in slots) or len(slots) != len(hook.metadata):
+            return original(module, output)  # cache-dit's own error for what it cannot gather
+        got = original(module, tuple(output[i] for i in slots))
+        outs = list(output)
+        for i, g in zip(slots, [got] if torch.is_tensor(got) else list(got)):
+            outs[i] = g
+        return type(output)(outs)
+    return post
+
+
+def _passing_none_post(original):
+    """The replacement of a cache-dit split hook's ``post_forward`` when the hook splits no output:
+    an output with ``None`` entries passes as it is (cache-dit refuses it, though it has nothing to
+    split there)."""
+    def post(module, output):
+        if isinstance(output, (list, tuple)) and any(o is None for o in output):
+            return output
+        return original(module, output)
+    return post
+
+
+def gather_around_none(transformer, undo: WrapGroup | None = None) -> list[str]:
+    """After CP is enabled: every cache-dit gather hook on ``transformer``'s modules also gathers an
+    output tuple with ``None`` entries (``_around_none_post``; a plan made for such an output names
+    its tensors only), and a split hook that splits no output lets such an output pass. Returns the
+    modules whose hooks changed; ``undo`` keeps the handles."""
+    from cache_dit.distributed.core._context_parallel import _ContextParallelGatherHook, _ContextParallelSplitHook
+
+    changed = []
+    for name, module in transformer.named_modules():
+        registry = getattr(module, "_cache_dit_hook", None)
+        for hook in list(getattr(registry, "hooks", {}).values()):
+            ref = getattr(hook, "fn_ref", None)
+            if isinstance(hook, _ContextParallelSplitHook) and ref is not None and not any(
+                    getattr(c, "split_output", False) for c in hook.metadata.values()):
+                handle = swap_attribute(ref, "post_forward", _passing_none_post(ref.post_forward))
+                if undo is not None:
+                    undo.track(handle)
+                changed.append(name or "<transformer>")
+            elif isinstance(hook, _ContextParallelGatherHook):
+                handle = swap_attribute(ref, "post_forward", _around_none_post(hook, ref.post_forward))
+                if undo is not None:
+                    undo.track(handle)
+                changed.append(name or "<transformer>")
+    return changed
+
+
 def gather_unevenly(transformer, undo: WrapGroup | None = None) -> list[str]:
     """After CP is enabled with ``ulysses_anything``: on a process group other than NCCL, every
     cache-dit gather hook on ``transformer``'s modules gathers unequal shares by padding

@@ -208,6 +208,13 @@ def _apply_library_cp(pipe, card, spec, cp, cp_mesh, route, info: dict) -> None:
         from .cp_uneven import gather_unevenly
 
         info["cp_uneven_gathers"] = gather_unevenly(tr)
+    from .cp_uneven import gather_around_none
+
+    info["cp_gathers_around_none"] = gather_around_none(tr)  # a gather at a block returning (tensor, None)
+    if spec.ring == 1:  # masks fitted to what each rank's Ulysses attention holds (heads, rows, keys)
+        from .cp_mask import install_mask_fit
+
+        install_mask_fit()
     # attention outside the split block lists (a text refiner) stays local on every rank
     info["cp_local_attention"] = limit_cp_to(tr, cp.facts.get("block_lists"), route)
     if spec.cache:
