@@ -6,6 +6,7 @@ from pathlib import Path
 import nbformat as nbf
 import pytest
 
+from ditbook.card import GateError
 from ditbook.cli import main
 from ditbook.runner import discover_stages, format_batch_table, resume_run, run_batch, start_run
 from ditbook.runs import RunError, RunFolder
@@ -157,11 +158,13 @@ def _children() -> list:
 def test_next_stage_kernel_is_started_ahead_with_its_imports_done(probe_stages, card_path, monkeypatch):
     """While a stage runs, the next stage's kernel starts and imports that stage's package (and the
     card's pipeline class): its notebook finds them done, in its own kernel, in the run folder,
-    with nothing added to its namespace; turned off, every stage imports for itself."""
+    with nothing added to its namespace; the first stage's kernel starts while the command checks
+    the card, before the run folder exists, and is moved into it; turned off, every stage imports
+    for itself."""
     outcome = start_run(card_path, run_id="ahead", log=lambda s: None)
     assert outcome.ok, outcome.stages
     seen = {n: json.loads((outcome.run.path / f"{n}.json").read_text()) for n in ("intake", "inspect", "cache")}
-    assert [seen[n]["warm"] for n in ("intake", "inspect", "cache")] == [False, True, True]
+    assert [seen[n]["warm"] for n in ("intake", "inspect", "cache")] == [True, True, True]
     assert len({s["pid"] for s in seen.values()}) == 3  # a fresh kernel per stage, as before
     assert {s["cwd"] for s in seen.values()} == {str(outcome.run.path)}
     assert seen["inspect"]["names"] == seen["intake"]["names"]  # the warm-up leaves no name behind
@@ -170,6 +173,30 @@ def test_next_stage_kernel_is_started_ahead_with_its_imports_done(probe_stages, 
     monkeypatch.setenv("DITBOOK_KERNEL_AHEAD", "0")
     off = start_run(card_path, run_id="off", log=lambda s: None)
     assert off.ok and not json.loads((off.run.path / "inspect.json").read_text())["warm"]
+    assert not json.loads((off.run.path / "intake.json").read_text())["warm"]
+
+
+def test_first_kernel_started_ahead_goes_when_the_start_check_refuses(probe_stages, card_path, tmp_path,
+                                                                      monkeypatch):
+    """A card that loads but fails the start check (an unregistered strategy): the first stage's
+    kernel, already started, is shut down, and no run folder is made."""
+    import ditbook.runner as runner
+
+    started = []
+
+    def spy(*args, **kwargs):
+        started.append(runner_start(*args, **kwargs))
+        return started[-1]
+
+    runner_start = runner.start_ahead
+    monkeypatch.setattr(runner, "start_ahead", spy)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(card_path.read_text().replace("name: demo", "name: bad") + "cache:\n  strategies: [nosuchstrategy]\n")
+    with pytest.raises(GateError, match="nosuchstrategy"):
+        start_run(bad, run_id="refused", log=lambda s: None)
+    assert started and started[0] is not None  # it was started, before the refusal
+    assert not _children()
+    assert not (tmp_path / "outputs" / "bad").exists()
 
 
 def test_kernel_started_ahead_is_shut_down_when_its_stage_never_comes(probe_stages, card_path):

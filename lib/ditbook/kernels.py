@@ -73,29 +73,55 @@ def warm_line(stage: str, card) -> str:
 class KernelAhead:
     """A stage's kernel, started before its turn, doing the stage's imports at start-up."""
 
-    def __init__(self, stage, run_path: Path, card, kernel_name: str | None = None):
+    def __init__(self, stage, run_path: Path | None, card, kernel_name: str | None = None):
+        """``run_path`` None: the run folder does not exist yet (the first stage's kernel, started
+        while the command checks the card); the kernel starts in its private folder and is moved
+        into the run folder by :meth:`enter` before its notebook runs."""
         from jupyter_client.manager import AsyncKernelManager
         from jupyter_core.utils import run_sync
 
         self.stage = stage.name
         self.sockets = tempfile.mkdtemp(prefix="ditbook-kernel-")
+        self.moved = run_path is not None
+        self.used = False  # handed to its stage's papermill run (runner._usable)
         name = kernel_name or notebook_kernel_name(stage.notebook)
         kw = {"kernel_name": name} if name else {}
         self.km = AsyncKernelManager(config=kernel_config(self.sockets), **kw)
         try:
-            run_sync(self.km.start_kernel)(cwd=str(run_path), env=kernel_env(),
+            run_sync(self.km.start_kernel)(cwd=str(run_path or self.sockets), env=kernel_env(),
                                            extra_arguments=[HISTORY_ARG, f"--IPKernelApp.exec_lines={warm_line(stage.name, card)}"])
         except BaseException:
             shutil.rmtree(self.sockets, ignore_errors=True)
             raise
 
+    def enter(self, run_path: Path, timeout: float = 900) -> bool:
+        """Make ``run_path`` the kernel's working folder (one silent request, nothing stored in the
+        notebook's history or namespace), after its start-up imports; False if it did not answer."""
+        from jupyter_core.utils import run_sync
+
+        if self.moved:
+            return True
+        kc = self.km.client()
+        kc.start_channels()
+        try:
+            run_sync(kc.wait_for_ready)(timeout=timeout)
+            reply = run_sync(kc.execute_interactive)(f"__import__('os').chdir({str(run_path)!r})", silent=True,
+                                                     store_history=False, timeout=60, output_hook=lambda msg: None)
+            self.moved = reply.get("content", {}).get("status") == "ok"
+        except Exception:  # not answering: papermill starts its own kernel instead
+            self.moved = False
+        finally:
+            kc.stop_channels()
+        return self.moved
+
     def close(self) -> None:
-        """Shut the kernel down (politely, then for good) and remove its sockets folder."""
+        """Shut the kernel down (politely after its stage ran, at once when it never ran one: it may
+        still be importing) and remove its sockets folder."""
         from jupyter_core.utils import run_sync
 
         try:
             if run_sync(self.km.is_alive)():
-                run_sync(self.km.shutdown_kernel)(now=False)
+                run_sync(self.km.shutdown_kernel)(now=not self.used)
             run_sync(self.km.cleanup_resources)()
         except Exception:  # already gone: nothing to shut down
             pass

@@ -146,15 +146,17 @@ def _papermill(stage: Stage, run: RunFolder, card: ModelCard, overrides: dict, k
         )
 
 
-def _usable(ahead: KernelAhead | None) -> KernelAhead | None:
-    """The kernel started ahead if it is still alive (one that died at start-up is dropped, and
-    papermill starts a kernel of its own)."""
+def _usable(ahead: KernelAhead | None, run: RunFolder) -> KernelAhead | None:
+    """The kernel started ahead if it is still alive and works in the run folder (one that died at
+    start-up, or could not be moved into the run folder, is dropped, and papermill starts a kernel of
+    its own)."""
     if ahead is None:
         return None
     from jupyter_core.utils import run_sync
 
     try:
-        if run_sync(ahead.km.is_alive)():
+        if run_sync(ahead.km.is_alive)() and ahead.enter(run.path):
+            ahead.used = True
             return ahead
     except Exception:
         pass
@@ -170,7 +172,7 @@ def execute_stage(stage: Stage, run: RunFolder, card: ModelCard, overrides: dict
     out_nb = run.path / stage.notebook.name
     run.update_stage(stage.name, status="running", notebook=out_nb.name, started=time.time())
     start = time.perf_counter()
-    ahead = _usable(ahead)
+    ahead = _usable(ahead, run)
     try:
         _papermill(stage, run, card, overrides, kernel_name, ahead)
     except BaseException as exc:  # papermill raises PapermillExecutionError; anything else is recorded too
@@ -214,18 +216,20 @@ def write_report(run: RunFolder, log: Callable[[str], None] = print) -> None:
 
 
 def run_stages(run: RunFolder, card: ModelCard, stages: list[Stage], overrides: dict, *,
-               kernel_name: str | None = None, log: Callable[[str], None] = print) -> RunOutcome:
-    outcome = _run_stages(run, card, stages, overrides, kernel_name=kernel_name, log=log)
+               kernel_name: str | None = None, log: Callable[[str], None] = print,
+               ahead: KernelAhead | None = None) -> RunOutcome:
+    """``ahead``: the first stage's kernel, started while the command checked the card."""
+    outcome = _run_stages(run, card, stages, overrides, kernel_name=kernel_name, log=log, ahead=ahead)
     write_report(run, log)
     return outcome
 
 
 def _run_stages(run: RunFolder, card: ModelCard, stages: list[Stage], overrides: dict, *,
-                kernel_name: str | None = None, log: Callable[[str], None] = print) -> RunOutcome:
+                kernel_name: str | None = None, log: Callable[[str], None] = print,
+                ahead: KernelAhead | None = None) -> RunOutcome:
     outcome = RunOutcome(run)
-    run.set_status("running")
-    ahead = None
     try:
+        run.set_status("running")
         for i, stage in enumerate(stages):
             log(f"[{stage.order:02d} {stage.name}] running ...")
             current, ahead = ahead, None
@@ -262,17 +266,40 @@ def start_run(card_path: str | Path, *, stages: list[str] | None = None, overrid
               log: Callable[[str], None] = print) -> RunOutcome:
     """Gate-check the card, create a new run folder, and execute the chosen stages."""
     overrides = dict(overrides or {})
-    card = start_check(card_path, overrides)
     chosen = select_stages(stages)
-    if not chosen:
-        raise RunError(f"no stage notebooks found in {notebooks_dir()}")
-    run = RunFolder.create(card, outputs_root or outputs_dir(), run_id, overrides)
-    with run.acquire("ditbook run"):
-        meta = run.read_meta()
-        meta["requested_stages"] = [s.name for s in chosen]
-        run.write_meta(meta)
-        log(f"run folder: {run.path}")
-        return run_stages(run, card, chosen, overrides, kernel_name=kernel_name, log=log)
+    ahead = _first_kernel(chosen, card_path, overrides, None, kernel_name, log)
+    try:
+        card = start_check(card_path, overrides)
+        if not chosen:
+            raise RunError(f"no stage notebooks found in {notebooks_dir()}")
+        run = RunFolder.create(card, outputs_root or outputs_dir(), run_id, overrides)
+        with run.acquire("ditbook run"):
+            meta = run.read_meta()
+            meta["requested_stages"] = [s.name for s in chosen]
+            run.write_meta(meta)
+            log(f"run folder: {run.path}")
+            given, ahead = ahead, None
+            return run_stages(run, card, chosen, overrides, kernel_name=kernel_name, log=log, ahead=given)
+    finally:
+        if ahead is not None:  # refused before its stage: not needed
+            ahead.close()
+
+
+def _first_kernel(stages: list[Stage], card_path, overrides: dict, run_path: Path | None, kernel_name: str | None,
+                  log: Callable[[str], None]) -> KernelAhead | None:
+    """The first stage's kernel, started before the command's own start check (which imports the
+    pipeline's libraries too), so the two imports overlap; None when turned off, when there is no
+    stage, or when the card does not even load (the start check then says why)."""
+    from .card import load_card
+    from .kernels import ahead_enabled
+
+    if not stages or not ahead_enabled():
+        return None
+    try:
+        card = load_card(card_path, overrides)
+    except Exception:  # the start check reports it
+        return None
+    return start_ahead(stages[0], run_path, card, kernel_name, log)
 
 
 def resume_run(run_dir: str | Path, *, kernel_name: str | None = None, log: Callable[[str], None] = print) -> RunOutcome:
@@ -290,20 +317,26 @@ def _resume(run: RunFolder, *, kernel_name: str | None, log: Callable[[str], Non
     if "card_path" not in meta:
         raise RunError(f"{run.meta_path} has no 'card_path'; it is not a run ditbook can resume")
     overrides = meta.get("overrides") or {}
-    card = start_check(meta["card_path"], overrides)
-    if card.content_hash() != meta.get("card_hash"):
-        raise RunError(
-            f"card {meta['card_path']} changed since {run.path} started (hash {meta.get('card_hash')} -> "
-            f"{card.content_hash()}); a resumed run must use the same card — start a new run instead"
-        )
     stages = discover_stages()
     done = {k for k, v in meta.get("stages", {}).items() if v.get("status") == "passed"}
     requested = meta.get("requested_stages") or [s.name for s in stages]
     todo = [s for s in stages if s.name in requested and s.name not in done]
-    if not todo:
-        raise RunError(f"{run.path}: every requested stage already passed")
-    log(f"resuming {run.path} at stage '{todo[0].name}'")
-    return run_stages(run, card, todo, overrides, kernel_name=kernel_name, log=log)
+    ahead = _first_kernel(todo, meta["card_path"], overrides, run.path, kernel_name, log)
+    try:
+        card = start_check(meta["card_path"], overrides)
+        if card.content_hash() != meta.get("card_hash"):
+            raise RunError(
+                f"card {meta['card_path']} changed since {run.path} started (hash {meta.get('card_hash')} -> "
+                f"{card.content_hash()}); a resumed run must use the same card — start a new run instead"
+            )
+        if not todo:
+            raise RunError(f"{run.path}: every requested stage already passed")
+        log(f"resuming {run.path} at stage '{todo[0].name}'")
+        given, ahead = ahead, None
+        return run_stages(run, card, todo, overrides, kernel_name=kernel_name, log=log, ahead=given)
+    finally:
+        if ahead is not None:
+            ahead.close()
 
 
 @dataclass
