@@ -43,15 +43,20 @@ class CfgStats:
     extra_forwards: int = 0
     exchanges: int = 0
     notes: list[str] = field(default_factory=list)
+    one_branch_caches: int = 0  # cache contexts told that this rank sees one branch per step
     handle: WrapHandle | None = field(default=None, repr=False, compare=False)
+    undo: list = field(default_factory=list, repr=False, compare=False)
 
     def to_dict(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k != "handle"}
+        return {k: v for k, v in self.__dict__.items() if k not in ("handle", "undo")}
 
     def remove(self) -> None:
-        """Take the CFG wrapper off the transformer again."""
+        """Take the CFG wrapper (and the caches' one-branch setting) off the transformer again."""
         if self.handle is not None:
             self.handle.remove()
+        for h in reversed(self.undo):
+            h.remove()
+        self.undo = []
 
 
 def _first_tensor(out):
@@ -237,6 +242,31 @@ def _batched(stats: CfgStats, me: int, group, heartbeat):
     return batched
 
 
+def one_branch_per_step(transformer) -> list:
+    """Under separate-calls CFG parallel each rank makes one transformer call per step, all of
+    one branch. A cache-dit cache set up for separate CFG (``enable_separate_cfg``) counts a step
+    per two calls and takes every other call for the other branch: on a rank that doubles the
+    warmup (in steps) and compares each call's residual with its own branch's call two steps back,
+    so the rank computes the blocks the one-process run skips, and the ranks' block work is not
+    half of it (``CfgSplitError``). The rank's cache is its one branch's cache: every cache context
+    of the transformer is set to one call per step here; returns the handles that put it back."""
+    from ..hooks import swap_attribute
+
+    configs = {}
+    # the keywords cache-dit (re)creates each context from on every pipeline call: kept on the
+    # transformer and on its block lists (``_context_kwargs``), the same config objects
+    for module in transformer.modules():
+        kwargs = vars(module).get("_context_kwargs")
+        if isinstance(kwargs, dict) and kwargs.get("cache_config") is not None:
+            configs[id(kwargs["cache_config"])] = kwargs["cache_config"]
+    cm = getattr(transformer, "_context_manager", None)
+    for ctx in (getattr(cm, "_cached_context_manager", None) or {}).values():  # contexts already made
+        if getattr(ctx, "cache_config", None) is not None:
+            configs[id(ctx.cache_config)] = ctx.cache_config
+    return [swap_attribute(c, "enable_separate_cfg", False) for c in configs.values()
+            if getattr(c, "enable_separate_cfg", False)]
+
+
 def apply_cfg_parallel(transformer, style: str, group=None, heartbeat=None, cached: bool = False) -> CfgStats:
     """Wrap ``transformer.forward`` (this instance) for CFG parallel over ``group`` (2 ranks);
     the returned stats' ``remove()`` undoes it. ``cached``: a cache runs inside the forward, so no
@@ -251,6 +281,9 @@ def apply_cfg_parallel(transformer, style: str, group=None, heartbeat=None, cach
     wrapper = _separate(stats, me, group, heartbeat, shape_from_input=cached) if style == "separate" \
         else _batched(stats, me, group, heartbeat)
     stats.handle = wrap_method(transformer, WRAP, wrapper)
+    if cached and style == "separate":
+        stats.undo = one_branch_per_step(transformer)
+        stats.one_branch_caches = len(stats.undo)
     return stats
 
 
