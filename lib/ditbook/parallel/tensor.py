@@ -140,6 +140,7 @@ def _tensors(obj):
             yield from _tensors(o)
 
 
+# long: the hooks, the tag table and the function mode share one trace and are removed together
 def trace_linear_order(transformer: nn.Module, call: tuple[tuple, dict]) -> LinearTrace:
     """One forward with (args, kwargs), recording the order of linear and attention calls and the
     data flow between them: every tensor carries the producers (linear layers, attention calls)
@@ -208,7 +209,7 @@ def trace_linear_order(transformer: nn.Module, call: tuple[tuple, dict]) -> Line
     return trace
 
 
-def derive_plan(transformer: nn.Module, trace: "LinearTrace", grouped: bool = True) -> TensorPlan:  # long: one pass per rule
+def derive_plan(transformer: nn.Module, trace: "LinearTrace", grouped: bool = True) -> TensorPlan:
     """Colwise/rowwise styles from the traced data flow (see the module docstring); refuses when
     nothing can be sharded.
 
@@ -445,7 +446,8 @@ def _first_tensor(out):
     return getattr(out, "sample", None)
 
 
-def simulate_tensor_plan(transformer: nn.Module, plan: TensorPlan, degree: int, call: tuple[tuple, dict],  # long: setup, threads, compare
+# long: the ranks' layer forwards, the threads and the comparison share the one set of swaps to undo
+def simulate_tensor_plan(transformer: nn.Module, plan: TensorPlan, degree: int, call: tuple[tuple, dict],
                          heads: int | None, kv_heads: int | None) -> str | None:
     """Run ``plan`` in this process with ``degree`` threads standing for the ranks — each planned
     layer computes only its rank's rows or columns (the rowwise partial sums added between the
