@@ -164,3 +164,29 @@ def test_cfg_parallel_with_a_cache_gives_each_rank_a_one_branch_cache():
     for h in handles:
         h.remove()
     assert config.enable_separate_cfg is True and block_config.enable_separate_cfg is True
+
+
+def test_cfg_placeholder_of_a_forward_without_return_dict_is_the_bare_tensor(monkeypatch):
+    """With a cache, the rank that skips the first call answers with an input-shaped placeholder
+    before it has seen an output. A forward without a ``return_dict`` parameter returns what its
+    code returns (here a bare tensor, called without ``return_dict``): the placeholder was wrapped
+    as diffusers' output class and the check failed the plan (``CfgShapeError``)."""
+    from ditbook.parallel import cfg
+
+    class Plain(nn.Module):
+        def forward(self, latents, text_ids, t):
+            return latents
+
+    class Diffusers(nn.Module):
+        def forward(self, hidden_states, timestep, return_dict=True):
+            return hidden_states
+
+    assert cfg.takes_return_dict(Plain()) is False and cfg.takes_return_dict(Diffusers()) is True
+    monkeypatch.setattr(cfg, "_gather", lambda local, group, size: [local, local])
+    stats = cfg.CfgStats(style="separate")
+    wrapper = cfg._separate(stats, 1, None, None, shape_from_input=True, wraps=cfg.takes_return_dict(Plain()))
+    x = torch.zeros(1, 4, 8, 8)
+    first = wrapper(lambda *a: a[0], x, torch.zeros(1, 3), torch.zeros(1))
+    assert isinstance(first, torch.Tensor) and first.shape == x.shape and stats.computed == 0
+    second = wrapper(lambda *a: a[0] + 1, x, torch.zeros(1, 3), torch.zeros(1))  # checked: no CfgShapeError
+    assert isinstance(second, torch.Tensor) and float(first.mean()) == 1.0  # filled by the exchange

@@ -97,13 +97,17 @@ class CfgShapeError(RuntimeError):
     wrapped) otherwise."""
 
 
-def _placeholder_like_input(args, kwargs):
+def _placeholder_like_input(args, kwargs, takes_return_dict: bool = True):
     """(placeholder output, its tensor): an empty tensor shaped like the image input, wrapped the
-    way the call asks (``return_dict=False``: a tuple; otherwise diffusers' output class)."""
+    way the call asks (``return_dict=False``: a tuple; otherwise diffusers' output class). A
+    forward without a ``return_dict`` parameter (``takes_return_dict`` False) is not a diffusers
+    forward that wraps on request: its placeholder is the bare tensor."""
     t = kwargs.get("hidden_states")
     if t is None:
         t = next((a for a in args if isinstance(a, torch.Tensor)), None)
     ph = torch.empty_like(t)
+    if not takes_return_dict:
+        return ph, ph
     if kwargs.get("return_dict", True) is False:
         return (ph,), ph
     from diffusers.models.modeling_outputs import Transformer2DModelOutput
@@ -111,11 +115,22 @@ def _placeholder_like_input(args, kwargs):
     return Transformer2DModelOutput(sample=ph), ph
 
 
+def takes_return_dict(transformer) -> bool:
+    """Whether the transformer's class ``forward`` has a ``return_dict`` parameter (or ``**kwargs``)."""
+    import inspect
+
+    try:
+        params = inspect.signature(type(transformer).forward).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return any(p.name == "return_dict" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
 class _SeparateState:
     """What one rank's separate-calls wrapper carries from call to call (see ``_separate``)."""
 
-    def __init__(self, stats: CfgStats, me: int, group):
-        self.stats, self.me, self.group = stats, me, group
+    def __init__(self, stats: CfgStats, me: int, group, wraps: bool = True):
+        self.stats, self.me, self.group, self.wraps = stats, me, group, wraps
         self.shapes: dict = {}  # input shape -> (output shape, dtype, device) learnt for it
         self.pending = None  # the first call's output or placeholder; the exchange fills it
         self.own0 = None  # this rank's own first-call output, when it computed that call
@@ -125,7 +140,7 @@ class _SeparateState:
     def first_from_input(self, i: int, args, kwargs):
         """A first call of a new input shape on a rank that skips it, with a cache: answer with a
         placeholder shaped like the input (checked against this rank's output in the same step)."""
-        template, ph = _placeholder_like_input(args, kwargs)
+        template, ph = _placeholder_like_input(args, kwargs, self.wraps)
         self.template, self.guessed = template, (tuple(ph.shape), type(template))
         self.stats.skipped += 1
         self.own0 = None
@@ -187,7 +202,7 @@ class _SeparateState:
         self.guessed = None
 
 
-def _separate(stats: CfgStats, me: int, group, heartbeat, shape_from_input: bool = False):
+def _separate(stats: CfgStats, me: int, group, heartbeat, shape_from_input: bool = False, wraps: bool = True):
     """The wrapper for a pipeline that calls the transformer twice per step (cond, uncond).
 
     A rank that does not compute a call returns a placeholder of the output's shape, learnt the
@@ -196,7 +211,7 @@ def _separate(stats: CfgStats, me: int, group, heartbeat, shape_from_input: bool
     same step. An extra forward would advance that rank's cache (its step count, and cache-dit's
     world-wide all-reduce of the residual difference) one call ahead of the other rank's, and the
     ranks' collectives would no longer pair (a hang)."""
-    state = _SeparateState(stats, me, group)
+    state = _SeparateState(stats, me, group, wraps)
 
     def separate(orig, *args, **kwargs):
         i = stats.calls
@@ -278,7 +293,8 @@ def apply_cfg_parallel(transformer, style: str, group=None, heartbeat=None, cach
         raise ValueError(f"the CFG group must hold 2 ranks, it holds {size}")
     stats = CfgStats(style=style)
     me = dist.get_rank(group)
-    wrapper = _separate(stats, me, group, heartbeat, shape_from_input=cached) if style == "separate" \
+    wrapper = _separate(stats, me, group, heartbeat, shape_from_input=cached,
+                        wraps=takes_return_dict(transformer)) if style == "separate" \
         else _batched(stats, me, group, heartbeat)
     stats.handle = wrap_method(transformer, WRAP, wrapper)
     if cached and style == "separate":
