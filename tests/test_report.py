@@ -161,3 +161,12 @@ def test_reproduce_lines_are_relative_to_where_the_run_started(tmp_path):
     assert lines == ["ditbook run models/m.yaml", "ditbook report outputs/m/r1"]
     rows = dict(environment_rows(meta))
     assert rows["ditbook"] == "0.1.0 (installed package)" and "recorded when the package was built" in rows["git revision"]
+
+
+def test_noise_floor_item_of_a_refused_cache_stage():
+    """A cache stage that refused before its re-run records the re-run's max abs diff as None;
+    the checklist said so instead of failing the benchmark stage with a TypeError."""
+    from ditbook.benchmark.verdict import _noise_item
+
+    item = _noise_item({"noise_floor": {"rerun_max_abs": None, "rerun_vs_intake": {"psnr_min": 80.0}}}, None)
+    assert "max abs diff -" in item["figure"], item

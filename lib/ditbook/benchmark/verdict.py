@@ -365,7 +365,8 @@ def _noise_item(cache: dict | None, benchmark: dict | None) -> dict:
     if nf.get("rerun_vs_intake"):
         p = nf["rerun_vs_intake"].get("psnr_min")
         floors.append(p)
-        parts.append(f"re-run vs intake {_f(p, 1)} dB (max abs diff {nf.get('rerun_max_abs', 0):.3g})")
+        diff = nf.get("rerun_max_abs")  # None where the cache stage refused before its re-run
+        parts.append(f"re-run vs intake {_f(p, 1)} dB (max abs diff {'-' if diff is None else f'{diff:.3g}'})")
     if nf.get("backend_vs_rerun"):
         p = nf["backend_vs_rerun"].get("psnr_min")
         floors.append(p)

@@ -43,15 +43,20 @@ class CfgStats:
     extra_forwards: int = 0
     exchanges: int = 0
     notes: list[str] = field(default_factory=list)
+    one_branch_caches: int = 0  # cache contexts told that this rank sees one branch per step
     handle: WrapHandle | None = field(default=None, repr=False, compare=False)
+    undo: list = field(default_factory=list, repr=False, compare=False)
 
     def to_dict(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k != "handle"}
+        return {k: v for k, v in self.__dict__.items() if k not in ("handle", "undo")}
 
     def remove(self) -> None:
-        """Take the CFG wrapper off the transformer again."""
+        """Take the CFG wrapper (and the caches' one-branch setting) off the transformer again."""
         if self.handle is not None:
             self.handle.remove()
+        for h in reversed(self.undo):
+            h.remove()
+        self.undo = []
 
 
 def _first_tensor(out):
@@ -92,13 +97,17 @@ class CfgShapeError(RuntimeError):
     wrapped) otherwise."""
 
 
-def _placeholder_like_input(args, kwargs):
+def _placeholder_like_input(args, kwargs, takes_return_dict: bool = True):
     """(placeholder output, its tensor): an empty tensor shaped like the image input, wrapped the
-    way the call asks (``return_dict=False``: a tuple; otherwise diffusers' output class)."""
+    way the call asks (``return_dict=False``: a tuple; otherwise diffusers' output class). A
+    forward without a ``return_dict`` parameter (``takes_return_dict`` False) is not a diffusers
+    forward that wraps on request: its placeholder is the bare tensor."""
     t = kwargs.get("hidden_states")
     if t is None:
         t = next((a for a in args if isinstance(a, torch.Tensor)), None)
     ph = torch.empty_like(t)
+    if not takes_return_dict:
+        return ph, ph
     if kwargs.get("return_dict", True) is False:
         return (ph,), ph
     from diffusers.models.modeling_outputs import Transformer2DModelOutput
@@ -106,11 +115,22 @@ def _placeholder_like_input(args, kwargs):
     return Transformer2DModelOutput(sample=ph), ph
 
 
+def takes_return_dict(transformer) -> bool:
+    """Whether the transformer's class ``forward`` has a ``return_dict`` parameter (or ``**kwargs``)."""
+    import inspect
+
+    try:
+        params = inspect.signature(type(transformer).forward).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return any(p.name == "return_dict" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
 class _SeparateState:
     """What one rank's separate-calls wrapper carries from call to call (see ``_separate``)."""
 
-    def __init__(self, stats: CfgStats, me: int, group):
-        self.stats, self.me, self.group = stats, me, group
+    def __init__(self, stats: CfgStats, me: int, group, wraps: bool = True):
+        self.stats, self.me, self.group, self.wraps = stats, me, group, wraps
         self.shapes: dict = {}  # input shape -> (output shape, dtype, device) learnt for it
         self.pending = None  # the first call's output or placeholder; the exchange fills it
         self.own0 = None  # this rank's own first-call output, when it computed that call
@@ -120,7 +140,7 @@ class _SeparateState:
     def first_from_input(self, i: int, args, kwargs):
         """A first call of a new input shape on a rank that skips it, with a cache: answer with a
         placeholder shaped like the input (checked against this rank's output in the same step)."""
-        template, ph = _placeholder_like_input(args, kwargs)
+        template, ph = _placeholder_like_input(args, kwargs, self.wraps)
         self.template, self.guessed = template, (tuple(ph.shape), type(template))
         self.stats.skipped += 1
         self.own0 = None
@@ -182,7 +202,7 @@ class _SeparateState:
         self.guessed = None
 
 
-def _separate(stats: CfgStats, me: int, group, heartbeat, shape_from_input: bool = False):
+def _separate(stats: CfgStats, me: int, group, heartbeat, shape_from_input: bool = False, wraps: bool = True):
     """The wrapper for a pipeline that calls the transformer twice per step (cond, uncond).
 
     A rank that does not compute a call returns a placeholder of the output's shape, learnt the
@@ -191,7 +211,7 @@ def _separate(stats: CfgStats, me: int, group, heartbeat, shape_from_input: bool
     same step. An extra forward would advance that rank's cache (its step count, and cache-dit's
     world-wide all-reduce of the residual difference) one call ahead of the other rank's, and the
     ranks' collectives would no longer pair (a hang)."""
-    state = _SeparateState(stats, me, group)
+    state = _SeparateState(stats, me, group, wraps)
 
     def separate(orig, *args, **kwargs):
         i = stats.calls
@@ -237,6 +257,31 @@ def _batched(stats: CfgStats, me: int, group, heartbeat):
     return batched
 
 
+def one_branch_per_step(transformer) -> list:
+    """Under separate-calls CFG parallel each rank makes one transformer call per step, all of
+    one branch. A cache-dit cache set up for separate CFG (``enable_separate_cfg``) counts a step
+    per two calls and takes every other call for the other branch: on a rank that doubles the
+    warmup (in steps) and compares each call's residual with its own branch's call two steps back,
+    so the rank computes the blocks the one-process run skips, and the ranks' block work is not
+    half of it (``CfgSplitError``). The rank's cache is its one branch's cache: every cache context
+    of the transformer is set to one call per step here; returns the handles that put it back."""
+    from ..hooks import swap_attribute
+
+    configs = {}
+    # the keywords cache-dit (re)creates each context from on every pipeline call: kept on the
+    # transformer and on its block lists (``_context_kwargs``), the same config objects
+    for module in transformer.modules():
+        kwargs = vars(module).get("_context_kwargs")
+        if isinstance(kwargs, dict) and kwargs.get("cache_config") is not None:
+            configs[id(kwargs["cache_config"])] = kwargs["cache_config"]
+    cm = getattr(transformer, "_context_manager", None)
+    for ctx in (getattr(cm, "_cached_context_manager", None) or {}).values():  # contexts already made
+        if getattr(ctx, "cache_config", None) is not None:
+            configs[id(ctx.cache_config)] = ctx.cache_config
+    return [swap_attribute(c, "enable_separate_cfg", False) for c in configs.values()
+            if getattr(c, "enable_separate_cfg", False)]
+
+
 def apply_cfg_parallel(transformer, style: str, group=None, heartbeat=None, cached: bool = False) -> CfgStats:
     """Wrap ``transformer.forward`` (this instance) for CFG parallel over ``group`` (2 ranks);
     the returned stats' ``remove()`` undoes it. ``cached``: a cache runs inside the forward, so no
@@ -248,9 +293,13 @@ def apply_cfg_parallel(transformer, style: str, group=None, heartbeat=None, cach
         raise ValueError(f"the CFG group must hold 2 ranks, it holds {size}")
     stats = CfgStats(style=style)
     me = dist.get_rank(group)
-    wrapper = _separate(stats, me, group, heartbeat, shape_from_input=cached) if style == "separate" \
+    wrapper = _separate(stats, me, group, heartbeat, shape_from_input=cached,
+                        wraps=takes_return_dict(transformer)) if style == "separate" \
         else _batched(stats, me, group, heartbeat)
     stats.handle = wrap_method(transformer, WRAP, wrapper)
+    if cached and style == "separate":
+        stats.undo = one_branch_per_step(transformer)
+        stats.one_branch_caches = len(stats.undo)
     return stats
 
 

@@ -295,6 +295,9 @@ def judge(result: LaunchResult, plans: list[str], gates: Gates | None = None,
             or cache_skip_failure(spec, entry)
         if sharding_problem:  # parity cannot see a plan that splits nothing: this can
             quality["reasons"] = list(quality.get("reasons") or []) + [sharding_problem]
+        elif not q.passed:  # the plan ran and its output is not the reference's: a named error too
+            sharding_problem = f"ParityError: against {ref_name}: " + "; ".join(
+                (quality.get("reasons") or ["the quality gates failed"])[:2])
         out.append(PlanResult(name=name, world_size=spec.world_size, passed=q.passed and not sharding_problem,
                               quality=quality,
                               seconds=s, speedup=(ref_s / s) if ref_s and s else None, reference=ref_name,

@@ -9,11 +9,21 @@ its slice, the partial sums are all-reduced). It comes from
   linear layer whose input concatenates two separately column-split streams, with the block
   sizes on the layer as ``_tp_packed_row_blocks``) where the class has one — applied here with
   torch's own styles, since diffusers' ``apply_tensor_parallel`` accepts CUDA-like devices only;
-- otherwise a plan derived from one traced call: inside every module that calls attention (SDPA),
-  the linear layers that run before the attention call are colwise, those after it rowwise; in a
-  block, two linear layers called one after the other where the first widens ``d -> h`` and the
-  second narrows ``h -> d`` are an MLP: colwise then rowwise. A module whose attention has no
-  rowwise partner (its output is used otherwise) stays whole.
+- otherwise a plan derived from one traced call and its data flow (every tensor carries the
+  linear layers and attention calls its values came from since the last linear layer): inside
+  every module that calls attention (SDPA), the linear layers whose output reaches the query, key
+  or value are colwise — split per chunk (``packed_colwise``) where one layer's output feeds
+  several of them (a fused ``qkv``) — and those whose input is the attention's output rowwise; a
+  layer called there whose output reaches no attention (an adaLN modulation ``Linear(d, k*d)``
+  whose chunks shift/scale/gate the whole stream) stays whole. Two linear calls of a block where
+  the first widens ``d -> h``, the second narrows ``h -> d`` and only the first's output reaches
+  the second are an MLP: colwise then rowwise. An attention whose projections or output reach
+  anything else stays whole. The derived plan is then run in one process with the ranks as threads
+  (``simulate_tensor_plan``: each planned layer computes only its rank's rows or columns, the
+  partial sums added between threads, the head counts local) and refused
+  (``TensorParallelRefused``, naming the rank's error or its distance) unless every simulated rank
+  reproduces the plain forward — e.g. model code that reshapes the attention with the stream's
+  width (``d // self.heads``) cannot run on a rank's heads.
 
 A packed rowwise layer is sharded without private torch API: its input columns are permuted (on
 every rank alike) so that the contiguous column chunk of rank r is rank r's slice of every block,
@@ -53,13 +63,22 @@ class TensorShardingError(ShardingError):
 @dataclass
 class TensorPlan:
     source: str  # "diffusers _tp_plan" or "derived from the traced linear layers"
-    styles: dict[str, object]  # module path -> "colwise" | "rowwise" | ("packed_rowwise", [block sizes])
+    # module path -> "colwise" | "rowwise" | ("packed_rowwise", [input block sizes])
+    #                | ("packed_colwise", [output chunk sizes]): split per chunk
+    styles: dict[str, object]
     attention: list[str] = field(default_factory=list)  # attention modules whose heads are split
     notes: list[str] = field(default_factory=list)
+    # attention module -> the query and key/value head counts its traced attention calls had
+    traced_heads: dict[str, list[int]] = field(default_factory=dict)
+
+    def head_counts(self, path: str, heads: int | None, kv_heads: int | None) -> tuple[int | None, int | None]:
+        """The head counts to look for on attention module ``path``: the inspection's, else the traced ones."""
+        traced = self.traced_heads.get(path) or [None, None]
+        return (heads or traced[0]), (kv_heads or heads or traced[1])
 
     def to_dict(self) -> dict:
         return {"source": self.source, "attention": self.attention, "notes": self.notes,
-                "styles": {k: (v if isinstance(v, str) else {"packed_rowwise": list(v[1])})
+                "styles": {k: (v if isinstance(v, str) else {v[0]: list(v[1])})
                            for k, v in self.styles.items()}}
 
 
@@ -92,88 +111,220 @@ def expand_globs(model: nn.Module, flat: dict) -> dict[str, object]:
     return out
 
 
-def trace_linear_order(transformer: nn.Module, call: tuple[tuple, dict]) -> list[tuple[str, str]]:
-    """One forward with (args, kwargs): the events in order, ("linear", path) for every
-    ``nn.Linear`` call and ("sdpa", path of the innermost running module) for every attention call."""
+@dataclass
+class LinearTrace:
+    """One traced call: the events in order, ("linear", path) for every ``nn.Linear`` call and
+    ("sdpa", path of the innermost running module) for every attention call, and where each
+    linear layer's output went. ``inputs[path]``: the producers whose outputs reach that linear
+    layer's input without passing another linear layer (a linear layer path, or ``sdpa#i`` for
+    the output of the i-th attention call); ``operands[i]``: the same for the query, key and value
+    of the i-th attention call."""
+    events: list[tuple[str, str]]
+    inputs: dict[str, set] = field(default_factory=dict)
+    operands: list[list[set]] = field(default_factory=list)
+    output: set = field(default_factory=set)  # producers reaching the transformer's output
+    heads: list[tuple[int, int]] = field(default_factory=list)  # (query, key) heads of each attention call
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from _tensors(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from _tensors(o)
+    elif hasattr(obj, "__dataclass_fields__") or hasattr(obj, "to_tuple"):
+        for o in (vars(obj).values() if hasattr(obj, "__dict__") else ()):
+            yield from _tensors(o)
+
+
+# long: the hooks, the tag table and the function mode share one trace and are removed together
+def trace_linear_order(transformer: nn.Module, call: tuple[tuple, dict]) -> LinearTrace:
+    """One forward with (args, kwargs), recording the order of linear and attention calls and the
+    data flow between them: every tensor carries the producers (linear layers, attention calls)
+    its values came from since the last linear layer; any other op passes on the union of its
+    inputs' producers."""
     from torch.overrides import TorchFunctionMode
 
     import torch.nn.functional as F
 
-    events: list[tuple[str, str]] = []
+    trace = LinearTrace([])
     stack: list[str] = []
     handles = []
+    tags: dict[int, tuple[torch.Tensor, frozenset]] = {}  # id -> (tensor kept alive, producers)
+
+    def tag_of(obj) -> frozenset:
+        out: set = set()
+        for t in _tensors(obj):
+            hit = tags.get(id(t))
+            if hit is not None and hit[0] is t:
+                out |= hit[1]
+        return frozenset(out)
+
+    def tag(obj, producers: frozenset) -> None:
+        if producers:
+            for t in _tensors(obj):
+                tags[id(t)] = (t, producers)
+
+    linear_paths = {}
     for name, module in transformer.named_modules():
         if not name:
             continue
         handles.append(module.register_forward_pre_hook(lambda m, a, n=name: stack.append(n) and None))
         handles.append(module.register_forward_hook(lambda m, a, o, n=name: stack.pop() and None))
         if isinstance(module, nn.Linear):
-            handles.append(module.register_forward_pre_hook(lambda m, a, n=name: events.append(("linear", n))))
+            linear_paths[id(module)] = name
+            handles.append(module.register_forward_pre_hook(lambda m, a, n=name: trace.events.append(("linear", n))))
 
     sdpa = F.scaled_dot_product_attention
 
     class Spy(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
-            if func is sdpa:
-                events.append(("sdpa", stack[-1] if stack else ""))
-            return func(*args, **(kwargs or {}))
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            if func is F.linear and stack and stack[-1] in linear_paths.values():
+                path = stack[-1]
+                trace.inputs.setdefault(path, set()).update(tag_of(args[0] if args else kwargs.get("input")))
+                tag(out, frozenset([path]))
+            elif func is sdpa:
+                trace.events.append(("sdpa", stack[-1] if stack else ""))
+                qkv = list(args[:3]) + [kwargs.get(k) for k in ("query", "key", "value")[len(args[:3]):]]
+                trace.operands.append([set(tag_of(t)) for t in qkv])
+                trace.heads.append(tuple(int(t.shape[-3]) if isinstance(t, torch.Tensor) and t.dim() >= 3 else 0
+                                         for t in qkv[:2]))
+                tag(out, frozenset([f"sdpa#{len(trace.operands) - 1}"]))
+            else:
+                tag(out, tag_of((args, kwargs)))
+            return out
 
     try:
         with torch.no_grad(), Spy():
-            transformer(*call[0], **call[1])
+            result = transformer(*call[0], **call[1])
+        trace.output = set(tag_of(result))
     finally:
         for h in handles:
             h.remove()
-    return events
+    return trace
 
 
-def derive_plan(transformer: nn.Module, events: list[tuple[str, str]]) -> TensorPlan:
-    """Colwise/rowwise styles from the traced order of linear and attention calls (see the module
-    docstring); refuses when nothing can be sharded."""
+def derive_plan(transformer: nn.Module, trace: "LinearTrace", grouped: bool = True) -> TensorPlan:
+    """Colwise/rowwise styles from the traced data flow (see the module docstring); refuses when
+    nothing can be sharded.
+
+    Inside a module that calls attention, colwise are the linear layers whose output reaches the
+    query, key or value (directly: no other linear layer between), rowwise those whose input is the
+    attention's output. A linear layer called before the attention whose output does not reach it
+    — an adaLN modulation ``Linear(dim, k*dim)`` whose shift/scale/gate chunks multiply the
+    full-width stream — stays whole: split by columns, each rank would hold the wrong chunks at
+    half the stream's width. A layer whose output feeds several of the query/key/value (a fused
+    ``qkv``, ``kv``) is split per chunk (``grouped``): rank r holds its slice of each."""
+    events = trace.events if isinstance(trace, LinearTrace) else trace
+    inputs = trace.inputs if isinstance(trace, LinearTrace) else {}
+    operands = trace.operands if isinstance(trace, LinearTrace) else []
     linears = {n: m for n, m in transformer.named_modules() if isinstance(m, nn.Linear)}
     styles: dict[str, object] = {}
     notes: list[str] = []
     attention: list[str] = []
+    traced_heads: dict[str, list[int]] = {}
     # attention modules: the innermost module around an SDPA call that owns linear layers
-    owners: dict[str, str] = {}
-    for kind, where in events:
-        if kind != "sdpa":
-            continue
+    calls: dict[str, list[int]] = {}
+    for i, where in enumerate(w for k, w in events if k == "sdpa"):
         owner = where
         while owner and not any(l.startswith(owner + ".") for l in linears):
             owner = owner.rsplit(".", 1)[0] if "." in owner else ""
         if owner:
-            owners[where] = owner
-    for owner in dict.fromkeys(owners.values()):
-        inside = [(k, w) for k, w in events if (k == "linear" and w.startswith(owner + ".")) or
-                  (k == "sdpa" and owners.get(w) == owner)]
-        first = next(i for i, (k, _) in enumerate(inside) if k == "sdpa")
-        before = list(dict.fromkeys(w for k, w in inside[:first] if k == "linear"))
-        after = [w for w in dict.fromkeys(w for k, w in inside[first:] if k == "linear") if w not in before]
-        if not before or not after:
-            notes.append(f"'{owner}': attention without {'input' if not before else 'output'} projections "
-                         f"inside the module: left whole")
+            calls.setdefault(owner, []).append(i)
+    consumers = _consumers(inputs, operands)
+    for owner, idx in calls.items():
+        why = _attention_refusal(owner, idx, operands, inputs, consumers, trace)
+        if why:
+            notes.append(f"'{owner}': {why}: left whole")
             continue
+        before = sorted({p for i in idx for op in operands[i] for p in op})
+        after = sorted(p for p, src in inputs.items() if src and src <= {f"sdpa#{i}" for i in idx})
         for w in before:
-            styles[w] = "colwise"
+            reached = {(i, j) for i in idx for j, op in enumerate(operands[i]) if w in op}
+            groups = len({j for _, j in reached})
+            styles[w] = ("packed_colwise", [linears[w].out_features // groups] * groups) \
+                if grouped and groups > 1 and linears[w].out_features % groups == 0 else "colwise"
         for w in after:
             styles[w] = "rowwise"
         attention.append(owner)
-    # MLPs: consecutive linear calls d -> h, h -> d outside the attention modules
-    order = [w for k, w in events if k == "linear" and w not in styles and
-             not any(w.startswith(o + ".") for o in attention)]
+        if len(trace.heads) > max(idx):
+            counts = {trace.heads[i] for i in idx}
+            if len(counts) == 1:
+                traced_heads[owner] = list(next(iter(counts)))
+    skipped = [w for k, w in events if k == "linear" and w not in styles and _inside(w, attention)]
+    for w in dict.fromkeys(skipped):
+        if not any(w in op for ops in operands for op in ops) and not inputs.get(w, set()) & {
+                f"sdpa#{i}" for ix in calls.values() for i in ix}:
+            notes.append(f"'{w}': called inside an attention module, its output reaches no attention call "
+                         f"(e.g. a modulation whose chunks scale the whole stream): left whole")
+    _mlp_pairs(transformer, events, inputs, consumers, trace, linears, styles, attention)
+    if not styles:
+        raise TensorParallelRefused("no linear layer pair to shard: the traced call shows no attention with input and "
+                                    "output projections and no d -> h -> d MLP")
+    return TensorPlan("derived from the traced linear layers", styles, attention, notes, traced_heads)
+
+
+def _inside(path: str, owners: list[str]) -> bool:
+    return any(path.startswith(o + ".") for o in owners)
+
+
+def _consumers(inputs: dict[str, set], operands: list[list[set]]) -> dict[str, set]:
+    """producer -> what its output reaches: linear layer paths and ``sdpa#i`` operands."""
+    out: dict[str, set] = {}
+    for path, src in inputs.items():
+        for p in src:
+            out.setdefault(p, set()).add(path)
+    for i, ops in enumerate(operands):
+        for op in ops:
+            for p in op:
+                out.setdefault(p, set()).add(f"sdpa#{i}")
+    return out
+
+
+def _attention_refusal(owner, idx, operands, inputs, consumers, trace) -> str | None:
+    """Why the attention calls ``idx`` of ``owner`` cannot be split by heads (None: they can)."""
+    if not operands:
+        return "no data flow traced"
+    mine = {f"sdpa#{i}" for i in idx}
+    for i in idx:
+        if len(operands[i]) < 3 or not all(operands[i][:3]):
+            return "a query, key or value that no linear layer produced inside the module"
+        for op in operands[i][:3]:
+            for p in op:
+                if p.startswith("sdpa#") or not p.startswith(owner + "."):
+                    return f"the attention input '{p}' is not a projection of this module"
+                if not consumers.get(p, set()) <= mine:
+                    return f"the output of '{p}' reaches more than this module's attention"
+        out = f"sdpa#{i}"
+        if out in trace.output:
+            return "the attention output reaches the transformer's output without a projection"
+        after = [p for p, src in inputs.items() if out in src]
+        if not after or any(not src <= mine or not p.startswith(owner + ".") for p, src in inputs.items() if out in src):
+            return "the attention output reaches something other than this module's output projections"
+        if consumers.get(out, set()) - set(after):
+            return "the attention output reaches something other than a linear layer"
+    return None
+
+
+def _mlp_pairs(transformer, events, inputs, consumers, trace, linears, styles, attention) -> None:
+    """MLPs: a linear call d -> h whose output reaches only the next linear call h -> d of the same
+    block (through activations), outside the attention modules: colwise then rowwise."""
+    order = [w for k, w in events if k == "linear" and w not in styles]
     seen: set[str] = set()
     for a, b in zip(order, order[1:]):
         la, lb = linears[a], linears[b]
         if a in seen or b in seen or _block_of(transformer, a) is None or _block_of(transformer, a) != _block_of(transformer, b):
             continue
+        if inputs and (inputs.get(b) != {a} or consumers.get(a) != {b} or a in trace.output):
+            continue
         if la.out_features == lb.in_features and la.in_features == lb.out_features and la.out_features > la.in_features:
             styles[a], styles[b] = "colwise", "rowwise"
             seen.update((a, b))
-    if not styles:
-        raise TensorParallelRefused("no linear layer pair to shard: the traced call shows no attention with input and "
-                                    "output projections and no d -> h -> d MLP")
-    return TensorPlan("derived from the traced linear layers", styles, attention, notes)
 
 
 def _block_of(model: nn.Module, path: str) -> str | None:
@@ -214,10 +365,31 @@ def resolve_tensor_plan(transformer: nn.Module, degree: int, heads: int | None, 
     if flat:
         plan = TensorPlan("diffusers _tp_plan", expand_globs(transformer, flat))
         plan.attention = attention_of(plan.styles, transformer)
-    else:
-        if call is None:
-            raise TensorParallelRefused("no _tp_plan on the class and no traced call to derive one from")
-        plan = derive_plan(transformer, trace_linear_order(transformer, call))
+        _check_widths(transformer, plan, degree)
+        return plan
+    if call is None:
+        raise TensorParallelRefused("no _tp_plan on the class and no traced call to derive one from")
+    trace = trace_linear_order(transformer, call)
+    tried = []
+    for grouped in (True, False):
+        plan = derive_plan(transformer, trace, grouped=grouped)
+        if any(p.styles == plan.styles for p, _ in tried):
+            continue
+        _check_widths(transformer, plan, degree)
+        for owner, (hq, hk) in plan.traced_heads.items():
+            if hq % degree or hk % degree:
+                raise TensorParallelRefused(f"'{owner}': its attention has {hq} query / {hk} key-value heads "
+                                            f"(traced), not divisible by tp {degree}")
+        why = simulate_tensor_plan(transformer, plan, degree, call, heads, kv_heads)
+        if why is None:
+            plan.notes.append(f"simulated in one process ({degree} ranks as threads): output equal to the plain forward")
+            return plan
+        tried.append((plan, why))
+    raise TensorParallelRefused(f"the derived plan ({len(tried[0][0].styles)} linear layers) simulated in one process "
+                                f"({degree} ranks as threads) does not reproduce the plain forward: {tried[0][1]}")
+
+
+def _check_widths(transformer: nn.Module, plan: TensorPlan, degree: int) -> None:
     for path, style in plan.styles.items():
         layer = transformer.get_submodule(path)
         sizes = ([layer.out_features] if style == "colwise" else [layer.in_features] if style == "rowwise"
@@ -225,7 +397,131 @@ def resolve_tensor_plan(transformer: nn.Module, degree: int, heads: int | None, 
         bad = [s for s in sizes if s % degree]
         if bad:
             raise TensorParallelRefused(f"'{path}': width {bad[0]} is not divisible by tp {degree}")
-    return plan
+
+
+# -- the one-process simulation ------------------------------------------------------------------
+
+def _rank_rows(style, layer: nn.Linear, degree: int, r: int) -> tuple[str, torch.Tensor]:
+    """(which side is split, the indices rank r holds) of a planned layer: output rows for colwise
+    (per chunk for packed colwise), input columns for rowwise (per block for packed rowwise)."""
+    if style == "colwise":
+        c = layer.out_features // degree
+        return "out", torch.arange(r * c, (r + 1) * c)
+    if style == "rowwise":
+        c = layer.in_features // degree
+        return "in", torch.arange(r * c, (r + 1) * c)
+    kind, blocks = style
+    idx, start = [], 0
+    for b in blocks:
+        c = b // degree
+        idx.extend(range(start + r * c, start + (r + 1) * c))
+        start += b
+    return ("out" if kind == "packed_colwise" else "in"), torch.tensor(idx)
+
+
+class _ThreadSum:
+    """An all-reduce (sum) between threads standing for the ranks."""
+
+    def __init__(self, n: int):
+        import threading
+
+        self.n, self.parts = n, [None] * n
+        self.barrier = threading.Barrier(n, timeout=120)
+
+    def __call__(self, rank: int, t: torch.Tensor) -> torch.Tensor:
+        self.parts[rank] = t
+        self.barrier.wait()
+        total = self.parts[0]
+        for p in self.parts[1:]:
+            total = total + p
+        self.barrier.wait()
+        return total
+
+
+def _first_tensor(out):
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)):
+        return out[0]
+    return getattr(out, "sample", None)
+
+
+# long: the ranks' layer forwards, the threads and the comparison share the one set of swaps to undo
+def simulate_tensor_plan(transformer: nn.Module, plan: TensorPlan, degree: int, call: tuple[tuple, dict],
+                         heads: int | None, kv_heads: int | None) -> str | None:
+    """Run ``plan`` in this process with ``degree`` threads standing for the ranks — each planned
+    layer computes only its rank's rows or columns (the rowwise partial sums added between the
+    threads), the attention modules' head counts set to the local count — and compare each
+    thread's output with the plain forward. None when every rank reproduces it, else why not
+    (the error a rank raised, or how far its output was)."""
+    import threading
+
+    import torch.nn.functional as F
+
+    from ..hooks import swap_attribute
+
+    with torch.no_grad():
+        ref = _first_tensor(transformer(*call[0], **call[1]))
+    if not isinstance(ref, torch.Tensor):
+        return "the transformer's output holds no tensor to compare"
+    local, reduce = threading.local(), _ThreadSum(degree)
+    undo = []
+
+    def forward_of(path, layer, style):
+        shards = [_rank_rows(style, layer, degree, r) for r in range(degree)]
+
+        def forward(x):
+            side, idx = shards[local.rank]
+            idx = idx.to(layer.weight.device)
+            if side == "out":
+                b = layer.bias.index_select(0, idx) if layer.bias is not None else None
+                return F.linear(x, layer.weight.index_select(0, idx), b)
+            y = reduce(local.rank, F.linear(x, layer.weight.index_select(1, idx)))
+            return y + layer.bias if layer.bias is not None else y
+        return forward
+
+    try:
+        for path, style in plan.styles.items():
+            layer = transformer.get_submodule(path)
+            undo.append(swap_attribute(layer, "forward", forward_of(path, layer, style)))
+        for attn_path in plan.attention:
+            module = transformer.get_submodule(attn_path)
+            for attr, value in head_attributes(module, *plan.head_counts(attn_path, heads, kv_heads)).items():
+                undo.append(swap_attribute(module, attr, value // degree))
+        outs, errors = [None] * degree, [None] * degree
+
+        def run(r):
+            local.rank = r
+            try:
+                with torch.no_grad():
+                    outs[r] = _first_tensor(transformer(*call[0], **call[1]))
+            except threading.BrokenBarrierError as exc:
+                errors[r] = exc
+            except Exception as exc:  # noqa: BLE001 - the rank's error is the reason reported
+                errors[r] = exc
+                reduce.barrier.abort()
+        threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(degree)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+    finally:
+        for h in reversed(undo):
+            h.remove()
+    real = [e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)]
+    if real:
+        return f"{type(real[0]).__name__}: {str(real[0]).splitlines()[0][:300]}"
+    if any(e is not None for e in errors) or any(o is None for o in outs):
+        return "a simulated rank did not finish"
+    tol = 1e-3 if ref.dtype == torch.float32 or ref.dtype == torch.float64 else 3e-2
+    scale = float(ref.abs().max()) or 1.0
+    for r, out in enumerate(outs):
+        if out.shape != ref.shape:
+            return f"rank {r}'s output is shaped {tuple(out.shape)}, the plain forward's {tuple(ref.shape)}"
+        err = float((out.float() - ref.float()).abs().max()) / scale
+        if not err <= tol:
+            return f"rank {r}'s output differs from the plain forward by {err:.3g} of its largest value (tolerance {tol:g})"
+    return None
 
 
 # -- applying it ------------------------------------------------------------------------------
@@ -241,6 +537,17 @@ def _permute_packed(layer: nn.Linear, blocks: list[int], degree: int) -> None:
     idx = torch.tensor(order, device=layer.weight.device)
     with torch.no_grad():
         layer.weight.data = layer.weight.data.index_select(1, idx).contiguous()
+
+
+def _permute_chunks(layer: nn.Linear, chunks: list[int], degree: int) -> None:
+    """Reorder the output rows so that contiguous chunk r = rank r's slice of every output chunk
+    (a fused qkv's q, k and v each split by heads), which ``ColwiseParallel`` then splits."""
+    idx = torch.cat([_rank_rows(("packed_colwise", chunks), layer, degree, r)[1] for r in range(degree)])
+    idx = idx.to(layer.weight.device)
+    with torch.no_grad():
+        layer.weight.data = layer.weight.data.index_select(0, idx).contiguous()
+        if layer.bias is not None:
+            layer.bias.data = layer.bias.data.index_select(0, idx).contiguous()
 
 
 @dataclass
@@ -271,14 +578,17 @@ def apply_tensor_parallel(transformer: nn.Module, plan: TensorPlan, degree: int,
     styles = {}
     for path, style in plan.styles.items():
         layer = transformer.get_submodule(path)
-        if isinstance(style, tuple):
+        if isinstance(style, tuple) and style[0] == "packed_colwise":
+            _permute_chunks(layer, style[1], degree)
+            styles[path] = ColwiseParallel()
+        elif isinstance(style, tuple):
             _permute_packed(layer, style[1], degree)
             styles[path] = RowwiseParallel()
         else:
             styles[path] = ColwiseParallel() if style == "colwise" else RowwiseParallel()
     for attn_path in plan.attention:
         module = transformer.get_submodule(attn_path)
-        for attr, value in head_attributes(module, heads, kv_heads).items():
+        for attr, value in head_attributes(module, *plan.head_counts(attn_path, heads, kv_heads)).items():
             applied._undo.append(swap_attribute(module, attr, value // degree).remove)
             applied.heads_set.setdefault(attn_path, {})[attr] = [value, value // degree]
     parallelize_module(transformer, mesh, styles)
@@ -298,7 +608,7 @@ class TensorRecorder:
         self.activations: dict[str, dict] = {}
         self.handles = []
         for path, style in plan.styles.items():
-            if style != "colwise":
+            if style != "colwise" and not (isinstance(style, tuple) and style[0] == "packed_colwise"):
                 continue
             layer = transformer.get_submodule(path)
 
