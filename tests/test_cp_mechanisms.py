@@ -8,38 +8,17 @@ code before these mechanisms (refused before launch); the ones that run go throu
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ditbook.coverage.cp import coverage_cp
 from ditbook.parallel.cp_dryrun import verify_before_launch
 from ditbook.parallel.cp_mask import fit_mask
 from ditbook.parallel.cp_plan import resolve_cp_plan
+from test_cp_prelaunch import Attn, PairOutDiT, _rope  # the pre-launch tests' tiny attention and (tensor, None) model
 
 
 def _resolve(m, kw):
     return resolve_cp_plan(m, capture=lambda: ((), kw), degree=2, check=verify_before_launch)
-
-
-def _rope(x, cos, sin):
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
-
-
-class Attn(nn.Module):
-    def __init__(self, dim, heads=2):
-        super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.o = nn.Linear(dim, dim)
-
-    def forward(self, x, rotary=None, mask=None):
-        b, s, d = x.shape
-        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        if rotary is not None:
-            q, k = _rope(q, *rotary), _rope(k, *rotary)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.o(out.transpose(1, 2).reshape(b, s, d))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -204,33 +183,6 @@ def test_tables_made_from_the_token_count_are_split_once_at_the_first_block():
 
 # ---------------------------------------------------------------------------------------------
 # gather sites
-
-
-class PairOutBlock(nn.Module):
-    """Returns (tokens, None): the second stream (an optional modality) is absent."""
-
-    def __init__(self, dim):
-        super().__init__()
-        self.attn = Attn(dim)
-
-    def forward(self, hidden_states, audio=None):
-        return hidden_states + self.attn(hidden_states), audio
-
-
-class PairOutDiT(nn.Module):
-    def __init__(self, dim=16):
-        super().__init__()
-        self.x_embedder = nn.Linear(4, dim)
-        self.blocks = nn.ModuleList([PairOutBlock(dim) for _ in range(2)])
-        self.proj_out = nn.Conv2d(dim, 4, 1)
-
-    def forward(self, hidden_states):
-        b, c, h, w = hidden_states.shape
-        x = self.x_embedder(hidden_states.flatten(2).transpose(1, 2))
-        audio = None
-        for blk in self.blocks:
-            x, audio = blk(x, audio)
-        return (self.proj_out(x.transpose(1, 2).reshape(b, -1, h, w)),)
 
 
 def test_a_gather_at_a_block_returning_none_beside_the_tokens_runs():
