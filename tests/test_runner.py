@@ -1,6 +1,7 @@
 """The papermill runner: success, a failing stage, no overwrite, resume, and a batch that goes on."""
 
 import json
+import time
 from pathlib import Path
 
 import nbformat as nbf
@@ -149,13 +150,21 @@ def probe_stages(tmp_path, monkeypatch):
     return d, flag
 
 
-def _children() -> list:
+@pytest.fixture
+def _since():
+    return time.time() - 0.5
+
+
+def _children(since: float) -> list:
+    """This process's live children started since ``since`` (the test's own), with their command
+    lines, so a failure names what was left."""
     import psutil
 
-    return [p for p in psutil.Process().children(recursive=True) if p.is_running() and p.status() != "zombie"]
+    return [f"{p.pid}: {' '.join(p.cmdline())[:160]}" for p in psutil.Process().children(recursive=True)
+            if p.is_running() and p.status() != "zombie" and p.create_time() >= since]
 
 
-def test_next_stage_kernel_is_started_ahead_with_its_imports_done(probe_stages, card_path, monkeypatch):
+def test_next_stage_kernel_is_started_ahead_with_its_imports_done(probe_stages, card_path, monkeypatch, _since):
     """While a stage runs, the next stage's kernel starts and imports that stage's package (and the
     card's pipeline class): its notebook finds them done, in its own kernel, in the run folder,
     with nothing added to its namespace; the first stage's kernel starts while the command checks
@@ -168,7 +177,7 @@ def test_next_stage_kernel_is_started_ahead_with_its_imports_done(probe_stages, 
     assert len({s["pid"] for s in seen.values()}) == 3  # a fresh kernel per stage, as before
     assert {s["cwd"] for s in seen.values()} == {str(outcome.run.path)}
     assert seen["inspect"]["names"] == seen["intake"]["names"]  # the warm-up leaves no name behind
-    assert not _children()  # every kernel shut down
+    assert not _children(_since)  # every kernel shut down
 
     monkeypatch.setenv("DITBOOK_KERNEL_AHEAD", "0")
     off = start_run(card_path, run_id="off", log=lambda s: None)
@@ -177,7 +186,7 @@ def test_next_stage_kernel_is_started_ahead_with_its_imports_done(probe_stages, 
 
 
 def test_first_kernel_started_ahead_goes_when_the_start_check_refuses(probe_stages, card_path, tmp_path,
-                                                                      monkeypatch):
+                                                                      monkeypatch, _since):
     """A card that loads but fails the start check (an unregistered strategy): the first stage's
     kernel, already started, is shut down, and no run folder is made."""
     import ditbook.runner as runner
@@ -195,14 +204,14 @@ def test_first_kernel_started_ahead_goes_when_the_start_check_refuses(probe_stag
     with pytest.raises(GateError, match="nosuchstrategy"):
         start_run(bad, run_id="refused", log=lambda s: None)
     assert started and started[0] is not None  # it was started, before the refusal
-    assert not _children()
+    assert not _children(_since)
     assert not (tmp_path / "outputs" / "bad").exists()
 
 
-def test_kernel_started_ahead_is_shut_down_when_its_stage_never_comes(probe_stages, card_path):
+def test_kernel_started_ahead_is_shut_down_when_its_stage_never_comes(probe_stages, card_path, _since):
     _, flag = probe_stages
     flag.write_text("x")
     outcome = start_run(card_path, run_id="broken", log=lambda s: None)
     assert [s.status for s in outcome.stages] == ["failed"]
     assert not (outcome.run.path / "inspect.json").exists()
-    assert not _children()  # the inspect stage's kernel, started ahead, is gone too
+    assert not _children(_since)  # the inspect stage's kernel, started ahead, is gone too

@@ -119,13 +119,17 @@ class KernelAhead:
         still be importing) and remove its sockets folder."""
         from jupyter_core.utils import run_sync
 
+        process = getattr(getattr(self.km, "provisioner", None), "process", None)
         try:
             if run_sync(self.km.is_alive)():
                 run_sync(self.km.shutdown_kernel)(now=not self.used)
             run_sync(self.km.cleanup_resources)()
-        except Exception:  # already gone: nothing to shut down
+        except Exception:  # already gone, or the manager failed: the process is ended below
             pass
         finally:
+            if process is not None and process.poll() is None:  # whatever the manager did, it goes
+                process.kill()
+                process.wait(10)
             shutil.rmtree(self.sockets, ignore_errors=True)
 
 
