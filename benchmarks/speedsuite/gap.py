@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from ditbook.timing import Clock
+
 GEMM_OPS = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "convolution", "_convolution", "cudnn_convolution",
             "convolution_overrideable", "_slow_conv2d_forward")
 
@@ -98,27 +100,20 @@ class CallCapture:
 
 
 class CallTimer:
-    """Each call of ``module`` timed (forward pre/post hooks; CUDA events on CUDA, read once at
-    :meth:`seconds`, else ``perf_counter``)."""
+    """Each call of ``module`` timed (forward pre/post hooks, marks of ``ditbook.timing.Clock``:
+    CUDA events on CUDA, read once at :meth:`seconds`, else ``perf_counter``)."""
 
     def __init__(self, module, cuda: bool):
-        self.cuda = cuda
+        self.clock = Clock(cuda)
         self.marks: list[list[Any]] = []
         self._handles = [module.register_forward_pre_hook(self._pre), module.register_forward_hook(self._post)]
 
-    def _mark(self):
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            return ev
-        return time.perf_counter()
-
     def _pre(self, module, args):
-        self.marks.append([self._mark(), None])
+        self.marks.append([self.clock.mark(), None])
 
     def _post(self, module, args, output):
         if self.marks and self.marks[-1][1] is None:
-            self.marks[-1][1] = self._mark()
+            self.marks[-1][1] = self.clock.mark()
 
     def remove(self) -> None:
         for h in self._handles:
@@ -126,10 +121,8 @@ class CallTimer:
         self._handles = []
 
     def seconds(self) -> list[float]:
-        if self.cuda:
-            torch.cuda.synchronize()
-            return [s.elapsed_time(e) / 1000.0 for s, e in self.marks if e is not None]
-        return [e - s for s, e in self.marks if e is not None]
+        self.clock.sync()
+        return [self.clock.seconds(s, e) for s, e in self.marks if e is not None]
 
 
 def computed_calls(durations: list[float], pipeline_calls: int, mask: str | None) -> tuple[list[float], str]:
