@@ -34,6 +34,9 @@ sys.path.insert(0, str(REPO / "lib"))  # this checkout's ditbook, the code the r
 
 from ditbook.intake.environment import environment as run_environment  # noqa: E402
 from ditbook.runs import source_revision  # noqa: E402
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+from cell_times import run_cells  # noqa: E402
 CARDS = ("models/reference.yaml", "models/video_reference.yaml")
 DIGEST_PARTS = ("lib", "notebooks", "models")
 BENCH_ROWS = "eager,cache,cache+compile"
@@ -102,6 +105,10 @@ def finish_card(card: str, proc: subprocess.Popen, t0: float, log, outputs: Path
         rec["status"] = run.get("status")
         rec["stages"] = {name: {"status": s.get("status"), "seconds": s.get("seconds"), "error": s.get("error")}
                          for name, s in run.get("stages", {}).items()}
+        # where each stage's time went: the executed notebook's cells of a second or more
+        for name, cells in run_cells(runs[-1].parent, min_seconds=1.0).items():
+            if name in rec["stages"]:
+                rec["stages"][name]["cells"] = cells
     return rec
 
 
@@ -175,6 +182,7 @@ def main(argv=None) -> int:
     ap.add_argument("--one-at-a-time", action="store_true",
                     help="run the cards one after the other (each on an idle GPU), not side by side")
     ap.add_argument("--bench-timeout", type=float, default=240.0)
+    ap.add_argument("--no-bench", action="store_true", help="the cards only (a profile of the stages, not a record to commit)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tiny", action="store_true", help="the benchmark at a tiny FLUX shape (for a CPU try-out)")
     args = ap.parse_args(argv)
@@ -194,6 +202,13 @@ def main(argv=None) -> int:
     record["cards"] = run_cards(args.cards.split(","), work / "outputs", work / "logs", args.card_timeout,
                                 args.one_at_a_time)
     write_record(args.record, record)  # the cards' part kept even if the benchmark never returns
+    if args.no_bench:
+        record["benchmark"] = {"status": "not run (--no-bench)"}
+        record["passed"] = False
+        write_record(args.record, record)
+        for c in record["cards"]:
+            print(c["card"], c["status"], c["seconds"], {k: (v["status"], v["seconds"]) for k, v in c["stages"].items()})
+        return 0
     record["benchmark"] = {"shape": "FLUX.1-dev, 1024x1024, 28 steps, bf16, random weights" if not args.tiny else "tiny",
                            "repeats": args.repeats, **run_benchmark(work / "compose", args.repeats, args.bench_timeout, args.tiny)}
     record["seconds"] = round(time.perf_counter() - t0, 1)
