@@ -23,8 +23,12 @@ Per class (``check_class``):
    the first submodule each parameter reaches, how its shape is unpacked, its documented shape,
    its annotation) and repairs it from the errors the forward raises (a None parameter the code
    reads, a matrix product's width, index/mask dtypes, a rank, a text length or frame count a
-   positional table fixes, a token grid too small; see ``coverage.dataflow`` and ``coverage.repairs`` for the full list, with
-   inputs built as diffusers' own pipeline builds them), a bounded number of times. An error that
+   positional table fixes, a token grid too small, a named feature the forward reads from its dict
+   input; see ``coverage.dataflow`` and ``coverage.repairs`` for the full list, with
+   inputs built as diffusers' own pipeline builds them), a bounded number of times. A forward that
+   takes one packed joint sequence described by its parts (an int total length, index tensors of
+   each part's positions, per-item latents with a companion list of token grids) first gets
+   inputs laid out consistently from its signature (``coverage.layout``). An error that
    comes from the instance's own settings (an optional dependency used only under a config flag,
    a list setting left None, rotary axes indexed past their end) rebuilds the class with the
    setting changed (``coverage.reconfig``); required state inputs of a running pipeline (a cache
@@ -45,7 +49,7 @@ Outcomes: ``correct``; ``refused`` (a named reason: ditbook declined to integrat
 ``wrong`` (caching off differs from the plain forward, non-finite output, or nothing skipped).
 
 Modules: ``build`` (step 1), ``inputs`` (step 2), ``dataflow`` (what the forward's code says about
-its inputs), ``repairs`` (one registered function per error kind), ``reconfig`` (constructor
+its inputs), ``layout`` (packed joint sequences), ``repairs`` (one registered function per error kind), ``reconfig`` (constructor
 settings per error kind), ``state`` (state inputs), ``check`` (steps 3-4, the table),
 ``cp`` (step 5). This package is a probe run by ``benchmarks/coverage.py`` and the tests: it
 imports the stage packages, and no stage package imports it.

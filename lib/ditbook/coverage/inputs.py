@@ -13,7 +13,7 @@ import math
 import torch
 
 from . import dataflow as ci
-from . import reconfig, repairs, state
+from . import layout, reconfig, repairs, state
 from .build import LADDER, Refused, _summary, _tied_width_instance, tiny_instances
 
 # --- inputs ------------------------------------------------------------------------------------
@@ -475,7 +475,10 @@ def _search(model, log, given: dict) -> tuple[dict, dict]:  # long: the two pass
     seen = []
     for cand in cands:
         maker = _Maker(model, cand, needs)
-        for start in (_flow_inputs(model, cand, needs, maker), make_inputs(model, cand)):
+        flow = _flow_inputs(model, cand, needs, maker)
+        # a packed joint sequence described by its parts: laid out consistently first
+        joint = layout.layout_inputs(model, maker.grid, needs, flow, maker.gen)
+        for start in ([joint] if joint is not None else []) + [flow, make_inputs(model, cand)]:
             start = {**start, **given}
             sig = {k: (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else repr(v) for k, v in start.items()}
             if sig in seen:
@@ -499,7 +502,7 @@ def _search(model, log, given: dict) -> tuple[dict, dict]:  # long: the two pass
                         own = repairs._own_none(exc)  # the model's own setting left None by its defaults
                         errors[f"{cand['hidden'][0]}+flow"] = _first_line(exc) + (
                             f" ({own} is None: a setting the class's defaults leave unset)" if own
-                            else repairs.explain(exc, model))
+                            else repairs.explain(exc, model, kwargs))
                         break
                     kwargs = fixed[0]
                     continue

@@ -127,14 +127,18 @@ def _list_setting_left_none(exc, model):
 
 def _indexed_setting(exc, model):
     """(constructor keyword, its value) of a tuple setting that a submodule stores and that the
-    failing statement subscripts as ``self.A[i]``, or None."""
+    failing statement subscripts as ``self.A[i]`` (or as a local holding it: the submodule passed
+    ``self.A`` to a helper), or None."""
     cfg = dict(model.config)
     for frame in reversed(_model_frames(exc)):
         owner = frame.f_locals.get("self")
         if owner is None:
             continue
-        for attr in re.findall(r"self\.(\w+)\[", statement_text(frame)):
-            val = getattr(owner, attr, None)
+        text = statement_text(frame)
+        # ``self.axes[i]``, or a local the caller passed it as (``axes[i]``, ``axes=self.axes``)
+        attrs = [(a, getattr(owner, a, None)) for a in re.findall(r"self\.(\w+)\[", text)]
+        attrs += [(a, frame.f_locals.get(a)) for a in re.findall(r"(?<![\w.])(\w+)\[", text) if a != "self"]
+        for attr, val in attrs:
             if not isinstance(val, (tuple, list)):
                 continue
             for k, v in cfg.items():

@@ -213,6 +213,117 @@ def _supply_named(exc, msg, kwargs, make, forbid, params):
     return None
 
 
+def dict_inputs(model) -> list[str]:
+    """The forward's parameters annotated as a dict/Mapping that the probe may fill (option dicts
+    and caches excluded: ``never_supplied``)."""
+    try:
+        sig = inspect.signature(type(model).forward).parameters
+    except (TypeError, ValueError):
+        return []
+    return [n for n, p in sig.items() if any(w in str(p.annotation).lower() for w in ("dict", "mapping"))
+            and not never_supplied(n)]
+
+
+_SAFE_KEY_NODES = (ast.Expression, ast.Name, ast.Constant, ast.Subscript, ast.Attribute, ast.Load, ast.Index)
+
+
+def missing_key(exc: BaseException) -> str | None:
+    """The string key a ``KeyError`` is about: the key itself when a failing statement subscripts
+    a mapping with it (``features["mask"]``); else, for a ``KeyError`` the code raises with a
+    message, the key of a ``x = d.get(KEY)`` of a failing frame that gave None (``KEY`` a name,
+    constant or subscript, evaluated in that frame: ``TABLE[name]``)."""
+    if not isinstance(exc, KeyError) or not exc.args or not isinstance(exc.args[0], str):
+        return None
+    key = exc.args[0]
+    frames = _model_frames(exc)
+    for frame in reversed(frames):
+        if re.search(rf"""\[\s*['"]{re.escape(key)}['"]\s*\]""", statement_text(frame)):
+            return key
+    for frame in reversed(frames[-2:]):
+        _, node = _source_tree(frame.f_code)
+        for n in ast.walk(node) if node is not None else ():
+            if not (isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name)
+                    and isinstance(n.value, ast.Call) and isinstance(n.value.func, ast.Attribute)
+                    and n.value.func.attr == "get" and n.value.args
+                    and n.targets[0].id in frame.f_locals and frame.f_locals[n.targets[0].id] is None):
+                continue
+            expr = ast.Expression(n.value.args[0])
+            if not all(isinstance(x, _SAFE_KEY_NODES) for x in ast.walk(expr)):
+                continue
+            try:
+                found = eval(compile(expr, "<key>", "eval"), dict(frame.f_globals), dict(frame.f_locals))  # noqa: S307
+            except Exception:  # noqa: BLE001 - not evaluable here: no key
+                continue
+            if isinstance(found, str):
+                return found
+    return None
+
+
+def _per_token_like(exc, kwargs: dict) -> torch.Tensor | None:
+    """A tensor to stand for a missing named feature: like the first other tensor the failing
+    statement reads (``mask & ~d["k"]``), else like the forward's first 2-D tensor input (one value
+    per token: a ``(batch, tokens)`` mask)."""
+    for frame in reversed(_model_frames(exc)):
+        text = statement_text(frame)
+        for name, val in frame.f_locals.items():
+            if isinstance(val, torch.Tensor) and val.ndim >= 1 and re.search(rf"\b{re.escape(name)}\b", text):
+                return val
+    return next((v for v in kwargs.values() if isinstance(v, torch.Tensor) and v.ndim == 2), None)
+
+
+@rule
+def _missing_dict_key(exc, msg, kwargs, make, forbid, params):
+    """A ``KeyError`` for a named feature (``missing_key``) that the forward reads from what it
+    builds out of its dict input (``conditioning: dict``, the one such input): the dict input gets
+    that key, zeros like the tensor the failing statement combines it with (or one value per
+    token). A key that is a forward parameter is left to ``_supply_named``."""
+    model = getattr(make, "model", None)
+    key = missing_key(exc)
+    if model is None or key is None or key in params:
+        return None
+    dicts = dict_inputs(model)
+    like = _per_token_like(exc, kwargs)
+    if len(dicts) != 1 or like is None or (dicts[0], "key", key) in forbid:
+        return None
+    forbid.add((dicts[0], "key", key))
+    new = dict(kwargs)
+    new[dicts[0]] = {**(kwargs.get(dicts[0]) or {}), key: torch.zeros_like(like)}
+    return new, f"{dicts[0]}[{key!r}]: zeros {list(like.shape)} (a key the forward reads)"
+
+
+def _leaves(kwargs: dict):
+    """(input name, key or None, tensor): the tensor inputs and the tensors of dict inputs."""
+    for name, val in kwargs.items():
+        if isinstance(val, torch.Tensor):
+            yield name, None, val
+        elif isinstance(val, dict):
+            for k, v in val.items():
+                if isinstance(v, torch.Tensor):
+                    yield name, k, v
+
+
+@rule
+def _embedding_range(exc, msg, kwargs, make, forbid, params):
+    """``index out of range in self`` from an embedding lookup whose indices are an input (or a
+    tensor of a dict input; by identity, else by shape and values: a ``.long()`` copy): that
+    input becomes zeros (index 0 exists in every table)."""
+    if "index out of range in self" not in msg:
+        return None
+    frames = _model_frames(exc)
+    idx = frames[-1].f_locals.get("input") if frames else None
+    if not isinstance(idx, torch.Tensor) or idx.is_floating_point():
+        return None
+    for name, key, val in _leaves(kwargs):
+        if (val is idx or (val.shape == idx.shape and torch.equal(val.long(), idx))) \
+                and (name, "range", key) not in forbid:
+            forbid.add((name, "range", key))
+            zeros = torch.zeros(val.shape, dtype=torch.long)
+            new = dict(kwargs)
+            new[name] = zeros if key is None else {**kwargs[name], key: zeros}
+            return new, f"{name}{'' if key is None else f'[{key!r}]'}: zeros (indices into an embedding table)"
+    return None
+
+
 @rule
 def _integer_indices(exc, msg, kwargs, make, forbid, params):
     """Indices must be integers: the float input the failing frame holds becomes long zeros."""
@@ -1207,10 +1318,16 @@ def _per_frame_values(exc, msg, kwargs, make, forbid, params):
     return None
 
 
-def explain(exc: BaseException, model) -> str:
+def explain(exc: BaseException, model, kwargs: dict | None = None) -> str:
     """A named reason for an error no repair addresses, when the code says more than the message:
     a ``KeyError`` on a dict built from a dict-annotated forward parameter (named features of a
-    running pipeline that the probe does not make up)."""
+    running pipeline that the probe does not make up); or any error after the probe filled keys of
+    such a dict input (``_missing_dict_key``): those features' real shapes are unknown to it."""
+    filled = {n: list(v) for n, v in (kwargs or {}).items() if n in dict_inputs(model) and isinstance(v, dict) and v}
+    if filled and not isinstance(exc, KeyError):
+        return "".join(f" (after {len(keys)} named features the forward reads from the dict input {n!r} were made "
+                       f"up as zeros per token, {keys[:3]}...: their real shapes are not in the code's signature)"
+                       for n, keys in filled.items())
     if not isinstance(exc, KeyError) or not exc.args:
         return ""
     try:
