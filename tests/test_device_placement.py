@@ -114,3 +114,25 @@ def test_noise_floor_compares_with_a_linear_memory_kernel_on_a_gpu():
 
     assert other_attention_backend(pipe_on("cuda:0")) == "_native_efficient"
     assert other_attention_backend(pipe_on("cpu")) == "_native_math"
+
+
+def test_stage_kernel_started_ahead_warms_the_cards_device(monkeypatch):
+    """The kernel started ahead of a stage ends its start-up line by starting the card's device
+    (``loading.warm_device``); on a machine without CUDA that is a no-op that returns False and
+    raises nothing, for 'auto' and for an explicit CUDA device alike."""
+    from pathlib import Path
+
+    from ditbook.card import load_card
+    from ditbook.kernels import warm_line
+    from ditbook.loading import warm_device
+
+    card = load_card(Path(__file__).resolve().parents[1] / "models" / "reference.yaml")
+    line = warm_line("cache", card)
+    assert line.endswith(f"warm_device({card.runtime.device!r});"), line
+    calls = []
+    monkeypatch.setattr("ditbook.loading.warm_device", lambda device="auto": calls.append(device))
+    exec(compile(line, "<warm line>", "exec"), {})  # the line runs as the kernel's exec_lines does
+    assert calls == [card.runtime.device]
+    monkeypatch.undo()
+    if not torch.cuda.is_available():
+        assert warm_device("auto") is False and warm_device("cuda") is False and warm_device("cpu") is False

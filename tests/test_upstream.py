@@ -174,6 +174,7 @@ def test_reproduction_started_ahead_gives_the_fresh_process_result_and_catches_a
     finally:
         shutil.copy(saved, module)
 
-    idle = Ahead()
+    idle = Ahead(device="cpu")  # started with the stage's device, which it warms after its imports
+    assert idle.proc.args[-1] == "--device=cpu"
     idle.close()
     assert idle.proc.poll() is not None

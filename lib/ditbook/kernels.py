@@ -60,14 +60,19 @@ def warm_line(stage: str, card) -> str:
     package, when it is one of ditbook's, and the card's pipeline class, when it comes from a package
     (a third-party file is imported by the stage's own gate check, as always). One statement of
     expressions ending in ``;``: no name is left in the notebook's namespace and nothing is shown;
-    a failure is only printed by the kernel at start-up, and the notebook meets and reports it."""
+    a failure is only printed by the kernel at start-up, and the notebook meets and reports it.
+    Last, the card's device is started (``loading.warm_device``: CUDA's context, cuBLAS and the
+    attention kernels' libraries; nothing on a CPU), which a fresh process otherwise pays at its
+    first GPU call inside the stage."""
     parts = []
     if (Path(__file__).resolve().parent / stage / "stage.py").is_file():
         parts.append(f"__import__({f'ditbook.{stage}.stage'!r})")
     source = card.resolve_source(card.pipeline.source) if card.pipeline.source else None
     if source and card.pipeline.cls and not source.endswith(".py"):
         parts.append(f"getattr(__import__({source!r}, fromlist=['_']), {card.pipeline.cls!r}, None)")
-    return "; ".join(parts) + ";" if parts else "pass"
+    device = getattr(getattr(card, "runtime", None), "device", None) or "auto"
+    parts.append(f"__import__('ditbook.loading', fromlist=['_']).warm_device({device!r})")
+    return "; ".join(parts) + ";"
 
 
 class KernelAhead:

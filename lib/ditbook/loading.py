@@ -71,6 +71,29 @@ def choose_placement(card: ModelCard | None = None, device: str | None = None, d
     return Placement(dev, dt)
 
 
+def warm_device(device: str = "auto") -> bool:
+    """Start CUDA in a process that will soon render on it: the context, cuBLAS(Lt) and the
+    attention kernels' libraries load on a process's first GPU call (seconds on a fresh process),
+    so a stage kernel or a reproduction process started ahead does it while the previous stage
+    still runs. No-op (False) for a CPU device or where CUDA is absent; a failure is left for
+    the stage itself to meet (a warm-up never fails anything)."""
+    import torch
+
+    try:
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if not str(device).startswith("cuda") or not torch.cuda.is_available():
+            return False
+        with torch.cuda.device(torch.device(device)):
+            a = torch.ones(64, 64, device=device, dtype=torch.bfloat16)
+            (a @ a).float().sum().item()  # cuBLAS and its handle
+            q = torch.ones(1, 2, 64, 64, device=device, dtype=torch.bfloat16)
+            torch.nn.functional.scaled_dot_product_attention(q, q, q).sum().item()  # the fused attention kernels
+        return True
+    except Exception:  # noqa: BLE001 - the stage's own first call reports a real problem
+        return False
+
+
 def check_model_folder(path: Path) -> dict:
     """Read ``model_index.json`` and check that every listed component folder is there."""
     if path is None or not Path(path).is_dir():

@@ -5,9 +5,10 @@ the card's pipeline, imports ``cache/adapter_<model>.py`` from the run folder (w
 with cache-dit), applies the chosen strategy through it, renders the calibration cases and prints one
 JSON line with the largest absolute difference from the images the stage verified.
 
-``python -m ditbook.cache.reproduce --wait`` is the same process started ahead (``Ahead``, by
-``CacheSession.open``): it imports the libraries (torch, diffusers, cache-dit: 15-20 s on a GPU
-host) and the pipeline's package while the stage works, then reads the spec's path from its
+``python -m ditbook.cache.reproduce --wait [PACKAGE] [--device=DEVICE]`` is the same process
+started ahead (``Ahead``, by ``CacheSession.open``): it imports the libraries (torch, diffusers,
+cache-dit: 15-20 s on a GPU host) and the pipeline's package, and starts the stage's device,
+while the stage works, then reads the spec's path from its
 standard input and runs as above. Nothing of the run (the card's files, the adapter module) is
 imported before the spec arrives; an end of input without a path ends it doing nothing.
 """
@@ -21,8 +22,9 @@ from pathlib import Path
 import numpy as np
 
 
-def _warm(package: str | None) -> None:
-    """The imports a reproduction starts with; a failure is left for the run itself to meet."""
+def _warm(package: str | None, device: str | None = None) -> None:
+    """The imports a reproduction starts with, then its device (``loading.warm_device``: CUDA's
+    context and libraries); a failure is left for the run itself to meet."""
     import importlib
 
     for name in ("torch", "diffusers", "cache_dit", "ditbook.cache.adapter", "ditbook.cache.strategies",
@@ -32,12 +34,18 @@ def _warm(package: str | None) -> None:
                 importlib.import_module(name)
             except Exception:  # noqa: BLE001 - the real run reports it
                 pass
+    if device:
+        from ..loading import warm_device
+
+        warm_device(device)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--wait":
-        _warm(argv[1] if len(argv) > 1 else None)
+        device = next((a.split("=", 1)[1] for a in argv[1:] if a.startswith("--device=")), None)
+        rest = [a for a in argv[1:] if not a.startswith("--device=")]
+        _warm(rest[0] if rest else None, device)
         line = sys.stdin.readline().strip()
         if not line:  # the stage ended without a reproduction
             return 0
@@ -72,10 +80,11 @@ class Ahead:
     """The reproduction process, started before its turn (``--wait``): ``run(spec_path)`` hands it
     the spec and waits for it; ``close()`` ends an unused one."""
 
-    def __init__(self, package: str | None = None, env: dict | None = None):
+    def __init__(self, package: str | None = None, env: dict | None = None, device: str | None = None):
         import subprocess
 
-        cmd = [sys.executable, "-m", "ditbook.cache.reproduce", "--wait"] + ([package] if package else [])
+        cmd = ([sys.executable, "-m", "ditbook.cache.reproduce", "--wait"] + ([package] if package else [])
+               + ([f"--device={device}"] if device else []))
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, env=env)
 

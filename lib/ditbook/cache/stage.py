@@ -428,7 +428,7 @@ class CacheSession:
         source = self.card.resolve_source(self.card.pipeline.source) if self.card.pipeline.source else None
         package = source if source and not source.endswith(".py") else None
         try:
-            self._ahead = Ahead(package, env=dict(os.environ))
+            self._ahead = Ahead(package, env=dict(os.environ), device=self.ctx.placement.device)
         except OSError:  # started when its turn comes instead
             self._ahead = None
             return
