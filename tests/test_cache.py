@@ -343,7 +343,10 @@ def test_wrong_adapter_stops_the_cache_stage(tiny_run):
     card, run, pipe, report = tiny_run
     s = session_for(card, run, pipe, report, only=["dbcache"])
     s.noise_floor(other_backend=False)
-    assert s.adapter_checks()[0]["reproduces"]  # the generated adapter passes the gate
+    first = s.adapter_checks()[0]
+    assert first["reproduces"]  # the generated adapter passes the gate
+    # on the card's cache.check_cases (default 2) of its cases, not every one
+    assert first["cases"] == min(s.card.cache.check_cases, len(s.baseline)) < len(s.baseline)
     s.adapter = _dropped_step_adapter(pipe, report)
     with pytest.raises(AdapterCheckFailed, match="does not reproduce the baseline"):
         s.adapter_checks()
@@ -535,3 +538,19 @@ def test_a_registered_factory_that_builds_nothing_is_not_used(tiny_run):
         assert adapter.info.cache_dit_registered == type(pipe).__name__
         assert cache_dit_adapter_builds(pipe) is False
     assert adapter.info.used == "ditbook"
+
+
+def test_check_cases_keep_the_case_keys():
+    from ditbook.cache.verify import check_cases
+    from ditbook.render import render_key
+
+    prompts, seeds = ["a", "b", "c"], [0, 1]
+    assert check_cases(prompts, seeds, None) == (prompts, seeds)
+    assert check_cases(prompts, seeds, 6) == (prompts, seeds)
+    assert check_cases(prompts, seeds, 2) == (["a"], [0, 1])
+    assert check_cases(prompts, seeds, 3) == (["a", "b"], [0, 1])  # at least the cases asked for
+    assert check_cases(prompts, seeds, 1) == (["a"], [0])
+    assert check_cases(prompts, [7], 2) == (["a", "b"], [7])
+    p, s = check_cases(prompts, seeds, 2)
+    keys = {render_key(i, x) for i in range(len(p)) for x in s}
+    assert keys <= {render_key(i, x) for i in range(len(prompts)) for x in seeds}  # same keys as the full set

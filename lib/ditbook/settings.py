@@ -262,6 +262,7 @@ class CacheSettings:
     confirm_tries: int = setting(3, integer(1), "held-out confirmations per strategy")
     holdout_shift: int = setting(1000, integer(), "held-out seeds are the seeds plus this (without holdout_seeds)")
     reproduce_tolerance: float = setting(1e-5, number(0.0), "max abs difference of the generated module's rerun")
+    check_cases: int | None = setting(2, optional(integer(1)), "prompt x seed cases of each strategy's caching-off check, the first prompt's seeds first (null: every case)")
     compile: bool | str | None = setting(None, compile_choice(), "also measure the chosen configuration compiled (regional): true or a backend name")
 
 

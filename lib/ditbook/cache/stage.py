@@ -26,7 +26,7 @@ from ..quality import Gates
 from . import strategies
 from .adapter import CacheAdapter, CacheRefused, build_cache_adapter
 from .loopfold import FoldError
-from .verify import (OrderDependentCache, StrategyResult, counted_render, disabled_check,  # noqa: F401
+from .verify import (OrderDependentCache, StrategyResult, check_cases, counted_render, disabled_check,  # noqa: F401
                      evaluate, max_abs, noise_floor, order_check)
 # the 03_cache notebook imports this module (and the display helpers) only: the other names it uses
 from ..context import open_stage  # noqa: F401
@@ -164,10 +164,11 @@ class CacheSession:
             return self.checks
         gen = self.card.generation
         tol = self.card.cache.reproduce_tolerance
+        prompts, seeds = check_cases(gen.prompts, gen.seeds, self.card.cache.check_cases)
 
         def run_checks():
             return [disabled_check(self.pipe, self.card, self.adapter, n, self.baseline, self.baseline_counts,
-                                   self.gates, gen.prompts, gen.seeds, tol) for n in self.runnable()]
+                                   self.gates, prompts, seeds, tol) for n in self.runnable()]
 
         self.checks = run_checks()
         bad = [c for c in self.checks if c.get("checked") and not c.get("reproduces")]

@@ -215,20 +215,36 @@ def order_check(pipe, card, adapter, name: str, config, in_order: dict, prompts,
     return record
 
 
+def check_cases(prompts: list, seeds: list, n: int | None) -> tuple[list, list]:
+    """The first ``n`` cases (None: all) as a (prompts, seeds) product that keeps the cases' keys:
+    the first prompt with the seeds in order, then the next prompt's, and so on."""
+    if n is None or n >= len(prompts) * len(seeds):
+        return list(prompts), list(seeds)
+    b = min(len(seeds), n)
+    return list(prompts[: -(-n // b)]), list(seeds[:b])
+
+
 def disabled_check(pipe, card, adapter, name: str, references: dict, baseline_counts: dict, gates: Gates,
                    prompts, seeds, tolerance: float | None = None) -> dict:
     """The strategy with caching turned off by its threshold must reproduce the baseline
-    (within ``tolerance``, default the card's ``cache.reproduce_tolerance``)."""
+    (within ``tolerance``, default the card's ``cache.reproduce_tolerance``) on the given cases,
+    a subset of ``references`` (``check_cases``: the check is of the adapter's wiring, which one
+    case runs as every case does; the cached renders are judged on every case elsewhere)."""
     tolerance = card.cache.reproduce_tolerance if tolerance is None else tolerance
     strat = strategies.get(name)
     cfg = strat.disabled(adapter, card.generation.steps)
     if cfg is None:
         return {"name": name, "checked": False}
+    from ..render import render_key
+
+    keys = [render_key(i, s) for i in range(len(prompts)) for s in seeds]
+    refs = {k: references[k] for k in keys}
+    counts = _partial(baseline_counts, len(refs), len(references)) if len(refs) < len(references) else baseline_counts
     images: dict = {}
-    res = evaluate(pipe, card, adapter, name, cfg, references, baseline_counts, gates, prompts, seeds,
+    res = evaluate(pipe, card, adapter, name, cfg, refs, counts, gates, prompts, seeds,
                    split="disabled", keep_images=images)
     if res.error:
         return {"name": name, "checked": True, "reproduces": False, "error": res.error.splitlines()[0]}
-    diff = max_abs(images, references)
+    diff = max_abs(images, refs)
     return {"name": name, "checked": True, "max_abs": diff, "reproduces": diff <= tolerance,
-            "skipped_fraction": res.skipped_fraction}
+            "skipped_fraction": res.skipped_fraction, "cases": len(refs)}
