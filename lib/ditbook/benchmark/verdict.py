@@ -311,7 +311,9 @@ def _caching_off_item(cache: dict | None) -> dict:
         return _item("caching off reproduces the baseline", None, "no strategy could be checked")
     if bad:
         return _item("caching off reproduces the baseline", False, f"differs for {', '.join(bad)} (max abs diff {worst:.3g})")
-    return _item("caching off reproduces the baseline", True, f"{len(checked)} strategies, max abs diff {worst:.3g}")
+    cases = {c.get("cases") for c in checked} - {None}
+    on = f" on {min(cases)} cases each" if cases else ""
+    return _item("caching off reproduces the baseline", True, f"{len(checked)} strategies{on}, max abs diff {worst:.3g}")
 
 
 def _sharding_verified(plan: dict) -> bool | None:
