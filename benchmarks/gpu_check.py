@@ -47,10 +47,32 @@ def _skipped_dir(name: str) -> bool:
     return name in ("__pycache__", ".ipynb_checkpoints") or name.endswith(".egg-info")
 
 
+DIGEST_METHOD = "python files as their tokens without comments, other files as bytes"
+
+
+def code_bytes(path: Path) -> bytes:
+    """What of a file the digest covers: a Python file's tokens, each with its type, without its
+    comments and comment-only lines (a comment changes nothing that runs, so it needs no new GPU
+    check; a docstring, a name or a number does); any other file, or a Python file that does not
+    tokenize, byte for byte."""
+    import io
+    import tokenize
+
+    data = path.read_bytes()
+    if path.suffix != ".py":
+        return data
+    try:
+        toks = list(tokenize.tokenize(io.BytesIO(data).readline))
+    except (tokenize.TokenError, SyntaxError, UnicodeDecodeError):
+        return data
+    skip = (tokenize.COMMENT, tokenize.NL)
+    return "\x00".join(f"{t.type}:{t.string}" for t in toks if t.type not in skip).encode()
+
+
 def tree_digest(root: Path = REPO) -> str:
-    """sha256 over the relative path and bytes of every file under ``DIGEST_PARTS`` (links and
-    build or cache folders skipped, as git ignores them), in sorted order: the same on any machine
-    for the same checkout, with or without its git folder."""
+    """sha256 over the relative path and content (``code_bytes``) of every file under
+    ``DIGEST_PARTS`` (links and build or cache folders skipped, as git ignores them), in sorted
+    order: the same on any machine for the same checkout, with or without its git folder."""
     h = hashlib.sha256()
     files = []
     for part in DIGEST_PARTS:
@@ -60,7 +82,7 @@ def tree_digest(root: Path = REPO) -> str:
     for p in sorted(files, key=lambda q: q.relative_to(root).as_posix()):
         if p.is_symlink():
             continue
-        h.update(p.relative_to(root).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
+        h.update(p.relative_to(root).as_posix().encode() + b"\0" + code_bytes(p) + b"\0")
     return h.hexdigest()
 
 
@@ -196,6 +218,7 @@ def main(argv=None) -> int:
     (work / "logs").mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     record = {"revision": args.revision or rev, "tree_digest": tree_digest(), "digest_of": list(DIGEST_PARTS),
+              "digest_method": DIGEST_METHOD,
               "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), **environment(),
               "command": "make gpu-check"}
     record["cards_run"] = "one at a time" if args.one_at_a_time else "side by side"

@@ -22,6 +22,7 @@ def test_record_was_made_on_this_code():
     assert rec["tree_digest"] == gpu_check.tree_digest(), (
         "docs/gpu-check.json was made on other code than this checkout's lib/, notebooks/ or models/: "
         "run `make gpu-check` on a GPU host on this revision and commit the record")
+    assert rec.get("digest_method") == gpu_check.DIGEST_METHOD, "the record's digest was made another way: recompute it"
     assert len(rec["revision"]) == 40 and int(rec["revision"], 16) >= 0
     assert rec["device"] != "cpu" and rec["gpus"] >= 1
     assert {Path(c["card"]).name for c in rec["cards"]} == {Path(c).name for c in gpu_check.CARDS}
@@ -71,3 +72,27 @@ def test_benchmark_rows_carry_median_spread_and_ratio():
                    "transformer_step_s": 0.17, "speedup": 1.0, "first_call_s": 5.9, "peak_memory_mb": 25e3,
                    "computed_step_s": 0.18, "at_bf16_peak_s": 0.09, "of_bf16_peak": 0.5, "at_fp8_peak_s": None,
                    "of_fp8_peak": None}
+
+
+def test_digest_ignores_comments_but_not_code_or_docstrings(tmp_path):
+    """A comment changes nothing that runs and needs no new GPU check; a docstring, a name, a
+    number or a notebook does. A file that does not tokenize counts byte for byte."""
+    for part in gpu_check.DIGEST_PARTS:
+        (tmp_path / part).mkdir()
+    src = 'def f(x):\n    """Double."""\n    return x * 2\n'
+    (tmp_path / "lib" / "m.py").write_text(src)
+    (tmp_path / "notebooks" / "n.ipynb").write_text("{}")
+    base = gpu_check.tree_digest(tmp_path)
+    (tmp_path / "lib" / "m.py").write_text("# a note\n" + src.replace("x * 2\n", "x * 2  # why\n") + "\n# long: end\n")
+    assert gpu_check.tree_digest(tmp_path) == base
+    for changed in (src.replace("Double", "Twice"), src.replace("2", "3"), src.replace("x", "y")):
+        (tmp_path / "lib" / "m.py").write_text(changed)
+        assert gpu_check.tree_digest(tmp_path) != base, changed
+    (tmp_path / "lib" / "m.py").write_text(src)
+    (tmp_path / "notebooks" / "n.ipynb").write_text('{"cells": []}')
+    assert gpu_check.tree_digest(tmp_path) != base
+    broken = tmp_path / "lib" / "broken.py"
+    broken.write_text('def f(:\n    """unterminated\n')
+    one = gpu_check.tree_digest(tmp_path)
+    broken.write_text('def f(:\n    """unterminated  # c\n')
+    assert gpu_check.tree_digest(tmp_path) != one

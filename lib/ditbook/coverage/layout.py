@@ -123,6 +123,7 @@ def layout_inputs(model, grid, needs: dict, base: dict, gen: torch.Generator | N
     (the name rules' inputs for the other parameters); None when the forward takes no such
     sequence. ``grid`` gives the latent frames/height/width and the text length; ``needs`` (the
     code's data flow, ``dataflow.forward_needs``) which input an ``Embedding`` reads."""
+    # long: one layout built part by part; its sizes, index ranges, ids, lengths and positions depend on each other
     fn = type(model).forward
     found = joint_layout(fn)
     if found is None:
