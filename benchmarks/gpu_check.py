@@ -11,9 +11,12 @@ On a GPU host with the wheel bundle (``../shared/gpu/README.md``), from the repo
     . .gpu-wheels/install.sh && python3 benchmarks/gpu_check.py --record docs/gpu-check.json \\
         --revision <commit>                                    # a host without the git folder
 
-The two cards run side by side (separate processes, one GPU: the shipped models are small), or with
-``--one-at-a-time`` one after the other, so each card's stage times and its verdict's timings see an
-idle GPU; then the benchmark runs alone. A card that fails or runs past
+The two cards run one after the other, each on an idle GPU as a user runs a card, so each card's
+time is the one a user waits for (``--side-by-side``: both at once, separate processes sharing the
+GPU, shorter in all but slower per card); then the benchmark runs alone. Per card the record keeps
+each stage's seconds, its notebook's slowest cells, the wait for its kernel and the time outside
+the stages (``phases``: the command's start before the first stage, the gaps between stages, the
+report after the last). A card that fails or runs past
 ``--card-timeout`` is recorded with its status and the run's error; the check goes on.
 """
 
@@ -120,6 +123,7 @@ def finish_card(card: str, proc: subprocess.Popen, t0: float, log, outputs: Path
         rc = f"timeout after {timeout:.0f} s"
     log.close()
     wall = round(time.perf_counter() - t0, 1)
+    began = time.time() - wall  # the card's command started (wall clock)
     runs = sorted((outputs).glob(f"*/gpucheck-{Path(card).stem}/run.json"))
     rec = {"card": card, "exit": rc, "seconds": wall, "status": "not started", "stages": {}}
     if runs:
@@ -131,7 +135,20 @@ def finish_card(card: str, proc: subprocess.Popen, t0: float, log, outputs: Path
         for name, cells in run_cells(runs[-1].parent, min_seconds=1.0).items():
             if name in rec["stages"]:
                 rec["stages"][name]["cells"] = cells
+        rec["phases"] = phases(run.get("stages", {}), began, began + wall)
     return rec
+
+
+def phases(stages: dict, began: float, ended: float) -> dict:
+    """The card's time outside its stages: from the command's start to the first stage's, the gaps
+    between one stage's end and the next one's start, and from the last stage's end to the command's."""
+    spans = sorted((s["started"], s["started"] + s["seconds"]) for s in stages.values()
+                   if s.get("started") is not None and s.get("seconds") is not None)
+    if not spans:
+        return {}
+    return {"before_first_stage_s": round(spans[0][0] - began, 1),
+            "between_stages_s": round(sum(b[0] - a[1] for a, b in zip(spans, spans[1:])), 1),
+            "after_last_stage_s": round(ended - spans[-1][1], 1)}
 
 
 def run_cards(cards, outputs: Path, log_dir: Path, timeout: float, one_at_a_time: bool = False) -> list[dict]:
@@ -201,8 +218,9 @@ def main(argv=None) -> int:
                     help="the commit checked, for a copy without its git folder (default: git HEAD, clean tree)")
     ap.add_argument("--cards", default=",".join(CARDS))
     ap.add_argument("--card-timeout", type=float, default=420.0)
-    ap.add_argument("--one-at-a-time", action="store_true",
-                    help="run the cards one after the other (each on an idle GPU), not side by side")
+    ap.add_argument("--side-by-side", action="store_true",
+                    help="run the cards at once (sharing the GPU), not one after the other")
+    ap.add_argument("--one-at-a-time", action="store_true", help="one after the other (the default)")
     ap.add_argument("--bench-timeout", type=float, default=240.0)
     ap.add_argument("--no-bench", action="store_true", help="the cards only (a profile of the stages, not a record to commit)")
     ap.add_argument("--repeats", type=int, default=3)
@@ -221,9 +239,11 @@ def main(argv=None) -> int:
               "digest_method": DIGEST_METHOD,
               "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), **environment(),
               "command": "make gpu-check"}
-    record["cards_run"] = "one at a time" if args.one_at_a_time else "side by side"
+    if args.side_by_side and args.one_at_a_time:
+        ap.error("--side-by-side or --one-at-a-time, not both")
+    record["cards_run"] = "side by side" if args.side_by_side else "one at a time"
     record["cards"] = run_cards(args.cards.split(","), work / "outputs", work / "logs", args.card_timeout,
-                                args.one_at_a_time)
+                                not args.side_by_side)
     write_record(args.record, record)  # the cards' part kept even if the benchmark never returns
     if args.no_bench:  # a profile of the stages: never a record that passes
         record["benchmark"] = {"status": "not run (--no-bench)"}

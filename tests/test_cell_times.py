@@ -33,3 +33,18 @@ def test_cli_refuses_a_folder_without_notebooks(tmp_path, capsys):
     with pytest.raises(SystemExit):
         cell_times.main([str(tmp_path)])
     assert "no executed stage notebook" in capsys.readouterr().err
+
+
+def test_kernel_wait_and_shutdown_from_the_stamps(tmp_path):
+    """The wait before the first cell (the kernel's start-up) and after the last, from papermill's
+    start and end stamps; None where a stamp is missing."""
+    cells = [{"cell_type": "code", "source": ["a()\n"], "metadata": {"papermill": {
+                 "duration": 1.0, "start_time": "2026-12-02T10:00:12.5+00:00", "end_time": "2026-12-02T10:00:13.5+00:00"}}},
+             {"cell_type": "code", "source": ["b()\n"], "metadata": {"papermill": {
+                 "duration": 2.0, "start_time": "2026-12-02T10:00:13.5+00:00", "end_time": "2026-12-02T10:00:15.5+00:00"}}}]
+    meta = {"papermill": {"duration": 6.0, "start_time": "2026-12-02T10:00:10+00:00", "end_time": "2026-12-02T10:00:16+00:00"}}
+    (tmp_path / "02_inspect.ipynb").write_text(json.dumps({"cells": cells, "metadata": meta}))
+    got = cell_times.stage_cells(tmp_path / "02_inspect.ipynb")
+    assert got["kernel_wait_s"] == 2.5 and got["shutdown_s"] == 0.5 and got["cells_s"] == 3.0
+    _notebook(tmp_path / "01_intake.ipynb", [2.0], 3.0)
+    assert cell_times.stage_cells(tmp_path / "01_intake.ipynb")["kernel_wait_s"] is None

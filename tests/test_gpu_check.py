@@ -96,3 +96,13 @@ def test_digest_ignores_comments_but_not_code_or_docstrings(tmp_path):
     one = gpu_check.tree_digest(tmp_path)
     broken.write_text('def f(:\n    """unterminated  # c\n')
     assert gpu_check.tree_digest(tmp_path) != one
+
+
+def test_phases_are_the_time_outside_the_stages():
+    """Before the first stage (the command's start), the gaps between stages, after the last (the
+    report), whatever order the stages are listed in; nothing when no stage started."""
+    stages = {"inspect": {"started": 120.0, "seconds": 10.0}, "intake": {"started": 104.0, "seconds": 15.0},
+              "cache": {"started": 131.5, "seconds": 20.0}, "parallel": {"started": None, "seconds": None}}
+    assert gpu_check.phases(stages, 100.0, 155.0) == {"before_first_stage_s": 4.0, "between_stages_s": 2.5,
+                                                       "after_last_stage_s": 3.5}
+    assert gpu_check.phases({"intake": {"status": "pending"}}, 0.0, 1.0) == {}

@@ -129,7 +129,9 @@ def test_unknown_stage_rejected(stages_dir, card_path):
 # in which process, and the names its namespace holds
 _PROBE = """
 import json, os, pathlib, sys
+import psutil
 seen = {"warm": "ditbook.%s.stage" in sys.modules, "pid": os.getpid(), "cwd": os.getcwd(),
+        "born": psutil.Process().create_time(),
         "names": sorted(k for k in globals() if not k.startswith("_") and k not in ("In", "Out", "exit", "quit", "get_ipython", "open"))}
 (pathlib.Path(RUN_DIR) / "%s.json").write_text(json.dumps(seen))
 if pathlib.Path(os.environ["DITBOOK_TEST_FLAG"]).exists() and "%s" == "intake":
@@ -179,10 +181,27 @@ def test_next_stage_kernel_is_started_ahead_with_its_imports_done(probe_stages, 
     assert seen["inspect"]["names"] == seen["intake"]["names"]  # the warm-up leaves no name behind
     assert not _children(_since)  # every kernel shut down
 
+    # two stages ahead by default: the cache stage's kernel was started before the intake stage
+    # began (a short stage leaves the one after it no time to import); one ahead: when its turn
+    # was one stage away
+    began = {n: s["started"] for n, s in outcome.run.read_meta()["stages"].items()}
+    assert seen["cache"]["born"] < began["intake"] < began["inspect"]
+    monkeypatch.setenv("DITBOOK_KERNEL_AHEAD", "1")
+    one = start_run(card_path, run_id="one", log=lambda s: None)
+    assert one.ok
+    born = {n: json.loads((one.run.path / f"{n}.json").read_text())["born"] for n in ("intake", "inspect", "cache")}
+    began = {n: s["started"] for n, s in one.run.read_meta()["stages"].items()}
+    assert began["intake"] < born["cache"] < began["inspect"] and born["inspect"] < began["intake"]
+    assert json.loads((one.run.path / "cache.json").read_text())["warm"]
+    assert not _children(_since)
+
     monkeypatch.setenv("DITBOOK_KERNEL_AHEAD", "0")
     off = start_run(card_path, run_id="off", log=lambda s: None)
     assert off.ok and not json.loads((off.run.path / "inspect.json").read_text())["warm"]
     assert not json.loads((off.run.path / "intake.json").read_text())["warm"]
+    monkeypatch.setenv("DITBOOK_KERNEL_AHEAD", "some")
+    with pytest.raises(RunError, match="DITBOOK_KERNEL_AHEAD"):
+        start_run(card_path, run_id="bad", log=lambda s: None)
 
 
 def test_first_kernel_started_ahead_goes_when_the_start_check_refuses(probe_stages, card_path, tmp_path,

@@ -3,11 +3,16 @@
 Every stage notebook runs in a fresh Jupyter kernel whose first cell imports torch, diffusers,
 the card's pipeline class (and through it transformers) and the stage's package: 15-20 s of every
 stage on an H200 host, the same on a small model as on a 12B one (``docs/gpu.md``). While one stage
-runs, the runner starts the next stage's kernel (``KernelAhead``), which does those imports at its
-start-up (ipykernel's ``exec_lines``, before it answers any request), so the next notebook finds
+runs, the runner starts the kernels of the next stages (``KernelAhead``), which do those imports at
+their start-up (ipykernel's ``exec_lines``, before they answer any request), so each notebook finds
 them done. The kernel is the one papermill would have started (same kernel name, working folder,
 settings and environment); its notebook's cells are unchanged, and whatever the start-up prints
-goes to no cell. ``DITBOOK_KERNEL_AHEAD=0`` turns it off.
+goes to no cell.
+
+How far ahead: ``DITBOOK_KERNEL_AHEAD`` = the number of stages whose kernels are started ahead of
+the one running (default 2: a stage shorter than a kernel's start-up, like the parallel stage on
+one GPU, would otherwise leave the stage after it waiting); ``0`` (or ``off``) turns it off. Each
+kernel ahead holds its imports and, on a GPU, a CUDA context (a few hundred MB of device memory).
 
 A kernel started ahead and not used (the stage before it failed, or was interrupted) is shut
 down; nothing of it stays behind.
@@ -44,8 +49,27 @@ def kernel_env() -> dict:
     return {**KERNEL_LOG_ENV, **os.environ}
 
 
+AHEAD_DEFAULT = 2
+
+
+def ahead_depth() -> int:
+    """How many stages' kernels run ahead of the current one (``DITBOOK_KERNEL_AHEAD``: a count,
+    or off / on)."""
+    raw = os.environ.get(AHEAD_ENV, "").strip().lower()
+    if raw in ("", "on", "true", "yes"):
+        return AHEAD_DEFAULT
+    if raw in ("off", "false", "no"):
+        return 0
+    try:
+        return max(0, int(raw))
+    except ValueError:
+        from .runs import RunError
+
+        raise RunError(f"{AHEAD_ENV}={raw!r}: give a number of stages (0 turns it off), or on / off") from None
+
+
 def ahead_enabled() -> bool:
-    return os.environ.get(AHEAD_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    return ahead_depth() > 0
 
 
 def notebook_kernel_name(notebook: Path) -> str | None:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from .card import GateError, ModelCard
-from .kernels import KERNEL_LOG_ENV, KernelAhead, kernel_config, settle_abandoned_tasks, start_ahead
+from .kernels import KERNEL_LOG_ENV, KernelAhead, ahead_depth, kernel_config, settle_abandoned_tasks, start_ahead
 from .preflight import start_check
 from .processes import Interrupted, end_descendants, received
 from .runs import RunError, RunFolder, outputs_dir  # noqa: F401 (outputs_dir: where runs go, in runs)
@@ -228,19 +228,25 @@ def _run_stages(run: RunFolder, card: ModelCard, stages: list[Stage], overrides:
                 kernel_name: str | None = None, log: Callable[[str], None] = print,
                 ahead: KernelAhead | None = None) -> RunOutcome:
     outcome = RunOutcome(run)
+    # each stage's kernel, started ahead (None: its start failed, papermill starts one at its turn)
+    kernels: dict[str, KernelAhead | None] = {stages[0].name: ahead} if stages and ahead is not None else {}
     try:
+        depth = ahead_depth()
         run.set_status("running")
         for i, stage in enumerate(stages):
             log(f"[{stage.order:02d} {stage.name}] running ...")
-            current, ahead = ahead, None
-            ahead = start_ahead(stages[i + 1] if i + 1 < len(stages) else None, run.path, card, kernel_name, log)
-            res = execute_stage(stage, run, card, overrides, kernel_name=kernel_name, log=log, ahead=current)
+            for later in stages[i + 1: i + 1 + depth]:
+                if later.name not in kernels:
+                    kernels[later.name] = start_ahead(later, run.path, card, kernel_name, log)
+            res = execute_stage(stage, run, card, overrides, kernel_name=kernel_name, log=log,
+                                ahead=kernels.pop(stage.name, None))
             outcome.stages.append(res)
             if not _stage_went_on(res, stage, run, log):
                 return outcome
     finally:
-        if ahead is not None:  # the stage before it failed or was interrupted: not needed
-            ahead.close()
+        for unused in kernels.values():  # a stage before them failed or was interrupted: not needed
+            if unused is not None:
+                unused.close()
     meta = run.read_meta()
     all_stage_names = [s.name for s in discover_stages(stages[0].notebook.parent)] if stages else []
     done = {k for k, v in meta.get("stages", {}).items() if v.get("status") == "passed"}
