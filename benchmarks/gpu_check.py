@@ -50,14 +50,16 @@ def _skipped_dir(name: str) -> bool:
     return name in ("__pycache__", ".ipynb_checkpoints") or name.endswith(".egg-info")
 
 
-DIGEST_METHOD = "python files as their tokens without comments, other files as bytes"
+DIGEST_METHOD = "python files as their source lines without comments and comment-only lines, other files as bytes"
 
 
 def code_bytes(path: Path) -> bytes:
-    """What of a file the digest covers: a Python file's tokens, each with its type, without its
-    comments and comment-only lines (a comment changes nothing that runs, so it needs no new GPU
-    check; a docstring, a name or a number does); any other file, or a Python file that does not
-    tokenize, byte for byte."""
+    """What of a file the digest covers: a Python file's source lines without its comments, its
+    comment-only and blank lines, and trailing spaces (a comment changes nothing that runs, so it
+    needs no new GPU check; a docstring, a name or a number does); any other file, or a Python file
+    that does not tokenize, byte for byte. The comments are found by ``tokenize`` and cut from the
+    text by their positions, so the result is the same under every Python version (3.12 splits an
+    f-string into several tokens where 3.11 has one; the text they cover is the same)."""
     import io
     import tokenize
 
@@ -66,10 +68,18 @@ def code_bytes(path: Path) -> bytes:
         return data
     try:
         toks = list(tokenize.tokenize(io.BytesIO(data).readline))
+        lines = data.decode("utf-8").splitlines()
     except (tokenize.TokenError, SyntaxError, UnicodeDecodeError):
         return data
-    skip = (tokenize.COMMENT, tokenize.NL)
-    return "\x00".join(f"{t.type}:{t.string}" for t in toks if t.type not in skip).encode()
+    layout = (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
+              tokenize.ENCODING, tokenize.ENDMARKER)
+    cut, rows = {}, set()  # where each line's comment starts; the lines holding code (strings included)
+    for t in toks:
+        if t.type == tokenize.COMMENT:
+            cut[t.start[0]] = t.start[1]
+        elif t.type not in layout:
+            rows.update(range(t.start[0], t.end[0] + 1))
+    return "\n".join(line[:cut.get(i, len(line))].rstrip() for i, line in enumerate(lines, 1) if i in rows).encode()
 
 
 def tree_digest(root: Path = REPO) -> str:
