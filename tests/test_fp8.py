@@ -85,3 +85,61 @@ def test_the_card_setting_is_typed(tmp_path):
     assert load_card(card).benchmark.fp8 is True
     with pytest.raises(CardError, match="benchmark.fp8"):
         load_card(card, {"benchmark.fp8": "yes"})
+
+
+def test_capture_calls_keeps_every_nth_call_as_keywords_and_removes_its_hook():
+    fp = _tiny_flux()
+    tr = fp.pipe.transformer
+    from ditbook.benchmark.fp8 import capture_calls
+
+    calls = capture_calls(tr, lambda: fp(num_inference_steps=4), every=2)
+    assert len(calls) == 2 and not tr._forward_pre_hooks
+    assert {"hidden_states", "timestep", "encoder_hidden_states"} <= set(calls[0])
+    assert not torch.equal(calls[0]["timestep"], calls[1]["timestep"])  # two different steps
+    with torch.no_grad():
+        tr(**calls[0])  # replayable as recorded
+
+
+def test_layer_sensitivity_ranks_the_layer_that_changes_the_output_most_and_undoes_each():
+    """A stand-in for fp8 (the CPU has none): it scales one layer's weight, by far the most for one
+    layer; the measurement must rank that layer first, give an untouched-output layer no error, and
+    leave the model as it was."""
+    from ditbook.benchmark.fp8 import capture_calls, layer_sensitivity
+
+    fp = _tiny_flux()
+    tr = fp.pipe.transformer
+    calls = capture_calls(tr, lambda: fp(num_inference_steps=2))
+    layers, _ = fp8_layers(tr)
+    loud, quiet = layers[3], layers[-1]
+    modules = dict(tr.named_modules())
+    before = {n: p.detach().clone() for n, p in tr.named_parameters()}
+
+    def perturb(name):
+        w = modules[name].weight
+        saved = w.detach().clone()
+        with torch.no_grad():
+            w.mul_(3.0 if name == loud else 1.0 + 1e-3 if name == quiet else 1.0)
+
+        def undo():
+            with torch.no_grad():
+                w.copy_(saved)
+        return undo
+
+    got = layer_sensitivity(tr, calls, [quiet, layers[0], loud], perturb)
+    assert [r["layer"] for r in got][0] == loud and got[0]["rel_error"] > 10 * got[1]["rel_error"]
+    assert {r["layer"]: r["rel_error"] for r in got}[layers[0]] == 0.0
+    assert all(torch.equal(p, before[n]) for n, p in tr.named_parameters())
+
+
+def test_apply_fp8_takes_only_layers_it_would_choose():
+    pytest.importorskip("torchao")
+    from torchao.quantization import Int8WeightOnlyConfig
+
+    fp = _tiny_flux()
+    tr = fp.pipe.transformer
+    layers, _ = fp8_layers(tr)
+    with pytest.raises(ValueError, match="not block linears"):
+        apply_fp8(tr, config=Int8WeightOnlyConfig(), check_device=False, layers=["proj_out"])
+    undo, rec = apply_fp8(tr, config=Int8WeightOnlyConfig(), check_device=False, layers=layers[:2])
+    assert rec["quantized"] == 2 and rec["kept"] == layers[2:]
+    undo()

@@ -10,6 +10,12 @@ need) is left out. Each chosen layer gets torchao's
 kernel choice of cache-dit's ``float8_per_row``: ``torch._scaled_mm``) through
 ``torchao.quantization.quantize_`` — the maintained library, used as its authors intend.
 
+Fewer layers: ``apply_fp8(..., layers=...)`` quantizes only the named ones of that choice, and
+:func:`layer_sensitivity` measures which layers the model's output is most sensitive to (each alone
+in low precision, its recorded transformer calls rerun, the output's relative error), so the layers
+kept in the model's dtype when the error budget does not allow them all are chosen on the model
+itself, never by their names (``benchmarks/fp8_quality.py`` measures the options).
+
 Undo, exactly: ``quantize_`` replaces each layer's ``weight`` Parameter (and may set attributes on
 the instance); before quantizing, each chosen layer's instance ``__dict__`` and ``_parameters`` are
 copied (shallow), and the undo puts those back, so the original Parameter objects return untouched
@@ -22,7 +28,7 @@ cores: Ada, Hopper and later), or torchao missing.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -87,21 +93,25 @@ def float8_config():
                                                      kernel_preference=KernelPreference.TORCH)
 
 
-def apply_fp8(transformer: torch.nn.Module, *, config: Any = None, check_device: bool = True
-              ) -> tuple[Callable[[], None], dict]:
-    """Quantize the chosen linear layers in place; returns (undo, record). ``config``: another
-    torchao config (tests on the CPU use one torchao runs there); ``check_device=False`` only
-    with such a config."""
+def apply_fp8(transformer: torch.nn.Module, *, config: Any = None, check_device: bool = True,
+              layers: Iterable[str] | None = None) -> tuple[Callable[[], None], dict]:
+    """Quantize the chosen linear layers in place; returns (undo, record). ``layers``: only these
+    of :func:`fp8_layers`' choice (the rest stay in the model's dtype; a name it did not choose is
+    an error); None: all of them. ``config``: another torchao config (tests on the CPU use one
+    torchao runs there); ``check_device=False`` only with such a config."""
     if check_device:
         why = fp8_refusal(_device(transformer))
         if why:
             raise Fp8Refused(why)
-    from torchao.quantization import quantize_
-
-    chosen, odd = fp8_layers(transformer)
-    if not chosen:
+    all_chosen, odd = fp8_layers(transformer)
+    chosen = all_chosen if layers is None else [n for n in all_chosen if n in set(layers)]
+    if layers is not None and (unknown := sorted(set(layers) - set(all_chosen))):
+        raise ValueError(f"fp8: not block linears fp8 can take: {', '.join(unknown[:5])}")
+    if not chosen and layers is None:
         raise Fp8Refused(f"fp8: {type(transformer).__name__} has no linear layer in its blocks whose features are "
                          "multiples of 16")
+    from torchao.quantization import quantize_
+
     modules = dict(transformer.named_modules())
     saved = {n: (dict(modules[n].__dict__), dict(modules[n]._parameters)) for n in chosen}
     wanted = set(chosen)
@@ -123,7 +133,68 @@ def apply_fp8(transformer: torch.nn.Module, *, config: Any = None, check_device:
     changed = sum(1 for n in chosen if modules[n].weight is not saved[n][1]["weight"])
     record = {"library": "torchao", "config": type(cfg).__name__, "layers": len(chosen), "quantized": changed,
               "left_out": odd, "scope": "linear layers of the block lists"}
+    if layers is not None:
+        record["kept"] = [n for n in all_chosen if n not in set(chosen)]
     return undo, record
+
+
+def capture_calls(transformer: torch.nn.Module, run: Callable[[], Any], every: int = 1) -> list[dict]:
+    """The transformer's inputs (keyword form, tensors detached and copied) at every ``every``-th
+    of its calls while ``run()`` runs: the inputs a sensitivity measurement replays. The hook is
+    this instance's and is removed when ``run`` returns or raises."""
+    import inspect
+
+    names = list(inspect.signature(transformer.forward).parameters)
+    calls: list[dict] = []
+    seen = [0]
+
+    def keep(v):
+        return v.detach().clone() if torch.is_tensor(v) else v
+
+    def hook(module, args, kwargs):
+        if seen[0] % every == 0:
+            calls.append({**{n: keep(a) for n, a in zip(names, args)}, **{k: keep(v) for k, v in kwargs.items()}})
+        seen[0] += 1
+
+    handle = transformer.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        run()
+    finally:
+        handle.remove()
+    return calls
+
+
+def _first_tensor(out) -> torch.Tensor:
+    if torch.is_tensor(out):
+        return out
+    if isinstance(out, dict):
+        out = list(out.values())
+    for v in out if isinstance(out, (list, tuple)) else [getattr(out, "sample", None)]:
+        if torch.is_tensor(v):
+            return v
+    raise TypeError(f"no tensor in the transformer's output ({type(out).__name__})")
+
+
+def layer_sensitivity(transformer: torch.nn.Module, calls: list[dict], layers: list[str],
+                      quantize: Callable[[str], Callable[[], None]]) -> list[dict]:
+    """How much each layer alone changes the transformer's output: for each name in ``layers``,
+    ``quantize(name)`` (which returns its undo) puts that one layer in low precision, the
+    transformer reruns the recorded ``calls`` (:func:`capture_calls`), and the error is the
+    output's relative L2 distance to the unquantized output, the worst over the calls. Returns one
+    record per layer, most sensitive first: what decides which layers stay in the model's dtype
+    when the error budget does not allow them all (measured on the model, never by name)."""
+    with torch.inference_mode():
+        ref = [_first_tensor(transformer(**c)).float() for c in calls]
+        out = []
+        for name in layers:
+            undo = quantize(name)
+            try:
+                errs = [float((_first_tensor(transformer(**c)).float() - r).norm() / r.norm().clamp_min(1e-12))
+                        for c, r in zip(calls, ref)]
+            finally:
+                undo()
+            out.append({"layer": name, "rel_error": max(errs), "mean_rel_error": sum(errs) / len(errs)})
+    return sorted(out, key=lambda r: -r["rel_error"])
 
 
 def fp8_config(cfg=None):
@@ -160,5 +231,5 @@ def fp8_config(cfg=None):
                   notes=(inner.notes + "; " if inner.notes else "") + "block linears in fp8 (torchao float8)")
 
 
-__all__ = ["FP8_MIN_CAPABILITY", "Fp8Refused", "apply_fp8", "float8_config", "fp8_config", "fp8_layers",
-           "fp8_refusal"]
+__all__ = ["FP8_MIN_CAPABILITY", "Fp8Refused", "apply_fp8", "capture_calls", "float8_config", "fp8_config",
+           "fp8_layers", "fp8_refusal", "layer_sensitivity"]

@@ -14,6 +14,7 @@ import torch
 
 from . import dataflow as ci
 from . import layout, reconfig, repairs, state
+from .config import config_ints as _ints
 from .build import LADDER, Refused, _summary, _tied_width_instance, tiny_instances
 
 # --- inputs ------------------------------------------------------------------------------------
@@ -62,17 +63,6 @@ def _first_running(cls: type, ladder, overrides: dict, notes: list):
 def _config(model) -> dict:
     cfg = getattr(model, "config", None)
     return dict(cfg) if cfg is not None else {}
-
-
-def _ints(cfg: dict, *words: str, exclude: tuple = ()) -> list[int]:
-    out = []
-    for k, v in cfg.items():
-        low = k.lower()
-        if isinstance(v, int) and not isinstance(v, bool) and v > 0 and any(w in low for w in words) \
-                and not any(x in low for x in exclude):
-            if v not in out:
-                out.append(v)
-    return out
 
 
 def _patch(cfg: dict) -> tuple[int, int]:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .config import config_int
 from .dataflow import axis_role
 
 _INDEX_WORDS = ("index", "indexes", "indices", "idx")
@@ -109,15 +110,6 @@ def _doc_line(fn, name: str) -> str:
 _DOC_DIMS = re.compile(r"`+[\[(]([\w ,+*]+)[\])]`+")
 
 
-def _config_int(cfg: dict, *words: str, exclude: tuple = ()) -> int | None:
-    for k, v in cfg.items():
-        low = k.lower()
-        if isinstance(v, int) and not isinstance(v, bool) and v > 0 and any(w in low for w in words) \
-                and not any(x in low for x in exclude):
-            return v
-    return None
-
-
 def layout_inputs(model, grid, needs: dict, base: dict, gen: torch.Generator | None = None) -> dict | None:
     """Keyword inputs laid out as one packed joint sequence (``joint_layout``), on top of ``base``
     (the name rules' inputs for the other parameters); None when the forward takes no such
@@ -130,10 +122,10 @@ def layout_inputs(model, grid, needs: dict, base: dict, gen: torch.Generator | N
         return None
     total_name, parts = found
     cfg = dict(getattr(model, "config", None) or {})
-    patch = _config_int(cfg, "patch_size", exclude=("_t", "temporal")) or 1
-    patch_t = _config_int(cfg, "patch_size_t", "temporal_patch") or 1
-    chans = _config_int(cfg, "in_channels", "in_dim", "in_chans", "latent_channel", "input_dim") \
-        or _config_int(cfg, "channel", exclude=("out", "hidden", "mult")) or grid.channels
+    patch = config_int(cfg, "patch_size", exclude=("_t", "temporal")) or 1
+    patch_t = config_int(cfg, "patch_size_t", "temporal_patch") or 1
+    chans = config_int(cfg, "in_channels", "in_dim", "in_chans", "latent_channel", "input_dim") \
+        or config_int(cfg, "channel", exclude=("out", "hidden", "mult")) or grid.channels
     frames = max(1, grid.frames // patch_t)
     tok_h, tok_w = max(1, grid.height // max(grid.patch, 1)), max(1, grid.width // max(grid.patch, 1))
     token_grid = (frames, tok_h, tok_w)
