@@ -134,16 +134,23 @@ def main(argv=None) -> int:
                 "bf16_weight_share": round(sum(weight[n] for n in kept) / sum(weight.values()), 4),
                 "fp8": alone, "cache+fp8": cached}
 
+    def safe_row(k: int, granularity: str, case_seeds, ref) -> dict:
+        """A row that torchao cannot run is recorded with its reason (its undo has run)."""
+        try:
+            return row(k, granularity, case_seeds, ref)
+        except Exception as exc:
+            return {"keep": k, "scales": granularity, "of": len(layers), "failed": f"{type(exc).__name__}: {exc}"[:300]}
+
     # 2. the keep sweep on calibration cases
-    sweep = [row(k, "row", seeds, ref_cal) for k in (int(x) for x in args.keep.split(",")) if k <= len(layers)]
+    sweep = [safe_row(k, "row", seeds, ref_cal) for k in (int(x) for x in args.keep.split(",")) if k <= len(layers)]
     result["calibration"] = sweep
-    passing = [r for r in sweep if r["cache+fp8"]["passed"]]
+    passing = [r for r in sweep if "failed" not in r and r["cache+fp8"]["passed"]]
     chosen = min(passing, key=lambda r: r["keep"]) if passing else None
     result["chosen_keep"] = chosen["keep"] if chosen else None
     # 3. held-out confirmation: all layers in fp8 and the chosen k, per-row and per-tensor scales
     ks = sorted({0, *([chosen["keep"]] if chosen else [])})
     grans = ["row"] if args.stand_in else ["row", "tensor"]
-    result["holdout"] = [row(k, g, held, ref_held) for k in ks for g in grans]
+    result["holdout"] = [safe_row(k, g, held, ref_held) for k in ks for g in grans]
     result["seconds"] = round(time.perf_counter() - t0, 1)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "fp8_quality.json").write_text(json.dumps(result, indent=1))
@@ -171,6 +178,9 @@ def markdown(r: dict) -> str:
              "| --- | ---: | --- | ---: | --- | --- |"]
     for name, rows in (("calibration", r["calibration"]), ("held-out", r["holdout"])):
         for x in rows:
+            if "failed" in x:
+                lines.append(f"| {name} | {x['keep']} of {x['of']} | per-{x['scales']} | – | failed: {x['failed'][:120]} | – |")
+                continue
             lines.append(f"| {name} | {x['keep']} of {x['of']} | per-{x['scales']} | {x['bf16_weight_share']:.1%} | "
                          f"{_q(x['fp8'])} | {_q(x['cache+fp8'])} |")
     lines += ["", f"Chosen on calibration cases: keep {r['chosen_keep']} (the fewest whose cache + fp8 passes)."
