@@ -67,6 +67,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=28, help="the cache schedule's step count (docs/schedule_quality.json)")
     ap.add_argument("--keep", default=",".join(map(str, KEEP)), help="how many of the most sensitive layers stay in bf16")
     ap.add_argument("--holdout-seeds", default="100,101,102")
+    ap.add_argument("--holdout-keep", default="", help="also confirm these k on held-out seeds (besides 0 and the chosen)")
     ap.add_argument("--every", type=int, default=4, help="record every n-th transformer call of one render")
     ap.add_argument("--stand-in", choices=["int8"], default=None)
     args = ap.parse_args(argv)
@@ -147,8 +148,8 @@ def main(argv=None) -> int:
     passing = [r for r in sweep if "failed" not in r and r["cache+fp8"]["passed"]]
     chosen = min(passing, key=lambda r: r["keep"]) if passing else None
     result["chosen_keep"] = chosen["keep"] if chosen else None
-    # 3. held-out confirmation: all layers in fp8 and the chosen k, per-row and per-tensor scales
-    ks = sorted({0, *([chosen["keep"]] if chosen else [])})
+    # 3. held-out confirmation: all layers in fp8, the chosen k and --holdout-keep, per-row and per-tensor scales
+    ks = sorted({0, *([chosen["keep"]] if chosen else []), *(int(x) for x in args.holdout_keep.split(",") if x)})
     grans = ["row"] if args.stand_in else ["row", "tensor"]
     result["holdout"] = [safe_row(k, g, held, ref_held) for k in ks for g in grans]
     result["seconds"] = round(time.perf_counter() - t0, 1)
