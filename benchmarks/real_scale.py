@@ -146,12 +146,23 @@ def _save(pipe, folder: Path, pipeline_cls: str, transformer_cls: str) -> dict:
             "saved_gb": round(size / 2**30, 2), "save_s": round(time.perf_counter() - t0, 1)}
 
 
-def write_card(shape: str, folder: Path, built: dict, card_path: Path, tiny: bool = False) -> None:
+def write_card(shape: str, folder: Path, built: dict, card_path: Path, tiny: bool = False,
+               settings: list[str] | None = None) -> None:
+    """The card a user would write for the built pipeline; ``settings``: ``KEY=VALUE`` pairs (a
+    dotted key, a YAML value) set on it, e.g. ``cache.fp8=true``."""
+    import yaml as pyyaml
     from ruamel.yaml import YAML
 
     sized = json.loads(json.dumps(CARDS[shape]))
     if tiny:
         sized["generation"].update(TINY_GENERATION[shape])
+    for item in settings or []:
+        key, _, value = item.partition("=")
+        *parents, leaf = key.split(".")
+        node = sized
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = pyyaml.safe_load(value)
 
     card = {"name": f"real_{shape}", "path": str(folder),
             "pipeline": {"class": built["pipeline"], "source": "diffusers"},
@@ -253,6 +264,9 @@ def main(argv=None) -> int:
     ap.add_argument("--continue", dest="resume", action="store_true",
                     help="continue what an earlier command left in --work (no new build; the run resumed; the record "
                          "covers every command)")
+    ap.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
+                    help="a card setting on top of the shape's card (dotted key, YAML value; repeatable), "
+                         "e.g. --set cache.fp8=true")
     ap.add_argument("--build-only", action="store_true",
                     help="build and save the pipeline, write built.json beside it, and exit (the run does this in a "
                          "child process, so the measuring process holds no GPU memory)")
@@ -283,7 +297,7 @@ def main(argv=None) -> int:
         _log(f"built: {built}")
         time.sleep(1.0)
         built["gpu_used_before_run_gib"] = sampler.peak_gib(time.time() - 0.9, time.time())
-        write_card(args.shape, folder, built, card, args.tiny)
+        write_card(args.shape, folder, built, card, args.tiny, args.settings)
         state = {"built": built, "calls": [], "commands_s": []}
     with (work / "ditbook.log").open("a") as log:
         run, calls = run_playbook(card, work / "outputs", deadline, log)
@@ -293,7 +307,7 @@ def main(argv=None) -> int:
     state["samples"] = sampler.samples
     state_path.write_text(json.dumps(state))
     rows = stage_rows(run, sampler)
-    record = {"shape": args.shape, "card": CARDS[args.shape], "built": built, "calls": state["calls"], "stages": rows,
+    record = {"shape": args.shape, "card": CARDS[args.shape], "settings": args.settings, "built": built, "calls": state["calls"], "stages": rows,
               "whole_playbook_s": round(sum(r["seconds"] or 0 for r in rows), 1),
               "command_s": round(sum(state["commands_s"]), 1), "commands_s": state["commands_s"], "run": str(run),
               **verdict(run), "log_tail": (work / "ditbook.log").read_text()[-4000:]}

@@ -48,4 +48,10 @@ def config_label(config: dict) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(config.items()) if not isinstance(v, (list, tuple, dict)))
 
 
-__all__ = ["Config", "baseline_config", "config_label"]
+def fp8_suffix(record: dict) -> str:
+    """The row-name suffix of a configuration tuned with some block linears in fp8 (the cache
+    stage's fp8 composition): ``+fp8[<quantized>/<candidates>]``."""
+    return f"+fp8[{len(record.get('layers') or [])}/{record.get('candidates')}]"
+
+
+__all__ = ["Config", "baseline_config", "config_label", "fp8_suffix"]

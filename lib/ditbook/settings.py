@@ -264,6 +264,9 @@ class CacheSettings:
     reproduce_tolerance: float = setting(1e-5, number(0.0), "max abs difference of the generated module's rerun")
     check_cases: int | None = setting(2, optional(integer(1)), "prompt x seed cases of each strategy's caching-off check, the first prompt's seeds first (null: every case)")
     compile: bool | str | None = setting(None, compile_choice(), "also measure the chosen configuration compiled (regional): true or a backend name")
+    fp8: bool = setting(False, boolean(), "also tune the chosen strategy's schedule with the block linears in fp8 (torchao float8), judged on held-out seeds; the benchmark ships it when faster (refused, with the reason, below CUDA capability 8.9)")
+    fp8_keep: list[float] = setting(factory=lambda: [0.0, 0.25, 0.5], check=list_of(number(0.0, 1.0), nonempty=True),
+                                    doc="with fp8: shares of the block linears kept in the model's dtype, most sensitive first (measured on the model), tried in order until a schedule passes on held-out seeds")
 
 
 @dataclass

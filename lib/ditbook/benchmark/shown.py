@@ -19,7 +19,7 @@
 
 from __future__ import annotations
 
-from ..configuration import config_label
+from ..configuration import config_label, fp8_suffix
 
 HELD_OUT = "held-out"
 CALIBRATION = "calibration"
@@ -34,10 +34,20 @@ def is_parallel(row: dict) -> bool:
     return str(row.get("family") or "").endswith("parallel") and int(row.get("nproc") or 1) > 1
 
 
+def fp8_row_name(cache: dict | None) -> str | None:
+    """The benchmark row of the cache stage's fp8 composition (``cache.fp8_tune``), or None: the
+    name ``cache.benchmark_configs`` gives it."""
+    f8 = ((cache or {}).get("fp8") or {}).get("chosen")
+    if not f8:
+        return None
+    label = config_label(f8.get("config") or {})
+    return (f"{f8['name']}[{label}]" if label else str(f8["name"])) + fp8_suffix(f8)
+
+
 def holdout_records(cache: dict | None) -> dict[str, dict]:
     """``{benchmark row name: {psnr_min, ssim_min, n, passed, skipped_fraction}}`` of every
     configuration the cache stage ran on held-out seeds (the chosen one's own record last, so it
-    wins)."""
+    wins), and the fp8 composition's (``cache.fp8``) under its own row name."""
     out: dict[str, dict] = {}
     for e in (cache or {}).get("strategies") or []:
         if not isinstance(e, dict) or e.get("split") != "holdout":
@@ -54,6 +64,11 @@ def holdout_records(cache: dict | None) -> dict[str, dict]:
         name = f"{chosen['name']}[{label}]" if label else str(chosen["name"])
         out[name] = {"psnr_min": hq.get("psnr_min"), "ssim_min": hq.get("ssim_min"), "n": hq.get("n"),
                      "passed": True, "skipped_fraction": detail.get("skipped_fraction")}
+    f8 = ((cache or {}).get("fp8") or {}).get("chosen")
+    if f8 and f8.get("holdout_quality"):  # the fp8 composition's own held-out record (cache.fp8)
+        q = f8["holdout_quality"]
+        out[fp8_row_name(cache)] = {"psnr_min": q.get("psnr_min"), "ssim_min": q.get("ssim_min"), "n": q.get("n"),
+                                    "passed": True, "skipped_fraction": f8.get("skipped_fraction")}
     return out
 
 

@@ -102,16 +102,19 @@ def measure(ctx, pipe, configs: list[Config], *, warmup: int = 1, repeats: int =
 
 
 def verdict_rows(ctx) -> set[str]:
-    """The benchmark rows the verdict reads (the cache stage's chosen configuration and its
-    compiled twin): timed warm and repeated whatever the card's ``benchmark`` section says."""
+    """The benchmark rows the verdict reads (the cache stage's chosen configuration, its fp8
+    composition when ``cache.fp8`` found one, and their compiled twins): timed warm and repeated whatever the card's ``benchmark`` section says."""
     from .verdict import chosen_row_name
 
+    from .verdict import fp8_row_name
+
     run = ctx.run
-    chosen = (run.read_results("cache") if run.has_results("cache") else {}).get("chosen")
+    cache = run.read_results("cache") if run.has_results("cache") else {}
+    chosen = cache.get("chosen")
     if not chosen:
         return set()
-    name = chosen_row_name(chosen)
-    return {name, f"{name}+compile"}
+    names = [chosen_row_name(chosen)] + ([fp8_row_name(cache)] if fp8_row_name(cache) else [])
+    return {n + tail for n in names for tail in ("", "+compile")}
 
 
 def measure_residuals(ctx, pipe, configs: list[Config] | None = None) -> dict[str, list[float]]:

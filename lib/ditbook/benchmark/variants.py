@@ -85,7 +85,8 @@ def fp8_configs(pipe, configs: list[Config], *, log: Callable[[str], None] = pri
         def refuse(_pipe):
             raise Fp8Refused(why)
         return [Config("fp8", "fp8", refuse, params={"fp8": {"refused": why}}, notes="refused on this device")]
-    return [fp8_config(c) for c in [baseline_config()] + list(configs)]
+    # a configuration already in fp8 (the cache stage's fp8 composition) gets no second twin
+    return [fp8_config(c) for c in [baseline_config()] + list(configs) if "fp8" not in c.params]
 
 
 def derived_configs(ctx, pipe, configs: list[Config], *, compile=None, attention_backend=None, fp8=None,

@@ -13,6 +13,12 @@ shipped configuration is the fastest correct one of the two, and its one-time co
 reported beside it (``compile``: ``compile_s``, ``first_call_s``, ``steady_call_s``,
 ``uncompiled_speedup``). A faster twin that fails a check is not shipped and ``compile`` says why.
 
+fp8 (card ``cache.fp8``): the cache stage also tunes the chosen strategy with the block linears in
+fp8 and confirms it on held-out seeds (``cache.fp8_tune``); the benchmark times that composition
+(and its compiled twin). The verdict ships it instead when it is faster than the choice so far,
+passed on held-out seeds, reproduced in the fresh process and passed its gates on the
+benchmark's images (``fp8``: ``shipped`` or ``why_not``, ``plain`` the configuration without fp8).
+
 The checklist reads what each stage recorded; an item a stage does not record is ``None``
 ("not recorded"), never a green check.
 """
@@ -22,6 +28,7 @@ from __future__ import annotations
 from ..configuration import config_label
 from ..quality import Gates
 from ..settings import CacheSettings
+from .shown import fp8_row_name
 from .summary import MIN_USEFUL_SPEEDUP
 
 NOT_RECORDED = "not recorded"
@@ -82,10 +89,71 @@ def verdict(benchmark: dict | None, cache: dict | None) -> dict:
         out["compile"] = twin
         if twin.get("shipped") and out["passes_gates"] is True:
             out.update(name=twin["name"], speedup=twin["speedup"], e2e_ms=twin["e2e_ms"])
+    f8 = fp8_choice(benchmark, cache, out, gates) if "timing_unstable" not in out else None
+    if f8 is not None:
+        out["fp8"] = f8
+        if f8["shipped"]:
+            _ship_fp8(out, f8, benchmark, cache)
     out.update(rule_and_runner_ups(benchmark, cache, out))
     out["speedup_range"] = None if "timing_unstable" in out else speedup_range(benchmark, out["name"])
     _decide(out, benchmark, name, bool(hq))
     return out
+
+
+def fp8_choice(benchmark: dict | None, cache: dict | None, current: dict, gates: Gates) -> dict | None:
+    """The cache stage's fp8 composition (``cache.fp8``) beside the verdict so far: ``shipped``
+    when it passed on held-out seeds, reproduced in the fresh process, passed its gates on the
+    benchmark's images (it or its compiled twin, the faster) and is faster than ``current``;
+    else ``why_not``. None when the cache stage found none."""
+    f8 = ((cache or {}).get("fp8") or {}).get("chosen")
+    if not f8:
+        return None
+    base = fp8_row_name(cache)
+    hq = f8.get("holdout_quality") or {}
+    p, s = hq.get("psnr_min"), hq.get("ssim_min")
+    out = {"name": base, "layers": len(f8.get("layers") or []), "candidates": f8.get("candidates"),
+           "kept": len(f8.get("kept") or []), "config": f8.get("config"), "skipped_fraction": f8.get("skipped_fraction"),
+           "holdout": {"psnr_min": p, "ssim_min": s, "n": hq.get("n")}, "speedup": None, "e2e_ms": None,
+           "plain": current["name"], "plain_speedup": current.get("speedup"), "shipped": False, "why_not": None}
+    rows = {r.get("name"): r for r in ((benchmark or {}).get("summary") or []) if r.get("source") == "measured here"}
+    timed = [(n, rows[n]) for n in (base, f"{base}+compile") if n in rows]
+    good = [(n, r) for n, r in timed if r.get("passed") and not r.get("error") and r.get("speedup") is not None]
+    repro = ((cache or {}).get("reproduction") or {}).get("fp8") or {}
+    if not (p is not None and s is not None and p > gates.psnr and s > gates.ssim):
+        out["why_not"] = "it does not meet the gates on held-out seeds"
+    elif repro.get("ok") is not True:
+        out["why_not"] = ("its rerun in a fresh process " + (f"failed: {repro['error']}" if repro.get("error") else
+                          f"differs (max abs {repro['max_abs']:.3g})" if repro.get("max_abs") is not None else "did not run"))
+    elif not timed:
+        out["why_not"] = "the benchmark did not time it"
+    elif not good:
+        out["why_not"] = "it did not pass its gates on the benchmark's images"
+    else:
+        name, row = max(good, key=lambda nr: nr[1]["speedup"])
+        out.update(name=name, speedup=row["speedup"], e2e_ms=row.get("e2e_ms"),
+                   measured_psnr_min=row.get("psnr_min"), measured_ssim_min=row.get("ssim_min"))
+        if current.get("speedup") is not None and row["speedup"] <= current["speedup"]:
+            out["why_not"] = f"not faster ({row['speedup']:.2f}× against {current['speedup']:.2f}× without fp8)"
+        elif current.get("passes_gates") is not True:
+            out["why_not"] = "the configuration it was tuned from does not pass on held-out seeds"
+        else:
+            out["shipped"] = True
+    return out
+
+
+def _ship_fp8(out: dict, f8: dict, benchmark: dict | None, cache: dict | None) -> None:
+    """The verdict becomes the fp8 composition: its name, speed-up, held-out quality and config."""
+    out.update(name=f8["name"], speedup=f8["speedup"], e2e_ms=f8["e2e_ms"], holdout=f8["holdout"],
+               skipped_fraction=f8["skipped_fraction"],
+               config={**(f8["config"] or {}), "fp8_layers": list(cache["fp8"]["chosen"]["layers"]),
+                       "fp8_candidates": f8["candidates"]},
+               measured_psnr_min=f8.get("measured_psnr_min"), measured_ssim_min=f8.get("measured_ssim_min"))
+    plain = (out.get("compile") or {})
+    if f8["name"].endswith("+compile"):
+        twin = compiled_twin(benchmark, cache, f8["name"].removesuffix("+compile"), None)
+        out["compile"] = {**(twin or {}), "shipped": True, "why_not": None}
+    elif plain:
+        out["compile"] = {**plain, "shipped": False, "why_not": f"the fp8 composition {f8['name']} is faster"}
 
 
 def _decide(out: dict, benchmark: dict | None, name: str, has_holdout: bool) -> None:
@@ -105,6 +173,10 @@ def _decide(out: dict, benchmark: dict | None, name: str, has_holdout: bool) -> 
     else:
         out["ship"] = True
         out["reason"] = "chosen by the cache stage, confirmed on held-out seeds, timed by the benchmark"
+        f8 = out.get("fp8") or {}
+        if f8.get("shipped"):
+            out["reason"] += (f"; with {f8['layers']} of {f8['candidates']} block linears in fp8 (the schedule tuned "
+                              f"with them, {f8['kept']} most sensitive kept), faster than {f8['plain']}")
         if (out.get("compile") or {}).get("shipped"):
             out["reason"] += "; compiled, the faster of the two correct forms"
 
@@ -164,6 +236,8 @@ def rule_and_runner_ups(benchmark: dict | None, cache: dict | None, v: dict) -> 
     from .shown import HELD_OUT, holdout_records, is_cpu_run, is_parallel
 
     chosen = str(v.get("name")).removesuffix("+compile")  # the shipped twin is the chosen configuration compiled
+    f8 = v.get("fp8") or {}
+    plain = str(f8.get("plain") or "").removesuffix("+compile") if f8.get("shipped") else None
     if chosen in ("baseline", "none"):
         return {"rule": RULE, "runner_ups": []}
     held = holdout_records(cache)
@@ -185,7 +259,9 @@ def rule_and_runner_ups(benchmark: dict | None, cache: dict | None, v: dict) -> 
         better = rec is not None and p is not None and p0 is not None and p > p0
         if not passed or not (faster or better):
             continue
-        if rec is None:
+        if plain and name in (plain, f"{plain}+compile"):
+            why = f"the same strategy without fp8: slower than the fp8 composition ({f8['speedup']:.2f}×)"
+        elif rec is None:
             why = "not confirmed on held-out seeds (its figures are on the calibration seeds only)"
         elif k0 is not None and (rec.get("skipped_fraction") or 0) < k0:
             why = f"skips less work ({rec['skipped_fraction']:.3f} of block evaluations against {k0:.3f})"

@@ -36,7 +36,9 @@ references saved under ``cache/images/holdout/``, ``worst`` the key of the held-
 ``adapter_checks`` (caching disabled reproduces the baseline), ``adapter`` (AdapterInfo),
 ``adapter_module`` (relative path of the generated module), ``calibration``,
 ``passing_at_40pct``, ``reproduction`` (the generated module rerun in a fresh process),
-``refused`` (null, or why no cache strategy can be applied safely: the stage still passes and
+``fp8`` (card ``cache.fp8``: the chosen strategy tuned again with block linears in fp8,
+``fp8_tune``; ``chosen`` the composition confirmed on held-out seeds, with its quantized
+``layers``; or ``ran`` false with the reason), ``refused`` (null, or why no cache strategy can be applied safely: the stage still passes and
 the benchmark runs without cache configurations), ``adapter_fallback`` (why cache-dit's
 registered adapter was replaced by ditbook's: it failed the caching-off check).
 
@@ -68,17 +70,36 @@ class CacheConfig:
     _module_path: Path | None = field(default=None, repr=False)
     _arch_path: Path | None = field(default=None, repr=False)
     _used: str = field(default="ditbook", repr=False)
+    fp8: dict | None = None  # the fp8 composition (``fp8_tune``): {layers, candidates}; None: no fp8
 
     def apply(self, pipe, steps: int | None = None) -> Callable[[], None]:
-        """Apply to ``pipe`` through the run's generated adapter; returns the undo callable."""
+        """Apply to ``pipe`` through the run's generated adapter (with ``fp8``: its layers in fp8
+        first); returns the undo callable."""
         from ..inspect.report import ArchReport
         from . import strategies
         from .adapter import load_adapter_file
+        from .fp8_tune import torchao_fp8
 
         module = load_adapter_file(self._module_path, pipe.transformer)
         adapter = CacheAdapter.from_module(pipe, ArchReport.load(self._arch_path), module, self._used)
         strat = strategies.get(self.name)
-        return strat.apply(pipe, adapter, strat.config(**self.config), steps=steps)
+        undo_fp8 = torchao_fp8(pipe.transformer, self.fp8["layers"]) if self.fp8 else None
+        try:
+            undo = strat.apply(pipe, adapter, strat.config(**self.config), steps=steps)
+        except BaseException:
+            if undo_fp8 is not None:
+                undo_fp8()
+            raise
+        if undo_fp8 is None:
+            return undo
+
+        def undo_both() -> None:
+            try:
+                if undo is not None:
+                    undo()
+            finally:
+                undo_fp8()
+        return undo_both
 
     def to_dict(self) -> dict:
         return {"name": self.name, "family": self.family, "config": self.config,
@@ -111,6 +132,10 @@ def configs_from_results(results: dict | str | Path, run_dir: str | Path | None 
         seen.add(key)
         out.append(CacheConfig(r["name"], r["family"], r["config"], r.get("skipped_fraction"), r.get("split", ""),
                                module, arch, used))
+    f8 = (results.get("fp8") or {}).get("chosen")
+    if f8:  # the composition tuned with fp8 applied, confirmed on held-out seeds: timed beside the rest
+        out.append(CacheConfig(f8["name"], f8["family"], f8["config"], f8.get("skipped_fraction"), "fp8-holdout",
+                               module, arch, used, fp8={"layers": f8["layers"], "candidates": f8["candidates"]}))
     return out
 
 
@@ -118,16 +143,20 @@ def benchmark_configs(ctx, results: dict) -> list:
     """The benchmark stage's provider (see ``ditbook.benchmark.inputs``): the chosen configuration and
     every held-out-confirmed one, as ``bench.timing.Config`` objects measured side by side with
     the baseline in the benchmark's own process."""
-    from ..configuration import Config, config_label
+    from ..configuration import Config, config_label, fp8_suffix
 
     steps = ctx.card.generation.steps
     out = []
     for c in configs_from_results(results, run_dir=ctx.run.path):
         label = config_label(c.config)
-        out.append(Config(name=f"{c.name}[{label}]", family=f"cache/{c.name}",
-                          apply=lambda pipe, c=c: c.apply(pipe, steps=steps), params=dict(c.config),
-                          notes=f"tuned by the cache stage; {c.skipped_fraction:.0%} of block evaluations skipped"
-                          if c.skipped_fraction is not None else "tuned by the cache stage"))
+        notes = (f"tuned by the cache stage; {c.skipped_fraction:.0%} of block evaluations skipped"
+                 if c.skipped_fraction is not None else "tuned by the cache stage")
+        params = dict(c.config)
+        if c.fp8:
+            params["fp8"] = {"layers": len(c.fp8["layers"]), "candidates": c.fp8["candidates"], "tuned": True}
+            notes += f"; tuned with {len(c.fp8['layers'])} of {c.fp8['candidates']} block linears in fp8"
+        out.append(Config(name=f"{c.name}[{label}]" + (fp8_suffix(c.fp8) if c.fp8 else ""), family=f"cache/{c.name}",
+                          apply=lambda pipe, c=c: c.apply(pipe, steps=steps), params=params, notes=notes))
     return out
 
 

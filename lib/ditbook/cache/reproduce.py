@@ -3,7 +3,8 @@
 ``python -m ditbook.cache.reproduce SPEC.json`` (written by ``CacheSession.reproduce``): loads
 the card's pipeline, imports ``cache/adapter_<model>.py`` from the run folder (which registers it
 with cache-dit), applies the chosen strategy through it, renders the calibration cases and prints one
-JSON line with the largest absolute difference from the images the stage verified.
+JSON line with the largest absolute difference from the images the stage verified; with the spec's
+``fp8`` (the composition ``cache.fp8`` tuned), that composition too, as ``fp8`` of the same line.
 
 ``python -m ditbook.cache.reproduce --wait [PACKAGE] [--device=DEVICE]`` is the same process
 started ahead (``Ahead``, by ``CacheSession.open``): it imports the libraries (torch, diffusers,
@@ -69,11 +70,41 @@ def main(argv: list[str] | None = None) -> int:
         images = render_set(pipe, card, card.generation.prompts, card.generation.seeds)
     finally:
         undo()
-    folder = Path(spec["images"])
-    diffs = {k: float(np.max(np.abs(images[k].astype(np.float64) - np.load(folder / f"{k}.npy").astype(np.float64))))
-             for k in images}
-    print(json.dumps({"max_abs": max(diffs.values()), "per_image": diffs, "module": module.__name__}))
+    diffs = _diffs(images, Path(spec["images"]))
+    out = {"max_abs": max(diffs.values()), "per_image": diffs, "module": module.__name__}
+    if spec.get("fp8"):  # the fp8 composition the cache stage tuned: its layers, then its strategy
+        out["fp8"] = _fp8_rerun(pipe, card, adapter, spec["fp8"])
+    print(json.dumps(out))
     return 0
+
+
+def _diffs(images: dict, folder: Path) -> dict:
+    return {k: float(np.max(np.abs(images[k].astype(np.float64) - np.load(folder / f"{k}.npy").astype(np.float64))))
+            for k in images}
+
+
+def _fp8_rerun(pipe, card, adapter, f8: dict) -> dict:
+    """The fp8 composition rerun (torchao float8 on the recorded layers, the strategy through the
+    generated module), against the images the stage saved; an error is the record, not a crash."""
+    from ..benchmark.fp8 import apply_fp8
+    from . import strategies
+    from .verify import render_set
+
+    strat = strategies.get(f8["name"])
+    undo_fp8 = undo = None
+    try:
+        undo_fp8, _ = apply_fp8(pipe.transformer, layers=f8["layers"])
+        undo = strat.apply(pipe, adapter, strat.config(**f8["config"]), steps=card.generation.steps)
+        images = render_set(pipe, card, card.generation.prompts, card.generation.seeds)
+    except Exception as exc:  # noqa: BLE001 - recorded: the verdict does not ship what did not reproduce
+        return {"max_abs": None, "error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        if undo is not None:
+            undo()
+        if undo_fp8 is not None:
+            undo_fp8()
+    diffs = _diffs(images, Path(f8["images"]))
+    return {"max_abs": max(diffs.values()), "per_image": diffs}
 
 
 class Ahead:

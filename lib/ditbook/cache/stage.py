@@ -2,13 +2,15 @@
 
 ``CacheSession.open(ctx, report)`` loads the pipeline and builds the adapter (writing the
 generated module to ``cache/adapter_<model>.py``); then ``noise_floor``, ``adapter_checks``,
-``calibrate``, ``tune``, ``choose``, ``reproduce`` and ``write_results``. Calibration cases are
+``calibrate``, ``tune``, ``choose``, ``fp8_tune`` (card ``cache.fp8``), ``reproduce`` and
+``write_results``. Calibration cases are
 the card's prompts x seeds, compared with the intake baseline; held-out cases are
 ``generation.holdout_prompts`` / ``holdout_seeds`` (or the seeds shifted by ``cache.holdout_shift``), compared with
 an uncached render made here.
 
 Card knobs: the typed ``cache:`` section (``ditbook.settings.CacheSettings``): ``gates``,
-``strategies``, ``max_configs``, ``confirm_tries``, ``holdout_shift``, ``reproduce_tolerance``.
+``strategies``, ``max_configs``, ``confirm_tries``, ``holdout_shift``, ``reproduce_tolerance``,
+``compile``, ``fp8``, ``fp8_keep``.
 """
 
 from __future__ import annotations
@@ -97,6 +99,7 @@ class CacheSession:
     refused: str | None = None  # why no cache strategy can be applied safely (the stage still passes)
     fallback: list = field(default_factory=list)  # why cache-dit's registered adapter was replaced by ours
     order: dict = field(default_factory=dict)  # the chosen configuration rendered alone vs after another (order_check)
+    fp8: dict = field(default_factory=dict)  # the schedule tuned with fp8 applied (fp8_tune)
     _ahead: object = field(default=None, repr=False)  # reproduce's process, started ahead (start_reproduction)
 
     # -- setup ---------------------------------------------------------------------------
@@ -226,49 +229,61 @@ class CacheSession:
     def tune(self, progress=None) -> list[dict]:
         """Search every runnable strategy's grid on the calibration cases; confirm the best
         passing configuration of each family on the held-out cases."""
+        self.confirm_tries = self.confirm_tries or self.card.cache.confirm_tries
+        for name in self.runnable():
+            self.tune_strategy(name, progress=progress)
+        return self.table()
+
+    def tune_strategy(self, name: str, progress=None, split_prefix: str = "", keep: bool = True) -> list:
+        """One strategy's grid on the calibration cases (split ``<split_prefix>calibration``), then
+        held-out confirmations from the most compute saved down (``<split_prefix>holdout``); returns
+        the held-out results. ``keep``: the best passing held-out images are kept for the report
+        (the plain search; the fp8 search, :mod:`.fp8_tune`, keeps none)."""
         gen = self.card.generation
         limit = self.max_configs or self.card.cache.max_configs
-        self.confirm_tries = self.confirm_tries or self.card.cache.confirm_tries
+        tries = self.confirm_tries or self.card.cache.confirm_tries
         hp, hs = holdout_cases(self.card)
-        for name in self.runnable():
-            strat = strategies.get(name)
-            grid = strat.grid(self.adapter, gen.steps)
-            if limit:
-                grid = grid[: int(limit)]
-            family, seen = [], []
-            for cfg in grid:
-                cfg = self._calibrated(name, cfg)
-                if strat.config_dict(cfg) in seen:
-                    continue  # the same configuration twice in a grid renders the same images
-                seen.append(strat.config_dict(cfg))
-                r = evaluate(self.pipe, self.card, self.adapter, name, cfg, self.baseline, self.baseline_counts,
-                             self.gates, gen.prompts, gen.seeds, stop_at_failure=True)
-                family.append((r, cfg))
-                self.results.append(r)
-                if progress:
-                    progress(r)
-                if r.error:
-                    break
-            # confirm on held-out cases, from the most compute saved down: the edge of what
-            # passed on calibration prompts often fails on new seeds
-            passing = sorted([(r, c) for r, c in family if r.passed],
-                             key=lambda rc: (-rc[0].skipped_fraction, -rc[0].quality["psnr_min"]))
-            tried = set()
-            for r, cfg in passing:
-                key = round(r.skipped_fraction, 3)
-                if key in tried or r.skipped_fraction == 0.0:
-                    continue  # same savings as one already confirmed or refuted; or no savings at all
-                tried.add(key)
-                kept: dict = {}
-                h = evaluate(self.pipe, self.card, self.adapter, name, cfg, self.holdout_refs, self.holdout_counts,
-                             self.gates, hp, hs, split="holdout", keep_images=kept, stop_at_failure=True)
+        strat = strategies.get(name)
+        grid = strat.grid(self.adapter, gen.steps)
+        if limit:
+            grid = grid[: int(limit)]
+        family, seen, held = [], [], []
+        for cfg in grid:
+            cfg = self._calibrated(name, cfg)
+            if strat.config_dict(cfg) in seen:
+                continue  # the same configuration twice in a grid renders the same images
+            seen.append(strat.config_dict(cfg))
+            r = evaluate(self.pipe, self.card, self.adapter, name, cfg, self.baseline, self.baseline_counts,
+                         self.gates, gen.prompts, gen.seeds, split=f"{split_prefix}calibration", stop_at_failure=True)
+            family.append((r, cfg))
+            self.results.append(r)
+            if progress:
+                progress(r)
+            if r.error:
+                break
+        # confirm on held-out cases, from the most compute saved down: the edge of what
+        # passed on calibration prompts often fails on new seeds
+        passing = sorted([(r, c) for r, c in family if r.passed],
+                         key=lambda rc: (-rc[0].skipped_fraction, -rc[0].quality["psnr_min"]))
+        tried = set()
+        for r, cfg in passing:
+            key = round(r.skipped_fraction, 3)
+            if key in tried or r.skipped_fraction == 0.0:
+                continue  # same savings as one already confirmed or refuted; or no savings at all
+            tried.add(key)
+            kept: dict = {}
+            h = evaluate(self.pipe, self.card, self.adapter, name, cfg, self.holdout_refs, self.holdout_counts,
+                         self.gates, hp, hs, split=f"{split_prefix}holdout", keep_images=kept if keep else None,
+                         stop_at_failure=True)
+            if keep:
                 self._keep_holdout(h, kept)
-                self.results.append(h)
-                if progress:
-                    progress(h)
-                if h.passed or len(tried) >= self.confirm_tries:
-                    break
-        return self.table()
+            self.results.append(h)
+            held.append(h)
+            if progress:
+                progress(h)
+            if h.passed or len(tried) >= tries:
+                break
+        return held
 
     def table(self, split: str | None = None) -> list[dict]:
         rows = []
@@ -280,7 +295,8 @@ class CacheSession:
                          "skipped": r.skipped_fraction, "attn skipped": r.attention_skipped_fraction,
                          "cached steps": r.cached_steps, "PSNR min": q.get("psnr_min"), "SSIM min": q.get("ssim_min"),
                          "worst tile": q.get("worst_tile_psnr"), "max abs": q.get("max_abs"), "passed": r.passed,
-                         "stopped": r.stopped or "", "error": (r.error or "").splitlines()[0] if r.error else ""})
+                         "stopped": r.stopped or "", "error": (r.error or "").splitlines()[0] if r.error else ""}
+                        | ({"fp8 layers": f"{r.fp8['quantized']} (kept {r.fp8['kept']})"} if r.fp8 else {}))
         return rows
 
     def frontier(self, split: str = "calibration") -> list[dict]:
@@ -399,6 +415,14 @@ class CacheSession:
         self.compiled = out
         return out
 
+    def fp8_tune(self, progress=None, quantize=None) -> dict:
+        """With card ``cache.fp8``: the chosen strategy tuned again with the block linears in fp8,
+        judged on held-out seeds (:mod:`.fp8_tune`); the record, also kept as ``self.fp8``."""
+        from .fp8_tune import fp8_tune
+
+        self.fp8 = fp8_tune(self, progress=progress, quantize=quantize)
+        return self.fp8
+
     # -- the generated module, in a fresh process ------------------------------------------
     def release_pipeline(self) -> None:
         """Let go of the pipeline (and the cached images made with it stay on disk): the fresh
@@ -452,6 +476,10 @@ class CacheSession:
                 "used": self.adapter.info.used, "name": self.chosen["name"], "config": self.chosen["config"],
                 "images": str(self.ctx.dir / "images" / "chosen"), "device": self.ctx.placement.device,
                 "dtype": self.ctx.placement.dtype}
+        f8 = (self.fp8 or {}).get("chosen")
+        if f8 and f8.get("images") and (self.fp8.get("quantization") or "").startswith("torchao"):
+            spec["fp8"] = {"name": f8["name"], "config": f8["config"], "layers": f8["layers"],
+                           "images": str(self.ctx.dir / f8["images"])}
         spec_path = self.ctx.dir / "reproduce.json"
         spec_path.write_text(json.dumps(spec, indent=2))
         if ahead is not None and ahead.proc.poll() is None:
@@ -468,6 +496,8 @@ class CacheSession:
             out = json.loads(lines[-1])
             tol = self.card.cache.reproduce_tolerance
             out.update(ran=True, ok=out["max_abs"] <= tol, tolerance=tol)
+            if isinstance(out.get("fp8"), dict):  # the fp8 composition, rerun in the same process
+                out["fp8"]["ok"] = out["fp8"].get("max_abs") is not None and out["fp8"]["max_abs"] <= tol
             self.reproduction = out
         return self.reproduction
 
@@ -494,6 +524,7 @@ class CacheSession:
             "order_check": self.order or None,  # the chosen configuration: a case alone vs after another
             "reproduction": self.reproduction,
             "compiled": self.compiled or {"ran": False, "reason": "cache.compile is off"},
+            "fp8": self.fp8 or {"ran": False, "reason": "cache.fp8 is off" if not self.card.cache.fp8 else "not run"},
         }
         self.ctx.write_results(res)
         return res

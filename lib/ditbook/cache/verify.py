@@ -39,6 +39,9 @@ class StrategyResult:
     # set when the renders stopped at the first case that failed a gate: which case, and how
     # many of the cases were rendered (the quality and savings are over those)
     stopped: str | None = None
+    # the fp8 search's rows (``fp8_tune``): how many block linears stayed in the model's dtype and
+    # how many were quantized while these images were rendered; None for every other row
+    fp8: dict | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
