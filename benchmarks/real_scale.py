@@ -151,7 +151,6 @@ def write_card(shape: str, folder: Path, built: dict, card_path: Path, tiny: boo
     """The card a user would write for the built pipeline; ``settings``: ``KEY=VALUE`` pairs (a
     dotted key, a YAML value) set on it, e.g. ``cache.fp8=true``."""
     import yaml as pyyaml
-    from ruamel.yaml import YAML
 
     sized = json.loads(json.dumps(CARDS[shape]))
     if tiny:
@@ -168,9 +167,7 @@ def write_card(shape: str, folder: Path, built: dict, card_path: Path, tiny: boo
             "pipeline": {"class": built["pipeline"], "source": "diffusers"},
             "transformer": {"class": built["transformer"], "source": "diffusers", "subfolder": "transformer"},
             **sized, "runtime": {"device": "cpu", "dtype": "float32"} if tiny else {"device": "cuda", "dtype": "bfloat16"}}
-    yaml = YAML()
-    with card_path.open("w") as fh:
-        yaml.dump(card, fh)
+    card_path.write_text(pyyaml.safe_dump(card, sort_keys=False))
 
 
 class MemorySampler(threading.Thread):
