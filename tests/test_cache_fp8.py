@@ -131,6 +131,15 @@ def _one_call(session) -> dict:
     return calls[0]
 
 
+def test_with_every_layer_passing_at_the_first_share_no_sensitivity_is_measured(fp8_run):
+    card, run, pipe, report, s = fp8_run
+    gentle = noisy_quantizer(large=1e-4)  # no layer stands out: every layer in fp8 passes
+    rec = s.fp8_tune(quantize=gentle)
+    assert rec["chosen"] is not None and rec["chosen"]["kept"] == [] and len(rec["chosen"]["layers"]) == 42
+    assert rec["sensitivity"] == [] and "not measured" in rec["sensitivity_note"]
+    assert all(len(c) == 42 for c in gentle.calls)  # the search and the saved render: no one-layer ranking
+
+
 def test_a_quantizer_too_harsh_for_every_share_leaves_no_composition(fp8_run):
     card, run, pipe, report, s = fp8_run
     harsh = noisy_quantizer(small=5.0)  # every layer damaged: no share of kept layers is enough
@@ -180,6 +189,8 @@ def test_the_verdict_ships_the_fp8_composition_only_when_faster_correct_and_repr
         v = verdict(bench, cache)
         assert v["name"] == "dbcache[threshold=0.2]" and v["speedup"] == 1.5 and v["ship"], why
         assert v["fp8"]["shipped"] is False and why in v["fp8"]["why_not"], (why, v["fp8"]["why_not"])
+    # uncompiled and slower: the verdict says that the compiled form was not timed
+    assert "benchmark.compile is off" in verdict(_bench(fp8=1.4), _cache())["fp8"]["why_not"]
 
 
 def test_the_benchmark_times_the_composition_warm_and_gives_it_no_second_fp8_twin():

@@ -134,6 +134,9 @@ def fp8_choice(benchmark: dict | None, cache: dict | None, current: dict, gates:
                    measured_psnr_min=row.get("psnr_min"), measured_ssim_min=row.get("ssim_min"))
         if current.get("speedup") is not None and row["speedup"] <= current["speedup"]:
             out["why_not"] = f"not faster ({row['speedup']:.2f}× against {current['speedup']:.2f}× without fp8)"
+            if not name.endswith("+compile"):
+                out["why_not"] += ("; its compiled form was not timed (benchmark.compile is off), and fp8's "
+                                   "quantization is fused, and pays off, only compiled")
         elif current.get("passes_gates") is not True:
             out["why_not"] = "the configuration it was tuned from does not pass on held-out seeds"
         else:
