@@ -214,3 +214,19 @@ def test_the_benchmark_times_the_composition_warm_and_gives_it_no_second_fp8_twi
         mp.setattr("ditbook.benchmark.fp8.fp8_refusal", lambda device, **k: None)
         names = [c.name for c in variants.fp8_configs(Pipe(), [plain, composed], log=lambda m: None)]
     assert names == ["fp8", "dbcache[threshold=0.2]+fp8"]
+
+
+def test_the_fp8_composition_and_its_compiled_twin_are_verdict_rows_timed_warm():
+    from types import SimpleNamespace
+
+    from ditbook.benchmark.stage import verdict_rows
+
+    def ctx_for(cache):
+        run = SimpleNamespace(has_results=lambda stage: stage == "cache", read_results=lambda stage: cache)
+        return SimpleNamespace(run=run)
+
+    plain = {"dbcache[threshold=0.2]", "dbcache[threshold=0.2]+compile"}
+    assert verdict_rows(ctx_for(_cache())) == plain | {"dbcache[threshold=0.1]+fp8[32/42]",
+                                                       "dbcache[threshold=0.1]+fp8[32/42]+compile"}
+    no_fp8 = {**_cache(), "fp8": {"ran": False, "reason": "cache.fp8 is off"}}
+    assert verdict_rows(ctx_for(no_fp8)) == plain
