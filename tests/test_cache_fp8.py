@@ -87,6 +87,7 @@ def test_the_search_keeps_the_most_sensitive_layers_until_the_held_out_seeds_pas
     q = noisy_quantizer()
     rec = s.fp8_tune(quantize=q)
     assert rec["ran"] is True and rec["candidates"] == 42 and rec["strategy"] == s.chosen["name"]
+    assert rec["shipped_quantizer"] is False  # a stand-in: the fresh-process rerun is not asked to apply it
     # measured, not named: the damaged layer ranks first
     assert rec["sensitivity"][0]["layer"] == BAD
     assert rec["sensitivity"][0]["rel_error"] > 10 * rec["sensitivity"][1]["rel_error"]
@@ -230,3 +231,51 @@ def test_the_fp8_composition_and_its_compiled_twin_are_verdict_rows_timed_warm()
                                                        "dbcache[threshold=0.1]+fp8[32/42]+compile"}
     no_fp8 = {**_cache(), "fp8": {"ran": False, "reason": "cache.fp8 is off"}}
     assert verdict_rows(ctx_for(no_fp8)) == plain
+
+
+def test_the_verdict_line_on_fp8_says_what_became_of_it():
+    from ditbook.benchmark.verdict import fp8_text, verdict
+
+    shipped = fp8_text(verdict(_bench(), _cache()), _cache())
+    assert shipped.startswith("fp8: shipped dbcache[threshold=0.1]+fp8[32/42] (32 of 42 block linears in fp8, 10 kept")
+    assert "33.00 dB" in shipped and "1.80× end to end" in shipped and "faster than dbcache[threshold=0.2]" in shipped
+    slower = fp8_text(verdict(_bench(fp8=1.4), _cache()), _cache())
+    assert "1.40× end to end) not shipped: not faster (1.40× against 1.50× without fp8)" in slower
+    for rec, want in (({"ran": False, "refused": "fp8 needs a CUDA GPU", "reason": "fp8 refused: fp8 needs a CUDA GPU"},
+                       "fp8: refused: fp8 needs a CUDA GPU."),
+                      ({"ran": True, "chosen": None, "reason": "no schedule of dbcache passed on held-out seeds"},
+                       "fp8: no composition: no schedule of dbcache passed on held-out seeds."),
+                      ({"ran": False, "reason": "cache.fp8 is off"}, "")):
+        cache = {**_cache(), "fp8": rec}
+        assert fp8_text(verdict(_bench(), cache), cache) == want
+
+
+def test_result_md_and_the_report_carry_the_fp8_line(tmp_path):
+    from ditbook.benchmark.report import build_report, result_markdown
+    from ditbook.benchmark.synthetic import make_synthetic_run
+
+    run_dir = make_synthetic_run(tmp_path / "a")
+    path = run_dir / "cache" / "results.json"
+    cache = json.loads(path.read_text())
+    assert "fp8:" not in result_markdown(run_dir)  # the card did not ask for fp8: no line
+    cache["fp8"] = {"ran": False, "refused": "fp8 needs a CUDA GPU of compute capability >= 8.9",
+                    "reason": "fp8 refused"}
+    path.write_text(json.dumps(cache))
+    line = "fp8: refused: fp8 needs a CUDA GPU of compute capability >= 8.9."
+    md = result_markdown(run_dir)
+    assert line in md and md.index(line) < md.index("| check |")
+    html = build_report(run_dir).read_text()
+    assert f'<span id="fp8">{line.replace(">", "&gt;")}</span>' in html
+
+
+def test_an_empty_configuration_has_one_row_name_everywhere():
+    from ditbook.benchmark.shown import chosen_row_name, fp8_row_name, holdout_records
+    from ditbook.configuration import fp8_suffix, row_name
+
+    assert row_name("scm", {}) == "scm" and row_name("scm", {"mask": [1, 0]}) == "scm"
+    assert row_name("dbcache", {"threshold": 0.1, "mask": [1]}) == "dbcache[threshold=0.1]"
+    cache = {**_cache(), "chosen": {"name": "scm", "family": "cache", "config": {}}}
+    cache["fp8"]["chosen"] = {**cache["fp8"]["chosen"], "name": "scm", "config": {"mask": [1, 0, 1]}}
+    assert chosen_row_name(cache["chosen"]) == "scm"
+    assert fp8_row_name(cache) == "scm" + fp8_suffix(cache["fp8"]["chosen"]) == "scm+fp8[32/42]"
+    assert set(holdout_records(cache)) == {"scm", "scm+fp8[32/42]"}

@@ -48,10 +48,18 @@ def config_label(config: dict) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(config.items()) if not isinstance(v, (list, tuple, dict)))
 
 
+def row_name(name: str, config: dict | None) -> str:
+    """The benchmark row name of a cache strategy with ``config``: ``name[label]``, or ``name`` when
+    the configuration has no scalar setting (one rule for the cache stage's rows, the verdict and
+    the report)."""
+    label = config_label(config or {})
+    return f"{name}[{label}]" if label else str(name)
+
+
 def fp8_suffix(record: dict) -> str:
     """The row-name suffix of a configuration tuned with some block linears in fp8 (the cache
     stage's fp8 composition): ``+fp8[<quantized>/<candidates>]``."""
     return f"+fp8[{len(record.get('layers') or [])}/{record.get('candidates')}]"
 
 
-__all__ = ["Config", "baseline_config", "config_label", "fp8_suffix"]
+__all__ = ["Config", "baseline_config", "config_label", "fp8_suffix", "row_name"]

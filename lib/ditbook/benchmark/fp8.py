@@ -40,11 +40,6 @@ class Fp8Refused(RuntimeError):
     """fp8 cannot run here (the message says why)."""
 
 
-def _device(module: torch.nn.Module) -> torch.device:
-    p = next(module.parameters(), None)
-    return p.device if p is not None else torch.device("cpu")
-
-
 def fp8_refusal(device: torch.device | str, *, capability: tuple[int, int] | None = None) -> str | None:
     """Why fp8 linear layers cannot run on ``device`` (None when they can). ``capability``
     stands in for the GPU's (tests)."""
@@ -64,6 +59,12 @@ def fp8_refusal(device: torch.device | str, *, capability: tuple[int, int] | Non
     except ImportError:
         return f"torchao is not installed (pip install torchao=={TORCHAO_VERSION})"
     return None
+
+
+def fp8_refusal_for(module: torch.nn.Module) -> str | None:
+    """:func:`fp8_refusal` for the device ``module``'s parameters are on (a module without any: the CPU)."""
+    p = next(module.parameters(), None)
+    return fp8_refusal(p.device if p is not None else "cpu")
 
 
 def fp8_layers(transformer: torch.nn.Module) -> tuple[list[str], list[str]]:
@@ -100,7 +101,7 @@ def apply_fp8(transformer: torch.nn.Module, *, config: Any = None, check_device:
     an error); None: all of them. ``config``: another torchao config (tests on the CPU use one
     torchao runs there); ``check_device=False`` only with such a config."""
     if check_device:
-        why = fp8_refusal(_device(transformer))
+        why = fp8_refusal_for(transformer)
         if why:
             raise Fp8Refused(why)
     all_chosen, odd = fp8_layers(transformer)
@@ -207,7 +208,7 @@ def fp8_config(cfg=None):
     record: dict = {}
 
     def apply(pipe):
-        why = fp8_refusal(_device(pipe.transformer))
+        why = fp8_refusal_for(pipe.transformer)
         if why:
             raise Fp8Refused(why)
         undo_inner = inner.apply(pipe)
@@ -232,4 +233,5 @@ def fp8_config(cfg=None):
 
 
 __all__ = ["FP8_MIN_CAPABILITY", "Fp8Refused", "apply_fp8", "capture_calls", "float8_config", "fp8_config",
-           "fp8_layers", "fp8_refusal", "layer_sensitivity"]
+           "fp8_layers", "fp8_refusal", "fp8_refusal_for",
+           "layer_sensitivity"]

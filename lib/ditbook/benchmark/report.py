@@ -22,7 +22,7 @@ from pathlib import Path
 from ..runs import RunFolder
 from .summary import summary_rows
 from .shown import shown_rows
-from .verdict import NOT_RECORDED, checklist, headline, read_stage_results, runner_up_text, verdict
+from .verdict import NOT_RECORDED, checklist, fp8_text, headline, read_stage_results, runner_up_text, verdict
 
 RESULT_MD = "result.md"
 REPORT_HTML = "report.html"
@@ -145,8 +145,9 @@ def result_markdown(run_dir: str | Path) -> str:
     out.append(f"Status: **{meta.get('status', 'unknown')}**. Written {_dt.datetime.now().isoformat(timespec='seconds')}.")
     stage_results = read_stage_results(run)
     v = verdict(res, stage_results.get("cache"))
-    out += ["", "## Verdict", "", f"**{headline(v)}**", "", runner_up_text(v), "", "| check | | figure |",
-            "| --- | --- | --- |"]
+    f8 = fp8_text(v, stage_results.get("cache"))
+    out += ["", "## Verdict", "", f"**{headline(v)}**", "", runner_up_text(v), *(["", f8] if f8 else []), "",
+            "| check | | figure |", "| --- | --- | --- |"]
     out += [f"| {c['item']} | {_mark(c['ok'])} | {c['figure'].replace('|', '/')} |"
             for c in checklist(meta, stage_results, v)]
     for f in failures(meta):
@@ -425,6 +426,7 @@ def report_html(run_dir: str | Path) -> str:
     res = benchmark_results(run)
     stage_results = read_stage_results(run)
     v = verdict(res, stage_results.get("cache"))
+    f8 = fp8_text(v, stage_results.get("cache"))
     status = str(meta.get("status", "unknown"))
     title = f"{meta.get('model', '?')} · run {meta.get('run_id', run.path.name)} · {status}"
     parts = [f'<h1 id="title">ditbook report — {html.escape(title)}</h1>']
@@ -432,7 +434,8 @@ def report_html(run_dir: str | Path) -> str:
     parts.append(f'<div class="verdict{"" if v["ship"] else " no"}" id="verdict"><b>{html.escape(headline(v))}</b>'
                  f'<br><span id="gates">Gates (cache, on held-out seeds): worst-image PSNR &gt; {g["psnr"]:g} dB and '
                  f'SSIM &gt; {g["ssim"]:g}. Chosen once, by the cache stage; the benchmark times it.</span>'
-                 f'<br><span id="rule">{html.escape(runner_up_text(v))}</span></div>')
+                 f'<br><span id="rule">{html.escape(runner_up_text(v))}</span>'
+                 + (f'<br><span id="fp8">{html.escape(f8)}</span>' if f8 else "") + '</div>')
     worst = _holdout_worst_html(run, res)
     if worst:  # the image behind the held-out worst figure, beside the verdict
         parts[-1] = f'<div class="verdict-row">{parts[-1]}{worst}</div>'

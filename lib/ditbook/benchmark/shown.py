@@ -19,7 +19,7 @@
 
 from __future__ import annotations
 
-from ..configuration import config_label, fp8_suffix
+from ..configuration import fp8_suffix, row_name
 
 HELD_OUT = "held-out"
 CALIBRATION = "calibration"
@@ -40,8 +40,12 @@ def fp8_row_name(cache: dict | None) -> str | None:
     f8 = ((cache or {}).get("fp8") or {}).get("chosen")
     if not f8:
         return None
-    label = config_label(f8.get("config") or {})
-    return (f"{f8['name']}[{label}]" if label else str(f8["name"])) + fp8_suffix(f8)
+    return row_name(f8["name"], f8.get("config")) + fp8_suffix(f8)
+
+
+def chosen_row_name(chosen: dict) -> str:
+    """The benchmark row of the cache stage's chosen configuration (``cache.benchmark_configs``)."""
+    return row_name(chosen["name"], chosen.get("config"))
 
 
 def holdout_records(cache: dict | None) -> dict[str, dict]:
@@ -52,17 +56,14 @@ def holdout_records(cache: dict | None) -> dict[str, dict]:
     for e in (cache or {}).get("strategies") or []:
         if not isinstance(e, dict) or e.get("split") != "holdout":
             continue
-        label = config_label(e.get("config") or {})
-        name = f"{e.get('name')}[{label}]" if label else str(e.get("name"))
+        name = row_name(str(e.get("name")), e.get("config"))
         q = e.get("quality") or {}
         out[name] = {"psnr_min": q.get("psnr_min", e.get("psnr_min")), "ssim_min": q.get("ssim_min", e.get("ssim_min")),
                      "n": q.get("n"), "passed": e.get("passed"), "skipped_fraction": e.get("skipped_fraction")}
     chosen, detail = (cache or {}).get("chosen"), (cache or {}).get("chosen_detail") or {}
     hq = detail.get("holdout_quality") or {}
     if chosen and hq:
-        label = config_label(chosen.get("config") or {})
-        name = f"{chosen['name']}[{label}]" if label else str(chosen["name"])
-        out[name] = {"psnr_min": hq.get("psnr_min"), "ssim_min": hq.get("ssim_min"), "n": hq.get("n"),
+        out[chosen_row_name(chosen)] = {"psnr_min": hq.get("psnr_min"), "ssim_min": hq.get("ssim_min"), "n": hq.get("n"),
                      "passed": True, "skipped_fraction": detail.get("skipped_fraction")}
     f8 = ((cache or {}).get("fp8") or {}).get("chosen")
     if f8 and f8.get("holdout_quality"):  # the fp8 composition's own held-out record (cache.fp8)

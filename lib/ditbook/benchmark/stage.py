@@ -104,17 +104,15 @@ def measure(ctx, pipe, configs: list[Config], *, warmup: int = 1, repeats: int =
 def verdict_rows(ctx) -> set[str]:
     """The benchmark rows the verdict reads (the cache stage's chosen configuration, its fp8
     composition when ``cache.fp8`` found one, and their compiled twins): timed warm and repeated whatever the card's ``benchmark`` section says."""
-    from .verdict import chosen_row_name
-
-    from .verdict import fp8_row_name
+    from .shown import chosen_row_name, fp8_row_name
 
     run = ctx.run
     cache = run.read_results("cache") if run.has_results("cache") else {}
     chosen = cache.get("chosen")
     if not chosen:
         return set()
-    names = [chosen_row_name(chosen)] + ([fp8_row_name(cache)] if fp8_row_name(cache) else [])
-    return {n + tail for n in names for tail in ("", "+compile")}
+    names = [chosen_row_name(chosen), fp8_row_name(cache)]
+    return {n + tail for n in names if n for tail in ("", "+compile")}
 
 
 def measure_residuals(ctx, pipe, configs: list[Config] | None = None) -> dict[str, list[float]]:

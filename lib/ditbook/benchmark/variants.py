@@ -75,10 +75,9 @@ def attention_backend_configs(ctx, pipe, setting, *, log: Callable[[str], None] 
 def fp8_configs(pipe, configs: list[Config], *, log: Callable[[str], None] = print) -> list[Config]:
     """fp8 twins of the baseline and of ``configs``, or, where fp8 cannot run, one ``fp8`` row whose
     apply raises the refusal (so the table records it and its reason)."""
-    from .fp8 import Fp8Refused, fp8_config, fp8_refusal
+    from .fp8 import Fp8Refused, fp8_config, fp8_refusal_for
 
-    p = next(pipe.transformer.parameters(), None)
-    why = fp8_refusal(p.device if p is not None else "cpu")
+    why = fp8_refusal_for(pipe.transformer)
     if why:
         log(f"fp8: refused: {why}")
 

@@ -25,10 +25,9 @@ The checklist reads what each stage recorded; an item a stage does not record is
 
 from __future__ import annotations
 
-from ..configuration import config_label
 from ..quality import Gates
 from ..settings import CacheSettings
-from .shown import fp8_row_name
+from .shown import chosen_row_name, fp8_row_name
 from .summary import MIN_USEFUL_SPEEDUP
 
 NOT_RECORDED = "not recorded"
@@ -36,13 +35,6 @@ NOT_RECORDED = "not recorded"
 
 def _f(v, nd: int = 2) -> str:
     return "-" if v is None else f"{v:.{nd}f}"
-
-
-def chosen_row_name(chosen: dict) -> str:
-    """The name the benchmark gives the cache stage's chosen configuration
-    (``ditbook.cache.benchmark_configs``: ``name[label]``)."""
-    label = config_label(chosen.get("config") or {})
-    return f"{chosen['name']}[{label}]" if label else str(chosen["name"])
 
 
 def cache_gates(cache: dict | None) -> Gates:
@@ -351,6 +343,28 @@ def headline(v: dict) -> str:
     return f"Do not ship {v['name']} ({sp}, {q}): {v['reason']}."
 
 
+def fp8_text(v: dict, cache: dict | None) -> str:
+    """One sentence on the fp8 decision (card ``cache.fp8``): the composition shipped, or why not;
+    no composition found, or the search refused, with the stage's reason; "" when the card did not
+    ask for fp8."""
+    f8 = v.get("fp8") or {}
+    if f8:
+        what = (f"{f8['name']} ({f8['layers']} of {f8['candidates']} block linears in fp8, {f8['kept']} kept in the "
+                f"model's dtype; held-out worst PSNR {_f((f8.get('holdout') or {}).get('psnr_min'))} dB")
+        sp = f", {f8['speedup']:.2f}× end to end" if f8.get("speedup") is not None else ""
+        if f8.get("shipped"):
+            return f"fp8: shipped {what}{sp}), faster than {f8['plain']} without fp8."
+        return f"fp8: {what}{sp}) not shipped: {f8.get('why_not') or 'the verdict did not read it'}."
+    rec = (cache or {}).get("fp8") or {}
+    if rec.get("refused"):
+        return f"fp8: refused: {rec['refused']}."
+    if rec.get("ran") and not rec.get("chosen"):
+        return f"fp8: no composition: {rec.get('reason') or 'none passed on held-out seeds'}."
+    if rec.get("chosen") and v.get("timing_unstable"):
+        return "fp8: a composition passed on held-out seeds, but the timing was unstable, so no speed is compared."
+    return ""
+
+
 # -- the acceptance checklist -----------------------------------------------------------------
 def _item(item: str, ok: bool | None, figure: str) -> dict:
     return {"item": item, "ok": ok, "figure": figure}
@@ -512,4 +526,4 @@ def read_stage_results(run) -> dict[str, dict | None]:
 
 
 __all__ = ["verdict", "timing_state", "compiled_twin", "rule_and_runner_ups", "runner_up_text", "RULE", "headline",
-           "checklist", "read_stage_results", "chosen_row_name", "NOT_RECORDED"]
+           "checklist", "read_stage_results", "chosen_row_name", "fp8_text", "NOT_RECORDED"]

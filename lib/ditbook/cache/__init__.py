@@ -143,19 +143,18 @@ def benchmark_configs(ctx, results: dict) -> list:
     """The benchmark stage's provider (see ``ditbook.benchmark.inputs``): the chosen configuration and
     every held-out-confirmed one, as ``bench.timing.Config`` objects measured side by side with
     the baseline in the benchmark's own process."""
-    from ..configuration import Config, config_label, fp8_suffix
+    from ..configuration import Config, fp8_suffix, row_name
 
     steps = ctx.card.generation.steps
     out = []
     for c in configs_from_results(results, run_dir=ctx.run.path):
-        label = config_label(c.config)
         notes = (f"tuned by the cache stage; {c.skipped_fraction:.0%} of block evaluations skipped"
                  if c.skipped_fraction is not None else "tuned by the cache stage")
         params = dict(c.config)
         if c.fp8:
             params["fp8"] = {"layers": len(c.fp8["layers"]), "candidates": c.fp8["candidates"], "tuned": True}
             notes += f"; tuned with {len(c.fp8['layers'])} of {c.fp8['candidates']} block linears in fp8"
-        out.append(Config(name=f"{c.name}[{label}]" + (fp8_suffix(c.fp8) if c.fp8 else ""), family=f"cache/{c.name}",
+        out.append(Config(name=row_name(c.name, c.config) + (fp8_suffix(c.fp8) if c.fp8 else ""), family=f"cache/{c.name}",
                           apply=lambda pipe, c=c: c.apply(pipe, steps=steps), params=params, notes=notes))
     return out
 

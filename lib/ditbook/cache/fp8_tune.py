@@ -45,13 +45,6 @@ def torchao_fp8(transformer, layers: list) -> Callable[[], None]:
     return apply_fp8(transformer, layers=layers)[0]
 
 
-def _refusal(transformer) -> str | None:
-    from ..benchmark.fp8 import fp8_refusal
-
-    p = next(transformer.parameters(), None)
-    return fp8_refusal(p.device if p is not None else "cpu")
-
-
 def rank_layers(session, names: list, quantize: Quantize) -> list[dict]:
     """``names`` ranked by their effect alone on the transformer's output (most sensitive first),
     replaying the transformer calls of the first calibration case (about four of its steps)."""
@@ -85,11 +78,12 @@ def fp8_tune(session, progress=None, quantize: Quantize | None = None) -> dict:
         return {"ran": False, "reason": f"cache refused: {session.refused}"}
     if not session.chosen:
         return {"ran": False, "reason": "no configuration passed on held-out seeds without fp8, so none is tuned with it"}
-    from ..benchmark.fp8 import fp8_layers
+    from ..benchmark.fp8 import fp8_layers, fp8_refusal_for
 
     transformer = session.pipe.transformer
-    if quantize is None:
-        why = _refusal(transformer)
+    shipped = quantize is None  # torchao's fp8, the quantization a fresh process can apply again
+    if shipped:
+        why = fp8_refusal_for(transformer)
         if why:
             return {"ran": False, "refused": why, "reason": f"fp8 refused: {why}"}
         quantize, how = torchao_fp8, "torchao Float8DynamicActivationFloat8WeightConfig (e4m3, per-row scales)"
@@ -100,7 +94,8 @@ def fp8_tune(session, progress=None, quantize: Quantize | None = None) -> dict:
         why = "no block linear whose features are multiples of 16"
         return {"ran": False, "refused": why, "reason": f"fp8 refused: {why}"}
     name = session.chosen["name"]
-    out: dict = {"ran": True, "quantization": how, "strategy": name, "candidates": len(names), "left_out": odd,
+    out: dict = {"ran": True, "quantization": how, "shipped_quantizer": shipped, "strategy": name,
+                 "candidates": len(names), "left_out": odd,
                  "sensitivity": [], "tries": [], "chosen": None}
     ranked: list | None = None
     seen = set()

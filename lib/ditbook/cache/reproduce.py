@@ -86,14 +86,14 @@ def _diffs(images: dict, folder: Path) -> dict:
 def _fp8_rerun(pipe, card, adapter, f8: dict) -> dict:
     """The fp8 composition rerun (torchao float8 on the recorded layers, the strategy through the
     generated module), against the images the stage saved; an error is the record, not a crash."""
-    from ..benchmark.fp8 import apply_fp8
     from . import strategies
+    from .fp8_tune import torchao_fp8
     from .verify import render_set
 
     strat = strategies.get(f8["name"])
     undo_fp8 = undo = None
     try:
-        undo_fp8, _ = apply_fp8(pipe.transformer, layers=f8["layers"])
+        undo_fp8 = torchao_fp8(pipe.transformer, f8["layers"])
         undo = strat.apply(pipe, adapter, strat.config(**f8["config"]), steps=card.generation.steps)
         images = render_set(pipe, card, card.generation.prompts, card.generation.seeds)
     except Exception as exc:  # noqa: BLE001 - recorded: the verdict does not ship what did not reproduce

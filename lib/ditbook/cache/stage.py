@@ -477,7 +477,7 @@ class CacheSession:
                 "images": str(self.ctx.dir / "images" / "chosen"), "device": self.ctx.placement.device,
                 "dtype": self.ctx.placement.dtype}
         f8 = (self.fp8 or {}).get("chosen")
-        if f8 and f8.get("images") and (self.fp8.get("quantization") or "").startswith("torchao"):
+        if f8 and f8.get("images") and self.fp8.get("shipped_quantizer"):
             spec["fp8"] = {"name": f8["name"], "config": f8["config"], "layers": f8["layers"],
                            "images": str(self.ctx.dir / f8["images"])}
         spec_path = self.ctx.dir / "reproduce.json"
