@@ -1,6 +1,11 @@
 """Quality of the 28-step cache schedules on the shipped reference model (CPU, fp32).
 
     python benchmarks/schedule_quality.py [--card models/reference.yaml] [--out docs/schedule_quality.json]
+    # the video reference's 20-step schedules (the Wan-shaped speed run reads its choice):
+    python benchmarks/schedule_quality.py --card models/video_reference.yaml --steps 20 --budgets 4,5,6,7 --out OUT.json
+    # with the block linears in fp8 (torchao, a CUDA GPU of capability >= 8.9), so each schedule is
+    # judged with fp8's error added (the baseline stays uncached and unquantized):
+    python3 benchmarks/schedule_quality.py --device cuda --dtype bfloat16 --fp8 --budgets 8,9,10,11,12 --out OUT.json
 
 Every schedule of ``speedsuite.schedules.candidates`` (cache-dit's predefined SCM policies and
 ditbook's spaced ones, with and without TaylorSeer) runs on the calibration prompts x seeds of
@@ -41,9 +46,21 @@ def main(argv=None) -> int:
     ap.add_argument("--holdout-seeds", default="100,101,102")
     ap.add_argument("--psnr", type=float, default=None, help="PSNR gate (default: the card's cache.gates.psnr)")
     ap.add_argument("--ssim", type=float, default=None, help="SSIM gate (default: the card's cache.gates.ssim)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--budgets", default="10,9,8", help="computed-step budgets of ditbook's spaced schedules")
+    ap.add_argument("--warmups", default="3,4", help="their warm-up lengths (computed steps first)")
+    ap.add_argument("--orders", default="1", help="TaylorSeer orders of ditbook's schedules (0: plain reuse)")
+    ap.add_argument("--fp8", action="store_true",
+                    help="judge every schedule with the transformer's block linears in fp8 (torchao float8)")
     args = ap.parse_args(argv)
-    card = gate_check(args.card, {"device": "cpu", "dtype": "float32"})
+    card = gate_check(args.card, {"device": args.device, "dtype": args.dtype})
     pipe = load_pipeline(card)
+    budgets = tuple(int(b) for b in args.budgets.split(","))
+    warmups = tuple(int(w) for w in args.warmups.split(","))
+    budgets = tuple(b for b in budgets if b <= args.steps)
+    orders = tuple(int(o) for o in args.orders.split(","))
+    scheds = candidates(args.steps, budgets=budgets, warmups=warmups, orders=orders)
     gates = Gates.from_dict({k: v for k, v in (("psnr", args.psnr), ("ssim", args.ssim)) if v is not None},
                             **card.cache.gates.to_dict())
     calib = [int(s) for s in args.calib_seeds.split(",")]
@@ -53,8 +70,18 @@ def main(argv=None) -> int:
     ref_h = images(pipe, card, hold, args.steps)
     # the noise floor: the same uncached run again
     floor = compare_sets(images(pipe, card, calib, args.steps), ref_c, gates).to_dict()
+    fp8 = None
+    if args.fp8:  # from here on every render has the block linears in fp8; the references above do not
+        from ditbook.benchmark.fp8 import apply_fp8
+
+        undo_fp8, record = apply_fp8(pipe.transformer)
+        alone = {split: compare_sets(images(pipe, card, seeds, args.steps), ref, gates)
+                 for split, seeds, ref in (("calibration", calib, ref_c), ("holdout", hold, ref_h))}
+        fp8 = {**record, "alone": {k: {m: v for m, v in q.to_dict().items() if m != "per_image"} for k, q in alone.items()}}
+        print(f"fp8 alone: calibration PSNR min {alone['calibration'].psnr_min:.2f}, held-out PSNR min "
+              f"{alone['holdout'].psnr_min:.2f}", flush=True)
     rows = []
-    for sched in candidates(args.steps):
+    for sched in scheds:
         sched.enable(pipe)
         try:
             q = compare_sets(images(pipe, card, calib, args.steps), ref_c, gates)
@@ -67,7 +94,7 @@ def main(argv=None) -> int:
     chosen = None
     by_cost = sorted((r for r in rows if r["passed_calibration"]),
                      key=lambda r: (r["computed"], -r["calibration"]["psnr_min"]))
-    by_name = {s.name: s for s in candidates(args.steps)}
+    by_name = {s.name: s for s in scheds}
     for r in by_cost:
         sched = by_name[r["name"]]
         sched.enable(pipe)
@@ -82,10 +109,13 @@ def main(argv=None) -> int:
         if q.passed:
             chosen = r
             break
+    if args.fp8:
+        undo_fp8()
     out = {
         "card": str(args.card), "steps": args.steps, "calibration_seeds": calib, "holdout_seeds": hold,
         "prompts": card.generation.prompts, "gates": {"psnr": gates.psnr, "ssim": gates.ssim},
         "noise_floor": {k: v for k, v in floor.items() if k != "per_image"},
+        "device": args.device, "dtype": args.dtype, "fp8": fp8,
         "schedules": rows, "chosen": chosen, "seconds": round(time.perf_counter() - t0, 1),
         "command": " ".join([Path(sys.executable).name] + sys.argv),
     }

@@ -112,10 +112,10 @@ def ditbook_schedule(steps: int, warmup: int, computed: int, taylorseer_order: i
 def candidates(steps: int = 28, budgets=(10, 9, 8), warmups=(3, 4), orders=(1,)) -> list[Schedule]:
     """The schedules compared: cache-dit's policies (with and without TaylorSeer) and ditbook's
     spaced ones for each computed-step budget, warm-up length and TaylorSeer order."""
-    out = [cache_dit_policy(p, steps) for p in ("medium", "fast", "ultra")]
+    out = [cache_dit_policy(p, steps) for p in ("slow", "medium", "fast", "ultra")]
     out += [cache_dit_policy(p, steps, 1) for p in ("fast", "ultra")]
     for computed in budgets:
-        for warmup in warmups:
+        for warmup in (w for w in warmups if w < computed):  # at least one computed step after the warm-up
             for order in orders:
                 out.append(ditbook_schedule(steps, warmup, computed, order))
     return out
