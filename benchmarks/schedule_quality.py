@@ -48,9 +48,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ssim", type=float, default=None, help="SSIM gate (default: the card's cache.gates.ssim)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--budgets", default="10,9,8", help="computed-step budgets of ditbook's spaced schedules")
-    ap.add_argument("--warmups", default="3,4", help="their warm-up lengths (computed steps first)")
-    ap.add_argument("--orders", default="1", help="TaylorSeer orders of ditbook's schedules (0: plain reuse)")
+    ap.add_argument("--budgets", default="10,9,8,7,6", help="computed-step budgets of ditbook's spaced schedules")
+    ap.add_argument("--warmups", default="2,3,4", help="their warm-up lengths (computed steps first)")
+    ap.add_argument("--orders", default="1,2", help="TaylorSeer orders of ditbook's schedules (0: plain reuse)")
     ap.add_argument("--fp8", action="store_true",
                     help="judge every schedule with the transformer's block linears in fp8 (torchao float8)")
     args = ap.parse_args(argv)
