@@ -38,6 +38,19 @@ def test_schedule_configs_are_static_and_named():
     assert len(names) == len(set(names))
 
 
+def test_candidates_skip_a_warm_up_as_long_as_the_budget_and_keep_the_last_step():
+    got = candidates(20, budgets=(4, 7), warmups=(2, 4, 5), orders=(0, 2))
+    ours = [s for s in got if s.owner == "ditbook"]
+    # a 4-step budget has no room after a 4- or 5-step warm-up: only w2c4 (twice: orders 0 and 2)
+    assert sorted(s.name for s in ours if s.computed == 4) == ["ditbook-w2c4", "ditbook-w2c4+TS2"]
+    assert sorted(s.name for s in ours if s.computed == 7) == ["ditbook-w2c7", "ditbook-w2c7+TS2", "ditbook-w4c7",
+                                                                "ditbook-w4c7+TS2", "ditbook-w5c7", "ditbook-w5c7+TS2"]
+    for s in ours:
+        warm = int(s.name.split("-w")[1].split("c")[0])
+        assert s.steps == 20 and s.mask[-1] == 1 and s.mask[:warm] == (1,) * warm and s.computed < 20
+    assert {s.name for s in got if s.owner == "cache-dit"} >= {"cache-dit-slow", "cache-dit-medium"}
+
+
 @pytest.mark.skipif(not RUNS, reason="no recorded GPU runs")
 def test_report_of_recorded_runs(tmp_path):
     rows = speed_rows(RUNS[0])
