@@ -18,6 +18,10 @@ Rows, one process, each against the eager row of the same process:
   ``compile`` (regional), ``cache+compile``;
 - each: the first call timed apart (compile), then ``--repeats`` calls (median, min, max), the
   time per denoising step (end to end / steps) and per transformer call;
+- ``--schedule-file F`` (``benchmarks/schedule_quality.py``'s output for the video reference,
+  ``--card models/video_reference.yaml --steps 20``): the cache rows use the schedule chosen there
+  on a trained model; when it chose none (no schedule passed the gates), every row with ``cache``
+  is recorded ``refused`` with that reason and the other rows still run;
 - ``--shape 14b`` adds nothing but the size: the 14B transformer, eager, time per step (fewer
   steps: a 50-step run would take minutes per repeat).
 
@@ -30,6 +34,7 @@ Writes ``OUT/video_<shape>.json`` and ``.md``.
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 
@@ -127,9 +132,29 @@ def time_row(fp, cfg: Config, repeats: int, steps: int) -> dict:
     return row
 
 
+def file_schedule(path: Path, steps: int):
+    """(schedule, None) from a ``schedule_quality.py`` output whose choice has ``steps`` steps, or
+    (None, the reason no cache row can run) when it chose none."""
+    from .schedules import Schedule
+
+    data = json.loads(Path(path).read_text())
+    best = data.get("chosen")
+    if not best:
+        tried = data.get("schedules") or []
+        top = max(tried, key=lambda r: (r.get("calibration") or {}).get("psnr_min") or 0, default=None)
+        near = (f"; the closest, {top['name']} ({top['computed']}/{data.get('steps')} computed), gave "
+                f"{top['calibration']['psnr_min']:.2f} dB" if top and top.get("calibration") else "")
+        return None, (f"{path} chose no schedule: none of its {len(tried)} passed the gates "
+                      f"{data.get('gates')} on {data.get('card')}{near}")
+    mask = tuple(int(c) for c in best["mask"])
+    if len(mask) != steps:
+        raise SystemExit(f"{path}: its schedule {best['name']} has {len(mask)} steps, this run {steps} (--steps)")
+    return Schedule(best["name"], mask, int(best.get("taylorseer_order", 0))), None
+
+
 def run(out: Path, *, shape: str = "1.3b", device: str = "cuda", height: int = 480, width: int = 832,
         frames: int = 81, steps: int = 20, computed: int | None = None, warmup_steps: int = 3, repeats: int = 2,
-        rows: list[str] | None = None, compile_backend: str = "inductor") -> dict:
+        rows: list[str] | None = None, compile_backend: str = "inductor", schedule_file: Path | None = None) -> dict:
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     rows = list(rows or ROWS)
     if "eager" not in rows:
@@ -137,13 +162,19 @@ def run(out: Path, *, shape: str = "1.3b", device: str = "cuda", height: int = 4
     warmup_steps = min(warmup_steps, steps - 1)  # a short run (the 14B shape's few steps) keeps a valid mask
     computed = min(steps, computed or max(warmup_steps + 1, round(steps * 8 / 28)))  # the FLUX schedule's share
     schedule = ditbook_schedule(steps, warmup=warmup_steps, computed=computed, taylorseer_order=1)
+    no_cache = None
+    if schedule_file is not None:
+        chosen, no_cache = file_schedule(schedule_file, steps)
+        schedule = chosen or schedule  # without a choice the cache rows are refused below, not run
     cfg = SHAPES[shape]
     result: dict = {"command": "video", "shape": f"wan-{shape}", "config": cfg, "height": height, "width": width,
                     "frames": frames, "tokens": tokens(cfg, height, width, frames), "steps": steps,
                     "transformer_calls_per_step": 2, "device": device, "dtype": str(dtype), "repeats": repeats,
-                    "schedule": schedule.to_dict(), "env": environment(), "rows": []}
+                    "schedule": schedule.to_dict() if not no_cache else None, "schedule_refused": no_cache,
+                    "schedule_file": str(schedule_file) if schedule_file else None, "env": environment(), "rows": []}
     _log(f"video: wan-{shape}, {height}x{width}x{frames} ({result['tokens']} tokens), {steps} steps true CFG, "
-         f"{device}; schedule {schedule.name} ({schedule.computed}/{steps} computed)")
+         f"{device}; " + (f"schedule {schedule.name} ({schedule.computed}/{steps} computed)" if not no_cache
+                           else f"no cache schedule: {no_cache}"))
     t_start = time.perf_counter()
     fp = wan_pipeline(shape, device, dtype, height=height, width=width, frames=frames, steps=steps)
     result["transformer_params"] = fp.transformer_params
@@ -152,6 +183,10 @@ def run(out: Path, *, shape: str = "1.3b", device: str = "cuda", height: int = 4
     from .compose import add_gap
 
     for name in rows:
+        if no_cache and "cache" in name.split("+"):
+            result["rows"].append({"row": name, "config": name, "status": "refused", "reason": no_cache})
+            _log(f"  {name:16s} refused: {no_cache}")
+            continue
         capture = CallCapture(fp.pipe.transformer) if name == "eager" else None
         try:
             row = time_row(fp, configs[name], repeats, steps)
@@ -166,7 +201,8 @@ def run(out: Path, *, shape: str = "1.3b", device: str = "cuda", height: int = 4
         _dump(out / f"video_{shape}.json", result)
     base = result["rows"][0]["timing"]["end_to_end"]["median"]
     for r in result["rows"]:
-        r["speedup"] = round(base / r["timing"]["end_to_end"]["median"], 4)
+        if r.get("timing"):
+            r["speedup"] = round(base / r["timing"]["end_to_end"]["median"], 4)
     result["total_seconds"] = round(time.perf_counter() - t_start, 1)
     _dump(out / f"video_{shape}.json", result)
     (out / f"video_{shape}.md").write_text(markdown(result))
@@ -174,18 +210,23 @@ def run(out: Path, *, shape: str = "1.3b", device: str = "cuda", height: int = 4
 
 
 def markdown(result: dict) -> str:
+    sched = result.get("schedule")
+    said = (f"schedule `{sched['name']}` {sched['mask']} ({sched['computed']}/{result['steps']} computed)" if sched
+            else f"no cache schedule ({result.get('schedule_refused')})")
     lines = [f"# Speed at a video shape — {result['shape']}, {result['height']}x{result['width']}x{result['frames']} "
              f"({result['tokens']} tokens), {result['steps']} steps true CFG, {result['device']}, {result['dtype']}",
              "",
-             f"Transformer {result.get('transformer_params', 0) / 1e9:.2f} B parameters (random weights); schedule "
-             f"`{result['schedule']['name']}` {result['schedule']['mask']} ({result['schedule']['computed']}/"
-             f"{result['steps']} computed); {result['repeats']} timed calls per row after the first; versions: "
+             f"Transformer {result.get('transformer_params', 0) / 1e9:.2f} B parameters (random weights); {said}; "
+             f"{result['repeats']} timed calls per row after the first; versions: "
              f"{result['env'].get('versions')}; GPUs: {result['env'].get('gpus', 'none')}.",
              "",
              "| configuration | end to end (s), median (min–max) | s per step | transformer call (s) | speedup vs eager "
              f"| first call (s) | last block ran (2 per computed step) {GAP_HEADER}",
              f"| --- | --- | ---: | ---: | ---: | ---: | ---: {GAP_ALIGN}"]
     for r in result["rows"]:
+        if r.get("status") == "refused":
+            lines.append(f"| {r['row']} | refused: {r['reason']} |")
+            continue
         e = r["timing"]["end_to_end"]
         call = r.get("transformer_call_median_s")
         lines.append(f"| {r['row']} | {e['median']:.3f} ({e['min']:.3f}–{e['max']:.3f}) | {r['per_step_s']:.3f} "
@@ -211,12 +252,14 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--rows", default="eager,cache,compile,cache+compile")
     ap.add_argument("--compile-backend", default="inductor")
+    ap.add_argument("--schedule-file", type=Path, default=None,
+                    help="schedule_quality.py's output on the video reference: its chosen schedule is the cache rows'")
     a = ap.parse_args(argv)
     if a.tiny:
         a.shape, a.height, a.width, a.frames = "tiny", 32, 32, 5
     a.out.mkdir(parents=True, exist_ok=True)
     run(a.out, shape=a.shape, device=a.device, height=a.height, width=a.width, frames=a.frames, steps=a.steps,
         computed=a.computed, repeats=a.repeats, rows=[r for r in a.rows.split(",") if r],
-        compile_backend=a.compile_backend)
+        compile_backend=a.compile_backend, schedule_file=a.schedule_file)
     print((a.out / f"video_{a.shape}.md").read_text())
     return 0
