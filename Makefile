@@ -63,7 +63,7 @@ gpu-check:
 	python3 benchmarks/gpu_check.py --record docs/gpu-check.json $(GPU_CHECK_ARGS)
 
 # the novel-model suite: all ten third-party DiTs of tests/novel/ through `ditbook run` with the
-# card's defaults (make test runs three of them); outcomes in docs/novel_models.md
+# card's defaults (make test runs two of them); outcomes in docs/novel_models.md
 novel: install
 	DITBOOK_NOVEL_ALL=1 $(BIN)/python -m pytest -q tests/test_novel_models.py
 
