@@ -14,6 +14,10 @@ other) with the slowest kernels named. The depth is cut (``--blocks``, default 4
 single blocks) so the compile fits a short GPU command: per-block figures are those of the full
 model, whose 19 + 38 blocks are the same two block classes.
 
+``--graph`` also captures each row's warm compiled call as one CUDA graph and times its replay
+(median of ``--repeats``), so the host's share of a call shows: a graphed call runs at the GPU's
+speed alone. The capture follows the compile in the same row (no second compile).
+
     python3 benchmarks/fp8_profile.py --out OUT                   # one H200 (capability >= 8.9 for fp8)
     python3 benchmarks/fp8_profile.py --out OUT --tiny --device cpu  # the code path on a CPU (fp8 refused)
 
@@ -131,7 +135,25 @@ def profile_call(fn, device, top: int) -> dict:
                         for n, (us, c) in slow], "kernel_count": sum(c for _, c in kernels.values()), "table": table}
 
 
-def run_row(name: str, make, inputs: dict, device, repeats: int, top: int, backend: str) -> dict:
+def graph_call(call, device):
+    """``call`` captured as one CUDA graph (after two warm calls on a side stream); returns the
+    replay. Raises RuntimeError on a device without CUDA graphs."""
+    if device.type != "cuda":
+        raise RuntimeError(f"CUDA graphs need a CUDA device, not {device.type}")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    return graph.replay
+
+
+def run_row(name: str, make, inputs: dict, device, repeats: int, top: int, backend: str,
+            graph: bool = False) -> dict:
     from torch._dynamo.utils import counters
 
     from ditbook.benchmark.compiled import compile_regions
@@ -157,6 +179,15 @@ def run_row(name: str, make, inputs: dict, device, repeats: int, top: int, backe
             row["call_s"] = {"median": round(statistics.median(times), 5), "min": round(min(times), 5),
                              "max": round(max(times), 5), "n": len(times)}
             row["profile"] = profile_call(call, device, top)
+            if graph:
+                try:
+                    replay = graph_call(call, device)
+                    _timed(replay, device, 2)
+                    g = _timed(replay, device, repeats)
+                    row["graph_call_s"] = {"median": round(statistics.median(g), 5), "min": round(min(g), 5),
+                                           "max": round(max(g), 5), "n": len(g)}
+                except Exception as exc:  # the eager-launched figures stand; the graph's failure is named
+                    row["graph_call_s"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
         row["dynamo"] = {"unique_graphs": counters["stats"].get("unique_graphs", 0),
                          "recompiles": sum(counters["recompiles"].values()) if counters.get("recompiles") else 0,
                          "graph_breaks": sum(counters["graph_break"].values()) if counters.get("graph_break") else 0}
@@ -175,17 +206,22 @@ def write_md(result: dict, path: Path) -> None:
     lines = [f"# fp8 per-op profile — {result['shape']}", "",
              f"Device {result['device']}, torch {result['torch']}, backend {result['backend']}, "
              f"median of {result['repeats']} warm calls (CUDA events); GPU kernel time of one profiled call by kind.", "",
-             "| row | first call (s) | call (s) | vs bf16 | " + " | ".join(f"{k} (ms)" for k in KINDS)
-             + " | kernels | graphs / recompiles |",
-             "| --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in KINDS) + " | ---: | ---: |"]
+             "| row | first call (s) | call (s) | vs bf16 | graphed call (s) | vs bf16 graphed | "
+             + " | ".join(f"{k} (ms)" for k in KINDS) + " | kernels | graphs / recompiles |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in KINDS) + " | ---: | ---: |"]
     base = next((r["call_s"]["median"] for r in result["rows"] if r["row"] == "bf16" and r.get("call_s")), None)
+    gbase = next((r["graph_call_s"].get("median") for r in result["rows"]
+                  if r["row"] == "bf16" and r.get("graph_call_s")), None)
     for r in result["rows"]:
         if r.get("status") != "measured":
-            lines.append(f"| {r['row']} | {r.get('status')}: {r.get('reason', '')[:80]} |" + " |" * (len(KINDS) + 4))
+            lines.append(f"| {r['row']} | {r.get('status')}: {r.get('reason', '')[:80]} |" + " |" * (len(KINDS) + 6))
             continue
         p, d = r["profile"], r["dynamo"]
         ratio = f"{base / r['call_s']['median']:.2f}×" if base else "–"
-        lines.append(f"| {r['row']} | {r['first_call_s']} | {r['call_s']['median']:.4f} | {ratio} | "
+        g = r.get("graph_call_s") or {}
+        gcell = f"{g['median']:.4f}" if g.get("median") else (g.get("error", "–")[:60] if g else "–")
+        gratio = f"{gbase / g['median']:.2f}×" if gbase and g.get("median") else "–"
+        lines.append(f"| {r['row']} | {r['first_call_s']} | {r['call_s']['median']:.4f} | {ratio} | {gcell} | {gratio} | "
                      + " | ".join(f"{p['by_kind_ms'][k]:.2f}" for k in KINDS)
                      + f" | {p['kernel_count']} | {d['unique_graphs']} / {d['recompiles']} |")
     for r in result["rows"]:
@@ -205,6 +241,7 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--backend", default="inductor")
     ap.add_argument("--tiny", action="store_true", help="a tiny width and 64 tokens (a CPU try-out)")
+    ap.add_argument("--graph", action="store_true", help="also time each row's call replayed as one CUDA graph")
     args = ap.parse_args(argv)
     from diffusers import FluxTransformer2DModel
 
@@ -225,7 +262,7 @@ def main(argv=None) -> int:
               "torch": torch.__version__, "backend": args.backend, "repeats": args.repeats, "rows": []}
     for name in args.rows.split(","):
         print(f"fp8_profile: {name}", flush=True)
-        result["rows"].append(run_row(name, make, inputs, device, args.repeats, args.top, args.backend))
+        result["rows"].append(run_row(name, make, inputs, device, args.repeats, args.top, args.backend, args.graph))
         (args.out / "fp8_profile.json").write_text(json.dumps(result, indent=1))
     write_md(result, args.out / "fp8_profile.md")
     print((args.out / "fp8_profile.md").read_text())

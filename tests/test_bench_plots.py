@@ -342,6 +342,26 @@ def test_headline_speed_carries_its_spread():
     assert "timings allow" not in headline(verdict(_bench(), _cache()))  # no timings: no range invented
 
 
+def test_a_speed_up_whose_timings_allow_a_slowdown_is_not_shipped():
+    """The median clears MIN_USEFUL_SPEEDUP, but the slowest configuration call against the fastest
+    baseline call is a slowdown: the speed-up is not shown and the baseline is shipped, with the
+    range named. The same medians with a tight range ship."""
+    from ditbook.benchmark.verdict import headline, verdict
+
+    bench = _bench()
+    bench["baseline"] = {"timing": {"end_to_end": {"median": 1.9, "min": 1.3, "max": 2.0}}}
+    bench["configs"] = [{"name": "dbcache_taylorseer[Fn=1,threshold=0.24]",
+                         "timing": {"end_to_end": {"median": 1.0, "min": 0.9, "max": 1.4}}}]
+    v = verdict(bench, _cache())
+    assert v["speedup"] == 1.9 and v["speedup_range"][0] < 1.0
+    assert not v["ship"] and "a slowdown among them" in v["reason"] and "0.93–2.22×" in v["reason"], v["reason"]
+    assert headline(v).startswith("Do not ship dbcache_taylorseer") and headline(v).endswith("ship the baseline (more "
+                                                                                   "benchmark.repeats, or a quieter host, narrow the range).")
+    bench["baseline"]["timing"]["end_to_end"]["min"] = 1.8
+    bench["configs"][0]["timing"]["end_to_end"]["max"] = 1.2
+    assert verdict(bench, _cache())["ship"]
+
+
 def test_parallel_plans_are_parity_on_cpu_and_speed_against_one_gpu_on_gpus():
     """The same parallel plan: on a CPU host no speed-up (parity only); on GPUs its speed-up is
     shown against the single-process run, with the device count in the label."""

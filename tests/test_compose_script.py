@@ -91,3 +91,43 @@ def test_quality_rows_are_judged_on_the_reference_model_without_being_timed(tmp_
     assert "not timed here: `cache`" in (tmp_path / "compose.md").read_text()
     with pytest.raises(ValueError, match="unknown rows"):
         main(["--out", str(tmp_path), "--tiny", "--device", "cpu", "--rows", "eager", "--quality-rows", "nonsense"])
+
+
+def test_the_decoder_row_compiles_the_image_decoder_too_and_undoes_it_exactly():
+    from speedsuite.compose import row_configs
+    from speedsuite.fullsize import flux_pipeline
+    from ditbook.regional import DecoderUnavailable, compile_decoder
+
+    steps = 6
+    sched = ditbook_schedule(steps, warmup=2, computed=3)
+    fp = flux_pipeline("tiny", "cpu", torch.float32, height=32, width=32, steps=steps, text_tokens=16)
+    dec = fp.pipe.vae.decoder
+    cfg = row_configs(sched, {"backend": "eager"}, steps)["cache+compile+decoder"]
+    assert cfg.name == "cache+compile" and "decoder" in cfg.notes
+    with torch.inference_mode():
+        ref = fp(seed=0).images[0]
+        undo = cfg.apply(fp.pipe)
+        assert dec.__dict__.get("_compiled_call_impl") is not None  # the decoder itself is compiled
+        got = fp(seed=0).images[0]
+        undo()
+    assert cfg.params["compile"]["decoder"] == {"compiled": True, "module": "AutoencoderKL.decoder"}
+    assert all(m.__dict__.get("_compiled_call_impl") is None for m in dec.modules())  # undone exactly
+    assert all(b.__dict__.get("_compiled_call_impl") is None for b in fp.pipe.transformer.transformer_blocks)
+    assert got.shape == ref.shape and torch.isfinite(got).all()
+    # uncompiled (the quality pass's default) the row is the cache row itself
+    assert row_configs(sched, None, steps)["cache+compile+decoder"].name == "cache"
+
+    # a pipeline without a decoder module: refused with the reason, nothing changed
+    class NoVae:
+        vae = None
+
+    with pytest.raises(DecoderUnavailable, match="no vae module"):
+        compile_decoder(NoVae())
+    fp.pipe.vae.decoder = torch.nn.Identity()  # still a module: compiled and undone
+    undo, what = compile_decoder(fp.pipe, backend="eager")
+    assert what == "AutoencoderKL.decoder" and fp.pipe.vae.decoder.__dict__.get("_compiled_call_impl") is not None
+    undo()
+    assert "_compiled_call_impl" not in fp.pipe.vae.decoder.__dict__ or fp.pipe.vae.decoder._compiled_call_impl is None
+    del fp.pipe.vae._modules["decoder"]
+    with pytest.raises(DecoderUnavailable, match="no decoder module"):
+        compile_decoder(fp.pipe)

@@ -9,7 +9,8 @@ Rows (``ROWS``), measured in one process against the eager row of the same proce
 
 - ``eager``; ``cache`` (the schedule ``benchmarks/schedule_quality.py`` chose on the reference
   model, ``docs/schedule_quality.json``, a static step mask); ``compile`` (regional, diffusers'
-  ``compile_repeated_blocks``); ``cache+compile``; ``fp8+compile`` and ``cache+fp8+compile``
+  ``compile_repeated_blocks``); ``cache+compile``; ``cache+compile+decoder`` (the image decoder
+  compiled too, ``ditbook.regional.compile_decoder``); ``fp8+compile`` and ``cache+fp8+compile``
   (torchao float8 on the block linears, ``ditbook.benchmark.fp8``); ``cache+compile+graph`` (the
   computed steps' block work replayed as CUDA graphs, ``ditbook.parallel.graphs``).
 - Each: the first call (compile, graph capture) timed apart, then ``--repeats`` timed calls
@@ -43,7 +44,7 @@ import torch
 from .fullsize import flux_pipeline
 from .gap import GAP_ALIGN, GAP_HEADER, CallCapture, CallTimer, computed_calls, gap, gap_cells, gap_notes, measure_peaks
 from .schedules import ditbook_schedule
-from .suite import _dump, _log, chosen_schedule, environment
+from .suite import NoSchedule, _dump, _log, chosen_schedule, environment
 from ditbook.benchmark.compiled import compiled_config
 from ditbook.benchmark.fp8 import Fp8Refused, fp8_config
 from ditbook.configuration import Config, baseline_config
@@ -52,7 +53,8 @@ from ditbook.parallel.graphs import GraphUnavailable, install_cached_step_graphs
 from ditbook.quality import Gates, compare, compare_sets
 from ditbook.timing import device_of, time_pipeline
 
-ROWS = ("eager", "cache", "compile", "cache+compile", "fp8+compile", "cache+fp8+compile", "cache+compile+graph")
+ROWS = ("eager", "cache", "compile", "cache+compile", "cache+compile+decoder", "fp8+compile", "cache+fp8+compile",
+        "cache+compile+graph")
 REFUSALS = (Fp8Refused, GraphUnavailable)
 REPO = Path(__file__).resolve().parents[2]
 
@@ -94,6 +96,9 @@ def row_configs(schedule, compile_opts: dict | None, steps: int) -> dict[str, Co
         "cache": cache,
         "compile": comp(base),
         "cache+compile": comp(cache),
+        # the image decoder compiled too (ditbook.regional.compile_decoder): uncompiled it is the cache row
+        "cache+compile+decoder": (compiled_config(cache, **compile_opts, decoder=True) if compile_opts is not None
+                                  else cache),
         "fp8+compile": comp(fp8_config(base)),
         "cache+fp8+compile": comp(fp8_config(cache)),
         "cache+compile+graph": graph_config(comp(cache), schedule.mask, steps),
@@ -144,6 +149,11 @@ def speed_row(fp, cfg: Config, repeats: int, eager_image) -> tuple[dict, object]
     return row, img
 
 
+def _uncompiled(row: str) -> str:
+    """The row's configuration without its compile (``cache+compile+decoder`` -> ``cache``)."""
+    return row.replace("+compile", "").replace("+decoder", "")
+
+
 def reference_quality(card_path: Path, device: str, steps: int, make: Callable[[], dict[str, Config]],
                       names: list[str], holdout_seeds: list[int], prompts: int | None = None,
                       compiled: bool = False) -> dict:
@@ -182,7 +192,7 @@ def reference_quality(card_path: Path, device: str, steps: int, make: Callable[[
         if name == "compile" and not compiled:
             out["rows"][name] = {"status": "not judged", "reason": "uncompiled quality pass: this row is the eager model"}
             continue
-        same = name.replace("+compile", "")  # uncompiled, cache+compile is cache: judged once
+        same = _uncompiled(name)  # uncompiled, cache+compile is cache: judged once
         if not compiled and same != name and same in judged:
             out["rows"][name] = {**out["rows"][judged[same]], "same_as": judged[same]}
             continue
@@ -197,7 +207,7 @@ def reference_quality(card_path: Path, device: str, steps: int, make: Callable[[
             if undo is not None:
                 undo()
         q = compare_sets(got, ref, gates).to_dict()
-        judged[name.replace("+compile", "")] = name
+        judged[_uncompiled(name)] = name
         out["rows"][name] = {"status": "measured", **{k: q[k] for k in ("psnr_min", "ssim_min", "worst_tile_psnr",
                                                                         "passed", "reasons")}}
         _log(f"  reference {name:26s} PSNR min {q['psnr_min']:.2f} dB, SSIM min {q['ssim_min']:.4f}"
@@ -222,8 +232,11 @@ def run(out: Path, *, tiny: bool = False, device: str = "cuda", size: int | None
     scale = "tiny" if tiny else "full"
     try:
         schedule = chosen_schedule(steps, schedule_file)  # the reference model's chosen 28-step schedule
-    except ValueError:  # a short check run: a spaced schedule of this length
-        schedule = ditbook_schedule(steps, warmup=2, computed=max(3, steps // 3))
+    except NoSchedule as exc:
+        if not tiny:
+            raise SystemExit(f"compose: {exc}")
+        schedule = ditbook_schedule(steps, warmup=2, computed=max(3, steps // 3))  # a short check run
+        _log(f"compose: {exc}; the tiny check run uses {schedule.name}")
     compile_opts = {"backend": compile_backend}
     result: dict = {"command": "compose", "shape": f"flux-{scale}", "size": size, "steps": steps, "device": device,
                     "dtype": str(dtype), "repeats": repeats, "compile_backend": compile_backend,

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from ditbook.cache.strategies.scm import spaced_mask  # the cache stage's SCM grid places its masks the same way
+
 
 @dataclass(frozen=True)
 class Schedule:
@@ -75,33 +77,6 @@ def cache_dit_policy(policy: str, steps: int, taylorseer_order: int = 0) -> Sche
     mask = tuple(int(m) for m in steps_mask(total_steps=steps, mask_policy=policy))
     suffix = f"+TS{taylorseer_order}" if taylorseer_order else ""
     return Schedule(f"cache-dit-{policy}{suffix}", mask, taylorseer_order, owner="cache-dit")
-
-
-def spaced_mask(steps: int, warmup: int, computed: int) -> tuple[int, ...]:
-    """``warmup`` computed steps, then the rest of the ``computed`` budget spread with a gap that
-    grows linearly towards the end, the last step always computed."""
-    if computed > steps or warmup >= computed:
-        raise ValueError(f"need warmup < computed <= steps, got {warmup}, {computed}, {steps}")
-    mask = [0] * steps
-    for i in range(warmup):
-        mask[i] = 1
-    mask[-1] = 1
-    rest = computed - warmup - 1  # computed steps strictly between the warm-up and the last step
-    span = steps - 1 - warmup  # steps warmup .. steps-2 available
-    if rest > 0:
-        # gaps grow linearly: weights 1, 2, ..., rest+1 partition the span
-        weights = list(range(1, rest + 2))
-        total = sum(weights)
-        pos, acc = [], 0.0
-        for w in weights[:-1]:
-            acc += w * span / total
-            pos.append(warmup - 1 + max(1, round(acc)))
-        for p in pos:
-            p = min(max(p, warmup), steps - 2)
-            while mask[p] and p < steps - 2:
-                p += 1
-            mask[p] = 1
-    return tuple(mask)
 
 
 def ditbook_schedule(steps: int, warmup: int, computed: int, taylorseer_order: int = 1) -> Schedule:

@@ -49,16 +49,35 @@ def environment() -> dict:
     return env
 
 
+class NoSchedule(ValueError):
+    """A ``schedule_quality.py`` output gives no schedule for this run (the message says why)."""
+
+
+def schedule_from_choice(path: Path, steps: int) -> Schedule:
+    """The schedule a ``schedule_quality.py`` output chose, for a run of ``steps`` steps; raise
+    :class:`NoSchedule` with the reason when it chose none (naming the closest it tried) or its
+    choice has another step count: a default is never timed in its place unannounced."""
+    data = json.loads(Path(path).read_text())
+    best = data.get("chosen")
+    if not best:
+        tried = data.get("schedules") or []
+        top = max(tried, key=lambda r: (r.get("calibration") or {}).get("psnr_min") or 0, default=None)
+        near = (f"; the closest, {top['name']} ({top['computed']}/{data.get('steps')} computed), gave "
+                f"{top['calibration']['psnr_min']:.2f} dB" if top and top.get("calibration") else "")
+        raise NoSchedule(f"{path} chose no schedule: none of its {len(tried)} passed the gates "
+                         f"{data.get('gates')} on {data.get('card')}{near}")
+    mask = tuple(int(c) for c in best["mask"])
+    if len(mask) != steps:
+        raise NoSchedule(f"{path}: its schedule {best['name']} has {len(mask)} steps, this run {steps}")
+    return Schedule(best["name"], mask, int(best.get("taylorseer_order", 0)))
+
+
 def chosen_schedule(steps: int, path: Path | None = None) -> Schedule:
     """ditbook's schedule: the one recorded by ``benchmarks/schedule_quality.py`` on the reference
-    model (fewest computed steps that pass the gates on held-out seeds), else a default."""
-    if path and Path(path).is_file():
-        data = json.loads(Path(path).read_text())
-        best = data.get("chosen")
-        if best:
-            mask = tuple(int(c) for c in best["mask"])
-            if len(mask) == steps:
-                return Schedule(best["name"], mask, int(best.get("taylorseer_order", 0)))
+    model (fewest computed steps that pass the gates on held-out seeds; :func:`schedule_from_choice`,
+    which refuses a file that chose none or chose for another step count); without a file, a default."""
+    if path is not None and Path(path).is_file():
+        return schedule_from_choice(path, steps)
     return ditbook_schedule(steps, warmup=4, computed=10, taylorseer_order=1)
 
 

@@ -134,22 +134,15 @@ def time_row(fp, cfg: Config, repeats: int, steps: int) -> dict:
 
 def file_schedule(path: Path, steps: int):
     """(schedule, None) from a ``schedule_quality.py`` output whose choice has ``steps`` steps, or
-    (None, the reason no cache row can run) when it chose none."""
-    from .schedules import Schedule
+    (None, the reason no cache row can run) when it chose none; another step count stops the run."""
+    from .suite import NoSchedule, schedule_from_choice
 
-    data = json.loads(Path(path).read_text())
-    best = data.get("chosen")
-    if not best:
-        tried = data.get("schedules") or []
-        top = max(tried, key=lambda r: (r.get("calibration") or {}).get("psnr_min") or 0, default=None)
-        near = (f"; the closest, {top['name']} ({top['computed']}/{data.get('steps')} computed), gave "
-                f"{top['calibration']['psnr_min']:.2f} dB" if top and top.get("calibration") else "")
-        return None, (f"{path} chose no schedule: none of its {len(tried)} passed the gates "
-                      f"{data.get('gates')} on {data.get('card')}{near}")
-    mask = tuple(int(c) for c in best["mask"])
-    if len(mask) != steps:
-        raise SystemExit(f"{path}: its schedule {best['name']} has {len(mask)} steps, this run {steps} (--steps)")
-    return Schedule(best["name"], mask, int(best.get("taylorseer_order", 0))), None
+    try:
+        return schedule_from_choice(path, steps), None
+    except NoSchedule as exc:
+        if "chose no schedule" in str(exc):
+            return None, str(exc)
+        raise SystemExit(f"{exc} (--steps)")
 
 
 def run(out: Path, *, shape: str = "1.3b", device: str = "cuda", height: int = 480, width: int = 832,

@@ -11,7 +11,10 @@ its repeated blocks, else every block of the inspected block lists; the undo is 
 time above the median of the others (a cache's cheap steps make a minimum too low); later calls
 far above that median are counted as ``slow_later_calls`` (recompiles).
 The figures land in ``params["compile"]`` (filled in place while the configuration runs, so the
-benchmark's result row carries them).
+benchmark's result row carries them). ``decoder=True`` compiles the pipeline's image decoder too
+(``ditbook.regional.compile_decoder``): with a cache that computes few steps, the decode is a
+visible share of the run (about 8% of a cached FLUX.1-dev image on an H200). A pipeline without a
+decoder module keeps its blocks compiled and records why in ``params["compile"]["decoder"]``.
 
 Each apply resets dynamo's caches first (``torch._dynamo.reset()``, process-wide): every compiled
 configuration pays, and reports, its own compile cost, and no configuration can hit the
@@ -24,7 +27,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from ..regional import compile_regions  # the one regional-compile helper (also the parallel stage's +compile)
+from ..regional import DecoderUnavailable, compile_decoder, compile_regions  # (also the parallel stage's +compile)
 
 
 @dataclass
@@ -65,9 +68,9 @@ class CompileProbe:
 
 
 def compiled_config(cfg, *, backend: str = "inductor", mode: str | None = None, fullgraph: bool = False,
-                    dynamic: bool | None = None, probe_calls: int = 6, reset: bool = True):
+                    dynamic: bool | None = None, probe_calls: int = 6, reset: bool = True, decoder: bool = False):
     """``cfg`` with its transformer blocks compiled (name ``<cfg.name>+compile``, same family and
-    gates; the bare baseline's twin is family ``compile``)."""
+    gates; the bare baseline's twin is family ``compile``); ``decoder``: the image decoder too."""
     import torch
 
     from ..configuration import Config
@@ -75,10 +78,12 @@ def compiled_config(cfg, *, backend: str = "inductor", mode: str | None = None, 
 
     stats: dict = {"backend": backend if isinstance(backend, str) else type(backend).__name__, "mode": mode,
                    "fullgraph": fullgraph}
+    if decoder:
+        stats["decoder"] = {"compiled": False, "reason": "not applied yet"}
 
     def apply(pipe):
         undo_cfg = cfg.apply(pipe)
-        undo_compile = wrap = None
+        undo_compile = wrap = undo_decoder = None
         try:
             if reset:
                 torch._dynamo.reset()
@@ -86,11 +91,19 @@ def compiled_config(cfg, *, backend: str = "inductor", mode: str | None = None, 
             t0 = time.perf_counter()
             undo_compile, method, regions = compile_regions(tr, backend=backend, mode=mode, fullgraph=fullgraph,
                                                             dynamic=dynamic)
+            if decoder:
+                try:
+                    undo_decoder, what = compile_decoder(pipe, backend=backend, mode=mode, dynamic=dynamic)
+                    stats["decoder"] = {"compiled": True, "module": what}
+                except DecoderUnavailable as e:
+                    stats["decoder"] = {"compiled": False, "reason": str(e)}
             stats.update(method=method, regions=regions, wrap_s=round(time.perf_counter() - t0, 4))
             p = next(tr.parameters(), None)
             probe = CompileProbe(probe_calls, p is not None and p.device.type == "cuda")
             wrap = wrap_method(tr, "compile-cost-probe", probe)
         except BaseException:
+            if undo_decoder is not None:
+                undo_decoder()
             if undo_compile is not None:
                 undo_compile()
             if undo_cfg is not None:
@@ -100,6 +113,8 @@ def compiled_config(cfg, *, backend: str = "inductor", mode: str | None = None, 
         def undo():
             stats.update(probe.summary())
             wrap.remove()
+            if undo_decoder is not None:
+                undo_decoder()
             undo_compile()
             if undo_cfg is not None:
                 undo_cfg()
@@ -108,12 +123,13 @@ def compiled_config(cfg, *, backend: str = "inductor", mode: str | None = None, 
     family = "compile" if cfg.family == "baseline" else cfg.family
     gates = cfg.gates  # None: the family's gates (compile alone: the parallel gates, see settings.FAMILY_SECTION)
     return Config(f"{cfg.name}+compile", family, apply, params={**cfg.params, "compile": stats}, gates=gates,
-                  notes=(cfg.notes + "; " if cfg.notes else "") + "repeated blocks compiled (regional torch.compile)")
+                  notes=(cfg.notes + "; " if cfg.notes else "") + "repeated blocks compiled (regional torch.compile)"
+                  + ("; the image decoder compiled" if decoder else ""))
 
 
 def compile_options(value) -> dict | None:
     """The benchmark section's ``compile`` key: false/None (off), true (inductor), a backend name,
-    or a mapping of ``compiled_config`` keywords (backend, mode, fullgraph, dynamic, probe_calls)."""
+    or a mapping of ``compiled_config`` keywords (backend, mode, fullgraph, dynamic, probe_calls, decoder)."""
     if not value:
         return None
     if value is True:
@@ -121,7 +137,7 @@ def compile_options(value) -> dict | None:
     if isinstance(value, str):
         return {"backend": value}
     if isinstance(value, dict):
-        allowed = {"backend", "mode", "fullgraph", "dynamic", "probe_calls"}
+        allowed = {"backend", "mode", "fullgraph", "dynamic", "probe_calls", "decoder"}
         bad = set(value) - allowed
         if bad:
             raise ValueError(f"benchmark.compile: unknown keys {sorted(bad)} (allowed: {sorted(allowed)})")

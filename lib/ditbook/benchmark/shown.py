@@ -63,8 +63,8 @@ def holdout_records(cache: dict | None) -> dict[str, dict]:
     chosen, detail = (cache or {}).get("chosen"), (cache or {}).get("chosen_detail") or {}
     hq = detail.get("holdout_quality") or {}
     if chosen and hq:
-        out[chosen_row_name(chosen)] = {"psnr_min": hq.get("psnr_min"), "ssim_min": hq.get("ssim_min"), "n": hq.get("n"),
-                     "passed": True, "skipped_fraction": detail.get("skipped_fraction")}
+        out[chosen_row_name(chosen)] = {"psnr_min": hq.get("psnr_min"), "ssim_min": hq.get("ssim_min"),
+                                        "n": hq.get("n"), "passed": True, "skipped_fraction": detail.get("skipped_fraction")}
     f8 = ((cache or {}).get("fp8") or {}).get("chosen")
     if f8 and f8.get("holdout_quality"):  # the fp8 composition's own held-out record (cache.fp8)
         q = f8["holdout_quality"]

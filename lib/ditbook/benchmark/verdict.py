@@ -165,6 +165,11 @@ def _decide(out: dict, benchmark: dict | None, name: str, has_holdout: bool) -> 
     elif out["speedup"] < MIN_USEFUL_SPEEDUP:
         out["reason"] = (f"{out['speedup']:.2f}× does not beat the baseline by the {MIN_USEFUL_SPEEDUP:g}× a change "
                          "must gain over the timing noise; ship the baseline")
+    elif out.get("speedup_range") and out["speedup_range"][0] < 1.0:
+        lo, hi = out["speedup_range"]
+        out["reason"] = (f"{out['speedup']:.2f}× by the medians, but the timings allow {lo:.2f}–{hi:.2f}×, a slowdown "
+                         "among them: the speed-up is not shown; ship the baseline (more benchmark.repeats, or a "
+                         "quieter host, narrow the range)")
     else:
         out["ship"] = True
         out["reason"] = "chosen by the cache stage, confirmed on held-out seeds, timed by the benchmark"
