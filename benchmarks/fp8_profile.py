@@ -46,18 +46,39 @@ KINDS = ("fp8 gemm", "bf16 gemm", "attention", "quantize", "fused (inductor)", "
 
 
 def kernel_kind(name: str) -> str:
-    """A GPU kernel's kind, from its name (cuBLAS / CUTLASS GEMMs, attention kernels, inductor's
-    triton kernels)."""
+    """A GPU kernel's kind, from its name: inductor's triton kernels first (the ones that compute
+    an absolute maximum or feed ``_scaled_mm`` hold the activations' quantization, whatever else
+    they fuse), then attention kernels, then cuBLAS / CUTLASS GEMMs (fp8 when the name says so:
+    cuBLAS's ``qq`` kernels take two quantized operands)."""
     n = name.lower()
+    if n.startswith("triton") or "triton_" in n:
+        return "quantize" if any(k in n for k in ("amax", "_scaled_mm", "quant")) else "fused (inductor)"
     if any(k in n for k in ("flash", "fmha", "attention", "sdpa", "cudnn_generated")):
         return "attention"
     if any(k in n for k in ("gemm", "xmma", "nvjet", "cutlass", "matmul", "_mm_", "sm90")):
-        return "fp8 gemm" if any(k in n for k in ("e4m3", "fp8", "f8f8", "float8", "e5m2")) else "bf16 gemm"
+        fp8 = any(k in n for k in ("e4m3", "fp8", "f8f8", "float8", "e5m2", "_qqtst", "_qq"))
+        return "fp8 gemm" if fp8 else "bf16 gemm"
     if any(k in n for k in ("amax", "abs_max", "absmax", "quant")):
         return "quantize"
-    if n.startswith("triton") or "triton_" in n:
-        return "fused (inductor)"
     return "other"
+
+
+def kinds_from_table(table: str, gpu_ms: float) -> dict:
+    """GPU time by kind read back from a saved profiler table (``profile.table``, 40 rows): the
+    device-kernel rows (no CPU time of their own), each by :func:`kernel_kind`; what the table's
+    rows do not reach is ``other``. Lets a saved profile be re-read when the kinds are refined."""
+    import re
+
+    by = {k: 0.0 for k in KINDS}
+    for line in table.splitlines():
+        cells = re.split(r"\s{2,}", line.strip())
+        if len(cells) < 11 or cells[0].startswith(("aten::", "Name", "-")) or cells[2] != "0.000us":
+            continue
+        t = cells[6]
+        ms = float(t[:-2]) if t.endswith("ms") else float(t[:-2]) / 1e3 if t.endswith("us") else float(t[:-1]) * 1e3
+        by[kernel_kind(cells[0])] += ms
+    by["other"] += max(0.0, gpu_ms - sum(by.values()))
+    return {k: round(v, 3) for k, v in by.items()}
 
 
 def transformer_inputs(tr, tokens: int, text_tokens: int, device, dtype) -> dict:
@@ -242,7 +263,23 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", default="inductor")
     ap.add_argument("--tiny", action="store_true", help="a tiny width and 64 tokens (a CPU try-out)")
     ap.add_argument("--graph", action="store_true", help="also time each row's call replayed as one CUDA graph")
+    ap.add_argument("--reread", type=Path, default=None,
+                    help="no run: re-read a saved fp8_profile.json's profiler tables by today's kernel kinds and "
+                         "write fp8_profile.md under --out")
     args = ap.parse_args(argv)
+    if args.reread is not None:
+        result = json.loads(args.reread.read_text())
+        for r in result["rows"]:
+            if r.get("status") == "measured":
+                p = r["profile"]
+                p["by_kind_ms"] = kinds_from_table(p["table"], p["gpu_ms"])
+                for k in p["kernels"]:
+                    k["kind"] = kernel_kind(k["name"])
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "fp8_profile.json").write_text(json.dumps(result, indent=1))
+        write_md(result, args.out / "fp8_profile.md")
+        print((args.out / "fp8_profile.md").read_text())
+        return 0
     from diffusers import FluxTransformer2DModel
 
     device = torch.device(args.device)

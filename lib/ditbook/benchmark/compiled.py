@@ -14,7 +14,9 @@ The figures land in ``params["compile"]`` (filled in place while the configurati
 benchmark's result row carries them). ``decoder=True`` compiles the pipeline's image decoder too
 (``ditbook.regional.compile_decoder``): with a cache that computes few steps, the decode is a
 visible share of the run (about 8% of a cached FLUX.1-dev image on an H200). A pipeline without a
-decoder module keeps its blocks compiled and records why in ``params["compile"]["decoder"]``.
+decoder module keeps its blocks compiled and records why in ``params["compile"]["decoder"]``. The
+decoder compiles at its first decode, so its cost is timed there (a probe on ``vae.decode``) and
+added to ``compile_s`` (``blocks_compile_s`` and ``decoder.compile_s`` keep the parts).
 
 Each apply resets dynamo's caches first (``torch._dynamo.reset()``, process-wide): every compiled
 configuration pays, and reports, its own compile cost, and no configuration can hit the
@@ -83,7 +85,7 @@ def compiled_config(cfg, *, backend: str = "inductor", mode: str | None = None, 
 
     def apply(pipe):
         undo_cfg = cfg.apply(pipe)
-        undo_compile = wrap = undo_decoder = None
+        undo_compile = wrap = undo_decoder = decode_wrap = decode_probe = None
         try:
             if reset:
                 torch._dynamo.reset()
@@ -99,9 +101,15 @@ def compiled_config(cfg, *, backend: str = "inductor", mode: str | None = None, 
                     stats["decoder"] = {"compiled": False, "reason": str(e)}
             stats.update(method=method, regions=regions, wrap_s=round(time.perf_counter() - t0, 4))
             p = next(tr.parameters(), None)
-            probe = CompileProbe(probe_calls, p is not None and p.device.type == "cuda")
+            cuda = p is not None and p.device.type == "cuda"
+            probe = CompileProbe(probe_calls, cuda)
             wrap = wrap_method(tr, "compile-cost-probe", probe)
+            if undo_decoder is not None:  # the decoder compiles at its first decode: timed there, outside its graph
+                decode_probe = CompileProbe(probe_calls, cuda)
+                decode_wrap = wrap_method(pipe.vae, "decoder-compile-cost-probe", decode_probe, attr="decode")
         except BaseException:
+            if wrap is not None:
+                wrap.remove()
             if undo_decoder is not None:
                 undo_decoder()
             if undo_compile is not None:
@@ -111,7 +119,17 @@ def compiled_config(cfg, *, backend: str = "inductor", mode: str | None = None, 
             raise
 
         def undo():
-            stats.update(probe.summary())
+            blocks = probe.summary()
+            stats.update(blocks)
+            if decode_probe is not None:
+                dec = decode_probe.summary()
+                stats["decoder"].update(compile_s=dec["compile_s"], first_decode_s=dec["first_call_s"],
+                                        steady_decode_s=dec["steady_call_s"])
+                decode_wrap.remove()
+                if blocks["compile_s"] is not None and dec["compile_s"] is not None:
+                    # the configuration's one-time cost: blocks and decoder
+                    stats.update(blocks_compile_s=blocks["compile_s"],
+                                 compile_s=round(blocks["compile_s"] + dec["compile_s"], 4))
             wrap.remove()
             if undo_decoder is not None:
                 undo_decoder()
