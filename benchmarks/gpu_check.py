@@ -42,7 +42,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from cell_times import run_cells  # noqa: E402
 CARDS = ("models/reference.yaml", "models/video_reference.yaml")
 DIGEST_PARTS = ("lib", "notebooks", "models")
-BENCH_ROWS = "eager,cache,cache+compile"
+BENCH_ROWS = "eager,cache,cache+compile,cache+compile+decoder"
 SKIP_SUFFIXES = (".pyc",)
 
 
