@@ -554,3 +554,36 @@ def test_check_cases_keep_the_case_keys():
     p, s = check_cases(prompts, seeds, 2)
     keys = {render_key(i, x) for i in range(len(p)) for x in s}
     assert keys <= {render_key(i, x) for i in range(len(prompts)) for x in seeds}  # same keys as the full set
+
+
+def test_scm_grid_masks_skip_steps_and_are_named_apart():
+    """Each SCM grid mask has the run's length, computes its first and last steps and skips at
+    least one; two masks never share a row name; a run too short to skip a step gets no grid
+    (where building a mask used to raise)."""
+    from ditbook.cache.strategies.scm import SCM, SCMSettings
+    from ditbook.configuration import row_name
+
+    for steps in (1, 2, 3):
+        assert SCM.grid(None, steps) == []
+    for steps in (4, 8, 20, 28, 50):
+        grid = SCM.grid(None, steps)
+        assert grid, steps
+        for c in grid:
+            assert len(c.mask) == steps and c.mask[0] == 1 and c.mask[-1] == 1 and 0 < sum(c.mask) < steps
+            assert c.computed == sum(c.mask) and c.policy == "static" and c.taylorseer_order in (0, 2)
+        names = [row_name("scm", SCM.config_dict(c)) for c in grid]
+        assert len(set(names)) == len(names), names
+        assert [c.computed for c in grid] == sorted((c.computed for c in grid), reverse=True)  # gentlest first
+    # the count follows the mask given, whatever the recorded count says
+    assert SCMSettings(mask=[1, 0, 1], computed=9).computed == 2
+
+
+def test_an_empty_grid_leaves_the_strategy_without_rows(tiny_run, monkeypatch):
+    from ditbook.cache.strategies.scm import SCM
+
+    card, run, pipe, report = tiny_run
+    s = session_for(card, run, pipe, report)
+    s.noise_floor()
+    monkeypatch.setattr(SCM, "grid", classmethod(lambda cls, adapter, steps: []))
+    before = len(s.results)
+    assert s.tune_strategy("scm") == [] and len(s.results) == before

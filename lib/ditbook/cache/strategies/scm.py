@@ -79,11 +79,12 @@ class SCM(Strategy):
 
     @classmethod
     def grid(cls, adapter, steps):
-        # the gentlest budget first, so a max_configs budget keeps the configurations most likely to pass
+        # the gentlest budget first, so a max_configs budget keeps the configurations most likely to pass;
+        # only masks that skip a step (a run of 3 steps or fewer has none: the grid is empty)
         warm = 2 if steps >= 6 else 1
-        budgets = sorted({min(steps, max(warm + 2, round(steps * f))) for f in (0.5, 0.35, 0.25)}, reverse=True)
+        budgets = sorted({max(warm + 2, round(steps * f)) for f in (0.5, 0.35, 0.25)}, reverse=True)
         return [SCMSettings(mask=list(spaced_mask(steps, warm, c)), policy="static", taylorseer_order=order)
-                for c in budgets if c <= steps for order in (2, 0)]
+                for c in budgets if warm < c < steps for order in (2, 0)]
 
     @classmethod
     def disabled(cls, adapter, steps):
