@@ -54,11 +54,16 @@ def main(argv=None) -> int:
     ap.add_argument("--fp8", action="store_true",
                     help="judge every schedule with the transformer's block linears in fp8 (torchao float8)")
     args = ap.parse_args(argv)
+    if args.fp8:
+        from ditbook.benchmark.fp8 import fp8_refusal
+
+        why = fp8_refusal(args.device)
+        if why:  # before the model loads: a refusal with its reason, not a traceback minutes later
+            ap.error(f"--fp8: {why}")
     card = gate_check(args.card, {"device": args.device, "dtype": args.dtype})
     pipe = load_pipeline(card)
-    budgets = tuple(int(b) for b in args.budgets.split(","))
+    budgets = tuple(b for b in (int(x) for x in args.budgets.split(",")) if b <= args.steps)
     warmups = tuple(int(w) for w in args.warmups.split(","))
-    budgets = tuple(b for b in budgets if b <= args.steps)
     orders = tuple(int(o) for o in args.orders.split(","))
     scheds = candidates(args.steps, budgets=budgets, warmups=warmups, orders=orders)
     gates = Gates.from_dict({k: v for k, v in (("psnr", args.psnr), ("ssim", args.ssim)) if v is not None},
@@ -70,47 +75,48 @@ def main(argv=None) -> int:
     ref_h = images(pipe, card, hold, args.steps)
     # the noise floor: the same uncached run again
     floor = compare_sets(images(pipe, card, calib, args.steps), ref_c, gates).to_dict()
-    fp8 = None
-    if args.fp8:  # from here on every render has the block linears in fp8; the references above do not
-        from ditbook.benchmark.fp8 import apply_fp8
-
-        undo_fp8, record = apply_fp8(pipe.transformer)
-        alone = {split: compare_sets(images(pipe, card, seeds, args.steps), ref, gates)
-                 for split, seeds, ref in (("calibration", calib, ref_c), ("holdout", hold, ref_h))}
-        fp8 = {**record, "alone": {k: {m: v for m, v in q.to_dict().items() if m != "per_image"} for k, q in alone.items()}}
-        print(f"fp8 alone: calibration PSNR min {alone['calibration'].psnr_min:.2f}, held-out PSNR min "
-              f"{alone['holdout'].psnr_min:.2f}", flush=True)
+    fp8 = undo_fp8 = chosen = None
     rows = []
-    for sched in scheds:
-        sched.enable(pipe)
-        try:
-            q = compare_sets(images(pipe, card, calib, args.steps), ref_c, gates)
-        finally:
-            cache_dit.disable_cache(pipe)
-        rows.append({**sched.to_dict(), "calibration": {k: v for k, v in q.to_dict().items() if k != "per_image"},
-                     "passed_calibration": q.passed})
-        print(f"{sched.name:24s} computed {sched.computed:2d}  PSNR min {q.psnr_min:6.2f}  SSIM min {q.ssim_min:.4f}"
-              f"  {'pass' if q.passed else 'fail'}", flush=True)
-    chosen = None
-    by_cost = sorted((r for r in rows if r["passed_calibration"]),
-                     key=lambda r: (r["computed"], -r["calibration"]["psnr_min"]))
-    by_name = {s.name: s for s in scheds}
-    for r in by_cost:
-        sched = by_name[r["name"]]
-        sched.enable(pipe)
-        try:
-            q = compare_sets(images(pipe, card, hold, args.steps), ref_h, gates)
-        finally:
-            cache_dit.disable_cache(pipe)
-        r["holdout"] = {k: v for k, v in q.to_dict().items() if k != "per_image"}
-        r["passed_holdout"] = q.passed
-        print(f"held-out {r['name']}: PSNR min {q.psnr_min:.2f}, SSIM min {q.ssim_min:.4f}, "
-              f"{'pass' if q.passed else 'fail'}", flush=True)
-        if q.passed:
-            chosen = r
-            break
-    if args.fp8:
-        undo_fp8()
+    try:
+        if args.fp8:  # from here on every render has the block linears in fp8; the references above do not
+            from ditbook.benchmark.fp8 import apply_fp8
+
+            undo_fp8, record = apply_fp8(pipe.transformer)
+            alone = {split: compare_sets(images(pipe, card, seeds, args.steps), ref, gates)
+                     for split, seeds, ref in (("calibration", calib, ref_c), ("holdout", hold, ref_h))}
+            fp8 = {**record, "alone": {k: {m: v for m, v in q.to_dict().items() if m != "per_image"} for k, q in alone.items()}}
+            print(f"fp8 alone: calibration PSNR min {alone['calibration'].psnr_min:.2f}, held-out PSNR min "
+                  f"{alone['holdout'].psnr_min:.2f}", flush=True)
+        for sched in scheds:
+            sched.enable(pipe)
+            try:
+                q = compare_sets(images(pipe, card, calib, args.steps), ref_c, gates)
+            finally:
+                cache_dit.disable_cache(pipe)
+            rows.append({**sched.to_dict(), "calibration": {k: v for k, v in q.to_dict().items() if k != "per_image"},
+                         "passed_calibration": q.passed})
+            print(f"{sched.name:24s} computed {sched.computed:2d}  PSNR min {q.psnr_min:6.2f}  SSIM min {q.ssim_min:.4f}"
+                  f"  {'pass' if q.passed else 'fail'}", flush=True)
+        by_cost = sorted((r for r in rows if r["passed_calibration"]),
+                         key=lambda r: (r["computed"], -r["calibration"]["psnr_min"]))
+        by_name = {s.name: s for s in scheds}
+        for r in by_cost:
+            sched = by_name[r["name"]]
+            sched.enable(pipe)
+            try:
+                q = compare_sets(images(pipe, card, hold, args.steps), ref_h, gates)
+            finally:
+                cache_dit.disable_cache(pipe)
+            r["holdout"] = {k: v for k, v in q.to_dict().items() if k != "per_image"}
+            r["passed_holdout"] = q.passed
+            print(f"held-out {r['name']}: PSNR min {q.psnr_min:.2f}, SSIM min {q.ssim_min:.4f}, "
+                  f"{'pass' if q.passed else 'fail'}", flush=True)
+            if q.passed:
+                chosen = r
+                break
+    finally:  # the model as it was, whatever stopped the search
+        if undo_fp8 is not None:
+            undo_fp8()
     out = {
         "card": str(args.card), "steps": args.steps, "calibration_seeds": calib, "holdout_seeds": hold,
         "prompts": card.generation.prompts, "gates": {"psnr": gates.psnr, "ssim": gates.ssim},
