@@ -88,11 +88,12 @@ def _plus(apply, compile: bool = False, graph: bool = False, fp8: bool = False):
     return variant
 
 
-def _ulysses_with_schedule(fp, world: int):
+def _ulysses_with_schedule(fp, world: int, schedule=None):
     """cache-dit's Ulysses with the static cache schedule ``benchmarks/schedule_quality.py`` chose
-    on the reference model (the single-GPU suite's ``cache`` row), decisions agreed across ranks
-    (``parallel.cache_sync``, as the parallel stage's ``+cache``); a static mask decides the same
-    on every rank, so the agreement must record no disagreement."""
+    on the reference model (the single-GPU suite's ``cache`` row; refused when it chose none for this
+    step count) or ``schedule``, decisions agreed across ranks (``parallel.cache_sync``, as the
+    parallel stage's ``+cache``); a static mask decides the same on every rank, so the agreement must
+    record no disagreement."""
     import cache_dit
     from cache_dit import ParallelismConfig
 
@@ -100,7 +101,8 @@ def _ulysses_with_schedule(fp, world: int):
     from .suite import chosen_schedule
 
     steps = fp.call_kwargs["num_inference_steps"]
-    schedule = chosen_schedule(steps, Path(__file__).resolve().parents[2] / "docs" / "schedule_quality.json")
+    if schedule is None:
+        schedule = chosen_schedule(steps, Path(__file__).resolve().parents[2] / "docs" / "schedule_quality.json")
     cache_dit.enable_cache(fp.pipe, cache_config=schedule.cache_config(),
                            calibrator_config=schedule.calibrator_config(),
                            parallelism_config=ParallelismConfig(ulysses_size=world))

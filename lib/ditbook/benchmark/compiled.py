@@ -73,6 +73,7 @@ def compiled_config(cfg, *, backend: str = "inductor", mode: str | None = None, 
                     dynamic: bool | None = None, probe_calls: int = 6, reset: bool = True, decoder: bool = False):
     """``cfg`` with its transformer blocks compiled (name ``<cfg.name>+compile``, same family and
     gates; the bare baseline's twin is family ``compile``); ``decoder``: the image decoder too."""
+    # long: apply and its undo share the compile handles and both probes; kept together so each undo sits by its apply
     import torch
 
     from ..configuration import Config
