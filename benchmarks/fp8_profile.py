@@ -56,7 +56,7 @@ def kernel_kind(name: str) -> str:
     if any(k in n for k in ("flash", "fmha", "attention", "sdpa", "cudnn_generated")):
         return "attention"
     if any(k in n for k in ("gemm", "xmma", "nvjet", "cutlass", "matmul", "_mm_", "sm90")):
-        fp8 = any(k in n for k in ("e4m3", "fp8", "f8f8", "float8", "e5m2", "_qqtst", "_qq"))
+        fp8 = any(k in n for k in ("e4m3", "fp8", "f8f8", "float8", "e5m2", "_qq"))
         return "fp8 gemm" if fp8 else "bf16 gemm"
     if any(k in n for k in ("amax", "abs_max", "absmax", "quant")):
         return "quantize"

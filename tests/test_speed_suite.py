@@ -78,11 +78,13 @@ def test_a_schedule_file_is_used_or_refused_never_replaced_by_a_default(tmp_path
     path.write_text(json.dumps({"chosen": {"name": "ditbook-w2c3+TS2", "mask": "110001", "taylorseer_order": 2}}))
     s = chosen_schedule(6, path)
     assert s.mask == (1, 1, 0, 0, 0, 1) and s.taylorseer_order == 2 and s.name == "ditbook-w2c3+TS2"
-    with pytest.raises(NoSchedule, match="has 6 steps, this run 8"):
+    with pytest.raises(NoSchedule, match="has 6 steps, this run 8") as other:
         chosen_schedule(8, path)
+    assert other.value.chose_none is False
     path.write_text(json.dumps({"chosen": None, "steps": 6, "gates": {"psnr": 30}, "card": "c.yaml",
                                 "schedules": [{"name": "a", "computed": 3, "calibration": {"psnr_min": 27.5}},
                                               {"name": "b", "computed": 4, "calibration": {"psnr_min": 29.1}}]}))
-    with pytest.raises(NoSchedule, match=r"chose no schedule: none of its 2 .* the closest, b \(4/6 computed\), gave 29.10 dB"):
+    with pytest.raises(NoSchedule, match=r"chose no schedule: none of its 2 .* the closest, b \(4/6 computed\), gave 29.10 dB") as none:
         schedule_from_choice(path, 6)
+    assert none.value.chose_none is True
     assert chosen_schedule(28, tmp_path / "missing.json").name == "ditbook-w4c10+TS1"  # no file: the documented default

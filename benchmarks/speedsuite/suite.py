@@ -50,7 +50,12 @@ def environment() -> dict:
 
 
 class NoSchedule(ValueError):
-    """A ``schedule_quality.py`` output gives no schedule for this run (the message says why)."""
+    """A ``schedule_quality.py`` output gives no schedule for this run (the message says why);
+    ``chose_none``: the search passed no schedule at all (else it chose one for another step count)."""
+
+    def __init__(self, reason: str, chose_none: bool = False):
+        super().__init__(reason)
+        self.chose_none = chose_none
 
 
 def schedule_from_choice(path: Path, steps: int) -> Schedule:
@@ -65,7 +70,7 @@ def schedule_from_choice(path: Path, steps: int) -> Schedule:
         near = (f"; the closest, {top['name']} ({top['computed']}/{data.get('steps')} computed), gave "
                 f"{top['calibration']['psnr_min']:.2f} dB" if top and top.get("calibration") else "")
         raise NoSchedule(f"{path} chose no schedule: none of its {len(tried)} passed the gates "
-                         f"{data.get('gates')} on {data.get('card')}{near}")
+                         f"{data.get('gates')} on {data.get('card')}{near}", chose_none=True)
     mask = tuple(int(c) for c in best["mask"])
     if len(mask) != steps:
         raise NoSchedule(f"{path}: its schedule {best['name']} has {len(mask)} steps, this run {steps}")

@@ -34,7 +34,6 @@ Writes ``OUT/video_<shape>.json`` and ``.md``.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
@@ -140,7 +139,7 @@ def file_schedule(path: Path, steps: int):
     try:
         return schedule_from_choice(path, steps), None
     except NoSchedule as exc:
-        if "chose no schedule" in str(exc):
+        if exc.chose_none:
             return None, str(exc)
         raise SystemExit(f"{exc} (--steps)")
 
