@@ -797,11 +797,11 @@ def test_an_input_only_the_pipeline_builds_is_built_as_the_pipeline_does(tmp_pat
     (pkg / "__init__.py").write_text("")
     (pkg / "pipeline_table.py").write_text(_FAKE_PIPELINE)
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(ci, "_PIPELINE_CALLS", {})
+    monkeypatch.setattr(ci, "_FUNCTIONS_BY_CLASS", {})
     # without the pipeline the probe has nothing to build the table from: refused
     monkeypatch.setattr(ci, "_pipeline_roots", lambda: [])
     assert coverage.check_class(TableRopeDiT, cp=False).outcome == "refused"
-    monkeypatch.setattr(ci, "_PIPELINE_CALLS", {})
+    monkeypatch.setattr(ci, "_FUNCTIONS_BY_CLASS", {})
     monkeypatch.setattr(ci, "_pipeline_roots", lambda: [("fakepipes", str(pkg))])
     model = TableRopeDiT()
     table = ci.pipeline_value(model, "rotary_table")

@@ -338,13 +338,13 @@ def test_a_model_its_pipelines_always_call_with_a_kv_cache_is_refused_with_that_
 
     calls = ci.pipeline_calls_in(ast.parse(_PIPELINE_SRC))
     assert calls == {"CachedChunks": [{"hidden_states", "kv_cache", "return_dict"}]}
-    monkeypatch.setattr(ci, "_PIPELINE_CALLS", calls)
+    monkeypatch.setattr(ci, "_KEYWORDS_BY_CLASS", calls)
     assert ci.pipeline_state_inputs(CachedChunks) == ["kv_cache"]
     with pytest.raises(coverage.Refused, match=r"every call of this transformer in diffusers' pipelines passes "
                                                r"\['kv_cache'\]"):
         coverage.find_inputs(CachedChunks())
     # a class some pipeline calls without the cache: the plain errors, no such claim
-    monkeypatch.setattr(ci, "_PIPELINE_CALLS", {"CachedChunks": calls["CachedChunks"] + [{"hidden_states"}]})
+    monkeypatch.setattr(ci, "_KEYWORDS_BY_CLASS", {"CachedChunks": calls["CachedChunks"] + [{"hidden_states"}]})
     with pytest.raises(coverage.Refused, match="no inputs from the forward signature run it"):
         coverage.find_inputs(CachedChunks())
 
@@ -436,3 +436,18 @@ def test_a_none_setting_of_the_model_is_not_blamed_on_an_unrelated_optional_inpu
     with pytest.raises(reconfig.Reconfigure, match=r"self\.config\.layer_ids, which the defaults leave None") as info:
         coverage.find_inputs(UnsetSetting())
     assert info.value.changes == {"layer_ids": [0, 1]}
+
+
+def test_state_inputs_are_read_from_diffusers_own_pipelines_in_a_fresh_process():
+    """Read as a fresh import does (no cache patched in): diffusers' GLM-Image pipeline calls its
+    transformer with ``kv_caches`` every time, so the probe must name it. Before the fix the module
+    bound one cache name twice, the second binding an empty dict that made the reader return at
+    once: every class got ``[]``."""
+    import subprocess
+    import sys
+
+    code = ("import diffusers, ditbook.coverage.dataflow as ci; "
+            "print(ci.pipeline_state_inputs(diffusers.GlmImageTransformer2DModel))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "['kv_caches']"

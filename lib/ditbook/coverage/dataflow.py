@@ -698,9 +698,9 @@ def _pipeline_calls() -> dict[str, list[set]]:
     """Per transformer class name a diffusers pipeline's ``__init__`` annotates
     (``transformer: SomeTransformer``): the keyword sets of every ``self.transformer(...)`` call
     in that pipeline's code. Read once from the installed diffusers' pipeline sources (AST)."""
-    global _PIPELINE_CALLS
-    if _PIPELINE_CALLS is not None:
-        return _PIPELINE_CALLS
+    global _KEYWORDS_BY_CLASS
+    if _KEYWORDS_BY_CLASS is not None:
+        return _KEYWORDS_BY_CLASS
     import pathlib
 
     import diffusers.pipelines as pipes
@@ -716,7 +716,7 @@ def _pipeline_calls() -> dict[str, list[set]]:
             continue
         for name, calls in pipeline_calls_in(tree).items():
             out.setdefault(name, []).extend(calls)
-    _PIPELINE_CALLS = out
+    _KEYWORDS_BY_CLASS = out
     return out
 
 
@@ -736,7 +736,8 @@ def pipeline_calls_in(tree) -> dict[str, list[set]]:
     return out
 
 
-_PIPELINE_CALLS: dict | None = None
+# class name -> keyword sets of its pipelines' calls (``_pipeline_calls``); None until read
+_KEYWORDS_BY_CLASS: dict | None = None
 
 
 def pipeline_state_inputs(cls: type) -> list[str]:
@@ -754,15 +755,16 @@ def pipeline_state_inputs(cls: type) -> list[str]:
 
 # --- inputs as diffusers' own pipelines build them --------------------------------------------------
 
-_PIPELINE_CALLS: dict = {}
+# class -> (module, function node) of its pipelines' calling functions (``pipeline_calls``)
+_FUNCTIONS_BY_CLASS: dict = {}
 
 
 def pipeline_calls(cls: type) -> list[tuple]:
     """(module, function node) of every function of a diffusers pipeline class whose ``__init__``
     annotates ``transformer: <cls>`` and that calls ``self.transformer(...)``: found from the
     pipelines' source (AST), cached per class."""
-    if cls in _PIPELINE_CALLS:
-        return _PIPELINE_CALLS[cls]
+    if cls in _FUNCTIONS_BY_CLASS:
+        return _FUNCTIONS_BY_CLASS[cls]
     import importlib
     import pathlib
 
@@ -770,7 +772,7 @@ def pipeline_calls(cls: type) -> list[tuple]:
     needle = f"transformer: {cls.__name__}"
     for prefix, root in _pipeline_roots():
         out += _pipeline_functions(cls, needle, prefix, pathlib.Path(root))
-    _PIPELINE_CALLS[cls] = out
+    _FUNCTIONS_BY_CLASS[cls] = out
     importlib.invalidate_caches()
     return out
 
