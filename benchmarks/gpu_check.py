@@ -35,7 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "lib"))  # this checkout's ditbook, the code the record is about
 
-from ditbook.intake.environment import environment as run_environment  # noqa: E402
+from ditbook.environment import environment as run_environment  # noqa: E402
 from ditbook.runs import source_revision  # noqa: E402
 
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -107,7 +107,7 @@ def git_revision(root: Path = REPO) -> tuple[str | None, bool | None]:
 
 
 def environment() -> dict:
-    """The run's environment record (``ditbook.intake.environment.environment``: versions and
+    """The run's environment record (``ditbook.environment.environment``: versions and
     hardware), with the GPU named as the record's ``device`` and counted as ``gpus``."""
     env = run_environment()
     gpus = env["hardware"].get("gpus") or []

@@ -3,7 +3,7 @@
 FluxTransformer2DModel with FLUX.1-dev's config (19 double + 38 single blocks, 24 heads of
 128, joint_attention_dim 4096, in_channels 64, guidance embedding) is built under
 ``torch.device("meta")`` (no weights, no memory for them) and handed to
-``ditbook.inspect.inspect_transformer``. Prints the import time, the build time, the inspection
+``ditbook.arch.static.inspect_transformer``. Prints the import time, the build time, the inspection
 wall time and the peak RSS of the process. Budget: inspection < 10 s, peak RSS < 2 GB.
 
 Measured (CPU container, 2 cores, torch 2.13, diffusers 0.42.1, cache-dit 1.5.3;
@@ -29,7 +29,7 @@ def main() -> int:
     import torch
     from diffusers import FluxTransformer2DModel
 
-    from ditbook.inspect import inspect_transformer
+    from ditbook.arch.static import inspect_transformer
 
     t1 = time.perf_counter()
     with torch.device("meta"):

@@ -16,8 +16,8 @@ from ditbook.cache import strategies
 from ditbook.cache.adapter import CacheRefused, build_cache_adapter, run_time_refusals
 from ditbook.cache.counting import EvalCounter
 from ditbook.cache.loopfold import FoldError
-from ditbook.inspect.static import inspect_transformer
-from ditbook.inspect.trace import trace_calls
+from ditbook.arch.static import inspect_transformer
+from ditbook.arch.trace import trace_calls
 
 STEPS = 6
 TOLERANCE = 1e-5

@@ -856,7 +856,7 @@ def test_parallel_into_a_finished_run(tmp_path, capsys, zoo):
 
 def _approved_zoo_run(tmp_path, zoo, overrides=None):
     """A run of a copy of the zoo model whose plan (with the model's weights) the card approves."""
-    from ditbook.inspect.plan import acceptance_gates, approve, plan_hash, weights_identity
+    from ditbook.approval import acceptance_gates, approve, plan_hash, weights_identity
 
     card = zoo_card(tmp_path, zoo, copy_model=True)
     c = load_card(card)
@@ -931,7 +931,7 @@ def test_a_linked_model_folder_never_puts_a_run_outside_the_outputs_root(tmp_pat
 
 
 def test_a_stage_of_a_run_without_its_inspection_names_the_missing_stage(tmp_path):
-    from ditbook.inspect.report import ArchReport
+    from ditbook.arch.report import ArchReport
 
     run = make_run(tmp_path, synthetic_card(tmp_path))  # approved elsewhere, never inspected itself
     with pytest.raises(FileNotFoundError, match="this run has no inspection.*run the inspect stage in this run"):

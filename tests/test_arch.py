@@ -8,9 +8,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ditbook.inspect.code_surface import code_surface
-from ditbook.inspect.plan import build_plan, check_approval, plan_hash, write_plan
-from ditbook.inspect.static import inspect_transformer
-from ditbook.inspect.trace import trace_calls, trace_pipeline
+from ditbook.approval import check_approval, plan_hash
+from ditbook.inspect.plan import build_plan, write_plan
+from ditbook.arch.static import inspect_transformer
+from ditbook.arch.trace import trace_calls, trace_pipeline
 
 
 def tiny(name):
@@ -222,7 +223,7 @@ def test_flux_pipeline_trace(flux_pipe, tmp_path):
 
 
 def test_plan_hash_stable_and_approval_invalidated_by_model_change(flux_pipe, tmp_path):
-    from ditbook.inspect.plan import approve
+    from ditbook.approval import approve
     from ditbook.card import load_card
     from ditbook.runs import RunFolder
     from ditbook.context import ApprovalError

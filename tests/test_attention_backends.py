@@ -263,7 +263,7 @@ def test_pick_not_confirmed_by_the_second_round_is_not_applied(registry, tmp_pat
 def test_gqa_shapes_from_the_inspection_reach_the_kernel_check():
     """With the inspection's GQA facts (fewer key/value heads), each backend's attention check runs
     grouped-query inputs, and the GQA paths (enable_gqa vs repeated K/V) are timed beside."""
-    from ditbook.inspect.report import ArchReport, AttentionFacts
+    from ditbook.arch.report import ArchReport, AttentionFacts
 
     tr, call = tiny_flux()
     rep = ArchReport("T", None, 0, attention=AttentionFacts(heads=2, kv_heads=1, head_dim=16, image_seq_len=24,

@@ -40,7 +40,7 @@ def tiny_card(tmp_path: Path, steps: int = 8, seeds=(0, 1), prompts=("a red squa
 def prepared_run(card_path: Path, outputs: Path, run_id: str = "r1"):
     """A run folder with intake and inspect done and the plan approved (what 03_cache needs)."""
     from ditbook.inspect.stage import run_inspection, save_inspection
-    from ditbook.inspect.plan import approve
+    from ditbook.approval import approve
     from ditbook.intake.stage import run_intake
     from ditbook.context import open_stage
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from ditbook.cache import loopfold
 from cache_harness import cache_check
-from ditbook.inspect.loop_source import list_uses
+from ditbook.arch.loop_source import list_uses
 
 from test_integration_mechanisms import Base, Comprehension, run
 

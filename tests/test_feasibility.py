@@ -4,7 +4,7 @@ table against the tiny models: tests/test_parallel.py::test_feasibility_reasons.
 
 from __future__ import annotations
 
-from ditbook.inspect.report import AttentionFacts
+from ditbook.arch.report import AttentionFacts
 from ditbook.parallel.feasibility import (JUDGES, KINDS, Feasibility, ModelFacts, feasibility, judge_cfg,
                                           judge_cfg_x_ulysses, judge_ring, judge_text_encoder, judge_tp,
                                           judge_ulysses, judge_ulysses_x_ring, judge_vae)

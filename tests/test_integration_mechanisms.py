@@ -143,7 +143,7 @@ class ContainerStages(Base):
 
 
 def test_list_of_containers_is_not_a_block_list():
-    from ditbook.inspect.static import find_block_lists
+    from ditbook.arch.static import find_block_lists
 
     lists, others = find_block_lists(ContainerStages())
     assert [p for p, _ in lists] == ["stages.0.blocks", "stages.1.blocks"]
@@ -337,14 +337,14 @@ def test_no_block_list_is_a_named_refusal_and_the_first_plan_risk():
     row = run(NoBlocks)
     assert row.outcome == "refused" and "no block list" in row.reason
     from ditbook.inspect.plan import structural_risks
-    from ditbook.inspect.static import inspect_transformer
+    from ditbook.arch.static import inspect_transformer
 
     first = structural_risks(inspect_transformer(NoBlocks(), None, support=False))[0]
     assert first["id"] == "no_block_list" and "no block list" in first["text"]
 
 
 def test_attention_traced_without_rebinding_sdpa():
-    from ditbook.inspect.trace import Tracer
+    from ditbook.arch.trace import Tracer
 
     model = ShapeNamedAttention()
     original = F.scaled_dot_product_attention
@@ -365,7 +365,7 @@ class OutputTakenAsIs(Base):
 
 
 def test_taking_the_block_output_is_not_loop_work():
-    from ditbook.inspect.loop_source import read_loops
+    from ditbook.arch.loop_source import read_loops
 
     loops = read_loops(OutputTakenAsIs(), ["blocks"])
     assert "blocks" in loops.loops and loops.work == []  # before: `x = out` was reported as loop work

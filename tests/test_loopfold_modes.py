@@ -21,7 +21,7 @@ from torch import nn
 
 from cache_harness import cache_check
 from ditbook.cache.loopfold import plan_fold
-from ditbook.inspect.loop_source import Flow, list_uses
+from ditbook.arch.loop_source import Flow, list_uses
 
 
 class HBlock(Block):

@@ -83,7 +83,7 @@ def test_flux_reference_shape(inspected):
 
 def test_len_of_the_list_outside_the_loop_is_a_length_read(inspected):
     from ditbook.cache.adapter import generate_adapter_source
-    from ditbook.inspect.loop_source import list_uses
+    from ditbook.arch.loop_source import list_uses
 
     pipe, report = inspected("depthscale")
     u = list_uses(type(pipe.transformer), ["blocks"])["blocks"]
@@ -95,7 +95,7 @@ def test_len_of_the_list_outside_the_loop_is_a_length_read(inspected):
 
 def test_one_list_looped_in_exclusive_mode_methods(inspected):
     from ditbook.cache.adapter import generate_adapter_source
-    from ditbook.inspect.loop_source import list_uses
+    from ditbook.arch.loop_source import list_uses
 
     pipe, report = inspected("modes")
     u = list_uses(type(pipe.transformer), ["blocks"])["blocks"]
@@ -107,7 +107,7 @@ def test_one_list_looped_in_exclusive_mode_methods(inspected):
 def test_adapter_folds_when_no_pattern_matches_by_name(inspected):
     # the static report alone (no trace) finds no pattern: the blocks have no 'hidden_states'
     from ditbook.cache.adapter import generate_adapter_source
-    from ditbook.inspect.static import inspect_transformer
+    from ditbook.arch.static import inspect_transformer
 
     pipe, _ = inspected("dualstream")
     static = inspect_transformer(pipe.transformer, type(pipe).__name__)

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ditbook.inspect.report import ArchReport, AttentionFacts, CfgFacts, SupportFacts
+from ditbook.arch.report import ArchReport, AttentionFacts, CfgFacts, SupportFacts
 from ditbook.card import load_card
 from ditbook.parallel import ParallelRunError, feasibility, parse_plan, run_plans
 from ditbook.parallel.attention import time_gqa

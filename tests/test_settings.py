@@ -219,7 +219,7 @@ def gated_card(tmp_path, cache_psnr: float, parallel_psnr: float, with_index=Fal
 def tiny_report():
     import diffusers as d
 
-    from ditbook.inspect.static import inspect_transformer
+    from ditbook.arch.static import inspect_transformer
 
     model = d.FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
                                      attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
@@ -324,7 +324,8 @@ def test_benchmark_summary_and_result_md_apply_the_cards_gates(tmp_path):
 
 # -- approval covers the gates and the weights ------------------------------------------------
 def approved_run(tmp_path):
-    from ditbook.inspect.plan import approve, build_plan, write_plan
+    from ditbook.approval import approve
+    from ditbook.inspect.plan import build_plan, write_plan
     from ditbook.runs import RunFolder
 
     card = gated_card(tmp_path, 30, 35, with_index=True)
@@ -337,7 +338,7 @@ def approved_run(tmp_path):
 
 
 def test_approval_refuses_looser_gates_from_overrides(tmp_path):
-    from ditbook.inspect.plan import ApprovalError, check_approval
+    from ditbook.approval import ApprovalError, check_approval
 
     card, run = approved_run(tmp_path)
     assert check_approval(card, run)
@@ -350,7 +351,7 @@ def test_approval_refuses_looser_gates_from_overrides(tmp_path):
 
 
 def test_approval_refuses_changed_weights(tmp_path):
-    from ditbook.inspect.plan import ApprovalError, check_approval
+    from ditbook.approval import ApprovalError, check_approval
 
     card, run = approved_run(tmp_path)
     weights = card.path / "transformer" / "diffusion_pytorch_model.safetensors"
@@ -399,7 +400,7 @@ def test_one_dbcache_default_the_cache_strategys():
 @pytest.mark.parametrize("suffix", [".safetensors", ".msgpack", ".onnx", ".txt"])
 def test_one_weight_file_rule_for_the_load_check_and_the_approval(tmp_path, suffix):
     # a file the approval hash covers as a weight file is one the load check accepts as weights, and back
-    from ditbook.inspect.plan import _model_files
+    from ditbook.approval import _model_files
     from ditbook.loading import component_problems
 
     comp = tmp_path / "transformer"

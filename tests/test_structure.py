@@ -81,6 +81,90 @@ def test_cycle_finder_sees_a_cycle():
 STAGE_PACKAGES = ("intake", "inspect", "cache", "parallel", "benchmark")
 PROBE = "ditbook.coverage"
 
+# the layers, lowest first: a module imports only from its own layer or a lower one, and a stage
+# package imports no other stage. Root modules (``ditbook/<name>.py``) are tools unless named here.
+LAYERS = (
+    ("tools", ()),  # every root module not named below
+    ("facts", ("arch", "zoo")),
+    ("technique machinery", ("adapter", "cp")),
+    ("techniques", ("accel",)),
+    ("stage support", ("context", "preflight")),
+    ("stages", STAGE_PACKAGES),
+    ("drivers", ("runner", "cli", "kernels", "widgets", "coverage", "__main__")),
+)
+
+
+def unit(module: str) -> str:
+    """The package a module belongs to (``ditbook.cache.stage`` -> ``cache``), or the root module's name."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def layer_of(name: str) -> int:
+    return next((i for i, (_, names) in enumerate(LAYERS) if name in names), 0)
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """``a -> b (why)`` for each import that goes up a layer or from one stage into another."""
+    out = []
+    for a, deps in graph.items():
+        for b in deps:
+            ua, ub = unit(a), unit(b)
+            if ua == ub:
+                continue
+            la, lb = layer_of(ua), layer_of(ub)
+            if lb > la:
+                out.append(f"{a} -> {b} ({LAYERS[la][0]} importing {LAYERS[lb][0]})")
+            elif ua in STAGE_PACKAGES and ub in STAGE_PACKAGES:
+                out.append(f"{a} -> {b} (a stage importing another stage)")
+    return sorted(out)
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The import graph collapsed to packages (root modules stay themselves)."""
+    out: dict[str, set[str]] = {}
+    for a, deps in graph.items():
+        out.setdefault(unit(a), set()).update(unit(b) for b in deps if unit(b) != unit(a))
+    return out
+
+
+# imports still to be moved into the technique layer (issue 38): exactly these, shrinking to none
+PENDING = {
+    "ditbook.benchmark.attention_backends -> ditbook.parallel.attention (a stage importing another stage)",
+    "ditbook.benchmark.inputs -> ditbook.cache (a stage importing another stage)",
+    "ditbook.cache.commands -> ditbook.runner (stages importing drivers)",
+    "ditbook.cache.fp8_tune -> ditbook.benchmark.fp8 (a stage importing another stage)",
+    "ditbook.cache.stage -> ditbook.benchmark.compiled (a stage importing another stage)",
+    "ditbook.cache.upstream -> ditbook.parallel.cp_plan (a stage importing another stage)",
+    "ditbook.parallel.cache_sync -> ditbook.cache.strategies.dbcache (a stage importing another stage)",
+    "ditbook.parallel.worker -> ditbook.cache.adapter (a stage importing another stage)",
+    "ditbook.parallel.worker -> ditbook.cache.strategies.dbcache (a stage importing another stage)",
+    "ditbook.preflight -> ditbook.cache.strategies (stage support importing stages)",
+    "ditbook.regional -> ditbook.arch.static (tools importing facts)",
+}
+
+
+def test_layers_hold_and_no_stage_imports_another():
+    bad = layer_violations(import_graph())
+    assert set(bad) == PENDING, "imports against the layers:\n" + "\n".join(sorted(set(bad) - PENDING))
+
+
+def test_package_graph_has_no_cycle():
+    cycle = find_cycle(package_graph(import_graph()))
+    assert cycle in (None, ["benchmark", "cache", "benchmark"]), "package-level import cycle: " + " -> ".join(cycle)
+
+
+def test_layer_check_sees_a_sideways_stage_import_and_an_upward_one():
+    graph = {"ditbook.cache.stage": {"ditbook.parallel.launch", "ditbook.accel.dbcache", "ditbook.hooks"},
+             "ditbook.accel.dbcache": {"ditbook.cache.verify", "ditbook.adapter.build"},
+             "ditbook.hooks": {"ditbook.arch.static"}, "ditbook.runner": {"ditbook.benchmark.report"}}
+    assert layer_violations(graph) == [
+        "ditbook.accel.dbcache -> ditbook.cache.verify (techniques importing stages)",
+        "ditbook.cache.stage -> ditbook.parallel.launch (a stage importing another stage)",
+        "ditbook.hooks -> ditbook.arch.static (tools importing facts)"]
+    assert find_cycle(package_graph({"ditbook.cache.a": {"ditbook.parallel.b"},
+                                     "ditbook.parallel.c": {"ditbook.cache.d"}})) == ["cache", "parallel", "cache"]
+
 
 def arrows_into(graph: dict[str, set[str]], sources: tuple, target: str) -> list[str]:
     """``a -> b`` for each module ``a`` under one of the ``sources`` packages that imports ``target`` or
@@ -139,8 +223,8 @@ def test_notebook_import_check_sees_another_module():
     import json
 
     nb = json.dumps({"cells": [{"cell_type": "code", "source": ["from ditbook.cache.stage import x\n",
-                                                                 "from ditbook.inspect.report import ArchReport\n"]}]})
-    assert notebook_imports(nb) == {"ditbook.cache.stage", "ditbook.inspect.report"}
+                                                                 "from ditbook.arch.report import ArchReport\n"]}]})
+    assert notebook_imports(nb) == {"ditbook.cache.stage", "ditbook.arch.report"}
 
 
 def test_no_library_module_loaded_through_importlib():

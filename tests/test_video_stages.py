@@ -275,7 +275,7 @@ VIDEO_LIGHT = {
                            "(models/video_reference/pipeline; train them with python -m ditbook.zoo.train_video_reference)")
 def test_five_stages_on_the_video_reference(tmp_path, monkeypatch):
     from ditbook.card import gate_check
-    from ditbook.inspect.plan import approve
+    from ditbook.approval import approve
     from ditbook.runner import run_stages, select_stages
     from ditbook.runs import RunFolder
 

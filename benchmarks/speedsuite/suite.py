@@ -40,7 +40,7 @@ def _dump(path: Path, data: dict) -> None:
 
 
 def environment() -> dict:
-    from ditbook.intake.environment import versions
+    from ditbook.environment import versions
 
     env = {"versions": versions()}
     if torch.cuda.is_available():

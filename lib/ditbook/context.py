@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .card import ModelCard, gate_check
-from .inspect.plan import ApprovalError, check_approval  # noqa: F401 (ApprovalError: re-exported)
+from .approval import ApprovalError, check_approval  # noqa: F401 (ApprovalError: re-exported)
 from .loading import Placement, choose_placement
 from .runs import RunError, RunFolder
 

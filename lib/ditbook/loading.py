@@ -121,7 +121,7 @@ def check_model_folder(path: Path) -> dict:
 
 
 # what a weight file is, by suffix: the one rule the load check and the approval hash
-# (``inspect.plan``: which files the model identity covers) both use
+# (``approval``: which files the model identity covers) both use
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".msgpack", ".onnx")
 
 

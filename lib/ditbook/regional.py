@@ -3,7 +3,7 @@ stage's compiled check and the parallel stage's ``+compile`` use.
 
 diffusers' ``ModelMixin.compile_repeated_blocks`` where the model class names its repeated blocks
 (``_repeated_blocks``), else ``nn.Module.compile`` of every block of the block lists the inspection
-finds (``ditbook.inspect.static.find_block_lists``), in place. Both set each block's
+finds (``ditbook.arch.static.find_block_lists``), in place. Both set each block's
 ``_compiled_call_impl``; the undo puts back exactly what every module of the transformer held.
 
 ``compile_decoder(pipe)`` compiles the pipeline's image decoder the same way (``nn.Module.compile``
@@ -32,7 +32,7 @@ def compile_regions(transformer, *, backend: str = "inductor", mode: str | None 
             transformer.compile_repeated_blocks(**kwargs)
             method = "compile_repeated_blocks"
         else:
-            from .inspect.static import find_block_lists
+            from .arch.static import find_block_lists
 
             lists, _ = find_block_lists(transformer)
             if not lists:

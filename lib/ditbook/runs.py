@@ -15,7 +15,7 @@ from typing import Any
 
 from .card import ModelCard
 from .files import atomic_write_text
-from .intake.environment import environment
+from .environment import environment
 
 RUN_FILE = "run.json"
 RESULTS_FILE = "results.json"
@@ -268,7 +268,7 @@ class RunFolder:
 
     def record_approval(self, approved_plan: str | None, plan_hash: str, card: str) -> None:
         """``run.json`` ``approval``: the approved hash a stage accepted for the plan ``plan_hash``
-        (``inspect.plan.check_approval``); ``approval_state`` reads it."""
+        (``approval.check_approval``); ``approval_state`` reads it."""
         meta = self.read_meta()
         meta["approval"] = {"approved_plan": approved_plan, "plan_hash": plan_hash, "card": card}
         self.write_meta(meta)

@@ -2,7 +2,7 @@
 quantization of the transformer's linear layers, judged by the same gates as every other row.
 
 What is quantized: the ``nn.Linear`` layers inside the transformer's repeated blocks (the block
-lists of ``ditbook.inspect.static.find_block_lists`` — nearly all of a DiT's matmul work); the
+lists of ``ditbook.arch.static.find_block_lists`` — nearly all of a DiT's matmul work); the
 embedders and the final projection stay in the model's dtype (they are small and the most
 sensitive to precision). A layer whose in/out features are not multiples of 16 (what fp8 matmuls
 need) is left out. Each chosen layer gets torchao's
@@ -69,7 +69,7 @@ def fp8_refusal_for(module: torch.nn.Module) -> str | None:
 
 def fp8_layers(transformer: torch.nn.Module) -> tuple[list[str], list[str]]:
     """(names of the linear layers fp8 applies to, names left out because of their shape)."""
-    from ..inspect.static import find_block_lists
+    from ..arch.static import find_block_lists
 
     lists, _ = find_block_lists(transformer)
     roots = [name for name, _ in lists] if lists else [""]

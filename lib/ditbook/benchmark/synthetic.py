@@ -171,7 +171,7 @@ def make_synthetic_run(root: str | Path, *, failed_stage: str | None = None, ben
     """Write a run folder under ``root`` and return its path (``frames``: of a video pipeline)."""
     # long: one run folder written stage by stage, as the real stages would, so a reader can follow it
     from ..card import load_card
-    from ..intake.environment import environment
+    from ..environment import environment
     from ..render import frame_strip, render_all, save_renders
     from ..runs import RunFolder
     from .inputs import read_inputs

@@ -75,7 +75,7 @@ class CacheConfig:
     def apply(self, pipe, steps: int | None = None) -> Callable[[], None]:
         """Apply to ``pipe`` through the run's generated adapter (with ``fp8``: its layers in fp8
         first); returns the undo callable."""
-        from ..inspect.report import ArchReport
+        from ..arch.report import ArchReport
         from . import strategies
         from .adapter import load_adapter_file
         from .fp8_tune import torchao_fp8

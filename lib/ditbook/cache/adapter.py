@@ -27,8 +27,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .. import hooks
-from ..inspect.report import ArchReport
-from ..inspect.loop_source import list_uses
+from ..arch.report import ArchReport
+from ..arch.loop_source import list_uses
 from .adapter_source import (  # noqa: F401  (PATTERN_OUTPUT_INDEX, refused_module_source: public here)
     PATTERN_OUTPUT_INDEX,
     adapter_function_name,
@@ -104,7 +104,7 @@ def _pattern_from_report(bl) -> str | None:
 def _contradicts_trace(bl, pattern: str) -> str:
     """Why ``pattern`` disagrees with what the traced call showed ('' when it agrees or nothing
     was traced): the block's outputs (count, roles, shapes) must be the pattern's."""
-    from ..inspect.patterns import PATTERNS
+    from ..arch.patterns import PATTERNS
 
     call = bl.call
     if call is None or bl.pattern_source != "traced":
@@ -136,7 +136,7 @@ def needs_fold(report: ArchReport, bl, fold: LoopFold | None) -> list[str]:
                        f"block's; folded, each block gets its own")
     pattern = _pattern_from_report(bl)
     if pattern is not None and bl.signature:
-        from ..inspect.patterns import PATTERNS
+        from ..arch.patterns import PATTERNS
 
         missing = [n for n in PATTERNS[pattern][0] if n not in bl.signature]
         if missing:

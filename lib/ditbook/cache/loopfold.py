@@ -104,7 +104,7 @@ def _forward_function(cls, method: str = "forward") -> tuple[ast.FunctionDef, st
 def element_methods(cls, path: str) -> list[str]:
     """The methods that read an attribute of an element of ``self.<path>`` outside its loop
     (``self.<path>[i].attr``, or ``b.attr`` in a comprehension over the list)."""
-    from ..inspect.loop_source import list_uses
+    from ..arch.loop_source import list_uses
 
     return sorted({e.split(":")[0] for e in list_uses(cls, [path])[path].element_attrs})
 
@@ -231,7 +231,7 @@ def _is_checkpoint_branch(stmt: ast.stmt) -> bool:
 
 def _the_loop(cls, fn: ast.FunctionDef, method: str, path: str) -> ast.For:
     """The one loop over ``self.<path>`` in ``fn`` to fold (of exclusive alternatives, the direct one)."""
-    from ..inspect.loop_source import for_reads_attributes
+    from ..arch.loop_source import for_reads_attributes
 
     loops = [n for n in ast.walk(fn) if isinstance(n, ast.For) and _loop_list(n)[0] == path
              and not for_reads_attributes(n)]
@@ -239,7 +239,7 @@ def _the_loop(cls, fn: ast.FunctionDef, method: str, path: str) -> ast.For:
         raise FoldError(f"{cls.__name__}.forward has no loop 'for ... in self.{path}' "
                         f"(or enumerate(self.{path})) to fold")
     if len(loops) > 1:
-        from ..inspect.loop_source import Flow
+        from ..arch.loop_source import Flow
 
         flow = Flow(fn)
         if not all(flow.never_both(a, b) for i, a in enumerate(loops) for b in loops[i + 1:]):
@@ -369,7 +369,7 @@ def _refuse_non_tensor_carried(loop: ast.For, path: str, carried: list[str]) -> 
 
 def loop_methods(cls, path: str) -> list[str]:
     """Every method that loops over ``self.<path>``, in the order ``list_uses`` finds them."""
-    from ..inspect.loop_source import list_uses
+    from ..arch.loop_source import list_uses
 
     loops = list_uses(cls, [path])[path].loops
     return list(dict.fromkeys(loop.split(":")[0] for loop in loops)) or ["forward"]
@@ -382,7 +382,7 @@ def plan_fold(cls, path: str) -> LoopFold:
     dispatching to ``_forward_train`` / ``_forward_cache`` / ...) is folded in each of them: the
     first method's fold, the others' in ``modes`` (each its own loop body; all carry as many
     streams, so the list has one forward pattern)."""
-    from ..inspect.loop_source import list_uses
+    from ..arch.loop_source import list_uses
 
     methods = loop_methods(cls, path)
     folds = [_plan_fold_in(cls, path, m) for m in methods]
@@ -449,7 +449,7 @@ def _plan_fold_in(cls, path: str, method: str) -> LoopFold:
 def _early_exits(loop: ast.For, path: str) -> list[str]:
     """The loop's own ``continue`` / ``break`` (folded: the block's body returns early); a
     ``return``, ``yield`` or ``for ... else`` cannot be folded (``FoldError``)."""
-    from ..inspect.loop_source import FOLDABLE_FLOW, own_flow_nodes
+    from ..arch.loop_source import FOLDABLE_FLOW, own_flow_nodes
 
     kinds = sorted({type(n).__name__.lower() for n in own_flow_nodes(loop.body)} | ({"for-else"} if loop.orelse else set()))
     bad = [k for k in kinds if k not in FOLDABLE_FLOW]
@@ -568,7 +568,7 @@ class _OriginalElements(ast.NodeTransformer):
 
     def _comprehension(self, node):
         """``[b.attn.processor for b in self.<path>]`` (elements only read): over the original blocks."""
-        from ..inspect.loop_source import comprehension_element_var, comprehension_reads_attributes
+        from ..arch.loop_source import comprehension_element_var, comprehension_reads_attributes
 
         self.generic_visit(node)
         for gen in node.generators:
@@ -593,7 +593,7 @@ class _OriginalElements(ast.NodeTransformer):
 
     def visit_For(self, node):
         """A ``for`` statement that only reads each element's attributes: over the original blocks."""
-        from ..inspect.loop_source import comprehension_element_var, for_reads_attributes
+        from ..arch.loop_source import comprehension_element_var, for_reads_attributes
 
         reads = for_reads_attributes(node)  # before the body's own reads are rewritten
         self.generic_visit(node)
@@ -651,7 +651,7 @@ def rewritten_method_source(cls, folds: list[LoopFold], method: str | None = Non
             if v.method == method:
                 by_path[f.path], mode[f.path] = v, (k if f.modes else None)
     controls: list[tuple[ast.For, str]] = []
-    from ..inspect.loop_source import for_reads_attributes
+    from ..arch.loop_source import for_reads_attributes
 
     for loop in [n for n in ast.walk(fn) if isinstance(n, ast.For) and not for_reads_attributes(n)]:
         path, block_var, _ = _loop_list(loop)

@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         argv = [line]
     spec = json.loads(Path(argv[0]).read_text())
-    from ..inspect.report import ArchReport
+    from ..arch.report import ArchReport
     from ..card import gate_check
     from ..loading import Placement, load_pipeline
     from . import strategies

@@ -32,7 +32,7 @@ from .verify import (OrderDependentCache, StrategyResult, check_cases, counted_r
                      evaluate, max_abs, noise_floor, order_check)
 # the 03_cache notebook imports this module (and the display helpers) only: the other names it uses
 from ..context import open_stage  # noqa: F401
-from ..inspect.report import ArchReport  # noqa: F401
+from ..arch.report import ArchReport  # noqa: F401
 from . import plots  # noqa: F401
 from .upstream import write_upstream  # noqa: F401
 

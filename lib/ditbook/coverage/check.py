@@ -146,8 +146,8 @@ def _check_cache(cls: type, steps: int, row: ClassOutcome):
 
 def _inspected_pipeline(cls: type, row: ClassOutcome):
     """The build+inputs and inspect stages: (model, inputs, traced report, steps pipeline)."""
-    from ..inspect.static import inspect_transformer
-    from ..inspect.trace import trace_calls
+    from ..arch.static import inspect_transformer
+    from ..arch.trace import trace_calls
 
     row.stage = "build+inputs"
     model, row.factor, kwargs = tiny_with_inputs(cls)

@@ -63,7 +63,7 @@ def cmd_inspect(args) -> int:
 
 def cmd_approve(args) -> int:
     from ..card import GateError, gate_problems
-    from .plan import approve, find_plan_file, not_this_models_plan, read_plan
+    from ..approval import approve, find_plan_file, not_this_models_plan, read_plan
 
     card, problems = gate_problems(args.card)
     if problems or card is None:  # an approval is for a card that can run

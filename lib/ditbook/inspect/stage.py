@@ -11,7 +11,7 @@ from pathlib import Path
 
 from .code_surface import CodeSurface, code_surface
 from .plan import build_plan, write_plan
-from .report import ArchReport
+from ..arch.report import ArchReport
 # the 02_inspect notebook imports this module (and the display helpers) only: the other names it uses
 from ..context import open_stage  # noqa: F401
 from .tables import block_rows, fact_rows  # noqa: F401
@@ -41,20 +41,11 @@ def source_paths(pipe) -> list[str]:
     return [p for p in paths if p]
 
 
-def inspect_knobs(card, steps: int | None = None, size: int | None = None) -> tuple[int, int | None]:
-    """Trace steps and size: arguments, else the card's ``inspect`` section, else 2 steps at the card's size."""
-    steps = steps or card.inspect.trace_steps
-    size = size or card.inspect.trace_size
-    return steps, (int(size) if size else None)
-
-
 def run_inspection(pipe, card, steps: int | None = None, size: int | None = None) -> Inspection:
-    from .static import inspect_transformer
-    from .trace import trace_pipeline
+    from ..arch import inspect_pipeline, trace_knobs
 
-    steps, size = inspect_knobs(card, steps, size)
-    report = inspect_transformer(pipe.transformer, type(pipe).__name__)
-    report = trace_pipeline(pipe, card, steps=steps, size=size, report=report)
+    steps, size = trace_knobs(card, steps, size)
+    report = inspect_pipeline(pipe, card, steps, size)
     surface = code_surface(source_paths(pipe), report)
     plan = build_plan(report, surface, card)
     traced = [int(size), int(size)] if size else [card.generation.height, card.generation.width]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .report import ArchReport
+from ..arch.report import ArchReport
 
 
 def block_rows(report: ArchReport) -> list[dict]:

@@ -9,7 +9,7 @@ import numpy as np
 
 from ..display import Table, image_grid, save_figure
 from ..quality import is_blank
-from .environment import environment_rows
+from ..environment import environment_rows
 from .reference import reference_facts, write_reference
 from ..render import is_video, render_all, save_renders
 from ..context import StageContext

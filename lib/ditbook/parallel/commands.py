@@ -26,7 +26,7 @@ def refusal(card_path: str, plans: list[str], arch: str | None, overrides: dict)
             refused.append(str(exc))
     if refused or not arch:
         return refused
-    from ..inspect.report import ArchReport
+    from ..arch.report import ArchReport
     from ..card import load_card
     from .feasibility import WORLD_SIZES, feasibility
     from .plans import parse_plan
@@ -89,7 +89,7 @@ def traced_arch(card) -> str | None:
 def static_refusal(card, plans: list[str]) -> list[str]:
     """Without an inspected run: what the model's config alone rules out — the head count split
     by Ulysses or TP (the transformer built on the meta device, no weights read)."""
-    from ..inspect.static import inspect_transformer
+    from ..arch.static import inspect_transformer
     from ..loading import build_meta_transformer
     from .plans import parse_plan
 

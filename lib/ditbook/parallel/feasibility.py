@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ..inspect.report import ArchReport, AttentionFacts
+from ..arch.report import ArchReport, AttentionFacts
 from ..card import ModelCard
 from .plans import own_ring, plan_name
 

@@ -30,7 +30,7 @@ from .launch import run_plans
 from .plans import parse_plan, refusal
 # the 04_parallel notebook imports this module (and the display helpers) only: the other names it uses
 from ..context import open_stage  # noqa: F401
-from ..inspect.report import ArchReport  # noqa: F401
+from ..arch.report import ArchReport  # noqa: F401
 from .feasibility import feasibility  # noqa: F401
 
 

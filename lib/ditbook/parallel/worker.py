@@ -334,7 +334,7 @@ def apply_kinds(pipe, card, spec) -> dict:
     noop = noop_kinds()
     out: dict = {}
     if spec.tp > 1:
-        from ..inspect.static import inspect_transformer
+        from ..arch.static import inspect_transformer
         from .cp_plan import capture_transformer_call
         from .tensor import TensorRecorder, apply_tensor_parallel, resolve_tensor_plan
 
@@ -377,9 +377,9 @@ def cache_target(pipe, card):
 
     if cache_dit_adapter_builds(pipe):
         return pipe, "cache-dit"
-    from ..inspect.stage import run_inspection
+    from ..arch import inspect_pipeline
 
-    report = run_inspection(pipe, card).report
+    report = inspect_pipeline(pipe, card)
     adapter = build_cache_adapter(pipe, report, card.name, prefer_registered=False)
     if not adapter.info.block_lists:
         raise CacheRefused(f"+cache: cache-dit has no adapter for {type(pipe).__name__} and the inspection found "

@@ -29,7 +29,7 @@ class PABSettings:
 def attention_targets(blocks) -> list:
     """The outermost attention modules inside ``blocks`` (the inspection's definition), self
     attention only."""
-    from ...inspect.static import attention_modules
+    from ...arch.static import attention_modules
 
     out = []
     for block in blocks:
