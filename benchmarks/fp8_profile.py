@@ -3,7 +3,7 @@ call (widths, heads and token counts of FLUX.1-dev at 1024², random weights, bf
 regionally, per row:
 
 - ``bf16``: the blocks as they are;
-- ``fp8-row``: the block linears in fp8 as ``ditbook.benchmark.fp8`` ships them (torchao float8,
+- ``fp8-row``: the block linears in fp8 as ``ditbook.accel.fp8`` ships them (torchao float8,
   dynamic e4m3 activations and weights, per-row scales);
 - ``fp8-tensor``: the same with per-tensor scales (one scale per activation / weight tensor).
 
@@ -100,7 +100,7 @@ def transformer_inputs(tr, tokens: int, text_tokens: int, device, dtype) -> dict
 def _fp8_config(granularity: str):
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, PerTensor
 
-    from ditbook.benchmark.fp8 import float8_config
+    from ditbook.accel.fp8 import float8_config
 
     if granularity == "row":
         return float8_config()  # what ditbook ships
@@ -177,8 +177,8 @@ def run_row(name: str, make, inputs: dict, device, repeats: int, top: int, backe
             graph: bool = False) -> dict:
     from torch._dynamo.utils import counters
 
-    from ditbook.benchmark.compiled import compile_regions
-    from ditbook.benchmark.fp8 import Fp8Refused, apply_fp8, fp8_refusal
+    from ditbook.accel.compiled import compile_regions
+    from ditbook.accel.fp8 import Fp8Refused, apply_fp8, fp8_refusal
 
     row: dict = {"row": name}
     tr = make()

@@ -4,7 +4,7 @@ rows use (``cache+fp8``: the combined error, which failed the gates at 27.3 dB w
 linear in fp8).
 
 1. **Sensitivity, measured on the model:** the transformer's inputs are recorded during one render
-   (``ditbook.benchmark.fp8.capture_calls``); each block linear alone is put in fp8 and the recorded
+   (``ditbook.accel.fp8.capture_calls``); each block linear alone is put in fp8 and the recorded
    calls rerun; its error is the output's relative L2 distance (``layer_sensitivity``). No layer is
    chosen by its name.
 2. **fp8 only where the error budget allows:** the k most sensitive layers stay in bf16, for k in
@@ -38,7 +38,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from speedsuite.suite import chosen_schedule  # noqa: E402
 
-from ditbook.benchmark.fp8 import apply_fp8, capture_calls, float8_config, fp8_layers, fp8_refusal, layer_sensitivity  # noqa: E402
+from ditbook.accel.fp8 import (apply_fp8, capture_calls, float8_config, fp8_layers, fp8_refusal, layer_sensitivity)  # noqa: E402
 from ditbook.quality import compare_sets  # noqa: E402
 
 KEEP = (0, 2, 4, 8, 13, 26)

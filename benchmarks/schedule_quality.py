@@ -55,7 +55,7 @@ def main(argv=None) -> int:
                     help="judge every schedule with the transformer's block linears in fp8 (torchao float8)")
     args = ap.parse_args(argv)
     if args.fp8:
-        from ditbook.benchmark.fp8 import fp8_refusal
+        from ditbook.accel.fp8 import fp8_refusal
 
         why = fp8_refusal(args.device)
         if why:  # before the model loads: a refusal with its reason, not a traceback minutes later
@@ -79,7 +79,7 @@ def main(argv=None) -> int:
     rows = []
     try:
         if args.fp8:  # from here on every render has the block linears in fp8; the references above do not
-            from ditbook.benchmark.fp8 import apply_fp8
+            from ditbook.accel.fp8 import apply_fp8
 
             undo_fp8, record = apply_fp8(pipe.transformer)
             alone = {split: compare_sets(images(pipe, card, seeds, args.steps), ref, gates)

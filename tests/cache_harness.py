@@ -12,10 +12,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ditbook.cache import strategies
-from ditbook.cache.adapter import CacheRefused, build_cache_adapter, run_time_refusals
-from ditbook.cache.counting import EvalCounter
-from ditbook.cache.loopfold import FoldError
+from ditbook import accel
+from ditbook.adapter.build import CacheRefused, build_cache_adapter, run_time_refusals
+from ditbook.adapter.loopfold import FoldError
 from ditbook.arch.static import inspect_transformer
 from ditbook.arch.trace import trace_calls
 
@@ -59,18 +58,11 @@ class StepsPipeline:
 
 
 def _cached(pipe, adapter, cfg, steps: int):
-    strat = strategies.get("dbcache")
-    counter = EvalCounter(pipe.transformer, adapter.original_blocks())
-    undo = None
+    handle = accel.get("dbcache").apply(pipe, cfg, adapter=adapter, steps=steps)
     try:
-        undo = strat.apply(pipe, adapter, cfg, steps=steps)
-        return pipe(steps), counter.snapshot()["block_evals"]
+        return pipe(steps), handle.record().block_evals
     finally:
-        try:
-            if undo is not None:
-                undo()
-        finally:
-            counter.remove()
+        handle.undo()
 
 
 def _check(cls, row: Row, inputs: dict | None, steps: int) -> None:
@@ -86,7 +78,7 @@ def _check(cls, row: Row, inputs: dict | None, steps: int) -> None:
     row.stage = "adapter"
     adapter = build_cache_adapter(pipe, report, f"harness_{cls.__name__}")
     row.folded = bool(adapter.info.patch_functor)
-    strat = strategies.get("dbcache")
+    strat = accel.get("dbcache")
     row.stage = "cache-off"
     off, total = _cached(pipe, adapter, strat.disabled(adapter, steps), steps)
     row.off_max_abs = max(float((a - b).abs().max()) for a, b in zip(off, plain))
@@ -94,7 +86,7 @@ def _check(cls, row: Row, inputs: dict | None, steps: int) -> None:
         row.outcome, row.reason = "wrong", f"caching off differs from the plain forward: max abs {row.off_max_abs:.3g}"
         return
     row.stage = "cache-on"
-    outs, ran = _cached(pipe, adapter, strat.Config(Fn=1, Bn=0, threshold=1.0, max_warmup_steps=1), steps)
+    outs, ran = _cached(pipe, adapter, strat.Settings(Fn=1, Bn=0, threshold=1.0, max_warmup_steps=1), steps)
     row.skipped = f"{total - ran} of {total}"
     if not all(torch.isfinite(o).all() for o in outs) or ran >= total:
         row.outcome, row.reason = "wrong", f"caching on: finite {all(torch.isfinite(o).all() for o in outs)}, ran {ran} of {total}"

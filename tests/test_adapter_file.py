@@ -34,7 +34,7 @@ def _render_from_file(s, path: Path, config: dict) -> dict:
 
 
 def test_stage_cached_images_come_from_the_emitted_module_file(tiny_run):
-    from ditbook.cache import strategies
+    from ditbook import accel
     from ditbook.cache.verify import evaluate, max_abs
 
     card, run, pipe, report = tiny_run
@@ -48,14 +48,14 @@ def test_stage_cached_images_come_from_the_emitted_module_file(tiny_run):
         assert pipe.transformer.forward.__func__.__code__.co_filename == str(path)
         assert type(pipe.transformer.blocks[0]).forward.__code__.co_filename == str(path)
     s.noise_floor(other_backend=False)
-    strat = strategies.get("dbcache")
+    strat = accel.get("dbcache")
     gen = s.card.generation
     cfg = strat.grid(s.adapter, gen.steps)[0]
     stage_images: dict = {}
     res = evaluate(pipe, s.card, s.adapter, "dbcache", cfg, s.baseline, s.baseline_counts, s.gates, gen.prompts,
                    gen.seeds, keep_images=stage_images)
     assert res.error is None, res.error
-    config = strat.config_dict(cfg)
+    config = strat.settings_dict(cfg)
     assert max_abs(_render_from_file(s, path, config), stage_images) == 0.0
     assert text.count(_SCALE_AT) == 1
     try:  # the file's folded forward scales its output: the cached images follow the file
@@ -156,7 +156,7 @@ def test_inherited_forward_is_folded_with_the_names_of_its_own_module(tmp_path):
 
 
 def test_emitted_module_imports_names_from_the_defining_module_and_aliases_collisions(tmp_path):
-    from ditbook.cache.adapter_source import ModelNames, _OWN
+    from ditbook.adapter.source import ModelNames, _OWN
 
     import torch.nn.functional
 

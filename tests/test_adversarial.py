@@ -1063,12 +1063,12 @@ def test_cache_unknown_strategy_on_a_finished_run(tmp_path, capsys):
 
 
 def test_cache_known_strategy_on_a_finished_run(tmp_path, capsys):
-    from ditbook.cache import strategies
+    from ditbook import accel
 
     card = synthetic_card(tmp_path)
     run = make_run(tmp_path, card, status="finished")
     before = snapshot(run.path)
-    code, _, err = cli(capsys, "cache", card, "--run", run.path, "--strategies", strategies.names()[0])
+    code, _, err = cli(capsys, "cache", card, "--run", run.path, "--strategies", accel.names("cache")[0])
     assert code == 2 and "finished" in err
     assert snapshot(run.path) == before
 
@@ -1081,7 +1081,7 @@ def test_cache_empty_strategy_list(tmp_path, capsys):
 
 
 def test_cache_on_a_run_another_process_writes(tmp_path, capsys):
-    from ditbook.cache import strategies
+    from ditbook import accel
 
     card = synthetic_card(tmp_path)
     run = make_run(tmp_path, card)
@@ -1089,7 +1089,7 @@ def test_cache_on_a_run_another_process_writes(tmp_path, capsys):
     holder = sleeper()
     try:
         run.lock_path.write_text(f"{holder.pid} ditbook run\n")
-        code, _, err = cli(capsys, "cache", card, "--run", run.path, "--strategies", strategies.names()[0])
+        code, _, err = cli(capsys, "cache", card, "--run", run.path, "--strategies", accel.names("cache")[0])
     finally:
         holder.kill()
         holder.wait()

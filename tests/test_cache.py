@@ -92,14 +92,14 @@ def test_third_party_adapter_folds_loop_and_reproduces_baseline(tiny_run):
 
 
 def test_strategies_skip_blocks_with_quality_and_wrong_adapter_is_caught(tiny_run):
-    from ditbook.cache import strategies
+    from ditbook import accel
     from ditbook.cache.verify import evaluate
 
     card, run, pipe, report = tiny_run
     s = session_for(card, run, pipe, report)
     s.noise_floor()
     gen = s.card.generation
-    cfg = strategies.get("dbcache").Config(Fn=1, threshold=0.08, max_warmup_steps=1)
+    cfg = accel.get("dbcache").Settings(Fn=1, threshold=0.08, max_warmup_steps=1)
     good = evaluate(pipe, s.card, s.adapter, "dbcache", cfg, s.baseline, s.baseline_counts, s.gates,
                     gen.prompts, gen.seeds)
     assert good.error is None and good.passed and good.skipped_fraction >= 0.4 and good.cached_steps > 0
@@ -107,16 +107,16 @@ def test_strategies_skip_blocks_with_quality_and_wrong_adapter_is_caught(tiny_ru
 
     # a deliberately wrong adapter: the loop body returns (x, context) but the adapter declares
     # Pattern_1 (encoder first): verification must fail it, even with caching turned off
-    from ditbook.cache.adapter import build_cache_adapter
+    from ditbook.adapter.build import build_cache_adapter
 
     wrong = build_cache_adapter(pipe, report, "tiny-wrong", pattern_overrides={"blocks": "Pattern_1"})
-    for c in (strategies.get("dbcache").disabled(wrong, gen.steps), cfg):
+    for c in (accel.get("dbcache").disabled(wrong, gen.steps), cfg):
         bad = evaluate(pipe, s.card, wrong, "dbcache", c, s.baseline, s.baseline_counts, s.gates, gen.prompts,
                        gen.seeds)
         assert not bad.passed  # caught: it either breaks the run or the images
         assert bad.error or bad.quality["psnr_min"] < 30, bad
     # and the pipeline is intact afterwards
-    again = evaluate(pipe, s.card, s.adapter, "dbcache", strategies.get("dbcache").disabled(s.adapter, gen.steps),
+    again = evaluate(pipe, s.card, s.adapter, "dbcache", accel.get("dbcache").disabled(s.adapter, gen.steps),
                      s.baseline, s.baseline_counts, s.gates, gen.prompts, gen.seeds)
     assert again.passed and again.quality["max_abs"] <= 1e-5
 
@@ -125,7 +125,7 @@ def test_search_rows_stop_rendering_at_the_first_failing_case(tiny_run):
     """The search stops a configuration's renders at the first case that fails a gate (every gate
     holds per image, so the verdict is already known), and says where; a passing configuration
     still renders every case, and the checks that need every image are unchanged."""
-    from ditbook.cache import strategies
+    from ditbook import accel
     from ditbook.cache.verify import evaluate
     from ditbook.quality import Gates
     from ditbook.render import cases
@@ -136,7 +136,7 @@ def test_search_rows_stop_rendering_at_the_first_failing_case(tiny_run):
     gen = s.card.generation
     total = len(gen.prompts) * len(gen.seeds)
     assert total >= 2
-    harsh = strategies.get("dbcache").Config(Fn=1, threshold=5.0, max_warmup_steps=0)
+    harsh = accel.get("dbcache").Settings(Fn=1, threshold=5.0, max_warmup_steps=0)
     strict = Gates(psnr=90.0)  # a skipping configuration fails these on some case
     full = evaluate(pipe, s.card, s.adapter, "dbcache", harsh, s.baseline, s.baseline_counts, strict,
                     gen.prompts, gen.seeds)
@@ -150,7 +150,7 @@ def test_search_rows_stop_rendering_at_the_first_failing_case(tiny_run):
         assert short.stopped == f"stopped at {order[first]}, which failed the gates ({first + 1} of {total} cases rendered)"
         assert short.quality["psnr_min"] >= full.quality["psnr_min"]  # the worst of fewer cases
         assert short.counts["baseline_block_evals"] < s.baseline_counts["block_evals"]
-    good = strategies.get("dbcache").Config(Fn=1, threshold=0.08, max_warmup_steps=1)
+    good = accel.get("dbcache").Settings(Fn=1, threshold=0.08, max_warmup_steps=1)
     kept = evaluate(pipe, s.card, s.adapter, "dbcache", good, s.baseline, s.baseline_counts, s.gates,
                     gen.prompts, gen.seeds, stop_at_failure=True)
     assert kept.passed and kept.stopped is None and kept.quality["n"] == total
@@ -177,9 +177,15 @@ def test_teacache_polynomial_is_fitted_on_the_model(tiny_run):
     s = session_for(card, run, pipe, report, only=["teacache_fitted"])
     s.noise_floor()
     cal = s.calibrate()
-    coeffs = cal["teacache_coefficients"]
-    records = s.calibration["records"]
+    coeffs = cal["teacache_fitted"]["coefficients"]
     assert len(coeffs) == 3 and coeffs != [1.0, 0.0]
+    from ditbook.accel.teacache_fitted import TeaCacheFitted
+    from ditbook.cache.verify import counted_render
+
+    gen = s.card.generation
+    again, records = TeaCacheFitted.fit(s.adapter, lambda: counted_render(s.pipe, s.card, s.adapter, gen.prompts,
+                                                                          gen.seeds))
+    assert again == coeffs  # the stage's calibration is this fit on the calibration cases
     steps = s.card.generation.steps
     assert len(records) == len(s.card.generation.prompts) * len(s.card.generation.seeds) * (steps - 1)
     x = np.array([r["x"] for r in records])
@@ -209,7 +215,7 @@ def test_stage_notebook_end_to_end(tmp_path):
     assert (run.path / "cache" / res["adapter_module"]).is_file()
     assert res["chosen"] is not None and {"name", "family", "config"} <= set(res["chosen"])
     assert res["reproduction"]["ok"] and res["reproduction"]["max_abs"] <= 1e-5
-    for png in ("tradeoff.png", "residual_change.png", "grid_chosen.png"):
+    for png in ("tradeoff.png", "grid_chosen.png"):
         assert (run.path / "cache" / png).is_file()
 
     from ditbook.cache import configs_from_results
@@ -246,7 +252,7 @@ def test_zoo_adapter_with_caching_disabled_reproduces_baseline(name, tmp_path):
     from ditbook import zoo
     from ditbook.inspect.stage import run_inspection
     from ditbook.quality import Gates
-    from ditbook.cache.adapter import build_cache_adapter
+    from ditbook.adapter.build import build_cache_adapter
     from ditbook.cache.verify import counted_render, disabled_check
     from ditbook.card import _from_mapping
 
@@ -328,7 +334,7 @@ def test_reference_model_skips_40pct_with_quality_on_holdout(tmp_path):
 def _dropped_step_adapter(pipe, report):
     """A deliberately wrong adapter: the folded loop body hands every block the first block's
     embedding (``owner.block_embed[0]`` for ``[i]``): it runs, and silently changes the output."""
-    from ditbook.cache.adapter import CacheAdapter, build_cache_adapter, import_adapter_module
+    from ditbook.adapter.build import CacheAdapter, build_cache_adapter, import_adapter_module
 
     good = build_cache_adapter(pipe, report, "tiny-dropped-step")
     assert "owner.block_embed[i]" in good.source
@@ -355,7 +361,7 @@ def test_wrong_adapter_stops_the_cache_stage(tiny_run):
 
 def test_refused_adapter_lets_the_run_go_on(tiny_run, monkeypatch):
     from ditbook.cache import benchmark_configs, stage
-    from ditbook.cache.adapter import CacheRefused
+    from ditbook.adapter.build import CacheRefused
 
     card, run, pipe, report = tiny_run
 
@@ -380,7 +386,7 @@ def test_failed_fold_leaves_the_instance_as_it_was(tiny_run):
     import torch
 
     card, run, pipe, report = tiny_run
-    from ditbook.cache.adapter import build_cache_adapter
+    from ditbook.adapter.build import build_cache_adapter
 
     adapter = build_cache_adapter(pipe, report, "tiny-atomic")
     t = pipe.transformer
@@ -412,7 +418,7 @@ def test_failed_fold_leaves_the_instance_as_it_was(tiny_run):
 def test_generated_adapter_import_leaves_no_temp_folder():
     import tempfile
 
-    from ditbook.cache.adapter import import_adapter_module
+    from ditbook.adapter.build import import_adapter_module
 
     tmp = Path(tempfile.gettempdir())
     before = set(tmp.glob("ditbook_adapter_*"))
@@ -424,7 +430,7 @@ def test_generated_adapter_import_leaves_no_temp_folder():
 def test_prefix_only_cache_dit_registration_falls_back_to_ours(tiny_run):
     # cache-dit matches registrations by pipeline-name prefix: a pipeline that merely starts with
     # "Flux" gets cache-dit's Flux factory, which refuses this transformer; ditbook's adapter is used
-    from ditbook.cache.adapter import build_cache_adapter, cache_dit_adapter_builds
+    from ditbook.adapter.build import build_cache_adapter, cache_dit_adapter_builds
 
     card, run, pipe, report = tiny_run
     original = type(pipe)
@@ -443,7 +449,7 @@ def test_prefix_only_cache_dit_registration_falls_back_to_ours(tiny_run):
 def test_fold_skipped_by_a_foreign_patched_mark_is_an_error(tiny_run):
     # cache-dit's PatchFunctor.apply skips an instance another functor marked _is_patched; the
     # blocks would then not be the loop bodies the declared patterns describe
-    from ditbook.cache.loopfold import FoldError
+    from ditbook.adapter.loopfold import FoldError
 
     card, run, pipe, report = tiny_run
     s = session_for(card, run, pipe, report)
@@ -467,16 +473,16 @@ def test_diffusers_block_strategies_leave_diffusers_registry_as_it_was(tiny_run,
     # on (hooks.set_item) and taken out by its undo: the registry holds the same entries after
     from diffusers.hooks._helpers import TransformerBlockRegistry
 
-    from ditbook.cache import strategies
-    from ditbook.cache.adapter import build_cache_adapter
+    from ditbook import accel
+    from ditbook.adapter.build import build_cache_adapter
 
     card, run, pipe, report = tiny_run
     adapter = build_cache_adapter(pipe, report, "tiny-registry")
-    strat = strategies.get(name)
+    strat = accel.get(name)
     assert strat.applicable(adapter) is None
     TransformerBlockRegistry._register()  # diffusers' own lazy fill, what any apply_* call does first
     before = dict(TransformerBlockRegistry._registry)
-    undo = strat.apply(pipe, adapter, strat.config(), steps=8)
+    undo = strat.apply(pipe, strat.settings(), adapter=adapter, steps=8)
     try:  # the cached blocks' class (the folded loop body here) is registered while the strategy is on
         block_cls = type(adapter.block_lists()[0][1][0])
         assert block_cls in TransformerBlockRegistry._registry and block_cls not in before
@@ -492,7 +498,7 @@ def test_importing_the_adapter_file_leaves_cache_dits_table_untouched(tmp_path):
     from cache_dit import BlockAdapterRegister
 
     from ditbook import hooks
-    from ditbook.cache.adapter import load_adapter_module
+    from ditbook.adapter.build import load_adapter_module
 
     class Watched(dict):
         writes: list = []
@@ -530,7 +536,7 @@ def test_a_registered_factory_that_builds_nothing_is_not_used(tiny_run):
     from cache_dit import BlockAdapterRegister
 
     from ditbook import hooks
-    from ditbook.cache.adapter import build_cache_adapter, cache_dit_adapter_builds
+    from ditbook.adapter.build import build_cache_adapter, cache_dit_adapter_builds
 
     card, run, pipe, report = tiny_run
     with hooks.set_item(BlockAdapterRegister._adapters, type(pipe).__name__, lambda pipe, **kw: None):
@@ -560,7 +566,7 @@ def test_scm_grid_masks_skip_steps_and_are_named_apart():
     """Each SCM grid mask has the run's length, computes its first and last steps and skips at
     least one; two masks never share a row name; a run too short to skip a step gets no grid
     (where building a mask used to raise)."""
-    from ditbook.cache.strategies.scm import SCM, SCMSettings
+    from ditbook.accel.scm import SCM, SCMSettings
     from ditbook.configuration import row_name
 
     for steps in (1, 2, 3):
@@ -571,7 +577,7 @@ def test_scm_grid_masks_skip_steps_and_are_named_apart():
         for c in grid:
             assert len(c.mask) == steps and c.mask[0] == 1 and c.mask[-1] == 1 and 0 < sum(c.mask) < steps
             assert c.computed == sum(c.mask) and c.policy == "static" and c.taylorseer_order in (0, 2)
-        names = [row_name("scm", SCM.config_dict(c)) for c in grid]
+        names = [row_name("scm", SCM.settings_dict(c)) for c in grid]
         assert len(set(names)) == len(names), names
         assert [c.computed for c in grid] == sorted((c.computed for c in grid), reverse=True)  # gentlest first
     # the count follows the mask given, whatever the recorded count says
@@ -579,7 +585,7 @@ def test_scm_grid_masks_skip_steps_and_are_named_apart():
 
 
 def test_an_empty_grid_leaves_the_strategy_without_rows(tiny_run, monkeypatch):
-    from ditbook.cache.strategies.scm import SCM
+    from ditbook.accel.scm import SCM
 
     card, run, pipe, report = tiny_run
     s = session_for(card, run, pipe, report)

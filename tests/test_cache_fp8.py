@@ -123,7 +123,7 @@ def test_the_search_keeps_the_most_sensitive_layers_until_the_held_out_seeds_pas
 
 
 def _one_call(session) -> dict:
-    from ditbook.benchmark.fp8 import capture_calls
+    from ditbook.accel.fp8 import capture_calls
     from ditbook.cache.verify import render_set
 
     gen = session.card.generation
@@ -195,7 +195,7 @@ def test_the_verdict_ships_the_fp8_composition_only_when_faster_correct_and_repr
 
 
 def test_the_benchmark_times_the_composition_warm_and_gives_it_no_second_fp8_twin():
-    from ditbook.benchmark.fp8 import Fp8Refused  # noqa: F401  (the module the twins come from)
+    from ditbook.accel.fp8 import Fp8Refused  # noqa: F401  (the module the twins come from)
     from ditbook.benchmark.variants import fp8_configs
     from ditbook.configuration import Config
 
@@ -212,7 +212,7 @@ def test_the_benchmark_times_the_composition_warm_and_gives_it_no_second_fp8_twi
     from ditbook.benchmark import variants
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("ditbook.benchmark.fp8.fp8_refusal", lambda device, **k: None)
+        mp.setattr("ditbook.accel.fp8.fp8_refusal", lambda device, **k: None)
         names = [c.name for c in variants.fp8_configs(Pipe(), [plain, composed], log=lambda m: None)]
     assert names == ["fp8", "dbcache[threshold=0.2]+fp8"]
 

@@ -144,7 +144,7 @@ def build_tiny(folder, seed: int = 0, layers: int = 6):
 
 
 def test_fold_plan_reads_the_loop():
-    from ditbook.cache.loopfold import plan_fold
+    from ditbook.adapter.loopfold import plan_fold
 
     fold = plan_fold(TinyGQATransformer, "blocks")
     assert fold.block_var == "block" and fold.index_var == "i"

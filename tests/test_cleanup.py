@@ -55,7 +55,7 @@ def test_importing_generated_adapter_source_leaves_no_temp_folder():
     """Issue 17: importing a generated adapter left /tmp/ditbook_adapter_* folders behind."""
     import tempfile
 
-    from ditbook.cache.adapter import import_adapter_module
+    from ditbook.adapter.build import import_adapter_module
 
     before = {p.name for p in Path(tempfile.gettempdir()).iterdir()}
     module = import_adapter_module("VALUE = 17\n", None, "cleanup_probe")
@@ -67,7 +67,7 @@ def test_importing_generated_adapter_source_leaves_no_temp_folder():
 def test_adapter_file_is_written_even_when_the_same_source_was_imported_before(tmp_path):
     # the run folder's adapter file is part of its record: a second run with the same model in the
     # same process (same source, module already imported) must still get its file
-    from ditbook.cache.adapter import import_adapter_module
+    from ditbook.adapter.build import import_adapter_module
 
     source = "VALUE = 42\n"
     first = import_adapter_module(source, tmp_path / "a" / "adapter_x.py", name="x")

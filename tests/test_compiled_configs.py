@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ditbook.benchmark.compiled import compile_options, compile_regions, compiled_config
+from ditbook.accel.compiled import compile_options, compile_regions, compiled_config
 from ditbook.configuration import Config, baseline_config
 
 
@@ -107,7 +107,7 @@ def test_model_without_blocks_is_refused_and_left_as_it_was():
 
 def test_parallel_compile_is_the_same_regional_helper(monkeypatch):
     # the parallel stage's +compile and the benchmark's compiled rows compile through one helper
-    from ditbook import regional
+    from ditbook.accel import compile as regional
     from ditbook.parallel.worker import compile_repeated_blocks
 
     torch._dynamo.reset()
@@ -170,15 +170,15 @@ def test_cache_stage_measures_the_chosen_configuration_compiled(tmp_path):
     """The cache stage's compiled check on the third-party tiny model (its block lists, no
     ``_repeated_blocks``): same images as uncompiled, times and compile cost recorded, everything
     undone; with no chosen configuration it says so instead."""
-    from ditbook.cache import strategies
+    from ditbook import accel
     from test_cache import prepared_run, session_for, tiny_card
 
     card = tiny_card(tmp_path)
     run, pipe, report = prepared_run(card, tmp_path / "outputs")
     s = session_for(card, run, pipe, report)
     assert s.compiled_check("eager") == {"ran": False, "reason": "no configuration passed on held-out cases"}
-    strat = strategies.get("dbcache")
-    s.chosen = {"name": "dbcache", "family": strat.family, "config": strat.config_dict(strat.Config(Fn=1, threshold=0.08, max_warmup_steps=1))}
+    strat = accel.get("dbcache")
+    s.chosen = {"name": "dbcache", "family": strat.family, "config": strat.settings_dict(strat.Settings(Fn=1, threshold=0.08, max_warmup_steps=1))}
     counting = CountingBackend()
     out = s.compiled_check(counting)
     assert counting.graphs >= 1 and counting.runs > 0  # the blocks really ran compiled
@@ -190,7 +190,7 @@ def test_cache_stage_measures_the_chosen_configuration_compiled(tmp_path):
 
 
 def test_compile_cost_estimate_is_not_fooled_by_cheap_cached_steps():
-    from ditbook.benchmark.compiled import CompileProbe
+    from ditbook.accel.compiled import CompileProbe
 
     probe = CompileProbe(calls=7, cuda=False)
     probe.times = [5.0, 1.0, 0.1, 1.0, 0.1, 1.0, 10.0]  # compile, computed/cached steps, one recompile

@@ -11,7 +11,7 @@ import pytest
 
 import torch
 
-from ditbook.benchmark.compiled import compiled_config
+from ditbook.accel.compiled import compiled_config
 from ditbook.configuration import Config
 from speedsuite.compose import ROWS, graph_config, main
 from speedsuite.schedules import ditbook_schedule
@@ -96,7 +96,7 @@ def test_quality_rows_are_judged_on_the_reference_model_without_being_timed(tmp_
 def test_the_decoder_row_compiles_the_image_decoder_too_and_undoes_it_exactly():
     from speedsuite.compose import row_configs
     from speedsuite.fullsize import flux_pipeline
-    from ditbook.regional import DecoderUnavailable, compile_decoder
+    from ditbook.accel.compile import DecoderUnavailable, compile_decoder
 
     steps = 6
     sched = ditbook_schedule(steps, warmup=2, computed=3)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ditbook.cache import loopfold
+from ditbook.adapter import loopfold
 from cache_harness import cache_check
 from ditbook.arch.loop_source import list_uses
 

@@ -38,7 +38,7 @@ def test_shrink_rules_are_generic():
 def test_a_wrong_pattern_is_never_reported_correct(monkeypatch):
     # a deliberately wrong adapter (the image stream declared second): here cache-dit cannot even
     # call the blocks (crash); the check must never pass it
-    from ditbook.cache import adapter as adapter_mod
+    from ditbook.adapter import build as adapter_mod
 
     original = adapter_mod.build_cache_adapter
 
@@ -71,7 +71,7 @@ def test_a_dropped_loop_step_is_reported_wrong(monkeypatch):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from test_integration_mechanisms import LoopWorkInHelper
 
-    from ditbook.cache import adapter as adapter_mod
+    from ditbook.adapter import build as adapter_mod
 
     original = adapter_mod.build_cache_adapter
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import torch
 
-from ditbook.cache.strategies.diffusers_fastercache import LayoutByRank, tensor_layout
+from ditbook.accel.diffusers_fastercache import LayoutByRank, tensor_layout
 
 
 class Identity(torch.nn.Module):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ditbook.benchmark.fp8 import Fp8Refused, apply_fp8, fp8_config, fp8_layers, fp8_refusal
+from ditbook.accel.fp8 import Fp8Refused, apply_fp8, fp8_config, fp8_layers, fp8_refusal
 from ditbook.benchmark.variants import derived_configs, fp8_configs
 from ditbook.card import CardError, load_card
 
@@ -90,7 +90,7 @@ def test_the_card_setting_is_typed(tmp_path):
 def test_capture_calls_keeps_every_nth_call_as_keywords_and_removes_its_hook():
     fp = _tiny_flux()
     tr = fp.pipe.transformer
-    from ditbook.benchmark.fp8 import capture_calls
+    from ditbook.accel.fp8 import capture_calls
 
     calls = capture_calls(tr, lambda: fp(num_inference_steps=4), every=2)
     assert len(calls) == 2 and not tr._forward_pre_hooks
@@ -104,7 +104,7 @@ def test_layer_sensitivity_ranks_the_layer_that_changes_the_output_most_and_undo
     """A stand-in for fp8 (the CPU has none): it scales one layer's weight, by far the most for one
     layer; the measurement must rank that layer first, give an untouched-output layer no error, and
     leave the model as it was."""
-    from ditbook.benchmark.fp8 import capture_calls, layer_sensitivity
+    from ditbook.accel.fp8 import capture_calls, layer_sensitivity
 
     fp = _tiny_flux()
     tr = fp.pipe.transformer

@@ -197,7 +197,7 @@ def _pristine(*mods):
 
 
 def test_eval_counter_counts_then_comes_off_exactly():
-    from ditbook.cache.counting import EvalCounter
+    from ditbook.adapter.counting import EvalCounter
 
     t = Tiny()
     x, c = _inputs()
@@ -212,7 +212,7 @@ def test_eval_counter_counts_then_comes_off_exactly():
 
 
 def test_eval_counter_failing_half_way_leaves_the_model_as_it_was():
-    from ditbook.cache.counting import EvalCounter
+    from ditbook.adapter.counting import EvalCounter
 
     t = Tiny()
     wrap_method(t.blocks[2].attn, "ditbook.count-evals", add(0))  # the last wrap it tries is taken
@@ -243,13 +243,13 @@ class _Adapter:
 
 
 def test_teacache_fitted_applies_and_undoes_exactly():
-    from ditbook.cache.strategies.teacache_fitted import TeaCacheFitted, TeaCacheSettings
+    from ditbook.accel.teacache_fitted import TeaCacheFitted, TeaCacheSettings
 
     t = Tiny()
     x, c = _inputs()
     ref = t(x, c, timestep=torch.tensor([1.0]))
     adapter = _Adapter(t)
-    undo = TeaCacheFitted.apply(None, adapter, TeaCacheSettings(threshold=0.0))  # never skips
+    undo = TeaCacheFitted.enable(None, adapter, TeaCacheSettings(threshold=0.0))  # never skips
     assert wrap_names(t.blocks[0]) == ["ditbook.teacache-fitted"] and adapter.patches == 1
     assert torch.equal(t(x, c, timestep=torch.tensor([1.0])), ref)
     undo()
@@ -258,13 +258,13 @@ def test_teacache_fitted_applies_and_undoes_exactly():
 
 
 def test_teacache_fitted_failing_half_way_leaves_the_model_as_it_was():
-    from ditbook.cache.strategies.teacache_fitted import TeaCacheFitted, TeaCacheSettings
+    from ditbook.accel.teacache_fitted import TeaCacheFitted, TeaCacheSettings
 
     t = Tiny()
     adapter = _Adapter(t)
     wrap_method(t.blocks[1], "ditbook.teacache-fitted", add(0))
     with pytest.raises(WrapError, match="already wrapped"):
-        TeaCacheFitted.apply(None, adapter, TeaCacheSettings())
+        TeaCacheFitted.enable(None, adapter, TeaCacheSettings())
     assert _pristine(t, t.blocks[0], t.blocks[2]) and not t._forward_pre_hooks and adapter.patches == 0
 
 

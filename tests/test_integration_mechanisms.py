@@ -445,7 +445,7 @@ def test_loop_carrying_more_names_than_streams_is_folded():
     row = run(CounterFromStream)
     assert row.outcome == "refused" and "cannot be" in row.reason, row.reason
     import pytest
-    from ditbook.cache.loopfold import FoldError, plan_fold
+    from ditbook.adapter.loopfold import FoldError, plan_fold
 
     with pytest.raises(FoldError, match="depend on the blocks' outputs"):
         plan_fold(CounterFromStream, "blocks")

@@ -11,7 +11,7 @@ import math
 import pytest
 from test_integration_mechanisms import Base, run
 
-from ditbook.cache.loopfold import FoldError, plan_fold
+from ditbook.adapter.loopfold import FoldError, plan_fold
 
 
 class LevelFromStream(Base):

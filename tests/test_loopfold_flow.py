@@ -11,7 +11,7 @@ import ast
 
 from test_integration_mechanisms import Base, run
 
-from ditbook.cache.loopfold import FoldError, loop_body_source, plan_fold
+from ditbook.adapter.loopfold import FoldError, loop_body_source, plan_fold
 from ditbook.arch.loop_source import list_uses, own_flow_nodes
 
 import pytest

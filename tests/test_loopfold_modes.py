@@ -20,7 +20,7 @@ from test_integration_mechanisms import Base, Block, run
 from torch import nn
 
 from cache_harness import cache_check
-from ditbook.cache.loopfold import plan_fold
+from ditbook.adapter.loopfold import plan_fold
 from ditbook.arch.loop_source import Flow, list_uses
 
 

@@ -61,7 +61,7 @@ def test_a_chain_from_one_nested_list_into_the_next_is_no_skip_connection(inspec
 
 
 def test_nested_lists_in_never_called_containers_are_refused_with_the_true_reason(inspected):
-    from ditbook.cache.adapter import CacheRefused, generate_adapter_source
+    from ditbook.adapter.build import CacheRefused, generate_adapter_source
 
     pipe, report = inspected("stages")
     with pytest.raises(CacheRefused) as err:
@@ -82,7 +82,7 @@ def test_flux_reference_shape(inspected):
 
 
 def test_len_of_the_list_outside_the_loop_is_a_length_read(inspected):
-    from ditbook.cache.adapter import generate_adapter_source
+    from ditbook.adapter.build import generate_adapter_source
     from ditbook.arch.loop_source import list_uses
 
     pipe, report = inspected("depthscale")
@@ -94,7 +94,7 @@ def test_len_of_the_list_outside_the_loop_is_a_length_read(inspected):
 
 
 def test_one_list_looped_in_exclusive_mode_methods(inspected):
-    from ditbook.cache.adapter import generate_adapter_source
+    from ditbook.adapter.build import generate_adapter_source
     from ditbook.arch.loop_source import list_uses
 
     pipe, report = inspected("modes")
@@ -106,7 +106,7 @@ def test_one_list_looped_in_exclusive_mode_methods(inspected):
 
 def test_adapter_folds_when_no_pattern_matches_by_name(inspected):
     # the static report alone (no trace) finds no pattern: the blocks have no 'hidden_states'
-    from ditbook.cache.adapter import generate_adapter_source
+    from ditbook.adapter.build import generate_adapter_source
     from ditbook.arch.static import inspect_transformer
 
     pipe, _ = inspected("dualstream")
@@ -119,7 +119,7 @@ def test_adapter_folds_when_no_pattern_matches_by_name(inspected):
 def test_skipped_share_counts_every_block_list_the_forward_runs(inspected, tmp_path):
     # an adapter that caches only the double-stream list: the counter still counts the single-stream
     # blocks, so a share skipped of one list is not reported as a share of the whole transformer
-    from ditbook.cache.adapter import CacheAdapter, generate_adapter_source
+    from ditbook.adapter.build import CacheAdapter, generate_adapter_source
     from ditbook.cache.verify import counted_render
 
     pipe, report = inspected("fluxref")

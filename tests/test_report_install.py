@@ -62,7 +62,7 @@ def test_outputs_default_to_the_current_directory(tmp_path, monkeypatch):
 
 
 def test_parallel_without_out_writes_under_outputs(tmp_path, monkeypatch):
-    from ditbook.parallel.commands import default_out
+    from ditbook.commands.parallel import default_out
 
     monkeypatch.setenv("DITBOOK_OUTPUTS", str(tmp_path / "outs"))
     out = default_out(argparse.Namespace(run=None, card="models/reference.yaml"))

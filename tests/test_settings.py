@@ -388,7 +388,7 @@ def test_parallel_cache_is_typed_and_refuses_unknown_keys(tmp_path):
 
 def test_one_dbcache_default_the_cache_strategys():
     # the +cache plans' defaults are the cache strategy's settings, not a second copy
-    from ditbook.cache.strategies.dbcache import DBCacheSettings
+    from ditbook.accel.dbcache import DBCacheSettings
     from ditbook.parallel.cache_sync import dbcache_config
 
     d, cfg = DBCacheSettings(), dbcache_config(None)

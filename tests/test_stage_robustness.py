@@ -262,7 +262,7 @@ def fbc_setup(tmp_path_factory):
     cache context) with ditbook's adapter; two seeds of one prompt."""
     from test_cache import tiny_card
 
-    from ditbook.cache.adapter import build_cache_adapter
+    from ditbook.adapter.build import build_cache_adapter
     from ditbook.card import load_card
     from ditbook.inspect.stage import run_inspection
     from ditbook.loading import choose_placement, load_pipeline
@@ -276,11 +276,11 @@ def fbc_setup(tmp_path_factory):
 
 
 def _fbc_renders(card, pipe, adapter, seeds):
-    from ditbook.cache import strategies
+    from ditbook import accel
     from ditbook.cache.verify import render_set
 
-    strat = strategies.get("diffusers_fbc")
-    undo = strat.apply(pipe, adapter, strat.config(threshold=0.5), steps=card.generation.steps)
+    strat = accel.get("diffusers_fbc")
+    undo = strat.apply(pipe, strat.settings(threshold=0.5), adapter=adapter, steps=card.generation.steps)
     try:
         return render_set(pipe, card, card.generation.prompts, seeds)
     finally:
@@ -303,13 +303,13 @@ def test_first_block_cache_on_a_transformer_without_cachemixin_is_order_independ
 
 
 def test_an_order_dependent_cache_stops_with_a_named_error(fbc_setup, monkeypatch):
-    from ditbook.cache import strategies
-    from ditbook.cache.strategies import _diffusers_hooks
+    from ditbook import accel
+    from ditbook.accel import _diffusers_hooks
     from ditbook.cache.verify import OrderDependentCache, order_check
 
     card, pipe, adapter = fbc_setup
-    strat = strategies.get("diffusers_fbc")
-    cfg = strat.config(threshold=0.5)
+    strat = accel.get("diffusers_fbc")
+    cfg = strat.settings(threshold=0.5)
     in_order = _fbc_renders(card, pipe, adapter, [0, 1])
     rec = order_check(pipe, card, adapter, "diffusers_fbc", cfg, in_order, card.generation.prompts, [0, 1])
     assert rec["order_independent"] and rec["case"] == "p0_s1" and rec["rendered_after"] == "p0_s0"
@@ -357,7 +357,7 @@ def test_a_pipeline_named_like_a_registered_one_does_not_get_its_cfg_guess():
     from cache_dit.caching.block_adapters.block_registers import BlockAdapterRegister
     from diffusers import DiffusionPipeline
 
-    from ditbook.cache.strategies.dbcache import cfg_from_adapter
+    from ditbook.accel.dbcache import cfg_from_adapter
 
     class FluxLookalikePipeline(DiffusionPipeline):  # a name the prefix registry matches ("Flux")
         def __init__(self, transformer):

@@ -50,16 +50,16 @@ def _untouched(s):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_strategy_skips_blocks_and_disabled_reproduces(session, name):
-    from ditbook.cache import strategies
+    from ditbook import accel
 
     s = session
-    strat = strategies.get(name)
+    strat = accel.get(name)
     assert strat.applicable(s.adapter) is None
     off = _eval(s, name, strat.disabled(s.adapter, s.card.generation.steps))
     assert off.error is None and off.skipped_fraction == 0.0 and off.quality["max_abs"] == 0.0, off
     _untouched(s)
-    assert strat.Config(**SKIPPING[name]) in strat.grid(s.adapter, s.card.generation.steps)
-    best = _eval(s, name, strat.Config(**SKIPPING[name]))
+    assert strat.Settings(**SKIPPING[name]) in strat.grid(s.adapter, s.card.generation.steps)
+    best = _eval(s, name, strat.Settings(**SKIPPING[name]))
     assert best.error is None and best.skipped_fraction > 0.2, best
     assert best.passed and best.quality["psnr_min"] > 30, best
     _untouched(s)
@@ -68,11 +68,11 @@ def test_strategy_skips_blocks_and_disabled_reproduces(session, name):
 def test_quality_check_sees_a_wrong_forecast(session, monkeypatch):
     """A forecast that drops the last computed output's sign (a broken predictor) must fail the
     gates: the counted skips alone would look like a success."""
-    from ditbook.cache import strategies
-    from ditbook.cache.strategies import meancache
+    from ditbook import accel
+    from ditbook.accel import meancache
 
     s = session
-    cfg = strategies.get("meancache").Config(threshold=3.0, max_consecutive=2)
+    cfg = accel.get("meancache").Settings(threshold=3.0, max_consecutive=2)
     good = _eval(s, "meancache", cfg)
     right = meancache.mean_velocity
     monkeypatch.setattr(meancache, "mean_velocity",
@@ -86,14 +86,14 @@ def test_quality_check_sees_a_wrong_forecast(session, monkeypatch):
 def test_blockdance_depth_follows_measured_change(session):
     """The reused depth is measured, not configured: a threshold below every measured change
     reuses nothing; a large one reuses up to the last block, never the last block itself."""
-    from ditbook.cache import strategies
+    from ditbook import accel
     from ditbook.render import render_all
 
     s = session
-    bd = strategies.get("blockdance")
+    bd = accel.get("blockdance")
     depths = {}
     for thr in (1e-6, 100.0):
-        undo = bd.apply(s.pipe, s.adapter, bd.Config(threshold=thr))
+        undo = bd.enable(s.pipe, s.adapter, bd.Settings(threshold=thr))
         try:
             render_all(s.pipe, s.card, prompts=s.card.generation.prompts, seeds=s.card.generation.seeds)
         finally:
@@ -109,17 +109,17 @@ def test_pab_runs_on_third_party_attention(session):
     """PAB hooks the attention modules the inspection finds (TinyGQAAttention is no diffusers
     class): it skips attention evaluations, its disabled config reproduces, undo leaves no hook;
     a model whose blocks have no attention is refused with the reason."""
-    from ditbook.cache import strategies
-    from ditbook.cache.strategies.diffusers_pab import attention_targets
+    from ditbook import accel
+    from ditbook.accel.diffusers_pab import attention_targets
 
     s = session
-    pab = strategies.get("diffusers_pab")
+    pab = accel.get("diffusers_pab")
     assert pab.applicable(s.adapter) is None
     targets = attention_targets(s.adapter.original_blocks())
     assert [type(m).__name__ for m in targets] == ["TinyGQAAttention"] * s.adapter.info.block_lists[0].length
     off = _eval(s, "diffusers_pab", pab.disabled(s.adapter, s.card.generation.steps))
     assert off.error is None and off.quality["max_abs"] == 0.0 and off.attention_skipped_fraction == 0.0, off
-    on = _eval(s, "diffusers_pab", pab.Config(skip_range=2, window_low=50, window_high=950))
+    on = _eval(s, "diffusers_pab", pab.Settings(skip_range=2, window_low=50, window_high=950))
     assert on.error is None and on.attention_skipped_fraction > 0.2, on
     for m in s.pipe.transformer.modules():
         assert not hasattr(m, "_diffusers_hook") or not m._diffusers_hook.hooks
@@ -136,14 +136,14 @@ def test_pab_runs_on_third_party_attention(session):
 
 @pytest.mark.parametrize("name", ["meancache", "cubic"])
 def test_forecaster_that_fails_to_install_leaves_the_model_as_it_was(session, name, monkeypatch):
-    from ditbook.cache import strategies
-    from ditbook.cache.strategies import _forecast
+    from ditbook import accel
+    from ditbook.accel import _forecast
 
     def broken(*a, **k):
         raise RuntimeError("install failed half-way")
 
     monkeypatch.setattr(_forecast, "CallForecaster", broken)
-    strat = strategies.get(name)
+    strat = accel.get(name)
     with pytest.raises(RuntimeError, match="half-way"):
-        strat.apply(session.pipe, session.adapter, strat.grid(session.adapter, 8)[0])
+        strat.apply(session.pipe, strat.grid(session.adapter, 8)[0], adapter=session.adapter)
     _untouched(session)

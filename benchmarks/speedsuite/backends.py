@@ -24,7 +24,7 @@ import torch
 from .fullsize import flux_pipeline
 from .suite import _dump, _log, environment
 from ditbook.benchmark.attention_backends import apply_backend, measure_pipeline_backends
-from ditbook.benchmark.compiled import compiled_config
+from ditbook.accel.compiled import compiled_config
 from ditbook.configuration import Config
 from ditbook.quality import compare
 from ditbook.timing import time_pipeline

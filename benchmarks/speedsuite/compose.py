@@ -10,8 +10,8 @@ Rows (``ROWS``), measured in one process against the eager row of the same proce
 - ``eager``; ``cache`` (the schedule ``benchmarks/schedule_quality.py`` chose on the reference
   model, ``docs/schedule_quality.json``, a static step mask); ``compile`` (regional, diffusers'
   ``compile_repeated_blocks``); ``cache+compile``; ``cache+compile+decoder`` (the image decoder
-  compiled too, ``ditbook.regional.compile_decoder``); ``fp8+compile`` and ``cache+fp8+compile``
-  (torchao float8 on the block linears, ``ditbook.benchmark.fp8``); ``cache+compile+graph`` (the
+  compiled too, ``ditbook.accel.compile.compile_decoder``); ``fp8+compile`` and ``cache+fp8+compile``
+  (torchao float8 on the block linears, ``ditbook.accel.fp8``); ``cache+compile+graph`` (the
   computed steps' block work replayed as CUDA graphs, ``ditbook.parallel.graphs``).
 - Each: the first call (compile, graph capture) timed apart, then ``--repeats`` timed calls
   (median, min, max; CUDA events), the one-time compile cost (``params.compile``), the ratio to
@@ -45,8 +45,8 @@ from .fullsize import flux_pipeline
 from .gap import GAP_ALIGN, GAP_HEADER, CallCapture, CallTimer, computed_calls, gap, gap_cells, gap_notes, measure_peaks
 from .schedules import ditbook_schedule
 from .suite import NoSchedule, _dump, _log, chosen_schedule, environment
-from ditbook.benchmark.compiled import compiled_config
-from ditbook.benchmark.fp8 import Fp8Refused, fp8_config
+from ditbook.accel.compiled import compiled_config
+from ditbook.accel.fp8 import Fp8Refused, fp8_config
 from ditbook.configuration import Config, baseline_config
 from ditbook.parallel.cache_sync import static_schedule
 from ditbook.parallel.graphs import GraphUnavailable, install_cached_step_graphs
@@ -96,7 +96,7 @@ def row_configs(schedule, compile_opts: dict | None, steps: int) -> dict[str, Co
         "cache": cache,
         "compile": comp(base),
         "cache+compile": comp(cache),
-        # the image decoder compiled too (ditbook.regional.compile_decoder): uncompiled it is the cache row
+        # the image decoder compiled too (ditbook.accel.compile.compile_decoder): uncompiled it is the cache row
         "cache+compile+decoder": (compiled_config(cache, **compile_opts, decoder=True) if compile_opts is not None
                                   else cache),
         "fp8+compile": comp(fp8_config(base)),

@@ -26,7 +26,7 @@ A *point* is a JSON-able dict ``{"name", "owner", "kind", "params"}``:
   steps on any weights (checked by counting on the GPU run).
 
 What each point computes is *counted*, not read from its config: every original block's forward
-is wrapped before the cache goes on (``ditbook.cache.counting.EvalCounter``), so per transformer
+is wrapped before the cache goes on (``ditbook.adapter.counting.EvalCounter``), so per transformer
 call we know how many blocks really ran: ``F`` all of them, ``P`` some (a cache's first block),
 ``S`` none. ``work`` is block evaluations / blocks per call, in full-step equivalents on the
 reference model (the first-block work of a cached step counts for both sides).

@@ -50,7 +50,7 @@ class Bench:
     """The reference pipeline, its uncached images, and a block counter installed before any cache."""
 
     def __init__(self, card_path: str, steps: int, calib: list[int], hold: list[int], prompts: int | None = None):
-        from ditbook.cache.counting import EvalCounter
+        from ditbook.adapter.counting import EvalCounter
         from ditbook.card import gate_check
         from ditbook.loading import load_pipeline
 

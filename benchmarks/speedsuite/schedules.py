@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ditbook.cache.strategies.scm import spaced_mask  # the cache stage's SCM grid places its masks the same way
+from ditbook.accel.scm import spaced_mask  # the cache stage's SCM grid places its masks the same way
 
 
 @dataclass(frozen=True)

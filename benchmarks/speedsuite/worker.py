@@ -64,14 +64,14 @@ def _plus(apply, compile: bool = False, graph: bool = False, fp8: bool = False):
     plan options add, in the same order (``parallel.worker.compile_repeated_blocks``, then each
     transformer call replayed as a CUDA graph — or, under a static cache schedule, the computed
     steps' block work, ``install_cached_step_graphs``); with ``fp8`` the block linears in fp8
-    (``ditbook.benchmark.fp8``) before compiling. Returns the graphs, for their stats, or None."""
+    (``ditbook.accel.fp8``) before compiling. Returns the graphs, for their stats, or None."""
     from ditbook.parallel.graphs import install_cached_step_graphs, install_step_graphs
     from ditbook.parallel.worker import compile_repeated_blocks
 
     def variant(fp, world):
         apply(fp, world)
         if fp8:
-            from ditbook.benchmark.fp8 import apply_fp8
+            from ditbook.accel.fp8 import apply_fp8
 
             apply_fp8(fp.pipe.transformer)
         if compile:

@@ -1,5 +1,5 @@
-"""The ``ditbook`` command. Each stage package adds its own subcommands through a
-``commands.py`` module with ``register(subparsers)``; this file holds the shared ones."""
+"""The ``ditbook`` command. Each stage's subcommands are a module of ``ditbook.commands`` with
+``register(subparsers)``; this file holds the shared ones."""
 
 from __future__ import annotations
 
@@ -15,14 +15,13 @@ import yaml
 from .card import CardError, GateError, parse_overrides
 from .processes import Interrupted, signals_end_children
 from .runs import RunError
+from .commands import benchmark as benchmark_commands
+from .commands import cache as cache_commands
+from .commands import inspect as inspect_commands
+from .commands import parallel as parallel_commands
+from .commands import zoo as zoo_commands
 
-from .benchmark import commands as benchmark_commands
-from .cache import commands as cache_commands
-from .inspect import commands as inspect_commands
-from .parallel import commands as parallel_commands
-from .zoo import commands as zoo_commands
-
-# stage packages that contribute subcommands (each module defines register(subparsers))
+# the subcommand modules (each defines register(subparsers))
 COMMAND_MODULES = (zoo_commands, inspect_commands, cache_commands, parallel_commands, benchmark_commands)
 
 

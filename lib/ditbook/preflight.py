@@ -38,15 +38,15 @@ def device_problem(card: ModelCard) -> str | None:
 
 
 def strategy_problem(card: ModelCard) -> str | None:
-    from .cache import strategies
+    from . import accel
 
     wanted = card.cache.strategies
     if wanted is None:
         return None
-    unknown = [n for n in wanted if n not in strategies.names()]
+    unknown = [n for n in wanted if n not in accel.names("cache")]
     if unknown or not wanted:
         return (f"cache.strategies: {'unknown strategy name(s) ' + str(unknown) if unknown else 'the list is empty'}; "
-                f"registered: {', '.join(strategies.names())} (ditbook cache --list), or null for every one")
+                f"registered: {', '.join(accel.names('cache'))} (ditbook cache --list), or null for every one")
     return None
 
 

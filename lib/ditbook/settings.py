@@ -149,7 +149,7 @@ def section(cls: type) -> Check:
 
 def compile_choice() -> Check:
     """``compile``: off (false/null), true (inductor), a torch.compile backend name, or a mapping of
-    ``ditbook.benchmark.compiled.compiled_config`` keywords."""
+    ``ditbook.accel.compiled.compiled_config`` keywords."""
     allowed = {"backend", "mode", "fullgraph", "dynamic", "probe_calls"}
 
     def check(v):

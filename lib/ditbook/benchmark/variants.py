@@ -8,13 +8,13 @@
   only when an independent confirmation round agrees with the pick (within 3%);
   a backend name adds that backend without the table; None/false: off;
 - ``fp8`` (card ``benchmark.fp8``): each configuration, the baseline included, is measured a
-  second time with the block linears in fp8 (:mod:`ditbook.benchmark.fp8`, torchao float8), judged
+  second time with the block linears in fp8 (:mod:`ditbook.accel.fp8`, torchao float8), judged
   by its family's gates (fp8 alone: the cache gates — it changes the result by design); with
   ``compile`` the fp8 twins are compiled too (``cache+fp8+compile``). Where the device has no fp8
   one ``fp8`` row records the refusal and its reason;
 - ``compile`` (card ``benchmark.compile``): each configuration, the baseline included, is
-  measured a second time compiled (regional, :mod:`ditbook.benchmark.compiled`), with its
-  one-time compile cost in ``params.compile``; see :func:`~ditbook.benchmark.compiled.compile_options`.
+  measured a second time compiled (regional, :mod:`ditbook.accel.compiled`), with its
+  one-time compile cost in ``params.compile``; see :func:`~ditbook.accel.compiled.compile_options`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Callable
 from ..configuration import Config, baseline_config
 from ..settings import FAMILY_SECTION, SECTIONS, Gates
 from .attention_backends import backend_config, measure_pipeline_backends
-from .compiled import compile_options, compiled_config
+from ..accel.compiled import compile_options, compiled_config
 
 BACKENDS_FILE = "attention_backends.json"
 
@@ -75,7 +75,7 @@ def attention_backend_configs(ctx, pipe, setting, *, log: Callable[[str], None] 
 def fp8_configs(pipe, configs: list[Config], *, log: Callable[[str], None] = print) -> list[Config]:
     """fp8 twins of the baseline and of ``configs``, or, where fp8 cannot run, one ``fp8`` row whose
     apply raises the refusal (so the table records it and its reason)."""
-    from .fp8 import Fp8Refused, fp8_config, fp8_refusal_for
+    from ..accel.fp8 import Fp8Refused, fp8_config, fp8_refusal_for
 
     why = fp8_refusal_for(pipe.transformer)
     if why:

@@ -16,7 +16,7 @@ Main API (all dataclasses have ``to_dict``):
   ``dbcache``, ``dbcache_taylorseer``, ``scm`` (cache-dit), ``diffusers_fbc``,
   ``diffusers_magcache``, ``diffusers_taylorseer``, ``diffusers_pab``, ``diffusers_fastercache``
   (diffusers hooks, on any model via run-time block registration), ``teacache_fitted`` (step-level,
-  rescale polynomial fitted on this model). ``strategies.get(name).apply(pipe, adapter, config)``
+  rescale polynomial fitted on this model). ``accel.get(name).apply(pipe, settings, adapter=adapter)``
   returns an undo callable.
 * ``verify.evaluate(...) -> StrategyResult``: quality (``bench.metrics.compare_sets``), the
   fraction of block/attention evaluations really skipped (``counting``), cached steps;
@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .adapter import AdapterInfo, CacheAdapter, build_cache_adapter  # noqa: F401
+from ..adapter.build import AdapterInfo, CacheAdapter, build_cache_adapter  # noqa: F401
 
 
 @dataclass
@@ -76,16 +76,16 @@ class CacheConfig:
         """Apply to ``pipe`` through the run's generated adapter (with ``fp8``: its layers in fp8
         first); returns the undo callable."""
         from ..arch.report import ArchReport
-        from . import strategies
-        from .adapter import load_adapter_file
+        from .. import accel
+        from ..adapter.build import load_adapter_file
         from .fp8_tune import torchao_fp8
 
         module = load_adapter_file(self._module_path, pipe.transformer)
         adapter = CacheAdapter.from_module(pipe, ArchReport.load(self._arch_path), module, self._used)
-        strat = strategies.get(self.name)
+        strat = accel.get(self.name)
         undo_fp8 = torchao_fp8(pipe.transformer, self.fp8["layers"]) if self.fp8 else None
         try:
-            undo = strat.apply(pipe, adapter, strat.config(**self.config), steps=steps)
+            undo = strat.apply(pipe, strat.settings(**self.config), adapter=adapter, steps=steps)
         except BaseException:
             if undo_fp8 is not None:
                 undo_fp8()

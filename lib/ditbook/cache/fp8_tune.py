@@ -40,7 +40,7 @@ FP8_IMAGES = "images/chosen_fp8"
 
 def torchao_fp8(transformer, layers: list) -> Callable[[], None]:
     """The shipped quantization: torchao float8 (per-row scales, e4m3) on ``layers``."""
-    from ..benchmark.fp8 import apply_fp8
+    from ..accel.fp8 import apply_fp8
 
     return apply_fp8(transformer, layers=layers)[0]
 
@@ -48,7 +48,7 @@ def torchao_fp8(transformer, layers: list) -> Callable[[], None]:
 def rank_layers(session, names: list, quantize: Quantize) -> list[dict]:
     """``names`` ranked by their effect alone on the transformer's output (most sensitive first),
     replaying the transformer calls of the first calibration case (about four of its steps)."""
-    from ..benchmark.fp8 import capture_calls, layer_sensitivity
+    from ..accel.fp8 import capture_calls, layer_sensitivity
     from .verify import render_set
 
     gen = session.card.generation
@@ -78,7 +78,7 @@ def fp8_tune(session, progress=None, quantize: Quantize | None = None) -> dict:
         return {"ran": False, "reason": f"cache refused: {session.refused}"}
     if not session.chosen:
         return {"ran": False, "reason": "no configuration passed on held-out seeds without fp8, so none is tuned with it"}
-    from ..benchmark.fp8 import fp8_layers, fp8_refusal_for
+    from ..accel.fp8 import fp8_layers, fp8_refusal_for
 
     transformer = session.pipe.transformer
     shipped = quantize is None  # torchao's fp8, the quantization a fresh process can apply again
@@ -152,11 +152,11 @@ def _try_share(session, out: dict, name: str, names: list, kept: list, share: fl
 def _save_chosen(session, chosen: dict, quantize: Quantize) -> str:
     """Render the fp8 composition on the calibration cases and save the images the fresh-process
     reproduction is compared with; returns their folder, relative to the stage's."""
-    from . import strategies
+    from .. import accel
     from .verify import evaluate
 
     gen = session.card.generation
-    cfg = strategies.get(chosen["name"]).config(**chosen["config"])
+    cfg = accel.get(chosen["name"]).settings(**chosen["config"])
     images: dict = {}
     undo = quantize(session.pipe.transformer, chosen["layers"])
     try:

@@ -1,40 +1,9 @@
-"""Figures of the cache stage (matplotlib): residual change per step, the trade-off between
-compute saved and quality, and baseline / cached image grids with difference maps."""
+"""Figures of the cache stage (matplotlib): the trade-off between compute saved and quality, and
+baseline / cached image grids with difference maps."""
 
 from __future__ import annotations
 
 import numpy as np
-
-
-def residual_change_plot(records: list[dict], path=None):
-    """Per denoising call: block 0's residual change, the model's residual change (what a
-    step-level cache must predict) and the input change TeaCache thresholds on."""
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.2))
-    runs, cur = [], []
-    for r in records:
-        if cur and r["call"] <= cur[-1]["call"]:
-            runs.append(cur)
-            cur = []
-        cur.append(r)
-    if cur:
-        runs.append(cur)
-    for i, run in enumerate(runs):
-        calls = [r["call"] for r in run]
-        kw = {"alpha": 0.8, "lw": 1}
-        ax.plot(calls, [r.get("first_block") or np.nan for r in run], color="C0", label="block 0 residual" if i == 0 else None, **kw)
-        ax.plot(calls, [r["y"] for r in run], color="C1", label="model residual" if i == 0 else None, **kw)
-        ax.plot(calls, [r["x"] for r in run], color="C2", ls="--", label="block 0 input" if i == 0 else None, **kw)
-    ax.set_xlabel("transformer call (denoising step)")
-    ax.set_ylabel("relative L1 change")
-    ax.set_yscale("log")
-    ax.legend(fontsize=8)
-    ax.set_title("change between consecutive steps")
-    fig.tight_layout()
-    if path:
-        fig.savefig(path, dpi=120)
-    return fig
 
 
 def tradeoff_plot(strategy_rows: list[dict], gates, frontier: list[dict] | None = None, path=None):

@@ -28,7 +28,7 @@ def _warm(package: str | None, device: str | None = None) -> None:
     context and libraries); a failure is left for the run itself to meet."""
     import importlib
 
-    for name in ("torch", "diffusers", "cache_dit", "ditbook.cache.adapter", "ditbook.cache.strategies",
+    for name in ("torch", "diffusers", "cache_dit", "ditbook.adapter.build", "ditbook.accel",
                  "ditbook.cache.verify", "ditbook.loading", package):
         if name:
             try:
@@ -55,8 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     from ..arch.report import ArchReport
     from ..card import gate_check
     from ..loading import Placement, load_pipeline
-    from . import strategies
-    from .adapter import CacheAdapter, load_adapter_file
+    from .. import accel
+    from ..adapter.build import CacheAdapter, load_adapter_file
     from .verify import render_set
 
     card = gate_check(spec["card"], spec.get("overrides") or {})
@@ -64,8 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     # a plain import, as a maintainer's: the file registers its function with cache-dit
     module = load_adapter_file(spec["adapter_module"], pipe.transformer, register=True)
     adapter = CacheAdapter.from_module(pipe, ArchReport.load(spec["arch"]), module, spec.get("used", "ditbook"))
-    strat = strategies.get(spec["name"])
-    undo = strat.apply(pipe, adapter, strat.config(**spec["config"]), steps=card.generation.steps)
+    strat = accel.get(spec["name"])
+    undo = strat.apply(pipe, strat.settings(**spec["config"]), adapter=adapter, steps=card.generation.steps)
     try:
         images = render_set(pipe, card, card.generation.prompts, card.generation.seeds)
     finally:
@@ -86,15 +86,15 @@ def _diffs(images: dict, folder: Path) -> dict:
 def _fp8_rerun(pipe, card, adapter, f8: dict) -> dict:
     """The fp8 composition rerun (torchao float8 on the recorded layers, the strategy through the
     generated module), against the images the stage saved; an error is the record, not a crash."""
-    from . import strategies
+    from .. import accel
     from .fp8_tune import torchao_fp8
     from .verify import render_set
 
-    strat = strategies.get(f8["name"])
+    strat = accel.get(f8["name"])
     undo_fp8 = undo = None
     try:
         undo_fp8 = torchao_fp8(pipe.transformer, f8["layers"])
-        undo = strat.apply(pipe, adapter, strat.config(**f8["config"]), steps=card.generation.steps)
+        undo = strat.apply(pipe, strat.settings(**f8["config"]), adapter=adapter, steps=card.generation.steps)
         images = render_set(pipe, card, card.generation.prompts, card.generation.seeds)
     except Exception as exc:  # noqa: BLE001 - recorded: the verdict does not ship what did not reproduce
         return {"max_abs": None, "error": f"{type(exc).__name__}: {exc}"}

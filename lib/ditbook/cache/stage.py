@@ -19,15 +19,15 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
 from ..quality import Gates
-from . import strategies
-from .adapter import CacheAdapter, CacheRefused, build_cache_adapter
-from .loopfold import FoldError
+from .. import accel
+from ..adapter.build import CacheAdapter, CacheRefused, build_cache_adapter
+from ..adapter.loopfold import FoldError
 from .verify import (OrderDependentCache, StrategyResult, check_cases, counted_render, disabled_check,  # noqa: F401
                      evaluate, max_abs, noise_floor, order_check)
 # the 03_cache notebook imports this module (and the display helpers) only: the other names it uses
@@ -123,8 +123,8 @@ class CacheSession:
         return self.ctx.card
 
     def strategy_names(self) -> list[str]:
-        wanted = self.only or self.card.cache.strategies or strategies.names()
-        return [n for n in wanted if n in strategies.names()]
+        wanted = self.only or self.card.cache.strategies or accel.names("cache")
+        return [n for n in wanted if n in accel.names("cache")]
 
     def runnable(self) -> list[str]:
         if self.refused:
@@ -133,7 +133,7 @@ class CacheSession:
         for name in self.strategy_names():
             if name in self.skipped:
                 continue
-            why = strategies.get(name).applicable(self.adapter)
+            why = accel.get(name).applicable(self.adapter)
             if why:
                 self.skipped[name] = why
             else:
@@ -196,34 +196,33 @@ class CacheSession:
         return self.checks
 
     def calibrate(self) -> dict:
-        """Model-specific constants measured on the calibration prompts: the TeaCache-style
-        rescale polynomial and MagCache's magnitude ratios; also the per-step residual changes."""
-        from .strategies.diffusers_magcache import DiffusersMagCache
-        from .strategies.teacache_fitted import TeaCacheFitted
-
+        """Constants each runnable technique measures on this model (its ``calibrate``, given
+        ``run(cases=None)``, which renders the first ``cases`` calibration cases, or all):
+        ``{technique: {setting: value}}``, or ``{technique: {"error": ...}}`` when it failed."""
+        self.calibration = {}
         if self.refused:
-            self.calibration = {"records": []}
             return {}
         gen = self.card.generation
-        run = lambda: counted_render(self.pipe, self.card, self.adapter, gen.prompts, gen.seeds)  # noqa: E731
-        coeffs, records = TeaCacheFitted.calibrate(self.pipe, self.adapter, run)
-        self.calibration = {"teacache_coefficients": coeffs, "records": records}
-        if "diffusers_magcache" in self.runnable():
-            try:
-                ratios = DiffusersMagCache.calibrate(self.pipe, self.adapter, gen.steps,
-                                                     lambda: counted_render(self.pipe, self.card, self.adapter,
-                                                                            gen.prompts[:1], gen.seeds[:1]))
-                self.calibration["magcache_ratios"] = ratios
-            except Exception as exc:
-                self.calibration["magcache_error"] = f"{type(exc).__name__}: {exc}"
-        return {k: v for k, v in self.calibration.items() if k != "records"}
 
-    def _calibrated(self, name: str, config):
-        if name == "teacache_fitted" and not config.coefficients:
-            config.coefficients = list(self.calibration.get("teacache_coefficients") or [])
-        if name == "diffusers_magcache" and not config.mag_ratios:
-            config.mag_ratios = list(self.calibration.get("magcache_ratios") or [])
-        return config
+        def run(cases: int | None = None) -> None:
+            prompts, seeds = check_cases(gen.prompts, gen.seeds, cases)
+            counted_render(self.pipe, self.card, self.adapter, prompts, seeds)
+
+        for name in self.runnable():
+            technique = accel.get(name)
+            if technique.calibrate is None:
+                continue
+            try:
+                self.calibration[name] = technique.calibrate(self.pipe, self.adapter, run, gen.steps)
+            except Exception as exc:  # the technique then runs on its defaults; the reason is recorded
+                self.calibration[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        return self.calibration
+
+    def _calibrated(self, name: str, settings):
+        """``settings`` with the values its technique calibrated filled where it leaves them empty."""
+        values = {k: v for k, v in self.calibration.get(name, {}).items()
+                  if k != "error" and not getattr(settings, k)}
+        return replace(settings, **values) if values else settings
 
     # -- tuning --------------------------------------------------------------------------
     def tune(self, progress=None) -> list[dict]:
@@ -243,16 +242,16 @@ class CacheSession:
         limit = self.max_configs or self.card.cache.max_configs
         tries = self.confirm_tries or self.card.cache.confirm_tries
         hp, hs = holdout_cases(self.card)
-        strat = strategies.get(name)
+        strat = accel.get(name)
         grid = strat.grid(self.adapter, gen.steps)
         if limit:
             grid = grid[: int(limit)]
         family, seen, held = [], [], []
         for cfg in grid:
             cfg = self._calibrated(name, cfg)
-            if strat.config_dict(cfg) in seen:
+            if strat.settings_dict(cfg) in seen:
                 continue  # the same configuration twice in a grid renders the same images
-            seen.append(strat.config_dict(cfg))
+            seen.append(strat.settings_dict(cfg))
             r = evaluate(self.pipe, self.card, self.adapter, name, cfg, self.baseline, self.baseline_counts,
                          self.gates, gen.prompts, gen.seeds, split=f"{split_prefix}calibration", stop_at_failure=True)
             family.append((r, cfg))
@@ -343,7 +342,7 @@ class CacheSession:
                        "skipped_fraction": best.skipped_fraction, "holdout_quality": best.quality,
                        "holdout_images": self._save_holdout(best)}
         gen = self.card.generation
-        cfg = strategies.get(best.name).config(**best.config)
+        cfg = accel.get(best.name).settings(**best.config)
         images: dict = {}
         evaluate(self.pipe, self.card, self.adapter, best.name, cfg, self.baseline, self.baseline_counts, self.gates,
                  gen.prompts, gen.seeds, split="chosen", keep_images=images)
@@ -364,26 +363,26 @@ class CacheSession:
 
     def compiled_check(self, backend="inductor") -> dict:
         """The chosen configuration again with the repeated blocks compiled (regional,
-        ``ditbook.benchmark.compiled.compile_regions``): its images against the uncompiled ones
+        ``ditbook.accel.compiled.compile_regions``): its images against the uncompiled ones
         (parallel gates: compile must not change the result), its render time against the
         uncompiled one, and the one-time compile cost (first compiled render minus the second)."""
         import time
 
         import torch
 
-        from ..benchmark.compiled import compile_regions
+        from ..accel.compiled import compile_regions
         from ..quality import compare_sets
         from .verify import render_set
 
         if not self.chosen:
             self.compiled = {"ran": False, "reason": "no configuration passed on held-out cases"}
             return self.compiled
-        strat = strategies.get(self.chosen["name"])
+        strat = accel.get(self.chosen["name"])
         gen = self.card.generation
         render = lambda: render_set(self.pipe, self.card, gen.prompts, gen.seeds)  # noqa: E731
         out: dict = {"ran": True, "name": self.chosen["name"],
                      "backend": backend if isinstance(backend, str) else type(backend).__name__}
-        undo = strat.apply(self.pipe, self.adapter, strat.config(**self.chosen["config"]), steps=gen.steps)
+        undo = strat.apply(self.pipe, strat.settings(**self.chosen["config"]), adapter=self.adapter, steps=gen.steps)
         try:
             render()  # warm
             t0 = time.perf_counter()
@@ -513,7 +512,7 @@ class CacheSession:
             "noise_floor": self.floor,
             "adapter_checks": self.checks,
             "skipped_strategies": self.skipped,
-            "calibration": {k: v for k, v in self.calibration.items() if k != "records"},
+            "calibration": self.calibration,
             "strategies": [{k: v for k, v in r.to_dict().items() if k != "counts"} | {"counts": {
                 k: v for k, v in r.counts.items() if k != "calls"}} for r in self.results],
             "frontier": self.frontier(),

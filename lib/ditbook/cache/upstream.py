@@ -30,8 +30,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .. import hooks
-from .adapter import AdapterInfo
-from .adapter_source import adapter_function_name, importable_module_name, refused_module_source, safe_name
+from ..adapter.build import AdapterInfo
+from ..adapter.source import adapter_function_name, importable_module_name, refused_module_source, safe_name
 
 
 @dataclass
@@ -121,9 +121,9 @@ def cache_dit_call(session, name: str, config: dict) -> dict | None:
     strategy does not go through cache-dit."""
     import cache_dit
 
-    from . import strategies
+    from .. import accel
 
-    strat = strategies.get(name)
+    strat = accel.get(name)
     box: dict = {}
 
     def record(original, *args, **kwargs):
@@ -132,7 +132,7 @@ def cache_dit_call(session, name: str, config: dict) -> dict | None:
 
     handle = hooks.wrap_method(cache_dit, "ditbook-upstream-record", record, attr="enable_cache")
     try:
-        undo = strat.apply(session.pipe, session.adapter, strat.config(**config), steps=session.card.generation.steps)
+        undo = strat.apply(session.pipe, strat.settings(**config), adapter=session.adapter, steps=session.card.generation.steps)
         undo()
     finally:
         handle.remove()

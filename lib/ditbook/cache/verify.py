@@ -18,8 +18,8 @@ import numpy as np
 
 from ..quality import Gates, compare, compare_sets
 from ..render import render_all
-from . import strategies
-from .counting import EvalCounter, savings
+from .. import accel
+from ..adapter.counting import EvalCounter
 
 
 @dataclass
@@ -96,35 +96,34 @@ def evaluate(pipe, card, adapter, name: str, config, references: dict, baseline_
              stop_at_failure: bool = False) -> StrategyResult:
     """``stop_at_failure``: stop rendering at the first case that fails a gate (the verdict of the
     set is then known); the search's rows use it, the checks that need every image do not."""
-    strat = strategies.get(name)
-    steps = card.generation.steps
-    counter = EvalCounter(pipe.transformer, adapter.counted_blocks())
+    strat = accel.get(name)
     start = time.perf_counter()
-    undo, stopped = None, None
+    handle, stopped = None, None
     try:
-        undo = strat.apply(pipe, adapter, config, steps=steps)
+        handle = strat.apply(pipe, config, adapter=adapter, steps=card.generation.steps)
         if stop_at_failure:
             images, stopped = render_until_failure(pipe, card, prompts, seeds, references, gates)
         else:
             images = render_set(pipe, card, prompts, seeds)
-        counts = counter.snapshot()
+        record = handle.record()
     except Exception as exc:  # a strategy that cannot run on this model is reported, not hidden
-        return StrategyResult(name, strat.family, strat.config_dict(config), None, 0.0, 0.0, 0, False, split,
+        return StrategyResult(name, strat.family, strat.settings_dict(config), None, 0.0, 0.0, 0, False, split,
                               time.perf_counter() - start,
                               f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}")
     finally:
-        if undo is not None:
+        if handle is not None:
             with contextlib.suppress(Exception):
-                undo()
-        counter.remove()
+                handle.undo()
     q = compare_sets(images, {k: references[k] for k in images} if stopped else references, gates)
-    s = savings(counts, _partial(baseline_counts, len(images), len(references)) if stopped else baseline_counts)
+    r = record.against(_partial(baseline_counts, len(images), len(references)) if stopped else baseline_counts)
     if keep_images is not None:
         keep_images.update(images)
-    return StrategyResult(name, strat.family, strat.config_dict(config), q.to_dict(), s["skipped_fraction"],
-                          s["attention_skipped_fraction"], s["cached_steps"], bool(q.passed) and not stopped, split,
+    return StrategyResult(name, strat.family, strat.settings_dict(config), q.to_dict(), r.skipped_fraction,
+                          r.attention_skipped_fraction, r.cached_steps, bool(q.passed) and not stopped, split,
                           round(time.perf_counter() - start, 3),
-                          counts={k: v for k, v in s.items() if k not in ("skipped_fraction", "cached_steps")},
+                          counts={"attention_skipped_fraction": r.attention_skipped_fraction,
+                                  "transformer_calls": r.transformer_calls, "block_evals": r.block_evals,
+                                  "baseline_block_evals": r.baseline_block_evals},
                           stopped=stopped)
 
 
@@ -189,7 +188,7 @@ def order_check(pipe, card, adapter, name: str, config, in_order: dict, prompts,
     from ..render import cases
 
     tolerance = card.cache.reproduce_tolerance if tolerance is None else tolerance
-    strat = strategies.get(name)
+    strat = accel.get(name)
     todo = [c for c in cases(card, prompts, seeds) if c[0] in in_order]
     key, prompt, seed = todo[-1]
     before = todo[-2][0] if len(todo) > 1 else f"seed {seed + 1}"
@@ -197,7 +196,7 @@ def order_check(pipe, card, adapter, name: str, config, in_order: dict, prompts,
     def render_one(s):
         return next(iter(render_set(pipe, card, [prompt], [s]).values()))
 
-    undo = strat.apply(pipe, adapter, config, steps=card.generation.steps)
+    undo = strat.apply(pipe, config, adapter=adapter, steps=card.generation.steps)
     try:
         alone = render_one(seed)
         if len(todo) > 1:
@@ -212,7 +211,7 @@ def order_check(pipe, card, adapter, name: str, config, in_order: dict, prompts,
               "order_independent": diff <= tolerance}
     if diff > tolerance:
         raise OrderDependentCache(
-            f"{name} {strat.config_dict(config)} renders {key} differently alone than after "
+            f"{name} {strat.settings_dict(config)} renders {key} differently alone than after "
             f"{record['rendered_after']} (max abs {diff:.3g} > {tolerance:g}): the cache keeps state from one "
             "generation into the next, so its quality and savings depend on the order of the renders")
     return record
@@ -234,7 +233,7 @@ def disabled_check(pipe, card, adapter, name: str, references: dict, baseline_co
     a subset of ``references`` (``check_cases``: the check is of the adapter's wiring, which one
     case runs as every case does; the cached renders are judged on every case elsewhere)."""
     tolerance = card.cache.reproduce_tolerance if tolerance is None else tolerance
-    strat = strategies.get(name)
+    strat = accel.get(name)
     cfg = strat.disabled(adapter, card.generation.steps)
     if cfg is None:
         return {"name": name, "checked": False}

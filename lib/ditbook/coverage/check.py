@@ -76,8 +76,8 @@ def _steps_pipeline(transformer, kwargs: dict, hidden_name: str):
 
 
 def _refusal_types() -> tuple:
-    from ..cache.adapter import CacheRefused, run_time_refusals
-    from ..cache.loopfold import FoldError
+    from ..adapter.build import CacheRefused, run_time_refusals
+    from ..adapter.loopfold import FoldError
 
     return (Refused, CacheRefused, FoldError, *run_time_refusals())
 
@@ -109,9 +109,8 @@ def _check_cache(cls: type, steps: int, row: ClassOutcome):
 
     While it runs ``row.stage`` names the stage (a refusal or crash is reported there); it ends
     with ``row.outcome`` "correct" (stage cleared) or "wrong" (stage kept)."""
-    from ..cache import strategies
-    from ..cache.adapter import build_cache_adapter
-    from ..cache.counting import EvalCounter
+    from .. import accel
+    from ..adapter.build import build_cache_adapter
 
     model, kwargs, report, pipe = _inspected_pipeline(cls, row)
     with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
@@ -120,9 +119,9 @@ def _check_cache(cls: type, steps: int, row: ClassOutcome):
     adapter = build_cache_adapter(pipe, report, f"coverage_{cls.__name__}")
     row.folded = bool(adapter.info.patch_functor)
     row.used = adapter.info.used
-    strat = strategies.get("dbcache")
+    strat = accel.get("dbcache")
     row.stage = "cache-off"
-    off = _run_cached(pipe, adapter, strat, strat.disabled(adapter, steps), steps, EvalCounter)
+    off = _run_cached(pipe, adapter, strat, strat.disabled(adapter, steps), steps)
     diff = max(float((a - b).abs().max()) for a, b in zip(off[0], plain))
     row.off_max_abs = diff
     if not diff <= TOLERANCE:
@@ -130,10 +129,10 @@ def _check_cache(cls: type, steps: int, row: ClassOutcome):
         row.reason = f"caching off differs from the plain forward: max abs {diff:.3g} > {TOLERANCE:g}"
         return model, kwargs
     row.stage = "cache-on"
-    on_cfg = strat.Config(Fn=1, Bn=0, threshold=1.0, max_warmup_steps=1)
-    outs, counts = _run_cached(pipe, adapter, strat, on_cfg, steps, EvalCounter)
-    total = off[1]["block_evals"]
-    ran = counts["block_evals"]
+    on_cfg = strat.Settings(Fn=1, Bn=0, threshold=1.0, max_warmup_steps=1)
+    outs, record = _run_cached(pipe, adapter, strat, on_cfg, steps)
+    total = off[1].block_evals
+    ran = record.block_evals
     row.skipped = f"{total - ran} of {total}"
     if not all(torch.isfinite(o).all() for o in outs):
         row.outcome, row.reason = "wrong", "caching on gave non-finite outputs"
@@ -171,19 +170,13 @@ def _float_tensors(v) -> bool:
     return isinstance(v, torch.Tensor) and v.is_floating_point()
 
 
-def _run_cached(pipe, adapter, strat, cfg, steps: int, counter_cls):
-    counter = counter_cls(pipe.transformer, adapter.original_blocks())
-    undo = None
+def _run_cached(pipe, adapter, strat, cfg, steps: int):
+    """The outputs of ``steps`` calls with the cache on, and its record (block evaluations that ran)."""
+    handle = strat.apply(pipe, cfg, adapter=adapter, steps=steps)
     try:
-        undo = strat.apply(pipe, adapter, cfg, steps=steps)
-        outs = pipe(steps)
-        return outs, counter.snapshot()
+        return pipe(steps), handle.record()
     finally:
-        try:
-            if undo is not None:
-                undo()
-        finally:
-            counter.remove()
+        handle.undo()
 
 
 def run_cp(model, kwargs) -> tuple[str, str]:

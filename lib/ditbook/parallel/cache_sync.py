@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 def default_dbcache() -> dict:
     """DBCache's defaults as cache-dit keywords: the cache strategy's (``DBCacheSettings``), written once."""
-    from ..cache.strategies.dbcache import DBCache, DBCacheSettings
+    from ..accel.dbcache import DBCache, DBCacheSettings
 
     kwargs = DBCache.cache_kwargs(DBCacheSettings())
     kwargs.pop("num_inference_steps")

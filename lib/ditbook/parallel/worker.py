@@ -142,7 +142,7 @@ def _enable_cp_on_mesh(tr, spec, cp, cache_cfg, target, cp_mesh, info: dict) -> 
     from cache_dit.distributed.core import _ContextParallelConfig, _enable_context_parallelism
     from cache_dit.distributed.core._context_parallel import _apply_context_parallel
 
-    from ..cache.strategies.dbcache import cfg_from_adapter
+    from ..accel.dbcache import cfg_from_adapter
     from .cache_sync import split_at_cached_units
     from .cp_plan import needs_ulysses_anything
 
@@ -175,7 +175,7 @@ def _pipeline_entry_fits(pipe) -> bool:
     pipeline's registration by its class-name prefix: it fits where no registration matches or the
     matching one builds on this pipeline; a third-party pipeline named like a registered one
     (``FluxReference...`` whose transformer has other block lists) takes the transformer-level entry."""
-    from ..cache.adapter import cache_dit_adapter_builds, cache_dit_registered
+    from ..adapter.build import cache_dit_adapter_builds, cache_dit_registered
 
     return cache_dit_registered(pipe) is None or cache_dit_adapter_builds(pipe)
 
@@ -266,7 +266,7 @@ def apply_plan(pipe, card, spec, *, cfg_style: str | None, cp_plan_file: str | N
     elif spec.cache:
         import cache_dit
 
-        from ..cache.strategies.dbcache import cfg_from_adapter
+        from ..accel.dbcache import cfg_from_adapter
 
         target, info["cache_adapter"] = cache_target(pipe, card)
         cache_dit.enable_cache(target, cache_config=cfg_from_adapter(dbcache_config(spec.options.get("cache")), target))
@@ -373,7 +373,7 @@ def cache_target(pipe, card):
     """What ``cache_dit.enable_cache`` is given: the pipeline where cache-dit's registered adapter
     builds on it (``cache.adapter.cache_dit_adapter_builds``), else ditbook's generated adapter (``cache.build_cache_adapter`` on an inspection of
     this pipeline) as a ``BlockAdapter``. Returns (target, which)."""
-    from ..cache.adapter import build_cache_adapter, cache_dit_adapter_builds
+    from ..adapter.build import build_cache_adapter, cache_dit_adapter_builds
 
     if cache_dit_adapter_builds(pipe):
         return pipe, "cache-dit"
@@ -394,7 +394,7 @@ def compile_repeated_blocks(tr, backend: str = "inductor") -> str:
     compiled in place. ``backend``: the card's ``parallel.compile_backend`` (inductor; a CPU check
     may name ``aot_eager``, which traces the same graphs without generating kernels). Returns which
     of the two it used, with the backend when it is not inductor."""
-    from ..regional import compile_regions
+    from ..accel.compile import compile_regions
 
     try:
         _, method, _ = compile_regions(tr, backend=backend)  # the blocks stay compiled for the process

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .registry import Strategy, register
+from . import register
+from .technique import CacheTechnique
 from ._diffusers_hooks import finish_install, timestep_callback
 
 
@@ -29,7 +30,7 @@ class PABSettings:
 def attention_targets(blocks) -> list:
     """The outermost attention modules inside ``blocks`` (the inspection's definition), self
     attention only."""
-    from ...arch.static import attention_modules
+    from ..arch.static import attention_modules
 
     out = []
     for block in blocks:
@@ -45,10 +46,10 @@ def attention_targets(blocks) -> list:
 
 
 @register
-class DiffusersPAB(Strategy):
+class DiffusersPAB(CacheTechnique):
     name = "diffusers_pab"
     family = "diffusers PAB"
-    Config = PABSettings
+    Settings = PABSettings
 
     @classmethod
     def applicable(cls, adapter):
@@ -57,7 +58,7 @@ class DiffusersPAB(Strategy):
         return None
 
     @classmethod
-    def apply(cls, pipe, adapter, config, steps=None):
+    def enable(cls, pipe, adapter, config, steps=None):
         from diffusers.hooks import HookRegistry
         from diffusers.hooks import pyramid_attention_broadcast as pab
 

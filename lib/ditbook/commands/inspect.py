@@ -11,9 +11,9 @@ def cmd_inspect(args) -> int:
     from ..card import parse_overrides
     from ..loading import choose_placement, load_pipeline
     from ..runs import RunFolder
-    from .stage import run_inspection, save_inspection
+    from ..inspect.stage import run_inspection, save_inspection
     from ..display import Table
-    from .tables import block_rows, fact_rows
+    from ..inspect.tables import block_rows, fact_rows
 
     from ..card import CardError
     from ..settings import InspectSettings, parse_section

@@ -29,15 +29,7 @@ import textwrap
 import types
 from pathlib import Path
 
-from .loopfold import (
-    LoopFold,
-    defining_globals,
-    extra_method_sources,
-    fold_methods,
-    loop_body_class_name,
-    loop_body_source,
-    rewritten_method_source,
-)
+from .loopfold import (LoopFold, defining_globals, extra_method_sources, fold_methods, loop_body_class_name, loop_body_source, rewritten_method_source)
 
 # (hidden_states index, encoder_hidden_states index) in a block's returned tuple
 PATTERN_OUTPUT_INDEX = {

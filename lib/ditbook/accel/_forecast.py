@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ... import hooks
+from .. import hooks
 
 
 def rel_l1(a: torch.Tensor, b: torch.Tensor) -> float:

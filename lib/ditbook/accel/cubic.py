@@ -17,7 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ._forecast import apply_forecaster, rel_l1
-from .registry import Strategy, register
+from . import register
+from .technique import CacheTechnique
 
 
 @dataclass
@@ -49,13 +50,13 @@ def cubic_forecast(slot, s: float, prev_s=None):
 
 
 @register
-class Cubic(Strategy):
+class Cubic(CacheTechnique):
     name = "cubic"
     family = "Cubic extrapolation (ditbook hooks)"
-    Config = CubicSettings
+    Settings = CubicSettings
 
     @classmethod
-    def apply(cls, pipe, adapter, config, steps=None):
+    def enable(cls, pipe, adapter, config, steps=None):
         return apply_forecaster(pipe, adapter, config, cubic_forecast, "ditbook-cubic")
 
     @classmethod

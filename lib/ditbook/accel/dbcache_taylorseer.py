@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .registry import Strategy, register
+from . import register
+from .technique import CacheTechnique
 from .dbcache import enable_dbcache, min_list_length
 
 
@@ -19,13 +20,13 @@ class DBCacheTaylorSeerSettings:
 
 
 @register
-class DBCacheTaylorSeer(Strategy):
+class DBCacheTaylorSeer(CacheTechnique):
     name = "dbcache_taylorseer"
     family = "cache-dit DBCache+TaylorSeer"
-    Config = DBCacheTaylorSeerSettings
+    Settings = DBCacheTaylorSeerSettings
 
     @classmethod
-    def apply(cls, pipe, adapter, config, steps=None):
+    def enable(cls, pipe, adapter, config, steps=None):
         import cache_dit
 
         kwargs = dict(Fn_compute_blocks=config.Fn, Bn_compute_blocks=config.Bn,

@@ -22,10 +22,11 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-from ... import hooks
-from ..adapter import PATTERN_OUTPUT_INDEX
+from .. import hooks
+from ..adapter.build import PATTERN_OUTPUT_INDEX
 from ._forecast import calls_per_step, rel_l1, timestep_reader
-from .registry import Strategy, register
+from . import register
+from .technique import CacheTechnique
 from .teacache_fitted import _split_inputs
 
 
@@ -138,10 +139,10 @@ class BlockReuser:
 
 
 @register
-class BlockDance(Strategy):
+class BlockDance(CacheTechnique):
     name = "blockdance"
     family = "BlockDance (shallow-block reuse, ditbook hooks)"
-    Config = BlockDanceSettings
+    Settings = BlockDanceSettings
 
     @classmethod
     def applicable(cls, adapter):
@@ -153,7 +154,7 @@ class BlockDance(Strategy):
         return None
 
     @classmethod
-    def apply(cls, pipe, adapter, config, steps=None):
+    def enable(cls, pipe, adapter, config, steps=None):
         adapter.patch()
         try:
             reuser = BlockReuser(adapter, config, calls_per_step(adapter))

@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .registry import Strategy, register
-from ..adapter import PATTERN_OUTPUT_INDEX
-from ...hooks import WrapGroup
+from . import register
+from .technique import CacheTechnique
+from ..adapter.build import PATTERN_OUTPUT_INDEX
+from ..hooks import WrapGroup
 
 
 @dataclass
@@ -202,15 +203,15 @@ def _undo(skipper: StepSkipper, adapter) -> None:
 
 
 @register
-class TeaCacheFitted(Strategy):
+class TeaCacheFitted(CacheTechnique):
     name = "teacache_fitted"
     family = "TeaCache-style (fitted on this model)"
-    Config = TeaCacheSettings
+    Settings = TeaCacheSettings
 
     @classmethod
-    def calibrate(cls, pipe, adapter, run_once, degree: int = 2) -> tuple[list[float], list[dict]]:
-        """Run ``run_once()`` (possibly several prompts/seeds) recording input and output changes;
-        returns the fitted coefficients and the (x, y) records."""
+    def fit(cls, adapter, run_once, degree: int = 2) -> tuple[list[float], list[dict]]:
+        """Run ``run_once()`` recording input and output changes; the fitted coefficients and the
+        (x, y) records."""
         skipper = _skipper(adapter, TeaCacheSettings(), record=True)
         try:
             run_once()
@@ -219,7 +220,12 @@ class TeaCacheFitted(Strategy):
         return fit_polynomial(skipper.records, degree), skipper.records
 
     @classmethod
-    def apply(cls, pipe, adapter, config, steps=None):
+    def calibrate(cls, pipe, adapter, run, steps) -> dict:
+        """The rescale polynomial fitted on every calibration case of this model (``run()``)."""
+        return {"coefficients": cls.fit(adapter, run)[0]}
+
+    @classmethod
+    def enable(cls, pipe, adapter, config, steps=None):
         skipper = _skipper(adapter, config)
 
         def undo():

@@ -10,7 +10,7 @@ from pathlib import Path
 
 def cmd_report(args) -> int:
     from ..runs import RunFolder
-    from .report import rebuild
+    from ..benchmark.report import rebuild
 
     run = RunFolder(args.run_dir)
     if not run.exists():
@@ -24,7 +24,7 @@ def cmd_report(args) -> int:
 
 def cmd_compare(args) -> int:
     from ..runs import RunFolder
-    from .compare_runs import compare_runs
+    from ..benchmark.compare_runs import compare_runs
 
     for d in (args.run_a, args.run_b):
         if not RunFolder(d).exists():
@@ -43,8 +43,8 @@ def cmd_compare(args) -> int:
 
 def cmd_screenshots(args) -> int:
     from ..runs import RunFolder, outputs_dir
-    from .report import rebuild
-    from .screenshots import ScreenshotError, newest_finished_run, take
+    from ..benchmark.report import rebuild
+    from ..benchmark.screenshots import ScreenshotError, newest_finished_run, take
 
     try:
         run = RunFolder(args.run) if args.run else newest_finished_run(args.outputs or outputs_dir())

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ...hooks import WrapGroup
-from .registry import Strategy, register
+from ..hooks import WrapGroup
+from . import register
+from .technique import CacheTechnique
 from ._diffusers_hooks import install_block_hooks, needs_top_level
 
 
@@ -28,11 +29,10 @@ def _apply(pipe, adapter, cfg_obj):
 
 
 @register
-class DiffusersMagCache(Strategy):
+class DiffusersMagCache(CacheTechnique):
     name = "diffusers_magcache"
     family = "diffusers MagCache"
-    Config = MagCacheSettings
-    calibrate_call = None  # set by the stage: a callable that runs the pipeline once
+    Settings = MagCacheSettings
 
     @classmethod
     def applicable(cls, adapter):
@@ -41,8 +41,8 @@ class DiffusersMagCache(Strategy):
         return needs_top_level(adapter)
 
     @classmethod
-    def calibrate(cls, pipe, adapter, steps, run_once) -> list[float]:
-        """Run once in MagCache's calibration mode and return this model's magnitude ratios
+    def calibrate(cls, pipe, adapter, run, steps) -> dict:
+        """One case (``run(1)``) in MagCache's calibration mode: this model's magnitude ratios
         (read per hook instance, before MagCache resets them at the end of the run)."""
         from diffusers.hooks import MagCacheConfig
 
@@ -60,16 +60,16 @@ class DiffusersMagCache(Strategy):
                 for hook in (reg.hooks.values() if reg is not None else []):
                     if hasattr(hook, "_perform_calibration_step"):
                         records.wrap(hook, record, attr="_perform_calibration_step")
-            run_once()
+            run(1)
         finally:
             try:
                 records.remove()
             finally:
                 undo()
-        return ratios[:steps]
+        return {"mag_ratios": ratios[:steps]}
 
     @classmethod
-    def apply(cls, pipe, adapter, config, steps=None):
+    def enable(cls, pipe, adapter, config, steps=None):
         from diffusers.hooks import MagCacheConfig
 
         ratios = list(config.mag_ratios) or [1.0] * (steps or 2)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .registry import Strategy, register
+from . import register
+from .technique import CacheTechnique
 from ._diffusers_hooks import install_block_hooks, needs_top_level
 
 
@@ -15,10 +16,10 @@ class FirstBlockCacheSettings:
 
 
 @register
-class DiffusersFirstBlockCache(Strategy):
+class DiffusersFirstBlockCache(CacheTechnique):
     name = "diffusers_fbc"
     family = "diffusers FirstBlockCache"
-    Config = FirstBlockCacheSettings
+    Settings = FirstBlockCacheSettings
 
     @classmethod
     def applicable(cls, adapter):
@@ -27,7 +28,7 @@ class DiffusersFirstBlockCache(Strategy):
         return needs_top_level(adapter)
 
     @classmethod
-    def apply(cls, pipe, adapter, config, steps=None):
+    def enable(cls, pipe, adapter, config, steps=None):
         from diffusers.hooks import FirstBlockCacheConfig, apply_first_block_cache
         from diffusers.hooks import first_block_cache as fbc
 

@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ...hooks import swap_attribute
-from .registry import Strategy, register
+from ..hooks import swap_attribute
+from . import register
+from .technique import CacheTechnique
 from ._diffusers_hooks import finish_install, attention_lists, has_diffusers_attention, timestep_callback
 
 
@@ -47,17 +48,17 @@ class LayoutByRank:
 
 
 @register
-class DiffusersFasterCache(Strategy):
+class DiffusersFasterCache(CacheTechnique):
     name = "diffusers_fastercache"
     family = "diffusers FasterCache"
-    Config = FasterCacheSettings
+    Settings = FasterCacheSettings
 
     @classmethod
     def applicable(cls, adapter):
         return has_diffusers_attention(adapter)
 
     @classmethod
-    def apply(cls, pipe, adapter, config, steps=None):
+    def enable(cls, pipe, adapter, config, steps=None):
         from diffusers.hooks import FasterCacheConfig, apply_faster_cache
         from diffusers.hooks import faster_cache as fc
 

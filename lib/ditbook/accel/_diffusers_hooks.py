@@ -163,7 +163,7 @@ def ensure_context(transformer, slots: int = 1, pipe=None):
     handles = [transformer.register_forward_pre_hook(pre, with_kwargs=True),
                transformer.register_forward_hook(post, with_kwargs=True)]
     if pipe is not None:
-        from ... import hooks
+        from .. import hooks
 
         def fresh_generation(original, *args, **kwargs):
             reset_hook_states(transformer)

@@ -20,7 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ._forecast import apply_forecaster, rel_l1
-from .registry import Strategy, register
+from . import register
+from .technique import CacheTechnique
 
 
 @dataclass
@@ -48,13 +49,13 @@ def mean_velocity(slot, s: float, prev_s: float | None):
 
 
 @register
-class MeanCache(Strategy):
+class MeanCache(CacheTechnique):
     name = "meancache"
     family = "MeanCache (average velocity, ditbook hooks)"
-    Config = MeanCacheSettings
+    Settings = MeanCacheSettings
 
     @classmethod
-    def apply(cls, pipe, adapter, config, steps=None):
+    def enable(cls, pipe, adapter, config, steps=None):
         return apply_forecaster(pipe, adapter, config, mean_velocity, "ditbook-meancache")
 
     @classmethod

@@ -15,7 +15,7 @@ from pathlib import Path
 def refusal(card_path: str, plans: list[str], arch: str | None, overrides: dict) -> list[str]:
     """Reasons against these plans: ditbook's own refusals (``plans.refusal``), then the
     feasibility table's (when a report is given)."""
-    from .plans import PlanNameError, parse_plan as _parse, refusal as plan_refusal
+    from ..parallel.plans import PlanNameError, parse_plan as _parse, refusal as plan_refusal
 
     refused = []
     for p in plans:
@@ -28,8 +28,8 @@ def refusal(card_path: str, plans: list[str], arch: str | None, overrides: dict)
         return refused
     from ..arch.report import ArchReport
     from ..card import load_card
-    from .feasibility import WORLD_SIZES, feasibility
-    from .plans import parse_plan
+    from ..parallel.feasibility import WORLD_SIZES, feasibility
+    from ..parallel.plans import parse_plan
 
     sizes = sorted(set(WORLD_SIZES) | {parse_plan(p).world_size for p in plans})  # ring3 is judged too
     table = feasibility(ArchReport.load(arch), load_card(card_path, overrides), world_sizes=sizes)
@@ -48,7 +48,7 @@ def refusal(card_path: str, plans: list[str], arch: str | None, overrides: dict)
             except KeyError:
                 out.append(f"{p}: world size {spec.world_size} is not in the feasibility table")
                 continue
-        from .feasibility import device_refusal
+        from ..parallel.feasibility import device_refusal
 
         if device_refusal(spec, table.facts.get("device")):
             out.append(f"{p}: not feasible — {device_refusal(spec, table.facts.get('device'))}")
@@ -91,7 +91,7 @@ def static_refusal(card, plans: list[str]) -> list[str]:
     by Ulysses or TP (the transformer built on the meta device, no weights read)."""
     from ..arch.static import inspect_transformer
     from ..loading import build_meta_transformer
-    from .plans import parse_plan
+    from ..parallel.plans import parse_plan
 
     try:
         heads = inspect_transformer(build_meta_transformer(card), card.pipeline.cls, support=False).attention.heads
@@ -100,7 +100,7 @@ def static_refusal(card, plans: list[str]) -> list[str]:
               f"pass --run RUN_DIR of an inspected run for the full check", file=sys.stderr)
         return []
     from ..loading import choose_placement
-    from .feasibility import device_refusal
+    from ..parallel.feasibility import device_refusal
 
     out = []
     if any(parse_plan(p).uses_cp for p in plans):
@@ -114,7 +114,7 @@ def static_refusal(card, plans: list[str]) -> list[str]:
             if n > 1 and heads and heads % n:
                 out.append(f"{p}: not feasible — {heads} attention heads are not divisible by {kind} {n}")
         if spec.vae > 1:  # the VAE's decoder, built on the meta device (parallel.vae)
-            from .vae import vae_facts
+            from ..parallel.vae import vae_facts
 
             problem, rows = vae_facts(card.path, card.generation.height)
             if problem or (rows and rows % spec.vae):
@@ -125,8 +125,8 @@ def static_refusal(card, plans: list[str]) -> list[str]:
 def cmd_parallel(args) -> int:
     from ..card import parse_overrides
     from ..loading import choose_placement
-    from .launch import Nodes, ParallelRunError, ranks_present, run_plans
-    from .plans import PlanNameError, parse_plan
+    from ..parallel.launch import Nodes, ParallelRunError, ranks_present, run_plans
+    from ..parallel.plans import PlanNameError, parse_plan
 
     overrides = parse_overrides(args.param)
     run = None

@@ -9,11 +9,11 @@ from pathlib import Path
 
 
 def cmd_cache(args) -> int:
-    from . import strategies
+    from .. import accel
 
     if args.list:
-        for name in strategies.names():
-            s = strategies.get(name)
+        for name in accel.names("cache"):
+            s = accel.get(name)
             print(f"{name:22s} {s.family}")
         return 0
     if not args.card:
@@ -24,10 +24,10 @@ def cmd_cache(args) -> int:
     from ..runs import RunFolder, latest_run
 
     wanted = [n.strip() for n in (args.strategies or "").split(",") if n.strip()]
-    unknown = [n for n in wanted if n not in strategies.names()]
+    unknown = [n for n in wanted if n not in accel.names("cache")]
     if unknown or (args.strategies is not None and not wanted):
         print(f"ditbook cache: unknown strategy name(s) {unknown or [args.strategies]}; registered: "
-              f"{', '.join(strategies.names())} (ditbook cache --list)", file=sys.stderr)
+              f"{', '.join(accel.names('cache'))} (ditbook cache --list)", file=sys.stderr)
         return 2
     card = gate_check(args.card)
     outputs = Path(args.outputs) if args.outputs else outputs_dir()

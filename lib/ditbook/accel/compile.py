@@ -32,7 +32,7 @@ def compile_regions(transformer, *, backend: str = "inductor", mode: str | None 
             transformer.compile_repeated_blocks(**kwargs)
             method = "compile_repeated_blocks"
         else:
-            from .arch.static import find_block_lists
+            from ..arch.static import find_block_lists
 
             lists, _ = find_block_lists(transformer)
             if not lists:

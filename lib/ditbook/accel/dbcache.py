@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .registry import Strategy, register
+from . import register
+from .technique import CacheTechnique
 
 
 @dataclass
@@ -35,7 +36,7 @@ def enable_dbcache(pipe, adapter, cache_config_kwargs: dict, calibrator=None):
     """Enable cache-dit on ``pipe`` through ``adapter``; returns the undo callable."""
     import cache_dit
 
-    from ...hooks import snapshot_instance_attrs
+    from ..hooks import snapshot_instance_attrs
 
     transformer = pipe.transformer
     order = list(transformer._modules)
@@ -64,10 +65,10 @@ def min_list_length(adapter) -> int:
 
 
 @register
-class DBCache(Strategy):
+class DBCache(CacheTechnique):
     name = "dbcache"
     family = "cache-dit DBCache"
-    Config = DBCacheSettings
+    Settings = DBCacheSettings
 
     @classmethod
     def cache_kwargs(cls, c, steps=None) -> dict:
@@ -82,7 +83,7 @@ class DBCache(Strategy):
         return None
 
     @classmethod
-    def apply(cls, pipe, adapter, config, steps=None):
+    def enable(cls, pipe, adapter, config, steps=None):
         return enable_dbcache(pipe, adapter, cls.cache_kwargs(config, steps))
 
     @classmethod

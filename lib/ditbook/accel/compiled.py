@@ -1,7 +1,7 @@
 """Configurations measured compiled: regional ``torch.compile`` of the transformer's repeated
 blocks on top of any configuration, with the one-time compile cost recorded beside its timing.
 
-Regional compilation is ``ditbook.regional.compile_regions`` (re-exported here), the one helper the
+Regional compilation is ``ditbook.accel.compile.compile_regions`` (re-exported here), the one helper the
 parallel stage's ``+compile`` uses too: diffusers' ``compile_repeated_blocks`` where the class names
 its repeated blocks, else every block of the inspected block lists; the undo is exact.
 
@@ -12,7 +12,7 @@ time above the median of the others (a cache's cheap steps make a minimum too lo
 far above that median are counted as ``slow_later_calls`` (recompiles).
 The figures land in ``params["compile"]`` (filled in place while the configuration runs, so the
 benchmark's result row carries them). ``decoder=True`` compiles the pipeline's image decoder too
-(``ditbook.regional.compile_decoder``): with a cache that computes few steps, the decode is a
+(``ditbook.accel.compile.compile_decoder``): with a cache that computes few steps, the decode is a
 visible share of the run (about 8% of a cached FLUX.1-dev image on an H200). A pipeline without a
 decoder module keeps its blocks compiled and records why in ``params["compile"]["decoder"]``. The
 decoder compiles at its first decode, so its cost is timed there (a probe on ``vae.decode``) and
@@ -29,7 +29,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from ..regional import DecoderUnavailable, compile_decoder, compile_regions  # (also the parallel stage's +compile)
+from .compile import DecoderUnavailable, compile_decoder, compile_regions  # (also the parallel stage's +compile)
 
 
 @dataclass

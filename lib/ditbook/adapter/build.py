@@ -29,13 +29,7 @@ from pathlib import Path
 from .. import hooks
 from ..arch.report import ArchReport
 from ..arch.loop_source import list_uses
-from .adapter_source import (  # noqa: F401  (PATTERN_OUTPUT_INDEX, refused_module_source: public here)
-    PATTERN_OUTPUT_INDEX,
-    adapter_function_name,
-    adapter_module_source,
-    refused_module_source,
-    safe_name,
-)
+from .source import (PATTERN_OUTPUT_INDEX, adapter_function_name, adapter_module_source, refused_module_source, safe_name)
 from .loopfold import FoldError, LoopFold, loop_body_class_name, plan_fold
 
 STANDARD_INPUTS = {"hidden_states", "encoder_hidden_states"}
@@ -341,7 +335,7 @@ def _model_modules_by_plain_name(transformer):
     another name (a card's ``source: file.py``) answer to the plain name the file imports them by,
     so the adapter's functions see the very module objects the model's classes were defined in.
     Put back exactly afterwards."""
-    from .adapter_source import importable_module_name
+    from .source import importable_module_name
 
     aliases = {}
     for cls in type(transformer).__mro__ if transformer is not None else ():

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .registry import Strategy, register
+from . import register
+from .technique import CacheTechnique
 from ._diffusers_hooks import finish_install, attention_lists, has_diffusers_attention
 
 
@@ -17,17 +18,17 @@ class TaylorSeerSettings:
 
 
 @register
-class DiffusersTaylorSeer(Strategy):
+class DiffusersTaylorSeer(CacheTechnique):
     name = "diffusers_taylorseer"
     family = "diffusers TaylorSeer"
-    Config = TaylorSeerSettings
+    Settings = TaylorSeerSettings
 
     @classmethod
     def applicable(cls, adapter):
         return has_diffusers_attention(adapter)
 
     @classmethod
-    def apply(cls, pipe, adapter, config, steps=None):
+    def enable(cls, pipe, adapter, config, steps=None):
         import torch
         from diffusers.hooks import TaylorSeerCacheConfig, apply_taylorseer_cache
         from diffusers.hooks import taylorseer_cache as tc

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .registry import Strategy, register
+from . import register
+from .technique import CacheTechnique
 from .dbcache import enable_dbcache
 
 
@@ -60,13 +61,13 @@ class SCMSettings:
 
 
 @register
-class SCM(Strategy):
+class SCM(CacheTechnique):
     name = "scm"
     family = "cache-dit SCM step mask"
-    Config = SCMSettings
+    Settings = SCMSettings
 
     @classmethod
-    def apply(cls, pipe, adapter, config, steps=None):
+    def enable(cls, pipe, adapter, config, steps=None):
         import cache_dit
 
         mask = list(config.mask)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 
 def cmd_zoo(args) -> int:
-    from . import build, configs, list_models
+    from ..zoo import build, configs, list_models
 
     if args.zoo_command == "list":
         for name in list_models():

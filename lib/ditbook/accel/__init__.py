@@ -1,0 +1,58 @@
+"""Acceleration techniques, one module each, found by the registry itself.
+
+Every module of this package whose name does not start with ``_`` is imported on first use; each
+registers its technique class with :func:`register` (``ditbook.accel.technique``: settings,
+``applicable``, ``apply`` -> ``Handle`` with an exact undo and a typed record, ``check``). Adding a
+technique is adding a module here: no list to edit, no stage to touch. Stages ask
+``techniques(kind)`` and each module; nothing outside this package names a technique's module.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+from .technique import KINDS, CacheRecord, CacheTechnique, Handle, NothingDone, Record, Technique
+
+_REGISTRY: dict[str, type[Technique]] = {}
+_SKIP = {"technique"}  # the base module itself
+
+
+def register(cls: type[Technique]) -> type[Technique]:
+    """Class decorator of a technique module: the technique under its ``name``."""
+    if getattr(cls, "kind", None) not in KINDS:
+        raise ValueError(f"technique {cls.__name__}: kind {getattr(cls, 'kind', None)!r} is not one of {KINDS}")
+    other = _REGISTRY.get(cls.name)
+    if other is not None and other.__module__ != cls.__module__:
+        raise ValueError(f"technique name {cls.name!r} is taken by {other.__module__}")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def discover() -> dict[str, type[Technique]]:
+    """Import every technique module on this package's path (modules added to ``__path__`` too)."""
+    for info in pkgutil.iter_modules(__path__):
+        if not info.name.startswith("_") and info.name not in _SKIP:
+            importlib.import_module(f"{__name__}.{info.name}")
+    return _REGISTRY
+
+
+def techniques(kind: str | None = None) -> list[type[Technique]]:
+    """The registered techniques (of one kind), by name."""
+    discover()
+    return [t for n, t in sorted(_REGISTRY.items()) if kind is None or t.kind == kind]
+
+
+def names(kind: str | None = None) -> list[str]:
+    return [t.name for t in techniques(kind)]
+
+
+def get(name: str) -> type[Technique]:
+    discover()
+    if name not in _REGISTRY:
+        raise KeyError(f"unknown technique {name!r}; known: {sorted(_REGISTRY)}")
+    return _REGISTRY[name]
+
+
+__all__ = ["KINDS", "CacheRecord", "CacheTechnique", "Handle", "NothingDone", "Record", "Technique", "discover",
+           "get", "names", "register", "techniques"]

@@ -1,0 +1,171 @@
+"""What every acceleration technique is: a settings dataclass, ``applicable(facts)``, ``apply(...)``
+returning a :class:`Handle` (an exact undo, and a typed :class:`Record` of what it did, read from the
+model or the run, never from what it meant to do), and ``check(record)``, which raises
+:class:`NothingDone` when the technique changed nothing (a cache that skipped no step, a split that
+split nothing, no layer quantized, no graph replayed). The shape of diffusers' ``hooks/``: one file
+per technique, its config dataclass and its apply function on a small core.
+
+Kinds (``Technique.kind``): ``cache`` (step and block caches; :class:`CacheTechnique`), ``parallel``
+(plans over processes; ``ditbook.accel.parallel_kind``), and the pipeline-wide ones ``compile``,
+``quantize``, ``graphs``, ``attention``. A stage asks the registry (``ditbook.accel``) for the
+techniques of a kind and asks each module; it never branches on a technique's name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any, Callable, ClassVar
+
+KINDS = ("cache", "parallel", "compile", "quantize", "graphs", "attention")
+
+
+class NothingDone(RuntimeError):
+    """A technique's ``check`` found that applying it changed nothing it claims to change."""
+
+
+@dataclass
+class Record:
+    """What a technique did, measured on the model or the run. Subclasses add their figures."""
+
+    technique: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class Handle:
+    """What ``apply`` returns: ``undo()`` puts back exactly what was there (once; later calls do
+    nothing), ``record()`` reads what the technique did so far (None where it keeps none)."""
+
+    def __init__(self, undo: Callable[[], None] | None = None, record: Callable[[], Record | None] | None = None):
+        self._undo = undo
+        self._record = record
+        self.undone = False
+
+    def undo(self) -> None:
+        if self.undone:
+            return
+        self.undone = True
+        if self._undo is not None:
+            self._undo()
+
+    def record(self) -> Record | None:
+        return self._record() if self._record is not None else None
+
+    def __call__(self) -> None:  # a handle is also its undo callable
+        self.undo()
+
+
+class Technique:
+    """The base of every technique module's class (registered with ``ditbook.accel.register``)."""
+
+    name: ClassVar[str]
+    kind: ClassVar[str]
+    family: ClassVar[str]  # the name a reviewer reads in tables ("cache-dit DBCache")
+    Settings: ClassVar[type]
+
+    @classmethod
+    def settings(cls, **values) -> Any:
+        """The settings dataclass from a mapping; keys it does not have are left out."""
+        names = {f.name for f in fields(cls.Settings)}
+        return cls.Settings(**{k: v for k, v in values.items() if k in names})
+
+    @classmethod
+    def settings_dict(cls, settings) -> dict:
+        return asdict(settings)
+
+    @classmethod
+    def applicable(cls, facts) -> str | None:
+        """Why the technique cannot run on a model with these facts (None: it can)."""
+        return None
+
+    @classmethod
+    def check(cls, record: Record | None) -> None:
+        """Raise :class:`NothingDone` when ``record`` shows the technique did nothing."""
+
+
+@dataclass
+class CacheRecord(Record):
+    """A cache's work as counted on the model's own blocks (``adapter.counting``): every original
+    block and attention evaluation that ran, per transformer call."""
+
+    transformer_calls: int = 0
+    block_evals: int = 0
+    attention_evals: int = 0
+    calls: list = field(default_factory=list)  # blocks run per transformer call
+    cached_steps: int = 0  # transformer calls that ran fewer blocks than the uncached run's
+    skipped_fraction: float | None = None  # against ``baseline_block_evals``; None without a baseline
+    attention_skipped_fraction: float | None = None
+    baseline_block_evals: float | None = None
+
+    def against(self, baseline: dict) -> "CacheRecord":
+        """This record with its shares of ``baseline`` (the uncached run's counts) filled in."""
+        from ..adapter.counting import savings
+
+        s = savings({"block_evals": self.block_evals, "attention_evals": self.attention_evals,
+                     "transformer_calls": self.transformer_calls, "calls": self.calls}, baseline)
+        return replace(self, cached_steps=s["cached_steps"], skipped_fraction=s["skipped_fraction"],
+                       attention_skipped_fraction=s["attention_skipped_fraction"],
+                       baseline_block_evals=s["baseline_block_evals"])
+
+
+class CacheTechnique(Technique):
+    """A step or block cache on the adapter's block lists (``ditbook.adapter``). A module defines
+    ``enable(pipe, adapter, settings, steps) -> undo``, ``grid(adapter, steps)`` (the settings the
+    cache stage tries, most promising first), ``disabled(adapter, steps)`` (settings that turn the
+    skipping off, so the adapter alone must reproduce the baseline), and where it has one
+    ``calibrate(pipe, adapter, run, steps) -> {setting: value}`` (constants measured on this model,
+    filled into settings that leave them empty)."""
+
+    kind = "cache"
+    calibrate: ClassVar[Callable | None] = None
+
+    @classmethod
+    def enable(cls, pipe, adapter, settings, steps: int | None = None) -> Callable[[], None] | None:
+        raise NotImplementedError
+
+    @classmethod
+    def apply(cls, pipe, settings, *, adapter, steps: int | None = None, baseline: dict | None = None) -> Handle:
+        """Count the model's block evaluations, then enable the cache. ``record()``: a
+        :class:`CacheRecord` (with ``baseline``, the uncached run's counts, its skipped shares)."""
+        from ..adapter.counting import EvalCounter
+
+        counter = EvalCounter(pipe.transformer, adapter.counted_blocks())
+        try:
+            undo = cls.enable(pipe, adapter, settings, steps=steps)
+        except BaseException:
+            counter.remove()
+            raise
+
+        def undo_all() -> None:
+            try:
+                if undo is not None:
+                    undo()
+            finally:
+                counter.remove()
+
+        def record() -> CacheRecord:
+            c = counter.snapshot()
+            rec = CacheRecord(cls.name, transformer_calls=c["transformer_calls"], block_evals=c["block_evals"],
+                              attention_evals=c["attention_evals"], calls=list(c["calls"]))
+            return rec.against(baseline) if baseline else rec
+
+        return Handle(undo_all, record)
+
+    @classmethod
+    def check(cls, record: CacheRecord | None) -> None:
+        if record is None or record.skipped_fraction is None:
+            raise NothingDone(f"{cls.name}: no count against the uncached run, so no skipped work is shown")
+        if record.skipped_fraction <= 0.0 and record.cached_steps == 0:
+            raise NothingDone(f"{cls.name} skipped no block evaluation in {record.transformer_calls} transformer calls")
+
+    @classmethod
+    def grid(cls, adapter, steps: int) -> list:
+        return [cls.Settings()]
+
+    @classmethod
+    def disabled(cls, adapter, steps: int):
+        return None
+
+
+__all__ = ["KINDS", "CacheRecord", "CacheTechnique", "Handle", "NothingDone", "Record", "Technique"]
