@@ -177,7 +177,7 @@ def run_row(name: str, make, inputs: dict, device, repeats: int, top: int, backe
             graph: bool = False) -> dict:
     from torch._dynamo.utils import counters
 
-    from ditbook.accel.compiled import compile_regions
+    from ditbook.accel.compile import compile_regions
     from ditbook.accel.fp8 import Fp8Refused, apply_fp8, fp8_refusal
 
     row: dict = {"row": name}

@@ -1,6 +1,6 @@
 """Ring attention's per-block kernel on one GPU (issue 24 item 5): for one step of a 2-rank ring at
 the FLUX.1-dev and Wan2.1-1.3B shapes, the time and peak extra memory of each block's partial
-attention (out and log-sum-exp) by ``ditbook.parallel.ring``'s fused path and by its float32
+attention (out and log-sum-exp) by ``ditbook.accel.ring``'s fused path and by its float32
 path, beside the plain attention call on the same local shapes; and the 2-block merge against one
 attention over both blocks (the ring's result on two ranks, computed in one process).
 
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
 
-from ditbook.parallel import ring  # noqa: E402
+from ditbook.accel import ring  # noqa: E402
 
 # (heads, local tokens of one rank of two, head dim): FLUX.1-dev 1024² (4096 image + 512 text
 # tokens, 24 heads); Wan2.1-1.3B 480x832x81 (32,760 tokens, 12 heads)

@@ -9,8 +9,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from ditbook.parallel.cache_sync import static_schedule
-from ditbook.parallel.graphs import install_cached_step_graphs
+from ditbook.cp.cache_sync import static_schedule
+from ditbook.accel.graphs import install_cached_step_graphs
 from ditbook.parallel.worker import compile_repeated_blocks
 from speedsuite.fullsize import flux_pipeline
 from speedsuite.schedules import ditbook_schedule

@@ -3,14 +3,15 @@ exactly, and a model that calls SDPA itself is declared not applicable."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from test_compiled_configs import tiny_flux as tiny_flux_inputs  # noqa: E402
 
-from ditbook.benchmark.attention_backends import (applicability, apply_backend, backend_config, measure_backends,
-                                                  output_agreement)
+from ditbook.accel.attention_backend import (applicability, apply_backend, backend_config, measure_backends, output_agreement)
 
 
 def tiny_flux():
@@ -185,21 +186,24 @@ def test_benchmark_stage_rows_for_the_pick_and_compiled_twins(tmp_path):
     from types import SimpleNamespace
 
     from ditbook.benchmark.measure import benchmark
-    from ditbook.benchmark.variants import BACKENDS_FILE, derived_configs
+    from ditbook.accel.attention_backend import BACKENDS_FILE
+    from ditbook.benchmark.variants import derived_configs
     from ditbook.card import load_card
     from ditbook.loading import load_pipeline
     from ditbook.render import call_kwargs, cases, make_generator, to_image
     from pathlib import Path
 
     card = load_card(Path(__file__).resolve().parents[1] / "models" / "reference.yaml",
-                     {"generation.steps": 2, "generation.prompts": ["a red circle on the left"], "generation.seeds": [0]})
+                     {"generation.steps": 2, "generation.prompts": ["a red circle on the left"], "generation.seeds": [0],
+                      "runtime.compile": "eager", "benchmark.attention_backend": "auto"})
     pipe = load_pipeline(card)
     ctx = SimpleNamespace(card=card, run=SimpleNamespace(stage_dir=lambda name: tmp_path / name))
     torch._dynamo.reset()
     before = _state(pipe.transformer)
-    configs, table = derived_configs(ctx, pipe, [], compile="eager", attention_backend="auto", log=lambda m: None,
-                                     backends=["native", "_native_math"], warmup=1, repeats=2)
-    assert (tmp_path / "benchmark" / BACKENDS_FILE).is_file() and table["applicable"] and table["pick"]
+    configs = derived_configs(ctx, pipe, [], log=lambda m: None, backends=["native", "_native_math"], warmup=1,
+                              repeats=2)
+    table = json.loads((tmp_path / "benchmark" / BACKENDS_FILE).read_text())
+    assert table["applicable"] and table["pick"]
     assert _state(pipe.transformer) == before
     names = [c.name for c in configs]
     assert "baseline+compile" in names
@@ -225,7 +229,7 @@ def test_pick_not_confirmed_by_the_second_round_is_not_applied(registry, tmp_pat
     confirmed, and the benchmark stage adds no backend row, saying why."""
     from types import SimpleNamespace
 
-    from ditbook.benchmark import variants
+    from ditbook.accel import attention_backend
 
     names, reg, mp = registry
     real_native, real_math = reg._backends[names.NATIVE], reg._backends[names._NATIVE_MATH]
@@ -251,12 +255,14 @@ def test_pick_not_confirmed_by_the_second_round_is_not_applied(registry, tmp_pat
     assert table.pick == "native" and table.fastest_confirmed == "_native_math"
     assert table.pick_over_fastest > 1.03 and not table.confirmed
     # the stage's wiring refuses to add it
-    mp.setattr(variants, "measure_pipeline_backends", lambda pipe, run, **kw: table)
+    mp.setattr(attention_backend, "measure_pipeline_backends", lambda pipe, run, **kw: table)
     ctx = SimpleNamespace(card=None, run=SimpleNamespace(stage_dir=lambda name: tmp_path / name))
     mp.setattr("ditbook.render.cases", lambda card: [("k", "p", 0)])
     mp.setattr("ditbook.render.call_kwargs", lambda pipe, card: {})
     said = []
-    added, data = variants.attention_backend_configs(ctx, SimpleNamespace(transformer=tr), "auto", log=said.append)
+    added = attention_backend.AttentionBackend.variants(ctx, SimpleNamespace(transformer=tr), [],
+                                                        attention_backend.AttentionBackendSettings("auto"), log=said.append)
+    data = json.loads((tmp_path / "benchmark" / attention_backend.BACKENDS_FILE).read_text())
     assert added == [] and data["confirmed"] is False and "not stable enough" in said[-1]
 
 
@@ -280,7 +286,7 @@ def test_backend_pick_reads_the_cards_gates(registry, tmp_path):
     the same measurement rejects it and the default stays."""
     from types import SimpleNamespace
 
-    from ditbook.benchmark import variants
+    from ditbook.accel import attention_backend
     from ditbook.settings import Gates, ParallelSettings
 
     names, reg, mp = registry
@@ -299,7 +305,7 @@ def test_backend_pick_reads_the_cards_gates(registry, tmp_path):
     mp.setitem(reg._backends, names.NATIVE, native)
     mp.setitem(reg._backends, names._NATIVE_MATH, slightly_off)
     tr, call = tiny_flux()
-    mp.setattr(variants, "measure_pipeline_backends", lambda pipe, run, **kw: measure_backends(
+    mp.setattr(attention_backend, "measure_pipeline_backends", lambda pipe, run, **kw: measure_backends(
         tr, call, backends=["native", "_native_math"], warmup=1, repeats=3, clock=clock, **kw))
     mp.setattr("ditbook.render.cases", lambda card: [("k", "p", 0)])
     mp.setattr("ditbook.render.call_kwargs", lambda pipe, card: {})
@@ -307,7 +313,9 @@ def test_backend_pick_reads_the_cards_gates(registry, tmp_path):
     def pick(psnr):
         card = SimpleNamespace(parallel=ParallelSettings(gates=Gates(psnr=psnr)))
         ctx = SimpleNamespace(card=card, run=SimpleNamespace(stage_dir=lambda name: tmp_path / name))
-        added, data = variants.attention_backend_configs(ctx, SimpleNamespace(transformer=tr), "auto", log=lambda m: None)
+        added = attention_backend.AttentionBackend.variants(
+            ctx, SimpleNamespace(transformer=tr), [], attention_backend.AttentionBackendSettings("auto"), log=lambda m: None)
+        data = json.loads((tmp_path / "benchmark" / attention_backend.BACKENDS_FILE).read_text())
         return data, [c.name for c in added]
 
     loose, added = pick(20.0)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ditbook.hooks import WrapError, wrap_method, wrap_names
-from ditbook.parallel.attention import ROUTE_WRAP, route_attention
+from ditbook.cp.attention import ROUTE_WRAP, route_attention
 
 REAL_SDPA = F.scaled_dot_product_attention
 

@@ -235,7 +235,7 @@ def test_checklist_reads_the_stages_and_says_not_recorded():
     # each check can fail
     parallel["plans"][0]["details"] = {"sharding": {"verified": True}}
     assert {c["item"]: c for c in checklist(meta, results)}["parity per plan, sharding verified"]["ok"] is True
-    # the record the parallel stage writes (ditbook.parallel.sharding): verified, and a plan that split nothing
+    # the record the parallel stage writes (ditbook.cp.sharding): verified, and a plan that split nothing
     item = "parity per plan, sharding verified"
     parallel["plans"][0]["details"] = {"sharding": {"error": None, "check": {"degree": 2}}}
     assert {c["item"]: c for c in checklist(meta, results)}[item]["ok"] is True

@@ -205,8 +205,8 @@ def test_stage_notebook_end_to_end(tmp_path):
     run, pipe, report = prepared_run(card, tmp_path / "outputs")
     out = run.path / "03_cache.ipynb"
     pm.execute_notebook(str(ROOT / "notebooks" / "03_cache.ipynb"), str(out), cwd=str(run.path), progress_bar=False,
-                        parameters={"CARD": str(card), "RUN_DIR": str(run.path), "OVERRIDES": {},
-                                    "STRATEGIES": ["dbcache", "teacache_fitted", "diffusers_fbc"], "MAX_CONFIGS": 3})
+                        parameters={"CARD": str(card), "RUN_DIR": str(run.path), "OVERRIDES": {
+                            "cache.strategies": ["dbcache", "teacache_fitted", "diffusers_fbc"], "cache.max_configs": 3}})
     res = json.loads((run.path / "cache" / "results.json").read_text())
     for key in ("strategies", "chosen", "frontier", "noise_floor", "adapter_module"):
         assert key in res

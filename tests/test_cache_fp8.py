@@ -196,7 +196,7 @@ def test_the_verdict_ships_the_fp8_composition_only_when_faster_correct_and_repr
 
 def test_the_benchmark_times_the_composition_warm_and_gives_it_no_second_fp8_twin():
     from ditbook.accel.fp8 import Fp8Refused  # noqa: F401  (the module the twins come from)
-    from ditbook.benchmark.variants import fp8_configs
+    from ditbook.accel.fp8 import Fp8, Fp8Settings
     from ditbook.configuration import Config
 
     composed = Config("dbcache[threshold=0.1]+fp8[32/42]", "cache/dbcache", lambda pipe: None,
@@ -206,14 +206,12 @@ def test_the_benchmark_times_the_composition_warm_and_gives_it_no_second_fp8_twi
     class Pipe:
         transformer = torch.nn.Linear(16, 16)
 
-    twins = fp8_configs(Pipe(), [plain, composed], log=lambda m: None)
+    twins = Fp8.variants(None, Pipe(), [plain, composed], Fp8Settings(), log=lambda m: None)
     names = [c.name for c in twins]
     assert names == ["fp8"]  # the CPU: one refused row; on a GPU the twins of baseline and plain only
-    from ditbook.benchmark import variants
-
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr("ditbook.accel.fp8.fp8_refusal", lambda device, **k: None)
-        names = [c.name for c in variants.fp8_configs(Pipe(), [plain, composed], log=lambda m: None)]
+        names = [c.name for c in Fp8.variants(None, Pipe(), [plain, composed], Fp8Settings(), log=lambda m: None)]
     assert names == ["fp8", "dbcache[threshold=0.2]+fp8"]
 
 

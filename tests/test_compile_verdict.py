@@ -53,7 +53,7 @@ def test_without_a_compiled_twin_the_verdict_is_unchanged():
 
 def test_the_benchmarks_compiled_twin_carries_the_name_the_verdict_looks_for():
     """The cache stage's configuration reaches the benchmark as ``name[label]``; with
-    ``benchmark.compile`` its twin is ``name[label]+compile`` — the row ``compiled_twin`` reads."""
+    ``runtime.compile`` its twin is ``name[label]+compile`` — the row ``compiled_twin`` reads."""
     from ditbook.benchmark.variants import derived_configs
     from ditbook.benchmark.verdict import chosen_row_name
     from ditbook.configuration import Config
@@ -61,6 +61,10 @@ def test_the_benchmarks_compiled_twin_carries_the_name_the_verdict_looks_for():
     chosen = _cache()["chosen"]
     name = chosen_row_name(chosen)
     assert name == CHOSEN
-    configs, _ = derived_configs(None, None, [Config(name, "cache/dbcache_taylorseer", lambda p: None)],
-                                 compile="eager", fp8=False, log=lambda m: None)
+    from types import SimpleNamespace
+
+    card = SimpleNamespace(runtime=SimpleNamespace(compile="eager"),
+                           benchmark=SimpleNamespace(fp8=False, attention_backend=None))
+    configs = derived_configs(SimpleNamespace(card=card), None, [Config(name, "cache/dbcache_taylorseer", lambda p: None)],
+                              log=lambda m: None)
     assert [c.name for c in configs] == [CHOSEN, "baseline+compile", CHOSEN + "+compile"]

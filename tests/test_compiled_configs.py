@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ditbook.accel.compiled import compile_options, compile_regions, compiled_config
+from ditbook.accel.compile import CompileSettings, compile_regions, compile_settings, compiled_config
 from ditbook.configuration import Config, baseline_config
 
 
@@ -156,14 +156,16 @@ def test_compiled_config_applies_the_inner_config_and_records_the_compile_cost()
     assert gates_for_family(base.family) == ParallelSettings().gates
 
 
-def test_compile_options():
-    assert compile_options(None) is None and compile_options(False) is None
-    assert compile_options(True) == {} and compile_options("eager") == {"backend": "eager"}
-    assert compile_options({"backend": "aot_eager", "fullgraph": True}) == {"backend": "aot_eager", "fullgraph": True}
-    with pytest.raises(ValueError, match="unknown keys"):
-        compile_options({"backend": "eager", "turbo": 1})
+def test_the_one_compile_setting_is_read_and_checked():
+    assert compile_settings(None) is None and compile_settings(False) is None
+    assert compile_settings(True) == CompileSettings() and compile_settings("eager") == CompileSettings(backend="eager")
+    assert compile_settings({"backend": "aot_eager", "decoder": True}) == CompileSettings(backend="aot_eager", decoder=True)
+    with pytest.raises(ValueError, match=r"runtime.compile.turbo: unknown key"):
+        compile_settings({"backend": "eager", "turbo": 1})
+    with pytest.raises(ValueError, match=r"runtime.compile.probe_calls: must be an integer"):
+        compile_settings({"probe_calls": "many"})
     with pytest.raises(ValueError):
-        compile_options(3)
+        compile_settings(3)
 
 
 def test_cache_stage_measures_the_chosen_configuration_compiled(tmp_path):
@@ -180,7 +182,7 @@ def test_cache_stage_measures_the_chosen_configuration_compiled(tmp_path):
     strat = accel.get("dbcache")
     s.chosen = {"name": "dbcache", "family": strat.family, "config": strat.settings_dict(strat.Settings(Fn=1, threshold=0.08, max_warmup_steps=1))}
     counting = CountingBackend()
-    out = s.compiled_check(counting)
+    out = s.compiled_check(CompileSettings(backend=counting))
     assert counting.graphs >= 1 and counting.runs > 0  # the blocks really ran compiled
     assert out["ok"] and out["quality"]["passed"] and out["method"] == "block lists: blocks" and out["regions"] > 0
     assert out["compiled_s"] > 0 and out["eager_s"] > 0 and out["compile_s"] >= 0
@@ -190,7 +192,7 @@ def test_cache_stage_measures_the_chosen_configuration_compiled(tmp_path):
 
 
 def test_compile_cost_estimate_is_not_fooled_by_cheap_cached_steps():
-    from ditbook.accel.compiled import CompileProbe
+    from ditbook.accel.compile import CompileProbe
 
     probe = CompileProbe(calls=7, cuda=False)
     probe.times = [5.0, 1.0, 0.1, 1.0, 0.1, 1.0, 10.0]  # compile, computed/cached steps, one recompile

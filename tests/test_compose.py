@@ -1,7 +1,7 @@
 """Composed plans (issue 16 item 1): a static cache schedule with Ulysses, CFG parallel, compile,
 and CUDA graphs of the computed steps.
 
-On the CPU: ``+compile`` runs with the ``aot_eager`` backend (``parallel.compile_backend``: dynamo
+On the CPU: ``+compile`` runs with the ``aot_eager`` backend (``runtime.compile``: dynamo
 traces the same regions through the parallel hooks, no kernels are generated); ``+graph`` needs
 CUDA and is refused before launch, with a dynamic cache also on a GPU. The graphs of the computed
 steps are checked in one process with a capturer that replays like a graph does."""
@@ -15,9 +15,9 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from ditbook.parallel import run_plans
-from ditbook.parallel.cache_sync import dbcache_config, static_schedule
-from ditbook.parallel.graphs import (GraphUnavailable, cache_graph_refusal, install_cached_step_graphs,
-                                     static_cache_mask)
+from ditbook.accel.dbcache import dbcache_config
+from ditbook.cp.cache_sync import static_schedule
+from ditbook.accel.graphs import GraphUnavailable, cache_graph_refusal, install_cached_step_graphs, static_cache_mask
 from ditbook.parallel.launch import PlanRefused
 
 import test_parallel_models as models
@@ -135,7 +135,7 @@ def test_ulysses_and_cfg_with_a_static_cache_and_compile_pass_parity(root, tmp_p
     """2 gloo processes: ``ulysses2+cache+compile`` and ``cfg2+cache+compile`` against the one-process
     run of the same static schedule; the schedule's cached steps and the split are recorded."""
     card = models.tiny_flux(root, true_cfg=True)
-    ov = {"generation.steps": 6, "parallel.cache": static_schedule(MASK6), "parallel.compile_backend": "aot_eager"}
+    ov = {"generation.steps": 6, "parallel.cache": static_schedule(MASK6), "runtime.compile": "aot_eager"}
     plans = ["ulysses2+cache+compile", "cfg2+cache+compile"]
     results, _ = run_plans(card, plans, 2, tmp_path, overrides=ov, timeout=120)
     by = {r.name: r for r in results}

@@ -11,7 +11,7 @@ import pytest
 
 import torch
 
-from ditbook.accel.compiled import compiled_config
+from ditbook.accel.compile import compiled_config
 from ditbook.configuration import Config
 from speedsuite.compose import ROWS, graph_config, main
 from speedsuite.schedules import ditbook_schedule

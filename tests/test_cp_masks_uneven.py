@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ditbook.coverage.cp import coverage_cp
-from ditbook.parallel.cp_dryrun import PlanCheckError, verify_before_launch
-from ditbook.parallel.cp_plan import resolve_cp_plan
+from ditbook.cp.dryrun import PlanCheckError, verify_before_launch
+from ditbook.cp.plan import resolve_cp_plan
 
 
 class MaskedAttn(nn.Module):
@@ -150,7 +150,7 @@ def test_a_token_count_the_degree_does_not_divide_is_split_unevenly_where_the_la
     ``uneven`` the plan splits 17 into [9, 8], the simulated ranks (each its tensor_split share, the
     alone dry run gathering back to 17) match one process, and the plan says the launch needs
     ``ulysses_anything``; without it (a ring plan) the count is still refused."""
-    from ditbook.parallel.cp_plan import PlanDerivationError, needs_ulysses_anything
+    from ditbook.cp.plan import PlanDerivationError, needs_ulysses_anything
 
     m, kw = _odd()
     cp = resolve_cp_plan(m, capture=lambda: ((), kw), degree=2, check=verify_before_launch, uneven=True)
@@ -168,9 +168,9 @@ def _uneven_rank(rank, init_file, m, kw, plan, queue):
     from cache_dit.distributed.core import _ContextParallelConfig, _enable_context_parallelism
     from torch.distributed.device_mesh import init_device_mesh
 
-    from ditbook.parallel.attention import route_attention
-    from ditbook.parallel.cp_uneven import gather_unevenly
-    from ditbook.parallel.sharding import BlockInputRecorder
+    from ditbook.cp.attention import route_attention
+    from ditbook.cp.uneven import gather_unevenly
+    from ditbook.cp.sharding import BlockInputRecorder
 
     try:
         torch.set_num_threads(1)

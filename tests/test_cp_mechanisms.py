@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from ditbook.coverage.cp import coverage_cp
-from ditbook.parallel.cp_dryrun import verify_before_launch
-from ditbook.parallel.cp_mask import fit_mask
-from ditbook.parallel.cp_plan import resolve_cp_plan
+from ditbook.cp.dryrun import verify_before_launch
+from ditbook.cp.mask import fit_mask
+from ditbook.cp.plan import resolve_cp_plan
 from test_cp_prelaunch import Attn, PairOutDiT, _rope  # the pre-launch tests' tiny attention and (tensor, None) model
 
 

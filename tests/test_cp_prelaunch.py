@@ -13,12 +13,10 @@ import torch.nn.functional as F
 from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
 from torch import nn
 
-from ditbook.parallel.attention import route_attention, sdpa_callers
+from ditbook.cp.attention import route_attention, sdpa_callers
 from ditbook.coverage.cp import coverage_cp
-from ditbook.parallel.cp_dryrun import (DryRunError, GridReshapeError, PlanCheckError, TokenAxisError,
-                                        check_grid_reshape, dry_run, verify_before_launch)
-from ditbook.parallel.cp_plan import (PlanDerivationError, check_plan_sites, derive_cp_plan, find_streams,
-                                      resolve_cp_plan, trace_forward)
+from ditbook.cp.dryrun import (DryRunError, GridReshapeError, PlanCheckError, TokenAxisError, check_grid_reshape, dry_run, verify_before_launch)
+from ditbook.cp.plan import (PlanDerivationError, check_plan_sites, derive_cp_plan, find_streams, resolve_cp_plan, trace_forward)
 
 
 def _rope(x, cos, sin):
@@ -223,9 +221,9 @@ def test_text_refiner_attention_stays_local(monkeypatch):
     r = coverage_cp(m, (), kw, timeout=60)
     assert r["outcome"] == "correct", r
     assert r["source"] == "derived" and "refiner" not in r["seq_lens"]
-    import ditbook.parallel.cp_scope as scope
+    import ditbook.cp.scope as scope
 
-    import ditbook.parallel.cp_mask as cp_mask
+    import ditbook.cp.mask as cp_mask
 
     monkeypatch.setattr(scope, "limit_cp_to", lambda *a, **k: [])  # the old behaviour (forked ranks see it)
     # (and no mask fitting: since ``cp_mask`` gathers the mask's rows and keys, a Ulysses attention
@@ -483,7 +481,7 @@ def test_gather_at_the_last_block_when_no_module_takes_the_tokens_after_it():
     """The old derivation refused ("nowhere to gather them"); the plan now gathers at the last
     block's output, passes the dry run (the output comes back whole), and a +cache run is
     refused by name (a cached step skips that block and its gather)."""
-    from ditbook.parallel.cache_sync import CacheSplitError, split_at_cached_units
+    from ditbook.cp.cache_sync import CacheSplitError, split_at_cached_units
 
     torch.manual_seed(0)
     m = ConvOutDiT().eval()

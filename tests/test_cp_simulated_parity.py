@@ -17,10 +17,10 @@ from diffusers.models.attention import AttentionModuleMixin
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 from torch import nn
 
-import ditbook.parallel.cp_dryrun as cp_dryrun
+import ditbook.cp.dryrun as cp_dryrun
 from ditbook.coverage.cp import coverage_cp
-from ditbook.parallel.cp_dryrun import ParityError, check_parity, dry_run, verify_before_launch
-from ditbook.parallel.cp_plan import derive_cp_plan, find_streams, resolve_cp_plan, trace_forward
+from ditbook.cp.dryrun import ParityError, check_parity, dry_run, verify_before_launch
+from ditbook.cp.plan import derive_cp_plan, find_streams, resolve_cp_plan, trace_forward
 
 
 # --- 1. keys of a whole sequence concatenated with split keys inside a CP attention (PRX) -------

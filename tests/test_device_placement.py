@@ -15,8 +15,8 @@ import contextlib
 import pytest
 import torch
 
-from ditbook.parallel.cp_dryrun import verify_before_launch
-from ditbook.parallel.cp_plan import derive_cp_plan, perturbation_like, resolve_cp_plan, trace_forward
+from ditbook.cp.dryrun import verify_before_launch
+from ditbook.cp.plan import derive_cp_plan, perturbation_like, resolve_cp_plan, trace_forward
 
 from test_parallel_cp import _gqa
 
@@ -88,7 +88,7 @@ def test_trace_and_cp_plan_make_nothing_off_the_models_device():
 def test_cache_decision_flag_lives_where_the_collective_needs_it(monkeypatch):
     """cache-dit's per-step decision is agreed across ranks with a one-element tensor; on NCCL that
     tensor must be on the current CUDA device whatever the cached call's first argument is."""
-    import ditbook.parallel.cache_sync as sync
+    import ditbook.cp.cache_sync as sync
 
     monkeypatch.setattr(sync.dist, "is_initialized", lambda: True)
     monkeypatch.setattr(sync.dist, "get_backend", lambda group=None: "gloo")

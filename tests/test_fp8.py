@@ -7,8 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ditbook.accel.fp8 import Fp8Refused, apply_fp8, fp8_config, fp8_layers, fp8_refusal
-from ditbook.benchmark.variants import derived_configs, fp8_configs
+from types import SimpleNamespace
+
+from ditbook.accel.fp8 import Fp8, Fp8Refused, Fp8Settings, apply_fp8, fp8_config, fp8_layers, fp8_refusal
+from ditbook.benchmark.variants import derived_configs
 from ditbook.card import CardError, load_card
 
 
@@ -39,11 +41,13 @@ def test_apply_refuses_before_changing_anything_on_the_cpu():
 
 def test_on_the_cpu_the_benchmark_records_one_refused_fp8_row_and_compiles_no_twin_of_it():
     fp = _tiny_flux()
-    rows = fp8_configs(fp.pipe, [], log=lambda m: None)
+    rows = Fp8.variants(None, fp.pipe, [], Fp8Settings(), log=lambda m: None)
     assert [c.name for c in rows] == ["fp8"] and "on cpu" in rows[0].params["fp8"]["refused"]
     with pytest.raises(Fp8Refused, match="compute capability"):
         rows[0].apply(fp.pipe)
-    configs, _ = derived_configs(None, fp.pipe, [], compile="eager", fp8=True, log=lambda m: None)
+    card = SimpleNamespace(runtime=SimpleNamespace(compile="eager"),
+                           benchmark=SimpleNamespace(fp8=True, attention_backend=None))
+    configs = derived_configs(SimpleNamespace(card=card), fp.pipe, [], log=lambda m: None)
     assert [c.name for c in configs] == ["fp8", "baseline+compile"]
 
 

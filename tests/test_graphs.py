@@ -12,7 +12,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from ditbook.parallel import parse_plan, run_plans
-from ditbook.parallel.graphs import Capturer, GraphUnavailable, StepGraphs, install_step_graphs, signature
+from ditbook.accel.graphs import Capturer, GraphUnavailable, StepGraphs, install_step_graphs, signature
 from ditbook.parallel.plans import PlanNameError, plan_name
 
 launch_mod = importlib.import_module("ditbook.parallel.launch")  # the module, not the function

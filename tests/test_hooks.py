@@ -272,7 +272,7 @@ def _fake_cfg_group(monkeypatch):
     """A CFG group of two whose partner computed the same as this rank (identical branches)."""
     import torch.distributed as dist
 
-    from ditbook.parallel import cfg as cfg_mod
+    from ditbook.accel import cfg as cfg_mod
 
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
@@ -280,7 +280,7 @@ def _fake_cfg_group(monkeypatch):
 
 
 def test_cfg_parallel_wraps_and_undoes_exactly(monkeypatch):
-    from ditbook.parallel.cfg import apply_cfg_parallel
+    from ditbook.accel.cfg import apply_cfg_parallel
 
     _fake_cfg_group(monkeypatch)
     t = Tiny()
@@ -296,8 +296,8 @@ def test_cfg_parallel_wraps_and_undoes_exactly(monkeypatch):
 
 
 def test_step_graphs_inside_cfg_parallel_come_off_in_either_order(monkeypatch):
-    from ditbook.parallel.cfg import apply_cfg_parallel
-    from ditbook.parallel.graphs import StepGraphs
+    from ditbook.accel.cfg import apply_cfg_parallel
+    from ditbook.accel.graphs import StepGraphs
 
     _fake_cfg_group(monkeypatch)
     for graphs_first in (True, False):
@@ -426,7 +426,7 @@ def test_set_item_undoes_a_registry_entry_exactly():
 def test_cache_agreement_wraps_can_cache_and_comes_off_exactly():
     from types import SimpleNamespace
 
-    from ditbook.parallel.cache_sync import agree_cache_decisions
+    from ditbook.cp.cache_sync import agree_cache_decisions
 
     class Manager:
         def can_cache(self, *a, **k):

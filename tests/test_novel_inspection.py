@@ -134,8 +134,8 @@ def test_skipped_share_counts_every_block_list_the_forward_runs(inspected, tmp_p
 def test_attention_through_a_plain_function_is_routed(inspected):
     # the reference blocks call attention(q, k, v, pe), a module-level function that calls SDPA:
     # the CP redirect and ditbook's ring find the blocks as the modules to route
-    from ditbook.parallel.attention import route_attention, sdpa_callers
-    from ditbook.parallel.ring import attention_modules
+    from ditbook.cp.attention import route_attention, sdpa_callers
+    from ditbook.accel.ring import attention_modules
 
     pipe, _ = inspected("fluxref")
     names = [n for n, _ in sdpa_callers(pipe.transformer)]

@@ -16,8 +16,8 @@ import pytest
 from ditbook.arch.report import ArchReport, AttentionFacts, CfgFacts, SupportFacts
 from ditbook.card import load_card
 from ditbook.parallel import ParallelRunError, feasibility, parse_plan, run_plans
-from ditbook.parallel.attention import time_gqa
-from ditbook.parallel.cp_plan import load_plan_code
+from ditbook.cp.attention import time_gqa
+from ditbook.cp.plan import load_plan_code
 from ditbook.parallel.plans import PlanNameError
 
 import test_parallel_models as models
@@ -172,7 +172,7 @@ def test_sharding_check_reads_each_rank_in_its_own_cp_group():
     """Under cfg x Ulysses the world holds two CP groups: global ranks 2 and 3 are positions 0 and 1
     of the second group, and expect the same shares as ranks 0 and 1 (they were held against
     nothing before, and a correct plan was reported failed)."""
-    from ditbook.parallel.sharding import ShardingError, check_sharding
+    from ditbook.cp.sharding import ShardingError, check_sharding
 
     expected = {"blocks": {"full": 9, "argument": "x"}}
     rec = lambda n: {"blocks": {"seq_lens": {"x": [n]}}}  # noqa: E731

@@ -13,9 +13,8 @@ from diffusers.models._modeling_parallel import ContextParallelInput, ContextPar
 
 from ditbook.card import import_class
 from ditbook.coverage.cp import coverage_cp
-from ditbook.parallel.cp_plan import (PlanSiteError, check_plan_sites, derive_cp_plan, registered_cp_plan,
-                                      trace_forward)
-from ditbook.parallel.sharding import ShardingError, check_sharding
+from ditbook.cp.plan import PlanSiteError, check_plan_sites, derive_cp_plan, registered_cp_plan, trace_forward
+from ditbook.cp.sharding import ShardingError, check_sharding
 
 import test_parallel_models as models
 
@@ -193,7 +192,7 @@ def test_judge_fails_a_launched_plan_that_splits_nothing(tmp_path):
     runs under torchrun with exact parity; the judge fails it with the ShardingError."""
     from ditbook import zoo
     from ditbook.parallel import run_plans
-    from ditbook.parallel.cp_plan import CPPlan, write_plan_code
+    from ditbook.cp.plan import CPPlan, write_plan_code
 
     card = zoo.build("thirdparty", tmp_path)
     noop = CPPlan({"time_embed": {0: ContextParallelInput(split_dim=1, expected_dims=3, split_output=True)}}, "test")
@@ -207,7 +206,7 @@ def test_judge_fails_a_launched_plan_that_splits_nothing(tmp_path):
 
 
 def test_cfg_split_check_fails_ranks_that_each_run_both_branches():
-    from ditbook.parallel.sharding import CfgSplitError, check_cfg_split
+    from ditbook.cp.sharding import CfgSplitError, check_cfg_split
 
     ref = {"blocks": {"entries": 20, "entry_calls": 20}}
     split = [{"blocks": {"entries": 11}}, {"blocks": {"entries": 10}}]
@@ -275,7 +274,7 @@ def test_cfg_parallel_with_a_cache_makes_no_call_the_other_rank_does_not(tmp_pat
 def test_cfg_placeholder_from_the_input_is_checked_against_the_output():
     """A rank that answers the other branch's first call with an input-shaped placeholder checks
     it against its own output in the same step; an output shaped otherwise is a named error."""
-    from ditbook.parallel.cfg import CfgShapeError, CfgStats, _separate
+    from ditbook.accel.cfg import CfgShapeError, CfgStats, _separate
 
     stats = CfgStats(style="separate")
     wrapper = _separate(stats, 1, None, None, shape_from_input=True)

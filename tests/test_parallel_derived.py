@@ -61,7 +61,7 @@ def test_tensor_plan_leaves_the_adaln_modulation_whole(fused):
     each rank would take the wrong shift/scale/gate chunks at half the stream's width. It stays
     whole; the projections, the output and the MLP are split, and the simulated ranks reproduce
     the plain forward."""
-    from ditbook.parallel.tensor import resolve_tensor_plan, simulate_tensor_plan
+    from ditbook.accel.tp import resolve_tensor_plan, simulate_tensor_plan
 
     torch.manual_seed(0)
     model, call = _Tiny(fused=fused).eval(), _call()
@@ -77,7 +77,7 @@ def test_tensor_plan_leaves_the_adaln_modulation_whole(fused):
     assert plan.traced_heads["blocks.0"] == [4, 4]
     assert simulate_tensor_plan(model, plan, 2, call, None, None) is None
     # the simulation sees what a column split of the modulation does
-    from ditbook.parallel.tensor import TensorPlan
+    from ditbook.accel.tp import TensorPlan
 
     bad = TensorPlan("x", {**plan.styles, "blocks.0.mod": "colwise"}, plan.attention, traced_heads=plan.traced_heads)
     assert "RuntimeError" in simulate_tensor_plan(model, bad, 2, call, None, None)
@@ -86,7 +86,7 @@ def test_tensor_plan_leaves_the_adaln_modulation_whole(fused):
 def test_fused_qkv_split_contiguously_is_seen_wrong_by_the_simulation():
     """Split contiguously, rank 0 of a fused qkv would hold all of q and half of k; per chunk it
     holds its heads of each. The contiguous split runs (the shapes fit) but gives other values."""
-    from ditbook.parallel.tensor import TensorPlan, resolve_tensor_plan, simulate_tensor_plan
+    from ditbook.accel.tp import TensorPlan, resolve_tensor_plan, simulate_tensor_plan
 
     torch.manual_seed(0)
     model, call = _Tiny(fused=True).eval(), _call()
@@ -99,7 +99,7 @@ def test_fused_qkv_split_contiguously_is_seen_wrong_by_the_simulation():
 def test_tensor_plan_is_refused_when_the_model_reshapes_with_the_stream_width():
     """``view(b, n, 3, self.heads, d // self.heads)`` with ``d`` the stream's width: on a rank's
     heads the reshape cannot hold; refused before the plan runs, naming the error."""
-    from ditbook.parallel.tensor import TensorParallelRefused, resolve_tensor_plan
+    from ditbook.accel.tp import TensorParallelRefused, resolve_tensor_plan
 
     torch.manual_seed(0)
     model, call = _Tiny(fused=True, stream_width_reshape=True).eval(), _call()
@@ -124,7 +124,7 @@ def _gloo_rank(rank: int, folder: str) -> None:
 
     import torch.distributed as dist
 
-    from ditbook.parallel.tensor import apply_tensor_parallel, resolve_tensor_plan
+    from ditbook.accel.tp import apply_tensor_parallel, resolve_tensor_plan
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getppid() % 1000))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -153,7 +153,7 @@ def test_cfg_parallel_with_a_cache_gives_each_rank_a_one_branch_cache():
     contexts from are set to one call per step while the wrapper is on, and put back by remove()."""
     from cache_dit import DBCacheConfig
 
-    from ditbook.parallel.cfg import one_branch_per_step
+    from ditbook.accel.cfg import one_branch_per_step
 
     tr = _Tiny()
     config, block_config = DBCacheConfig(enable_separate_cfg=True), DBCacheConfig(enable_separate_cfg=True)
@@ -171,7 +171,7 @@ def test_cfg_placeholder_of_a_forward_without_return_dict_is_the_bare_tensor(mon
     before it has seen an output. A forward without a ``return_dict`` parameter returns what its
     code returns (here a bare tensor, called without ``return_dict``): the placeholder was wrapped
     as diffusers' output class and the check failed the plan (``CfgShapeError``)."""
-    from ditbook.parallel import cfg
+    from ditbook.accel import cfg
 
     class Plain(nn.Module):
         def forward(self, latents, text_ids, t):

@@ -99,8 +99,8 @@ def test_derived_tensor_plan_and_gqa_refusal(tmp_path):
     from ditbook import zoo
     from ditbook.card import load_card
     from ditbook.loading import load_pipeline, choose_placement
-    from ditbook.parallel.cp_plan import capture_transformer_call
-    from ditbook.parallel.tensor import TensorParallelRefused, resolve_tensor_plan
+    from ditbook.cp.plan import capture_transformer_call
+    from ditbook.accel.tp import TensorParallelRefused, resolve_tensor_plan
 
     card = load_card(zoo.build("thirdparty", tmp_path), {"runtime.device": "cpu", "generation.steps": 2})
     pipe = load_pipeline(card, choose_placement(card))
@@ -118,9 +118,9 @@ def test_derived_tensor_plan_and_gqa_refusal(tmp_path):
 
 
 def test_sharding_checks_fail_on_wrong_records():
-    from ditbook.parallel.tensor import TensorShardingError, check_tensor_sharding
-    from ditbook.parallel.text_encoder import TextEncoderShardingError, check_text_encoder_sharding
-    from ditbook.parallel.vae import VaeShardingError, check_vae_sharding
+    from ditbook.accel.tp import TensorShardingError, check_tensor_sharding
+    from ditbook.accel.te import TextEncoderShardingError, check_text_encoder_sharding
+    from ditbook.accel.vae import VaeShardingError, check_vae_sharding
 
     plan = {"source": "x"}
     half = {"plan": plan, "sharded": [{"name": "a.weight", "local": [2, 4], "global": [4, 4]}],
@@ -150,7 +150,7 @@ def test_sharding_checks_fail_on_wrong_records():
 
 def _blockwise(q, k, v, blocks: int, merge):
     """The ring's maths in one process: each query block's attention over every key block, merged."""
-    from ditbook.parallel.ring import partial_attention
+    from ditbook.accel.ring import partial_attention
 
     scale = q.shape[-1] ** -0.5
     outs = []
@@ -164,7 +164,7 @@ def _blockwise(q, k, v, blocks: int, merge):
 
 
 def test_ring_merge_is_exact_and_a_wrong_merge_is_caught():
-    from ditbook.parallel.ring import merge_partials
+    from ditbook.accel.ring import merge_partials
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, 24, 8, generator=g) * 3 for _ in range(3))  # * 3: peaked softmax rows
@@ -198,7 +198,7 @@ def test_a_vae_the_patch_decode_cannot_split_is_refused_before_launch(tmp_path, 
 
 def test_ring_merge_with_a_key_mask_matches_sdpa():
     """A key-padding mask split with its keys (one block wholly masked for some rows) merges exactly."""
-    from ditbook.parallel.ring import merge_partials, partial_attention
+    from ditbook.accel.ring import merge_partials, partial_attention
 
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(1, 2, 8, 4, generator=g) for _ in range(3))
@@ -217,7 +217,7 @@ def test_a_fused_ring_kernel_is_used_only_where_it_agrees_with_the_float32_path(
     """Issue 24 item 5: on CUDA each block's (out, lse) comes from a fused kernel, checked first
     against the float32 path; a kernel whose log-sum-exp is in another base, or that raises, is not
     used. On the CPU the float32 path runs."""
-    from ditbook.parallel import ring
+    from ditbook.accel import ring
 
     def good(q, k, v, scale):
         return ring.reference_partial(q, k, v, scale)

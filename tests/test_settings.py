@@ -136,7 +136,9 @@ BAD = [
     ({"cache": "fast"}, "cache"),
     ({"parallel": {"gates": {"ssim": 2}}}, "parallel.gates.ssim"),
     ({"parallel": {"plans": "ulysses2"}}, "parallel.plans"),
-    ({"parallel": {"nproc": 2}}, "parallel.nproc"),
+    ({"parallel": {"nproc": 0}}, "parallel.nproc"),
+    ({"runtime": {"compile": {"turbo": 1}}}, "runtime.compile.turbo"),
+    ({"runtime": {"compile": 3}}, "runtime.compile"),
     ({"benchmark": {"repeat": 3}}, "benchmark.repeat"),
     ({"benchmark": {"repeats": 0}}, "benchmark.repeats"),
     ({"benchmark": {"warmup": 1.5}}, "benchmark.warmup"),
@@ -389,7 +391,7 @@ def test_parallel_cache_is_typed_and_refuses_unknown_keys(tmp_path):
 def test_one_dbcache_default_the_cache_strategys():
     # the +cache plans' defaults are the cache strategy's settings, not a second copy
     from ditbook.accel.dbcache import DBCacheSettings
-    from ditbook.parallel.cache_sync import dbcache_config
+    from ditbook.accel.dbcache import dbcache_config
 
     d, cfg = DBCacheSettings(), dbcache_config(None)
     assert (cfg.residual_diff_threshold, cfg.max_warmup_steps, cfg.Fn_compute_blocks, cfg.Bn_compute_blocks) == \

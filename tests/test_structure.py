@@ -130,9 +130,7 @@ def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
 
 # imports still to be moved into the technique layer (issue 38): exactly these, shrinking to none
 PENDING = {
-    "ditbook.benchmark.attention_backends -> ditbook.parallel.attention (a stage importing another stage)",
     "ditbook.benchmark.inputs -> ditbook.cache (a stage importing another stage)",
-    "ditbook.cache.upstream -> ditbook.parallel.cp_plan (a stage importing another stage)",
 }
 
 

@@ -35,7 +35,7 @@ def fresh(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def stage(tmp_path_factory):
     from ditbook.cache.upstream import write_upstream
-    from ditbook.parallel.cp_plan import capture_transformer_call, plan_to_jsonable, resolve_cp_plan
+    from ditbook.cp.plan import capture_transformer_call, plan_to_jsonable, resolve_cp_plan
 
     tmp = tmp_path_factory.mktemp("upstream")
     card = tiny_card(tmp, seeds=(0,), prompts=("a red square",))

@@ -3,7 +3,7 @@
     python3 -m speedsuite.backends --out DIR            # on the GPU host (PYTHONPATH: lib, benchmarks)
     python3 -m speedsuite.backends --out DIR --scale tiny --device cpu --steps 2 --size 256   # check
 
-Writes ``DIR/backends.json``: the backend table of ``ditbook.benchmark.attention_backends``
+Writes ``DIR/backends.json``: the backend table of ``ditbook.accel.attention_backend``
 (every backend diffusers' dispatcher registers: usable here or why not; per usable backend the
 transformer-call time, its agreement with the default backend on one attention call and on the
 transformer output; the pick and, from an independent interleaved confirmation round, how close
@@ -23,8 +23,8 @@ import torch
 
 from .fullsize import flux_pipeline
 from .suite import _dump, _log, environment
-from ditbook.benchmark.attention_backends import apply_backend, measure_pipeline_backends
-from ditbook.accel.compiled import compiled_config
+from ditbook.accel.attention_backend import apply_backend, measure_pipeline_backends
+from ditbook.accel.compile import compiled_config
 from ditbook.configuration import Config
 from ditbook.quality import compare
 from ditbook.timing import time_pipeline

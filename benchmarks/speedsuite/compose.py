@@ -12,7 +12,7 @@ Rows (``ROWS``), measured in one process against the eager row of the same proce
   ``compile_repeated_blocks``); ``cache+compile``; ``cache+compile+decoder`` (the image decoder
   compiled too, ``ditbook.accel.compile.compile_decoder``); ``fp8+compile`` and ``cache+fp8+compile``
   (torchao float8 on the block linears, ``ditbook.accel.fp8``); ``cache+compile+graph`` (the
-  computed steps' block work replayed as CUDA graphs, ``ditbook.parallel.graphs``).
+  computed steps' block work replayed as CUDA graphs, ``ditbook.accel.graphs``).
 - Each: the first call (compile, graph capture) timed apart, then ``--repeats`` timed calls
   (median, min, max; CUDA events), the one-time compile cost (``params.compile``), the ratio to
   eager, the FLUX-shape image against eager's (PSNR/SSIM: random weights, so only a sanity check
@@ -45,11 +45,11 @@ from .fullsize import flux_pipeline
 from .gap import GAP_ALIGN, GAP_HEADER, CallCapture, CallTimer, computed_calls, gap, gap_cells, gap_notes, measure_peaks
 from .schedules import ditbook_schedule
 from .suite import NoSchedule, _dump, _log, chosen_schedule, environment
-from ditbook.accel.compiled import compiled_config
+from ditbook.accel.compile import compiled_config
 from ditbook.accel.fp8 import Fp8Refused, fp8_config
 from ditbook.configuration import Config, baseline_config
-from ditbook.parallel.cache_sync import static_schedule
-from ditbook.parallel.graphs import GraphUnavailable, install_cached_step_graphs
+from ditbook.cp.cache_sync import static_schedule
+from ditbook.accel.graphs import GraphUnavailable, install_cached_step_graphs
 from ditbook.quality import Gates, compare, compare_sets
 from ditbook.timing import device_of, time_pipeline
 

@@ -15,7 +15,7 @@ runs with every block counted (``EvalCounter``, installed before the cache): the
 full / partial / skipped transformer calls must equal the one recorded on the reference model
 (``pattern_ok``), so the timed work is the work whose quality was measured (checked in the eager
 pass; the compiled pass applies the same configurations). That counted call is the warm-up; then ``--repeats`` timed calls (median, min, max). Compiled: the repeated blocks are
-compiled once (``compile_repeated_blocks`` through ``ditbook.accel.compiled.compile_regions``,
+compiled once (``compile_repeated_blocks`` through ``ditbook.accel.compile.compile_regions``,
 fullgraph False: diffusers' cache hooks have ``torch.compiler.disable``d parts — MagCache's whole
 hook forward, FirstBlockCache's decision — so with them the blocks may run partly outside the
 compiled regions; measured as it is), then each point: first call timed apart (recompiles), then
@@ -150,7 +150,7 @@ def run(out: Path, *, quality_file: Path, tiny: bool = False, device: str = "cud
         result["rows"].append(row)
         _dump(out / "pareto_speed.json", result)
     if compile:
-        from ditbook.accel.compiled import compile_regions
+        from ditbook.accel.compile import compile_regions
 
         _log("compiling the repeated blocks (regional torch.compile)")
         t0 = time.perf_counter()

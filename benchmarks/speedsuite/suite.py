@@ -108,7 +108,7 @@ def _time(fp, cfg: Config, warmup: int, repeats: int) -> dict:
 
 
 def _graph_apply(pipe):
-    from ditbook.parallel.graphs import install_step_graphs
+    from ditbook.accel.graphs import install_step_graphs
 
     graphs = install_step_graphs(pipe.transformer)
 
@@ -224,7 +224,7 @@ def gqa_suite(out: Path, *, device: str = "cuda", repeats: int = 20) -> dict:
     ditbook picks the faster of SDPA ``enable_gqa=True`` and K/V repeated to the query heads from
     a selection run; an independent confirmation run (more repeats) then checks the pick is
     within 3% of the fastest path measured, dispatch backends included."""
-    from ditbook.parallel.attention import time_gqa
+    from ditbook.cp.attention import time_gqa
     from .fullsize import gqa_shapes
 
     shp = gqa_shapes()

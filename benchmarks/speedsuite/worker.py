@@ -11,7 +11,7 @@ Ulysses variants: diffusers' own ``enable_parallelism`` (the library path), cach
 ``ParallelismConfig(ulysses_size=N)`` (the peer, also with its async, fp8 and VAE-planner
 options), and ditbook's: cache-dit's Ulysses hooks plus regional ``torch.compile`` of the
 repeated blocks, and with ``+graph`` every transformer call replayed as one CUDA graph
-(``ditbook.parallel.graphs``), which takes the host's kernel launches and Python hooks out of
+(``ditbook.accel.graphs``), which takes the host's kernel launches and Python hooks out of
 the step once the split has halved each rank's GPU work.
 """
 
@@ -65,7 +65,7 @@ def _plus(apply, compile: bool = False, graph: bool = False, fp8: bool = False):
     transformer call replayed as a CUDA graph — or, under a static cache schedule, the computed
     steps' block work, ``install_cached_step_graphs``); with ``fp8`` the block linears in fp8
     (``ditbook.accel.fp8``) before compiling. Returns the graphs, for their stats, or None."""
-    from ditbook.parallel.graphs import install_cached_step_graphs, install_step_graphs
+    from ditbook.accel.graphs import install_cached_step_graphs, install_step_graphs
     from ditbook.parallel.worker import compile_repeated_blocks
 
     def variant(fp, world):
@@ -80,7 +80,7 @@ def _plus(apply, compile: bool = False, graph: bool = False, fp8: bool = False):
             return None
         schedule = getattr(fp, "schedule", None)
         if schedule is not None:
-            from ditbook.parallel.cache_sync import static_schedule
+            from ditbook.cp.cache_sync import static_schedule
 
             return install_cached_step_graphs(fp.pipe.transformer, static_schedule(schedule.mask),
                                               steps=schedule.steps)
@@ -97,7 +97,7 @@ def _ulysses_with_schedule(fp, world: int, schedule=None):
     import cache_dit
     from cache_dit import ParallelismConfig
 
-    from ditbook.parallel.cache_sync import agree_cache_decisions
+    from ditbook.cp.cache_sync import agree_cache_decisions
     from .suite import chosen_schedule
 
     steps = fp.call_kwargs["num_inference_steps"]
@@ -251,7 +251,7 @@ def _save(args, task: str, rows: list[dict]) -> None:
 
 
 def run_cfg(args, world: int) -> list[dict]:
-    from ditbook.parallel.cfg import apply_cfg_parallel
+    from ditbook.accel.cfg import apply_cfg_parallel
 
     rows = []
     _log(f"CFG parallel on a Qwen-Image shape, {world} ranks")

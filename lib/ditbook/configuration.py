@@ -29,6 +29,7 @@ class Config:
     params: dict = field(default_factory=dict)
     gates: dict | None = None
     notes: str = ""
+    refused: str | None = None  # why it cannot run here (its apply raises with this reason)
 
     @property
     def gate_family(self) -> str:

@@ -3,7 +3,7 @@
 ``card.gate_problems`` checks the card itself (schema, paths, classes that import). A run also
 refuses, at its start, what the card cannot know by itself: a name that is not one safe folder
 name (it names ``outputs/<name>/``), a ``runtime.device`` this machine lacks, cache strategies
-that are not registered, and ``generation.extra`` arguments whose type the pipeline's
+that are not registered, a technique's settings it refuses (``runtime.compile``), and ``generation.extra`` arguments whose type the pipeline's
 ``__call__`` signature contradicts (a list where its default is a number). ``start_problems``
 returns all of them, so the gate check and the run never disagree.
 """
@@ -48,6 +48,21 @@ def strategy_problem(card: ModelCard) -> str | None:
         return (f"cache.strategies: {'unknown strategy name(s) ' + str(unknown) if unknown else 'the list is empty'}; "
                 f"registered: {', '.join(accel.names('cache'))} (ditbook cache --list), or null for every one")
     return None
+
+
+def technique_problems(card: ModelCard) -> list[str]:
+    """What each pipeline-wide technique finds wrong in the card's settings for it (its
+    ``requested(card)`` raising ``ValueError``: ``runtime.compile.turbo: unknown key``)."""
+    from . import accel
+
+    out = []
+    for technique in accel.techniques():
+        if isinstance(technique, type) and issubclass(technique, accel.PipelineTechnique):
+            try:
+                technique.requested(card)
+            except ValueError as exc:
+                out.append(str(exc))
+    return out
 
 
 def _same_kind(value: Any, default: Any) -> bool:
@@ -96,6 +111,7 @@ def start_problems(path: str | Path, overrides: dict | None = None) -> tuple[Mod
     if card is None:
         return card, problems
     problems += [p for p in (name_problem(card), device_problem(card), strategy_problem(card)) if p]
+    problems += technique_problems(card)
     if not any(p.startswith("pipeline.") for p in problems):
         problems += extra_problems(card)
     return card, problems
@@ -109,4 +125,5 @@ def start_check(path: str | Path, overrides: dict | None = None) -> ModelCard:
     return card
 
 
-__all__ = ["start_problems", "start_check", "name_problem", "device_problem", "strategy_problem", "extra_problems"]
+__all__ = ["start_problems", "start_check", "name_problem", "device_problem", "strategy_problem", "extra_problems",
+           "technique_problems"]

@@ -148,16 +148,14 @@ def section(cls: type) -> Check:
 
 
 def compile_choice() -> Check:
-    """``compile``: off (false/null), true (inductor), a torch.compile backend name, or a mapping of
-    ``ditbook.accel.compiled.compiled_config`` keywords."""
-    allowed = {"backend", "mode", "fullgraph", "dynamic", "probe_calls"}
-
+    """``runtime.compile``: off (false/null), true (inductor), a torch.compile backend name, or a
+    mapping of ``ditbook.accel.compile.CompileSettings`` fields (checked there, at the run's start:
+    ``preflight.technique_problems``)."""
     def check(v):
         if v is None or isinstance(v, (bool, str)):
             return v, None
         if isinstance(v, dict):
-            bad = sorted(set(v) - allowed)
-            return (v, f"unknown keys {bad} (allowed: {sorted(allowed)})") if bad else (dict(v), None)
+            return dict(v), None
         return v, f"must be a bool, a backend name or a mapping, {_got(v)}"
     check.kind = "bool, backend name or mapping"
     return check
@@ -242,6 +240,7 @@ class RuntimeSettings:
 
     device: str = setting("auto", text(DEVICES, ("cuda:",)), "auto (CUDA when present), cpu, cuda or cuda:N")
     dtype: str = setting("auto", text(DTYPES), "auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16")
+    compile: bool | str | dict | None = setting(None, compile_choice(), "regional torch.compile, everywhere it is measured: the cache stage checks its choice compiled, the benchmark times a compiled twin of every row, +compile plans use its backend; true (inductor), a backend name, or a mapping of backend, mode, fullgraph, dynamic, decoder (the image decoder too), probe_calls")
 
 
 @dataclass
@@ -263,7 +262,7 @@ class CacheSettings:
     holdout_shift: int = setting(1000, integer(), "held-out seeds are the seeds plus this (without holdout_seeds)")
     reproduce_tolerance: float = setting(1e-5, number(0.0), "max abs difference of the generated module's rerun")
     check_cases: int | None = setting(2, optional(integer(1)), "prompt x seed cases of each strategy's caching-off check, the first prompt's seeds first (null: every case)")
-    compile: bool | str | None = setting(None, compile_choice(), "also measure the chosen configuration compiled (regional): true or a backend name")
+    reproduce: bool = setting(True, boolean(), "rerun the chosen configuration from the generated adapter module in a fresh process")
     fp8: bool = setting(False, boolean(), "also tune the chosen strategy's schedule with the block linears in fp8 (torchao float8), judged on held-out seeds; the benchmark ships it when faster (refused, with the reason, below CUDA capability 8.9)")
     fp8_keep: list[float] = setting(factory=lambda: [0.0, 0.25, 0.5], check=list_of(number(0.0, 1.0), nonempty=True),
                                     doc="with fp8: shares of the block linears kept in the model's dtype, most sensitive first (measured on the model), tried in order until a schedule passes on held-out seeds")
@@ -301,7 +300,11 @@ class ParallelSettings:
     plans: list[str] | None = setting(None, optional(list_of(text())), "plan names to run (null: every feasible plan)")
     cache: ParallelCache | None = setting(None, optional(section(ParallelCache)),
                                          "DBCache options of +cache plans (ParallelCache; null: the cache strategy's defaults)")
-    compile_backend: str = setting("inductor", text(), "torch.compile backend of +compile plans (aot_eager: trace without kernels, a CPU check)")
+    nproc: int = setting(2, integer(1, 1024), "processes per launch (GPUs on a GPU host; gloo processes on the CPU)")
+    with_cache: bool = setting(True, boolean(), "also run +cache plans (the cache decision agreed across ranks)")
+    with_graph: bool | None = setting(None, optional(boolean()), "also run +compile+graph plans (CUDA graphs); null: when the model runs on a GPU")
+    timeout: int = setting(300, integer(1), "seconds a rank may wait in a collective or make no progress")
+    gqa_repeats: int = setting(5, integer(1, 1000), "timed repeats per GQA attention path")
 
 
 @dataclass
@@ -313,7 +316,7 @@ class BenchmarkSettings:
     peak_tflops: float | None = setting(None, optional(number(0.0)), "device dense peak TFLOP/s (null: known devices)")
     max_cases: int | None = setting(None, optional(integer(1)), "prompt x seed cases per configuration (null: all)")
     configs: list[dict] = setting(check=list_of(mapping()), factory=list, doc="extra diffusers hook configurations")
-    compile: bool | str | dict | None = setting(None, compile_choice(), "also measure every configuration compiled (regional), with its compile cost")
+    residuals: bool = setting(True, boolean(), "measure the residual change per step at the first block")
     attention_backend: str | None = setting(None, optional(text()), "auto: measure diffusers' attention backends and add the fastest correct one; or a backend name")
     fp8: bool = setting(False, boolean(), "also measure every configuration with its block linears in fp8 (torchao float8; refused, with the reason, below CUDA capability 8.9)")
     timing_drift: float = setting(0.10, number(0.0, 1.0), "how far the baseline re-timed at the end may move from its first timing (a share: 0.10 = 10%); beyond it the verdict says timing unstable instead of a speed-up")

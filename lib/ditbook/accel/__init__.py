@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from .technique import KINDS, CacheRecord, CacheTechnique, Handle, NothingDone, Record, Technique
+from .technique import KINDS, CacheRecord, CacheTechnique, Handle, NothingDone, PipelineTechnique, Record, Technique
 
 _REGISTRY: dict[str, type[Technique]] = {}
 _SKIP = {"technique"}  # the base module itself
@@ -54,5 +54,6 @@ def get(name: str) -> type[Technique]:
     return _REGISTRY[name]
 
 
-__all__ = ["KINDS", "CacheRecord", "CacheTechnique", "Handle", "NothingDone", "Record", "Technique", "discover",
+__all__ = ["KINDS", "CacheRecord", "CacheTechnique", "Handle", "NothingDone", "PipelineTechnique", "Record",
+           "Technique", "discover",
            "get", "names", "register", "techniques"]

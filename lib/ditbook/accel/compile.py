@@ -1,31 +1,70 @@
-"""Regional ``torch.compile``: the one helper the benchmark's compiled configurations, the cache
-stage's compiled check and the parallel stage's ``+compile`` use.
+"""Regional ``torch.compile``: the transformer's repeated blocks compiled in place, optionally the image
+decoder too; the one compile every stage uses (the cache stage's check of its choice, the parallel
+stage's ``+compile`` plans, the benchmark's compiled rows), configured by one card key,
+``runtime.compile`` (:class:`CompileSettings`).
 
 diffusers' ``ModelMixin.compile_repeated_blocks`` where the model class names its repeated blocks
-(``_repeated_blocks``), else ``nn.Module.compile`` of every block of the block lists the inspection
-finds (``ditbook.arch.static.find_block_lists``), in place. Both set each block's
-``_compiled_call_impl``; the undo puts back exactly what every module of the transformer held.
+(``_repeated_blocks``), else ``nn.Module.compile`` of every block of the block lists the facts name
+(``ditbook.arch.static.find_block_lists``). Both set each block's ``_compiled_call_impl``; the undo
+puts back exactly what every module held. ``decoder``: ``pipe.vae.decoder`` compiled the same way
+(diffusers' autoencoder layout; with a cache that computes few steps the decode is a visible share
+of the run, about 8% of a cached FLUX.1-dev image on an H200); a pipeline without that module keeps
+its blocks compiled and the record says why.
 
-``compile_decoder(pipe)`` compiles the pipeline's image decoder the same way (``nn.Module.compile``
-of ``pipe.vae.decoder``, diffusers' autoencoder layout), for configurations where the decode is a
-visible share of a cached run's time; a pipeline without that module is refused with the reason.
+The record (:class:`CompileRecord`) holds how the blocks were compiled, how many regions, and the
+one-time compile cost: the first ``probe_calls`` transformer calls are timed (synchronized), the cost
+is the first call's time above the median of the others (a cache's cheap steps make a minimum too
+low); later calls far above that median are ``slow_later_calls`` (recompiles). The decoder compiles
+at its first decode, so its cost is timed there (a probe on ``vae.decode``) and added to
+``compile_s``. Each application resets dynamo's caches first (process-wide): every compiled
+configuration pays, and reports, its own compile cost, and none can hit the recompile limit an
+earlier one left (past it torch silently runs the blocks eagerly).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar
+
+from ..settings import boolean, integer, optional, setting, text
+from . import register
+from .technique import Handle, NothingDone, PipelineTechnique, Record
 
 _MISSING = object()
+
+
+@dataclass
+class CompileSettings:
+    """``runtime.compile`` as a mapping (``true``: these defaults; a string: the backend)."""
+
+    backend: str = setting("inductor", text(), "torch.compile backend (aot_eager: traced without kernels, a CPU check)")
+    mode: str | None = setting(None, optional(text()), "torch.compile mode (null: torch's default)")
+    fullgraph: bool = setting(False, boolean(), "one graph per block, or an error")
+    dynamic: bool | None = setting(None, optional(boolean()), "dynamic shapes (null: torch's default)")
+    decoder: bool = setting(False, boolean(), "compile the image decoder too (pipe.vae.decoder)")
+    probe_calls: int = setting(6, integer(2, 1000), "transformer calls timed after compiling (the one-time cost)")
+
+
+@dataclass
+class CompileRecord(Record):
+    method: str = ""  # compile_repeated_blocks, or the block lists compiled
+    regions: int = 0  # modules compiled
+    backend: str = "inductor"
+    decoder: dict = field(default_factory=dict)  # {compiled, module | reason, compile_s, ...}
+    compile_s: float | None = None  # one-time cost: blocks (+ decoder)
+    blocks_compile_s: float | None = None
+    first_call_s: float | None = None
+    steady_call_s: float | None = None
+    probe_calls: int = 0
+    slow_later_calls: int = 0
 
 
 def compile_regions(transformer, *, backend: str = "inductor", mode: str | None = None,
                     fullgraph: bool = False, dynamic: bool | None = None) -> tuple[Callable[[], None], str, int]:
     """Compile the transformer's repeated blocks in place; returns (undo, method, regions)."""
-    kwargs: dict[str, Any] = {"backend": backend, "fullgraph": fullgraph}
-    if mode is not None:
-        kwargs["mode"] = mode
-    if dynamic is not None:
-        kwargs["dynamic"] = dynamic
+    kwargs = _compile_kwargs(backend, mode, dynamic, fullgraph=fullgraph)
     saved, undo = _saved_compiled_state(transformer)
     try:
         if getattr(transformer, "_repeated_blocks", None) and hasattr(transformer, "compile_repeated_blocks"):
@@ -47,6 +86,15 @@ def compile_regions(transformer, *, backend: str = "inductor", mode: str | None 
     regions = sum(1 for m, before in saved
                   if m.__dict__.get("_compiled_call_impl") is not None and before in (_MISSING, None))
     return undo, method, regions
+
+
+def _compile_kwargs(backend, mode, dynamic, **extra) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"backend": backend, **extra}
+    if mode is not None:
+        kwargs["mode"] = mode
+    if dynamic is not None:
+        kwargs["dynamic"] = dynamic
+    return kwargs
 
 
 def _saved_compiled_state(root) -> tuple[list, Callable[[], None]]:
@@ -87,18 +135,195 @@ def compile_decoder(pipe, *, backend: str = "inductor", mode: str | None = None,
     """Compile ``pipe.vae.decoder`` in place (``nn.Module.compile``); returns (undo, what). The
     undo puts back exactly what every module of the decoder held."""
     dec = decoder_module(pipe)
-    kwargs: dict[str, Any] = {"backend": backend}
-    if mode is not None:
-        kwargs["mode"] = mode
-    if dynamic is not None:
-        kwargs["dynamic"] = dynamic
     _, undo = _saved_compiled_state(dec)
     try:
-        dec.compile(**kwargs)
+        dec.compile(**_compile_kwargs(backend, mode, dynamic))
     except BaseException:
         undo()
         raise
     return undo, f"{type(pipe.vae).__name__}.decoder"
 
 
-__all__ = ["DecoderUnavailable", "compile_decoder", "compile_regions", "decoder_module"]
+@dataclass
+class CompileProbe:
+    """Synchronized times of the first calls after compiling."""
+
+    calls: int
+    cuda: bool
+
+    def __post_init__(self):
+        self.times: list[float] = []
+
+    def __call__(self, original, *args, **kwargs):
+        if len(self.times) >= self.calls:
+            return original(*args, **kwargs)
+        self._sync()
+        t0 = time.perf_counter()
+        out = original(*args, **kwargs)
+        self._sync()
+        self.times.append(time.perf_counter() - t0)
+        return out
+
+    def _sync(self):
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+
+    def summary(self) -> dict:
+        if not self.times:
+            return {"compile_s": None, "first_call_s": None, "steady_call_s": None, "probe_calls": 0}
+        rest = self.times[1:] or self.times
+        steady = statistics.median(rest)
+        return {"compile_s": round(max(0.0, self.times[0] - steady), 4), "first_call_s": round(self.times[0], 4),
+                "steady_call_s": round(steady, 5), "probe_calls": len(self.times),
+                # later calls far above the steady time: recompiles (their cost is not in compile_s)
+                "slow_later_calls": sum(1 for t in self.times[1:] if t > 3 * steady)}
+
+
+def compile_settings(value) -> CompileSettings | None:
+    """``runtime.compile`` read: false/null -> None (off), true -> defaults, a string -> that backend,
+    a mapping -> those settings; an unknown key or a wrong value raises ``ValueError`` naming it."""
+    from ..settings import parse_section
+
+    if not value:
+        return None
+    if isinstance(value, CompileSettings):
+        return value
+    if value is True:
+        return CompileSettings()
+    if isinstance(value, str):
+        return CompileSettings(backend=value)
+    settings, problems = parse_section(CompileSettings, value, "runtime.compile")
+    if problems:
+        raise ValueError("; ".join(f"{k}: {m}" for k, m in problems))
+    return settings
+
+
+@register
+class Compile(PipelineTechnique):
+    name = "compile"
+    kind = "compile"
+    family = "regional torch.compile"
+    Settings = CompileSettings
+    order = 30  # last: its twins compile every configuration before it, fp8 ones included
+
+    @classmethod
+    def applicable(cls, facts) -> str | None:
+        if not getattr(facts, "block_lists", None):
+            return "no block lists to compile regionally"
+        return None
+
+    @classmethod
+    def apply(cls, pipe, settings: CompileSettings, *, reset: bool = True, probe: bool = True) -> Handle:
+        # long: the compile, its cost probes and their undo share state; kept together so each undo sits by its apply
+        import torch
+
+        from ..hooks import wrap_method
+
+        rec = CompileRecord(cls.name, backend=str(settings.backend))
+        if settings.decoder:
+            rec.decoder = {"compiled": False, "reason": "not applied yet"}
+        if reset:
+            torch._dynamo.reset()
+        tr = pipe.transformer
+        undo_blocks, rec.method, rec.regions = compile_regions(tr, backend=settings.backend, mode=settings.mode,
+                                                                fullgraph=settings.fullgraph, dynamic=settings.dynamic)
+        undos: list[Callable[[], None]] = [undo_blocks]
+        probes: dict = {}
+        try:
+            if settings.decoder:
+                try:
+                    undo_dec, what = compile_decoder(pipe, backend=settings.backend, mode=settings.mode,
+                                                     dynamic=settings.dynamic)
+                    undos.append(undo_dec)
+                    rec.decoder = {"compiled": True, "module": what}
+                except DecoderUnavailable as e:
+                    rec.decoder = {"compiled": False, "reason": str(e)}
+            if probe:
+                p = next(tr.parameters(), None)
+                cuda = p is not None and p.device.type == "cuda"
+                probes["blocks"] = CompileProbe(settings.probe_calls, cuda)
+                undos.append(wrap_method(tr, "compile-cost-probe", probes["blocks"]).remove)
+                if rec.decoder.get("compiled"):  # the decoder compiles at its first decode: timed there
+                    probes["decoder"] = CompileProbe(settings.probe_calls, cuda)
+                    undos.append(wrap_method(pipe.vae, "decoder-compile-cost-probe", probes["decoder"],
+                                             attr="decode").remove)
+        except BaseException:
+            _undo_all(undos)
+            raise
+
+        def record() -> CompileRecord:
+            if "blocks" in probes:
+                blocks = probes["blocks"].summary()
+                rec.compile_s, rec.first_call_s = blocks["compile_s"], blocks["first_call_s"]
+                rec.steady_call_s, rec.probe_calls = blocks["steady_call_s"], blocks["probe_calls"]
+                rec.slow_later_calls = blocks.get("slow_later_calls", 0)
+            if "decoder" in probes:
+                dec = probes["decoder"].summary()
+                rec.decoder.update(compile_s=dec["compile_s"], first_decode_s=dec["first_call_s"],
+                                   steady_decode_s=dec["steady_call_s"])
+                if rec.compile_s is not None and dec["compile_s"] is not None:
+                    rec.blocks_compile_s = rec.compile_s
+                    rec.compile_s = round(rec.compile_s + dec["compile_s"], 4)
+            return rec
+
+        return Handle(lambda: _undo_all(undos), record)
+
+    @classmethod
+    def check(cls, record: CompileRecord | None) -> None:
+        if record is None or record.regions == 0:
+            raise NothingDone("compile: no module was compiled")
+
+    @classmethod
+    def requested(cls, card) -> CompileSettings | None:
+        return compile_settings(card.runtime.compile)
+
+    @classmethod
+    def variants(cls, ctx, pipe, configs: list, settings: CompileSettings, log=print, **_) -> list:
+        """A compiled twin of the baseline and of every configuration (one refused with its reason
+        gets none)."""
+        from ..configuration import baseline_config
+
+        return [compiled_config(c, settings) for c in [baseline_config()] + list(configs) if not c.refused]
+
+
+def _undo_all(undos: list) -> None:
+    for undo in reversed(undos):
+        undo()
+
+
+def compiled_config(cfg, settings: CompileSettings | None = None, *, reset: bool = True, **values):
+    """``cfg`` with its transformer blocks compiled (name ``<cfg.name>+compile``, same family and
+    gates; the bare baseline's twin is family ``compile``), its record in ``params["compile"]``
+    (filled in place while the configuration runs, so the benchmark's row carries it). ``values``:
+    :class:`CompileSettings` fields, in place of ``settings``."""
+    from ..configuration import Config
+
+    settings = settings or Compile.settings(**values)
+    stats: dict = {"backend": str(settings.backend), "mode": settings.mode, "fullgraph": settings.fullgraph}
+
+    def apply(pipe):
+        undo_cfg = cfg.apply(pipe)
+        try:
+            handle = Compile.apply(pipe, settings, reset=reset)
+        except BaseException:
+            if undo_cfg is not None:
+                undo_cfg()
+            raise
+
+        def undo():
+            stats.update({k: v for k, v in handle.record().to_dict().items() if k != "technique"})
+            handle.undo()
+            if undo_cfg is not None:
+                undo_cfg()
+        return undo
+
+    family = "compile" if cfg.family == "baseline" else cfg.family
+    return Config(f"{cfg.name}+compile", family, apply, params={**cfg.params, "compile": stats}, gates=cfg.gates,
+                  notes=(cfg.notes + "; " if cfg.notes else "") + "repeated blocks compiled (regional torch.compile)"
+                  + ("; the image decoder compiled" if settings.decoder else ""))
+
+
+__all__ = ["Compile", "CompileProbe", "CompileRecord", "CompileSettings", "DecoderUnavailable", "compile_decoder",
+           "compile_regions", "compile_settings", "compiled_config", "decoder_module"]

@@ -60,6 +60,21 @@ def enable_dbcache(pipe, adapter, cache_config_kwargs: dict, calibrator=None):
     return undo
 
 
+def default_dbcache() -> dict:
+    """DBCache's defaults as cache-dit keywords: the cache strategy's (``DBCacheSettings``), written once."""
+    kwargs = DBCache.cache_kwargs(DBCacheSettings())
+    kwargs.pop("num_inference_steps")
+    return kwargs
+
+
+def dbcache_config(options: dict | None = None):
+    """cache-dit's ``DBCacheConfig`` of ``options`` (cache-dit keywords: the card's ``parallel.cache``)
+    over DBCache's defaults."""
+    from cache_dit import DBCacheConfig
+
+    return DBCacheConfig(**{**default_dbcache(), **(options or {})})
+
+
 def min_list_length(adapter) -> int:
     return min(p.length for p in adapter.info.block_lists)
 

@@ -28,9 +28,13 @@ cores: Ada, Hopper and later), or torchao missing.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import torch
+
+from . import register
+from .technique import Handle, NothingDone, PipelineTechnique, Record
 
 FP8_MIN_CAPABILITY = (8, 9)
 TORCHAO_VERSION = "0.18.0"  # the version pinned in pyproject.toml, and the GPU wheel bundle's
@@ -196,6 +200,69 @@ def layer_sensitivity(transformer: torch.nn.Module, calls: list[dict], layers: l
                 undo()
             out.append({"layer": name, "rel_error": max(errs), "mean_rel_error": sum(errs) / len(errs)})
     return sorted(out, key=lambda r: -r["rel_error"])
+
+
+@dataclass
+class Fp8Settings:
+    layers: list | None = None  # these block linears only (None: every one fp8 can take)
+
+
+@dataclass
+class Fp8Record(Record):
+    library: str = "torchao"
+    config: str = ""
+    candidates: int = 0  # block linears fp8 can take
+    quantized: int = 0  # whose weight was replaced by an fp8 tensor
+    left_out: list = field(default_factory=list)  # by shape (features not multiples of 16)
+    kept: list = field(default_factory=list)  # candidates left in the model's dtype (a ``layers`` subset)
+
+
+@register
+class Fp8(PipelineTechnique):
+    """torchao float8 (e4m3, per-row scales) on the block linears; refused where fp8 cannot run."""
+
+    name = "fp8"
+    kind = "quantize"
+    family = "fp8 block linears (torchao float8)"
+    Settings = Fp8Settings
+    order = 20  # after the attention backend, before compile (a compiled twin fuses the quantization)
+
+    @classmethod
+    def applicable(cls, facts) -> str | None:
+        """``facts``: the transformer (its device decides)."""
+        return fp8_refusal_for(facts)
+
+    @classmethod
+    def apply(cls, pipe, settings: Fp8Settings, *, config: Any = None) -> Handle:
+        undo, rec = apply_fp8(pipe.transformer, config=config, check_device=config is None, layers=settings.layers)
+        record = Fp8Record(cls.name, config=rec["config"], candidates=rec["layers"] + len(rec.get("kept", [])),
+                           quantized=rec["quantized"], left_out=list(rec["left_out"]), kept=list(rec.get("kept", [])))
+        return Handle(undo, lambda: record)
+
+    @classmethod
+    def check(cls, record: Fp8Record | None) -> None:
+        if record is None or record.quantized == 0:
+            raise NothingDone("fp8: no block linear was quantized")
+
+    @classmethod
+    def requested(cls, card) -> Fp8Settings | None:
+        return Fp8Settings() if card.benchmark.fp8 else None
+
+    @classmethod
+    def variants(cls, ctx, pipe, configs: list, settings: Fp8Settings, log=print, **_) -> list:
+        """fp8 twins of the baseline and of every configuration not already in fp8; where fp8 cannot
+        run, one ``fp8`` row refused with the reason (so the table records it)."""
+        from ..configuration import Config, baseline_config
+
+        why = fp8_refusal_for(pipe.transformer)
+        if why:
+            log(f"fp8: refused: {why}")
+
+            def refuse(_pipe):
+                raise Fp8Refused(why)
+            return [Config("fp8", "fp8", refuse, params={"fp8": {"refused": why}}, notes="refused on this device",
+                           refused=why)]
+        return [fp8_config(c) for c in [baseline_config()] + list(configs) if "fp8" not in c.params]
 
 
 def fp8_config(cfg=None):

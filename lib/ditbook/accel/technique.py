@@ -84,6 +84,28 @@ class Technique:
         """Raise :class:`NothingDone` when ``record`` shows the technique did nothing."""
 
 
+class PipelineTechnique(Technique):
+    """A technique on the whole loaded pipeline (compile, quantize, graphs, attention):
+    ``apply(pipe, settings) -> Handle``. The benchmark asks each one, in ``order``, what the card asks
+    of it (``requested(card)``: its settings, None when off) and which rows it adds beside the others
+    (``variants(ctx, pipe, configs, settings, log)``: e.g. a compiled twin of each)."""
+
+    order: ClassVar[int] = 50
+
+    @classmethod
+    def apply(cls, pipe, settings) -> Handle:
+        raise NotImplementedError
+
+    @classmethod
+    def requested(cls, card) -> Any:
+        return None
+
+    @classmethod
+    def variants(cls, ctx, pipe, configs: list, settings, log: Callable[[str], None] = print, **options) -> list:
+        """The rows this technique adds beside ``configs`` (``options``: for one that measures first)."""
+        return []
+
+
 @dataclass
 class CacheRecord(Record):
     """A cache's work as counted on the model's own blocks (``adapter.counting``): every original
@@ -168,4 +190,5 @@ class CacheTechnique(Technique):
         return None
 
 
-__all__ = ["KINDS", "CacheRecord", "CacheTechnique", "Handle", "NothingDone", "Record", "Technique"]
+__all__ = ["KINDS", "CacheRecord", "CacheTechnique", "Handle", "NothingDone", "PipelineTechnique", "Record",
+           "Technique"]

@@ -48,7 +48,8 @@ from ..context import open_stage  # noqa: F401
 from .figures import STAGE, make_figures  # noqa: F401 (STAGE: the folder name, written once)
 from .inputs import discover_configs, read_inputs  # noqa: F401
 from .report import build_report, table_html, write_result_md  # noqa: F401
-from .variants import derived_configs  # noqa: F401
+from .variants import derived_configs, measured_table  # noqa: F401
+from ..accel.attention_backend import BACKENDS_FILE  # noqa: F401
 from .verdict import headline  # noqa: F401
 from .shown import is_cpu_run, is_parallel
 
@@ -57,31 +58,24 @@ def _slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_") or "config"
 
 
-def resolve_knobs(card, warmup=None, repeats=None, peak_tflops=None, max_cases=None, compile=None,
-                  attention_backend=None) -> dict:
-    """The notebook's knobs, falling back to the card's typed ``benchmark`` section (whose
-    defaults are in ``ditbook.settings.BenchmarkSettings``); ``compile`` and ``attention_backend``
-    are read by :mod:`ditbook.benchmark.variants`."""
-    b = card.benchmark
-    pick = lambda v, default: v if v is not None else default  # noqa: E731
-    return {"warmup": int(pick(warmup, b.warmup)), "repeats": int(pick(repeats, b.repeats)),
-            "peak_tflops": pick(peak_tflops, b.peak_tflops), "max_cases": pick(max_cases, b.max_cases),
-            "configs": list(b.configs), "compile": pick(compile, b.compile),
-            "attention_backend": pick(attention_backend, b.attention_backend)}
-
-
 def gate_overrides(card) -> dict:
     """Per-family gates from the card: ``cache.gates`` for cache and cache+parallel rows,
     ``parallel.gates`` for parallel rows (``summary.family_gates``)."""
     return family_gates(card)
 
 
-def measure(ctx, pipe, configs: list[Config], *, warmup: int = 1, repeats: int = 3,
+def measure(ctx, pipe, configs: list[Config], *, warmup: int | None = None, repeats: int | None = None,
             peak_tflops: float | None = None, max_cases: int | None = None,
             progress: Callable | None = None, log: Callable[[str], None] = print) -> BenchmarkReport:
-    """Render the card's prompts x seeds with the baseline and each configuration, timing each."""
+    """Render the card's prompts x seeds with the baseline and each configuration, timing each;
+    ``warmup``, ``repeats``, ``peak_tflops``, ``max_cases``: None takes the card's ``benchmark`` value."""
     from ..render import call_kwargs, cases, make_generator, to_image
 
+    b = ctx.card.benchmark
+    warmup = b.warmup if warmup is None else warmup
+    repeats = b.repeats if repeats is None else repeats
+    peak_tflops = b.peak_tflops if peak_tflops is None else peak_tflops
+    max_cases = b.max_cases if max_cases is None else max_cases
     todo = cases(ctx.card)
     if max_cases:
         todo = todo[:max_cases]
@@ -191,5 +185,5 @@ def video_note(images: dict) -> dict | None:
             "meaning": f"every frame compared; a video's PSNR, SSIM and worst tile are the {FRAME_REDUCE} over its frames"}
 
 
-__all__ = ["STAGE", "resolve_knobs", "gate_overrides", "measure", "measure_residuals", "save", "make_figures",
+__all__ = ["STAGE", "gate_overrides", "measure", "measure_residuals", "save", "make_figures",
            "verdict_rows"]

@@ -9,8 +9,8 @@ the card's prompts x seeds, compared with the intake baseline; held-out cases ar
 an uncached render made here.
 
 Card knobs: the typed ``cache:`` section (``ditbook.settings.CacheSettings``): ``gates``,
-``strategies``, ``max_configs``, ``confirm_tries``, ``holdout_shift``, ``reproduce_tolerance``,
-``compile``, ``fp8``, ``fp8_keep``.
+``strategies``, ``max_configs``, ``confirm_tries``, ``holdout_shift``, ``reproduce``, ``reproduce_tolerance``,
+``fp8``, ``fp8_keep``; and ``runtime.compile`` (the chosen configuration checked compiled).
 """
 
 from __future__ import annotations
@@ -361,36 +361,35 @@ class CacheSession:
                  "psnr_min": r.quality["psnr_min"], "ssim_min": r.quality["ssim_min"]}
                 for r in self.results if r.split == "holdout" and r.passed and r.skipped_fraction >= min_skipped]
 
-    def compiled_check(self, backend="inductor") -> dict:
-        """The chosen configuration again with the repeated blocks compiled (regional,
-        ``ditbook.accel.compiled.compile_regions``): its images against the uncompiled ones
+    def compiled_check(self, settings=None) -> dict:
+        """The chosen configuration again with the blocks compiled (``accel.compile``, the card's
+        ``runtime.compile`` unless ``settings`` is given): its images against the uncompiled ones
         (parallel gates: compile must not change the result), its render time against the
         uncompiled one, and the one-time compile cost (first compiled render minus the second)."""
         import time
 
-        import torch
-
-        from ..accel.compiled import compile_regions
+        from ..accel.compile import Compile, compile_settings
         from ..quality import compare_sets
         from .verify import render_set
 
+        settings = compile_settings(settings or self.card.runtime.compile or True)
         if not self.chosen:
             self.compiled = {"ran": False, "reason": "no configuration passed on held-out cases"}
             return self.compiled
         strat = accel.get(self.chosen["name"])
         gen = self.card.generation
         render = lambda: render_set(self.pipe, self.card, gen.prompts, gen.seeds)  # noqa: E731
-        out: dict = {"ran": True, "name": self.chosen["name"],
-                     "backend": backend if isinstance(backend, str) else type(backend).__name__}
+        out: dict = {"ran": True, "name": self.chosen["name"], "backend": str(settings.backend)}
         undo = strat.apply(self.pipe, strat.settings(**self.chosen["config"]), adapter=self.adapter, steps=gen.steps)
         try:
             render()  # warm
             t0 = time.perf_counter()
             eager = render()
             out["eager_s"] = round(time.perf_counter() - t0, 4)
-            torch._dynamo.reset()
-            undo_compile, out["method"], out["regions"] = compile_regions(self.pipe.transformer, backend=backend)
+            compiled = Compile.apply(self.pipe, settings, probe=False)
             try:
+                record = compiled.record()
+                out["method"], out["regions"] = record.method, record.regions
                 t0 = time.perf_counter()
                 render()
                 first = time.perf_counter() - t0
@@ -398,14 +397,13 @@ class CacheSession:
                 images = render()
                 out["compiled_s"] = round(time.perf_counter() - t0, 4)
             finally:
-                undo_compile()
+                compiled.undo()
         except Exception as exc:  # recorded: compiling the chosen configuration is a finding, not a crash
             out.update(ok=False, error=f"{type(exc).__name__}: {exc}")
             self.compiled = out
             return out
         finally:
-            if undo is not None:
-                undo()
+            undo()
         out["compile_s"] = round(max(0.0, first - out["compiled_s"]), 4)
         out["speedup"] = round(out["eager_s"] / out["compiled_s"], 4) if out["compiled_s"] > 0 else None
         q = compare_sets(images, eager, self.card.parallel.gates)  # compiling must not change the result
@@ -522,7 +520,7 @@ class CacheSession:
             "passing_at_40pct": self.passing_at(0.4),
             "order_check": self.order or None,  # the chosen configuration: a case alone vs after another
             "reproduction": self.reproduction,
-            "compiled": self.compiled or {"ran": False, "reason": "cache.compile is off"},
+            "compiled": self.compiled or {"ran": False, "reason": "runtime.compile is off"},
             "fp8": self.fp8 or {"ran": False, "reason": "cache.fp8 is off" if not self.card.cache.fp8 else "not run"},
         }
         self.ctx.write_results(res)

@@ -330,7 +330,7 @@ def write_upstream(session, folder: str | Path | None = None) -> UpstreamFiles:
     """Write the three files for the session's model under ``cache/upstream/`` (or ``folder``)."""
     from copy import deepcopy
 
-    from ..parallel.cp_plan import PlanDerivationError, capture_transformer_call, resolve_cp_plan
+    from ..cp.plan import PlanDerivationError, capture_transformer_call, resolve_cp_plan
 
     info = deepcopy(session.adapter.info)
     folder = Path(folder) if folder else session.ctx.dir / "upstream"

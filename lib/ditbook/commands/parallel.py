@@ -114,7 +114,7 @@ def static_refusal(card, plans: list[str]) -> list[str]:
             if n > 1 and heads and heads % n:
                 out.append(f"{p}: not feasible — {heads} attention heads are not divisible by {kind} {n}")
         if spec.vae > 1:  # the VAE's decoder, built on the meta device (parallel.vae)
-            from ..parallel.vae import vae_facts
+            from ..accel.vae import vae_facts
 
             problem, rows = vae_facts(card.path, card.generation.height)
             if problem or (rows and rows % spec.vae):

@@ -30,7 +30,7 @@ import traceback
 
 import torch
 
-from ..parallel.cp_plan import _main_output
+from ..cp.plan import _main_output
 
 
 # what a rank says when its peer went away: never the cause, when the peer reported one
@@ -57,9 +57,9 @@ def _rank(rank, world, init_file, transformer, args, kwargs, plan, queue, scope=
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
-        from ..parallel.attention import route_attention
-        from ..parallel.cp_scope import limit_cp_to
-        from ..parallel.sharding import BlockInputRecorder
+        from ..cp.attention import route_attention
+        from ..cp.scope import limit_cp_to
+        from ..cp.sharding import BlockInputRecorder
 
         torch.set_num_threads(1)
         # a file rendezvous: no TCP port to pick, so no race with other processes for it
@@ -68,7 +68,7 @@ def _rank(rank, world, init_file, transformer, args, kwargs, plan, queue, scope=
         from cache_dit.distributed.core import _ContextParallelConfig, _enable_context_parallelism
 
         _maybe_register_custom_attn_backends()
-        from ..parallel.cp_mask import install_mask_fit
+        from ..cp.mask import install_mask_fit
 
         install_mask_fit()  # masks fitted to what each rank's Ulysses attention holds
         route = route_attention(transformer)
@@ -83,11 +83,11 @@ def _rank(rank, world, init_file, transformer, args, kwargs, plan, queue, scope=
             except Exception:  # noqa: BLE001 - models without diffusers attention
                 pass
         limit_cp_to(transformer, scope, route)  # attention outside the split lists stays local
-        from ..parallel.cp_uneven import gather_around_none
+        from ..cp.uneven import gather_around_none
 
         gather_around_none(transformer)  # a gather at a block returning (tensor, None)
         if uneven:  # unequal shares: cache-dit's gather is NCCL's; on gloo, padded inside the collective
-            from ..parallel.cp_uneven import gather_unevenly
+            from ..cp.uneven import gather_unevenly
 
             gather_unevenly(transformer)
         with torch.no_grad():
@@ -106,7 +106,7 @@ def execute_cp_plan(transformer, args, kwargs, plan: dict, expected: dict, degre
                     timeout: float = 120.0, reference: torch.Tensor | None = None, uneven: bool = False) -> dict:
     """Run ``plan`` on ``degree`` forked gloo ranks; judge the split and the output. ``uneven``: the
     plan splits a token count the degree does not divide (cache-dit's ``ulysses_anything``)."""
-    from ..parallel.sharding import ShardingError, check_sharding
+    from ..cp.sharding import ShardingError, check_sharding
 
     if reference is None:
         with torch.no_grad():
@@ -198,10 +198,9 @@ def _coverage_cp(transformer, args, kwargs, degree: int = 2, plan: dict | None =
     execute it on ``degree`` gloo ranks with the sharding check. Returns
     ``dict(outcome=correct|refused|crash|wrong, reason=..., seq_lens={list: [per-rank lengths]},
     source=plan source)``. ``plan`` overrides the plan (its sites are still checked)."""
-    from ..parallel.cp_plan import (PlanDerivationError, RegisteredPlanError, find_streams, check_plan_sites,
-                          resolve_cp_plan, trace_forward)
-    from ..parallel.cp_dryrun import verify_before_launch
-    from ..parallel.cp_plan import expected_lengths, needs_ulysses_anything
+    from ..cp.plan import (PlanDerivationError, RegisteredPlanError, find_streams, check_plan_sites, resolve_cp_plan, trace_forward)
+    from ..cp.dryrun import verify_before_launch
+    from ..cp.plan import expected_lengths, needs_ulysses_anything
 
     filled = fill_zero_parameters(transformer)  # this is the forked driver's copy
     try:

@@ -19,7 +19,7 @@ Main entry points:
 from .feasibility import Feasibility, FeasibilityTable, feasibility
 from .launch import LaunchResult, ParallelRunError, PlanResult, launch, run_plans
 from .plans import PlanSpec, parse_plan, plan_name
-from .sharding import ShardingError
+from ..cp.sharding import ShardingError
 
 
 __all__ = ["Feasibility", "FeasibilityTable", "feasibility", "LaunchResult", "ParallelRunError", "PlanResult",

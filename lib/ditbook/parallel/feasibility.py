@@ -161,7 +161,7 @@ def model_facts(report: ArchReport, card: ModelCard, device: str) -> ModelFacts:
     att = report.attention
     sup = report.support
     cfg_ok, cfg_why = _cfg_active(report, card)
-    from .vae import vae_facts
+    from ..accel.vae import vae_facts
 
     vae_problem, latent_height = vae_facts(card.path, card.generation.height)
     return ModelFacts(

@@ -351,7 +351,7 @@ def cfg_split_failure(spec, sharding: dict | None, reference: dict | None) -> st
     """Why the recorded block rows show that a CFG-parallel plan's ranks did not divide the
     branches (None when they show they did, and for plans without CFG parallelism). The record
     goes into ``sharding["cfg_check"]``."""
-    from .sharding import CfgSplitError, check_cfg_split
+    from ..cp.sharding import CfgSplitError, check_cfg_split
 
     if spec.cfg <= 1:
         return None
@@ -403,7 +403,7 @@ def run_plans(card: str | Path, plans: list[str], nproc: int, out_dir: str | Pat
     cached_graphs = [p for p in graphed if parse_plan(p).cache]
     if cached_graphs:  # +cache+graph: only a static cache schedule has a fixed call pattern
         from ..card import load_card
-        from .graphs import cache_graph_refusal
+        from ..accel.graphs import cache_graph_refusal
 
         c = load_card(card, launch_opts.get("overrides"))
         reason = cache_graph_refusal(c.parallel.cache.options() if c.parallel.cache else None, c.generation.steps)

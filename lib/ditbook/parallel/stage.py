@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .attention import model_gqa_shapes, time_gqa
+from ..cp.attention import model_gqa_shapes, time_gqa
 from .feasibility import FeasibilityTable, device_refusal
 from .launch import run_plans
 from .plans import parse_plan, refusal

@@ -120,7 +120,7 @@ def _resolve_plan(pipe, card, spec, *, attention_kind, cp_plan_file, out_dir, in
     """The CP plan for this transformer (``cp_plan.resolve_cp_plan``), recorded in ``info`` and,
     on rank 0, written as code to ``out_dir``. Ulysses alone (no ring; checked before launch) may
     split token counts the degree does not divide: the launch then enables ``ulysses_anything``."""
-    from .cp_plan import capture_transformer_call, resolve_cp_plan, write_plan_code
+    from ..cp.plan import capture_transformer_call, resolve_cp_plan, write_plan_code
 
     tr = pipe.transformer
     cp = resolve_cp_plan(tr, capture=lambda: capture_transformer_call(pipe, card), attention_kind=attention_kind,
@@ -143,8 +143,8 @@ def _enable_cp_on_mesh(tr, spec, cp, cache_cfg, target, cp_mesh, info: dict) -> 
     from cache_dit.distributed.core._context_parallel import _apply_context_parallel
 
     from ..accel.dbcache import cfg_from_adapter
-    from .cache_sync import split_at_cached_units
-    from .cp_plan import needs_ulysses_anything
+    from ..cp.cache_sync import split_at_cached_units
+    from ..cp.plan import needs_ulysses_anything
 
     plan, units, unit_plans = cp.plan, {}, {}
     if cache_cfg is not None:
@@ -185,8 +185,9 @@ def _apply_library_cp(pipe, card, spec, cp, cp_mesh, route, info: dict) -> None:
     attention outside the split block lists stays local; cache decisions agreed across ranks."""
     import cache_dit
 
-    from .cache_sync import agree_cache_decisions, dbcache_config
-    from .cp_scope import limit_cp_to
+    from ..accel.dbcache import dbcache_config
+    from ..cp.cache_sync import agree_cache_decisions
+    from ..cp.scope import limit_cp_to
 
     tr = pipe.transformer
     cache_cfg = dbcache_config(spec.options.get("cache")) if spec.cache else None
@@ -194,7 +195,7 @@ def _apply_library_cp(pipe, card, spec, cp, cp_mesh, route, info: dict) -> None:
     if cp_mesh is None and target is pipe and _pipeline_entry_fits(pipe):
         from cache_dit import ParallelismConfig
 
-        from .cp_plan import needs_ulysses_anything
+        from ..cp.plan import needs_ulysses_anything
 
         pc = ParallelismConfig(ulysses_size=spec.ulysses if spec.ulysses > 1 else None,
                                ring_size=spec.ring if spec.ring > 1 else None, cp_plan=cp.plan,
@@ -202,17 +203,17 @@ def _apply_library_cp(pipe, card, spec, cp, cp_mesh, route, info: dict) -> None:
         cache_dit.enable_cache(pipe, cache_config=cache_cfg, parallelism_config=pc)
     else:
         _enable_cp_on_mesh(tr, spec, cp, cache_cfg, target, cp_mesh, info)
-    from .cp_plan import needs_ulysses_anything
+    from ..cp.plan import needs_ulysses_anything
 
     if needs_ulysses_anything(cp):  # uneven shares: cache-dit's gather needs NCCL; padded elsewhere (gloo)
-        from .cp_uneven import gather_unevenly
+        from ..cp.uneven import gather_unevenly
 
         info["cp_uneven_gathers"] = gather_unevenly(tr)
-    from .cp_uneven import gather_around_none
+    from ..cp.uneven import gather_around_none
 
     info["cp_gathers_around_none"] = gather_around_none(tr)  # a gather at a block returning (tensor, None)
     if spec.ring == 1:  # masks fitted to what each rank's Ulysses attention holds (heads, rows, keys)
-        from .cp_mask import install_mask_fit
+        from ..cp.mask import install_mask_fit
 
         install_mask_fit()
     # attention outside the split block lists (a text refiner) stays local on every rank
@@ -224,13 +225,13 @@ def _apply_library_cp(pipe, card, spec, cp, cp_mesh, route, info: dict) -> None:
 def _apply_graphs(tr, card, spec, info: dict) -> None:
     """CUDA graphs of the transformer's steps (of the computed steps' block work, with a cache)."""
     if spec.graph and spec.cache:
-        from .graphs import install_cached_step_graphs
+        from ..accel.graphs import install_cached_step_graphs
 
         # a static cache schedule: the computed steps' block work of each cached unit is replayed;
         # the cache's decisions and buffers stay eager (parallel.graphs)
         info["graphs"] = install_cached_step_graphs(tr, spec.options.get("cache"), steps=card.generation.steps)
     elif spec.graph:
-        from .graphs import install_step_graphs
+        from ..accel.graphs import install_step_graphs
 
         # inside the CFG wrapper: each rank replays its own branch's transformer call
         info["graphs"] = install_step_graphs(tr)
@@ -239,10 +240,10 @@ def _apply_graphs(tr, card, spec, info: dict) -> None:
 def apply_plan(pipe, card, spec, *, cfg_style: str | None, cp_plan_file: str | None, attention_kind: str | None,
                gqa_path: str, out_dir: Path | None, heartbeat=None) -> dict:
     """Apply one plan to a freshly loaded pipeline on this rank; returns what was applied."""
-    from .attention import route_attention
-    from .cache_sync import dbcache_config
-    from .cfg import apply_cfg_parallel, detect_cfg_style
-    from .cp_dryrun import verify_before_launch
+    from ..cp.attention import route_attention
+    from ..accel.dbcache import dbcache_config
+    from ..accel.cfg import apply_cfg_parallel, detect_cfg_style
+    from ..cp.dryrun import verify_before_launch
     from .plans import own_ring
 
     info: dict = {"plan": spec.name}
@@ -271,7 +272,9 @@ def apply_plan(pipe, card, spec, *, cfg_style: str | None, cp_plan_file: str | N
         target, info["cache_adapter"] = cache_target(pipe, card)
         cache_dit.enable_cache(target, cache_config=cfg_from_adapter(dbcache_config(spec.options.get("cache")), target))
     if spec.compile:
-        info["compiled"] = compile_repeated_blocks(tr, backend=card.parallel.compile_backend)
+        from ..accel.compile import CompileSettings, compile_settings
+
+        info["compiled"] = compile_repeated_blocks(tr, (compile_settings(card.runtime.compile) or CompileSettings()).backend)
     _apply_graphs(tr, card, spec, info)
     if spec.cfg > 1:
         info["cfg_stats"] = apply_cfg_parallel(tr, info["cfg_style"], group=cfg_group, heartbeat=heartbeat,
@@ -290,7 +293,7 @@ def apply_own_ring(tr, plan: dict, spec) -> tuple[list[str], object]:
     the recorder (installed first, so it sees each call's local lengths)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from .ring import RingRecorder, attention_modules, route_ring_attention
+    from ..accel.ring import RingRecorder, attention_modules, route_ring_attention
 
     noop = "ring" in noop_kinds()
     dev_type = "cuda" if str(tr.device).startswith("cuda") else "cpu"
@@ -335,8 +338,8 @@ def apply_kinds(pipe, card, spec) -> dict:
     out: dict = {}
     if spec.tp > 1:
         from ..arch.static import inspect_transformer
-        from .cp_plan import capture_transformer_call
-        from .tensor import TensorRecorder, apply_tensor_parallel, resolve_tensor_plan
+        from ..cp.plan import capture_transformer_call
+        from ..accel.tp import TensorRecorder, apply_tensor_parallel, resolve_tensor_plan
 
         tr = pipe.transformer
         att = inspect_transformer(tr, card.pipeline.cls, support=False).attention
@@ -346,7 +349,7 @@ def apply_kinds(pipe, card, spec) -> dict:
             apply_tensor_parallel(tr, plan, spec.tp, heads=att.heads, kv_heads=att.kv_heads or att.heads)
         out["tp"] = TensorRecorder(tr, plan, spec.tp)
     if spec.vae > 1:
-        from .vae import VaeParallelRefused, VaeRecorder, apply_vae_parallel, plan_vae_decode
+        from ..accel.vae import VaeParallelRefused, VaeRecorder, apply_vae_parallel, plan_vae_decode
 
         vae = getattr(pipe, "vae", None)
         if vae is None:
@@ -357,7 +360,7 @@ def apply_kinds(pipe, card, spec) -> dict:
             _, stats = apply_vae_parallel(vae, spec.vae)
         out["vae"] = VaeRecorder(vae, stats)
     if spec.te > 1:
-        from .text_encoder import TextEncoderRecorder, apply_text_encoder_parallel
+        from ..accel.te import TextEncoderRecorder, apply_text_encoder_parallel
 
         out["te"] = TextEncoderRecorder(pipe)  # before the parallel wraps: it sees only the calls that ran
         if "te" not in noop:
@@ -391,7 +394,7 @@ def compile_repeated_blocks(tr, backend: str = "inductor") -> str:
     """Regional torch.compile of the repeated blocks, after the parallel hooks (which stay outside
     the compiled regions): diffusers' ``compile_repeated_blocks`` where the class names its blocks,
     else every block of the block lists the inspection finds (``arch.static.find_block_lists``),
-    compiled in place. ``backend``: the card's ``parallel.compile_backend`` (inductor; a CPU check
+    compiled in place. ``backend``: the card's ``runtime.compile`` backend (inductor; a CPU check
     may name ``aot_eager``, which traces the same graphs without generating kernels). Returns which
     of the two it used, with the backend when it is not inductor."""
     from ..accel.compile import compile_regions
@@ -429,7 +432,7 @@ def _checked_spec(name: str, card, world: int):
     if spec.cache and "cache" not in spec.options and card.parallel.cache:
         spec = type(spec)(**{**spec.__dict__, "options": {"cache": card.parallel.cache.options()}})
     if spec.cache and spec.graph:
-        from .graphs import cache_graph_refusal
+        from ..accel.graphs import cache_graph_refusal
 
         why = cache_graph_refusal(spec.options.get("cache"), card.generation.steps)
         if why:
@@ -477,7 +480,7 @@ def _run_plan(pipe, card, spec, name: str, args, rank: int, dog: Watchdog, out_d
     """Apply one plan to ``pipe``, render every case, and fill ``entry`` with the times, what was
     applied, the sharding record and (rank 0) the saved images."""
     from ..render import render_all, save_renders
-    from .sharding import BlockInputRecorder
+    from ..cp.sharding import BlockInputRecorder
 
     # installed before the plan's hooks, so it sees what each block gets after any split
     recorder = BlockInputRecorder(pipe.transformer)
@@ -582,7 +585,7 @@ def sharding_record(transformer, recorder, spec, cp_plan: dict | None, kinds: di
     plan, ``check_sharding`` against the unsplit trace (``error`` names a ``ShardingError``); for
     tensor / VAE / text-encoder parallel, each rank's record of that kind and its check
     (``kinds[kind]``: ``check`` or ``error`` naming the ``ShardingError`` subclass)."""
-    from .sharding import ShardingError, check_sharding
+    from ..cp.sharding import ShardingError, check_sharding
 
     mine = {"block_inputs": recorder.to_dict(),
             "sharded_parameters": [n for n, p in transformer.named_parameters() if type(p.data).__name__ == "DTensor"],
@@ -610,16 +613,16 @@ def kind_check(kind: str):
     """The check of one kind's per-rank records: raises a ``ShardingError`` (subclass) naming what
     was not split."""
     if kind == "tp":
-        from .tensor import check_tensor_sharding
+        from ..accel.tp import check_tensor_sharding
         return check_tensor_sharding
     if kind == "vae":
-        from .vae import check_vae_sharding
+        from ..accel.vae import check_vae_sharding
         return check_vae_sharding
     if kind == "ring":
-        from .ring import check_ring_sharding
+        from ..accel.ring import check_ring_sharding
         return check_ring_sharding
     if kind == "te":
-        from .text_encoder import check_text_encoder_sharding
+        from ..accel.te import check_text_encoder_sharding
         return check_text_encoder_sharding
     raise KeyError(kind)
 

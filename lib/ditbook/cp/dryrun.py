@@ -49,8 +49,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .cp_plan import (_MASK_NAMES, ForwardTrace, PlanCheckError, Streams, _is_input, _is_output, _main_output, _shapes,
-                      _tensors, expected_lengths)
+from .plan import (_MASK_NAMES, ForwardTrace, PlanCheckError, Streams, _is_input, _is_output, _main_output, _shapes, _tensors, expected_lengths)
 from ..hooks import WrapGroup, swap_attribute
 from ..settings import CP_DRYRUN_REL_TOL
 from .sharding import bind_inputs, shard_sizes

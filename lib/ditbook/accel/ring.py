@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ..hooks import WrapError, WrapGroup
-from .sharding import ShardingError
+from ..cp.sharding import ShardingError
 
 RING_WRAP = "ditbook.ring-attention"
 RECORD_WRAP = "ditbook.ring-record"
@@ -227,7 +227,7 @@ class _RingMode(TorchFunctionMode):
 def attention_modules(transformer) -> list[tuple[str, torch.nn.Module]]:
     """The attention modules: diffusers' (they hold a ``processor``) and those whose own code calls
     SDPA (``attention.sdpa_callers``); the outermost only."""
-    from .attention import sdpa_callers
+    from ..cp.attention import sdpa_callers
 
     found = [(n, m) for n, m in transformer.named_modules() if n and hasattr(m, "processor")]
     found += sdpa_callers(transformer)

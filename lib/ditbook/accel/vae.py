@@ -37,7 +37,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ..hooks import WrapGroup
-from .sharding import ShardingError
+from ..cp.sharding import ShardingError
 
 VAE_WRAP = "ditbook.vae-patch-parallel"
 _SDPA = F.scaled_dot_product_attention

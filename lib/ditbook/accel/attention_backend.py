@@ -30,6 +30,7 @@ backend would change nothing, so nothing is measured or applied.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import statistics
@@ -38,8 +39,10 @@ from typing import Any, Callable
 
 import torch
 
-from ..settings import ParallelSettings
+from ..settings import FAMILY_SECTION, SECTIONS, Gates, ParallelSettings
 from ..timing import Clock
+from . import register
+from .technique import Handle, NothingDone, PipelineTechnique, Record
 
 # another attention backend must not change the result, so both checks use the parallel gates'
 # PSNR (bf16 kernels differ by ~1e-3 relative, i.e. > 50 dB; zeros or swapped heads give < 20 dB):
@@ -63,7 +66,7 @@ def dispatch_processors(transformer) -> list[tuple[str, Any]]:
 
 def direct_sdpa_modules(transformer) -> list[str]:
     """Modules outside the dispatcher whose class code calls ``scaled_dot_product_attention``."""
-    from ..parallel.attention import _calls_sdpa, _dispatch_aware
+    from ..cp.attention import _calls_sdpa, _dispatch_aware
 
     return [n for n, m in transformer.named_modules()
             if n and not _dispatch_aware(m) and _calls_sdpa(m)
@@ -441,7 +444,7 @@ def measure_backends(transformer, call: Callable[[], Any], *, report=None, backe
             rounds = confirm_repeats if confirm_repeats is not None else repeats
             _confirm_pick(transformer, table, runnable, call, clock, rounds, confirm_tolerance)
     if gqa and kv_heads != heads:
-        from ..parallel.attention import time_gqa
+        from ..cp.attention import time_gqa
 
         table.gqa = time_gqa(heads, kv_heads, head_dim, seq_len, device=str(device), dtype=table.dtype,
                              repeats=repeats, warmup=warmup).to_dict()
@@ -489,6 +492,95 @@ def backend_config(name: str, table: BackendTable | None = None):
                   notes="fastest correct attention backend of diffusers' dispatcher on this device")
 
 
-__all__ = ["DEFAULT_KERNEL_PSNR", "DEFAULT_OUTPUT_PSNR", "BackendRow", "BackendTable", "OutputAgreement", "applicability", "apply_backend",
+BACKENDS_FILE = "attention_backends.json"  # the measured table, in the benchmark's folder
+
+
+def backend_gate(card) -> Gates:
+    """The gates that judge another attention backend: the card's section for the ``attention``
+    family (``settings.FAMILY_SECTION``); that section's defaults without a card."""
+    name = FAMILY_SECTION["attention"]
+    section = getattr(card, name, None) if card is not None else None
+    return section.gates if section is not None else SECTIONS[name]().gates
+
+
+@dataclass
+class AttentionBackendSettings:
+    backend: str = "auto"  # "auto": measured here, the fastest correct one; or a backend name
+
+
+@dataclass
+class AttentionBackendRecord(Record):
+    backend: str = ""
+    processors: int = 0  # dispatch-aware processors whose backend was set
+
+
+@register
+class AttentionBackend(PipelineTechnique):
+    """diffusers' attention dispatcher set per processor to one backend (card ``benchmark.attention_backend``)."""
+
+    name = "attention_backend"
+    kind = "attention"
+    family = "attention backend (diffusers dispatcher)"
+    Settings = AttentionBackendSettings
+    order = 10  # first: fp8 and compiled twins are made of its row too
+
+    @classmethod
+    def applicable(cls, facts) -> str | None:
+        """``facts``: the transformer."""
+        ok, why = applicability(facts)
+        return None if ok else why
+
+    @classmethod
+    def apply(cls, pipe, settings: AttentionBackendSettings) -> Handle:
+        undo = apply_backend(pipe.transformer, settings.backend)
+        record = AttentionBackendRecord(cls.name, backend=settings.backend,
+                                        processors=len(dispatch_processors(pipe.transformer)))
+        return Handle(undo, lambda: record)
+
+    @classmethod
+    def check(cls, record: AttentionBackendRecord | None) -> None:
+        if record is None or record.processors == 0:
+            raise NothingDone("attention backend: no processor goes through diffusers' dispatcher")
+
+    @classmethod
+    def requested(cls, card) -> AttentionBackendSettings | None:
+        value = card.benchmark.attention_backend
+        return AttentionBackendSettings(str(value)) if value else None
+
+    @classmethod
+    def variants(cls, ctx, pipe, configs: list, settings: AttentionBackendSettings, log=print, **measure_kw) -> list:
+        """A named backend: its row. ``auto``: the backends measured on the pipeline's first
+        transformer call (the table written to ``benchmark/attention_backends.json``); the fastest correct one gets a row when an independent confirmation round
+        agrees with the pick (within 3%) and it is not the default already."""
+        if settings.backend != "auto":
+            return [backend_config(settings.backend)]
+        from ..render import call_kwargs, cases, make_generator
+
+        _, prompt, seed = cases(ctx.card)[0]
+        kwargs = call_kwargs(pipe, ctx.card)
+        psnr = backend_gate(ctx.card).psnr  # the card's gates, not the default ones
+        measure_kw = {"min_psnr": psnr, "min_kernel_psnr": psnr, **measure_kw}
+        table = measure_pipeline_backends(pipe, lambda: pipe(prompt=prompt, generator=make_generator(seed), **kwargs),
+                                          log=log, **measure_kw)
+        data = table.to_dict()
+        path = ctx.run.stage_dir("benchmark") / BACKENDS_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+        if not table.applicable:
+            log(f"attention backend: {table.reason}")
+            return []
+        if table.pick is not None and not table.confirmed:
+            log(f"attention backend: not applied: the confirmation round puts the pick {table.pick} at "
+                f"{table.pick_over_fastest}x the fastest ({table.fastest_confirmed}), beyond "
+                f"{table.confirm_tolerance:.0%}: timings on this device are not stable enough to choose")
+            return []
+        if table.pick is None or table.pick == table.default:
+            log(f"attention backend: the default ({table.default}) is the fastest correct one; nothing to add")
+            return []
+        return [backend_config(table.pick, table)]
+
+
+__all__ = ["AttentionBackend", "AttentionBackendRecord", "AttentionBackendSettings", "BACKENDS_FILE", "backend_gate",
+           "DEFAULT_KERNEL_PSNR", "DEFAULT_OUTPUT_PSNR", "BackendRow", "BackendTable", "OutputAgreement", "applicability", "apply_backend",
            "backend_config", "backend_problem", "capture_transformer_call", "default_backend", "direct_sdpa_modules",
            "dispatch_processors", "measure_backends", "measure_pipeline_backends", "output_agreement"]

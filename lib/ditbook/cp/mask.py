@@ -27,7 +27,7 @@ MASK_WRAP = "ditbook.cp-mask-fit"
 
 
 def _gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    from .cp_uneven import padded_all_gather
+    from .uneven import padded_all_gather
 
     dtype = x.dtype
     # gloo gathers no bool tensors: as bytes, and back

@@ -287,7 +287,7 @@ def install_cached_step_graphs(transformer: torch.nn.Module, cache_options: dict
         if dev.type != "cuda" or not torch.cuda.is_available():
             raise GraphUnavailable(f"+graph replays CUDA work, and the transformer is on {dev.type}; "
                                    "run the plan on a GPU or drop +graph")
-    from .cache_sync import CacheSplitError, cached_block_units
+    from ..cp.cache_sync import CacheSplitError, cached_block_units
 
     try:
         units = cached_block_units(transformer)

@@ -24,15 +24,6 @@ import torch.distributed as dist
 
 
 
-def default_dbcache() -> dict:
-    """DBCache's defaults as cache-dit keywords: the cache strategy's (``DBCacheSettings``), written once."""
-    from ..accel.dbcache import DBCache, DBCacheSettings
-
-    kwargs = DBCache.cache_kwargs(DBCacheSettings())
-    kwargs.pop("num_inference_steps")
-    return kwargs
-
-
 @dataclass
 class CacheAgreement:
     decisions: int = 0
@@ -46,12 +37,6 @@ class CacheAgreement:
 
     def to_dict(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k != "handle"}
-
-
-def dbcache_config(options: dict | None = None):
-    from cache_dit import DBCacheConfig
-
-    return DBCacheConfig(**{**default_dbcache(), **(options or {})})
 
 
 def static_schedule(mask) -> dict:

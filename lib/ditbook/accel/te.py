@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..hooks import WrapGroup
-from .sharding import ShardingError
+from ..cp.sharding import ShardingError
 
 TE_WRAP = "ditbook.text-encoder-parallel"
 RECORD_WRAP = "ditbook.text-encoder-record"

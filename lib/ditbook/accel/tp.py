@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from ..hooks import swap_attribute
-from .sharding import ShardingError
+from ..cp.sharding import ShardingError
 
 
 class TensorParallelRefused(RuntimeError):
