@@ -1,13 +1,28 @@
-"""The feasibility table is one small judge per parallel kind; each is checked on its own here,
-with a case where it says "feasible" and one where it says "not feasible" and why. The whole
-table against the tiny models: tests/test_parallel.py::test_feasibility_reasons."""
+"""The feasibility table is each parallel technique's own judge (``ditbook.accel``: its module's
+``judge(facts, n)``); each is checked on its own here, with a case where it says "feasible" and one
+where it says "not feasible" and why. The whole table against the tiny models:
+tests/test_parallel.py::test_feasibility_reasons."""
 
 from __future__ import annotations
 
+from ditbook import accel
 from ditbook.arch.report import AttentionFacts
-from ditbook.parallel.feasibility import (JUDGES, KINDS, Feasibility, ModelFacts, feasibility, judge_cfg,
-                                          judge_cfg_x_ulysses, judge_ring, judge_text_encoder, judge_tp,
-                                          judge_ulysses, judge_ulysses_x_ring, judge_vae)
+from ditbook.parallel.feasibility import Feasibility, ModelFacts, feasibility
+
+
+def _row(token: str, kind: str):
+    """The judge of one feasibility row: the technique of ``token``, its row of ``kind``."""
+    def judge(f, n):
+        return next(r for r in accel.by_token(token).judge(f, n) if r.kind == kind)
+    return judge
+
+
+judge_cfg, judge_cfg_x_ulysses = _row("cfg", "cfg"), _row("cfg", "cfg_x_ulysses")
+judge_ulysses, judge_ring, judge_ulysses_x_ring = _row("ulysses", "ulysses"), _row("ring", "ring"), _row("usp", "ulysses_x_ring")
+judge_tp, judge_vae, judge_text_encoder = _row("tp", "tp"), _row("vae", "vae"), _row("te", "text_encoder")
+KINDS = tuple(r.kind for t in accel.parallel_kinds() for r in t.judge(ModelFacts(
+    att=AttentionFacts(heads=2, kv_heads=2), heads=2, kv=2, s_img=4, s_txt=4, joint=True, device="cpu", registered_cp=None,
+    tp_plan=None, cfg_ok=True, cfg_why=""), 2))
 
 
 def facts(heads=8, kv=2, s_img=16, s_txt=8, joint=True, device="cuda", cp="diffusers _cp_plan", tp=None,
@@ -26,9 +41,12 @@ def row(judge, f, n) -> tuple[bool, str | None, str]:
     return r.feasible, r.plan, r.reason
 
 
-def test_the_table_has_one_judge_per_kind_in_display_order():
-    assert tuple(JUDGES) == KINDS
-    assert all(JUDGES[k](facts(), 2).kind == k for k in KINDS)
+def test_every_parallel_technique_judges_itself_at_every_world_size():
+    assert len(set(KINDS)) == len(KINDS) and {"cfg", "ulysses", "ring", "tp", "vae", "text_encoder"} <= set(KINDS)
+    for n in (1, 2, 4, 8):
+        for technique in accel.parallel_kinds():
+            rows = technique.judge(facts(), n)
+            assert rows and all(isinstance(r, Feasibility) and r.world_size == n for r in rows), technique.name
 
 
 def test_cfg():
@@ -126,13 +144,14 @@ def test_vae():
 
 
 def test_feasibility_is_the_table_of_judges(tmp_path, monkeypatch):
-    """The table drives ``feasibility``: a judge swapped in the table shows in every world size."""
+    """The techniques' judges drive ``feasibility``: a judge swapped in shows in every world size."""
     from test_parallel import _report
     import test_parallel_models as models
 
     from ditbook.card import load_card
 
-    monkeypatch.setitem(JUDGES, "vae", lambda f, n: Feasibility("vae", n, False, None, f"judged {n}", launchable=False))
+    monkeypatch.setattr(accel.by_token("vae"), "judge",
+                        classmethod(lambda cls, f, n: [Feasibility("vae", n, False, None, f"judged {n}", launchable=False)]))
     table = feasibility(_report(), load_card(models.tiny_flux(tmp_path)), device="cuda")
     assert [r.kind for r in table.rows[:len(KINDS)]] == list(KINDS)
     assert [table.get("vae", n).reason for n in (1, 2, 4, 8)] == ["judged 1", "judged 2", "judged 4", "judged 8"]

@@ -39,12 +39,12 @@ def test_plan_names_of_the_new_kinds():
 
 
 def test_rings_that_are_cache_dits_are_refused_off_cuda():
-    from ditbook.parallel.feasibility import device_refusal
+    from ditbook.parallel.plans import refusal
 
-    assert device_refusal(parse_plan("ring2"), "cpu") is None  # ditbook's own ring
+    assert refusal(parse_plan("ring2"), "cpu") is None  # ditbook's own ring
     for name in ("ring2+cache", "cfg2_ring2", "usp2x2"):
-        assert "CUDA only" in device_refusal(parse_plan(name), "cpu")
-        assert device_refusal(parse_plan(name), "cuda:0") is None
+        assert "CUDA only" in refusal(parse_plan(name), "cpu")
+        assert refusal(parse_plan(name), "cuda:0") is None
 
 
 @needs_reference

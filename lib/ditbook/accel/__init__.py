@@ -12,7 +12,8 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from .technique import KINDS, CacheRecord, CacheTechnique, Handle, NothingDone, PipelineTechnique, Record, Technique
+from .technique import (KINDS, CacheRecord, CacheTechnique, Feasibility, Handle, NothingDone, ParallelTechnique,
+                        PipelineTechnique, Record, Technique)
 
 _REGISTRY: dict[str, type[Technique]] = {}
 _SKIP = {"technique"}  # the base module itself
@@ -47,6 +48,29 @@ def names(kind: str | None = None) -> list[str]:
     return [t.name for t in techniques(kind)]
 
 
+def parallel_kinds() -> list[type[ParallelTechnique]]:
+    """The parallel techniques in their order (plan names, feasibility rows, application on a rank)."""
+    return sorted(techniques("parallel"), key=lambda t: (t.order, t.name))
+
+
+def plan_name(cache: bool = False, compile: bool = False, graph: bool = False, **degrees: int) -> str:
+    """The plan name of these degrees (``plan_name(cfg=2, ulysses=2, cache=True)`` ->
+    ``cfg2_ulysses2+cache``), parts in the techniques' order."""
+    left = {k: v for k, v in degrees.items() if v > 1}
+    parts = [p for t in parallel_kinds() if (p := t.name_part(left))]
+    if left:
+        raise KeyError(f"no parallel technique names {sorted(left)}")
+    name = "_".join(parts) or "single"
+    return name + "".join(f"+{o}" for o, on in (("cache", cache), ("compile", compile), ("graph", graph)) if on)
+
+
+def by_token(token: str) -> type[ParallelTechnique]:
+    for t in techniques("parallel"):
+        if t.token == token:
+            return t
+    raise KeyError(f"no parallel technique has the plan token {token!r}; known: {[t.token for t in techniques('parallel')]}")
+
+
 def get(name: str) -> type[Technique]:
     discover()
     if name not in _REGISTRY:
@@ -54,6 +78,6 @@ def get(name: str) -> type[Technique]:
     return _REGISTRY[name]
 
 
-__all__ = ["KINDS", "CacheRecord", "CacheTechnique", "Handle", "NothingDone", "PipelineTechnique", "Record",
-           "Technique", "discover",
+__all__ = ["KINDS", "CacheRecord", "CacheTechnique", "Feasibility", "Handle", "NothingDone", "ParallelTechnique",
+           "PipelineTechnique", "Record", "Technique", "by_token", "discover", "parallel_kinds", "plan_name",
            "get", "names", "register", "techniques"]

@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 
 from ..hooks import WrapHandle, wrap_method
+from . import plan_name, register
+from .technique import Feasibility, NoSettings, ParallelTechnique
 
 WRAP = "ditbook.cfg-parallel"
 
@@ -329,3 +331,39 @@ def detect_cfg_style(pipe, card) -> str:
     if seen[0] >= 2 and seen[0] % 2 == 0:
         return "batched"
     return "none"
+
+
+@register
+class CfgParallel(ParallelTechnique):
+    """The two CFG branches of each step on two ranks (composed by the worker with CP into one
+    mesh; the split is judged from every rank's block rows, ``cp.sharding.check_cfg_split``)."""
+
+    name = "cfg"
+    token = "cfg"
+    family = "CFG parallel"
+    Settings = NoSettings
+    order = 10
+
+    @classmethod
+    def degree_problem(cls, n: int) -> str | None:
+        return None if n in (1, 2) else "CFG parallel splits two branches, so cfg is 2"
+
+    @classmethod
+    def judge(cls, f, n: int) -> list[Feasibility]:
+        from .ulysses import ulysses_check
+
+        if n == 1:
+            row = Feasibility("cfg", 1, False, None, "one process: nothing to split")
+        elif n == 2:
+            row = Feasibility("cfg", 2, f.cfg_ok, "cfg2" if f.cfg_ok else None, f.cfg_why)
+        else:
+            row = Feasibility("cfg", n, False, None, f"CFG has two branches: world size {n} needs cfg2 x CP{n // 2}"
+                              " (see cfg_x_ulysses)")
+        if n < 4:
+            both = Feasibility("cfg_x_ulysses", n, False, None, "needs at least 4 processes (cfg2 x ulysses2)")
+        elif not f.cfg_ok:
+            both = Feasibility("cfg_x_ulysses", n, False, None, f.cfg_why)
+        else:
+            ok, why = ulysses_check(f, n // 2, uneven=True)
+            both = Feasibility("cfg_x_ulysses", n, ok, plan_name(cfg=2, ulysses=n // 2), f"cfg2 x ulysses{n // 2}: {why}")
+        return [row, both]

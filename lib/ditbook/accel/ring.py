@@ -44,8 +44,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from ..hooks import WrapError, WrapGroup
 from ..cp.sharding import ShardingError
+from ..hooks import WrapError, WrapGroup, swap_attribute
+from . import plan_name, register
+from .technique import Feasibility, NoSettings, ParallelTechnique
 
 RING_WRAP = "ditbook.ring-attention"
 RECORD_WRAP = "ditbook.ring-record"
@@ -325,3 +327,97 @@ def check_ring_sharding(ranks: list[dict], degree: int) -> dict:
     return {"degree": degree, "ring_calls": [rec["ring_calls"] for rec in ranks],
             "exchanges": [rec["exchanges"] for rec in ranks],
             "local_lengths": [rec["local_lengths"] for rec in ranks]}
+
+
+def ring_check(f, n: int, own: bool = False) -> tuple[bool, str]:
+    """``own``: ditbook's ring (this module, plain ring<N> plans), which computes the log-sum-exp
+    itself and so runs on any device; else cache-dit's (inside USP)."""
+    if f.heads is None:
+        return False, "head count unknown (inspection found no attention)"
+    s = f.seq_reason(n)
+    if s:
+        return False, s
+    if not own and not f.device.startswith("cuda"):
+        return False, ("ring attention merges partial results by their log-sum-exp, which cache-dit takes "
+                       "from the flash SDPA kernel — CUDA only (on CPU it raises NotImplementedError)")
+    full_masks = [m for m in f.att.masks if "mask" in m.lower() and "encoder" not in m.lower()]
+    if full_masks and own:
+        return True, f"key mask(s) {full_masks} travel round the ring with their keys; " + f.cp_how()
+    if full_masks:
+        return False, f"attention mask(s) {full_masks} over the whole sequence: ring attention takes no mask"
+    return True, f.cp_how()
+
+
+def apply_own_ring(tr, plan: dict, spec, noop: bool = False) -> tuple[list[str], RingRecorder]:
+    """ditbook's ring attention on a plain ring<N> plan: cache-dit's split/gather hooks of the CP
+    plan (no cache-dit attention backend: ``tr._parallel_config`` stays unset, so attention runs
+    locally) and every attention module routed round the ring. Returns the routed modules and the
+    recorder (installed first, so it sees each call's local lengths). ``noop``: record only."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dev_type = "cuda" if str(tr.device).startswith("cuda") else "cpu"
+    recorder = RingRecorder(tr)
+    if noop:
+        return [n for n, _ in attention_modules(tr)], recorder
+    from cache_dit.distributed.core import _ContextParallelConfig
+    from cache_dit.distributed.core._context_parallel import _apply_context_parallel
+
+    mesh = init_device_mesh(dev_type, (spec.ring, 1), mesh_dim_names=("ring", "ulysses"))
+    # the ring route before the split/gather hooks: cache-dit's hook registry then wraps on top
+    # of ditbook's wraps (``ditbook.hooks`` refuses to wrap on top of a foreign replacement)
+    _, stats, modules = route_ring_attention(tr, group=mesh["ring"].get_group())
+    recorder.stats = stats
+    cpc = _ContextParallelConfig(ulysses_degree=1, ring_degree=spec.ring)
+    cpc.setup(dist.get_rank(), dist.get_world_size(), tr.device, mesh=mesh)
+    _apply_context_parallel(tr, cpc, plan)
+    # cache-dit's planners patch some processor classes to read ``_cp_config`` (set by its own
+    # enable path, which this one skips): None on each instance says "no CP attention here"
+    recorder.cp_config_undo = WrapGroup("no-cp-config")  # exact undo of the None configs below
+    for module in tr.modules():
+        proc = getattr(module, "processor", None)
+        for attr in ("_cp_config", "_parallel_config"):
+            if proc is not None and not hasattr(proc, attr):
+                recorder.cp_config_undo.track(swap_attribute(proc, attr, None))
+    return modules, recorder
+
+
+@register
+class Ring(ParallelTechnique):
+    """Ring attention. A plain ``ring<N>`` runs ditbook's own (this module: any device, key masks
+    travel with their keys, judged by every rank's ``RingRecorder`` record); rings inside USP, CFG x
+    ring or +cache plans are cache-dit's (CUDA only)."""
+
+    name = "ring"
+    token = "ring"
+    family = "ring attention"
+    Settings = NoSettings
+    order = 30
+
+    @classmethod
+    def own(cls, spec) -> bool:
+        """Whether the plan's ring attention is ditbook's own (a plain ring<N>)."""
+        return spec.ring > 1 and spec.ulysses == 1 and spec.cfg == 1 and len(spec.kinds()) == 1 and not spec.cache
+
+    @classmethod
+    def records(cls, spec) -> bool:
+        return cls.own(spec)
+
+    @classmethod
+    def refusal(cls, spec, device: str | None = None) -> str | None:
+        if device is not None and spec.ring > 1 and not cls.own(spec) and not str(device).startswith("cuda"):
+            return ("cache-dit's ring attention (in USP, CFG x ring or +cache plans) takes the log-sum-exp from the "
+                    "flash SDPA kernel: CUDA only; a plain ring<N> runs ditbook's own ring on any device")
+        return None
+
+    @classmethod
+    def judge(cls, f, n: int) -> list[Feasibility]:
+        if n == 1:
+            return [Feasibility("ring", 1, False, None, "one process: nothing to split")]
+        ok, why = ring_check(f, n, own=True)
+        return [Feasibility("ring", n, ok, plan_name(ring=n),
+                            f"ditbook's ring attention (partials merged by log-sum-exp, K/V over isend/irecv); {why}"
+                            if ok else why)]
+
+    @classmethod
+    def check(cls, records: list, degree: int) -> dict:
+        return check_ring_sharding(records, degree)

@@ -22,8 +22,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..hooks import WrapGroup
 from ..cp.sharding import ShardingError
+from ..hooks import WrapGroup
+from . import plan_name, register
+from .technique import Feasibility, Handle, NoSettings, ParallelTechnique
 
 TE_WRAP = "ditbook.text-encoder-parallel"
 RECORD_WRAP = "ditbook.text-encoder-record"
@@ -196,3 +198,38 @@ def check_text_encoder_sharding(ranks: list[dict], degree: int) -> dict:
         comp = lists[0][i]["component"]
         by_rank[who[0]][comp] = by_rank[who[0]].get(comp, 0) + 1
     return {"degree": degree, "calls": len(runs), "ran_by_rank": {str(k): v for k, v in by_rank.items()}}
+
+
+@register
+class TextEncoderParallel(ParallelTechnique):
+    """The text-encoder calls spread over the plan's ranks (rides on any plan of its size)."""
+
+    name = "te"
+    token = "te"
+    family = "text-encoder parallel"
+    Settings = NoSettings
+    order = 80
+    multiplies = False
+    on_rank = True
+
+    @classmethod
+    def judge(cls, f, n: int) -> list[Feasibility]:
+        encoders = {k: v for k, v in f.components.items() if k.startswith("text_encoder")}
+        if n == 1:
+            return [Feasibility("text_encoder", 1, False, None, "one process")]
+        if not encoders:
+            return [Feasibility("text_encoder", n, False, None, "the pipeline has no text encoder component")]
+        listed = ", ".join(f"{k} ({v})" for k, v in encoders.items())
+        return [Feasibility("text_encoder", n, True, plan_name(te=n),
+                            f"the calls of {listed} spread round-robin over {n} ranks, each result broadcast")]
+
+    @classmethod
+    def apply_on_rank(cls, pipe, card, spec, degree: int, noop: bool = False) -> Handle:
+        recorder = TextEncoderRecorder(pipe)  # before the parallel wraps: it sees only the calls that ran
+        if not noop:
+            apply_text_encoder_parallel(pipe, degree)
+        return Handle(recorder.remove, recorder.record)
+
+    @classmethod
+    def check(cls, records: list, degree: int) -> dict:
+        return check_text_encoder_sharding(records, degree)

@@ -19,6 +19,11 @@ from typing import Any, Callable, ClassVar
 KINDS = ("cache", "parallel", "compile", "quantize", "graphs", "attention")
 
 
+@dataclass
+class NoSettings:
+    """The settings of a technique that takes none of its own (its degree or the card says all)."""
+
+
 class NothingDone(RuntimeError):
     """A technique's ``check`` found that applying it changed nothing it claims to change."""
 
@@ -107,6 +112,92 @@ class PipelineTechnique(Technique):
 
 
 @dataclass
+class Feasibility:
+    """One parallel kind at one world size: whether it applies, the plan to launch, why (or why not)."""
+
+    kind: str
+    world_size: int
+    feasible: bool
+    plan: str | None  # the plan name to launch, when it is a launchable plan
+    reason: str  # why not, or how (padding, replicated KV, ...)
+    launchable: bool = True  # ditbook's launcher runs it
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class ParallelTechnique(Technique):
+    """One way to spread a generation over processes, named in plan names by its ``token`` (``tp``
+    in ``tp2``). ``judge(facts, n)``: its feasibility rows at world size ``n`` (``facts``: the parallel
+    stage's model facts: heads, sequence lengths, CFG style, components, device). A kind that
+    ``multiplies`` the world takes its own ranks (world = the product of those degrees); otherwise it
+    rides on the ranks of any plan of its world size (the VAE, the text encoders). ``on_rank``: the
+    worker applies it on each rank with ``apply_on_rank(pipe, card, spec, degree, noop) -> Handle``,
+    whose record is this rank's own (read from the model); ``check(records, degree)`` judges every
+    rank's record and raises a ``ShardingError`` naming what was not split. Kinds without ``on_rank``
+    (CFG, Ulysses, USP) are composed by the worker into one device mesh with cache-dit's context
+    parallelism; their split is judged from the block inputs every rank recorded."""
+
+    kind = "parallel"
+    token: ClassVar[str]
+    multiplies: ClassVar[bool] = True
+    on_rank: ClassVar[bool] = False
+    order: ClassVar[int] = 50  # the feasibility table's order, the plan name's, and the ranks' order of application
+
+    @classmethod
+    def judge(cls, facts, n: int) -> list[Feasibility]:
+        raise NotImplementedError
+
+    # -- its part of a plan name ------------------------------------------------------------
+    @classmethod
+    def grammar(cls) -> str:
+        """How the kind's part of a plan name is written, for messages."""
+        return f"{cls.token}<N>"
+
+    @classmethod
+    def parse_part(cls, n: int, m: int | None) -> dict[str, int]:
+        """The degrees a plan-name part ``<token><n>`` (or ``<token><n>x<m>``) sets."""
+        if m is not None:
+            raise ValueError(f"{cls.token}{n}x{m}: only a kind of two degrees takes RxU")
+        return {cls.token: n}
+
+    @classmethod
+    def name_part(cls, degrees: dict[str, int]) -> str | None:
+        """This kind's part of a plan name, taking its degree out of ``degrees``."""
+        n = degrees.pop(cls.token, 1)
+        return f"{cls.token}{n}" if n > 1 else None
+
+    @classmethod
+    def degree_problem(cls, n: int) -> str | None:
+        return None
+
+    @classmethod
+    def refusal(cls, spec, device: str | None = None) -> str | None:
+        """Why ditbook will not launch ``spec`` with this kind (on ``device`` when given)."""
+        return None
+
+    @classmethod
+    def runs_on_rank(cls, spec) -> bool:
+        """Whether the worker applies this kind itself on each rank of ``spec``."""
+        return cls.on_rank and spec.degree(cls.token) > 1
+
+    @classmethod
+    def records(cls, spec) -> bool:
+        """Whether each rank of ``spec`` keeps a record of this kind that ``check`` judges."""
+        return cls.runs_on_rank(spec)
+
+    @classmethod
+    def apply_on_rank(cls, pipe, card, spec, degree: int, noop: bool = False) -> Handle:
+        """Apply on this rank (``noop``: record without applying, the tests' fault injection)."""
+        raise NotImplementedError
+
+    @classmethod
+    def check(cls, records: list, degree: int) -> dict:  # type: ignore[override]
+        """Every rank's record of this kind; raise a ``ShardingError`` when they show no split."""
+        raise NotImplementedError
+
+
+@dataclass
 class CacheRecord(Record):
     """A cache's work as counted on the model's own blocks (``adapter.counting``): every original
     block and attention evaluation that ran, per transformer call."""
@@ -190,5 +281,5 @@ class CacheTechnique(Technique):
         return None
 
 
-__all__ = ["KINDS", "CacheRecord", "CacheTechnique", "Handle", "NothingDone", "PipelineTechnique", "Record",
-           "Technique"]
+__all__ = ["KINDS", "CacheRecord", "CacheTechnique", "Feasibility", "Handle", "NoSettings", "NothingDone", "ParallelTechnique",
+           "PipelineTechnique", "Record", "Technique"]

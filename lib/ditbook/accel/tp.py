@@ -48,8 +48,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from ..hooks import swap_attribute
 from ..cp.sharding import ShardingError
+from ..hooks import swap_attribute
+from . import plan_name, register
+from .technique import Feasibility, Handle, NoSettings, ParallelTechnique
 
 
 class TensorParallelRefused(RuntimeError):
@@ -685,3 +687,66 @@ def _numel(shape) -> int:
     for s in shape:
         n *= int(s)
     return n
+
+
+@register
+class TensorParallel(ParallelTechnique):
+    """The transformer's linear layers sharded over the ranks (this module's plan, torch's styles)."""
+
+    name = "tp"
+    token = "tp"
+    family = "tensor parallel"
+    Settings = NoSettings
+    order = 60
+    on_rank = True
+
+    @classmethod
+    def refusal(cls, spec, device: str | None = None) -> str | None:
+        if spec.tp > 1 and len(spec.kinds()) > 1 and any(t.multiplies and t is not cls for t in spec.kinds()):
+            return ("tensor parallel is run alone (tp<N>, optionally with vae<N>/te<N>): its composition with CFG or "
+                    "context parallel (a 2-D mesh) is not wired")
+        if spec.tp > 1 and (spec.cache or spec.compile or spec.graph):
+            return "tensor parallel runs without +cache, +compile or +graph (their order with the sharding is not wired)"
+        return None
+
+    @classmethod
+    def judge(cls, f, n: int) -> list[Feasibility]:
+        """The class's ``_tp_plan``, else a plan derived from the traced linear layers; heads and
+        KV heads must split evenly."""
+        def no(why: str) -> list[Feasibility]:
+            return [Feasibility("tp", n, False, None, why)]
+
+        if n == 1:
+            return no("one process: nothing to shard")
+        if f.heads is None:
+            return no("head count unknown")
+        if f.heads % n:
+            return no(f"{f.heads} heads not divisible by {n}")
+        if f.kv % n:
+            return no(f"GQA: {f.kv} KV heads not divisible by {n}: the K/V projections cannot be split by head")
+        diffusers_plan = bool(f.tp_plan) and "_tp_plan" in f.tp_plan  # cache-dit's TP planners are not applied
+        if f.att.fused_qkv and not diffusers_plan:
+            return no("fused QKV without a diffusers _tp_plan: the packed projection needs block-wise column "
+                      "sharding, which ditbook does not derive")
+        how = ("plan: diffusers _tp_plan" if diffusers_plan else
+               "plan derived from the traced linear layers (attention in-projections colwise, out-projection rowwise; "
+               "MLP up colwise, down rowwise)")
+        return [Feasibility("tp", n, True, plan_name(tp=n), how)]
+
+    @classmethod
+    def apply_on_rank(cls, pipe, card, spec, degree: int, noop: bool = False) -> Handle:
+        from ..arch.static import inspect_transformer
+        from ..cp.plan import capture_transformer_call
+
+        tr = pipe.transformer
+        att = inspect_transformer(tr, card.pipeline.cls, support=False).attention
+        call = None if getattr(type(tr), "_tp_plan", None) else capture_transformer_call(pipe, card)
+        plan = resolve_tensor_plan(tr, degree, att.heads, att.kv_heads or att.heads, call)
+        if not noop:
+            apply_tensor_parallel(tr, plan, degree, heads=att.heads, kv_heads=att.kv_heads or att.heads)
+        recorder = TensorRecorder(tr, plan, degree)
+        return Handle(recorder.remove, recorder.record)
+
+    @classmethod
+    def check(cls, records: list, degree: int) -> dict:
+        return check_tensor_sharding(records, degree)

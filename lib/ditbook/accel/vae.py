@@ -36,8 +36,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ..hooks import WrapGroup
 from ..cp.sharding import ShardingError
+from ..hooks import WrapGroup
+from . import plan_name, register
+from .technique import Feasibility, Handle, NoSettings, ParallelTechnique
 
 VAE_WRAP = "ditbook.vae-patch-parallel"
 _SDPA = F.scaled_dot_product_attention
@@ -325,3 +327,45 @@ def vae_facts(model_path, height: int | None) -> tuple[str | None, int | None]:
     except VaeParallelRefused as exc:
         return str(exc), latent
     return None, latent
+
+
+@register
+class VaeParallel(ParallelTechnique):
+    """Patch-parallel VAE decode: latent rows split over the plan's ranks (rides on any plan of its size)."""
+
+    name = "vae"
+    token = "vae"
+    family = "VAE patch parallel"
+    Settings = NoSettings
+    order = 70
+    multiplies = False
+    on_rank = True
+
+    @classmethod
+    def judge(cls, f, n: int) -> list[Feasibility]:
+        vae = f.components.get("vae")
+        if n == 1:
+            return [Feasibility("vae", 1, False, None, "one process")]
+        if not vae:
+            return [Feasibility("vae", n, False, None, "the pipeline has no vae component")]
+        if f.vae_problem:
+            return [Feasibility("vae", n, False, None, f"{vae}: {f.vae_problem}")]
+        if f.latent_height and f.latent_height % n:
+            return [Feasibility("vae", n, False, None, f"{vae}: {f.latent_height} latent rows not divisible by {n}")]
+        return [Feasibility("vae", n, True, plan_name(vae=n),
+                            f"{vae}: latent rows split over {n} ranks, halo rows per convolution, GroupNorm and attention "
+                            f"over the whole image; a decoder layer it cannot split is refused at launch by name")]
+
+    @classmethod
+    def apply_on_rank(cls, pipe, card, spec, degree: int, noop: bool = False) -> Handle:
+        vae = getattr(pipe, "vae", None)
+        if vae is None:
+            raise VaeParallelRefused(f"{type(pipe).__name__} has no vae component")
+        plan_vae_decode(vae, degree)
+        stats = None if noop else apply_vae_parallel(vae, degree)[1]
+        recorder = VaeRecorder(vae, stats)
+        return Handle(recorder.remove, recorder.record)
+
+    @classmethod
+    def check(cls, records: list, degree: int) -> dict:
+        return check_vae_sharding(records, degree)

@@ -29,7 +29,7 @@ def refusal(card_path: str, plans: list[str], arch: str | None, overrides: dict)
     from ..arch.report import ArchReport
     from ..card import load_card
     from ..parallel.feasibility import WORLD_SIZES, feasibility
-    from ..parallel.plans import parse_plan
+    from ..parallel.plans import parse_plan, refusal
 
     sizes = sorted(set(WORLD_SIZES) | {parse_plan(p).world_size for p in plans})  # ring3 is judged too
     table = feasibility(ArchReport.load(arch), load_card(card_path, overrides), world_sizes=sizes)
@@ -48,10 +48,8 @@ def refusal(card_path: str, plans: list[str], arch: str | None, overrides: dict)
             except KeyError:
                 out.append(f"{p}: world size {spec.world_size} is not in the feasibility table")
                 continue
-        from ..parallel.feasibility import device_refusal
-
-        if device_refusal(spec, table.facts.get("device")):
-            out.append(f"{p}: not feasible — {device_refusal(spec, table.facts.get('device'))}")
+        if refusal(spec, table.facts.get("device")):
+            out.append(f"{p}: not feasible — {refusal(spec, table.facts.get('device'))}")
         elif not row.feasible or not row.launchable:
             out.append(f"{p}: not feasible — {row.reason}" if not row.feasible else f"{p}: not launched by ditbook — {row.reason}")
     return out
@@ -91,7 +89,7 @@ def static_refusal(card, plans: list[str]) -> list[str]:
     by Ulysses or TP (the transformer built on the meta device, no weights read)."""
     from ..arch.static import inspect_transformer
     from ..loading import build_meta_transformer
-    from ..parallel.plans import parse_plan
+    from ..parallel.plans import parse_plan, refusal
 
     try:
         heads = inspect_transformer(build_meta_transformer(card), card.pipeline.cls, support=False).attention.heads
@@ -100,7 +98,6 @@ def static_refusal(card, plans: list[str]) -> list[str]:
               f"pass --run RUN_DIR of an inspected run for the full check", file=sys.stderr)
         return []
     from ..loading import choose_placement
-    from ..parallel.feasibility import device_refusal
 
     out = []
     if any(parse_plan(p).uses_cp for p in plans):
@@ -108,8 +105,8 @@ def static_refusal(card, plans: list[str]) -> list[str]:
               "pass --run RUN_DIR of an inspected run to check them before launch", file=sys.stderr)
     for p in plans:
         spec = parse_plan(p)
-        if device_refusal(spec, choose_placement(card).device):
-            out.append(f"{p}: not feasible — {device_refusal(spec, choose_placement(card).device)}")
+        if refusal(spec, choose_placement(card).device):
+            out.append(f"{p}: not feasible — {refusal(spec, choose_placement(card).device)}")
         for kind, n in (("ulysses", spec.ulysses), ("tp", spec.tp)):
             if n > 1 and heads and heads % n:
                 out.append(f"{p}: not feasible — {heads} attention heads are not divisible by {kind} {n}")

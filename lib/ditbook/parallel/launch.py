@@ -325,17 +325,16 @@ def cache_skip_failure(spec, entry: dict) -> str | None:
 def sharding_failure(spec, sharding: dict | None) -> str | None:
     """Why the plan's recorded block inputs show it did not split (None when they show it did).
     A CP plan without a record fails too: it cannot show that it split anything. Tensor, VAE and
-    text-encoder parallel and ditbook's ring are judged by their own per-rank records
-    (``sharding["kinds"]``)."""
-    from .plans import own_ring
-
-    for kind in ("tp", "vae", "te", "ring"):
-        if getattr(spec, kind, 1) > 1 and (kind != "ring" or own_ring(spec)):
-            rec = ((sharding or {}).get("kinds") or {}).get(kind)
-            if not rec:
-                return f"ShardingError: the run recorded nothing of {kind} parallel, so its split is unproven"
-            if rec.get("error") or not rec.get("check"):
-                return rec.get("error") or f"ShardingError: {kind} parallel was not checked"
+    text-encoder parallel and ditbook's ring (each kind that ``records`` on the ranks) are judged by
+    their own per-rank records (``sharding["kinds"]``)."""
+    for technique in spec.kinds():
+        if not technique.records(spec):
+            continue
+        rec = ((sharding or {}).get("kinds") or {}).get(technique.token)
+        if not rec:
+            return f"ShardingError: the run recorded nothing of {technique.family}, so its split is unproven"
+        if rec.get("error") or not rec.get("check"):
+            return rec.get("error") or f"ShardingError: {technique.family} was not checked"
     if not spec.uses_cp:
         return None
     if not sharding:

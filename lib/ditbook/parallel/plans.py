@@ -1,58 +1,40 @@
 """Parallel plans by name: what a plan asks for, parsed from names like ``ulysses2`` or
 ``cfg2_ulysses2+cache``.
 
-A plan is a point in the mesh ``cfg x ring x ulysses`` (the world size is their product), plus
-whether a cache strategy rides on top. ``single`` is the one-process baseline.
+A plan is one degree per parallel technique (``ditbook.accel``, each naming its plan token: ``cfg``,
+``ulysses``, ``ring``, ``usp`` (R x U: ring R, ulysses U), ``tp``, ``vae``, ``te``), joined by ``_``,
+plus options after ``+``; ``single`` is the one-process baseline. The world size is the product of
+the degrees of the kinds that take ranks of their own, or the degree of a kind that rides on the
+plan's ranks (``vae<N>``, ``te<N>``: on any plan of the same world size). The grammar is the
+registry's: a technique module that names a new token makes it parseable.
 
-Grammar (parts joined by ``_``, options after ``+``)::
-
-    single | cfg2 | ulysses<N> | ring<N> | usp<R>x<U> (ring R x ulysses U)
-                    (a plain ring<N> runs ditbook's own ring attention, ``parallel.ring``; rings
-                     in USP, CFG or +cache plans run cache-dit's, CUDA only)
-    cfg2_ulysses<N> | cfg2_ring<N> | cfg2_usp<R>x<U>
     ...+cache       (cache-dit DBCache on top, skip decision agreed across ranks; through cache-dit's
                      adapter where it registers the pipeline, else ditbook's generated one)
     ...+compile     (regional torch.compile of the repeated blocks, after the parallel hooks)
-    ...+graph       (each transformer call replayed as a CUDA graph, ``parallel.graphs``; GPU only;
+    ...+graph       (each transformer call replayed as a CUDA graph, ``accel.graphs``; GPU only;
                      with +cache: graphs of the computed steps only, and only for a static cache
                      schedule, ``parallel.cache`` with a ``steps_computation_mask`` and
                      ``steps_computation_policy: static`` — a dynamic cache is refused before launch
                      by ``graphs.cache_graph_refusal``, naming why)
-    tp<N>           (tensor parallel of the transformer's linear layers, ``parallel.tensor``)
-    vae<N>          (patch-parallel VAE decode: latent rows split over the ranks, ``parallel.vae``)
-    te<N>           (text-encoder calls spread over the ranks, ``parallel.text_encoder``)
-    vae<N>/te<N> ride on any plan of the same world size (``ulysses2_vae2_te2``); ``refusal`` names
-    the kinds ditbook does not run yet, before any process starts.
 
-Compositions: the options combine, e.g. ``ulysses2+cache+compile``, ``ulysses2+cache+compile+graph``,
-``cfg2+cache+compile``; each is judged like every plan, against the one-process run of the same
-cache (``single+cache``) with ``parallel.gates`` and against the uncached baseline with ``cache.gates``.
+Compositions: the options combine, e.g. ``ulysses2+cache+compile``, ``cfg2+cache+compile``; each
+is judged like every plan, against the one-process run of the same cache (``single+cache``) with
+``parallel.gates`` and against the uncached baseline with ``cache.gates``. A technique refuses the
+plans it does not run (``refusal``: tensor parallel composed with CP; a ring of cache-dit's on the
+CPU), before any process starts.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+from math import prod
 
-_PART = re.compile(r"^(cfg|ulysses|ring|usp|tp|vae|te)(\d+)(?:x(\d+))?$")
-_NOT_RUN: dict[str, str] = {}  # kind name -> why ditbook's grammar refuses it (none at present)
-TP_COMPOSED = ("tensor parallel is run alone (tp<N>, optionally with vae<N>/te<N>): its composition with CFG or "
-               "context parallel (a 2-D mesh) is not wired")
+from .. import accel
+from ..accel import plan_name  # noqa: F401 (the plan name of given degrees, in the registry's order)
 
-
-def refusal(spec: "PlanSpec") -> str | None:
-    """Why ditbook will not launch this plan (None when it can): checked before any process starts."""
-    if spec.tp > 1 and (spec.cfg > 1 or spec.uses_cp):
-        return TP_COMPOSED
-    if spec.tp > 1 and (spec.cache or spec.compile or spec.graph):
-        return "tensor parallel runs without +cache, +compile or +graph (their order with the sharding is not wired)"
-    return None
-
-
-def own_ring(spec: "PlanSpec") -> bool:
-    """Whether the plan's ring attention is ditbook's own (``parallel.ring``: any device): a plain
-    ``ring<N>``. Rings inside USP, CFG x ring or +cache plans go through cache-dit's (CUDA only)."""
-    return spec.ring > 1 and spec.ulysses == 1 and spec.cfg == 1 and spec.tp == 1 and not spec.cache
+_PART = re.compile(r"^([a-z]+)(\d+)(?:x(\d+))?$")
+OPTIONS = ("cache", "compile", "graph")
 
 
 class PlanNameError(ValueError):
@@ -62,100 +44,100 @@ class PlanNameError(ValueError):
 @dataclass(frozen=True)
 class PlanSpec:
     name: str
-    cfg: int = 1
-    ulysses: int = 1
-    ring: int = 1
-    tp: int = 1
-    vae: int = 1  # ranks sharing one VAE decode (patch parallel)
-    te: int = 1  # ranks sharing the text-encoder calls
+    degrees: dict = field(default_factory=dict, compare=False, hash=False)  # token -> degree (> 1)
     cache: bool = False
     compile: bool = False
     graph: bool = False
     options: dict = field(default_factory=dict, compare=False, hash=False)
 
+    def degree(self, token: str) -> int:
+        return self.degrees.get(token, 1)
+
+    def __getattr__(self, name: str) -> int:  # spec.cfg, spec.tp, ...: a registered token's degree
+        if not name.startswith("_") and name in {t.token for t in accel.parallel_kinds()}:
+            return self.degrees.get(name, 1)
+        raise AttributeError(name)
+
     @property
     def cp(self) -> int:
         """Context-parallel degree (ranks that share one sequence)."""
-        return self.ulysses * self.ring
-
-    @property
-    def world_size(self) -> int:
-        # the VAE and the text encoders run on the same ranks as the transformer's plan
-        return max(self.cfg * self.cp * self.tp, self.vae, self.te)
+        return self.degree("ulysses") * self.degree("ring")
 
     @property
     def uses_cp(self) -> bool:
         return self.cp > 1
 
+    @property
+    def world_size(self) -> int:
+        kinds = {t.token: t for t in accel.parallel_kinds()}
+        core = prod(d for tok, d in self.degrees.items() if kinds[tok].multiplies)
+        return max([core] + [d for tok, d in self.degrees.items() if not kinds[tok].multiplies])
+
+    def kinds(self) -> list:
+        """The parallel techniques this plan uses, in their order."""
+        return [t for t in accel.parallel_kinds() if self.degree(t.token) > 1]
+
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d["world_size"] = self.world_size
-        return d
+        return {"name": self.name, **{t.token: self.degree(t.token) for t in accel.parallel_kinds()},
+                "cache": self.cache, "compile": self.compile, "graph": self.graph, "world_size": self.world_size}
 
 
-def parse_plan(name: str) -> PlanSpec:
-    """``cfg2_ulysses2+cache`` -> PlanSpec(cfg=2, ulysses=2, cache=True)."""
-    raw = name.strip()
-    if not raw:
-        raise PlanNameError("empty plan name")
-    base, *opts = raw.split("+")
-    flags = {"cache": False, "compile": False, "graph": False}
+def _options(name: str, opts: list[str]) -> dict:
+    flags = dict.fromkeys(OPTIONS, False)
     for o in opts:
         if o not in flags:
             raise PlanNameError(f"plan {name!r}: unknown option '+{o}' (known: {', '.join('+' + f for f in flags)})")
         if flags[o]:
             raise PlanNameError(f"plan {name!r}: +{o} given twice")
         flags[o] = True
+    return flags
+
+
+def parse_plan(name: str) -> PlanSpec:
+    """``cfg2_ulysses2+cache`` -> PlanSpec(degrees={cfg: 2, ulysses: 2}, cache=True)."""
+    raw = name.strip()
+    if not raw:
+        raise PlanNameError("empty plan name")
+    base, *opts = raw.split("+")
+    flags = _options(name, opts)
     if base == "single":
         return PlanSpec(name=raw, **flags)
-    kw: dict = {}
+    degrees: dict = {}
+    tokens = {t.token: t for t in accel.parallel_kinds()}
+    known = ", ".join(t.grammar() for t in tokens.values())
     for part in base.split("_"):
         m = _PART.match(part)
-        kind_name = re.sub(r"\d+$", "", part)
-        if not m and kind_name in _NOT_RUN:
-            raise PlanNameError(f"plan {name!r}: {_NOT_RUN[kind_name]}")
-        if not m:
-            raise PlanNameError(f"plan {name!r}: cannot read {part!r}; expected one of "
-                                f"cfg2, ulysses<N>, ring<N>, usp<R>x<U>, tp<N>, vae<N>, te<N>, single")
-        kind, a, b = m.group(1), int(m.group(2)), m.group(3)
-        if kind in kw or (kind == "usp" and ("ulysses" in kw or "ring" in kw)):
-            raise PlanNameError(f"plan {name!r}: {kind} given twice")
-        if kind == "usp":
-            if b is None:
-                raise PlanNameError(f"plan {name!r}: usp needs RxU, e.g. usp2x2")
-            kw["ring"], kw["ulysses"] = a, int(b)
-        elif b is not None:
-            raise PlanNameError(f"plan {name!r}: only usp takes RxU")
-        else:
-            kw[kind] = a
-    core = kw.get("cfg", 1) * kw.get("ulysses", 1) * kw.get("ring", 1) * kw.get("tp", 1)
-    for part in ("vae", "te"):
-        if kw.get(part, 1) > 1 and core > 1 and kw[part] != core:
-            raise PlanNameError(f"plan {name!r}: {part}{kw[part]} runs on the plan's {core} ranks, so it is {part}{core}")
-    if kw.get("cfg", 1) not in (1, 2):
-        raise PlanNameError(f"plan {name!r}: CFG parallel splits two branches, so cfg is 2")
-    for k, v in kw.items():
-        if v < 1:
-            raise PlanNameError(f"plan {name!r}: {k} must be >= 1")
-    return PlanSpec(name=raw, **flags, **kw)
+        technique = tokens.get(m.group(1)) if m else None
+        if technique is None:
+            raise PlanNameError(f"plan {name!r}: cannot read {part!r}; expected one of {known}, single")
+        try:
+            got = technique.parse_part(int(m.group(2)), int(m.group(3)) if m.group(3) else None)
+        except ValueError as exc:
+            raise PlanNameError(f"plan {name!r}: {exc}") from None
+        if set(got) & set(degrees):
+            raise PlanNameError(f"plan {name!r}: {technique.token} given twice")
+        degrees.update(got)
+    for tok, n in degrees.items():
+        if n < 1:
+            raise PlanNameError(f"plan {name!r}: {tok} must be >= 1")
+        why = tokens[tok].degree_problem(n)
+        if why:
+            raise PlanNameError(f"plan {name!r}: {why}")
+    core = prod(n for tok, n in degrees.items() if tokens[tok].multiplies)
+    for tok, n in degrees.items():
+        if not tokens[tok].multiplies and n > 1 and core > 1 and n != core:
+            raise PlanNameError(f"plan {name!r}: {tok}{n} runs on the plan's {core} ranks, so it is {tok}{core}")
+    return PlanSpec(name=raw, degrees={k: v for k, v in degrees.items() if v > 1}, **flags)
 
 
-def plan_name(cfg: int = 1, ulysses: int = 1, ring: int = 1, tp: int = 1, cache: bool = False,
-              compile: bool = False, graph: bool = False, vae: int = 1, te: int = 1) -> str:
-    parts = []
-    if cfg > 1:
-        parts.append(f"cfg{cfg}")
-    if ring > 1 and ulysses > 1:
-        parts.append(f"usp{ring}x{ulysses}")
-    elif ulysses > 1:
-        parts.append(f"ulysses{ulysses}")
-    elif ring > 1:
-        parts.append(f"ring{ring}")
-    if tp > 1:
-        parts.append(f"tp{tp}")
-    if vae > 1:
-        parts.append(f"vae{vae}")
-    if te > 1:
-        parts.append(f"te{te}")
-    name = "_".join(parts) or "single"
-    return name + "".join(f"+{o}" for o, on in (("cache", cache), ("compile", compile), ("graph", graph)) if on)
+def refusal(spec: PlanSpec, device: str | None = None) -> str | None:
+    """Why ditbook will not launch this plan (on ``device``, when given); None when it can. Each
+    technique of the plan is asked; checked before any process starts."""
+    for technique in spec.kinds():
+        why = technique.refusal(spec, device)
+        if why:
+            return why
+    return None
+
+
+__all__ = ["OPTIONS", "PlanNameError", "PlanSpec", "parse_plan", "plan_name", "refusal"]

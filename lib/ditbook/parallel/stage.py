@@ -25,7 +25,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..cp.attention import model_gqa_shapes, time_gqa
-from .feasibility import FeasibilityTable, device_refusal
+from .feasibility import FeasibilityTable
 from .launch import run_plans
 from .plans import parse_plan, refusal
 # the 04_parallel notebook imports this module (and the display helpers) only: the other names it uses
@@ -79,10 +79,9 @@ def _choose_plans(table: FeasibilityTable, nproc: int, wanted: list[str] | None,
         run, skipped = [], []
         for p in wanted:
             row = table.check(p)
-            if refusal(parse_plan(p)):
-                skipped.append({"name": p, "reason": refusal(parse_plan(p))})
-            elif device_refusal(parse_plan(p), table.facts.get("device")):
-                skipped.append({"name": p, "reason": device_refusal(parse_plan(p), table.facts.get("device"))})
+            why = refusal(parse_plan(p), table.facts.get("device"))
+            if why:
+                skipped.append({"name": p, "reason": why})
             elif parse_plan(p).world_size != nproc:
                 skipped.append({"name": p, "reason": f"needs {parse_plan(p).world_size} processes, run has {nproc}"})
             elif row is None or not row.feasible or not row.launchable:
@@ -96,9 +95,9 @@ def _choose_plans(table: FeasibilityTable, nproc: int, wanted: list[str] | None,
     run = list(base)
     if with_cache:
         cached = [f"{p}+cache" for p in base if parse_plan(p).uses_cp or parse_plan(p).cfg > 1]
-        skipped += [{"name": p, "reason": device_refusal(parse_plan(p), table.facts.get("device"))}
-                    for p in cached if device_refusal(parse_plan(p), table.facts.get("device"))]
-        run += [p for p in cached if not device_refusal(parse_plan(p), table.facts.get("device"))]
+        skipped += [{"name": p, "reason": refusal(parse_plan(p), table.facts.get("device"))}
+                    for p in cached if refusal(parse_plan(p), table.facts.get("device"))]
+        run += [p for p in cached if not refusal(parse_plan(p), table.facts.get("device"))]
     if with_graph:
         graphed = [f"{p}+compile+graph" for p in base]
         skipped += [{"name": p, "reason": refusal(parse_plan(p))} for p in graphed if refusal(parse_plan(p))]

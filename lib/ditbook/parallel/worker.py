@@ -33,6 +33,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .. import accel
+from ..accel.technique import Handle
+
 
 REUSE_LIMIT = 500_000_000  # transformer parameters; larger models are loaded per plan
 
@@ -243,8 +246,8 @@ def apply_plan(pipe, card, spec, *, cfg_style: str | None, cp_plan_file: str | N
     from ..cp.attention import route_attention
     from ..accel.dbcache import dbcache_config
     from ..accel.cfg import apply_cfg_parallel, detect_cfg_style
+    from ..accel.ring import Ring, apply_own_ring
     from ..cp.dryrun import verify_before_launch
-    from .plans import own_ring
 
     info: dict = {"plan": spec.name}
     tr = pipe.transformer
@@ -257,11 +260,13 @@ def apply_plan(pipe, card, spec, *, cfg_style: str | None, cp_plan_file: str | N
         if style not in ("separate", "batched"):
             raise RuntimeError(f"plan {spec.name}: the pipeline shows CFG style '{style}' — no second branch")
     plan_args = {"attention_kind": attention_kind, "cp_plan_file": cp_plan_file, "out_dir": out_dir, "info": info}
-    ring_recorder = None
-    if own_ring(spec):  # ditbook's ring: the CP plan's split/gather hooks, attention sent round the ring
+    handles: dict = {}
+    own_ring = Ring.own(spec)
+    if own_ring:  # ditbook's ring: the CP plan's split/gather hooks, attention sent round the ring
         cp = _resolve_plan(pipe, card, spec, **plan_args)
-        info["ring_modules"], ring_recorder = apply_own_ring(tr, cp.plan, spec)
-    if spec.uses_cp and not own_ring(spec):
+        info["ring_modules"], recorder = apply_own_ring(tr, cp.plan, spec, noop=Ring.token in noop_kinds())
+        handles[Ring.token] = Handle(recorder.remove, recorder.record)
+    if spec.uses_cp and not own_ring:
         cp = _resolve_plan(pipe, card, spec, check=verify_before_launch, **plan_args)
         _apply_library_cp(pipe, card, spec, cp, cp_mesh, route, info)
     elif spec.cache:
@@ -279,93 +284,21 @@ def apply_plan(pipe, card, spec, *, cfg_style: str | None, cp_plan_file: str | N
     if spec.cfg > 1:
         info["cfg_stats"] = apply_cfg_parallel(tr, info["cfg_style"], group=cfg_group, heartbeat=heartbeat,
                                                cached=spec.cache)
-    info["kinds"] = apply_kinds(pipe, card, spec)
-    if ring_recorder is not None:
-        info["kinds"]["ring"] = ring_recorder
+    noop = noop_kinds()
+    for technique in spec.kinds():  # the kinds each rank applies itself (tensor, VAE, text encoders), in order
+        if technique.runs_on_rank(spec):
+            handles[technique.token] = technique.apply_on_rank(pipe, card, spec, spec.degree(technique.token),
+                                                               noop=technique.token in noop)
+    info["kinds"] = handles  # token -> Handle: record() this rank's record, undo() the recorder off
     info["route"] = route
     return info
 
 
-def apply_own_ring(tr, plan: dict, spec) -> tuple[list[str], object]:
-    """ditbook's ring attention on a plain ring<N> plan: cache-dit's split/gather hooks of the CP
-    plan (no cache-dit attention backend: ``tr._parallel_config`` stays unset, so attention runs
-    locally) and every attention module routed to ``parallel.ring``. Returns the routed modules and
-    the recorder (installed first, so it sees each call's local lengths)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from ..accel.ring import RingRecorder, attention_modules, route_ring_attention
-
-    noop = "ring" in noop_kinds()
-    dev_type = "cuda" if str(tr.device).startswith("cuda") else "cpu"
-    recorder = RingRecorder(tr)
-    if noop:
-        return [n for n, _ in attention_modules(tr)], recorder
-    from cache_dit.distributed.core import _ContextParallelConfig
-    from cache_dit.distributed.core._context_parallel import _apply_context_parallel
-
-    mesh = init_device_mesh(dev_type, (spec.ring, 1), mesh_dim_names=("ring", "ulysses"))
-    # the ring route before the split/gather hooks: cache-dit's hook registry then wraps on top
-    # of ditbook's wraps (``ditbook.hooks`` refuses to wrap on top of a foreign replacement)
-    _, stats, modules = route_ring_attention(tr, group=mesh["ring"].get_group())
-    recorder.stats = stats
-    cpc = _ContextParallelConfig(ulysses_degree=1, ring_degree=spec.ring)
-    cpc.setup(dist.get_rank(), dist.get_world_size(), tr.device, mesh=mesh)
-    _apply_context_parallel(tr, cpc, plan)
-    # cache-dit's planners patch some processor classes to read ``_cp_config`` (set by its own
-    # enable path, which this one skips): None on each instance says "no CP attention here"
-    from ..hooks import WrapGroup, swap_attribute
-
-    recorder.cp_config_undo = WrapGroup("no-cp-config")  # exact undo of the None configs below
-    for module in tr.modules():
-        proc = getattr(module, "processor", None)
-        for attr in ("_cp_config", "_parallel_config"):
-            if proc is not None and not hasattr(proc, attr):
-                recorder.cp_config_undo.track(swap_attribute(proc, attr, None))
-    return modules, recorder
-
-
 def noop_kinds() -> set[str]:
-    """``DITBOOK_PARALLEL_NOOP=tp,vae,te,ring`` (fault injection for the tests): those kinds are
-    planned and recorded but not applied, so every rank runs the whole part; the per-rank record
-    must then fail the run."""
+    """``DITBOOK_PARALLEL_NOOP=tp,vae,te,ring`` (fault injection for the tests): those kinds (plan
+    tokens) are planned and recorded but not applied, so every rank runs the whole part; the
+    per-rank record must then fail the run."""
     return {k for k in os.environ.get("DITBOOK_PARALLEL_NOOP", "").split(",") if k}
-
-
-def apply_kinds(pipe, card, spec) -> dict:
-    """Tensor, VAE and text-encoder parallel: kind -> its recorder (``record()``, ``remove()``).
-    Each recorder reads what the model really holds and sees, whether or not the kind was applied."""
-    noop = noop_kinds()
-    out: dict = {}
-    if spec.tp > 1:
-        from ..arch.static import inspect_transformer
-        from ..cp.plan import capture_transformer_call
-        from ..accel.tp import TensorRecorder, apply_tensor_parallel, resolve_tensor_plan
-
-        tr = pipe.transformer
-        att = inspect_transformer(tr, card.pipeline.cls, support=False).attention
-        call = None if getattr(type(tr), "_tp_plan", None) else capture_transformer_call(pipe, card)
-        plan = resolve_tensor_plan(tr, spec.tp, att.heads, att.kv_heads or att.heads, call)
-        if "tp" not in noop:
-            apply_tensor_parallel(tr, plan, spec.tp, heads=att.heads, kv_heads=att.kv_heads or att.heads)
-        out["tp"] = TensorRecorder(tr, plan, spec.tp)
-    if spec.vae > 1:
-        from ..accel.vae import VaeParallelRefused, VaeRecorder, apply_vae_parallel, plan_vae_decode
-
-        vae = getattr(pipe, "vae", None)
-        if vae is None:
-            raise VaeParallelRefused(f"{type(pipe).__name__} has no vae component")
-        plan_vae_decode(vae, spec.vae)
-        stats = None
-        if "vae" not in noop:
-            _, stats = apply_vae_parallel(vae, spec.vae)
-        out["vae"] = VaeRecorder(vae, stats)
-    if spec.te > 1:
-        from ..accel.te import TextEncoderRecorder, apply_text_encoder_parallel
-
-        out["te"] = TextEncoderRecorder(pipe)  # before the parallel wraps: it sees only the calls that ran
-        if "te" not in noop:
-            apply_text_encoder_parallel(pipe, spec.te)
-    return out
 
 
 class CacheRefused(RuntimeError):
@@ -499,10 +432,10 @@ def _run_plan(pipe, card, spec, name: str, args, rank: int, dog: Watchdog, out_d
     kinds = _finish_info(info, pipe, spec)
     entry.update(info)
     entry["sharding"] = sharding_record(pipe.transformer, recorder, spec, info.get("cp_plan"),
-                                        {k: r.record() for k, r in kinds.items()})
+                                        {k: h.record() for k, h in kinds.items()})
     recorder.remove()
-    for r in kinds.values():
-        r.remove()
+    for h in kinds.values():
+        h.undo()
     if rank == 0:
         entry["images"] = save_renders(renders, out_dir / _folder(name))
 
@@ -599,32 +532,13 @@ def sharding_record(transformer, recorder, spec, cp_plan: dict | None, kinds: di
                                           (cp_plan or {}).get("facts", {}).get("sharding_expected") or {}, spec.cp)
         except ShardingError as exc:
             out["error"] = f"ShardingError: {exc}"
-    for kind in kinds or {}:
-        check = kind_check(kind)
+    for token in kinds or {}:
         try:
-            out["kinds"][kind] = {"check": check([r["kinds"].get(kind) for r in ranks], getattr(spec, kind)),
-                                  "error": None}
+            out["kinds"][token] = {"check": accel.by_token(token).check([r["kinds"].get(token) for r in ranks],
+                                                                        spec.degree(token)), "error": None}
         except ShardingError as exc:
-            out["kinds"][kind] = {"check": None, "error": f"{type(exc).__name__}: {exc}"}
+            out["kinds"][token] = {"check": None, "error": f"{type(exc).__name__}: {exc}"}
     return out
-
-
-def kind_check(kind: str):
-    """The check of one kind's per-rank records: raises a ``ShardingError`` (subclass) naming what
-    was not split."""
-    if kind == "tp":
-        from ..accel.tp import check_tensor_sharding
-        return check_tensor_sharding
-    if kind == "vae":
-        from ..accel.vae import check_vae_sharding
-        return check_vae_sharding
-    if kind == "ring":
-        from ..accel.ring import check_ring_sharding
-        return check_ring_sharding
-    if kind == "te":
-        from ..accel.te import check_text_encoder_sharding
-        return check_text_encoder_sharding
-    raise KeyError(kind)
 
 
 def _folder(plan: str) -> str:
