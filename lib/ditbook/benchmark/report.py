@@ -226,7 +226,7 @@ def result_markdown(run_dir: str | Path) -> str:
         out += ["## Use it", ""]
         out += [f"- {k}: `{p}`" for k, p in use["files"].items()]
         if use["lines"]:
-            out += ["", "```python", *use["lines"], "```"]
+            out += ["", use["how"], "", "```python", *use["lines"], "```"]
         out += ["", "Expect: " + "; ".join(use["expect"]) + "."]
         out += [f"{n}" for n in use["notes"]]
         out += ["", LPIPS_NOTE, ""]
@@ -253,6 +253,8 @@ def result_markdown(run_dir: str | Path) -> str:
     rows = shown_rows(res.get("summary") or summary_rows(res), res, cache, stage_results.get("parallel"))
     out += ["", "## Summary", "", summary_markdown(rows), ""]
     out += [SUMMARY_NOTE, ""]
+    if v.get("timing_unstable"):
+        out += [_unstable_note(v).strip().replace("<b>", "**").replace("</b>", "**"), ""]
     skipped = not_run_plans(stage_results.get("parallel"))
     if skipped:
         out += ["Parallel plans not run:", ""] + [f"- {n.get('name')}: {n.get('reason')}" for n in skipped] + [""]
@@ -324,7 +326,7 @@ td{overflow-wrap:normal;word-break:normal}th{background:#f3f3f3}td.name{min-widt
 #headline{font-size:1.08em}.verdict ul{margin:.2em 0 .1em;padding-left:1.2em}.verdict li{margin:.15em 0}
 #gates,#rule{font-size:.93em}
 code.key,.key code{font-size:.8em;color:#444;overflow-wrap:anywhere;word-break:break-word}.key{margin:.1em 0 .3em}
-.use{border:1px solid #8aa;background:#f4f8f8;padding:.4em .9em;margin:.6em 0}.use pre{margin:.3em 0}
+.use{border:1px solid #8aa;background:#f4f8f8;padding:.4em .9em;margin:.6em 0}.use pre{margin:.3em 0;font-size:.92em}
 td small{color:#555}
 #checklist td:nth-child(2){text-align:center;font-weight:700;width:2em}
 .fail{background:#fde8e8;border:1px solid #e0a0a0;padding:.6em 1em;margin:1em 0}
@@ -530,6 +532,12 @@ def _off_axis(rows: list[dict], parallel: dict | None = None) -> str:
     return out
 
 
+def _unstable_note(v: dict) -> str:
+    """The caveat on every speed figure of a run whose baseline drifted (the checklist's row)."""
+    return (" <b>Timing was unstable in this run</b> (the baseline re-timed at the end drifted beyond "
+            "benchmark.timing_drift): its speed-ups and their ranges are not reliable." if v.get("timing_unstable") else "")
+
+
 SUMMARY_HEAD = ("configuration", "from", "proc.", "repeats", "speed-up (min–max)", "e2e ms", "step", "decode",
                 "peak MB", "worst PSNR / SSIM vs uncached baseline", "parity vs one process", "passed")
 
@@ -605,7 +613,8 @@ def _use_html(run: RunFolder, v: dict, stage_results: dict, meta: dict) -> str:
     if not use:
         return meaning
     files = "".join(f"<li>{html.escape(k)}: <code>{html.escape(p)}</code></li>" for k, p in use["files"].items())
-    lines = f"<pre id=\"use-lines\">{html.escape(chr(10).join(use['lines']))}</pre>" if use["lines"] else ""
+    lines = (f"<p>{html.escape(use['how'])}</p><pre id=\"use-lines\">{html.escape(chr(10).join(use['lines']))}</pre>"
+             if use["lines"] else "")
     notes = "".join(f"<p class=note>{html.escape(n)}</p>" for n in use["notes"])
     return (f'<div class="use" id="use-it"><b>Use it</b> (files in the run folder)<ul>{files}</ul>{lines}'
             f"<p><b>Expect:</b> {html.escape('; '.join(use['expect']))}.</p>{notes}{meaning}"
@@ -662,7 +671,7 @@ def report_html(run_dir: str | Path) -> str:
                          "no held-out record), against the end-to-end speed-up; bars: the range the min and max "
                          "timings allow; ringed: the Pareto front; ★: the verdict; dotted: the gate; the baseline is "
                          "the dashed line at 1×, its images identical to themselves (no PSNR to draw)."
-                         + _off_axis(rows, stage_results.get("parallel")) + "</figcaption></figure>")
+                         + _off_axis(rows, stage_results.get("parallel")) + _unstable_note(v) + "</figcaption></figure>")
         parts.append(_key_table(rows, labels, v.get("name")) + "</div>")
         grid = bdir / res["grid"] if res.get("grid") else None
         parts.append('<h2 id="grid">Images</h2>')
@@ -685,7 +694,8 @@ def report_html(run_dir: str | Path) -> str:
                              "</figcaption></figure>")
         else:
             parts.append("<p>No image grid (no stored images).</p>")
-        parts.append('<h2 id="summary">Summary table</h2>' + summary_html(rows, stage_results.get("parallel")))
+        parts.append('<h2 id="summary">Summary table</h2>' + summary_html(rows, stage_results.get("parallel"))
+                     + (f"<p class=note>{_unstable_note(v).strip()}</p>" if v.get("timing_unstable") else ""))
         parts.append("<ul>" + "".join(f"<li>{html.escape(x)}</li>" for x in timing_lines(res)) + "</ul>")
         for k, p in (res.get("plots") or {}).items():
             if k != "tradeoff_psnr" and (bdir / p).is_file():

@@ -360,9 +360,10 @@ def _example_lines(path) -> list[str]:
 
 
 def usage(run, v: dict, results: dict[str, dict | None]) -> dict | None:
-    """How to use the verdict's configuration: the files the cache stage wrote (``adapter``: the
-    adapter module, ``example``: a script applying it), the ``lines`` to paste, what to ``expect``
-    (speed, per part, memory, quality, each labelled) and ``notes``; None when nothing was chosen."""
+    """How to use the verdict's configuration: the ``files`` the cache stage wrote (the adapter
+    module, the same under its import name, a script applying it), ``how`` and the ``lines`` to
+    paste, what to ``expect`` (speed, per part, memory, quality, each labelled) and ``notes``; None
+    when nothing was chosen."""
     # long: one box's facts gathered from the cache stage's files and the benchmark's figures
     cache, bench = results.get("cache") or {}, results.get("benchmark") or {}
     if v.get("name") in (None, "baseline", "none") or not cache.get("chosen"):
@@ -375,18 +376,20 @@ def usage(run, v: dict, results: dict[str, dict | None]) -> dict | None:
         up = json.loads((cdir / "upstream" / "upstream.json").read_text())
     files = {}
     if cache.get("adapter_module"):
-        files["adapter"] = f"cache/{cache['adapter_module']}"
+        files["adapter module (the file the cache stage ran)"] = f"cache/{cache['adapter_module']}"
     if up.get("adapter_module"):
-        files["upstream adapter"] = f"cache/upstream/{up['adapter_module']}"
+        files["the same module, named for import"] = f"cache/upstream/{up['adapter_module']}"
     if up.get("example"):
-        files["example"] = f"cache/upstream/{up['example']}"
+        files["example script (renders the card's prompts with it)"] = f"cache/upstream/{up['example']}"
     lines = _example_lines(cdir / "upstream" / str(up.get("example") or "")) if up.get("example") else []
-    notes = []
+    notes = [f"From the cache stage: {n}." for n in up.get("notes") or []]
+    how = (f"Put cache/upstream/{up['adapter_module']} on your path (copy it beside your code), load the pipeline "
+           "as usual, then paste:" if up.get("adapter_module") else "")
     ex = up.get("example_strategy") or {}
     if ex and row_name(ex.get("name"), ex.get("config")) != chosen_row_name(cache["chosen"]):
         notes.append(f"The example applies {config_words(row_name(ex.get('name'), ex.get('config')), cache)} "
                      f"({ex.get('why')}); the chosen configuration does not go through cache_dit.enable_cache.")
-        lines = []
+        lines, how = [], ""
     if str(v.get("name")).endswith("+compile"):
         notes.append("Shipped compiled: after enable_cache, ditbook.regional.compile_regions(pipe.transformer) "
                      "(regional torch.compile); its one-time compile cost is in the verdict.")
@@ -403,7 +406,9 @@ def usage(run, v: dict, results: dict[str, dict | None]) -> dict | None:
         expect.append("speed-up not established by this run (" + (v.get("reason") or "not timed") + ")")
     parts = [f"{label} {row[k]:.2f}×" for k, label in (("step_speedup", "transformer step"),
                                                       ("decode_speedup", "decode")) if _is_num(row.get(k))]
-    if parts:
+    if parts and v.get("timing_unstable"):  # the same timings: no per-part figure either
+        expect.append("per-part speed-ups not reliable either (the same timings)")
+    elif parts:
         expect.append("per part: " + ", ".join(parts))
     if _is_num(row.get("peak_mb")):
         base = (((bench.get("baseline") or {}).get("timing") or {}).get("peak_memory_mb"))
@@ -411,7 +416,7 @@ def usage(run, v: dict, results: dict[str, dict | None]) -> dict | None:
     if h:
         expect.append("worst image " + quality_text(h.get("psnr_min"), h.get("ssim_min"), HELD_OUT)
                       + (f" over {h['n']} cases" if h.get("n") else ""))
-    return {"files": files, "lines": lines, "expect": expect, "notes": notes}
+    return {"files": files, "how": how if lines else "", "lines": lines, "expect": expect, "notes": notes}
 
 
 __all__ = ["HELD_OUT", "CALIBRATION", "PARITY", "ON_TEXT", "is_cpu_run", "is_parallel", "holdout_records",

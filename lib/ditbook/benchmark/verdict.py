@@ -336,8 +336,8 @@ def headline(v: dict, words: str | None = None) -> str:
          f"SSIM {_f(h.get('ssim_min'), 4)} (gate > {g['ssim']:g})" + (f" on {h['n']} {_cases(h)}" if h.get("n") else "")
          if h else "no held-out quality recorded")
     sp = f"{v['speedup']:.2f}× end to end" if v.get("speedup") is not None else "speed-up not measured"
-    if v.get("timing_unstable"):
-        sp = f"timing unstable ({drift_text(v['timing_unstable'])})"
+    if v.get("timing_unstable"):  # the reason after the colon says by how much
+        sp = "timing unstable" if not v["ship"] else f"timing unstable ({drift_text(v['timing_unstable'])})"
     if v.get("speedup") is not None and v.get("speedup_range"):
         sp += f" (timings allow {v['speedup_range'][0]:.2f}–{v['speedup_range'][1]:.2f}×)"
     c = v.get("compile") or {}
