@@ -31,6 +31,7 @@ class RunComparison:
     deltas: list[dict] = field(default_factory=list)  # per configuration: {name, words, metric: {a, b, delta, on_a, on_b}}
     only_in: dict[str, list[str]] = field(default_factory=dict)
     verdicts: dict[str, str] = field(default_factory=dict)  # A/B -> headline
+    unstable: list[str] = field(default_factory=list)  # the sides whose timing was unstable
     notebook_diffs: dict[str, str] = field(default_factory=dict)  # notebook -> pretty nbdime diff
 
     def to_dict(self) -> dict:
@@ -50,6 +51,8 @@ class RunComparison:
         out += ["", "metrics per configuration, A -> B (delta); worst PSNR/SSIM: the worst image against the "
                 "uncached baseline, with the seeds it is measured on; parity: against one process; parallel plans "
                 "run as CPU processes are parity runs, no speed-up:"]
+        if self.unstable:
+            out.append(f"  (timing unstable in {' and '.join(self.unstable)}: its speed figures are not reliable)")
         for d in self.deltas:
             words = f" ({d['words']})" if d.get("words") and d["words"] != d["name"] else ""
             out.append(f"  {d['name']}{words}: " + "; ".join(_metric_text(m, d[m]) for m in METRICS
@@ -214,6 +217,10 @@ def compare_runs(run_a: str | Path, run_b: str | Path, outputs: bool = False) ->
         cmp.deltas.append(d)
     cmp.only_in = {"A": [n for n in ra if n not in rb], "B": [n for n in rb if n not in ra]}
     cmp.verdicts = {"A": _verdict(a), "B": _verdict(b)}
+    from .verdict import timing_state
+
+    cmp.unstable = [side for side, run in (("A", a), ("B", b)) if run.has_results("benchmark")
+                    and (timing_state(run.read_results("benchmark")) or {}).get("stable") is False]
     nbs_b = {p.name: p for p in notebooks(b)}
     for p in notebooks(a):
         if p.name in nbs_b:

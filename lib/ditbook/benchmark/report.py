@@ -228,7 +228,7 @@ def result_markdown(run_dir: str | Path) -> str:
         if use["lines"]:
             out += ["", use["how"], "", "```python", *use["lines"], "```"]
         out += ["", "Expect: " + "; ".join(use["expect"]) + "."]
-        out += [f"{n}" for n in use["notes"]]
+        out += [x for n in use["notes"] for x in ("", n)]
         out += ["", LPIPS_NOTE, ""]
     out += ["## Checklist", "", "| check | | figure |", "| --- | --- | --- |"]
     out += [f"| {c['item']} | {_mark(c['ok'])} | {c['figure'].replace('|', '/')} |"

@@ -17,9 +17,10 @@
   re-timed at the end against the start, within the card's ``benchmark.timing_drift``).
 - **Every figure says what it is measured on** (:data:`ON_TEXT`): held-out seeds, calibration
   seeds (the card's), or parity against one process. A parallel plan carries two figures, each
-  labelled: against the uncached baseline (``psnr_baseline``; for a ``+cache`` plan the parallel
-  stage's ``baseline_quality``, for a plan without cache its parity, whose one-process reference
-  is the uncached baseline) and its parity against one process (``psnr_parity``).
+  labelled: against the uncached baseline (``psnr``/``ssim``, calibration seeds; for a ``+cache``
+  plan the parallel stage's ``baseline_quality``, for a plan without cache its parity, whose
+  one-process reference is the uncached baseline) and its parity against one process
+  (``psnr_parity``/``ssim_parity``).
 - **Names in words** (:func:`config_words`): a configuration's family and the settings its
   strategy's search varied, the full key kept beside it for the record.
 """

@@ -274,9 +274,9 @@ def rule_and_runner_ups(benchmark: dict | None, cache: dict | None, v: dict) -> 
     return {"rule": RULE, "runner_ups": out}
 
 
-def runner_up_text(v: dict, shown: int = 3, words=None) -> str:
+def runner_up_text(v: dict, shown: int = 3) -> str:
     """One sentence: the rule, and the (``shown`` fastest) runners-up with why they were not chosen
-    (``words``: a row name -> the name a reviewer reads, e.g. ``shown.config_words``)."""
+    (the report lists them itself, each in words: ``report.runners_up``)."""
     ups = v.get("runner_ups") or []
     text = f"Chosen by the cache stage's rule: {v.get('rule', RULE)}."
     if not ups:
@@ -284,8 +284,7 @@ def runner_up_text(v: dict, shown: int = 3, words=None) -> str:
     parts = []
     for r in ups[:shown]:
         sp = f"{r['speedup']:.2f}×" if r.get("speedup") is not None else "speed-up not measured"
-        name = words(r["name"]) if words else r["name"]
-        parts.append(f"{name} ({sp}, {r['quality_on']} worst PSNR {_f(r.get('psnr_min'))} dB): {r['why_not']}")
+        parts.append(f"{r['name']} ({sp}, {r['quality_on']} worst PSNR {_f(r.get('psnr_min'))} dB): {r['why_not']}")
     more = f"; {len(ups) - shown} more in benchmark/results.json (verdict.runner_ups)" if len(ups) > shown else ""
     why = (" — the rule counts work skipped, which does not depend on this host's timing noise"
            if any(str(r.get("why_not", "")).startswith("skips less") for r in ups[:shown]) else "")
