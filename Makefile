@@ -67,9 +67,12 @@ gpu-check:
 novel: install
 	DITBOOK_NOVEL_ALL=1 $(BIN)/python -m pytest -q tests/test_novel_models.py
 
-# JupyterLab on this environment (the notebooks' kernel is this venv's python3, "Python 3 (ipykernel)")
+# JupyterLab on this environment (the notebooks' kernel is this venv's python3, "Python 3 (ipykernel)"),
+# opened at the repository root: models/, notebooks/ and outputs/ in its file browser. A notebook's
+# kernel runs in notebooks/; its CARD = "models/reference.yaml" and new runs (RUN_DIR = "") are
+# resolved against this root all the same (ditbook.context.open_stage), so runs land in outputs/.
 lab: install
-	$(BIN)/jupyter lab $(ROOT_ARGS) $(LAB_ARGS) notebooks/
+	$(BIN)/jupyter lab $(ROOT_ARGS) --ServerApp.root_dir="$(CURDIR)" $(LAB_ARGS)
 
 # build and cache folders only: never outputs/ (run folders) nor the virtual environment
 clean:

@@ -290,6 +290,7 @@ def test_tradeoff_marks_the_verdict_and_keeps_capped_points_from_squashing_the_r
         seen["ylim"] = ax.get_ylim()
         seen["legend"] = [t.get_text() for t in ax.get_legend().get_texts()]
         seen["texts"] = [t.get_text() for t in ax.texts]
+        seen["yticks"] = [t.get_text() for t in ax.get_yticklabels()]
         return save(fig, path, **kw)
 
     monkeypatch.setattr(plots, "_save", spy)
@@ -300,7 +301,11 @@ def test_tradeoff_marks_the_verdict_and_keeps_capped_points_from_squashing_the_r
     plots.plot_tradeoff(rows, "psnr_min", tmp_path / "t.png", gate=30, highlight="a")
     assert "verdict" in seen["legend"]
     assert seen["ylim"][1] < 60  # the range near the gate is not squashed by the 100 dB points
-    assert any("base" in t and "A" in t for t in seen["texts"])  # capped points named in one note
+    # identical images sit on a band whose tick says so: no number is made up for them, and the
+    # baseline is the line at 1× (in the legend), not a point at some PSNR
+    assert seen["yticks"][-1] == "identical" and all(float(t) <= 42 for t in seen["yticks"][:-1]), seen["yticks"]
+    assert "A" in seen["texts"] and "base" not in seen["texts"]
+    assert any(t.startswith("baseline (1×") for t in seen["legend"])
 
 
 def test_grid_row_labels_keep_the_setting_that_tells_rows_apart(tmp_path, monkeypatch):
@@ -322,9 +327,9 @@ def test_grid_row_labels_keep_the_setting_that_tells_rows_apart(tmp_path, monkey
     names = [stem + "1]", stem + "2]"]
     plots.image_grid(base, {n: dict(base) for n in names}, tmp_path / "g.png", labels={names[0]: "A", names[1]: "E"})
     a, e = seen["labels"][1:3]  # after the baseline row; before the colour bar
-    assert a.replace("\n", "") == "A: " + names[0] and e.replace("\n", "") == "E: " + names[1]
+    assert a.replace("\n", "").replace(" ", "") == "A:" + names[0] and e.replace("\n", "").replace(" ", "") == "E:" + names[1]
     for line in a.splitlines():
-        assert line.endswith(("[", ",", "]")), line
+        assert line.endswith(("[", ",", "]", ":")), line
 
 
 def test_headline_speed_carries_its_spread():

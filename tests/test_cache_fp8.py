@@ -263,7 +263,7 @@ def test_result_md_and_the_report_carry_the_fp8_line(tmp_path):
     md = result_markdown(run_dir)
     assert line in md and md.index(line) < md.index("| check |")
     html = build_report(run_dir).read_text()
-    assert f'<span id="fp8">{line.replace(">", "&gt;")}</span>' in html
+    assert f'<div id="fp8">{line.replace(">", "&gt;")}</div>' in html
 
 
 def test_an_empty_configuration_has_one_row_name_everywhere():

@@ -29,9 +29,30 @@ def test_bad_override_and_missing_card(tmp_path, capsys):
     assert "not found" in capsys.readouterr().err
 
 
-def test_run_without_card_or_resume():
-    with pytest.raises(SystemExit):
-        main(["run"])
+def test_run_without_card_or_resume(capsys):
+    """What the user gave is incomplete: exit 2 (as the README promises), one line naming both ways."""
+    assert main(["run"]) == 2
+    err = capsys.readouterr().err
+    assert "give a CARD" in err and "--resume RUN_DIR" in err and "Traceback" not in err
+
+
+def test_every_help_names_debug_and_the_commands_show_examples(capsys):
+    """``--debug`` is in every command's help; each top-level command ends with examples; ``run``
+    says it stops at the plan's approval and how to go on; the top help walks one's own model."""
+    import argparse
+
+    from ditbook.cli import EXAMPLES, build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    top = _help([], capsys)
+    assert "--debug" in top and "ditbook approve" in top and "run --resume" in top
+    for name in sub.choices:
+        text = _help([name], capsys)
+        assert "--debug" in text, name
+        assert name in EXAMPLES and "examples:" in text and f"ditbook {name}" in text.split("examples:")[1], name
+    run = " ".join(_help(["run"], capsys).split())
+    assert "stops after inspect" in run and "ditbook approve" in run and "--resume" in run
 
 
 def test_resume_of_a_folder_that_is_not_a_run(tmp_path, capsys):

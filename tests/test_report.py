@@ -24,17 +24,18 @@ def test_result_md_has_commands_environment_table_readout_and_plots(runs):
     md = result_markdown(ok)
     assert "ditbook run " in md and "-p generation.steps=3" in md and f"ditbook report {ok}" in md
     assert "| torch |" in md and "| cpu_count |" in md
-    assert "| name | family | source |" in md and "| gentle | cache/fake | measured here |" in md
+    assert "| configuration | key | family | from |" in md and "| `gentle` | fake | here |" in md
     # the verdict comes first and names the cache stage's choice, with its held-out quality
     assert md.index("## Verdict") < md.index("## Reproduce") < md.index("## Summary")
-    assert re.search(r"\*\*(Ship|Do not ship) gentle\b", md) and "held-out worst PSNR 41.50 dB" in md
+    assert re.search(r"\*\*(Ship|Do not ship) fake gentle\b", md) and "held-out worst PSNR 41.50 dB" in md
+    assert "Configuration key: `gentle`" in md  # the full key below the words
     assert "| held-out confirmation | ✔ |" in md and "| plan approved | – | not recorded |" in md
     for p in ("plots/tradeoff_psnr.png", "plots/residuals.png", "plots/grid.png"):
         assert f"benchmark/{p}" in md
         assert (ok / "benchmark" / p).is_file()
     # a CPU run: the parallel plans are parity results, not drawn as a scaling (speed) plot
     assert not (ok / "benchmark" / "plots" / "scaling.png").exists() and "plots/scaling.png" not in md
-    assert "| ulysses | parallel | parallel stage | 2 | parity only (CPU processes) |" in md
+    assert "| ulysses | - | parallel | parallel | 2 CPU processes | - | parity only (CPU processes) | - | - | - |" in md
 
 
 def test_result_md_says_the_rule_the_runner_up_and_one_quality_figure(runs):
@@ -45,17 +46,16 @@ def test_result_md_says_the_rule_the_runner_up_and_one_quality_figure(runs):
     ok, _, _ = runs
     md = result_markdown(ok)
     assert "Chosen by the cache stage's rule: most work skipped among the configurations passing on held-out seeds" in md
-    assert re.search(r"Runner-up: brisk \(speed-up not measured, held-out worst PSNR 43.25 dB\): skips less work "
-                     r"\(0.450 of block evaluations against 0.500\)", md), md
+    assert re.search(r"- fake brisk — speed-up not measured, worst-image PSNR / SSIM 43.25 dB / 0.9950 \(held-out "
+                     r"seeds\): not chosen, skips less work \(0.450 of block evaluations against 0.500\) \(`brisk`\)",
+                     md), md
     assert "60.25" not in md
-    table = [ln for ln in md.splitlines() if ln.startswith("| ") and ln.count("|") == 11]
+    table = [ln for ln in md.splitlines() if ln.startswith("| ") and ln.count("|") == 14]
     head = [c.strip() for c in table[0].strip("|").split("|")]
-    assert head[5:9] == ["psnr_holdout", "ssim_holdout", "psnr_calibration", "ssim_calibration"]
-    rows = {c[0]: c for c in ([x.strip() for x in ln.strip("|").split("|")] for ln in table[2:])}
-    assert rows["gentle"][5:9] == ["41.50", "0.9900", "-", "-"]
-    assert rows["rough"][5] == "-" and rows["rough"][7] != "-"
-    for c in rows.values():
-        assert c[5] == "-" or c[7] == "-", c  # one quality figure per row
+    assert head[10:12] == ["worst PSNR / SSIM vs uncached baseline", "parity vs one process"]
+    rows = {(c[1] if c[1] != "-" else c[0]).strip("`"): c for c in ([x.strip() for x in ln.strip("|").split("|")] for ln in table[2:])}
+    assert rows["gentle"][10] == "41.50 dB / 0.9900 (held-out seeds)"
+    assert rows["rough"][10].endswith("(calibration seeds)")
 
 
 def test_report_html_is_self_contained(runs):
@@ -100,14 +100,14 @@ def test_cli_compare_shows_deltas_and_notebook_diff(runs, capsys):
     nb.write_text(nb.read_text().replace("print('hello')", "print('hello again')"))
     assert main(["compare", str(ok), str(failed)]) == 0
     out = capsys.readouterr().out
-    assert "metrics per configuration" in out and "gentle:" in out and "speedup" in out
+    assert "metrics per configuration" in out and "gentle (fake gentle):" in out and "speedup" in out
     assert "cache" in out and "passed" in out and "failed" in out  # stage status change
     assert "=== notebook 01_intake.ipynb: source diff" in out and "hello again" in out
     assert "card.path:" in out and "verdict:" in out and "A: " in out
     assert main(["compare", str(ok), str(failed), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     gentle = next(d for d in data["deltas"] if d["name"] == "gentle")
-    assert gentle["psnr_min"]["delta"] is not None
+    assert gentle["psnr"]["delta"] is not None and gentle["psnr"]["on_a"] == "held-out"
     assert main(["compare", str(ok), str(ok / "nope")]) == 2
 
 
@@ -136,7 +136,7 @@ def test_compare_is_short_and_leaves_out_widget_state_and_outputs(runs, capsys):
     assert len(lines) < 200, len(lines)
     assert re.search(r"card.generation.steps: \d+ -> 7", out)
     assert re.search(r"cache\s+-\s+-\s+->\s+failed", out)
-    assert "gentle:" in out and "verdict:" in out and re.search(r"^  A: (Ship|Do not ship|Ship the)", out, re.M)
+    assert "gentle (" in out and "verdict:" in out and re.search(r"^  A: (Ship|Do not ship|Ship the)", out, re.M)
     assert "FloatProgressModel" not in out and "line A 1" not in out and "widget-state" not in out
     # with outputs asked for, the outputs are there: the filter above is what kept them out
     assert main(["compare", str(ok), str(failed), "--cell-outputs"]) == 0

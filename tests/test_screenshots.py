@@ -1,5 +1,5 @@
 """The README's screenshots of report.html are current (issue 26 item 10): ``docs/screenshots.json``
-names the run the README's caption names, the three PNGs are the ones it lists (sha256), and its
+names the run the README's caption names, the four PNGs are the ones it lists (sha256), and its
 first screen has the structure the current report code renders (checklist row labels, the parts
 up to the checklist), read from a report built now on the synthetic run in headless Chromium. A
 change to the first screen without ``ditbook screenshots`` (``make screenshots``) fails here.

@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import sys
+import textwrap
 import traceback
 from pathlib import Path
 
@@ -52,8 +53,8 @@ def cmd_run(args) -> int:
                            f"or start a new run with them")
         outcome = resume_run(args.resume, kernel_name=args.kernel)
     else:
-        if not args.card:
-            raise SystemExit("ditbook run: give a CARD, or --resume RUN_DIR")
+        if not args.card:  # what the user gave is incomplete: exit 2, like every such error
+            raise RunError("run: give a CARD (models/<name>.yaml), or --resume RUN_DIR (see ditbook run --help)")
         stages = [s for s in (args.stages or "").split(",") if s] or None
         outcome = start_run(args.card, stages=stages, overrides=parse_overrides(args.param),
                             run_id=args.run_id, kernel_name=args.kernel,
@@ -100,26 +101,70 @@ def _stage_names() -> str:
         return "see `ditbook stages`"
 
 
-def describe_subcommands(sub) -> None:
-    """Give every subcommand (and theirs, e.g. ``zoo list``) a description line: its help text
-    when it has none, so ``ditbook COMMAND --help`` opens with what the command does."""
+# what `ditbook COMMAND --help` ends with: a few command lines a user can copy
+EXAMPLES = {
+    "check": ["ditbook check models/reference.yaml", "ditbook check models/my-dit.yaml -p generation.steps=4"],
+    "run": ["ditbook run models/my-dit.yaml                  # intake, inspect; stops at the plan's approval",
+            "ditbook approve models/my-dit.yaml --run outputs/my-dit/<run-id>   # after reading inspect/plan.md",
+            "ditbook run --resume outputs/my-dit/<run-id>    # cache, parallel, benchmark; result.md, report.html",
+            "ditbook run models/reference.yaml                # the shipped card is approved: all five stages",
+            "ditbook run models/my-dit.yaml --stages intake,inspect -p generation.steps=4"],
+    "batch": ["ditbook batch models/reference.yaml models/video_reference.yaml"],
+    "stages": ["ditbook stages"],
+    "inspect": ["ditbook inspect models/my-dit.yaml", "ditbook inspect models/my-dit.yaml --json --no-save"],
+    "approve": ["ditbook approve models/my-dit.yaml                  # the newest inspected run's plan",
+                "ditbook approve models/my-dit.yaml --run outputs/my-dit/<run-id> --yes"],
+    "cache": ["ditbook cache --list", "ditbook cache models/my-dit.yaml --run outputs/my-dit/<run-id> "
+                                      "--strategies dbcache_taylorseer"],
+    "parallel": ["ditbook parallel models/reference.yaml --plan ulysses2 --nproc 2",
+                 "ditbook parallel models/my-dit.yaml --plan cfg2,ulysses2+cache --nproc 2 --run outputs/my-dit/<run-id>"],
+    "report": ["ditbook report outputs/reference/<run-id>"],
+    "compare": ["ditbook compare outputs/reference/<run-a> outputs/reference/<run-b>",
+                "ditbook compare RUN_A RUN_B --json"],
+    "screenshots": ["ditbook screenshots", "ditbook screenshots --run outputs/reference/<run-id> --rebuild"],
+    "zoo": ["ditbook zoo list", "ditbook zoo build flux /tmp/zoo"],
+}
+DEBUG_HELP = "show the traceback of an error (accepted anywhere on the line)"
+RUN_NOTE = ("A new card stops after inspect: the cache stage refuses to run until the integration plan is approved. "
+            "Read <run>/inspect/plan.md, run `ditbook approve CARD --run <run>`, then `ditbook run --resume <run>`.")
+
+
+def describe_subcommands(sub, path: tuple[str, ...] = ()) -> None:
+    """Give every subcommand (and theirs, e.g. ``zoo list``) a description line (its help text
+    when it has none, so ``ditbook COMMAND --help`` opens with what the command does), the
+    ``--debug`` option in its help, and its examples (:data:`EXAMPLES`)."""
     helps = {a.dest: a.help for a in sub._choices_actions}
     for name, parser in sub.choices.items():
         if not parser.description and helps.get(name):
             text = helps[name]
             parser.description = text[0].upper() + text[1:] + ("" if text.endswith(".") else ".")
+        if not any("--debug" in a.option_strings for a in parser._actions):
+            parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)  # main() takes it off the line
+        examples = EXAMPLES.get(" ".join(path + (name,)))
+        if examples:  # raw text keeps the examples' lines; the description is wrapped here
+            parser.formatter_class = argparse.RawDescriptionHelpFormatter
+            parser.description = "\n\n".join(textwrap.fill(p, 79) for p in (parser.description or "").split("\n\n"))
+            parser.epilog = "examples:\n" + "\n".join(f"  {e}" for e in examples)
         for action in parser._actions:
             if isinstance(action, argparse._SubParsersAction):
-                describe_subcommands(action)
+                describe_subcommands(action, path + (name,))
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ditbook", description=DESCRIPTION,
-                                     epilog="--debug (anywhere on the line) shows the traceback of an error; "
-                                            "`ditbook COMMAND --help` describes a command")
+    parser = argparse.ArgumentParser(prog="ditbook", description=textwrap.fill(DESCRIPTION, 79),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="your own model, step by step:\n"
+                                            "  ditbook check models/my-dit.yaml        # the card is complete\n"
+                                            "  ditbook run models/my-dit.yaml          # intake, inspect; stops for approval\n"
+                                            "  (read outputs/my-dit/<run-id>/inspect/plan.md)\n"
+                                            "  ditbook approve models/my-dit.yaml --run outputs/my-dit/<run-id>\n"
+                                            "  ditbook run --resume outputs/my-dit/<run-id>   # then open report.html\n\n"
+                                            "--debug (anywhere on the line) shows the traceback of an error;\n"
+                                            "`ditbook COMMAND --help` describes a command, with examples")
     from . import __version__
 
     parser.add_argument("--version", action="version", version=f"ditbook {__version__}")
+    parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)  # main() takes it off the line
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     stage_names = _stage_names()
 
@@ -135,10 +180,14 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--kernel", help="Jupyter kernel name (default: the notebook's)")
         p.add_argument("--outputs", help="outputs root (default: $DITBOOK_OUTPUTS, else outputs/ in the current directory)")
 
-    p = sub.add_parser("run", help="execute the stage notebooks into a new run folder")
+    p = sub.add_parser("run", help="execute the stage notebooks into a new run folder (a new card stops at the "
+                                    "plan's approval after inspect; then approve and --resume)",
+                       description="Execute the stage notebooks into a new run folder: intake, inspect, cache, "
+                                   "parallel, benchmark. " + RUN_NOTE)
     p.add_argument("card", nargs="?", help="model card (models/<name>.yaml); not needed with --resume")
     p.add_argument("--run-id", help="name of the new run folder (default: a timestamp)")
-    p.add_argument("--resume", metavar="RUN_DIR", help="continue an unfinished run from its first unfinished stage")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue an unfinished run from its first unfinished stage "
+                                                       "(after `ditbook approve`), with the run's own card and overrides")
     run_options(p)
     p.set_defaults(func=cmd_run)
 

@@ -111,10 +111,50 @@ def open_run_for(command: str, run: RunFolder, card_path: str, overrides: dict |
     return card, overrides
 
 
+def project_root(start: str | Path | None = None) -> Path:
+    """The folder a notebook's relative paths are written from: the nearest folder, from
+    ``start`` (the current directory) up, that holds a ``.git`` (a checkout's root); ``start``
+    itself outside a checkout. JupyterLab starts a notebook's kernel in the notebook's own folder
+    (``notebooks/``), while ``models/...`` and ``outputs/`` are the root's."""
+    here = Path(start or Path.cwd()).resolve()
+    for folder in (here, *here.parents):
+        if (folder / ".git").exists():
+            return folder
+    return here
+
+
+def resolve_from_root(path: str | Path, start: str | Path | None = None) -> Path:
+    """``path`` as given when it exists (or is absolute); else, relative, the first folder from
+    ``start`` up to :func:`project_root` where it exists (``models/reference.yaml`` typed in a
+    notebook opened from ``notebooks/``); else unchanged, for the caller's own error."""
+    given = Path(path)
+    if given.is_absolute() or given.exists():
+        return given
+    here = Path(start or Path.cwd()).resolve()
+    root = project_root(here)
+    for folder in (here, *here.parents):
+        if (folder / given).exists():
+            return folder / given
+        if folder == root:
+            break
+    return given
+
+
 def open_stage(card_path: str, run_dir: str | None, stage: str, overrides: dict | None = None,
                outputs_root: str | Path | None = None) -> StageContext:
+    """The stage's context from a notebook's parameters: ``CARD`` and ``RUN_DIR`` relative to the
+    current directory or, in a notebook started from ``notebooks/``, to the project's root
+    (:func:`resolve_from_root`); without ``RUN_DIR`` a new run under ``$DITBOOK_OUTPUTS``, else
+    under the project root's ``outputs/`` (git-ignored there), never ``notebooks/outputs``."""
+    import os
+
     overrides = dict(overrides or {})
+    card_path = str(resolve_from_root(card_path)) if card_path else card_path
     card = gate_check(card_path, overrides)
+    if run_dir:
+        run_dir = str(resolve_from_root(run_dir))
+    if not run_dir and outputs_root is None and not os.environ.get("DITBOOK_OUTPUTS"):
+        outputs_root = project_root() / "outputs"
     if run_dir:
         run = RunFolder(run_dir)
         if not run.exists():

@@ -14,7 +14,9 @@ from .report import notebooks
 from .summary import summary_rows
 from .verdict import headline, verdict
 
-METRICS = ("speedup", "e2e_ms", "psnr_min", "ssim_min")
+# per configuration: speed, and each quality figure with what it is measured on (benchmark.shown)
+METRICS = ("speedup", "e2e_ms", "psnr", "ssim", "psnr_parity")
+LABELLED = {"psnr": "quality_on", "ssim": "quality_on", "psnr_parity": None}
 
 
 @dataclass
@@ -26,9 +28,10 @@ class RunComparison:
     card_changes: list[dict] = field(default_factory=list)  # {key, a, b}
     version_changes: list[dict] = field(default_factory=list)  # {item, a, b}
     stage_status: list[dict] = field(default_factory=list)  # {stage, a, b, seconds_a, seconds_b}
-    deltas: list[dict] = field(default_factory=list)  # per configuration: {name, metric: {a, b, delta}}
+    deltas: list[dict] = field(default_factory=list)  # per configuration: {name, words, metric: {a, b, delta, on_a, on_b}}
     only_in: dict[str, list[str]] = field(default_factory=dict)
     verdicts: dict[str, str] = field(default_factory=dict)  # A/B -> headline
+    unstable: list[str] = field(default_factory=list)  # the sides whose timing was unstable
     notebook_diffs: dict[str, str] = field(default_factory=dict)  # notebook -> pretty nbdime diff
 
     def to_dict(self) -> dict:
@@ -45,14 +48,15 @@ class RunComparison:
         out += ["", "stages (status, seconds):"]
         out += [f"  {r['stage']:10s} {r['a'] or '-':8s} {_f(r['seconds_a']):>8s}  ->  {r['b'] or '-':8s} "
                 f"{_f(r['seconds_b']):>8s}" for r in self.stage_status]
-        out += ["", "metrics per configuration, A -> B (delta):"]
+        out += ["", "metrics per configuration, A -> B (delta); worst PSNR/SSIM: the worst image against the "
+                "uncached baseline, with the seeds it is measured on; parity: against one process; parallel plans "
+                "run as CPU processes are parity runs, no speed-up:"]
+        if self.unstable:
+            out.append(f"  (timing unstable in {' and '.join(self.unstable)}: its speed figures are not reliable)")
         for d in self.deltas:
-            cells = []
-            for m in METRICS:
-                a, b, delta = d[m]["a"], d[m]["b"], d[m]["delta"]
-                cells.append(f"{m} {_f(a)} -> {_f(b)}" + (f" ({'+' if delta >= 0 else ''}{_f(delta)})"
-                                                           if delta is not None else ""))
-            out.append(f"  {d['name']}: " + "; ".join(cells))
+            words = f" ({d['words']})" if d.get("words") and d["words"] != d["name"] else ""
+            out.append(f"  {d['name']}{words}: " + "; ".join(_metric_text(m, d[m]) for m in METRICS
+                                                             if _shown(m, d[m])))
         for side, names in self.only_in.items():
             if names:
                 out.append(f"  only in {side}: {', '.join(names)}")
@@ -63,6 +67,37 @@ class RunComparison:
             if body:
                 out.append(body)
         return "\n".join(out) + "\n"
+
+
+METRIC_NAMES = {"speedup": "speedup", "e2e_ms": "e2e ms", "psnr": "worst PSNR dB", "ssim": "worst SSIM",
+                "psnr_parity": "parity PSNR dB"}
+
+
+def _shown(metric: str, d: dict) -> bool:
+    return d.get("a") is not None or d.get("b") is not None or metric == "speedup"
+
+
+def _metric_text(metric: str, d: dict) -> str:
+    """One metric, A -> B, each side's figure with what it is measured on; a delta only between
+    figures measured alike."""
+    from .shown import ON_TEXT, PARITY
+
+    if metric == "speedup" and d.get("parity_only"):
+        return "speedup: none (parity run of CPU processes)"
+
+    def side(s: str) -> str:
+        v = d.get(s)
+        if v is None or metric not in LABELLED:
+            return _f(v)
+        on = PARITY if metric == "psnr_parity" else d.get(f"on_{s}")
+        return f"{_f(v)} ({ON_TEXT.get(on, on)})"
+
+    text = f"{METRIC_NAMES[metric]} {side('a')} -> {side('b')}"
+    if d["delta"] is not None:
+        text += f" ({'+' if d['delta'] >= 0 else ''}{_f(d['delta'])})"
+    elif metric in LABELLED and d.get("a") is not None and d.get("b") is not None:
+        text += " (not alike: measured on other seeds)"
+    return text
 
 
 def _f(v) -> str:
@@ -92,17 +127,27 @@ def changes(a: dict, b: dict) -> list[tuple[str, object, object]]:
 
 
 def _rows(run: RunFolder) -> dict[str, dict]:
+    """The run's configurations as the report shows them (``shown.shown_rows``), by row id."""
     if not run.has_results("benchmark"):
         return {}
     from .plots import row_id
+    from .shown import shown_rows
 
-    return {row_id(r): r for r in summary_rows(run.read_results("benchmark"))}
+    res = run.read_results("benchmark")
+    read = lambda s: run.read_results(s) if run.has_results(s) else None  # noqa: E731
+    rows = shown_rows(res.get("summary") or summary_rows(res), res, read("cache"), read("parallel"))
+    # the baseline is the reference: no quality figure of its own
+    return {row_id(r): dict(r, speedup=r.get("speedup_shown"),
+                            **({"psnr": None, "ssim": None} if r.get("family") == "baseline" else {})) for r in rows}
 
 
 def _verdict(run: RunFolder) -> str:
     bench = run.read_results("benchmark") if run.has_results("benchmark") else None
     cache = run.read_results("cache") if run.has_results("cache") else None
-    return headline(verdict(bench, cache))
+    from .report import verdict_words
+
+    v = verdict(bench, cache)
+    return headline(v, verdict_words(v, cache))
 
 
 def _source_only(nb) -> None:
@@ -159,14 +204,23 @@ def compare_runs(run_a: str | Path, run_b: str | Path, outputs: bool = False) ->
                         for s in dict.fromkeys([*sta, *stb])]
     ra, rb = _rows(a), _rows(b)
     for name in [n for n in ra if n in rb]:
-        d = {"name": name}
+        d = {"name": name, "words": rb[name].get("words")}
         for m in METRICS:
             va, vb = ra[name].get(m), rb[name].get(m)
-            delta = vb - va if isinstance(va, (int, float)) and isinstance(vb, (int, float)) else None
-            d[m] = {"a": va, "b": vb, "delta": None if delta is None else round(float(delta), 6)}
+            on_a = ra[name].get(LABELLED.get(m) or "") if LABELLED.get(m) else None
+            on_b = rb[name].get(LABELLED.get(m) or "") if LABELLED.get(m) else None
+            alike = on_a == on_b
+            delta = vb - va if alike and isinstance(va, (int, float)) and isinstance(vb, (int, float)) else None
+            d[m] = {"a": va, "b": vb, "delta": None if delta is None else round(float(delta), 6),
+                    "on_a": on_a, "on_b": on_b}
+        d["speedup"]["parity_only"] = bool(ra[name].get("parity_only") or rb[name].get("parity_only"))
         cmp.deltas.append(d)
     cmp.only_in = {"A": [n for n in ra if n not in rb], "B": [n for n in rb if n not in ra]}
     cmp.verdicts = {"A": _verdict(a), "B": _verdict(b)}
+    from .verdict import timing_state
+
+    cmp.unstable = [side for side, run in (("A", a), ("B", b)) if run.has_results("benchmark")
+                    and (timing_state(run.read_results("benchmark")) or {}).get("stable") is False]
     nbs_b = {p.name: p for p in notebooks(b)}
     for p in notebooks(a):
         if p.name in nbs_b:

@@ -20,8 +20,10 @@ def plotted_rows(run, results: dict, rows: list[dict]) -> list[dict]:
     from .shown import shown_rows
 
     cache = run.read_results("cache") if run.has_results("cache") else None
-    return [dict(r, speedup=r["speedup_shown"], psnr_min=r["psnr"], ssim_min=r["ssim"])
-            for r in shown_rows(rows, results, cache)]
+    parallel = run.read_results("parallel") if run.has_results("parallel") else None
+    return [dict(r, speedup=r["speedup_shown"], psnr_min=r["psnr"], ssim_min=r["ssim"],
+                 family=r.get("family_shown") or r.get("family"), family_key=r.get("family"))
+            for r in shown_rows(rows, results, cache, parallel)]
 
 
 def holdout_figure(run, d: Path) -> dict | None:
@@ -46,11 +48,34 @@ def holdout_figure(run, d: Path) -> dict | None:
         f = int(((per.get("frames") or {}).get("worst_frame")) or 0)
         ref, img = ref[f], img[f]
     name = chosen_row_name(cache["chosen"])
-    title = (f"worst held-out image of {name}: {key}, PSNR {per.get('psnr', float('nan')):.2f} dB, "
-             f"SSIM {per.get('ssim', float('nan')):.4f}")
-    path = worst_image_figure(ref, img, d / "plots" / "holdout_worst.png", title)
+    # the figures (labelled held-out) are in the report's caption, where they read at the page's size
+    path = worst_image_figure(ref, img, d / "plots" / "holdout_worst.png")
     return {"plot": str(Path(path).relative_to(d)), "key": key, "psnr": per.get("psnr"), "ssim": per.get("ssim"),
             "name": name}
+
+
+def grid_cases(run, results: dict, d: Path) -> tuple[dict, dict, dict]:
+    """The image grid's columns, one case per prompt (its first seed): the baseline images, each
+    configuration's images of those cases, and each case's prompt text."""
+    images = results.get("images") or {}
+    per_prompt: dict[str, dict] = {}
+    for r in images.get("baseline", []):
+        m = re.match(r"^(p\d+)_", r["key"])
+        per_prompt.setdefault(m.group(1) if m else r["key"], r)
+    prompt_list = (((run.read_meta().get("card") or {}).get("generation") or {}).get("prompts")) or []
+    prompts = {}
+    for pk, r in per_prompt.items():
+        m = re.match(r"^p(\d+)$", pk)
+        if m and int(m.group(1)) < len(prompt_list):
+            prompts[r["key"]] = str(prompt_list[int(m.group(1))])
+    baseline = {r["key"]: np.load(d / r["npy"]) for r in per_prompt.values()}
+    grid_images: dict[str, dict] = {}
+    for name, rows_ in images.items():
+        if name == "baseline":
+            continue
+        by_key = {r["key"]: r for r in rows_}
+        grid_images[name] = {k: np.load(d / by_key[k]["npy"]) for k in baseline if k in by_key}
+    return baseline, grid_images, prompts
 
 
 def make_figures(run, results: dict | None = None) -> dict:
@@ -82,28 +107,10 @@ def make_figures(run, results: dict | None = None) -> dict:
     par = [r for r in rows if str(r.get("family", "")).endswith("parallel")]
     if par and not is_cpu_run(results):  # CPU processes sharing cores: parity, not a speed-up
         plots["scaling"] = plot_scaling(par, d / "plots" / "scaling.png")
-    images = results.get("images") or {}
-    base_rows = images.get("baseline", [])
-    # one case per prompt (its first seed): the columns of the grid
-    per_prompt: dict[str, dict] = {}
-    for r in base_rows:
-        m = re.match(r"^(p\d+)_", r["key"])
-        per_prompt.setdefault(m.group(1) if m else r["key"], r)
-    meta = run.read_meta()
-    prompt_list = (((meta.get("card") or {}).get("generation") or {}).get("prompts")) or []
-    prompts = {}
-    for pk, r in per_prompt.items():
-        m = re.match(r"^p(\d+)$", pk)
-        if m and int(m.group(1)) < len(prompt_list):
-            prompts[r["key"]] = str(prompt_list[int(m.group(1))])
-    baseline = {r["key"]: np.load(d / r["npy"]) for r in per_prompt.values()}
-    grid_images: dict[str, dict] = {}
-    for name, rows_ in images.items():
-        if name == "baseline":
-            continue
-        by_key = {r["key"]: r for r in rows_}
-        grid_images[name] = {k: np.load(d / by_key[k]["npy"]) for k in baseline if k in by_key}
-    grid = image_grid(baseline, grid_images, d / "plots" / "grid.png", prompts, labels) if baseline else None
+    baseline, grid_images, prompts = grid_cases(run, results, d)
+    words = {r["name"]: r["words"] for r in drawn if r.get("words")}
+    grid = (image_grid(baseline, grid_images, d / "plots" / "grid.png", prompts, labels, words=words)
+            if baseline else None)
     results["plots"] = {k: str(Path(p).relative_to(d)) for k, p in plots.items()}
     results["grid"] = str(Path(grid).relative_to(d)) if grid else None
     frames = {int(v.shape[0]) for v in baseline.values() if is_video(v)}

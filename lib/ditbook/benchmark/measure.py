@@ -186,6 +186,7 @@ class BenchmarkReport:
                 "peak_mb": None if t is None else round(t.peak_memory_bytes / 2**20, 1),
                 "psnr_min": (c.quality or {}).get("psnr_min"), "ssim_min": (c.quality or {}).get("ssim_min"),
                 "passed": (c.quality or {}).get("passed"), "error": c.error,
+                "quality_on": "calibration",  # rendered here on the card's seeds
             })
         return rows
 

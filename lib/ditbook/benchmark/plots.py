@@ -101,25 +101,28 @@ def short_labels(rows: list[dict]) -> dict[str, str]:
 def plot_tradeoff(rows: list[dict], metric: str, path: str | Path, gate: float | None = None,
                   labels: dict[str, str] | None = None, highlight: str | None = None) -> Path:
     """Speedup (x) against ``metric`` (``psnr_min`` or ``ssim_min``, y), one marker per family,
-    each point labelled with its short key (:func:`short_labels`); the Pareto front drawn and
-    its points ringed; ``highlight`` (the verdict's configuration) starred. Saved at 2x
-    resolution with the legend outside the axes, nothing clipped."""
-    # long: one figure drawn layer by layer (points, front, highlight, gate, labels, legend)
+    each point labelled with its short key (:func:`short_labels`) and, where a row has
+    ``speedup_range`` (the min-max timings), a horizontal bar over it; the Pareto front drawn and
+    its points ringed; ``highlight`` (the verdict's configuration) starred. The baseline is a
+    dashed vertical line at 1×; identical images (PSNR at the cap) sit on a band at the top whose
+    tick says "identical", never on a made-up number. Saved at 2x resolution with the legend
+    outside the axes, nothing clipped."""
+    # long: one figure drawn layer by layer (baseline, points, bars, front, highlight, gate, labels, legend)
     plt = _plt()
     labels = labels if labels is not None else short_labels(rows)
-    pts = [(r, _num(r.get("speedup")), _num(r.get(metric))) for r in rows]
+    pts = [(r, _num(r.get("speedup")), _num(r.get(metric))) for r in rows if r.get("family") != "baseline"]
     pts = [(r, x, y) for r, x, y in pts if x is not None and y is not None]
-    # points at the PSNR cap (identical images: the baseline, exact parallel plans) would squash
-    # the range that matters: they are drawn on a line at the top edge, their keys in one note
-    others = [y for _, _, y in pts if metric != "psnr_min" or y < PSNR_CAP - 1e-6]
+    capped_y = metric == "psnr_min"
+    others = [y for _, _, y in pts if not capped_y or y < PSNR_CAP - 1e-6]
     lows = others + ([gate] if gate is not None else [])
     top = None
-    if others and len(others) < len(pts):
-        span = max(max(others) - min(lows), 1.0)
-        top = max(others) + 0.3 * span
-    raised = {id(r) for r, _, y in pts if top is not None and y > top}
-    pts = [(r, x, min(y, top) if top is not None else y) for r, x, y in pts]
+    if capped_y and len(others) < len(pts):  # identical images: a band above the real figures
+        span = max((max(others) - min(lows)) if lows else 1.0, 1.0)
+        top = (max(others) if others else (gate or 0.0)) + 0.3 * span
+    raised = {id(r) for r, _, y in pts if top is not None and y >= PSNR_CAP - 1e-6}
+    pts = [(r, x, top if id(r) in raised else y) for r, x, y in pts]
     fig, ax = plt.subplots(figsize=(7.2, 4.4), dpi=200)
+    ax.axvline(1.0, color="0.45", lw=1.1, ls="--", zorder=0, label="baseline (1×, uncached)")
     families = sorted({str(r.get("family", "?")) for r, _, _ in pts})
     markers = "osD^v<>pPX"
     if pts:
@@ -128,54 +131,53 @@ def plot_tradeoff(rows: list[dict], metric: str, path: str | Path, gate: float |
                 label="Pareto front")
         ax.scatter([pts[i][1] for i in front], [pts[i][2] for i in front], s=170, facecolors="none",
                    edgecolors="0.3", lw=1.2, zorder=2)
+    for r, x, y in pts:  # the speed-up's range from the min and max timings
+        lo_hi = r.get("speedup_range")
+        if lo_hi and _num(lo_hi[0]) is not None and _num(lo_hi[1]) is not None:
+            ax.errorbar([x], [y], xerr=[[max(0.0, x - lo_hi[0])], [max(0.0, lo_hi[1] - x)]], fmt="none",
+                        ecolor="0.35", elinewidth=1.0, capsize=3, zorder=2)
     for k, fam in enumerate(families):
         sel = [(r, x, y) for r, x, y in pts if str(r.get("family", "?")) == fam]
         # a figure on the calibration seeds (no held-out record) is drawn hollow: the two are not alike
-        hollow = [r.get("quality_on") == "calibration" and r.get("family") != "baseline" for r, _, _ in sel]
+        hollow = [r.get("quality_on") == "calibration" for r, _, _ in sel]
         held = [(x, y) for (_, x, y), h in zip(sel, hollow) if not h]
         calib = [(x, y) for (_, x, y), h in zip(sel, hollow) if h]
-        sc = ax.scatter([x for x, _ in held], [y for _, y in held], label=fam, marker=markers[k % len(markers)],
-                        s=48, zorder=3)
+        sc = ax.scatter([x for x, _ in held], [y for _, y in held], label=f"{fam} (held-out seeds)" if held else None,
+                        marker=markers[k % len(markers)], s=48, zorder=3)
         if calib:
             ax.scatter([x for x, _ in calib], [y for _, y in calib], label=f"{fam} (calibration seeds)",
                        marker=markers[k % len(markers)], s=48, zorder=3, facecolors="none",
                        edgecolors=sc.get_facecolor()[0] if held else None, linewidths=1.3)
-    capped = []
     for r, x, y in pts:
-        key = "base" if r.get("family") == "baseline" else labels.get(row_id(r), "?")
+        key = labels.get(row_id(r), "?")
         if highlight is not None and str(r.get("name")) == highlight:
             ax.scatter([x], [y], marker="*", s=320, color="gold", edgecolors="k", lw=0.8, zorder=5,
                        label="verdict")
-        if id(r) in raised:
-            capped.append(key)
-            continue
-        ax.annotate(key, (x, y), fontsize=8, fontweight="bold", xytext=(6, 4), textcoords="offset points",
-                    zorder=4)
-    if capped:
-        ax.axhline(top, color="0.6", lw=0.8, ls="--", zorder=0)
-        ax.annotate(f"identical to the baseline ({PSNR_CAP:g} dB): " + ", ".join(capped), (0.01, top),
-                    xycoords=("axes fraction", "data"), xytext=(0, 6), textcoords="offset points", fontsize=7.5,
-                    fontweight="bold", va="bottom")
-        if highlight is not None and str(r.get("name")) == highlight:
-            ax.scatter([x], [y], marker="*", s=320, color="gold", edgecolors="k", lw=0.8, zorder=5,
-                       label="verdict")
+        ax.annotate(key, (x, y), fontsize=9, fontweight="bold", xytext=(6, 5), textcoords="offset points", zorder=4)
+    if top is not None:
+        ax.axhline(top, color="0.6", lw=0.8, ls=":", zorder=0)
     if gate is not None:
         ax.axhline(gate, color="tab:red", lw=1, ls=":", label=f"gate {gate:g}")
-    if pts:
-        xs, ys = [x for _, x, _ in pts], [y for _, _, y in pts] + ([gate] if gate is not None else [])
+    xs = [x for _, x, _ in pts] + [1.0] + [v for r, _, _ in pts for v in (r.get("speedup_range") or [])
+                                          if _num(v) is not None]
+    ys = [y for _, _, y in pts] + ([gate] if gate is not None else [])
+    if ys:
         xpad = max(0.05, (max(xs) - min(xs)) * 0.08)
         ypad = max(1e-3, (max(ys) - min(ys)) * 0.08)
         ax.set_xlim(min(xs) - xpad, max(xs) + 2.5 * xpad)
-        ax.set_ylim(min(ys) - ypad, max(ys) + (3 if capped else 2) * ypad)
-    label = {"psnr_min": "worst-image PSNR (dB)", "ssim_min": "worst-image SSIM"}.get(metric, metric)
-    if any(r.get("quality_on") == "held-out" for r, _, _ in pts):
-        label += ",\nheld-out seeds where recorded"
-    ax.set_xlabel("speed-up vs baseline, end to end (×)")
-    ax.set_ylabel(label)
-    ax.set_title("speed vs worst-image quality" + (f" (identical images count as {PSNR_CAP:g} dB)"
-                                                    if metric == "psnr_min" else ""), fontsize=9)
+        ax.set_ylim(min(ys) - ypad, max(ys) + 2 * ypad)
+    if top is not None:  # the band's tick says what it is; no number is drawn above the real figures
+        ticks = [t for t in ax.get_yticks() if ax.get_ylim()[0] <= t < top - 0.15 * (top - min(lows or [top - 1]))]
+        ax.set_yticks(ticks + [top])
+        ax.set_yticklabels([f"{t:g}" for t in ticks] + ["identical"])
+    label = {"psnr_min": "worst-image PSNR vs uncached baseline (dB)", "ssim_min": "worst-image SSIM"}.get(metric, metric)
+    ax.set_xlabel("speed-up vs baseline, end to end (×); bars: min–max timings", fontsize=9)
+    ax.set_ylabel(label, fontsize=9)
+    ax.set_title("speed vs worst-image quality (filled: held-out seeds; hollow: calibration seeds)", fontsize=9)
+    ax.tick_params(labelsize=8)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, frameon=False)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), borderaxespad=0, frameon=False,
+              ncol=2)
     return _save(fig, path)
 
 
@@ -247,6 +249,8 @@ def contact_sheet(key: str, baseline: np.ndarray, images: dict[str, np.ndarray],
     return _save(fig, path)
 
 
+# the grid's and the worst-image figure's text size (pt): about 11 px where the report shows them
+FONT = 9.5
 # one gain for every difference map in the report, the cache stage's ×10 (cache.plots.image_grid):
 # |difference| of 1/DIFF_GAIN or more is full scale
 DIFF_GAIN = 10.0
@@ -254,17 +258,21 @@ DIFF_GAIN = 10.0
 
 def image_grid(baseline: dict[str, np.ndarray], images: dict[str, dict[str, np.ndarray]], path: str | Path,
                prompts: dict[str, str] | None = None, labels: dict[str, str] | None = None,
-               gain: float = DIFF_GAIN) -> Path:
+               gain: float = DIFF_GAIN, words: dict[str, str] | None = None) -> Path:
     """Configurations as rows, prompts as columns: the baseline once (first row), then per
     configuration its image and, beside it, its difference map against the baseline, all maps
     on one fixed scale (``gain``) with one colour bar. ``baseline``/``images[name]`` map a case
-    key to an image; ``prompts`` maps a case key to its prompt text (the column titles); videos: :func:`video_grid`."""
+    key to an image; ``prompts`` maps a case key to its prompt text (the column titles); ``words``
+    a configuration to its name in words (the row labels, after its key). The cases are the card's
+    seeds (calibration): every title and PSNR says so. Text is 9.5 pt on a figure about 13 in wide,
+    about 11 px where the report shows it 1,140 px wide. Videos: :func:`video_grid`."""
+    # long: one figure drawn cell by cell (column titles, row labels, images, maps, one colour bar)
     import textwrap
 
     from ..quality import psnr
 
     if any(np.ndim(v) == 4 for v in baseline.values()):  # videos (render.is_video)
-        return video_grid(baseline, images, path, prompts, labels, gain)
+        return video_grid(baseline, images, path, prompts, labels, gain, words)
 
     plt = _plt()
     keys = list(baseline)
@@ -283,15 +291,16 @@ def image_grid(baseline: dict[str, np.ndarray], images: dict[str, dict[str, np.n
     mappable = None
     for j, key in enumerate(keys):
         text = (prompts or {}).get(key, key)
-        title = "\n".join(textwrap.wrap(f"{key}: {text}", 30)[:3])
+        title = "\n".join(textwrap.wrap(f"{key} (calibration seed): {text}", 26)[:3])
         axes[0][2 * j].imshow(np.clip(baseline[key], 0, 1))
-        axes[0][2 * j].set_title(title, fontsize=6.5, loc="left")
+        axes[0][2 * j].set_title(title, fontsize=FONT, loc="left")
         axes[0][2 * j + 1].axis("off")
-    axes[0][0].set_ylabel("baseline", fontsize=8)
+    axes[0][0].set_ylabel("baseline\n(uncached)", fontsize=FONT)
     for i, name in enumerate(names, start=1):
         short = (labels or {}).get(name)
-        rowname = "\n".join(wrap_name(f"{short}: {name}" if short else name, 22))
-        axes[i][0].set_ylabel(rowname, fontsize=6.5 if rowname.count("\n") < 6 else 5)
+        said = (words or {}).get(name) or name
+        rowname = "\n".join(wrap_name(f"{short}: {said}" if short else said, 17))
+        axes[i][0].set_ylabel(rowname, fontsize=FONT)
         for j, key in enumerate(keys):
             img = images[name].get(key)
             if img is None:
@@ -304,19 +313,19 @@ def image_grid(baseline: dict[str, np.ndarray], images: dict[str, dict[str, np.n
             mappable = axes[i][2 * j + 1].imshow(np.nan_to_num(d, nan=vmax, posinf=vmax), cmap="magma", vmin=0,
                                                  vmax=vmax)
             p = psnr(img, baseline[key])
-            axes[i][2 * j + 1].set_title(f"|Δ|, PSNR {p:.1f} dB", fontsize=6.5)
+            axes[i][2 * j + 1].set_title(f"PSNR {p:.1f} dB\n(calibration seed)", fontsize=FONT)
     fig.tight_layout(rect=(0, 0, 0.93, 1))
     if mappable is not None:
         cax = fig.add_axes((0.945, 0.15, 0.015, 0.7))
         bar = fig.colorbar(mappable, cax=cax)
-        bar.set_label(f"|difference| (×{gain:g}: full scale = {vmax:g})", fontsize=7)
-        bar.ax.tick_params(labelsize=6)
+        bar.set_label(f"|difference| (×{gain:g}: full scale = {vmax:g})", fontsize=FONT)
+        bar.ax.tick_params(labelsize=FONT - 1)
     return _save(fig, path, tight=False)
 
 
 def video_grid(baseline: dict[str, np.ndarray], images: dict[str, dict[str, np.ndarray]], path: str | Path,
                prompts: dict[str, str] | None = None, labels: dict[str, str] | None = None,
-               gain: float = DIFF_GAIN) -> Path:
+               gain: float = DIFF_GAIN, words: dict[str, str] | None = None) -> Path:
     """The image grid for videos: per case the baseline's frames in a row, then per configuration
     its frames and, below them, their difference maps against the baseline (one fixed scale,
     ``gain``), each row labelled with the video's worst-frame PSNR and SSIM
@@ -343,8 +352,9 @@ def video_grid(baseline: dict[str, np.ndarray], images: dict[str, dict[str, np.n
         rows.append(("\n".join(textwrap.wrap(f"{key} baseline: {text}", 34)[:2]), picked))
         for _, name, img, q in (j for j in judged if j[0] == key):
             short = (labels or {}).get(name)
-            head = "\n".join(wrap_name(f"{short}: {name}" if short else name, 60))
-            fig_q = (f"worst frame {q.frames['worst_frame']}: {q.psnr:.1f} dB, SSIM {q.ssim:.3f}"
+            said = (words or {}).get(name) or name
+            head = "\n".join(wrap_name(f"{short}: {said}" if short else said, 60))
+            fig_q = (f"worst frame {q.frames['worst_frame']}: {q.psnr:.1f} dB, SSIM {q.ssim:.3f} (calibration seed)"
                      if q.frames and q.frames.get("worst_frame") is not None else "; ".join(q.reasons)[:60])
             rows.append((f"{head}\n{fig_q}", pick_frames(img, shown)))
             if np.shape(img) == np.shape(base):
@@ -357,26 +367,29 @@ def video_grid(baseline: dict[str, np.ndarray], images: dict[str, dict[str, np.n
     return Path(path)
 
 
-def worst_image_figure(reference: np.ndarray, image: np.ndarray, path: str | Path, title: str,
+def worst_image_figure(reference: np.ndarray, image: np.ndarray, path: str | Path, title: str | None = None,
                        gain: float = DIFF_GAIN) -> Path:
     """The image behind a worst-case figure: the uncached reference, the configuration's image
-    and their difference (one scale, ``gain``) side by side, ``title`` above (a video: its worst
-    frame, chosen by the caller)."""
+    and their difference (one scale, ``gain``) side by side, small enough that its text (``FONT``)
+    reads at about 11 px where the report shows it, 380 px wide beside the verdict (a video: its
+    worst frame, chosen by the caller). ``title`` above it, if given (the report's caption says
+    the figures)."""
     plt = _plt()
-    fig, axes = plt.subplots(1, 3, figsize=(7.2, 2.7), dpi=200)
+    fig, axes = plt.subplots(1, 3, figsize=(4.6, 1.95), dpi=200)
     d = np.abs(np.asarray(image, dtype=np.float64) - np.asarray(reference, dtype=np.float64))
     d = d.mean(axis=-1) if d.ndim == 3 else d
-    for ax, img, label in ((axes[0], np.clip(reference, 0, 1), "uncached (held-out seed)"),
-                           (axes[1], np.clip(np.nan_to_num(image), 0, 1), "chosen configuration"),
-                           (axes[2], None, f"|difference| (×{gain:g}: full scale {1 / gain:g})")):
+    for ax, img, label in ((axes[0], np.clip(reference, 0, 1), "uncached\n(held-out seed)"),
+                           (axes[1], np.clip(np.nan_to_num(image), 0, 1), "chosen\nconfiguration"),
+                           (axes[2], None, f"|difference|\n×{gain:g} (full {1 / gain:g})")):
         if img is None:
             ax.imshow(np.nan_to_num(d, nan=1 / gain), cmap="magma", vmin=0, vmax=1 / gain)
         else:
             ax.imshow(img)
-        ax.set_title(label, fontsize=7)
+        ax.set_title(label, fontsize=FONT)
         ax.set_xticks([])
         ax.set_yticks([])
-    fig.suptitle(title, fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=FONT)
     return _save(fig, path)
 
 

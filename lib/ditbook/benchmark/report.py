@@ -22,7 +22,7 @@ from pathlib import Path
 from ..runs import RunFolder
 from .summary import summary_rows
 from .shown import shown_rows
-from .verdict import NOT_RECORDED, checklist, fp8_text, headline, read_stage_results, runner_up_text, verdict
+from .verdict import NOT_RECORDED, checklist, fp8_text, headline, read_stage_results, verdict
 
 RESULT_MD = "result.md"
 REPORT_HTML = "report.html"
@@ -76,39 +76,58 @@ def reproduce_commands(meta: dict, run: RunFolder) -> list[str]:
     return [shlex.join(cmd), shlex.join(["ditbook", "report", relative_path(run.path, meta)])]
 
 
+def _plain(v) -> str:
+    """A recorded value as a reader reads it: no Python ``[]`` / ``True``."""
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, (list, tuple)):
+        return ", ".join(map(str, v)) if v else "none"
+    return str(v)
+
+
 def environment_rows(meta: dict) -> list[tuple[str, str]]:
     env = meta.get("environment") or {}
-    rows = [(k, str(v)) for k, v in (env.get("versions") or {}).items()]
-    rows += [(k, str(v)) for k, v in (env.get("hardware") or {}).items()]
     src = meta.get("source") or {}
+    rows = []
+    for k, v in (env.get("versions") or {}).items():
+        if k == "ditbook" and src.get("version"):
+            continue  # once, below, with where it ran from
+        rows.append((k, _plain(v)))
+    rows += [(k, _plain(v)) for k, v in (env.get("hardware") or {}).items()]
     if src.get("version"):
-        rows.append(("ditbook", str(src["version"]) + (" (installed package)" if src.get("from") != "checkout" else "")))
+        rows.append(("ditbook", str(src["version"]) + (" (installed package)" if src.get("from") != "checkout" else
+                                                       " (checkout)")))
     rows.append(("git revision", (src.get("revision") or NOT_RECORDED) +
                  (" (uncommitted changes)" if src.get("dirty") else "") +
                  (" (recorded when the package was built)" if src.get("from") == "build" else "")))
     if "offline" in env:
-        rows.append(("offline", str(env["offline"])))
+        rows.append(("loads offline", "yes (HF_HUB_OFFLINE=1: nothing fetched from the network)" if env["offline"]
+                     else _plain(env["offline"])))
     return rows
 
 
-def _ms(stat: dict | None) -> str:
+def _ms(stat: dict | None, over: str = "repeats") -> str:
     if not stat:
         return "-"
-    return f"{stat['median'] * 1e3:.2f} ms (min {stat['min'] * 1e3:.2f}, max {stat['max'] * 1e3:.2f}, n={stat['n']})"
+    return (f"{stat['median'] * 1e3:.2f} ms median (min {stat['min'] * 1e3:.2f}, max {stat['max'] * 1e3:.2f}, "
+            f"over {stat['n']} {over})")
 
 
 def timing_lines(res: dict) -> list[str]:
     """Plain-language lines about how the baseline was measured and how efficient it is."""
+    from .shown import timing_counts
+
     base = res.get("baseline") or {}
     t = base.get("timing") or {}
-    lines = [f"device {res.get('device')}, warm-up {res.get('warmup')}, repeats {res.get('repeats')}, "
-             f"cases {len(res.get('cases') or [])}"]
+    lines = [f"device {res.get('device')}; timing: {timing_counts(res)}; quality: {len(res.get('cases') or [])} "
+             "cases on the calibration seeds (the card's prompts × seeds), each against the uncached baseline"]
     if res.get("video"):
         lines.append(f"cases are videos of {res['video'].get('frames')} frames: {res['video'].get('meaning')}")
     if t:
         lines.append(f"baseline end to end: {_ms(t.get('end_to_end'))}")
         for part, stat in (t.get("parts") or {}).items():
-            lines.append(f"baseline {part.replace('_', ' ')}: {_ms(stat)}")
+            over = "transformer calls (every step of every repeat)" if part == "transformer_step" else "repeats"
+            lines.append(f"baseline {part.replace('_', ' ')}: {_ms(stat, over)}")
         lines.append(f"peak memory ({t.get('memory_kind')}): {t.get('peak_memory_mb')} MB")
     fl = res.get("flops")
     eff = base.get("efficiency") or {}
@@ -124,11 +143,12 @@ def timing_lines(res: dict) -> list[str]:
         lines.append(f"baseline re-timed at the end / at the start: {res['baseline_drift']:.3f}")
     if res.get("noise_floor"):
         nf = res["noise_floor"]
-        lines.append(f"noise floor (baseline rendered twice): worst PSNR {nf.get('psnr_min')} dB, "
+        lines.append(f"noise floor (baseline rendered twice, calibration seeds): worst PSNR {nf.get('psnr_min')} dB, "
                      f"SSIM {nf.get('ssim_min')}, max abs {nf.get('max_abs')}")
     if res.get("intake_agreement"):
         ia = res["intake_agreement"]
-        lines.append(f"baseline here vs the intake images: worst PSNR {ia.get('psnr_min')} dB, SSIM {ia.get('ssim_min')}")
+        lines.append(f"baseline here vs the intake images (calibration seeds): worst PSNR {ia.get('psnr_min')} dB, "
+                     f"SSIM {ia.get('ssim_min')}")
     return lines
 
 
@@ -136,18 +156,81 @@ def _mark(ok: bool | None) -> str:
     return "✔" if ok is True else "✘" if ok is False else "–"
 
 
+def not_run_plans(parallel: dict | None) -> list[dict]:
+    """The parallel plans the stage did not run, each with its reason (``parallel.not_run``)."""
+    return [n for n in ((parallel or {}).get("not_run") or []) if isinstance(n, dict)]
+
+
+def verdict_words(v: dict, cache: dict | None) -> str | None:
+    """The verdict's configuration in words (``shown.config_words``), or None when it has none."""
+    from .shown import config_words
+
+    if v.get("name") in (None, "baseline", "none"):
+        return None
+    return config_words(v["name"], cache)
+
+
+def runners_up(v: dict, res: dict | None, cache: dict | None) -> list[dict]:
+    """The verdict's runners-up as the report lists them: words, key, speed (with range and
+    repeats), quality (labelled) and why not chosen; a runner-up timed with other repeats than
+    the verdict says so."""
+    from .shown import config_words, quality_text, speed_spread
+
+    spread = speed_spread(res)
+    n = {str(c.get("name")): ((c.get("timing") or {}).get("end_to_end") or {}).get("n")
+         for c in (res or {}).get("configs") or [] if isinstance(c, dict)}
+    own = n.get(str(v.get("name")))
+    out = []
+    for r in v.get("runner_ups") or []:
+        sp = r.get("speedup")
+        lo_hi = spread.get(r["name"])
+        speed = "speed-up not measured" if sp is None else f"{sp:.2f}× end to end" + (
+            f" ({lo_hi[0]:.2f}–{lo_hi[1]:.2f})" if lo_hi else "")
+        if sp is not None and own and n.get(r["name"]) and n[r["name"]] != own:
+            speed += f", timed over {n[r['name']]} repeats against the verdict's {own}"
+        out.append({"name": r["name"], "words": config_words(r["name"], cache), "speed": speed,
+                    "quality": "worst-image PSNR / SSIM " + quality_text(r.get("psnr_min"), r.get("ssim_min"),
+                                                                          r.get("quality_on")),
+                    "why_not": r.get("why_not")})
+    return out
+
+
 # -- result.md ------------------------------------------------------------------------------
 def result_markdown(run_dir: str | Path) -> str:
+    # long: the document's sections in reading order (verdict, use it, checklist, reproduce, tables)
+    from .shown import LPIPS_NOTE, holdout_meaning, usage
+
     run = RunFolder(run_dir)
     meta = run.read_meta()
     res = benchmark_results(run)
     out = [f"# {meta.get('model', '?')} — run {meta.get('run_id', run.path.name)}", ""]
     out.append(f"Status: **{meta.get('status', 'unknown')}**. Written {_dt.datetime.now().isoformat(timespec='seconds')}.")
     stage_results = read_stage_results(run)
-    v = verdict(res, stage_results.get("cache"))
-    f8 = fp8_text(v, stage_results.get("cache"))
-    out += ["", "## Verdict", "", f"**{headline(v)}**", "", runner_up_text(v), *(["", f8] if f8 else []), "",
-            "| check | | figure |", "| --- | --- | --- |"]
+    cache = stage_results.get("cache")
+    v = verdict(res, cache)
+    f8 = fp8_text(v, cache)
+    words = verdict_words(v, cache)
+    out += ["", "## Verdict", "", f"**{headline(v, words)}**", ""]
+    if words and words != v["name"]:
+        out += [f"Configuration key: `{v['name']}`", ""]
+    out += [f"Chosen by the cache stage's rule: {v.get('rule') or 'see cache/results.json'}."]
+    ups = runners_up(v, res, cache)
+    if ups:
+        out += ["", "Runners-up (passing, faster here or better on held-out seeds):" if len(ups) > 1 else
+                "Runner-up (passing, faster here or better on held-out seeds):", ""]
+        out += [f"- {u['words']} — {u['speed']}, {u['quality']}: not chosen, {u['why_not']} (`{u['name']}`)"
+                for u in ups]
+    out += [*(["", f8] if f8 else []), "", holdout_meaning(meta.get("card")), ""]
+    use = usage(run, v, stage_results)
+    if use:
+        out += ["## Use it", ""]
+        out += [f"- {k}: `{p}`" for k, p in use["files"].items()]
+        if use["lines"]:
+            out += ["", use["how"], "", "```python", *use["lines"], "```"]
+        out += ["", "Expect: " + "; ".join(use["expect"]) + "."]
+        out += [x for n in use["notes"] for x in ("", n)]
+        out += ["", LPIPS_NOTE, ""]
+    out += ["## Checklist", "", "| check | | figure |", "| --- | --- | --- |"]
     out += [f"| {c['item']} | {_mark(c['ok'])} | {c['figure'].replace('|', '/')} |"
             for c in checklist(meta, stage_results, v)]
     for f in failures(meta):
@@ -158,7 +241,7 @@ def result_markdown(run_dir: str | Path) -> str:
             out.append(f"Executed notebook with the traceback: `{f['notebook']}`.")
     out += ["", "## Reproduce", "", "```sh", *reproduce_commands(meta, run), "```"]
     out += ["", "## Hardware and versions", "", "| item | value |", "| --- | --- |"]
-    out += [f"| {k} | {v} |" for k, v in environment_rows(meta)]
+    out += [f"| {k} | {v_} |" for k, v_ in environment_rows(meta)]
     out += ["", "## Stages", "", "| stage | status | seconds | error |", "| --- | --- | --- | --- |"]
     out += [f"| {r['stage']} | {r['status']} | {r['seconds'] if r['seconds'] is not None else '-'} | "
             f"{(r['error'] or '-').replace('|', '/')} |" for r in stage_rows(meta)]
@@ -167,44 +250,58 @@ def result_markdown(run_dir: str | Path) -> str:
                 f"(status: {meta.get('stages', {}).get('benchmark', {}).get('status', 'not run')}); "
                 "nothing was measured."]
         return "\n".join(out) + "\n"
-    rows = shown_rows(res.get("summary") or summary_rows(res), res, stage_results.get("cache"))
+    rows = shown_rows(res.get("summary") or summary_rows(res), res, cache, stage_results.get("parallel"))
     out += ["", "## Summary", "", summary_markdown(rows), ""]
-    out += ["PSNR/SSIM: the worst image. `held-out`: the cache stage's confirmation on seeds it did not tune on; "
-            "`calibration`: the benchmark's render on the card's seeds, for configurations with no held-out record "
-            "(a row fills one pair, never both). Parallel plans run as CPU processes are parity results, no speed-up.",
-            ""]
-    out += ["Speedups are end to end against the baseline measured in the same process (rows "
-            "'measured here'); rows from the cache and parallel stages carry the figures those stages recorded.", ""]
+    out += [SUMMARY_NOTE, ""]
+    if v.get("timing_unstable"):
+        out += [_unstable_note(v).strip().replace("<b>", "**").replace("</b>", "**"), ""]
+    skipped = not_run_plans(stage_results.get("parallel"))
+    if skipped:
+        out += ["Parallel plans not run:", ""] + [f"- {n.get('name')}: {n.get('reason')}" for n in skipped] + [""]
     out += [f"- {line}" for line in timing_lines(res)]
     out += ["", "## Plots", ""]
     out += [f"- {k}: `benchmark/{p}`" for k, p in (res.get("plots") or {}).items()]
     if res.get("grid"):
-        out.append(f"- image grid: `benchmark/{res['grid']}`")
+        out.append(f"- image grid (calibration seeds, one case per prompt): `benchmark/{res['grid']}`")
     return "\n".join(out) + "\n"
 
 
-MD_COLUMNS = ("name", "family", "source", "nproc", "speed-up (range)", "psnr_holdout", "ssim_holdout",
-              "psnr_calibration", "ssim_calibration", "passed")
+SUMMARY_NOTE = ("Every PSNR/SSIM is the worst image's, labelled with what it is measured on: held-out seeds (the "
+                "cache stage's confirmation on seeds it did not tune on), calibration seeds (the benchmark's render "
+                "of the card's seeds, for a configuration with no held-out record), or, for a parallel plan, parity "
+                "against one process beside its figure against the uncached baseline. Speed-up: median end to end "
+                "against the baseline timed in the same process, in brackets the range its min and max timings "
+                "allow; step and decode: the per-part speed-ups of one transformer step and of the decode. A "
+                "parallel plan run as CPU processes shares the cores, so it has no speed-up: it is a parity run.")
+
+MD_COLUMNS = ("configuration", "key", "family", "from", "proc.", "repeats", "speed-up (min–max)", "step", "decode",
+              "peak MB", "worst PSNR / SSIM vs uncached baseline", "parity vs one process", "passed")
 
 
 def summary_markdown(rows: list[dict]) -> str:
-    """The summary as a markdown table: held-out and calibration figures in their own columns."""
-    from .shown import speed_text
+    """The summary as a markdown table: each quality figure with what it is measured on, parity
+    apart, CPU parallel plans without a speed figure."""
+    from .shown import PARITY, quality_text, speed_text
 
-    def cell(r, c):
-        if c == "speed-up (range)":
-            return speed_text(r)
-        if c == "passed":
-            v = r.get("passed_shown", r.get("passed"))
-            return "-" if v is None else "yes" if v else "no"
-        if c.startswith("psnr"):
-            return _psnr(r.get(c))
-        if c.startswith("ssim"):
-            return _ssim(r.get(c))
-        return str(r.get(c) if r.get(c) is not None else "-").replace("|", "/")
+    def x(v):
+        return "-" if not isinstance(v, (int, float)) or isinstance(v, bool) else f"{v:.2f}×"
+
+    def cells(r):
+        par = r.get("psnr_parity") is not None or r.get("ssim_parity") is not None
+        passed = r.get("passed_shown", r.get("passed"))
+        words = r.get("words") or r.get("name")
+        return [words, f"`{r.get('name')}`" if words != r.get("name") else "-", r.get("family_shown") or r.get("family"),
+                str(r.get("source") or "-").replace(" stage", "").replace("measured ", ""),
+                r.get("devices") or str(r.get("nproc") or 1), str(r.get("repeats") or "-"),
+                speed_text(r), "-" if r.get("parity_only") else x(r.get("step_speedup")),
+                "-" if r.get("parity_only") else x(r.get("decode_speedup")),
+                "-" if r.get("peak_mb") is None else f"{r['peak_mb']:.0f}",
+                REFERENCE if r.get("family") == "baseline" else quality_text(r.get("psnr"), r.get("ssim"), r.get("quality_on")),
+                quality_text(r.get("psnr_parity"), r.get("ssim_parity"), PARITY) if par else "-",
+                "-" if passed is None else "yes" if passed else "no"]
 
     lines = ["| " + " | ".join(MD_COLUMNS) + " |", "|" + " --- |" * len(MD_COLUMNS)]
-    lines += ["| " + " | ".join(cell(r, c) for c in MD_COLUMNS) + " |" for r in rows]
+    lines += ["| " + " | ".join(str(c).replace("|", "/") for c in cells(r)) + " |" for r in rows]
     return "\n".join(lines)
 
 
@@ -224,14 +321,19 @@ table{border-collapse:collapse;font-size:.88em}th,td{border:1px solid #ccc;paddi
 td{overflow-wrap:normal;word-break:normal}th{background:#f3f3f3}td.name{min-width:9em}.tok{white-space:nowrap}.note{font-size:.8em;color:#555;margin:.2em 0}
 .verdict{border:2px solid #176f2c;background:#eef8f0;padding:.55em .9em;margin:.4em 0;font-size:1.02em}
 .verdict.no{border-color:#a11;background:#fdf0f0}
-.verdict-row{display:flex;gap:.8em;align-items:flex-start}.verdict-row>.verdict{flex:1 1 0;min-width:0}
-.verdict-row>figure{flex:0 0 400px;margin:.4em 0}.verdict-row figcaption{font-size:.78em}
+.verdict-row{display:flex;flex-wrap:wrap;gap:.8em;align-items:flex-start}.verdict-row>.verdict{flex:1 1 480px;min-width:0}
+.verdict-row>figure{flex:0 1 380px;margin:.4em 0}.verdict-row figcaption{font-size:.8em}
+#headline{font-size:1.08em}.verdict ul{margin:.2em 0 .1em;padding-left:1.2em}.verdict li{margin:.15em 0}
+#gates,#rule{font-size:.93em}
+code.key,.key code{font-size:.8em;color:#444;overflow-wrap:anywhere;word-break:break-word}.key{margin:.1em 0 .3em}
+.use{border:1px solid #8aa;background:#f4f8f8;padding:.4em .9em;margin:.6em 0}.use pre{margin:.3em 0;font-size:.92em}
+td small{color:#555}
 #checklist td:nth-child(2){text-align:center;font-weight:700;width:2em}
 .fail{background:#fde8e8;border:1px solid #e0a0a0;padding:.6em 1em;margin:1em 0}
 .ok{color:#176f2c}.bad{color:#a11}.nr{color:#777}
 pre{background:#f7f7f7;padding:.5em;overflow-x:auto;font-size:.85em;white-space:pre-wrap;overflow-wrap:anywhere}
 img{max-width:100%;height:auto}figure{margin:.6em 0}figcaption{font-size:.85em;color:#555}
-.twocol{display:flex;flex-wrap:wrap;gap:1em;align-items:flex-start}.twocol>figure{flex:1 1 540px;min-width:0}.twocol>.box{flex:1 1 440px}#plot-key td:first-child,#plot-key td:nth-child(3),#summary-table td:nth-child(n+3){white-space:nowrap}#plot-key td.name{min-width:7em}
+.twocol{display:flex;flex-wrap:wrap;gap:1em;align-items:flex-start}.twocol>figure{flex:1 1 540px;min-width:0}.twocol>.box{flex:1 1 440px}#plot-key td:first-child,#summary-table td:nth-child(n+4):nth-child(-n+9){white-space:nowrap}#plot-key td.name{min-width:7em}
 nav.toc{font-size:.9em}nav.toc ol{margin:.2em 0;padding-left:1.4em;columns:2}
 .nb{border-top:1px solid #bbb;margin-top:.6em}.jp-InputPrompt,.jp-OutputPrompt,.prompt{display:none}
 .nb .input_area,.nb .jp-InputArea-editor{background:#f7f7f7}
@@ -244,18 +346,31 @@ def _data_uri(path: Path) -> str:
     return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
 
 
+LABEL_KEYS = ("quality_on", "parity_only")  # what a row says about its own figures, shown in their cells
+
+
 def table_html(rows: list[dict], columns: list[str] | None = None, table_id: str | None = None) -> str:
     """Rows of dicts as an HTML table in its own scrolling box (the notebooks display it; there is
-    no pandas here)."""
-    columns = columns or list(dict.fromkeys(k for r in rows for k in r))
-    def cell(v):
+    no pandas here). A row that says what its quality figures are measured on (``quality_on``:
+    held-out / calibration / parity) has that label in its ``psnr_min`` / ``ssim_min`` cells; a
+    row marked ``parity_only`` (a parallel plan run as CPU processes) shows no speed figure."""
+    from .shown import ON_TEXT
+
+    columns = columns or [k for k in dict.fromkeys(k for r in rows for k in r) if k not in LABEL_KEYS]
+
+    def cell(v, r, c):
+        if c in ("speedup", "speedup_shown") and r.get("parity_only"):
+            return "- (parity run: CPU processes share the cores)"
         if isinstance(v, bool):
             return '<span class="ok">yes</span>' if v else '<span class="bad">no</span>'
         if isinstance(v, float):
-            return f"{v:.4g}"
+            text = f"{v:.4g}"
+            if c in ("psnr_min", "ssim_min") and r.get("quality_on"):
+                text += f" <small>({html.escape(ON_TEXT.get(r['quality_on'], str(r['quality_on'])))})</small>"
+            return text
         return html.escape("-" if v is None else str(v))
     head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
-    body = "".join("<tr>" + "".join(f"<td>{cell(r.get(c))}</td>" for c in columns) + "</tr>" for r in rows)
+    body = "".join("<tr>" + "".join(f"<td>{cell(r.get(c), r, c)}</td>" for c in columns) + "</tr>" for r in rows)
     ident = f' id="{table_id}"' if table_id else ""
     return f'<div class="box"><table{ident}><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>'
 
@@ -327,6 +442,14 @@ def name_html(name) -> str:
     return "<wbr>".join(f"<span class=tok>{html.escape(p)}</span>" for p in pieces if p)
 
 
+def config_html(words, key) -> str:
+    """A configuration as the tables write it: its words, and below them its full key (small,
+    wrapped between settings) when the two differ."""
+    if not key or str(words) == str(key):
+        return name_html(words)
+    return f'{html.escape(str(words))}<br><code class="key">{name_html(key)}</code>'
+
+
 def _psnr(x) -> str:
     return "-" if not isinstance(x, (int, float)) or isinstance(x, bool) else f"{x:.2f}"
 
@@ -335,88 +458,167 @@ def _ssim(x) -> str:
     return "-" if not isinstance(x, (int, float)) or isinstance(x, bool) else f"{x:.4f}"
 
 
-def _quality_text(r: dict) -> str:
-    """The one PSNR/SSIM of a row, labelled with the seeds it was measured on."""
-    if r.get("psnr") is None and r.get("ssim") is None:
-        return "-"
-    on = "held-out" if r.get("quality_on") == "held-out" else "calibration"
-    return f"{_psnr(r.get('psnr'))} dB / {_ssim(r.get('ssim'))}<br><small>({on})</small>"
+REFERENCE = "the reference (uncached)"
+
+
+def _quality_html(psnr, ssim, on) -> str:
+    """One PSNR/SSIM pair with what it is measured on, the label on its own line."""
+    from .shown import quality_text
+
+    return html.escape(quality_text(psnr, ssim, on)).replace(" (", "<br><small>(", 1).replace(")", ")</small>", 1) \
+        if (psnr is not None or ssim is not None) else "-"
+
+
+def _row_quality_html(r: dict) -> str:
+    """A row's one figure against the uncached baseline; the baseline is the reference itself."""
+    if r.get("family") == "baseline":
+        return html.escape(REFERENCE)
+    return _quality_html(r.get("psnr"), r.get("ssim"), r.get("quality_on"))
+
+
+def _speed_html(r: dict) -> str:
+    from .shown import speed_text
+
+    sp = html.escape(speed_text(r)).replace(" (", "<br><small>(", 1)
+    return sp + ("</small>" if "<small>" in sp else "")
 
 
 def _key_table(rows: list[dict], labels: dict[str, str], chosen: str | None) -> str:
-    """The plot's key: per configuration its key, name, speed-up (with spread, or 'parity only'
-    for a parallel plan on CPU processes) and its one quality figure, labelled held-out or
-    calibration."""
+    """The plot's key: per configuration on the plot its key, name in words, speed-up (with its
+    range) and its one quality figure against the uncached baseline, labelled with the seeds it is
+    measured on; what the plot does not draw (a parity run of CPU processes, a configuration not
+    timed here) is in the summary table only."""
     from .plots import row_id
-    from .shown import display_name, speed_text
 
     body = []
     for r in rows:
         name = row_id(r)
         key = "base" if r.get("family") == "baseline" else labels.get(name)
-        if key is None:
-            continue
-        sp = html.escape(speed_text(r)).replace(" (", "<br><small>(", 1)
-        sp += "</small>" if "<small>" in sp else ""
+        if key is None or r.get("speedup_shown") is None or r.get("psnr") is None and r.get("family") != "baseline":
+            continue  # not on the plot (not timed here, or a parity run): in the summary table
         body.append(f"<tr><td>{html.escape(key)}{' ★' if r.get('name') == chosen else ''}</td>"
-                    f"<td class=name>{name_html(display_name(r))}</td><td>{sp}</td>"
-                    f"<td>{_quality_text(r)}</td></tr>")
+                    f"<td class=name>{config_html(r.get('words') or r.get('name'), r.get('name'))}</td>"
+                    f"<td>{_speed_html(r)}</td><td>{_row_quality_html(r)}</td></tr>")
     return ('<div class="box"><table id="plot-key"><thead><tr><th>key</th><th>configuration</th><th>speed-up '
-            "(range)</th><th>worst PSNR / SSIM</th></tr></thead><tbody>" + "".join(body) +
+            "(min–max)</th><th>worst PSNR / SSIM vs uncached baseline</th></tr></thead><tbody>" + "".join(body) +
             "</tbody></table></div>")
 
 
-def _holdout_worst_html(run: RunFolder, res: dict | None) -> str:
+def _holdout_worst_html(run: RunFolder, res: dict | None, words: str | None = None) -> str:
     """The worst held-out image of the chosen configuration (``benchmark.holdout_worst``) as a
     figure with its key and figures; '' when none was drawn."""
     w = (res or {}).get("holdout_worst") or {}
     path = run.stage_dir("benchmark", create=False) / str(w.get("plot") or "")
     if not w.get("plot") or not path.is_file():
         return ""
-    cap = (f"Worst held-out image of {html.escape(str(w.get('name')))}: {html.escape(str(w.get('key')))}, "
-           f"PSNR {_psnr(w.get('psnr'))} dB, SSIM {_ssim(w.get('ssim'))} (held-out), against the uncached render.")
+    cap = (f"Worst held-out image of {html.escape(words or str(w.get('name')))} (case {html.escape(str(w.get('key')))}): "
+           f"PSNR {_psnr(w.get('psnr'))} dB, SSIM {_ssim(w.get('ssim'))} (held-out seeds), against the uncached render "
+           "of the same seed.")
     return (f'<figure id="holdout-worst"><img alt="the worst held-out image of the chosen configuration, its uncached '
             f'reference and their difference" src="{_data_uri(path)}"><figcaption>{cap}</figcaption></figure>')
 
 
-def _off_axis(rows: list[dict], labels: dict[str, str]) -> str:
-    """The caption's note of the parallel plans left off the speed axis (CPU processes)."""
-    from .plots import row_id
+def _off_axis(rows: list[dict], parallel: dict | None = None) -> str:
+    """The caption's note of the parallel plans left off the speed axis (CPU processes) and of
+    those not run."""
+    from .shown import display_name
 
-    keys = [labels.get(row_id(r)) or row_id(r) for r in rows if r.get("parity_only")]
-    return (f' <span id="off-axis">Not on the speed axis (parallel plans run as CPU processes share the '
-            f'cores: parity results only): {html.escape(", ".join(keys))}.</span>' if keys else "")
+    names = [display_name(r) for r in rows if r.get("parity_only")]
+    out = (f' <span id="off-axis">Not on the speed axis (parallel plans run as CPU processes share the cores: parity '
+           f'runs, in the summary table): {html.escape(", ".join(names))}.</span>' if names else "")
+    skipped = not_run_plans(parallel)
+    if skipped:
+        out += f' Not run: {html.escape(", ".join(str(n.get("name")) for n in skipped))} (reasons below the summary table).'
+    return out
 
 
-SUMMARY_HEAD = ("configuration", "from", "proc.", "speed-up (range)", "e2e ms", "PSNR held-out", "SSIM held-out",
-                "PSNR calibration", "SSIM calibration", "passed")
+def _unstable_note(v: dict) -> str:
+    """The caveat on every speed figure of a run whose baseline drifted (the checklist's row)."""
+    return (" <b>Timing was unstable in this run</b> (the baseline re-timed at the end drifted beyond "
+            "benchmark.timing_drift): its speed-ups and their ranges are not reliable." if v.get("timing_unstable") else "")
 
 
-def summary_html(rows: list[dict]) -> str:
-    """The summary table: held-out figures and calibration figures in their own columns (a row
-    fills one pair, never both), the speed-up with its spread, parity only for CPU processes."""
-    from .shown import speed_text
+SUMMARY_HEAD = ("configuration", "from", "proc.", "repeats", "speed-up (min–max)", "e2e ms", "step", "decode",
+                "peak MB", "worst PSNR / SSIM vs uncached baseline", "parity vs one process", "passed")
+
+
+def summary_html(rows: list[dict], parallel: dict | None = None) -> str:
+    """The summary table: each configuration once, its quality figure against the uncached
+    baseline labelled with the seeds it is measured on, a parallel plan's parity apart, the
+    speed-up with its range, per-part speed-ups and peak memory; no speed for CPU processes."""
+    from .shown import PARITY
 
     def passed(v):
         return "-" if v is None else '<span class="ok">yes</span>' if v else '<span class="bad">no</span>'
+
+    def x(v, r):
+        return "-" if r.get("parity_only") or not isinstance(v, (int, float)) else f"{v:.2f}×"
 
     body = []
     for r in rows:
         src = str(r.get("source") or "").replace(" stage", "").replace("measured ", "")
         e2e = r.get("e2e_ms")
-        cells = [f"<td class=name>{name_html(r.get('name'))}</td>", f"<td>{html.escape(src)}</td>",
+        par = r.get("psnr_parity") is not None or r.get("ssim_parity") is not None
+        fam = html.escape(str(r.get("family_shown") or r.get("family") or ""))
+        peak = "-" if r.get("peak_mb") is None else f"{r['peak_mb']:.0f}"
+        cells = [f"<td class=name>{config_html(r.get('words') or r.get('name'), r.get('name'))}"
+                 f"<br><small>{fam}</small></td>", f"<td>{html.escape(src)}</td>",
                  f"<td>{html.escape(r.get('devices') or str(r.get('nproc') or 1))}</td>",
-                 f"<td>{html.escape(speed_text(r))}</td>", f"<td>{'-' if e2e is None else f'{e2e:.4g}'}</td>",
-                 f"<td>{_psnr(r.get('psnr_holdout'))}</td>", f"<td>{_ssim(r.get('ssim_holdout'))}</td>",
-                 f"<td>{_psnr(r.get('psnr_calibration'))}</td>", f"<td>{_ssim(r.get('ssim_calibration'))}</td>",
+                 f"<td>{r.get('repeats') or '-'}</td>", f"<td>{_speed_html(r)}</td>",
+                 f"<td>{'-' if e2e is None or r.get('parity_only') else f'{e2e:.4g}'}</td>",
+                 f"<td>{x(r.get('step_speedup'), r)}</td>", f"<td>{x(r.get('decode_speedup'), r)}</td>",
+                 f"<td>{peak}</td>",
+                 f"<td>{_row_quality_html(r)}</td>",
+                 f"<td>{_quality_html(r.get('psnr_parity'), r.get('ssim_parity'), PARITY) if par else '-'}</td>",
                  f"<td>{passed(r.get('passed_shown', r.get('passed')))}</td>"]
         body.append("<tr>" + "".join(cells) + "</tr>")
     head = "".join(f"<th>{html.escape(c)}</th>" for c in SUMMARY_HEAD)
+    skipped = not_run_plans(parallel)
+    not_run = ('<p class=note id="not-run">Parallel plans not run: ' + "; ".join(
+        f"<b>{html.escape(str(n.get('name')))}</b>: {html.escape(str(n.get('reason')))}" for n in skipped) + ".</p>"
+               if skipped else "")
     return (f'<div class="box"><table id="summary-table"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}'
-            "</tbody></table></div><p class=note>PSNR/SSIM: the worst image, in dB / SSIM. Held-out: the cache "
-            "stage's confirmation on seeds it did not tune on; calibration: the benchmark's render on the card's "
-            "seeds, for configurations with no held-out record. Speed-up: median end to end against the baseline "
-            "measured in the same process; in brackets the range the fastest and slowest timings allow.</p>")
+            f"</tbody></table></div>{not_run}<p class=note>{html.escape(SUMMARY_NOTE)}</p>")
+
+
+def _verdict_html(run: RunFolder, v: dict, res: dict | None, cache: dict | None, f8: str) -> str:
+    """The verdict box: the headline naming the configuration in words, its full key below,
+    the gates, the rule and the runners-up as a list; beside it the worst held-out image."""
+    words = verdict_words(v, cache)
+    g = v["gates"]
+    key = (f'<div class="key" id="verdict-key">configuration key: <code>{name_html(v["name"])}</code></div>'
+           if words and words != v["name"] else "")
+    ups = runners_up(v, res, cache)
+    items = "".join(f"<li><b>{html.escape(u['words'])}</b> — {html.escape(u['speed'])}, {html.escape(u['quality'])}: "
+                    f"{html.escape(str(u['why_not']))} <code class=key>{name_html(u['name'])}</code></li>" for u in ups)
+    rule = (f"Chosen by the cache stage's rule: {html.escape(str(v.get('rule') or 'see cache/results.json'))}."
+            + ((" Runners-up" if len(ups) > 1 else " Runner-up") + f" (passing, faster here or better on held-out "
+               f"seeds):<ul>{items}</ul>" if ups else ""))
+    box = (f'<div class="verdict{"" if v["ship"] else " no"}" id="verdict"><b id="headline">'
+           f"{html.escape(headline(v, words))}</b>{key}"
+           f'<div id="gates">Gates (cache, on held-out seeds): worst-image PSNR &gt; {g["psnr"]:g} dB and '
+           f'SSIM &gt; {g["ssim"]:g}. Chosen once, by the cache stage; the benchmark times it.</div>'
+           f'<div id="rule">{rule}</div>' + (f'<div id="fp8">{html.escape(f8)}</div>' if f8 else "") + "</div>")
+    worst = _holdout_worst_html(run, res, words)
+    return f'<div class="verdict-row">{box}{worst}</div>' if worst else box
+
+
+def _use_html(run: RunFolder, v: dict, stage_results: dict, meta: dict) -> str:
+    """The "use it" box: the files the cache stage wrote, the lines to paste, what to expect, what
+    held-out means here, and why there is no perceptual figure."""
+    from .shown import LPIPS_NOTE, holdout_meaning, usage
+
+    use = usage(run, v, stage_results)
+    meaning = f"<p class=note>{html.escape(holdout_meaning(meta.get('card')))}</p>"
+    if not use:
+        return meaning
+    files = "".join(f"<li>{html.escape(k)}: <code>{html.escape(p)}</code></li>" for k, p in use["files"].items())
+    lines = (f"<p>{html.escape(use['how'])}</p><pre id=\"use-lines\">{html.escape(chr(10).join(use['lines']))}</pre>"
+             if use["lines"] else "")
+    notes = "".join(f"<p class=note>{html.escape(n)}</p>" for n in use["notes"])
+    return (f'<div class="use" id="use-it"><b>Use it</b> (files in the run folder)<ul>{files}</ul>{lines}'
+            f"<p><b>Expect:</b> {html.escape('; '.join(use['expect']))}.</p>{notes}{meaning}"
+            f"<p class=note>{html.escape(LPIPS_NOTE)}</p></div>")
 
 
 def report_html(run_dir: str | Path) -> str:
@@ -430,16 +632,9 @@ def report_html(run_dir: str | Path) -> str:
     status = str(meta.get("status", "unknown"))
     title = f"{meta.get('model', '?')} · run {meta.get('run_id', run.path.name)} · {status}"
     parts = [f'<h1 id="title">ditbook report — {html.escape(title)}</h1>']
-    g = v["gates"]
-    parts.append(f'<div class="verdict{"" if v["ship"] else " no"}" id="verdict"><b>{html.escape(headline(v))}</b>'
-                 f'<br><span id="gates">Gates (cache, on held-out seeds): worst-image PSNR &gt; {g["psnr"]:g} dB and '
-                 f'SSIM &gt; {g["ssim"]:g}. Chosen once, by the cache stage; the benchmark times it.</span>'
-                 f'<br><span id="rule">{html.escape(runner_up_text(v))}</span>'
-                 + (f'<br><span id="fp8">{html.escape(f8)}</span>' if f8 else "") + '</div>')
-    worst = _holdout_worst_html(run, res)
-    if worst:  # the image behind the held-out worst figure, beside the verdict
-        parts[-1] = f'<div class="verdict-row">{parts[-1]}{worst}</div>'
+    parts.append(_verdict_html(run, v, res, stage_results.get("cache"), f8))
     parts.append(_checklist_html(checklist(meta, stage_results, v)))
+    parts.append(_use_html(run, v, stage_results, meta))
     for f in failures(meta):
         cell = f"<pre>{html.escape(f['failing_cell'])}</pre>" if f.get("failing_cell") else ""
         parts.append(f'<div class="fail" id="failed-{html.escape(f["stage"])}"><b>Stage <code>{html.escape(f["stage"])}</code> '
@@ -459,7 +654,8 @@ def report_html(run_dir: str | Path) -> str:
         parts.append('<h2 id="grid">Images</h2><p>No benchmark images.</p>')
         parts.append('<h2 id="summary">Summary table</h2>' + table_html([], ["name", "family", "speedup"], "summary-table"))
     else:
-        rows = shown_rows(res.get("summary") or summary_rows(res), res, stage_results.get("cache"))
+        rows = shown_rows(res.get("summary") or summary_rows(res), res, stage_results.get("cache"),
+                          stage_results.get("parallel"))
         bdir = run.stage_dir("benchmark", create=False)
         from .plots import short_labels
 
@@ -470,10 +666,12 @@ def report_html(run_dir: str | Path) -> str:
             uri = _data_uri(plot)
             known[uri.split(",", 1)[1]] = ("plot", "speed vs quality plot")
             parts.append(f'<figure><img id="plot-img" alt="speed-up against worst-image PSNR per configuration, '
-                         f'Pareto front ringed, the verdict starred" src="{uri}"><figcaption>Worst-image PSNR on '
-                         "held-out seeds (filled; hollow: calibration seeds, no held-out record) against "
-                         "end-to-end speed-up; ringed: the Pareto front; ★: the verdict; dotted: the gate."
-                         + _off_axis(rows, labels) + "</figcaption></figure>")
+                         f'Pareto front ringed, the verdict starred" src="{uri}"><figcaption>Worst-image PSNR against the '
+                         "uncached baseline, on held-out seeds (filled markers) or on the calibration seeds (hollow: "
+                         "no held-out record), against the end-to-end speed-up; bars: the range the min and max "
+                         "timings allow; ringed: the Pareto front; ★: the verdict; dotted: the gate; the baseline is "
+                         "the dashed line at 1×, its images identical to themselves (no PSNR to draw)."
+                         + _off_axis(rows, stage_results.get("parallel")) + _unstable_note(v) + "</figcaption></figure>")
         parts.append(_key_table(rows, labels, v.get("name")) + "</div>")
         grid = bdir / res["grid"] if res.get("grid") else None
         parts.append('<h2 id="grid">Images</h2>')
@@ -485,16 +683,19 @@ def report_html(run_dir: str | Path) -> str:
                 parts.append(f'<figure><img id="grid-img" alt="per case, the baseline video and each configuration as '
                              f'a row of {n} frames, with its difference map below" src="{uri}"><figcaption>Videos: a row '
                              f"of frames each ({n} frames, frame numbers on top). Per case (one per prompt) the baseline, "
-                             "then each configuration (key, name, worst-frame PSNR and SSIM) with its difference maps "
-                             "below, all on one scale.</figcaption></figure>")
+                             "then each configuration (key, name, worst-frame PSNR and SSIM against the uncached baseline, "
+                             "calibration seed) with its difference maps below, all on one scale.</figcaption></figure>")
             else:
                 parts.append(f'<figure><img id="grid-img" alt="baseline once, then each configuration and its difference '
                              f'map per prompt" src="{uri}"><figcaption>Rows: the baseline, then each configuration (key, '
                              "name) with its difference map beside each image, all maps on one scale (colour bar). "
-                             "Columns: one case per prompt.</figcaption></figure>")
+                             "Columns: one case per prompt, on the calibration seeds (the card's seeds, the first of each prompt); "
+                             "each map's PSNR is that image's against the uncached baseline, calibration seed."
+                             "</figcaption></figure>")
         else:
             parts.append("<p>No image grid (no stored images).</p>")
-        parts.append('<h2 id="summary">Summary table</h2>' + summary_html(rows))
+        parts.append('<h2 id="summary">Summary table</h2>' + summary_html(rows, stage_results.get("parallel"))
+                     + (f"<p class=note>{_unstable_note(v).strip()}</p>" if v.get("timing_unstable") else ""))
         parts.append("<ul>" + "".join(f"<li>{html.escape(x)}</li>" for x in timing_lines(res)) + "</ul>")
         for k, p in (res.get("plots") or {}).items():
             if k != "tradeoff_psnr" and (bdir / p).is_file():

@@ -1,9 +1,10 @@
 """The README's screenshots of ``report.html``, taken from a run by a command, with a manifest that
 says what they show (``ditbook screenshots [--run RUN_DIR]``, ``make screenshots``).
 
-Headless Chromium at 1280x800 renders the run's ``report.html`` three times with ``--screenshot``:
-its first screen (the verdict and the checklist), then the speed-vs-quality plot (``#plot``) and
-the image grid (``#grid``), each alone at the top of a copy of the page. Written to ``docs/report_first_screen.png``,
+Headless Chromium renders the run's ``report.html`` four times with ``--screenshot``: its first
+screen (the verdict and the checklist) at 1280x800 and at 1024x768, then the speed-vs-quality plot
+(``#plot``) and the image grid (``#grid``), each alone at the top of a copy of the page, 1280 wide.
+Written to ``docs/report_first_screen.png``, ``docs/report_first_screen_1024.png``,
 ``docs/report_plot.png``, ``docs/report_grid.png`` and ``docs/screenshots.json``: the run id,
 model, card, the run's git revision, its date, the day the screenshots were taken, each PNG's
 sha256, and the first screen as read from the DOM (``first_screen``: the verdict line, the gates
@@ -27,7 +28,10 @@ from pathlib import Path
 from ..runs import RunFolder
 
 WINDOW = (1280, 800)
-SHOTS = {"report_first_screen.png": None, "report_plot.png": "plot", "report_grid.png": "grid"}
+NARROW = (1024, 768)  # a smaller laptop screen: the first screen must read there too
+SHOTS = {"report_first_screen.png": None, "report_first_screen_1024.png": None, "report_plot.png": "plot",
+         "report_grid.png": "grid"}
+WINDOWS = {"report_first_screen_1024.png": NARROW}  # the others: WINDOW
 MANIFEST = "screenshots.json"
 MAX_HEIGHT = 2400  # px: a part alone is shot whole up to this height
 
@@ -167,14 +171,16 @@ def take(run_dir: str | Path, docs: str | Path) -> dict:
         heights = screen.pop("heights", {})
         for name, part in SHOTS.items():
             page = report if part is None else _with_script(text, ONLY_PART % json.dumps(part), work / f"{part}.html")
-            # a part alone gets a window tall enough for all of it (the first screen is 1280x800)
-            size = WINDOW if part is None else (WINDOW[0], min(MAX_HEIGHT, max(WINDOW[1], heights.get(part, 0) + 80)))
+            # a part alone gets a window tall enough for all of it (the first screens are 1280x800, 1024x768)
+            size = WINDOWS.get(name, WINDOW) if part is None else \
+                (WINDOW[0], min(MAX_HEIGHT, max(WINDOW[1], heights.get(part, 0) + 80)))
             chromium([f"--screenshot={docs / name}"], page, work / f"profile-{part}", size=size)
     meta = run.read_meta()
     manifest = {"run": meta.get("run_id", run.path.name), "model": meta.get("model"),
                 "card": _relative(meta.get("card_path"), meta.get("cwd")), "revision": (meta.get("source") or {}).get("revision"),
                 "run_created": meta.get("created"), "taken": _dt.date.today().isoformat(),
-                "window": list(WINDOW), "command": "ditbook screenshots",
+                "window": list(WINDOW), "windows": {n: list(WINDOWS.get(n, WINDOW)) for n in SHOTS},
+                "command": "ditbook screenshots",
                 "files": {name: sha256(docs / name) for name in SHOTS}, "first_screen": screen}
     (docs / MANIFEST).write_text(json.dumps(manifest, indent=1, ensure_ascii=False) + "\n")
     return manifest

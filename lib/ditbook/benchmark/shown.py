@@ -15,14 +15,28 @@
   max (``baseline.min / config.max`` to ``baseline.max / config.min``).
 - **Timing stable**: the benchmark's timing record (``verdict.timing_state``: the baseline
   re-timed at the end against the start, within the card's ``benchmark.timing_drift``).
+- **Every figure says what it is measured on** (:data:`ON_TEXT`): held-out seeds, calibration
+  seeds (the card's), or parity against one process. A parallel plan carries two figures, each
+  labelled: against the uncached baseline (``psnr``/``ssim``, calibration seeds; for a ``+cache``
+  plan the parallel stage's ``baseline_quality``, for a plan without cache its parity, whose
+  one-process reference is the uncached baseline) and its parity against one process
+  (``psnr_parity``/``ssim_parity``).
+- **Names in words** (:func:`config_words`): a configuration's family and the settings its
+  strategy's search varied, the full key kept beside it for the record.
 """
 
 from __future__ import annotations
+
+import re
 
 from ..configuration import fp8_suffix, row_name
 
 HELD_OUT = "held-out"
 CALIBRATION = "calibration"
+PARITY = "parity"
+# what a figure is measured on, as every table, caption and line writes it
+ON_TEXT = {HELD_OUT: "held-out seeds", CALIBRATION: "calibration seeds",
+           PARITY: "parity against one process, calibration seeds"}
 
 
 def is_cpu_run(benchmark: dict | None) -> bool:
@@ -88,14 +102,68 @@ def speed_spread(benchmark: dict | None) -> dict[str, tuple[float, float]]:
     return out
 
 
-def shown_rows(rows: list[dict], benchmark: dict | None, cache: dict | None) -> list[dict]:
+def _plans(parallel: dict | None) -> dict[tuple[str, int], dict]:
+    """The parallel stage's plan records by (name, process count)."""
+    out = {}
+    for p in (parallel or {}).get("plans") or []:
+        if isinstance(p, dict):
+            out[(str(p.get("name")), int(p.get("world_size") or p.get("nproc") or 1))] = p
+    return out
+
+
+def plan_quality(row: dict, plan: dict | None) -> dict:
+    """A parallel plan's two figures: ``baseline`` (PSNR/SSIM against the uncached baseline, or
+    None when not recorded) and ``parity`` (against one process). A ``+cache`` plan's figure
+    against the uncached baseline is the parallel stage's ``baseline_quality``; a plan without
+    cache is compared with the one-process run of the uncached model, so its parity is that
+    figure too."""
+    parity = {"psnr": row.get("psnr_min"), "ssim": row.get("ssim_min")}
+    bq = (plan or {}).get("baseline_quality") or {}
+    if bq:
+        base = {"psnr": bq.get("psnr_min"), "ssim": bq.get("ssim_min")}
+    elif not row.get("cache") and str((plan or {}).get("reference") or "single") == "single" \
+            and "cache" not in str(row.get("family")).split("+")[0]:
+        base = dict(parity)
+    else:
+        base = None
+    return {"baseline": base, "parity": parity}
+
+
+def _measured(benchmark: dict | None) -> dict[str, dict]:
+    res = benchmark or {}
+    return {str(c.get("name")): c for c in [res.get("baseline")] + list(res.get("configs") or [])
+            if isinstance(c, dict)}
+
+
+def _timing_extras(config: dict | None) -> dict:
+    """Per measured row: the repeats its end-to-end figure is the median of, the per-part
+    speed-ups that matter to a user (one transformer step, the decode) and peak memory."""
+    if not config:
+        return {}
+    t = config.get("timing") or {}
+    parts = config.get("part_speedups") or {}
+    base = config.get("family") == "baseline"
+    return {"repeats": (t.get("end_to_end") or {}).get("n"),
+            "step_speedup": 1.0 if base and t else parts.get("transformer_step"),
+            "decode_speedup": 1.0 if base and t else parts.get("vae_decode"),
+            "peak_mb": t.get("peak_memory_mb"), "memory_kind": t.get("memory_kind")}
+
+
+def shown_rows(rows: list[dict], benchmark: dict | None, cache: dict | None,
+               parallel: dict | None = None) -> list[dict]:
     """Each summary row with the figures the report shows: ``psnr_holdout``/``ssim_holdout`` or
     ``psnr_calibration``/``ssim_calibration`` (never both), ``quality_on``, ``psnr``/``ssim`` (the
-    one figure), ``passed_shown`` (the gate result on the seeds of that figure), ``speedup_shown``
-    (None for a parallel plan on a CPU host), ``speedup_range``, ``parity_only`` and ``devices``."""
+    one figure, against the uncached baseline), ``passed_shown`` (the gate result on the seeds of
+    that figure), ``speedup_shown`` (None for a parallel plan on a CPU host), ``speedup_range``,
+    ``parity_only`` and ``devices``; a parallel plan also ``psnr_parity``/``ssim_parity`` (against
+    one process; ``parallel``: the parallel stage's results, for its figure against the uncached
+    baseline); ``words`` and ``family_shown`` (the name in words, one family name per strategy);
+    measured rows ``repeats``, ``step_speedup``, ``decode_speedup`` and ``peak_mb``."""
+    # long: one pass over the rows, each figure decided once (quality, parity, speed, names, timings)
     held = holdout_records(cache)
     spread = speed_spread(benchmark)
     cpu = is_cpu_run(benchmark)
+    plans, measured = _plans(parallel), _measured(benchmark)
     out = []
     for r in rows:
         s = dict(r)
@@ -107,7 +175,14 @@ def shown_rows(rows: list[dict], benchmark: dict | None, cache: dict | None) -> 
             rec = held.get(name.removesuffix("+compile"))
         if rec is None and r.get("quality_on") == HELD_OUT:  # a recorded cache row taken from the held-out split
             rec = {"psnr_min": r.get("psnr_min"), "ssim_min": r.get("ssim_min"), "passed": r.get("passed")}
-        if rec is not None and r.get("family") != "baseline":
+        par = is_parallel(r)
+        if par:
+            q = plan_quality(r, plans.get((name, int(r.get("nproc") or 1))))
+            b = q["baseline"] or {}
+            s.update(quality_on=CALIBRATION, psnr=b.get("psnr"), ssim=b.get("ssim"), psnr_calibration=b.get("psnr"),
+                     ssim_calibration=b.get("ssim"), psnr_parity=q["parity"]["psnr"], ssim_parity=q["parity"]["ssim"],
+                     passed_shown=r.get("passed"))
+        elif rec is not None and r.get("family") != "baseline":
             s.update(quality_on=HELD_OUT, psnr=rec.get("psnr_min"), ssim=rec.get("ssim_min"),
                      psnr_holdout=rec.get("psnr_min"), ssim_holdout=rec.get("ssim_min"),
                      passed_shown=rec.get("passed") if not r.get("error") else False)
@@ -115,13 +190,122 @@ def shown_rows(rows: list[dict], benchmark: dict | None, cache: dict | None) -> 
             s.update(quality_on=CALIBRATION, psnr=r.get("psnr_min"), ssim=r.get("ssim_min"),
                      psnr_calibration=r.get("psnr_min"), ssim_calibration=r.get("ssim_min"),
                      passed_shown=r.get("passed"))
-        par = is_parallel(r)
         s["parity_only"] = bool(cpu and par)
         s["speedup_shown"] = None if s["parity_only"] else r.get("speedup")
         s["speedup_range"] = spread.get(name)
         s["devices"] = (f"{int(r.get('nproc'))} {'CPU processes' if cpu else 'GPUs'}" if par else None)
+        s["words"] = config_words(name, cache)
+        s["family_shown"] = family_name(r, cache)
+        if r.get("source") == "measured here":
+            s.update(_timing_extras(measured.get(name)))
         out.append(s)
     return out
+
+
+# -- names in words ---------------------------------------------------------------------------
+_SUFFIX = re.compile(r"^(?P<base>.*?)(?P<fp8>\+fp8\[(?P<q>\d+)/(?P<n>[^\]]*)\])?(?P<compile>\+compile)?$")
+
+
+def _entries(cache: dict | None) -> list[dict]:
+    es = [e for e in (cache or {}).get("strategies") or [] if isinstance(e, dict)]
+    for key in ("chosen", "chosen_detail"):
+        if isinstance((cache or {}).get(key), dict):
+            es.append(cache[key])
+    return es
+
+
+def strategy_families(cache: dict | None) -> dict[str, str]:
+    """``{strategy: family}`` as the cache stage names them (one family name per strategy)."""
+    out: dict[str, str] = {}
+    for e in _entries(cache):
+        if e.get("family"):
+            out.setdefault(str(e.get("name")), str(e["family"]).removeprefix("cache/"))
+    return out
+
+
+def tuned_settings(cache: dict | None) -> dict[str, list[str]]:
+    """``{strategy: [setting, ...]}``: the scalar settings whose value the cache stage's search
+    varied for that strategy (what tells its configurations apart), in the order it names them."""
+    values: dict[str, dict[str, set]] = {}
+    for e in _entries(cache):
+        for k, v in (e.get("config") or {}).items():
+            if isinstance(v, (int, float, str, bool)) or v is None:
+                values.setdefault(str(e.get("name")), {}).setdefault(k, set()).add(repr(v))
+    return {n: [k for k, vs in keys.items() if len(vs) > 1] for n, keys in values.items()}
+
+
+def _config_of(base: str, cache: dict | None) -> dict:
+    """The configuration of the row ``base`` (no suffix): the cache stage's record, else the
+    ``k=v`` settings of its name."""
+    for e in _entries(cache):
+        if row_name(str(e.get("name")), e.get("config")) == base:
+            return dict(e.get("config") or {})
+    inner = base[base.index("[") + 1:-1] if "[" in base and base.endswith("]") else ""
+    return dict(kv.split("=", 1) for kv in inner.split(",") if "=" in kv)
+
+
+def config_words(name, cache: dict | None) -> str:
+    """A configuration as a reviewer reads it: its family and the few settings that tell it
+    apart (those its strategy's search varied), e.g. ``cache-dit DBCache+TaylorSeer, threshold
+    0.24``; ``, compiled`` and ``, 12 of 42 block linears in fp8`` for the twins. A name that is
+    not a cache stage configuration (the baseline, a parallel plan, an attention backend) is its
+    own words."""
+    m = _SUFFIX.match(str(name))
+    base = m.group("base")
+    strategy = base.split("[", 1)[0]
+    families = strategy_families(cache)
+    family = families.get(strategy)
+    if family is None:
+        return str(name)
+    if list(families.values()).count(family) > 1:  # two strategies of one family: say which
+        family = f"{family} {strategy}"
+    cfg = _config_of(base, cache)
+    keys = [k for k in tuned_settings(cache).get(strategy, []) if k in cfg]
+    text = family + "".join(f", {k.replace('_', ' ')} {cfg[k]}" for k in keys)
+    if m.group("fp8"):
+        text += f", {m.group('q')} of {m.group('n')} block linears in fp8"
+    if m.group("compile"):
+        text += ", compiled"
+    return text
+
+
+def family_name(row: dict, cache: dict | None) -> str:
+    """One family name per strategy: the cache stage's (``cache-dit DBCache+TaylorSeer``) for a
+    measured ``cache/<strategy>`` row and a recorded one alike."""
+    fam = str(row.get("family") or "-")
+    strategy = str(row.get("name") or "").split("[", 1)[0]
+    if fam.startswith("cache/"):
+        return strategy_families(cache).get(strategy) or fam.removeprefix("cache/")
+    return fam
+
+
+def quality_text(psnr, ssim, on: str | None, unit: bool = True) -> str:
+    """``33.31 dB / 0.9875 (held-out seeds)``: one PSNR/SSIM pair with what it is measured on;
+    ``-`` when neither was recorded."""
+    if not _is_num(psnr) and not _is_num(ssim):
+        return "-"
+    p = f"{psnr:.2f}{' dB' if unit else ''}" if _is_num(psnr) else "-"
+    q = f"{ssim:.4f}" if _is_num(ssim) else "-"
+    return f"{p} / {q} ({ON_TEXT.get(on, on)})"
+
+
+def _is_num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def timing_counts(benchmark: dict | None) -> str:
+    """How the speed figures were timed, in one phrase that agrees with every row: the warm-up and
+    repeats of the baseline and of the rows the verdict compares, and the card's for the rest."""
+    res = benchmark or {}
+    t = res.get("timing") or {}
+    w, n = res.get("warmup"), res.get("repeats")
+    if t.get("repeats") is None:
+        return f"{w} warm-up call(s), {n} timed repeats per configuration (benchmark.warmup / benchmark.repeats)"
+    text = (f"the baseline and every configuration the verdict compares: {t['warmup']} warm-up call(s), "
+            f"{t['repeats']} timed repeats each")
+    if (t["warmup"], t["repeats"]) != (w, n):
+        text += f"; the other rows: {w} warm-up, {n} repeats (benchmark.warmup / benchmark.repeats)"
+    return text
 
 
 def speed_text(row: dict) -> str:
@@ -142,6 +326,101 @@ def display_name(row: dict) -> str:
     (``ulysses (2 GPUs)``, ``ulysses (2 CPU processes)``)."""
     return f"{row.get('name')} ({row['devices']})" if row.get("devices") else str(row.get("name"))
 
+# -- how to use the result --------------------------------------------------------------------
+LPIPS_NOTE = ("No perceptual figure (LPIPS) beside PSNR/SSIM: the lpips package ships only its linear heads; its "
+              "AlexNet/VGG backbone weights are downloaded by torchvision on first use, and runs load nothing "
+              "from the network.")
 
-__all__ = ["HELD_OUT", "CALIBRATION", "is_cpu_run", "is_parallel", "holdout_records",
-           "speed_spread", "shown_rows", "speed_text", "display_name"]
+
+def holdout_meaning(card: dict | None) -> str:
+    """What "held-out" means for this run's card: other seeds, same prompts, unless
+    ``generation.holdout_prompts`` is set."""
+    gen = (card or {}).get("generation") or {}
+    shift = ((card or {}).get("cache") or {}).get("holdout_shift", 1000)
+    seeds = list(gen.get("holdout_seeds") or [s + shift for s in gen.get("seeds") or []])
+    prompts = gen.get("holdout_prompts") or []
+    what = (f"{len(prompts)} other prompts (generation.holdout_prompts)" if prompts
+            else "the same prompts (generation.holdout_prompts is not set)")
+    return (f"Held-out: seeds the cache stage did not tune on ({', '.join(map(str, seeds)) or '-'}), with {what}; "
+            f"calibration: the card's seeds ({', '.join(map(str, gen.get('seeds') or [])) or '-'}), on which it tuned.")
+
+
+def _example_lines(path) -> list[str]:
+    """The adapter import and the ``cache_dit.enable_cache(...)`` call of the cache stage's example
+    file, as a user pastes them."""
+    lines = ["import cache_dit"]
+    text = path.read_text() if path.is_file() else ""
+    for ln in text.splitlines():
+        t = ln.strip()
+        if re.match(r"^from \S+_adapter import \S+", t):
+            lines.append(t.split("  #")[0] + "  # registers the adapter with cache-dit")
+    for ln in text.splitlines():
+        if ln.strip().startswith("cache_dit.enable_cache("):
+            lines.append(ln.strip())
+    return lines if len(lines) == 3 else []
+
+
+def usage(run, v: dict, results: dict[str, dict | None]) -> dict | None:
+    """How to use the verdict's configuration: the ``files`` the cache stage wrote (the adapter
+    module, the same under its import name, a script applying it), ``how`` and the ``lines`` to
+    paste, what to ``expect`` (speed, per part, memory, quality, each labelled) and ``notes``; None
+    when nothing was chosen."""
+    # long: one box's facts gathered from the cache stage's files and the benchmark's figures
+    cache, bench = results.get("cache") or {}, results.get("benchmark") or {}
+    if v.get("name") in (None, "baseline", "none") or not cache.get("chosen"):
+        return None
+    cdir = run.stage_dir("cache", create=False)
+    up = {}
+    if (cdir / "upstream" / "upstream.json").is_file():
+        import json
+
+        up = json.loads((cdir / "upstream" / "upstream.json").read_text())
+    files = {}
+    if cache.get("adapter_module"):
+        files["adapter module (the file the cache stage ran)"] = f"cache/{cache['adapter_module']}"
+    if up.get("adapter_module"):
+        files["the same module, named for import"] = f"cache/upstream/{up['adapter_module']}"
+    if up.get("example"):
+        files["example script (renders the card's prompts with it)"] = f"cache/upstream/{up['example']}"
+    lines = _example_lines(cdir / "upstream" / str(up.get("example") or "")) if up.get("example") else []
+    notes = [f"From the cache stage: {n}." for n in up.get("notes") or []]
+    how = (f"Put cache/upstream/{up['adapter_module']} on your path (copy it beside your code), load the pipeline "
+           "as usual, then paste:" if up.get("adapter_module") else "")
+    ex = up.get("example_strategy") or {}
+    if ex and row_name(ex.get("name"), ex.get("config")) != chosen_row_name(cache["chosen"]):
+        notes.append(f"The example applies {config_words(row_name(ex.get('name'), ex.get('config')), cache)} "
+                     f"({ex.get('why')}); the chosen configuration does not go through cache_dit.enable_cache.")
+        lines, how = [], ""
+    if str(v.get("name")).endswith("+compile"):
+        notes.append("Shipped compiled: after enable_cache, ditbook.regional.compile_regions(pipe.transformer) "
+                     "(regional torch.compile); its one-time compile cost is in the verdict.")
+    if "+fp8[" in str(v.get("name")):
+        notes.append("Shipped with block linears in fp8: the layers are listed in cache/results.json fp8.chosen.layers.")
+    row = next((r for r in shown_rows(bench.get("summary") or [], bench, cache) if r.get("name") == v.get("name")), {})
+    h = v.get("holdout") or {}
+    expect = []
+    if v.get("speedup") is not None:
+        lo_hi = v.get("speedup_range")
+        expect.append(f"{v['speedup']:.2f}× end to end" + (f" (timings allow {lo_hi[0]:.2f}–{lo_hi[1]:.2f}×)" if lo_hi else "")
+                      + f" on {bench.get('device')}")
+    else:
+        expect.append("speed-up not established by this run (" + (v.get("reason") or "not timed") + ")")
+    parts = [f"{label} {row[k]:.2f}×" for k, label in (("step_speedup", "transformer step"),
+                                                      ("decode_speedup", "decode")) if _is_num(row.get(k))]
+    if parts and v.get("timing_unstable"):  # the same timings: no per-part figure either
+        expect.append("per-part speed-ups not reliable either (the same timings)")
+    elif parts:
+        expect.append("per part: " + ", ".join(parts))
+    if _is_num(row.get("peak_mb")):
+        base = (((bench.get("baseline") or {}).get("timing") or {}).get("peak_memory_mb"))
+        expect.append(f"peak memory {row['peak_mb']:.0f} MB" + (f" (baseline {base:.0f} MB)" if _is_num(base) else ""))
+    if h:
+        expect.append("worst image " + quality_text(h.get("psnr_min"), h.get("ssim_min"), HELD_OUT)
+                      + (f" over {h['n']} cases" if h.get("n") else ""))
+    return {"files": files, "how": how if lines else "", "lines": lines, "expect": expect, "notes": notes}
+
+
+__all__ = ["HELD_OUT", "CALIBRATION", "PARITY", "ON_TEXT", "is_cpu_run", "is_parallel", "holdout_records",
+           "speed_spread", "shown_rows", "speed_text", "display_name", "config_words", "family_name",
+           "strategy_families", "tuned_settings", "quality_text", "plan_quality", "timing_counts",
+           "usage", "holdout_meaning", "LPIPS_NOTE"]

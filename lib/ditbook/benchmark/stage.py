@@ -97,8 +97,10 @@ def measure(ctx, pipe, configs: list[Config], *, warmup: int | None = None, repe
 
 def verdict_rows(ctx) -> set[str]:
     """The benchmark rows the verdict reads (the cache stage's chosen configuration, its fp8
-    composition when ``cache.fp8`` found one, and their compiled twins): timed warm and repeated whatever the card's ``benchmark`` section says."""
-    from .shown import chosen_row_name, fp8_row_name
+    composition when ``cache.fp8`` found one, the other configurations that passed on held-out
+    seeds — its possible runners-up, compared with it like for like — and their compiled twins):
+    timed warm and repeated whatever the card's ``benchmark`` section says."""
+    from .shown import chosen_row_name, fp8_row_name, holdout_records
 
     run = ctx.run
     cache = run.read_results("cache") if run.has_results("cache") else {}
@@ -106,6 +108,7 @@ def verdict_rows(ctx) -> set[str]:
     if not chosen:
         return set()
     names = [chosen_row_name(chosen), fp8_row_name(cache)]
+    names += [n for n, rec in holdout_records(cache).items() if rec.get("passed")]
     return {n + tail for n in names if n for tail in ("", "+compile")}
 
 

@@ -58,14 +58,19 @@ def summary_rows(results: dict) -> list[dict]:
         })
     measured = {r["name"] for r in rows}
     recorded = results.get("recorded") or {}
+    cpu = str(results.get("device") or "").startswith("cpu")
     for r in list(recorded.get("cache") or []) + list(recorded.get("parallel") or []):
         if r.get("name") in measured:
             continue
+        plan = r.get("source") == "parallel stage"
         rows.append({"name": r.get("name"), "family": r.get("family"), "source": r.get("source"),
                      "nproc": r.get("nproc", 1), "speedup": r.get("speedup"), "e2e_ms": None,
                      "psnr_min": r.get("psnr_min"), "ssim_min": r.get("ssim_min"),
                      "passed": r.get("passed"), "error": r.get("error"),
-                     "quality_on": r.get("quality_on", "calibration")})
+                     # a plan's figures are its parity against one process (the card's seeds)
+                     "quality_on": "parity" if plan else r.get("quality_on", "calibration")})
+        if plan and cpu and int(r.get("nproc") or 1) > 1:
+            rows[-1]["parity_only"] = True  # CPU processes share the cores: no speed-up to show
     return rows
 
 

@@ -275,7 +275,8 @@ def rule_and_runner_ups(benchmark: dict | None, cache: dict | None, v: dict) -> 
 
 
 def runner_up_text(v: dict, shown: int = 3) -> str:
-    """One sentence: the rule, and the (``shown`` fastest) runner-ups with why they were not chosen."""
+    """One sentence: the rule, and the (``shown`` fastest) runners-up with why they were not chosen
+    (the report lists them itself, each in words: ``report.runners_up``)."""
     ups = v.get("runner_ups") or []
     text = f"Chosen by the cache stage's rule: {v.get('rule', RULE)}."
     if not ups:
@@ -287,7 +288,7 @@ def runner_up_text(v: dict, shown: int = 3) -> str:
     more = f"; {len(ups) - shown} more in benchmark/results.json (verdict.runner_ups)" if len(ups) > shown else ""
     why = (" — the rule counts work skipped, which does not depend on this host's timing noise"
            if any(str(r.get("why_not", "")).startswith("skips less") for r in ups[:shown]) else "")
-    return text + " Runner-up" + ("s" if len(ups) > 1 else "") + ": " + "; ".join(parts) + more + why + "."
+    return text + (" Runners-up" if len(ups) > 1 else " Runner-up") + ": " + "; ".join(parts) + more + why + "."
 
 
 def compiled_twin(benchmark: dict | None, cache: dict | None, name: str, speedup: float | None) -> dict | None:
@@ -324,28 +325,30 @@ def _cases(h: dict) -> str:
     return "videos (worst frame of each)" if h.get("frame_reduce") else "images"
 
 
-def headline(v: dict) -> str:
-    """One sentence: what to ship, how much faster, at what held-out quality against the gates."""
+def headline(v: dict, words: str | None = None) -> str:
+    """One sentence: what to ship, how much faster, at what held-out quality against the gates
+    (``words``: the configuration as a reviewer reads it, in place of its key)."""
     g = v["gates"]
+    name = words or v["name"]
     h = v.get("holdout") or {}
     q = (f"held-out worst PSNR {_f(h.get('psnr_min'))} dB (gate > {g['psnr']:g}), "
          f"SSIM {_f(h.get('ssim_min'), 4)} (gate > {g['ssim']:g})" + (f" on {h['n']} {_cases(h)}" if h.get("n") else "")
          if h else "no held-out quality recorded")
     sp = f"{v['speedup']:.2f}× end to end" if v.get("speedup") is not None else "speed-up not measured"
-    if v.get("timing_unstable"):
-        sp = f"timing unstable ({drift_text(v['timing_unstable'])})"
+    if v.get("timing_unstable"):  # the reason after the colon says by how much
+        sp = "timing unstable" if not v["ship"] else f"timing unstable ({drift_text(v['timing_unstable'])})"
     if v.get("speedup") is not None and v.get("speedup_range"):
         sp += f" (timings allow {v['speedup_range'][0]:.2f}–{v['speedup_range'][1]:.2f}×)"
     c = v.get("compile") or {}
     if c.get("shipped") and c.get("compile_s") is not None:
         sp += f" (one-time compile {c['compile_s']:.1f} s)"
     if v["ship"]:
-        return f"Ship {v['name']}: {sp}, {q}."
+        return f"Ship {name}: {sp}, {q}."
     if v["name"] == "none":
         return f"No verdict: {v['reason']}."
     if v["name"] == "baseline":
         return f"Ship the baseline: {v['reason'].removesuffix('; ship the baseline')}."
-    return f"Do not ship {v['name']} ({sp}, {q}): {v['reason']}."
+    return f"Do not ship {name} ({sp}, {q}): {v['reason']}."
 
 
 def fp8_text(v: dict, cache: dict | None) -> str:
@@ -441,21 +444,25 @@ def _parity_item(parallel: dict | None, meta: dict) -> dict:
     plans = [p for p in ((parallel or {}).get("plans") or []) if isinstance(p, dict)]
     if st == "failed":
         return _item(name, False, str(((meta.get("stages") or {}).get("parallel") or {}).get("error")))
+    not_run = [n for n in ((parallel or {}).get("not_run") or []) if isinstance(n, dict)]
+    skipped = "; ".join(f"{n.get('name')} ({n.get('reason')})" for n in not_run)
     if not plans:
-        return _item(name, None, NOT_RECORDED if parallel is None else "no plan was run")
+        return _item(name, None, NOT_RECORDED if parallel is None else
+                     "no plan was run" + (f"; not run: {skipped}" if skipped else ""))
     failed = [str(p.get("name")) for p in plans if not p.get("passed")]
     q = [((p.get("quality") or {}).get("psnr_min", p.get("psnr_min"))) for p in plans]
     q = [x for x in q if x is not None]
-    parity = f"{len(plans) - len(failed)}/{len(plans)} plans pass parity" + (f" (worst PSNR {min(q):.1f} dB)" if q else "")
+    parity = f"{len(plans) - len(failed)}/{len(plans)} plans run pass parity" + (f" (worst PSNR {min(q):.1f} dB)" if q else "")
     sharding = [_sharding_verified(p) for p in plans]
+    tail = f"; not run: {skipped}" if skipped else ""  # what was not run, and why, beside what passed
     if failed:
-        return _item(name, False, f"{parity}; failing: {', '.join(failed)}")
+        return _item(name, False, f"{parity}; failing: {', '.join(failed)}{tail}")
     if any(s is False for s in sharding):
         bad = [str(p.get("name")) for p, s in zip(plans, sharding) if s is False]
-        return _item(name, False, f"{parity}; sharding not as planned: {', '.join(bad)}")
+        return _item(name, False, f"{parity}; sharding not as planned: {', '.join(bad)}{tail}")
     if any(s is None for s in sharding):
-        return _item(name, None, f"{parity}; sharding {NOT_RECORDED}")
-    return _item(name, True, f"{parity}; sharding verified on every plan")
+        return _item(name, None, f"{parity}; sharding {NOT_RECORDED}{tail}")
+    return _item(name, True, f"{parity}; sharding verified on every plan{tail}")
 
 
 def _noise_item(cache: dict | None, benchmark: dict | None) -> dict:
@@ -479,8 +486,8 @@ def _noise_item(cache: dict | None, benchmark: dict | None) -> dict:
         return _item("noise floor", None, NOT_RECORDED)
     floors = [f for f in floors if f is not None]
     ok = bool(floors) and min(floors) > g.psnr
-    return _item("noise floor", ok, "; ".join(parts) + (f" — above the {g.psnr:g} dB gate" if ok else
-                                                        f" — not above the {g.psnr:g} dB gate"))
+    return _item("noise floor", ok, "calibration seeds rendered twice: " + ", ".join(parts) +
+                 (f" — above the {g.psnr:g} dB gate" if ok else f" — not above the {g.psnr:g} dB gate"))
 
 
 def _holdout_item(v: dict, cache: dict | None) -> dict:
@@ -492,7 +499,7 @@ def _holdout_item(v: dict, cache: dict | None) -> dict:
     if not h:
         return _item("held-out confirmation", None, NOT_RECORDED)
     return _item("held-out confirmation", bool(v.get("passes_gates")),
-                 f"{v['short']}: worst PSNR {_f(h.get('psnr_min'))} dB (> {g['psnr']:g}), "
+                 f"{v['short']} on held-out seeds: worst PSNR {_f(h.get('psnr_min'))} dB (> {g['psnr']:g}), "
                  f"SSIM {_f(h.get('ssim_min'), 4)} (> {g['ssim']:g})" + (f", {h['n']} {_cases(h)}" if h.get("n") else ""))
 
 

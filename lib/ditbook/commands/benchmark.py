@@ -79,7 +79,7 @@ def register(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="print the comparison as JSON")
     p.set_defaults(func=cmd_compare)
 
-    p = subparsers.add_parser("screenshots", help="the README's screenshots of report.html (headless Chromium, 1280x800) "
+    p = subparsers.add_parser("screenshots", help="the README's screenshots of report.html (headless Chromium, 1280x800 and 1024x768) "
                                                   "and docs/screenshots.json, from the newest finished run")
     p.add_argument("--run", help="run folder (default: the newest finished run under the outputs root)")
     p.add_argument("--outputs", help="outputs root (default: $DITBOOK_OUTPUTS, else outputs/ in the current directory)")

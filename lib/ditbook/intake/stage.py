@@ -14,10 +14,23 @@ from .reference import reference_facts, write_reference
 from ..render import is_video, render_all, save_renders
 from ..context import StageContext
 # the 01_intake notebook imports this module (and the display helpers) only: the other names it uses
-from ..card import GateError, gate_problems  # noqa: F401
-from ..context import open_stage  # noqa: F401
-from .card_form import card_form  # noqa: F401
+from ..card import GateError  # noqa: F401
+from ..card import gate_problems as card_gate_problems
+from ..context import open_stage, resolve_from_root  # noqa: F401
+from .card_form import card_form as card_form_widget
 from .reference import ReferenceFacts  # noqa: F401
+
+
+def gate_problems(path, overrides=None):
+    """The card's gate (``card.gate_problems``), its path resolved as ``open_stage`` resolves it:
+    in a notebook opened from ``notebooks/``, ``models/<name>.yaml`` is the project root's."""
+    return card_gate_problems(resolve_from_root(path) if path else path, overrides)
+
+
+def card_form(card_path, problems):
+    """The form asking for the card's missing items (``card_form.card_form``), the card's path
+    resolved as :func:`gate_problems` resolves it."""
+    return card_form_widget(resolve_from_root(card_path) if card_path else card_path, problems)
 
 
 @dataclass
