@@ -74,7 +74,7 @@ CARDS = {
                            "negative_prompt": "blurry, low quality", "height": 480, "width": 832,
                            "steps": 8, "guidance_scale": 5.0, "extra": {"num_frames": 81, "max_sequence_length": 128}},
             "cache": {"strategies": ["dbcache_taylorseer"], "max_configs": 2, "confirm_tries": 1},
-            "benchmark": {"warmup": 1, "repeats": 3, "max_cases": 1, "compile": False}},
+            "benchmark": {"warmup": 1, "repeats": 3, "max_cases": 1}, "runtime": {"compile": False}},
 }
 
 
@@ -155,6 +155,7 @@ def write_card(shape: str, folder: Path, built: dict, card_path: Path, tiny: boo
     sized = json.loads(json.dumps(CARDS[shape]))
     if tiny:
         sized["generation"].update(TINY_GENERATION[shape])
+    sized["runtime"] = {"device": "cpu", "dtype": "float32"} if tiny else {"device": "cuda", "dtype": "bfloat16"}
     for item in settings or []:
         key, _, value = item.partition("=")
         *parents, leaf = key.split(".")
@@ -166,7 +167,7 @@ def write_card(shape: str, folder: Path, built: dict, card_path: Path, tiny: boo
     card = {"name": f"real_{shape}", "path": str(folder),
             "pipeline": {"class": built["pipeline"], "source": "diffusers"},
             "transformer": {"class": built["transformer"], "source": "diffusers", "subfolder": "transformer"},
-            **sized, "runtime": {"device": "cpu", "dtype": "float32"} if tiny else {"device": "cuda", "dtype": "bfloat16"}}
+            **sized}
     card_path.write_text(pyyaml.safe_dump(card, sort_keys=False))
 
 

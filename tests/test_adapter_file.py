@@ -20,12 +20,13 @@ _SCALE_AT = "    out = self.proj_out(self.norm_out(x))\n"
 
 def _render_from_file(s, path: Path, config: dict) -> dict:
     """The cached render through the stage's loader: the run's adapter file, imported afresh."""
-    from ditbook.cache import CacheConfig
+    from ditbook import accel
     from ditbook.cache.verify import render_set
 
     arch = s.ctx.run.stage_dir("inspect") / "arch.json"
-    undo = CacheConfig("dbcache", "cache-dit", config, None, "holdout", path, arch).apply(
-        s.pipe, steps=s.card.generation.steps)
+    dbcache = accel.get("dbcache")
+    undo = dbcache.apply_with_file(s.pipe, dbcache.settings(**config), adapter_file=path, arch_file=arch,
+                                   steps=s.card.generation.steps)
     try:
         gen = s.card.generation
         return render_set(s.pipe, s.card, gen.prompts, gen.seeds)

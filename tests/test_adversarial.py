@@ -2,7 +2,7 @@
 never a traceback, never a silent pass, and never touches what earlier runs wrote.
 
 Most cases call ``ditbook.cli.main`` in-process on tiny cards (the synthetic pipeline of
-``ditbook.benchmark.synthetic``, or one zoo model built once for the module); two spawn real
+``synthetic_run``, or one zoo model built once for the module); two spawn real
 processes: a 2-process gloo ``ditbook parallel`` stopped by SIGINT, and a ``ditbook run`` whose
 stage started a child in a session of its own, stopped by SIGTERM and then resumed.
 Card field types, ranges and unknown keys are checked by ``ditbook.settings``.
@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import yaml
 
-from ditbook.benchmark.synthetic import CARD as SYNTHETIC_CARD
+from synthetic_run import CARD as SYNTHETIC_CARD
 from ditbook.card import load_card
 from ditbook.cli import main
 from ditbook.runs import RunError, RunFolder
@@ -77,8 +77,11 @@ def make_run(tmp_path: Path, card_path: Path, status: str = "running", run_id: s
     meta["status"] = status
     meta["stages"] = {"intake": {"status": "passed", "notebook": "01_intake.ipynb"}}
     run.write_meta(meta)
-    run.write_results("intake", {"images": [], "placement": {"device": "cpu", "dtype": "float32"}})
-    run.write_results("cache", {"chosen": "kept", "strategies": []})
+    from ditbook.records import CacheResults, IntakeResults
+    from ditbook.settings import Gates
+
+    run.write_results("intake", IntakeResults(images=[], placement={"device": "cpu", "dtype": "float32"}))
+    run.write_results("cache", CacheResults(adapter_module="kept.py", gates=Gates()))
     (run.path / "03_cache.ipynb").write_text('{"cells": [], "note": "executed before"}')
     return run
 
@@ -699,8 +702,8 @@ def _inspected_run(tmp_path: Path, card: Path) -> RunFolder:
 def test_approve_flow_style_card_stays_valid_yaml(tmp_path, capsys):
     model = tmp_path / "model"
     model.mkdir()
-    card = raw_card(tmp_path, "{name: flow, path: %s, pipeline: {class: FakePipeline, source: ditbook.benchmark.synthetic},"
-                              " transformer: {class: FakeTransformer, source: ditbook.benchmark.synthetic},"
+    card = raw_card(tmp_path, "{name: flow, path: %s, pipeline: {class: FakePipeline, source: synthetic_run},"
+                              " transformer: {class: FakeTransformer, source: synthetic_run},"
                               " generation: {prompts: [a], seeds: [0], height: 8, width: 8, steps: 3}}\n" % model)
     run = _inspected_run(tmp_path, card)
     code, out, _ = cli(capsys, "approve", card, "--run", run.path, "--yes")
@@ -728,8 +731,8 @@ def test_approve_flow_style_card_keeps_every_comment(tmp_path, capsys):
     model.mkdir()
     text = ("# ticket: DIT-1234 -- do not change the seeds without asking\n"
             "{name: flow, path: %s,  # the model folder\n"
-            " pipeline: {class: FakePipeline, source: ditbook.benchmark.synthetic},\n"
-            " transformer: {class: FakeTransformer, source: ditbook.benchmark.synthetic},\n"
+            " pipeline: {class: FakePipeline, source: synthetic_run},\n"
+            " transformer: {class: FakeTransformer, source: synthetic_run},\n"
             " generation: {prompts: ['a cat'], seeds: [0], height: 8, width: 8, steps: 3}  # keep\n"
             "}\n# end of card\n" % model)
     card = raw_card(tmp_path, text)
@@ -1159,7 +1162,7 @@ def test_a_real_picture_passes():
 
 
 def test_intake_of_a_transformer_returning_nan_writes_no_results(tmp_path):
-    from ditbook.benchmark.synthetic import FakePipeline
+    from synthetic_run import FakePipeline
     from ditbook.intake.stage import BaselineError, run_intake
 
     card_path = synthetic_card(tmp_path)

@@ -231,12 +231,14 @@ def test_plan_hash_stable_and_approval_invalidated_by_model_change(flux_pipe, tm
     card = _card(tmp_path)
     outputs = tmp_path / "outputs"
 
+    from ditbook.records import InspectResults
+
     def inspected_run(model, run_id):
         report = inspect_transformer(model, "FluxPipeline")
         run = RunFolder.create(card, outputs, run_id=run_id)
         plan = build_plan(report, None, card)
         write_plan(run.stage_dir("inspect"), plan)
-        run.write_results("inspect", {"plan_hash": plan["hash"]})
+        run.write_results("inspect", InspectResults(plan_hash=plan["hash"], transformer_class="T"))
         return run, plan
 
     run1, plan1 = inspected_run(tiny("flux")[0], "r1")

@@ -44,7 +44,7 @@ def test_zoo_pipeline_cfg_and_calls(name, tmp_path):
     assert result.plan["cache_adapter"]["has_separate_cfg"] is (style == "separate")
     assert not any(r["id"] == "separate_cfg_flag" and r["severity"] == "high" for r in result.plan["risks"])
     results = save_inspection(tmp_path / "inspect", result)
-    assert results["plan_hash"] == result.plan["hash"] and (tmp_path / "inspect" / "plan.md").is_file()
+    assert results.plan_hash == result.plan["hash"] and (tmp_path / "inspect" / "plan.md").is_file()
 
 
 def test_zoo_thirdparty_gqa(tmp_path):

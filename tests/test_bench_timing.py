@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from ditbook.benchmark.synthetic import FakePipeline, failing_config, noise_config
+from synthetic_run import FakePipeline, failing_config, noise_config
 from ditbook.benchmark.measure import benchmark, count_transformer_flops
 from ditbook.configuration import Config
 from ditbook.timing import Stat, time_pipeline

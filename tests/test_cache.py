@@ -103,7 +103,7 @@ def test_strategies_skip_blocks_with_quality_and_wrong_adapter_is_caught(tiny_ru
     good = evaluate(pipe, s.card, s.adapter, "dbcache", cfg, s.baseline, s.baseline_counts, s.gates,
                     gen.prompts, gen.seeds)
     assert good.error is None and good.passed and good.skipped_fraction >= 0.4 and good.cached_steps > 0
-    assert good.quality["psnr_min"] > 30 and good.quality["ssim_min"] > 0.9
+    assert good.quality.psnr_min > 30 and good.quality.ssim_min > 0.9
 
     # a deliberately wrong adapter: the loop body returns (x, context) but the adapter declares
     # Pattern_1 (encoder first): verification must fail it, even with caching turned off
@@ -114,11 +114,11 @@ def test_strategies_skip_blocks_with_quality_and_wrong_adapter_is_caught(tiny_ru
         bad = evaluate(pipe, s.card, wrong, "dbcache", c, s.baseline, s.baseline_counts, s.gates, gen.prompts,
                        gen.seeds)
         assert not bad.passed  # caught: it either breaks the run or the images
-        assert bad.error or bad.quality["psnr_min"] < 30, bad
+        assert bad.error or bad.quality.psnr_min < 30, bad
     # and the pipeline is intact afterwards
     again = evaluate(pipe, s.card, s.adapter, "dbcache", accel.get("dbcache").disabled(s.adapter, gen.steps),
                      s.baseline, s.baseline_counts, s.gates, gen.prompts, gen.seeds)
-    assert again.passed and again.quality["max_abs"] <= 1e-5
+    assert again.passed and again.quality.max_abs <= 1e-5
 
 
 def test_search_rows_stop_rendering_at_the_first_failing_case(tiny_run):
@@ -140,20 +140,20 @@ def test_search_rows_stop_rendering_at_the_first_failing_case(tiny_run):
     strict = Gates(psnr=90.0)  # a skipping configuration fails these on some case
     full = evaluate(pipe, s.card, s.adapter, "dbcache", harsh, s.baseline, s.baseline_counts, strict,
                     gen.prompts, gen.seeds)
-    assert full.stopped is None and full.quality["n"] == total and not full.passed
+    assert full.stopped is None and full.quality.n == total and not full.passed
     order = [key for key, _, _ in cases(s.card, gen.prompts, gen.seeds)]
-    first = next(i for i, k in enumerate(order) if full.quality["per_image"][k]["reasons"])
+    first = next(i for i, k in enumerate(order) if full.quality.per_image[k]["reasons"])
     short = evaluate(pipe, s.card, s.adapter, "dbcache", harsh, s.baseline, s.baseline_counts, strict,
                      gen.prompts, gen.seeds, stop_at_failure=True)
-    assert not short.passed and short.quality["n"] == first + 1
+    assert not short.passed and short.quality.n == first + 1
     if first + 1 < total:
         assert short.stopped == f"stopped at {order[first]}, which failed the gates ({first + 1} of {total} cases rendered)"
-        assert short.quality["psnr_min"] >= full.quality["psnr_min"]  # the worst of fewer cases
+        assert short.quality.psnr_min >= full.quality.psnr_min  # the worst of fewer cases
         assert short.counts["baseline_block_evals"] < s.baseline_counts["block_evals"]
     good = accel.get("dbcache").Settings(Fn=1, threshold=0.08, max_warmup_steps=1)
     kept = evaluate(pipe, s.card, s.adapter, "dbcache", good, s.baseline, s.baseline_counts, s.gates,
                     gen.prompts, gen.seeds, stop_at_failure=True)
-    assert kept.passed and kept.stopped is None and kept.quality["n"] == total
+    assert kept.passed and kept.stopped is None and kept.quality.n == total
 
 
 def test_release_pipeline_lets_the_model_go_before_the_fresh_process_loads_its_own(tiny_run):
@@ -169,7 +169,7 @@ def test_release_pipeline_lets_the_model_go_before_the_fresh_process_loads_its_o
     s.release_pipeline()
     gc.collect()
     assert s.pipe is None and ref() is None
-    assert s.write_results()["adapter"]["transformer_class"]  # what follows reads no pipeline
+    assert s.write_results().adapter["transformer_class"]  # what follows reads no pipeline
 
 
 def test_teacache_polynomial_is_fitted_on_the_model(tiny_run):
@@ -218,16 +218,18 @@ def test_stage_notebook_end_to_end(tmp_path):
     for png in ("tradeoff.png", "grid_chosen.png"):
         assert (run.path / "cache" / png).is_file()
 
-    from ditbook.cache import configs_from_results
+    from types import SimpleNamespace
+
+    from ditbook.benchmark.inputs import cache_configs
+    from ditbook.card import load_card
+    from ditbook.configuration import row_name
     from ditbook.render import render_all
 
-    configs = configs_from_results(run.path / "cache" / "results.json")
-    assert configs and configs[0].name == res["chosen"]["name"]
-    chosen_imgs = {p.stem: np.load(p) for p in (run.path / "cache" / "images" / "chosen").glob("*.npy")}
-    from ditbook.card import load_card
-
     c = load_card(card)
-    undo = configs[0].apply(pipe, steps=c.generation.steps)
+    configs = cache_configs(SimpleNamespace(run=run, card=c), run.read_results("cache"))
+    assert configs and configs[0].name == row_name(res["chosen"]["name"], res["chosen"]["config"])
+    chosen_imgs = {p.stem: np.load(p) for p in (run.path / "cache" / "images" / "chosen").glob("*.npy")}
+    undo = configs[0].apply(pipe)
     try:
         imgs = {r.key: r.image for r in render_all(pipe, c)}
     finally:
@@ -313,12 +315,12 @@ def test_reference_model_skips_40pct_with_quality_on_holdout(tmp_path):
     assert hits, s.table("holdout")
     assert all(h["psnr_min"] >= 30 and h["ssim_min"] >= 0.9 and h["skipped_fraction"] >= 0.4 for h in hits)
     chosen = s.choose()
-    assert chosen and chosen["skipped_fraction"] >= 0.4
+    assert chosen and chosen.skipped_fraction >= 0.4
     # the held-out images behind the figure are saved: the chosen configuration's and the uncached
     # references, and the worst of them is the one the held-out worst PSNR is taken from
-    saved = chosen["holdout_images"]
-    per = chosen["holdout_quality"]["per_image"]
-    assert saved["keys"] == sorted(per) and per[saved["worst"]]["psnr"] == chosen["holdout_quality"]["psnr_min"]
+    saved = chosen.holdout_images
+    per = chosen.holdout_quality.per_image
+    assert saved["keys"] == sorted(per) and per[saved["worst"]]["psnr"] == pytest.approx(chosen.holdout_quality.psnr_min, abs=1e-4)
     for sub in (saved["folder"], saved["baseline"]):
         for key in saved["keys"]:
             assert (s.ctx.dir / sub / f"{key}.npy").is_file(), (sub, key)
@@ -326,7 +328,7 @@ def test_reference_model_skips_40pct_with_quality_on_holdout(tmp_path):
     ref = np.load(s.ctx.dir / saved["baseline"] / f"{saved['worst']}.npy")
     from ditbook.quality import psnr
 
-    assert abs(psnr(worst, ref) - chosen["holdout_quality"]["psnr_min"]) < 1e-3
+    assert abs(psnr(worst, ref) - chosen.holdout_quality.psnr_min) < 1e-3
 
 
 # --- issue 13: the caching-off check is a hard gate; a refusal lets the run go on -----------------
@@ -360,7 +362,8 @@ def test_wrong_adapter_stops_the_cache_stage(tiny_run):
 
 
 def test_refused_adapter_lets_the_run_go_on(tiny_run, monkeypatch):
-    from ditbook.cache import benchmark_configs, stage
+    from ditbook.benchmark.inputs import cache_configs
+    from ditbook.cache import stage
     from ditbook.adapter.build import CacheRefused
 
     card, run, pipe, report = tiny_run
@@ -376,10 +379,10 @@ def test_refused_adapter_lets_the_run_go_on(tiny_run, monkeypatch):
     assert floor["rerun_vs_intake"]["psnr_min"] is None
     assert s.adapter_checks() == [] and s.calibrate() == {} and s.tune() == [] and s.choose() is None
     assert (s.ctx.dir / f"{s.adapter.info.module_name}.py").read_text().startswith('"""No cache-dit adapter')
-    assert not s.reproduce()["ran"]
+    assert not s.reproduce().ran
     res = s.write_results()
-    assert "no block list" in res["refused"] and res["strategies"] == [] and res["chosen"] is None
-    assert benchmark_configs(s.ctx, res) == []  # the benchmark runs without cache configurations
+    assert "no block list" in res.refused and res.strategies == [] and res.chosen is None
+    assert cache_configs(s.ctx, res) == []  # the benchmark runs without cache configurations
 
 
 def test_failed_fold_leaves_the_instance_as_it_was(tiny_run):

@@ -178,17 +178,19 @@ def test_cache_stage_measures_the_chosen_configuration_compiled(tmp_path):
     card = tiny_card(tmp_path)
     run, pipe, report = prepared_run(card, tmp_path / "outputs")
     s = session_for(card, run, pipe, report)
-    assert s.compiled_check("eager") == {"ran": False, "reason": "no configuration passed on held-out cases"}
+    from ditbook.records import Chosen, CompiledCheck
+
+    assert s.compiled_check("eager") == CompiledCheck(reason="no configuration passed on held-out cases")
     strat = accel.get("dbcache")
-    s.chosen = {"name": "dbcache", "family": strat.family, "config": strat.settings_dict(strat.Settings(Fn=1, threshold=0.08, max_warmup_steps=1))}
+    s.chosen = Chosen("dbcache", strat.family, strat.settings_dict(strat.Settings(Fn=1, threshold=0.08, max_warmup_steps=1)))
     counting = CountingBackend()
     out = s.compiled_check(CompileSettings(backend=counting))
     assert counting.graphs >= 1 and counting.runs > 0  # the blocks really ran compiled
-    assert out["ok"] and out["quality"]["passed"] and out["method"] == "block lists: blocks" and out["regions"] > 0
-    assert out["compiled_s"] > 0 and out["eager_s"] > 0 and out["compile_s"] >= 0
+    assert out.ok and out.quality["passed"] and out.method == "block lists: blocks" and out.regions > 0
+    assert out.compiled_s > 0 and out.eager_s > 0 and out.compile_s >= 0
     assert not any("_compiled_call_impl" in m.__dict__ for m in pipe.transformer.modules())
     assert "forward" not in pipe.transformer.__dict__
-    assert s.write_results()["compiled"]["ok"]
+    assert s.write_results().compiled.ok
 
 
 def test_compile_cost_estimate_is_not_fooled_by_cheap_cached_steps():

@@ -141,13 +141,13 @@ def test_ulysses_and_cfg_with_a_static_cache_and_compile_pass_parity(root, tmp_p
     by = {r.name: r for r in results}
     for name in plans:
         r = by[name]
-        assert r.passed, (name, r.quality["reasons"])
+        assert r.passed, (name, r.quality.reasons)
         assert r.reference == "single+cache"
         assert r.details["compiled"].endswith("(aot_eager)"), r.details["compiled"]
         # the static mask decided: steps 2 and 4 (0-based) reuse the cache, per branch of true CFG
         assert set(r.details["cached_steps"]) == {2, 4}, r.details["cached_steps"]
         assert r.baseline_quality is not None
-    assert by["ulysses2+cache+compile"].details["sharding"]["check"], by["ulysses2+cache+compile"].details["sharding"]
+    assert by["ulysses2+cache+compile"].details["sharding"].check, by["ulysses2+cache+compile"].details["sharding"]
     assert by["cfg2+cache+compile"].details["cfg_stats"]["exchanges"] > 0
 
 

@@ -23,12 +23,12 @@ def test_intake_runs_end_to_end(flux_card, tmp_path, monkeypatch):
     outcome = start_run(flux_card, stages=["intake"], run_id="e2e", outputs_root=tmp_path, log=lambda s: None)
     assert outcome.ok, outcome.failure
     res = outcome.run.read_results("intake")
-    assert res["placement"] == {"device": "cpu", "dtype": "float32"}
-    keys = {r["key"] for r in res["images"]}
+    assert res.placement == {"device": "cpu", "dtype": "float32"}
+    keys = {r.key for r in res.images}
     assert keys == {"p0_s0", "p0_s1", "p1_s0", "p1_s1"}
-    for row in res["images"]:
-        arr = np.load(outcome.run.path / "intake" / row["npy"])
-        png = np.asarray(Image.open(outcome.run.path / "intake" / row["png"]))
+    for row in res.images:
+        arr = np.load(outcome.run.path / "intake" / row.npy)
+        png = np.asarray(Image.open(outcome.run.path / "intake" / row.png))
         assert arr.dtype == np.float32 and arr.shape == (32, 32, 3) and np.isfinite(arr).all()
         assert np.abs(png / 255.0 - arr).max() <= 1 / 255 + 1e-6
     # different seeds give different images; the same seed is reproducible

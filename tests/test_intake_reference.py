@@ -56,7 +56,7 @@ def test_reference_found_defaults_and_exact_command(tmp_path):
     assert cli.startswith("ditbook run ") and str(card) in cli and "--stages intake" in cli
     # the recorded call is exact: re-running it gives the baseline bit for bit ...
     kwargs = ref["baseline_command"]["call_kwargs"]
-    base = np.load(ctx.dir / result.images[0]["npy"])
+    base = np.load(ctx.dir / result.images[0].npy)
     again = to_image(pipe(prompt="a red square", generator=make_generator(3), **kwargs))
     assert np.array_equal(again, base)
     # ... and a call that drops an argument (the pipeline default steps instead) does not

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ditbook.benchmark.synthetic import CARD
+from synthetic_run import CARD
 from ditbook.context import open_stage, project_root, resolve_from_root
 
 REPO = Path(__file__).resolve().parents[1]

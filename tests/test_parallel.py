@@ -43,11 +43,11 @@ def _assert_passed(results, names):
     by = {r.name: r for r in results}
     for n in names:
         r = by[n]
-        print(f"{n}: PSNR {r.quality['psnr_min']} dB, SSIM {r.quality['ssim_min']}, "
-              f"worst tile {r.quality['worst_tile_psnr']}, speedup {r.speedup:.2f}")
-        assert r.passed, (n, r.quality["reasons"])
-        assert r.quality["psnr_min"] > 35 and r.quality["ssim_min"] > 0.90
-        assert r.quality["worst_tile_psnr"] > 25
+        print(f"{n}: PSNR {r.quality.psnr_min} dB, SSIM {r.quality.ssim_min}, "
+              f"worst tile {r.quality.worst_tile_psnr}, speedup {r.speedup:.2f}")
+        assert r.passed, (n, r.quality.reasons)
+        assert r.quality.psnr_min > 35 and r.quality.ssim_min > 0.90
+        assert r.quality.worst_tile_psnr > 25
         assert r.seconds and r.seconds > 0 and r.speedup and r.speedup > 0
     return by
 
@@ -141,7 +141,7 @@ def test_thirdparty_derived_cp_plan(root, tmp_path):
     assert u["attention"]["cp_calls"] > 0 and u["attention"]["gqa_calls"] > 0
     code = load_plan_code(u["cp_plan_file"])
     assert set(code.plan) == {"x_embedder", "context_embedder", "rotary", "norm_out"}
-    check = u["sharding"]["check"]
+    check = u["sharding"].check
     assert check and check["per_rank"] == {"blocks": [[8], [8]]}, u["sharding"]
 
 

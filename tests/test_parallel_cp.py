@@ -72,12 +72,13 @@ def test_sharding_check_fails_unsplit_and_double_split_records():
 
 def test_judge_fails_a_cp_plan_without_a_verified_split():
     from ditbook.parallel.launch import sharding_failure
+    from ditbook.records import Sharding
     from ditbook.parallel.plans import parse_plan
 
     u2 = parse_plan("ulysses2")
     assert "ShardingError" in sharding_failure(u2, None)
-    assert "ShardingError" in sharding_failure(u2, {"error": "ShardingError: x", "check": None})
-    assert sharding_failure(u2, {"error": None, "check": {"degree": 2}}) is None
+    assert "ShardingError" in sharding_failure(u2, Sharding(error="ShardingError: x"))
+    assert sharding_failure(u2, Sharding(check={"degree": 2})) is None
     assert sharding_failure(parse_plan("cfg2"), None) is None
 
 
@@ -177,12 +178,12 @@ def test_ulysses_with_cache_on_an_unregistered_model_uses_ditbooks_adapter(tmp_p
     r, c = results
     d = r.details
     assert d["cache_adapter"].startswith("ditbook"), d.get("cache_adapter")
-    assert r.passed, (r.quality["reasons"], r.error)
-    assert d["sharding"]["error"] is None
-    assert d["sharding"]["check"]["per_rank"] == {"blocks": [[32], [32]]}  # 64 image tokens / 2
+    assert r.passed, (r.quality.reasons, r.error)
+    assert d["sharding"].error is None
+    assert d["sharding"].check["per_rank"] == {"blocks": [[32], [32]]}  # 64 image tokens / 2
     assert d["cache_agreement"]["skips"] > 0 and d["cache_agreement"]["disagreements"] == 0
     # cache together with CFG parallel: each rank caches its own branch
-    assert c.passed, c.quality["reasons"]
+    assert c.passed, c.quality.reasons
     assert c.details["cache_adapter"].startswith("ditbook") and c.details["cached_steps"]
     assert c.details["cfg_stats"]["exchanges"] > 0
 
@@ -200,9 +201,9 @@ def test_judge_fails_a_launched_plan_that_splits_nothing(tmp_path):
     ov = {"generation.prompts": ["a red circle"], "generation.seeds": [0], "runtime.device": "cpu",
           "runtime.dtype": "float32"}
     (r,) = run_plans(card, ["ulysses2"], 2, tmp_path / "run", overrides=ov, timeout=90, cp_plan_file=str(plan_file))[0]
-    assert r.quality["psnr_min"] > 60  # parity alone would pass it
+    assert r.quality.psnr_min > 60  # parity alone would pass it
     assert not r.passed and r.error.startswith("ShardingError"), (r.passed, r.error)
-    assert r.details["sharding"]["ranks"][0]["block_inputs"]["blocks"]["seq_lens"]["hidden_states"] == [64]
+    assert r.details["sharding"].ranks[0].block_inputs["blocks"]["seq_lens"]["hidden_states"] == [64]
 
 
 def test_cfg_split_check_fails_ranks_that_each_run_both_branches():
@@ -227,21 +228,21 @@ def test_judge_fails_a_cfg_plan_whose_ranks_compute_both_branches(tmp_path):
     right style the same plan passes and is verified."""
     from ditbook import zoo
     from ditbook.parallel import run_plans
-    from ditbook.parallel.stage import block_sequence_lengths
+    from ditbook.records import ShardingSummary
 
     card = zoo.build("thirdparty", tmp_path)
     ov = {"generation.prompts": ["a red circle"], "generation.seeds": [0], "runtime.device": "cpu",
           "runtime.dtype": "float32"}
     (bad,) = run_plans(card, ["cfg2"], 2, tmp_path / "bad", overrides=ov, timeout=90, cfg_style="batched")[0]
-    assert bad.quality["psnr_min"] > 60  # parity alone would pass it
+    assert bad.quality.psnr_min > 60  # parity alone would pass it
     assert not bad.passed and bad.error.startswith("CfgSplitError"), (bad.passed, bad.error)
     (good,) = run_plans(card, ["cfg2"], 2, tmp_path / "good", overrides=ov, timeout=90, cfg_style="separate")[0]
     assert good.passed, good.error
-    rec = block_sequence_lengths(good.details["sharding"])
-    assert rec["verified"] is True
-    split = good.details["sharding"]["cfg_check"]["per_list"]["blocks"]
+    rec = ShardingSummary.of(good.details["sharding"])
+    assert rec.verified is True
+    split = good.details["sharding"].cfg_check["per_list"]["blocks"]
     assert all(0 < r < split["reference_rows"] for r in split["rows"]), split
-    assert sum(rec["rows_per_rank"][0].values()) > 0
+    assert sum(rec.rows_per_rank[0].values()) > 0
 
 
 def test_cfg_parallel_with_a_cache_makes_no_call_the_other_rank_does_not(tmp_path):
@@ -266,7 +267,7 @@ def test_cfg_parallel_with_a_cache_makes_no_call_the_other_rank_does_not(tmp_pat
     assert "timed out" not in str(r.error) and "timeout" not in str(r.error).lower(), r.error
     assert r.passed, r.error
     assert r.details["cfg_stats"]["one_branch_caches"] >= 1
-    later = {k: v for k, v in r.details["sharding"]["cfg_check"]["per_list"].items() if k.startswith("blocks.1.")}
+    later = {k: v for k, v in r.details["sharding"].cfg_check["per_list"].items() if k.startswith("blocks.1.")}
     assert later and all(max(v["rows"]) < v["reference_rows"] for v in later.values()), later
     assert r.details["cached_steps"], "the cache skipped nothing"
 

@@ -53,24 +53,24 @@ def test_tp_vae_te_match_one_process_and_record_the_split(tmp_path):
     by = {r.name: r for r in results}
     for name in KINDS:
         r = by[name]
-        assert r.passed and r.error is None, (name, r.quality["reasons"])
-        assert r.quality["psnr_min"] > 35 and r.quality["ssim_min"] > 0.9
-    tp = by["tp2"].details["sharding"]["kinds"]["tp"]["check"]
+        assert r.passed and r.error is None, (name, r.quality.reasons)
+        assert r.quality.psnr_min > 35 and r.quality.ssim_min > 0.9
+    tp = by["tp2"].details["sharding"].kinds["tp"].check
     assert tp["source"] == "diffusers _tp_plan" and tp["sharded_weights"] > 0
     assert tp["local_weight_elements"] == [tp["global_weight_elements"] // 2] * 2
-    rank1 = by["tp2"].details["sharding"]["ranks"][1]["kinds"]["tp"]
+    rank1 = by["tp2"].details["sharding"].ranks[1].kinds["tp"]
     q = next(s for s in rank1["sharded"] if s["name"] == "transformer_blocks.0.attn.to_q.weight")
     assert q["local"][0] * 2 == q["global"][0] and q["placement"] == "S(0)"
     assert rank1["activations"]["transformer_blocks.0.attn.to_q"]["local"] * 2 == \
         rank1["activations"]["transformer_blocks.0.attn.to_q"]["global"]
-    vae = by["vae2"].details["sharding"]["kinds"]["vae"]["check"]
+    vae = by["vae2"].details["sharding"].kinds["vae"].check
     assert vae["bands"] == [[0, vae["latent_height"] // 2], [vae["latent_height"] // 2, vae["latent_height"]]]
     assert min(vae["halo_exchanges"]) > 0 and min(vae["norms_all_reduced"]) > 0 and min(vae["attention_gathers"]) > 0
-    te = by["te2"].details["sharding"]["kinds"]["te"]["check"]
+    te = by["te2"].details["sharding"].kinds["te"].check
     assert set(te["ran_by_rank"]["0"]) == {"text_encoder"} and set(te["ran_by_rank"]["1"]) == {"text_encoder_2"}
     ring = by["ring2"].details["sharding"]
-    assert ring["kinds"]["ring"]["check"]["exchanges"][0] > 0 and not ring["error"] and ring["check"]
-    lengths = ring["kinds"]["ring"]["check"]["local_lengths"][1]["transformer_blocks.0.attn"]
+    assert ring.kinds["ring"].check["exchanges"][0] > 0 and not ring.error and ring.check
+    lengths = ring.kinds["ring"].check["local_lengths"][1]["transformer_blocks.0.attn"]
     assert lengths == [[40, 40]]  # (16 text + 64 image tokens) / 2 on each rank
 
 
@@ -84,13 +84,13 @@ def test_a_plan_that_splits_nothing_fails_with_a_named_error(tmp_path):
              "ring2": "RingShardingError"}
     for name, error in named.items():
         r = by[name]
-        assert r.quality["psnr_min"] > 35  # parity alone cannot see it
+        assert r.quality.psnr_min > 35  # parity alone cannot see it
         assert not r.passed and r.error.startswith(error + ":"), (name, r.error)
     assert "planned weights are whole" in by["tp2"].error
     assert "expected 1/2 of it" in by["vae2"].error
     assert "every rank ran the encoder" in by["te2"].error
     assert "no attention call went round the ring" in by["ring2"].error
-    assert by["ring2"].details["sharding"]["error"].startswith("ShardingError")  # the block inputs were whole too
+    assert by["ring2"].details["sharding"].error.startswith("ShardingError")  # the block inputs were whole too
 
 
 def test_derived_tensor_plan_and_gqa_refusal(tmp_path):

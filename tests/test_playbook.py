@@ -35,12 +35,12 @@ def test_every_stage_on_the_reference_model(tmp_path, monkeypatch):
     assert meta["status"] == "finished"
     assert [s.stage for s in outcome.stages] == ["intake", "inspect", "cache", "parallel", "benchmark"]
     # each stage read what the earlier ones wrote
-    assert run.read_results("inspect")["plan_hash"]
+    assert run.read_results("inspect").plan_hash
     cache = run.read_results("cache")
-    assert cache["chosen"]["name"] == "scm"
-    assert (run.path / "cache" / cache["adapter_module"]).is_file()
+    assert cache.chosen.name == "scm"
+    assert (run.path / "cache" / cache.adapter_module).is_file()
     par = run.read_results("parallel")
-    assert [p["name"] for p in par["plans"]] == ["ulysses2"] and par["plans"][0]["passed"]
+    assert [p.name for p in par.plans] == ["ulysses2"] and par.plans[0].passed
     bench = json.loads((run.path / "benchmark" / "results.json").read_text())
     measured = [r for r in bench["summary"] if r["source"] == "measured here"]
     # the tuned cache configuration was re-measured in the benchmark's own process

@@ -14,9 +14,9 @@ def test_set_settings_land_in_the_card_ditbook_reads(tmp_path):
     card = tmp_path / "real_flux.yaml"
     real_scale.write_card("flux", tmp_path / "pipeline", {"pipeline": "FluxPipeline",
                                                           "transformer": "FluxTransformer2DModel"}, card,
-                          settings=["cache.fp8=true", "cache.fp8_keep=[0.0, 0.5]", "benchmark.compile=true"])
+                          settings=["cache.fp8=true", "cache.fp8_keep=[0.0, 0.5]", "runtime.compile=true"])
     c = load_card(str(card), {})
-    assert c.cache.fp8 is True and c.cache.fp8_keep == [0.0, 0.5] and c.benchmark.compile is True
+    assert c.cache.fp8 is True and c.cache.fp8_keep == [0.0, 0.5] and c.runtime.compile is True
     # the shape's own settings stay, and the shared table is not changed for the next card
     assert c.cache.strategies == real_scale.CARDS["flux"]["cache"]["strategies"] and c.generation.steps == 20
     assert "fp8" not in real_scale.CARDS["flux"]["cache"]

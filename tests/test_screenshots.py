@@ -17,7 +17,7 @@ import pytest
 
 from ditbook.benchmark import screenshots
 from ditbook.benchmark.report import build_report
-from ditbook.benchmark.synthetic import make_synthetic_run
+from synthetic_run import make_synthetic_run
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"

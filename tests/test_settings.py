@@ -284,15 +284,15 @@ def test_parallel_judge_applies_the_cards_gates(tmp_path, monkeypatch):
     strict, loose = gated_card(tmp_path, 40, 39), gated_card(tmp_path, 36, 35)
     got = {r.name: r for r in launch_mod.judge(result, ["ulysses2", "ulysses2+cache"], strict.parallel.gates,
                                                strict.cache.gates)}
-    assert not got["ulysses2"].passed and not got["ulysses2+cache"].baseline_quality["passed"]
+    assert not got["ulysses2"].passed and not got["ulysses2+cache"].baseline_quality.passed
     assert got["ulysses2"].gates["quality"]["psnr"] == 39
     got = {r.name: r for r in launch_mod.judge(result, ["ulysses2", "ulysses2+cache"], loose.parallel.gates,
                                                loose.cache.gates)}
-    assert got["ulysses2"].passed and got["ulysses2+cache"].baseline_quality["passed"]
+    assert got["ulysses2"].passed and got["ulysses2+cache"].baseline_quality.passed
     # run_plans (the stage and `ditbook parallel`) reads the card's gates, after its overrides
     monkeypatch.setattr(launch_mod, "launch", lambda *a, **k: result)
     results, _ = launch_mod.run_plans(strict.card_path, ["ulysses2"], 2, tmp_path)
-    assert not results[0].passed and "39" in " ".join(results[0].quality["reasons"])
+    assert not results[0].passed and "39" in " ".join(results[0].quality.reasons)
     results, _ = launch_mod.run_plans(strict.card_path, ["ulysses2"], 2, tmp_path,
                                       overrides={"parallel.gates.psnr": 35})
     assert results[0].passed
@@ -302,26 +302,25 @@ def test_benchmark_summary_and_result_md_apply_the_cards_gates(tmp_path):
     from ditbook.benchmark.inputs import read_inputs
     from ditbook.benchmark.report import write_result_md
     from ditbook.benchmark.stage import measure, save
-    from ditbook.benchmark.synthetic import FakePipeline, make_synthetic_run
+    from synthetic_run import FakePipeline, make_synthetic_run
     from ditbook.runs import RunFolder
 
     run_dir = make_synthetic_run(tmp_path, benchmark=False, parallel=False)
     run = RunFolder(run_dir)
     card_path = tmp_path / "synthetic.yaml"
     out = {}
-    for psnr in (30, 34):  # the cache stage recorded a configuration at 33 dB, 1.6x
+    for psnr in (30, 42):  # the cache stage confirmed "gentle" at 41.5 dB and "brisk" at 43.25 dB held-out
         card = load_card(card_path, {"cache.gates.psnr": psnr})
         ctx = SimpleNamespace(card=card, run=run)
         report = measure(ctx, FakePipeline(), [], warmup=0, repeats=1)  # the baseline only: no timing race
         results = save(ctx, report, read_inputs(run))
-        assert results["gates"]["cache"]["psnr"] == psnr and results["gates"]["cache+parallel"]["psnr"] == psnr
-        assert results["gates"]["parallel"]["psnr"] == card.parallel.gates.psnr
-        out[psnr] = (results["recommendation"], write_result_md(run_dir).read_text())
-    (rec30, md30), (rec34, md34) = out[30], out[34]
-    assert rec30["name"] == "recorded-dbcache" and "(gate > 30)" in md30 and "gate > 34" not in md30
-    assert rec34["name"] == "baseline"
-    assert any(r.startswith("recorded-dbcache") and "not above 34" in r for r in rec34["rejected"])
-    assert "(gate > 34)" in md34  # the verdict judges the chosen configuration by the gates in force
+        assert results.gates["cache"].psnr == psnr and results.gates["cache+parallel"].psnr == psnr
+        assert results.gates["parallel"].psnr == card.parallel.gates.psnr
+        out[psnr] = ({r["name"]: r["why_not"] for r in results.verdict.refused}, write_result_md(run_dir).read_text())
+    (why30, md30), (why42, md42) = out[30], out[42]
+    assert why30["gentle"] == "not timed" and "(gate > 30)" in md30 and "gate > 42" not in md30
+    assert "does not pass the gates (PSNR > 42" in why42["gentle"] and why42["brisk"] == "not timed"
+    assert "(gate > 42)" in md42  # the verdict judges every candidate by the gates in force
 
 
 # -- approval covers the gates and the weights ------------------------------------------------
@@ -334,7 +333,9 @@ def approved_run(tmp_path):
     run = RunFolder.create(card, tmp_path / "outputs", run_id="r1")
     plan = build_plan(tiny_report(), None, card)
     write_plan(run.stage_dir("inspect"), plan)
-    run.write_results("inspect", {"plan_hash": plan["hash"]})
+    from ditbook.records import InspectResults
+
+    run.write_results("inspect", InspectResults(plan_hash=plan["hash"], transformer_class="T"))
     approve(card, run.stage_dir("inspect") / "plan.json")
     return load_card(card.card_path), run
 

@@ -87,7 +87,7 @@ def test_cache_refusal_is_recorded_and_the_remaining_stages_run(tmp_path):
     up = write_upstream(s)  # used to call block_adapter() on the refused adapter (AttributeError)
     assert up.example == "" and any("refused" in n for n in up.notes), up
     res = s.write_results()
-    assert res["refused"] == s.refused and res["chosen"] is None
+    assert res.refused == s.refused and res.chosen is None
 
     # parallel: the plans without +cache, the +cache ones not run with the refusal as their reason
     ctx = open_stage(str(card), str(run.path), "parallel", {})
@@ -105,9 +105,9 @@ def test_cache_refusal_is_recorded_and_the_remaining_stages_run(tmp_path):
     configs = discover_configs(ctx, inputs, [])
     assert not [c for c in configs if c.family == "cache"]
     out = save(ctx, measure(ctx, pipe, configs, warmup=0, repeats=1), inputs)
-    v = out["verdict"]
-    assert v["name"] == "baseline" and not v["ship"]
-    assert "refused caching" in v["reason"] and "no cache configuration passed" in v["reason"]
+    v = out.verdict
+    assert v.name == "baseline" and not v.ship
+    assert "refused caching" in v.reason, v.reason
     assert "refused caching" in headline(v)
 
 
@@ -157,9 +157,9 @@ def test_a_cache_plan_that_skipped_nothing_fails_with_its_named_error(tmp_path):
                        "sharding": {"ranks": [{"block_inputs": {}}], "cfg_check": {"per_list": {}}}}})
     by = {r.name: r for r in judge(result, ["ulysses2+cache"])}
     r = by["ulysses2+cache"]
-    assert r.quality["passed"] and not r.passed  # the images agree exactly: parity alone would pass it
+    assert r.quality.passed and not r.passed  # the images agree exactly: parity alone would pass it
     assert r.error.startswith("CacheSkippedNothing") and "ulysses2+cache" in r.error
-    assert any("CacheSkippedNothing" in x for x in r.quality["reasons"])
+    assert any("CacheSkippedNothing" in x for x in r.quality.reasons)
     # a cache that skipped steps is not failed by this check
     from ditbook.parallel.launch import cache_skip_failure
     from ditbook.parallel.plans import parse_plan
@@ -175,7 +175,7 @@ def test_a_drifting_baseline_gives_timing_unstable_instead_of_a_speedup():
     import time
 
     from ditbook.benchmark.measure import benchmark
-    from ditbook.benchmark.synthetic import FakePipeline
+    from synthetic_run import FakePipeline
     from ditbook.benchmark.verdict import checklist, headline, verdict
     from ditbook.configuration import Config
     from ditbook.render import make_generator, to_image
@@ -207,25 +207,33 @@ def test_a_drifting_baseline_gives_timing_unstable_instead_of_a_speedup():
     t = rep.to_dict()["timing"]
     assert t["stable"] is False and t["drift"] > 2 and (t["warmup"], t["repeats"]) == (1, 3), t
 
-    bench = {**rep.to_dict(), "summary": [{"name": "chosen[x=1]", "source": "measured here", "speedup": 1.9,
-                                           "e2e_ms": 1.0, "psnr_min": 40.0, "ssim_min": 0.99, "passed": True}]}
-    cache = {"chosen": {"name": "chosen", "family": "cache", "config": {"x": 1}},
-             "chosen_detail": {"holdout_quality": {"psnr_min": 40.0, "ssim_min": 0.99, "n": 2}}}
+    from records_fixtures import cache_record, holdout_row
+
+    from ditbook.records import BenchmarkResults, ConfigRow, TimingState, decode
+
+    data = rep.to_dict()
+    rows = [decode(ConfigRow, c, "configs") for c in data["configs"]]
+    for r in rows:
+        if r.name == "chosen[x=1]":
+            r.speedup, r.psnr_min, r.ssim_min, r.passed = 1.9, 40.0, 0.99, True
+    bench = BenchmarkResults(device="cpu", warmup=0, repeats=1, baseline=decode(ConfigRow, data["baseline"], "b"),
+                             configs=rows, timing=decode(TimingState, data["timing"], "timing"))
+    row = holdout_row("chosen", {"x": 1}, 40.0, 0.99, 0.5)
+    cache = cache_record([row], chosen=row)
     v = verdict(bench, cache)
-    assert not v["ship"] and v["speedup"] is None and "timing unstable" in v["reason"]
+    assert not v.ship and v.speedup is None and "timing unstable" in v.reason
     assert "timing unstable" in headline(v) and "1.90" not in headline(v)
     assert f"{t['drift']:.3f}" in headline(v)
     item = {c["item"]: c for c in checklist({}, {"benchmark": bench, "cache": cache}, v)}["timing stable"]
     assert item["ok"] is False and "timing unstable" in item["figure"] and f"{t['drift']:.3f}" in item["figure"]
     # the same record within the bound, and the chosen row's timings as fast as its 1.9x says (here the
     # stand-in row does nothing, so its real timings would allow a slowdown): reported, the row green
-    bench["timing"] = {**t, "drift": 1.02, "stable": True}
-    base = bench["baseline"]["timing"]["end_to_end"]
-    for c in bench["configs"]:
-        if c["name"] == "chosen[x=1]":
-            c["timing"]["end_to_end"].update(min=base["min"] / 1.9, max=base["max"] / 1.9)
+    bench.timing.drift, bench.timing.stable = 1.02, True
+    base = bench.baseline.timing["end_to_end"]
+    base.update(min=base["median"], max=base["median"])  # a steady baseline, its row 1.9x as fast
+    bench.row("chosen[x=1]").timing["end_to_end"].update(min=base["median"] / 1.9, max=base["median"] / 1.9)
     v = verdict(bench, cache)
-    assert v["ship"] and v["speedup"] == 1.9
+    assert v.ship and v.speedup == 1.9
     assert {c["item"]: c for c in checklist({}, {"benchmark": bench, "cache": cache}, v)}["timing stable"]["ok"]
 
 
@@ -248,7 +256,7 @@ def test_a_plan_failing_in_one_rank_is_recorded_and_the_others_run(tmp_path, mon
     assert by["cfg2"].passed and by["ring2"].passed, (by["cfg2"].error, by["ring2"].error)
     bad = by["ulysses2"]
     assert not bad.passed and bad.error.startswith("InjectedFault") and "(rank 1)" in bad.error, bad.error
-    assert bad.quality["reasons"] == [bad.error] and bad.seconds is None
+    assert bad.quality is None and bad.seconds is None  # no figures: its named error says why
     assert [a["failed"] for a in launch.attempts] == ["ulysses2", None]
     assert launch.attempts[1]["plans"] == ["single", "ring2"]  # the rest, with its reference again
     assert (tmp_path / "run" / "launch.1.log").is_file() and (tmp_path / "run" / "launch.log").is_file()

@@ -56,12 +56,12 @@ def test_strategy_skips_blocks_and_disabled_reproduces(session, name):
     strat = accel.get(name)
     assert strat.applicable(s.adapter) is None
     off = _eval(s, name, strat.disabled(s.adapter, s.card.generation.steps))
-    assert off.error is None and off.skipped_fraction == 0.0 and off.quality["max_abs"] == 0.0, off
+    assert off.error is None and off.skipped_fraction == 0.0 and off.quality.max_abs == 0.0, off
     _untouched(s)
     assert strat.Settings(**SKIPPING[name]) in strat.grid(s.adapter, s.card.generation.steps)
     best = _eval(s, name, strat.Settings(**SKIPPING[name]))
     assert best.error is None and best.skipped_fraction > 0.2, best
-    assert best.passed and best.quality["psnr_min"] > 30, best
+    assert best.passed and best.quality.psnr_min > 30, best
     _untouched(s)
 
 
@@ -79,7 +79,7 @@ def test_quality_check_sees_a_wrong_forecast(session, monkeypatch):
                         lambda slot, t, p: (lambda g: g and (-g[0], g[1]))(right(slot, t, p)))
     bad = _eval(s, "meancache", cfg)
     assert good.passed and good.skipped_fraction > 0
-    assert bad.skipped_fraction > 0 and not bad.passed and bad.quality["psnr_min"] < good.quality["psnr_min"] - 10
+    assert bad.skipped_fraction > 0 and not bad.passed and bad.quality.psnr_min < good.quality.psnr_min - 10
     _untouched(s)
 
 
@@ -118,7 +118,7 @@ def test_pab_runs_on_third_party_attention(session):
     targets = attention_targets(s.adapter.original_blocks())
     assert [type(m).__name__ for m in targets] == ["TinyGQAAttention"] * s.adapter.info.block_lists[0].length
     off = _eval(s, "diffusers_pab", pab.disabled(s.adapter, s.card.generation.steps))
-    assert off.error is None and off.quality["max_abs"] == 0.0 and off.attention_skipped_fraction == 0.0, off
+    assert off.error is None and off.quality.max_abs == 0.0 and off.attention_skipped_fraction == 0.0, off
     on = _eval(s, "diffusers_pab", pab.Settings(skip_range=2, window_low=50, window_high=950))
     assert on.error is None and on.attention_skipped_fraction > 0.2, on
     for m in s.pipe.transformer.modules():

@@ -128,15 +128,9 @@ def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
     return out
 
 
-# imports still to be moved into the technique layer (issue 38): exactly these, shrinking to none
-PENDING = {
-    "ditbook.benchmark.inputs -> ditbook.cache (a stage importing another stage)",
-}
-
-
 def test_layers_hold_and_no_stage_imports_another():
     bad = layer_violations(import_graph())
-    assert set(bad) == PENDING, "imports against the layers:\n" + "\n".join(sorted(set(bad) - PENDING))
+    assert bad == [], "imports against the layers:\n" + "\n".join(bad)
 
 
 def test_package_graph_has_no_cycle():

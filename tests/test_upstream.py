@@ -43,7 +43,7 @@ def stage(tmp_path_factory):
     s = session_for(card, run, pipe, report, only=["dbcache"], max_configs=2)
     s.noise_floor(other_backend=False)
     s.tune()
-    assert s.choose() is not None and s.chosen["name"] == "dbcache"
+    assert s.choose() is not None and s.chosen.name == "dbcache"
     up = write_upstream(s)
     cp = resolve_cp_plan(pipe.transformer, capture=lambda: capture_transformer_call(pipe, s.card))
     return s, up, plan_to_jsonable(cp.plan), tmp
@@ -159,9 +159,9 @@ def test_reproduction_started_ahead_gives_the_fresh_process_result_and_catches_a
     assert ahead is not None and ahead.proc.poll() is None
     warm = s.reproduce()
     assert s._ahead is None and ahead.proc.returncode == 0
-    assert warm["ran"] and warm["ok"] and warm["max_abs"] <= s.card.cache.reproduce_tolerance, warm
+    assert warm.ran and warm.ok and warm.max_abs <= s.card.cache.reproduce_tolerance, warm
     cold = s.reproduce()  # no process ahead now: started at its turn
-    assert cold["ok"] and cold["per_image"] == warm["per_image"]
+    assert cold.ok and cold.per_image == warm.per_image
 
     module = s.ctx.dir / f"{s.adapter.info.module_name}.py"
     saved = tmp / "saved_adapter.py"
@@ -170,7 +170,7 @@ def test_reproduction_started_ahead_gives_the_fresh_process_result_and_catches_a
         module.write_text(module.read_text().replace("ForwardPattern.Pattern_0", "ForwardPattern.Pattern_1"))
         s.start_reproduction()
         broken = s.reproduce()
-        assert broken["ran"] and not broken["ok"], broken
+        assert broken.ran and not broken.ok, broken
     finally:
         shutil.copy(saved, module)
 

@@ -112,10 +112,10 @@ def test_save_renders_stores_all_frames_and_a_row_of_frames(tmp_path):
 
     v = clip()
     rows = save_renders([Render("a red circle moving right", 0, v, 0.1, "p0_s0")], tmp_path / "images")
-    assert rows[0]["frames"] == 9 and rows[0]["shape"] == [9, 32, 32, 3]
+    assert rows[0].frames == 9 and rows[0].shape == [9, 32, 32, 3]
     back = load_images(tmp_path, rows)["p0_s0"]
     assert back.shape == v.shape and np.array_equal(back, v)
-    png = np.asarray(Image.open(tmp_path / rows[0]["png"]))
+    png = np.asarray(Image.open(tmp_path / rows[0].png))
     assert png.shape == (32, 9 * 33 - 1, 3)
     assert np.array_equal(png[:, 33 * 8:], (v[8] * 255).round().astype(np.uint8))  # the last frame is there
 
@@ -137,8 +137,8 @@ def test_a_long_videos_pictures_show_a_bounded_choice_of_frames_and_the_npy_keep
     shown = preview_frames(81)
     assert len(shown) == PREVIEW_FRAMES and shown[0] == 0 and shown[-1] == 80
     rows = save_renders([Render("long", 0, v, 0.1, "p0_s0")], tmp_path / "images")
-    assert rows[0]["png_frames"] == shown and np.array_equal(load_images(tmp_path, rows)["p0_s0"], v)
-    png = np.asarray(Image.open(tmp_path / rows[0]["png"]))
+    assert rows[0].png_frames == shown and np.array_equal(load_images(tmp_path, rows)["p0_s0"], v)
+    png = np.asarray(Image.open(tmp_path / rows[0].png))
     assert png.shape == (24, PREVIEW_FRAMES * 601 - 1, 3)
     assert np.array_equal(png[:, 601 * 4: 601 * 4 + 600], (v[shown[4]] * 255).round().astype(np.uint8))
     fig = baseline_sheet([Render("long", 0, v, 0.0, "p0_s0")])
@@ -221,17 +221,17 @@ def test_benchmark_and_report_of_a_video_pipeline_judge_every_frame(tmp_path):
     (``.frames`` output, 5 frames; no weights needed): every configuration is judged frame by
     frame, the grid is drawn as rows of frames and the report says so."""
     from ditbook.benchmark.report import build_report, write_result_md
-    from ditbook.benchmark.synthetic import make_synthetic_run
+    from synthetic_run import make_synthetic_run
     from ditbook.runs import RunFolder
 
     run = RunFolder(make_synthetic_run(tmp_path, frames=5, repeats=1, parallel=False))
     res = run.read_results("benchmark")
-    assert res["video"]["frames"] == 5 and res["video"]["reduce"] == FRAME_REDUCE
-    assert res["grid_videos"] == {"frames": 5}
-    rows = {r["name"]: r for r in res["configs"]}
-    assert rows["gentle"]["passed"] and not rows["rough"]["passed"]
-    assert any("of 5: PSNR" in reason for reason in rows["rough"]["reasons"]), rows["rough"]["reasons"]
-    stored = np.load(run.stage_dir("benchmark") / res["images"]["baseline"][0]["npy"])
+    assert res.video["frames"] == 5 and res.video["reduce"] == FRAME_REDUCE
+    assert res.grid_videos == {"frames": 5}
+    rows = {r.name: r for r in res.configs}
+    assert rows["gentle"].passed and not rows["rough"].passed
+    assert any("of 5: PSNR" in reason for reason in rows["rough"].reasons), rows["rough"].reasons
+    stored = np.load(run.stage_dir("benchmark") / res.images["baseline"][0]["npy"])
     assert stored.shape == (5, 8, 8, 3)
     html = (build_report(run.path)).read_text()
     assert "a row of 5 frames" in html and "cases are videos of 5 frames" in html
@@ -241,13 +241,17 @@ def test_benchmark_and_report_of_a_video_pipeline_judge_every_frame(tmp_path):
 def test_a_cfg_split_counts_as_verified_sharding_in_the_checklist():
     """A CFG-parallel plan splits the branches, not the sequence: its record is ``cfg_check``
     (degree 1, no sequence ``check``); the checklist read it as 'not recorded'."""
-    from ditbook.benchmark.verdict import _sharding_verified
+    from ditbook.records import Sharding, ShardingSummary, decode
+
+    def verified(rec: dict) -> bool | None:
+        return ShardingSummary.of(decode(Sharding, rec, "test")).verified
 
     rows = {"blocks": {"rows": [24, 24], "reference_rows": 48, "allowed": 24.0}}
-    cfg = {"degree": 1, "check": None, "error": None, "kinds": {}, "cfg_check": {"degree": 2, "per_list": rows}}
-    assert _sharding_verified({"details": {"sharding": cfg}}) is True
-    assert _sharding_verified({"details": {"sharding": {**cfg, "cfg_check": None}}}) is False  # split unproven
-    assert _sharding_verified({"details": {"sharding": {"degree": 1, "check": None, "error": None}}}) is None
+    cfg = {"degree": 1, "check": None, "error": None, "kinds": {}, "ranks": [], "split_cfg": True,
+           "cfg_check": {"degree": 2, "per_list": rows}}
+    assert verified(cfg) is True
+    assert verified({**cfg, "cfg_check": None}) is False  # split unproven
+    assert verified({"degree": 1, "check": None, "error": None, "ranks": []}) is None
 
 
 # -- the five stages on the video reference card ----------------------------------------------
@@ -301,22 +305,22 @@ def test_five_stages_on_the_video_reference(tmp_path, monkeypatch):
 
     # intake: the baseline is the whole video, its sheet a row of frames
     intake = run.read_results("intake")
-    row = intake["images"][0]
-    assert row["frames"] == 9 and np.load(run.stage_dir("intake") / row["npy"]).shape == (9, 32, 32, 3)
-    stored = load_images(run.stage_dir("intake"), intake["images"])
+    row = intake.images[0]
+    assert row.frames == 9 and np.load(run.stage_dir("intake") / row.npy).shape == (9, 32, 32, 3)
+    stored = load_images(run.stage_dir("intake"), intake.images)
     wrong = {k: np.concatenate([v[:1], v[:0:-1]]) for k, v in stored.items()}  # frames 1..8 reversed
     assert compare_sets({k: v[0] for k, v in wrong.items()}, {k: v[0] for k, v in stored.items()}).passed
     assert not compare_sets(wrong, stored).passed, "the stored baseline holds every frame, and they are judged"
     # cache and parallel: judged frame by frame (the set says how frames were reduced)
     cache = run.read_results("cache")
-    judged = [s for s in cache["strategies"] if (s.get("quality") or {}).get("n")]
-    assert any(s["skipped_fraction"] > 0 for s in judged), "a configuration that skips work was judged"
-    assert all("min over its frames" in s["quality"]["frame_reduce"] for s in judged)
-    assert all(q["frames"]["count"] == 9 for s in judged for q in s["quality"]["per_image"].values())
+    judged = [s for s in cache.strategies if s.quality is not None and s.quality.n]
+    assert any(s.skipped_fraction > 0 for s in judged), "a configuration that skips work was judged"
+    assert all("min over its frames" in s.quality.frame_reduce for s in judged)
+    assert all(q["frames"]["count"] == 9 for s in judged for q in s.quality.per_image.values())
     par = run.read_results("parallel")
-    plan = par["plans"][0]
-    assert plan["name"] == "cfg2" and plan["passed"], plan
-    assert "min over its frames" in plan["quality"]["frame_reduce"]
+    plan = par.plans[0]
+    assert plan.name == "cfg2" and plan.passed, plan
+    assert "min over its frames" in plan.quality.frame_reduce
     # benchmark: videos stated, grid of frames, report says so
     bench = json.loads((run.path / "benchmark" / "results.json").read_text())
     assert bench["video"]["frames"] == 9 and bench["grid_videos"] == {"frames": 9}
@@ -327,13 +331,18 @@ def test_five_stages_on_the_video_reference(tmp_path, monkeypatch):
 
 def test_the_checklist_reads_each_parallel_kinds_own_record():
     """tp / te / vae plans prove their split in ``kinds`` (no sequence check): the checklist counts
-    that as verified, a kind's error as failed, and a kind without its record as not recorded."""
-    from ditbook.benchmark.verdict import _sharding_verified
+    that as verified, a kind's error or a kind left unchecked as failed, and a plan that splits nothing
+    as not recorded (the parallel stage's per-plan record, ``records.ShardingSummary``)."""
+    from ditbook.records import Sharding, ShardingSummary, decode
 
-    tp = {"degree": 2, "check": None, "error": None,
+    def block_sequence_lengths(rec: dict) -> dict:
+        return ShardingSummary.of(decode(Sharding, rec, "test")).to_dict()
+
+    tp = {"degree": 1, "check": None, "error": None, "ranks": [],
           "kinds": {"tp": {"check": {"sharded_weights": 44, "local_weight_elements": [8, 8]}, "error": None}}}
-    assert _sharding_verified({"details": {"sharding": tp}}) is True
+    assert block_sequence_lengths(tp)["verified"] is True
     broken = {**tp, "kinds": {"tp": {"check": None, "error": "TensorParallelNoOp: nothing sharded"}}}
-    assert _sharding_verified({"details": {"sharding": broken}}) is False
+    assert block_sequence_lengths(broken)["verified"] is False
     silent = {**tp, "kinds": {"tp": {"check": None, "error": None}}}
-    assert _sharding_verified({"details": {"sharding": silent}}) is None
+    assert block_sequence_lengths(silent)["verified"] is False
+    assert block_sequence_lengths({**tp, "kinds": {}})["verified"] is None

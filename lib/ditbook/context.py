@@ -28,11 +28,13 @@ class StageContext:
     def dir(self) -> Path:
         return self.run.stage_dir(self.stage)
 
-    def results(self, stage: str) -> dict:
+    def results(self, stage: str):
+        """Another stage's record (``ditbook.records``)."""
         return self.run.read_results(stage)
 
-    def write_results(self, results: dict) -> Path:
-        return self.run.write_results(self.stage, results)
+    def write_results(self, record) -> Path:
+        """This stage's record as its ``results.json``."""
+        return self.run.write_results(self.stage, record)
 
     def load_pipeline(self, **kwargs):
         from .loading import load_pipeline
@@ -43,8 +45,7 @@ class StageContext:
         """The intake stage's baseline images, key -> float array."""
         from .render import load_images
 
-        res = self.run.read_results("intake")
-        return load_images(self.run.stage_dir("intake"), res["images"])
+        return load_images(self.run.stage_dir("intake"), self.run.read_results("intake").images)
 
     def require_approved_plan(self) -> dict:
         """The approved integration plan, or ``ApprovalError`` naming the command to approve."""

@@ -15,6 +15,7 @@ row's facts); everything a later stage decides on is typed.
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -56,6 +57,8 @@ def decode(tp: Any, value: Any, where: str) -> Any:
             return None
         return decode(members[0], value, where) if len(members) == 1 else value
     if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):  # already built (a record made in the same process)
+            return value
         if not isinstance(value, dict):
             raise RecordError(f"{where}: expected a mapping for {tp.__name__}, got {type(value).__name__}")
         return _build(tp, value, where)
@@ -131,7 +134,8 @@ class ImageRow(Part):
     npy: str
     seconds: float = 0.0
     shape: list[int] = field(default_factory=list)
-    frames: int | None = None  # a video's frame count (its PNG holds the frames in one row)
+    frames: int | None = None  # a video's frame count
+    png_frames: list[int] | None = None  # a video: the frames its PNG shows, in one row
 
 
 @dataclass
@@ -235,24 +239,29 @@ class Fp8Choice(Part):
     layers: list[str]
     candidates: int
     kept: list[str] = field(default_factory=list)
+    kept_share: float | None = None
     skipped_fraction: float | None = None
     holdout_quality: SetQuality | None = None
-    images: str | None = None  # the calibration images, for the fresh-process rerun
+    calibration_quality: SetQuality | None = None
+    images: str | None = None  # its calibration images, for the fresh-process rerun
 
 
 @dataclass
 class Fp8Search(Part):
+    """Card ``cache.fp8``: the chosen strategy searched again with block linears in fp8."""
+
     ran: bool = False
     reason: str | None = None
     refused: str | None = None
     chosen: Fp8Choice | None = None
-    quantizer: str | None = None
+    quantization: str | None = None
     shipped_quantizer: bool = False
-    keep: list[float] = field(default_factory=list)
-    sensitivity: list[dict] = field(default_factory=list)
-    tries: list[dict] = field(default_factory=list)
-    left_out: list[str] = field(default_factory=list)
+    strategy: str | None = None
     candidates: int | None = None
+    left_out: list[str] = field(default_factory=list)
+    sensitivity: list[dict] = field(default_factory=list)
+    sensitivity_note: str | None = None
+    tries: list[dict] = field(default_factory=list)
 
 
 @dataclass
@@ -319,6 +328,66 @@ class PlanRow(Part):
 
 
 @dataclass
+class RankSplit(Part):
+    """What one rank's blocks received (``cp.sharding.BlockInputRecorder``), which parameters were
+    sharded there, and each rank-recording kind's own record (tp, vae, te, ditbook's ring)."""
+
+    block_inputs: dict = field(default_factory=dict)  # block list -> {seq_lens, entries, ...}
+    sharded_parameters: list[str] = field(default_factory=list)
+    kinds: dict = field(default_factory=dict)  # plan token -> that kind's per-rank record
+
+
+@dataclass
+class KindCheck(Part):
+    check: Any = None  # the kind's ``check`` result (None: not checked)
+    error: str | None = None  # the ShardingError it raised, named
+
+
+@dataclass
+class Sharding(Part):
+    """One launched plan's split, gathered from every rank by the worker and judged there (CP block
+    lengths against the unsplit trace) and in the launch (CFG rows against the reference)."""
+
+    ranks: list[RankSplit] = field(default_factory=list)
+    degree: int = 1  # the context-parallel degree
+    check: Any = None
+    error: str | None = None
+    kinds: dict[str, KindCheck] = field(default_factory=dict)
+    cfg_check: Any = None  # set by the launch for CFG-parallel plans (None: not checked or failed)
+    split_cfg: bool = False  # the plan splits the CFG branches (its cfg_check is due)
+
+    def verified(self) -> bool | None:
+        """True when every split the plan makes was checked on every rank's record: the block
+        sequence (CP), the CFG branches (rows entering the blocks), each kind's own record; None:
+        the plan splits nothing."""
+        checks = [bool(self.check) and not self.error] if self.degree > 1 else []
+        if self.cfg_check is not None or self.split_cfg:
+            checks.append(bool(self.cfg_check))
+        checks += [bool(k.check) and not k.error for k in self.kinds.values()]
+        return all(checks) if checks else None
+
+
+@dataclass
+class ShardingSummary(Part):
+    """Per plan in ``parallel/results.json``: per rank, per block list, the sequence lengths and
+    rows its blocks received, the sharded parameter count, and whether every split was verified."""
+
+    per_rank: list[dict] = field(default_factory=list)
+    sharded_parameters: list[int] = field(default_factory=list)
+    rows_per_rank: list[dict] = field(default_factory=list)
+    verified: bool | None = None
+    error: str | None = None
+    kinds: dict[str, KindCheck] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, s: Sharding) -> "ShardingSummary":
+        return cls([{n: rec["seq_lens"] for n, rec in r.block_inputs.items()} for r in s.ranks],
+                   [len(r.sharded_parameters) for r in s.ranks],
+                   [{n: rec.get("entries") for n, rec in r.block_inputs.items()} for r in s.ranks],
+                   s.verified(), s.error, s.kinds)
+
+
+@dataclass
 class NotRun(Part):
     name: str
     reason: str
@@ -336,7 +405,7 @@ class ParallelResults(StageRecord):
     gqa: dict = field(default_factory=dict)
     launch: dict | None = None
     cp_plan_file: str | None = None
-    sharding: dict = field(default_factory=dict)
+    sharding: dict[str, ShardingSummary | None] = field(default_factory=dict)
     device: str | None = None  # where the ranks ran (cpu: their timings are no speed figure)
 
 
@@ -366,12 +435,52 @@ class ConfigRow(Part):
 class TimingState(Part):
     """The baseline re-timed at the end against its first timing, and the bound it is held to."""
 
-    drift: float
+    drift: float | None
     limit: float
-    stable: bool
+    stable: bool | None  # None: the baseline was not re-timed
     warmup: int | None = None
     repeats: int | None = None
     verdict_rows: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Holdout(Part):
+    """A configuration's figures on held-out seeds (videos: each video's worst frame)."""
+
+    psnr_min: float | None
+    ssim_min: float | None
+    n: int | None = None
+    frame_reduce: str | None = None
+
+
+@dataclass
+class Verdict(Part):
+    """What ships (``ship.decide`` over the measured candidates) and why, as every page shows it.
+    ``name``: the shipped row; when nothing ships, the cache stage's choice (``ship`` false, the
+    reason says why), ``baseline`` when the cache stage chose nothing, ``none`` without its record."""
+
+    name: str
+    ship: bool
+    reason: str
+    rule: str
+    gates: Gates
+    short: str = ""  # the technique
+    family: str = ""
+    config: dict | None = None
+    form: str = "plain"  # plain, compiled, fp8, fp8+compiled
+    speedup: float | None = None
+    speedup_range: list[float] | None = None
+    e2e_ms: float | None = None
+    holdout: Holdout | None = None
+    passes_gates: bool | None = None
+    skipped_fraction: float | None = None
+    measured_psnr_min: float | None = None  # its images in the benchmark, on the calibration seeds
+    measured_ssim_min: float | None = None
+    timing_unstable: dict | None = None  # {drift, limit}
+    compile: dict | None = None  # a compiled form shipped: its one-time cost {compile_s, first_call_s, steady_call_s}
+    fp8: dict | None = None  # an fp8 form shipped: {layers, candidates, kept}
+    runner_ups: list[dict] = field(default_factory=list)  # eligible, not chosen, each with why_not
+    refused: list[dict] = field(default_factory=list)  # not eligible, each with why_not
 
 
 @dataclass
@@ -397,7 +506,7 @@ class BenchmarkResults(StageRecord):
     images: dict = field(default_factory=dict)
     summary: list[dict] = field(default_factory=list)
     gates: dict[str, Gates] = field(default_factory=dict)
-    verdict: dict = field(default_factory=dict)  # ship.decide over the measured candidates
+    verdict: Verdict | None = None
     plot_points: list[str] = field(default_factory=list)
     parity_only: list[str] = field(default_factory=list)
     plots: dict = field(default_factory=dict)
@@ -422,7 +531,7 @@ def schema_markdown() -> str:
         lines.append(f"- `{rec.STAGE}/results.json` — `{rec.__name__}` (version {rec.VERSION}): "
                      + ", ".join(_field_text(rec, f) for f in dataclasses.fields(rec)))
     parts = [ImageRow, StrategyRow, Chosen, ChosenDetail, CompiledCheck, Fp8Choice, Fp8Search, Reproduction, PlanRow,
-             NotRun, ConfigRow, TimingState]
+             NotRun, ShardingSummary, KindCheck, ConfigRow, TimingState, Holdout, Verdict]
     lines.append("")
     lines += [f"  - `{p.__name__}`: " + ", ".join(_field_text(p, f) for f in dataclasses.fields(p)) for p in parts]
     return "\n".join(lines)
@@ -431,13 +540,16 @@ def schema_markdown() -> str:
 def _field_text(cls, f) -> str:
     tp = typing.get_type_hints(cls)[f.name]
     name = getattr(tp, "__name__", None) if typing.get_origin(tp) is None else None
-    return f"`{f.name}` ({name or str(tp).replace('typing.', '').replace('ditbook.', '')})"
+    return f"`{f.name}` ({name or _DOTTED.sub(_LAST, str(tp))})"
+
+
+_DOTTED, _LAST = re.compile(r"\b(?:\w+\.)+(\w)"), r"\1"  # a type's name without its module prefixes
 
 
 __all__ = ["BenchmarkResults", "CacheResults", "Chosen", "ChosenDetail", "CompiledCheck", "ConfigRow", "Fp8Choice",
-           "Fp8Search", "ImageRow", "InspectResults", "IntakeResults", "NotRun", "ParallelResults", "Part", "PlanRow",
-           "RECORDS", "RecordError", "Reproduction", "SchemaVersionError", "StageRecord", "StrategyRow",
-           "TimingState", "decode", "encode", "schema_markdown"]
+           "Fp8Search", "Holdout", "ImageRow", "InspectResults", "IntakeResults", "NotRun", "ParallelResults", "Part", "PlanRow",
+           "RECORDS", "RankSplit", "KindCheck", "Sharding", "ShardingSummary", "RecordError", "Reproduction", "SchemaVersionError", "StageRecord", "StrategyRow",
+           "TimingState", "Verdict", "decode", "encode", "schema_markdown"]
 
 if __name__ == "__main__":
     print(schema_markdown())

@@ -160,9 +160,12 @@ def render_all(pipe, card: ModelCard, prompts=None, seeds=None, progress=None, *
     return renders
 
 
-def save_renders(renders: list[Render], folder: Path, prefix: str = "") -> list[dict]:
-    """PNG and float .npy per render; returns rows with paths relative to ``folder``'s parent."""
+def save_renders(renders: list[Render], folder: Path, prefix: str = "") -> list:
+    """PNG and float .npy per render; returns ``records.ImageRow``s with paths relative to
+    ``folder``'s parent."""
     from PIL import Image
+
+    from .records import ImageRow
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -174,11 +177,10 @@ def save_renders(renders: list[Render], folder: Path, prefix: str = "") -> list[
         picture = frame_strip(np.clip(r.image[shown] if shown else r.image, 0, 1))  # a video: a row of frames
         Image.fromarray((picture * 255).round().astype(np.uint8)).save(folder / f"{stem}.png")
         rel = folder.name
-        rows.append({**r.to_dict(), "png": f"{rel}/{stem}.png", "npy": f"{rel}/{stem}.npy",
-                     **({"png_frames": shown} if shown is not None else {})})
+        rows.append(ImageRow(**r.to_dict(), png=f"{rel}/{stem}.png", npy=f"{rel}/{stem}.npy", png_frames=shown))
     return rows
 
 
-def load_images(stage_dir: Path, rows: list[dict]) -> dict[str, np.ndarray]:
-    """Read back the float images listed in a stage's results (key -> array)."""
-    return {row["key"]: np.load(Path(stage_dir) / row["npy"]) for row in rows}
+def load_images(stage_dir: Path, rows: list) -> dict[str, np.ndarray]:
+    """Read back the float images of a stage's ``ImageRow``s (key -> array)."""
+    return {row.key: np.load(Path(stage_dir) / row.npy) for row in rows}

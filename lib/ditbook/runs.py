@@ -319,19 +319,36 @@ class RunFolder:
     def results_path(self, stage: str) -> Path:
         return self.path / stage / RESULTS_FILE
 
-    def write_results(self, stage: str, results: dict) -> Path:
-        results = _jsonable(results)
+    def write_results(self, stage: str, record) -> Path:
+        """Write ``<stage>/results.json`` from the stage's record (``ditbook.records``); a stage
+        without a registered record (one a user added) writes its mapping as it is."""
+        from .records import RECORDS
+
+        if stage in RECORDS:
+            if not isinstance(record, RECORDS[stage]):
+                raise TypeError(f"stage '{stage}' writes a {RECORDS[stage].__name__}, not a {type(record).__name__}")
+            record = record.to_dict()
+        results = _jsonable(record)
         _check_scalars(results)
         path = self.results_path(stage)
         _atomic_write(path, json.dumps(results, indent=2) + "\n")
         return path
 
-    def read_results(self, stage: str) -> dict:
+    def read_results(self, stage: str):
+        """The stage's record read back (``ditbook.records``; ``SchemaVersionError`` for a file of
+        another schema version); a stage without a registered record: its mapping."""
+        from .records import RECORDS
+
         path = self.results_path(stage)
         if not path.is_file():
             raise RunError(f"stage '{stage}' has no results in {self.path} — run it first "
                            f"(ditbook run CARD --stages ...,{stage})")
-        return _read_json(path, f"results of stage '{stage}'")
+        data = _read_json(path, f"results of stage '{stage}'")
+        return RECORDS[stage].from_dict(data, where=str(path)) if stage in RECORDS else data
+
+    def results_or_none(self, stage: str):
+        """The stage's record, or None when the stage has written none."""
+        return self.read_results(stage) if self.has_results(stage) else None
 
     def has_results(self, stage: str) -> bool:
         return self.results_path(stage).is_file()

@@ -11,10 +11,11 @@ check). Among the eligible:
 
 - measured (``timed``): the timings must be stable (the baseline re-timed at the end within its
   bound); a candidate whose median speed-up is below ``MIN_USEFUL_SPEEDUP`` or whose timings allow
-  a slowdown (its range reaches below 1.0x) is not shipped. The fastest remaining one ships — unless
-  another one's timings overlap its own and it is better on held-out seeds: within the measured
-  spread the better quality wins. So no shipped configuration is beaten by another eligible one on
-  both measured speed and held-out quality.
+  a slowdown (its range reaches below 1.0x) is not shipped. Of the rest, those another one beats on
+  both median speed-up and held-out PSNR drop out; the fastest remaining one ships — unless another
+  one's timings overlap its own and it is better on held-out seeds: within the measured spread the
+  better quality wins. So no shipped configuration is beaten by another eligible one on both
+  measured speed and held-out quality.
 - not measured: the work skipped (block evaluations) stands for speed, the held-out PSNR breaks ties.
 
 Every other eligible candidate is a runner-up with the reason it was not chosen; every ineligible
@@ -113,7 +114,8 @@ def decide(candidates: list[Candidate], gates, *, timed: bool, timing_unstable: 
         (refused.append({"name": c.name, "why_not": why}) if why else eligible.append(c))
     if timed and timing_unstable:
         return Decision(None, f"timing unstable: {timing_unstable}, so no speed-up is reported", rule, timed,
-                        refused=refused + [{"name": c.name, "why_not": "timing unstable"} for c in eligible])
+                        refused=refused + [{"name": c.name, "why_not": "not timed" if c.speedup is None else
+                                            "timing unstable"} for c in eligible])
     if timed:
         useful = []
         for c in eligible:
@@ -123,8 +125,10 @@ def decide(candidates: list[Candidate], gates, *, timed: bool, timing_unstable: 
             reason = ("no configuration passed the gates on held-out seeds and every check" if not eligible else
                       "no configuration that passes is measurably faster than the baseline: " + refused[-1]["why_not"])
             return Decision(None, reason, rule, timed, refused=refused)
-        fastest = max(useful, key=lambda c: c.speedup)
-        ties = [c for c in useful if _overlaps(c, fastest)]
+        # never one another beats on both: the candidates no other one is faster than and better than
+        front = [c for c in useful if not any(o.speedup > c.speedup and o.psnr > c.psnr for o in useful)]
+        fastest = max(front, key=lambda c: c.speedup)
+        ties = [c for c in front if _overlaps(c, fastest)]
         best = max(ties, key=lambda c: (c.psnr, c.speedup))
         why = (f"the fastest ({best.speedup:.2f}×) that passes on held-out seeds" if best is fastest else
                f"as fast as the fastest within the measured spread ({best.speedup:.2f}× against {fastest.speedup:.2f}×) "

@@ -38,10 +38,9 @@ def load_explorer_data(run_dir: str | Path) -> ExplorerData:
     run = RunFolder(run_dir)
     res = run.read_results("benchmark")
     d = run.stage_dir("benchmark", create=False)
-    images = {name: {r["key"]: np.load(d / r["npy"]) for r in rows} for name, rows in (res.get("images") or {}).items()}
-    prompts = {}
-    if run.has_results("intake"):
-        prompts = {r["key"]: r.get("prompt", "") for r in run.read_results("intake").get("images", [])}
+    images = {name: {r["key"]: np.load(d / r["npy"]) for r in rows} for name, rows in res.images.items()}
+    intake = run.results_or_none("intake")
+    prompts = {r.key: r.prompt for r in intake.images} if intake is not None else {}
     return ExplorerData(images, prompts)
 
 

@@ -81,3 +81,38 @@ def get(name: str) -> type[Technique]:
 __all__ = ["KINDS", "CacheRecord", "CacheTechnique", "Feasibility", "Handle", "NothingDone", "ParallelTechnique",
            "PipelineTechnique", "Record", "Technique", "by_token", "discover", "parallel_kinds", "plan_name",
            "get", "names", "register", "techniques"]
+
+
+def _first_sentence(text: str | None) -> str:
+    text = " ".join((text or "").split()).replace("``", "`")
+    return text.split(". ")[0].rstrip(".").removeprefix("Fails when ")
+
+
+def _evidence(t: type[Technique]) -> tuple[str, str]:
+    """What ``t`` records and when its check fails, from its code (the record type ``check`` takes,
+    the check's docstring)."""
+    import inspect
+    import typing
+
+    if issubclass(t, ParallelTechnique):
+        if t.check.__func__ is not ParallelTechnique.check.__func__:
+            return f"each rank's `{t.token}` record (`records.Sharding.kinds`)", _first_sentence(inspect.getdoc(t.check))
+        return ("every rank's block inputs (`records.Sharding.ranks`)",
+                "the blocks did not get their share (`cp.sharding`, judged by the launch)")
+    hint = typing.get_type_hints(t.check).get("record")
+    rec = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
+    return f"`{getattr(rec, '__name__', rec)}`", _first_sentence(inspect.getdoc(t.check))
+
+
+def table_markdown() -> str:
+    """The technique table of ``docs/CONTRACTS.md``: technique -> module -> record -> check; the
+    techniques that share a record and a check share a row (module ``accel/<name>.py`` each)."""
+    groups: dict[tuple, list[type[Technique]]] = {}
+    for t in sorted(techniques(), key=lambda t: (KINDS.index(t.kind), t.name)):
+        groups.setdefault((t.kind, *_evidence(t)), []).append(t)
+    rows = ["| technique | kind | module | record | check fails when |", "| --- | --- | --- | --- | --- |"]
+    for (kind, record, check), ts in groups.items():
+        modules = {t.__module__.rsplit(".", 1)[-1] for t in ts}
+        where = f"`accel/{modules.pop()}.py`" if len(modules) == 1 else "`accel/<name>.py`"
+        rows.append(f"| {', '.join(t.name for t in ts)} | {kind} | {where} | {record} | {check} |")
+    return "\n".join(rows)

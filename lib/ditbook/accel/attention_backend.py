@@ -539,6 +539,7 @@ class AttentionBackend(PipelineTechnique):
 
     @classmethod
     def check(cls, record: AttentionBackendRecord | None) -> None:
+        """Fails when no attention processor goes through diffusers' dispatcher."""
         if record is None or record.processors == 0:
             raise NothingDone("attention backend: no processor goes through diffusers' dispatcher")
 

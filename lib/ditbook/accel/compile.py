@@ -272,6 +272,7 @@ class Compile(PipelineTechnique):
 
     @classmethod
     def check(cls, record: CompileRecord | None) -> None:
+        """Fails when no module was compiled."""
         if record is None or record.regions == 0:
             raise NothingDone("compile: no module was compiled")
 

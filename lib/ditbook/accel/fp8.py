@@ -241,6 +241,7 @@ class Fp8(PipelineTechnique):
 
     @classmethod
     def check(cls, record: Fp8Record | None) -> None:
+        """Fails when no block linear was quantized."""
         if record is None or record.quantized == 0:
             raise NothingDone("fp8: no block linear was quantized")
 

@@ -50,6 +50,8 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..hooks import wrap_method
+from . import register
+from .technique import Handle, NothingDone, PipelineTechnique, Record
 
 
 class GraphUnavailable(RuntimeError):
@@ -298,3 +300,61 @@ def install_cached_step_graphs(transformer: torch.nn.Module, cache_options: dict
         raise GraphUnavailable(f"+cache+graph: cache-dit's cached units {missing} have no {GRAPHED_CACHE_METHOD}")
     return CachedStepGraphs(units, static_cache_mask(cache_options), warmup=warmup, max_graphs=max_graphs,
                             capturer=capturer)
+
+
+# -- the technique ------------------------------------------------------------------------------
+@dataclass
+class GraphsSettings:
+    warmup: int = 2  # eager calls per signature before its capture
+    max_graphs: int = 4  # signatures captured before falling back to eager for good
+    cache: dict | None = None  # the plan's cache options: graphs of the computed steps only (static schedule)
+    steps: int | None = None  # the generation's steps (the static mask must have as many)
+
+
+@dataclass
+class GraphsRecord(Record):
+    captured: int = 0
+    replays: int = 0
+    eager_calls: int = 0
+    capture_seconds: float = 0.0
+    disabled: str | None = None
+    details: dict | None = None  # with a cache: the scope, per-unit stats, computed steps
+
+
+@register
+class CudaGraphs(PipelineTechnique):
+    """Each transformer call (with a static cache: each computed step's block work) replayed as a
+    CUDA graph: the ``+graph`` plans."""
+
+    name = "cuda_graphs"
+    kind = "graphs"
+    family = "CUDA graphs of each transformer call"
+    Settings = GraphsSettings
+    order = 40  # after compile: the compiled blocks are inside the captured call
+
+    @classmethod
+    def applicable(cls, facts) -> str | None:
+        """``facts``: the transformer (its device decides)."""
+        dev = _module_device(facts)
+        return None if dev.type == "cuda" and torch.cuda.is_available() else \
+            f"CUDA graphs replay CUDA work, and the transformer is on {dev.type}"
+
+    @classmethod
+    def apply(cls, pipe, settings: GraphsSettings, *, capturer: Capturer | None = None) -> Handle:
+        kw = {"warmup": settings.warmup, "max_graphs": settings.max_graphs, "capturer": capturer}
+        graphs = (install_cached_step_graphs(pipe.transformer, settings.cache, steps=settings.steps, **kw)
+                  if settings.cache is not None else install_step_graphs(pipe.transformer, **kw))
+
+        def record() -> GraphsRecord:
+            d = graphs.to_dict()
+            base = {k: d.pop(k) for k in ("captured", "replays", "eager_calls", "capture_seconds", "disabled")}
+            return GraphsRecord(cls.name, **base, details=d or None)
+
+        return Handle(graphs.remove, record)
+
+    @classmethod
+    def check(cls, record: GraphsRecord | None) -> None:
+        """Fails when no call was replayed from a graph."""
+        if record is None or record.replays == 0:
+            raise NothingDone("CUDA graphs: no call was replayed" + (f" ({record.disabled})" if record and
+                                                                   record.disabled else ""))

@@ -420,4 +420,5 @@ class Ring(ParallelTechnique):
 
     @classmethod
     def check(cls, records: list, degree: int) -> dict:
+        """Fails when no attention call went round the ring on every rank (``check_ring_sharding``)."""
         return check_ring_sharding(records, degree)

@@ -232,4 +232,5 @@ class TextEncoderParallel(ParallelTechnique):
 
     @classmethod
     def check(cls, records: list, degree: int) -> dict:
+        """Fails when every rank ran every text encoder (``check_text_encoder_sharding``)."""
         return check_text_encoder_sharding(records, degree)

@@ -40,11 +40,14 @@ class Record:
 
 class Handle:
     """What ``apply`` returns: ``undo()`` puts back exactly what was there (once; later calls do
-    nothing), ``record()`` reads what the technique did so far (None where it keeps none)."""
+    nothing), ``record()`` reads what the technique did so far (None where it keeps none); ``state``:
+    what it installed, where a driver builds on it (the attention route context parallelism scopes)."""
 
-    def __init__(self, undo: Callable[[], None] | None = None, record: Callable[[], Record | None] | None = None):
+    def __init__(self, undo: Callable[[], None] | None = None, record: Callable[[], Record | None] | None = None,
+                 state: Any = None):
         self._undo = undo
         self._record = record
+        self.state = state
         self.undone = False
 
     def undo(self) -> None:
@@ -266,7 +269,20 @@ class CacheTechnique(Technique):
         return Handle(undo_all, record)
 
     @classmethod
+    def apply_with_file(cls, pipe, settings, *, adapter_file, arch_file, used: str = "ditbook",
+                        steps: int | None = None) -> Handle:
+        """Apply through the adapter module a run shipped (``cache/adapter_<model>.py``: the file the
+        cache stage verified) and the facts it was built from (``inspect/arch.json``)."""
+        from ..adapter.build import CacheAdapter, load_adapter_file
+        from ..arch.report import ArchReport
+
+        module = load_adapter_file(adapter_file, pipe.transformer)
+        adapter = CacheAdapter.from_module(pipe, ArchReport.load(arch_file), module, used)
+        return cls.apply(pipe, settings, adapter=adapter, steps=steps)
+
+    @classmethod
     def check(cls, record: CacheRecord | None) -> None:
+        """Fails when the counts show no block evaluation skipped against the uncached run."""
         if record is None or record.skipped_fraction is None:
             raise NothingDone(f"{cls.name}: no count against the uncached run, so no skipped work is shown")
         if record.skipped_fraction <= 0.0 and record.cached_steps == 0:

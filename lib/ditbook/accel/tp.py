@@ -749,4 +749,5 @@ class TensorParallel(ParallelTechnique):
 
     @classmethod
     def check(cls, records: list, degree: int) -> dict:
+        """Fails when the planned weights are whole on the ranks (``check_tensor_sharding``)."""
         return check_tensor_sharding(records, degree)

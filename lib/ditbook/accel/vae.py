@@ -368,4 +368,5 @@ class VaeParallel(ParallelTechnique):
 
     @classmethod
     def check(cls, records: list, degree: int) -> dict:
+        """Fails when a rank decoded more than its band of the latent (``check_vae_sharding``)."""
         return check_vae_sharding(records, degree)

@@ -112,7 +112,7 @@ def _v(v) -> str:
 def flatten(d, prefix: str = "") -> dict:
     """Nested mappings as dotted keys (lists are values; an empty mapping is the same as none)."""
     out = {}
-    for k, v in (d or {}).items():
+    for k, v in d.items():
         key = f"{prefix}{k}"
         if isinstance(v, dict):
             out.update(flatten(v, key + "."))
@@ -134,19 +134,17 @@ def _rows(run: RunFolder) -> dict[str, dict]:
     from .shown import shown_rows
 
     res = run.read_results("benchmark")
-    read = lambda s: run.read_results(s) if run.has_results(s) else None  # noqa: E731
-    rows = shown_rows(res.get("summary") or summary_rows(res), res, read("cache"), read("parallel"))
+    rows = shown_rows(res.summary or summary_rows(res), res, run.results_or_none("cache"), run.results_or_none("parallel"))
     # the baseline is the reference: no quality figure of its own
     return {row_id(r): dict(r, speedup=r.get("speedup_shown"),
                             **({"psnr": None, "ssim": None} if r.get("family") == "baseline" else {})) for r in rows}
 
 
 def _verdict(run: RunFolder) -> str:
-    bench = run.read_results("benchmark") if run.has_results("benchmark") else None
-    cache = run.read_results("cache") if run.has_results("cache") else None
+    cache = run.results_or_none("cache")
     from .report import verdict_words
 
-    v = verdict(bench, cache)
+    v = verdict(run.results_or_none("benchmark"), cache)
     return headline(v, verdict_words(v, cache))
 
 
@@ -189,16 +187,15 @@ def compare_runs(run_a: str | Path, run_b: str | Path, outputs: bool = False) ->
     ma, mb = a.read_meta(), b.read_meta()
     cmp = RunComparison(str(a.path), str(b.path), ma.get("model", "?"), mb.get("model", "?"))
     cmp.card_changes = [{"key": k, "a": va, "b": vb} for k, va, vb in
-                        changes({"card": ma.get("card"), "overrides": ma.get("overrides")},
-                                {"card": mb.get("card"), "overrides": mb.get("overrides")})]
-    ea, eb = ma.get("environment") or {}, mb.get("environment") or {}
-    sa, sb = ma.get("source") or {}, mb.get("source") or {}
-    cmp.version_changes = [{"item": k, "a": va, "b": vb} for k, va, vb in changes(
-        {**(ea.get("versions") or {}), **(ea.get("hardware") or {}), "git revision": sa.get("revision"),
-         "git dirty": sa.get("dirty"), "offline": ea.get("offline")},
-        {**(eb.get("versions") or {}), **(eb.get("hardware") or {}), "git revision": sb.get("revision"),
-         "git dirty": sb.get("dirty"), "offline": eb.get("offline")})]
-    sta, stb = ma.get("stages") or {}, mb.get("stages") or {}
+                        changes({"card": ma.get("card", {}), "overrides": ma.get("overrides", {})},
+                                {"card": mb.get("card", {}), "overrides": mb.get("overrides", {})})]
+    def versions(meta: dict) -> dict:
+        env, src = meta.get("environment", {}), meta.get("source", {})
+        return {**env.get("versions", {}), **env.get("hardware", {}), "git revision": src.get("revision"),
+                "git dirty": src.get("dirty"), "offline": env.get("offline")}
+
+    cmp.version_changes = [{"item": k, "a": va, "b": vb} for k, va, vb in changes(versions(ma), versions(mb))]
+    sta, stb = ma.get("stages", {}), mb.get("stages", {})
     cmp.stage_status = [{"stage": s, "a": sta.get(s, {}).get("status"), "b": stb.get(s, {}).get("status"),
                          "seconds_a": sta.get(s, {}).get("seconds"), "seconds_b": stb.get(s, {}).get("seconds")}
                         for s in dict.fromkeys([*sta, *stb])]
@@ -217,10 +214,9 @@ def compare_runs(run_a: str | Path, run_b: str | Path, outputs: bool = False) ->
         cmp.deltas.append(d)
     cmp.only_in = {"A": [n for n in ra if n not in rb], "B": [n for n in rb if n not in ra]}
     cmp.verdicts = {"A": _verdict(a), "B": _verdict(b)}
-    from .verdict import timing_state
+    from .verdict import timing_unstable
 
-    cmp.unstable = [side for side, run in (("A", a), ("B", b)) if run.has_results("benchmark")
-                    and (timing_state(run.read_results("benchmark")) or {}).get("stable") is False]
+    cmp.unstable = [side for side, run in (("A", a), ("B", b)) if timing_unstable(run.results_or_none("benchmark"))]
     nbs_b = {p.name: p for p in notebooks(b)}
     for p in notebooks(a):
         if p.name in nbs_b:

@@ -8,22 +8,21 @@ from pathlib import Path
 
 import numpy as np
 
+from ..records import BenchmarkResults
 from .summary import gates_for_family, summary_rows
 
 STAGE = "benchmark"
 
 
-def plotted_rows(run, results: dict, rows: list[dict]) -> list[dict]:
+def plotted_rows(run, results: BenchmarkResults, rows: list[dict]) -> list[dict]:
     """The rows as the speed plot draws them (``benchmark.shown``): each configuration's one
     quality figure (held-out where the cache stage confirmed it), and no speed-up for a parallel
     plan run as CPU processes (so it is not drawn)."""
     from .shown import shown_rows
 
-    cache = run.read_results("cache") if run.has_results("cache") else None
-    parallel = run.read_results("parallel") if run.has_results("parallel") else None
     return [dict(r, speedup=r["speedup_shown"], psnr_min=r["psnr"], ssim_min=r["ssim"],
                  family=r.get("family_shown") or r.get("family"), family_key=r.get("family"))
-            for r in shown_rows(rows, results, cache, parallel)]
+            for r in shown_rows(rows, results, run.results_or_none("cache"), run.results_or_none("parallel"))]
 
 
 def holdout_figure(run, d: Path) -> dict | None:
@@ -34,35 +33,35 @@ def holdout_figure(run, d: Path) -> dict | None:
     from .plots import worst_image_figure
     from .verdict import chosen_row_name
 
-    cache = run.read_results("cache") if run.has_results("cache") else None
-    detail = (cache or {}).get("chosen_detail") or {}
-    saved = detail.get("holdout_images") or {}
+    cache = run.results_or_none("cache")
+    chosen = cache.chosen if cache is not None else None
+    saved = chosen.holdout_images if chosen is not None and chosen.holdout_images else {}
     key = saved.get("worst")
     cdir = run.stage_dir("cache", create=False)
     paths = [cdir / saved.get(k, "") / f"{key}.npy" for k in ("baseline", "folder")] if key else []
     if not paths or not all(p.is_file() for p in paths):
         return None
     ref, img = (np.load(p) for p in paths)
-    per = ((detail.get("holdout_quality") or {}).get("per_image") or {}).get(key) or {}
+    per = chosen.holdout_quality.per_image.get(key, {}) if chosen.holdout_quality else {}
     if ref.ndim == 4:  # a video: its worst frame
-        f = int(((per.get("frames") or {}).get("worst_frame")) or 0)
+        f = int(per.get("frames", {}).get("worst_frame") or 0)
         ref, img = ref[f], img[f]
-    name = chosen_row_name(cache["chosen"])
+    name = chosen_row_name(chosen)
     # the figures (labelled held-out) are in the report's caption, where they read at the page's size
     path = worst_image_figure(ref, img, d / "plots" / "holdout_worst.png")
     return {"plot": str(Path(path).relative_to(d)), "key": key, "psnr": per.get("psnr"), "ssim": per.get("ssim"),
             "name": name}
 
 
-def grid_cases(run, results: dict, d: Path) -> tuple[dict, dict, dict]:
+def grid_cases(run, results: BenchmarkResults, d: Path) -> tuple[dict, dict, dict]:
     """The image grid's columns, one case per prompt (its first seed): the baseline images, each
     configuration's images of those cases, and each case's prompt text."""
-    images = results.get("images") or {}
+    images = results.images
     per_prompt: dict[str, dict] = {}
     for r in images.get("baseline", []):
         m = re.match(r"^(p\d+)_", r["key"])
         per_prompt.setdefault(m.group(1) if m else r["key"], r)
-    prompt_list = (((run.read_meta().get("card") or {}).get("generation") or {}).get("prompts")) or []
+    prompt_list = run.read_meta().get("card", {}).get("generation", {}).get("prompts", [])
     prompts = {}
     for pk, r in per_prompt.items():
         m = re.match(r"^p(\d+)$", pk)
@@ -78,10 +77,10 @@ def grid_cases(run, results: dict, d: Path) -> tuple[dict, dict, dict]:
     return baseline, grid_images, prompts
 
 
-def make_figures(run, results: dict | None = None) -> dict:
+def make_figures(run, results: BenchmarkResults | None = None) -> BenchmarkResults:
     """The speed-vs-quality plot and the image grid (plus residual and scaling plots) from
     ``benchmark/results.json`` and the stored images; updates ``plots``, ``grid``, ``labels`` and
-    ``sheets`` (no longer drawn: ``[]``) in the results. Rebuildable at any time
+    ``holdout_worst`` in the record. Rebuildable at any time
     (``ditbook report``)."""
     from ..render import is_video
     from .plots import image_grid, plot_residuals, plot_scaling, plot_tradeoff, row_id, short_labels
@@ -90,20 +89,20 @@ def make_figures(run, results: dict | None = None) -> dict:
 
     results = results if results is not None else run.read_results(STAGE)
     d = run.stage_dir(STAGE)
-    rows = results.get("summary") or summary_rows(results)
-    if "verdict" not in results:
-        results["verdict"] = verdict(results, run.read_results("cache") if run.has_results("cache") else None)
+    rows = results.summary or summary_rows(results)
+    if results.verdict is None:
+        results.verdict = verdict(results, run.results_or_none("cache"))
     labels = short_labels(rows)
     plots = {}
-    cache_gate = gates_for_family("cache", results.get("gates"))
+    cache_gate = gates_for_family("cache", results.gates)
     drawn = plotted_rows(run, results, rows)
     plots["tradeoff_psnr"] = plot_tradeoff(drawn, "psnr_min", d / "plots" / "tradeoff_psnr.png",
-                                           cache_gate.psnr, labels=labels, highlight=results["verdict"].get("name"))
+                                           cache_gate.psnr, labels=labels, highlight=results.verdict.name)
     # what the speed axis carries, and the parity results left off it (CPU processes)
-    results["plot_points"] = [row_id(r) for r in drawn if r["speedup"] is not None and r["psnr_min"] is not None]
-    results["parity_only"] = [row_id(r) for r in drawn if r.get("parity_only")]
-    if results.get("residual_changes"):
-        plots["residuals"] = plot_residuals(results["residual_changes"], d / "plots" / "residuals.png")
+    results.plot_points = [row_id(r) for r in drawn if r["speedup"] is not None and r["psnr_min"] is not None]
+    results.parity_only = [row_id(r) for r in drawn if r.get("parity_only")]
+    if results.residual_changes:
+        plots["residuals"] = plot_residuals(results.residual_changes, d / "plots" / "residuals.png")
     par = [r for r in rows if str(r.get("family", "")).endswith("parallel")]
     if par and not is_cpu_run(results):  # CPU processes sharing cores: parity, not a speed-up
         plots["scaling"] = plot_scaling(par, d / "plots" / "scaling.png")
@@ -111,13 +110,12 @@ def make_figures(run, results: dict | None = None) -> dict:
     words = {r["name"]: r["words"] for r in drawn if r.get("words")}
     grid = (image_grid(baseline, grid_images, d / "plots" / "grid.png", prompts, labels, words=words)
             if baseline else None)
-    results["plots"] = {k: str(Path(p).relative_to(d)) for k, p in plots.items()}
-    results["grid"] = str(Path(grid).relative_to(d)) if grid else None
+    results.plots = {k: str(Path(p).relative_to(d)) for k, p in plots.items()}
+    results.grid = str(Path(grid).relative_to(d)) if grid else None
     frames = {int(v.shape[0]) for v in baseline.values() if is_video(v)}
-    results["grid_videos"] = {"frames": max(frames)} if frames else None  # the grid shows rows of frames
-    results["labels"] = labels
-    results["holdout_worst"] = holdout_figure(run, d)
-    results["sheets"] = []
+    results.grid_videos = {"frames": max(frames)} if frames else None  # the grid shows rows of frames
+    results.labels = labels
+    results.holdout_worst = holdout_figure(run, d)
     run.write_results(STAGE, results)
     return results
 

@@ -1,33 +1,13 @@
-"""What the benchmark reads from the earlier stages, and the configurations it measures.
+"""What the benchmark reads from the earlier stages (their records, ``ditbook.records``), and the
+configurations it measures.
 
-The benchmark works with whatever subset of the earlier stages exists; the intake baseline is
-the minimum. Keys read (every one optional unless said so):
-
-``intake/results.json`` (required)
-    ``images``: rows with ``key``, ``prompt``, ``seed``, ``npy`` (the stored baseline images).
-
-``cache/results.json``
-    ``tuned`` — the tuned configurations, else ``strategies`` — every strategy verified (only the
-    ``split == "holdout"`` rows when there are any); each a row with ``name``, ``family`` (or
-    ``strategy``), ``config`` (or ``params``), ``speedup``, ``quality.psnr_min`` / ``psnr_min`` (or
-    ``psnr``), ``quality.ssim_min`` / ``ssim_min`` (or ``ssim``), ``passed``, ``skipped_fraction``. Shown as figures
-    *recorded by the cache stage*; the benchmark re-measures a configuration only when the cache
-    package hands it over as a :class:`~ditbook.timing.Config` (below).
-    ``residual_changes``: ``{series name: [relative change per step, ...]}``.
-
-``parallel/results.json``
-    ``plans`` (or ``runs``): rows with ``name`` (or ``plan``), ``nproc`` (or ``world_size``),
-    ``speedup`` (or ``seconds`` with ``baseline_seconds``, per row or top level),
-    ``quality.psnr_min`` / ``psnr_min`` (or ``psnr``), ``quality.ssim_min`` / ``ssim_min`` (or ``ssim``), ``passed``, ``cache`` (the cache configuration run
-    together with the plan, making it ``cache+parallel``), ``error``. Multi-process plans run
-    under torchrun in the parallel stage, so their timings are the parallel stage's, measured
-    against its own single-process baseline in the same launch.
-
-Configurations measured in this process come from *providers*: a function
-``benchmark_configs(ctx, results) -> list[Config]`` defined at the top level of ``ditbook.cache``
-or ``ditbook.parallel`` (``results`` is that stage's results.json mapping), and from the card's
-``benchmark.configs`` list of diffusers hook specs, e.g.
-``{hook: first_block_cache, threshold: 0.08}`` (built here with diffusers' own hooks).
+The benchmark works with whatever subset of the earlier stages exists; the intake baseline is the
+minimum. From the cache stage's record it takes every configuration that passed on held-out seeds
+(the chosen one first) and the fp8 composition when one was found, and applies each through the
+adapter module the cache stage verified and shipped (``CacheTechnique.apply_with_file``), measured
+side by side with the baseline in this process; the card's ``benchmark.configs`` add diffusers'
+own hooks (``{hook: first_block_cache, threshold: 0.08}``). The parallel stage's plans ran under
+torchrun there; their figures are shown as that stage recorded them.
 """
 
 from __future__ import annotations
@@ -35,119 +15,63 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import cache, parallel
-from ..configuration import Config, config_label
+from .. import accel
+from ..configuration import Config, fp8_suffix, row_name
+from ..records import CacheResults, IntakeResults, ParallelResults
 
 STAGES_READ = ("intake", "cache", "parallel")
-# the stage packages that hand configurations to the benchmark (``benchmark_configs(ctx, results)``)
-PROVIDERS = {"cache": cache, "parallel": parallel}
 
 
 @dataclass
 class StageInputs:
-    """The earlier stages' results that exist in a run folder (None where absent)."""
+    """The earlier stages' records that exist in a run folder (None where absent)."""
 
-    results: dict[str, dict | None] = field(default_factory=dict)
+    intake: IntakeResults | None = None
+    cache: CacheResults | None = None
+    parallel: ParallelResults | None = None
     status: dict[str, str | None] = field(default_factory=dict)
 
-    def get(self, stage: str) -> dict | None:
-        return self.results.get(stage)
-
-    @property
-    def present(self) -> list[str]:
-        return [s for s, r in self.results.items() if r is not None]
-
     def rows(self) -> list[dict]:
-        return [{"stage": s, "results.json": "present" if self.results.get(s) is not None else "absent",
+        return [{"stage": s, "results.json": "present" if getattr(self, s) is not None else "absent",
                  "status": self.status.get(s) or "-"} for s in STAGES_READ]
 
     def to_dict(self) -> dict:
-        return {s: self.results.get(s) is not None for s in STAGES_READ}
+        return {s: getattr(self, s) is not None for s in STAGES_READ}
 
 
 def read_inputs(run) -> StageInputs:
-    """Read the intake, cache and parallel results of a :class:`~ditbook.runs.RunFolder`."""
+    """The intake, cache and parallel records of a :class:`~ditbook.runs.RunFolder`."""
     meta = run.read_meta() if run.exists() else {}
-    out = StageInputs()
-    for stage in STAGES_READ:
-        out.results[stage] = run.read_results(stage) if run.has_results(stage) else None
-        out.status[stage] = meta.get("stages", {}).get(stage, {}).get("status")
-    return out
+    stages = meta.get("stages", {})
+    return StageInputs(**{s: run.results_or_none(s) for s in STAGES_READ},
+                       status={s: stages.get(s, {}).get("status") for s in STAGES_READ})
 
 
-def _first(row: dict, *keys, default=None):
-    for k in keys:
-        if row.get(k) is not None:
-            return row[k]
-    return default
-
-
-def cache_rows(cache: dict | None) -> list[dict]:
-    """The cache stage's configurations as summary rows (recorded there, not re-measured)."""
-    if not cache:
-        return []
-    entries = [e for e in (cache.get("tuned") or cache.get("strategies") or []) if isinstance(e, dict)]
-    # the cache stage records each configuration on calibration and on held-out seeds: the
-    # held-out rows are the evidence
-    held_out = any(e.get("split") == "holdout" for e in entries)
-    if held_out:
-        entries = [e for e in entries if e.get("split") == "holdout"]
+def cache_rows(cache: CacheResults | None) -> list[dict]:
+    """The cache stage's held-out rows as summary rows (recorded there, not re-measured)."""
     rows = []
-    for e in entries:
-        fam = _first(e, "family", "strategy", default="cache")
-        q = e.get("quality") or {}
-        config = e.get("config") or e.get("params") or {}
-        label = config_label(config)
-        rows.append({
-            "name": str(_first(e, "name", "strategy", default="cache")) + (f"[{label}]" if label else ""),
-            "family": fam if str(fam).startswith("cache") else f"cache/{fam}",
-            "speedup": _first(e, "speedup"),
-            "psnr_min": _first(e, "psnr_min", "psnr", default=q.get("psnr_min")),
-            "ssim_min": _first(e, "ssim_min", "ssim", default=q.get("ssim_min")),
-            "passed": e.get("passed"), "skipped_fraction": e.get("skipped_fraction"),
-            "nproc": 1, "source": "cache stage",
-            "quality_on": "held-out" if held_out else "calibration",  # the seeds of psnr_min/ssim_min
-        })
+    for e in cache.holdout_rows(passed_only=False) if cache else []:
+        rows.append({"name": row_name(e.name, e.config), "family": f"cache/{e.name}", "speedup": None,
+                     "psnr_min": e.quality.psnr_min if e.quality else None,
+                     "ssim_min": e.quality.ssim_min if e.quality else None, "passed": e.passed,
+                     "skipped_fraction": e.skipped_fraction, "nproc": 1, "source": "cache stage",
+                     "quality_on": "held-out"})
     return rows
 
 
-def parallel_rows(parallel: dict | None) -> list[dict]:
+def parallel_rows(parallel: ParallelResults | None) -> list[dict]:
     """The parallel stage's plans as summary rows, with their process counts."""
-    if not parallel:
-        return []
-    entries = parallel.get("plans") or parallel.get("runs") or []
-    base_top = parallel.get("baseline_seconds")
     rows = []
-    for e in entries:
-        if not isinstance(e, dict):
-            continue
-        speedup = e.get("speedup")
-        secs, base = e.get("seconds"), e.get("baseline_seconds", base_top)
-        if speedup is None and secs and base:
-            speedup = base / secs
-        # plan names mark cache + CP with a "+cache" suffix (ditbook.parallel.plans)
-        cache = e.get("cache") or ("+cache" in str(_first(e, "name", "plan", default="")))
-        q = e.get("quality") or {}
-        rows.append({
-            "name": str(_first(e, "name", "plan", default="plan")),
-            "family": "cache+parallel" if cache else "parallel",
-            "speedup": speedup, "seconds": secs,
-            "psnr_min": _first(e, "psnr_min", "psnr", default=q.get("psnr_min")),
-            "ssim_min": _first(e, "ssim_min", "ssim", default=q.get("ssim_min")),
-            "passed": e.get("passed"), "nproc": int(_first(e, "nproc", "world_size", default=1)),
-            "cache": cache, "error": e.get("error"), "source": "parallel stage",
-        })
+    for p in parallel.plans if parallel else []:
+        cache = "+cache" in p.name
+        rows.append({"name": p.name, "family": "cache+parallel" if cache else "parallel", "speedup": p.speedup,
+                     "seconds": p.seconds, "psnr_min": p.quality.psnr_min if p.quality else None,
+                     "ssim_min": p.quality.ssim_min if p.quality else None, "passed": p.passed,
+                     "nproc": p.world_size, "cache": cache, "error": p.error, "source": "parallel stage"})
     return rows
 
 
-def residual_series(cache: dict | None) -> dict[str, list[float]]:
-    if not cache:
-        return {}
-    series = cache.get("residual_changes") or {}
-    return {str(k): [float(x) for x in v] for k, v in series.items() if isinstance(v, list)}
-
-
-# -- configurations ---------------------------------------------------------------------
+# -- configurations ---------------------------------------------------------------------------
 def hook_config(spec: dict) -> Config:
     """A configuration from diffusers' own cache hooks, e.g. ``{hook: first_block_cache,
     threshold: 0.08}`` or ``{hook: pyramid_attention_broadcast, spatial_attention_block_skip_range: 2}``.
@@ -172,20 +96,70 @@ def hook_config(spec: dict) -> Config:
     return Config(name=name, family=f"cache/{hook}", apply=apply, params=spec, notes="diffusers hook")
 
 
+def _recorded_config(ctx, cache: CacheResults, name: str, family: str, config: dict, skipped: float | None,
+                     fp8_layers: list | None = None, candidates: int | None = None) -> Config:
+    """One configuration of the cache stage's record, applied through the adapter file it shipped
+    (with ``fp8_layers``: those block linears in fp8 first)."""
+    technique = accel.get(name)
+    files = {"adapter_file": ctx.run.stage_dir("cache") / cache.adapter_module,
+             "arch_file": ctx.run.stage_dir("inspect") / "arch.json", "used": cache.adapter.get("used", "ditbook")}
+    steps = ctx.card.generation.steps
+
+    def apply(pipe):
+        from ..accel.fp8 import Fp8, Fp8Settings
+
+        quantized = Fp8.apply(pipe, Fp8Settings(layers=list(fp8_layers))) if fp8_layers else None
+        try:
+            cached = technique.apply_with_file(pipe, technique.settings(**config), steps=steps, **files)
+        except BaseException:
+            if quantized is not None:
+                quantized.undo()
+            raise
+
+        def undo() -> None:
+            try:
+                cached.undo()
+            finally:
+                if quantized is not None:
+                    quantized.undo()
+        return undo
+
+    params = dict(config)
+    notes = f"tuned by the cache stage; {skipped:.0%} of block evaluations skipped" if skipped is not None else \
+        "tuned by the cache stage"
+    row = row_name(name, config)
+    if fp8_layers:
+        params["fp8"] = {"layers": len(fp8_layers), "candidates": candidates, "tuned": True}
+        notes += f"; tuned with {len(fp8_layers)} of {candidates} block linears in fp8"
+        row += fp8_suffix({"layers": fp8_layers, "candidates": candidates})
+    return Config(name=row, family=f"cache/{name}", apply=apply, params=params, notes=notes)
+
+
+def cache_configs(ctx, cache: CacheResults | None) -> list[Config]:
+    """The cache stage's chosen configuration, every other one that passed on held-out seeds, and
+    its fp8 composition when it found one, each timed beside the baseline."""
+    if cache is None:
+        return []
+    rows = cache.holdout_rows()
+    chosen = cache.chosen
+    rows.sort(key=lambda r: not (chosen and r.name == chosen.name and r.config == chosen.config))
+    out, seen = [], set()
+    for r in rows:
+        key = row_name(r.name, r.config)
+        if key not in seen:
+            seen.add(key)
+            out.append(_recorded_config(ctx, cache, r.name, r.family, r.config, r.skipped_fraction))
+    f8 = cache.fp8.chosen
+    if f8 is not None:  # the composition tuned with fp8 applied, confirmed on held-out seeds
+        out.append(_recorded_config(ctx, cache, f8.name, f8.family, f8.config, f8.skipped_fraction, f8.layers,
+                                    f8.candidates))
+    return out
+
+
 def discover_configs(ctx: Any, inputs: StageInputs, card_specs: list[dict] | None = None,
                      log=print) -> list[Config]:
-    """Configurations to measure: from the cache/parallel providers, then the card's hook specs."""
-    configs: list[Config] = []
-    for stage, module in PROVIDERS.items():
-        provider = getattr(module, "benchmark_configs", None)
-        if provider is None:
-            continue
-        results = inputs.get(stage)
-        if results is None:
-            continue
-        configs += list(provider(ctx, results))
-    for spec in card_specs or []:
-        configs.append(hook_config(spec))
+    """Configurations to measure: the cache stage's, then the card's hook specs."""
+    configs = cache_configs(ctx, inputs.cache) + [hook_config(spec) for spec in card_specs or []]
     names = [c.name for c in configs]
     dupes = {n for n in names if names.count(n) > 1}
     if dupes:
@@ -193,5 +167,5 @@ def discover_configs(ctx: Any, inputs: StageInputs, card_specs: list[dict] | Non
     return configs
 
 
-__all__ = ["StageInputs", "read_inputs", "cache_rows", "parallel_rows", "residual_series", "hook_config",
+__all__ = ["StageInputs", "read_inputs", "cache_rows", "parallel_rows", "hook_config", "cache_configs",
            "discover_configs", "STAGES_READ"]

@@ -19,6 +19,7 @@ import re
 import shlex
 from pathlib import Path
 
+from ..records import BenchmarkResults, CacheResults, ParallelResults, Verdict
 from ..runs import RunFolder
 from .summary import summary_rows
 from .shown import shown_rows
@@ -43,8 +44,8 @@ def failures(meta: dict) -> list[dict]:
     return [r for r in stage_rows(meta) if r["status"] == "failed"]
 
 
-def benchmark_results(run: RunFolder) -> dict | None:
-    return run.read_results("benchmark") if run.has_results("benchmark") else None
+def benchmark_results(run: RunFolder) -> BenchmarkResults | None:
+    return run.results_or_none("benchmark")
 
 
 def notebooks(run: RunFolder) -> list[Path]:
@@ -113,40 +114,37 @@ def _ms(stat: dict | None, over: str = "repeats") -> str:
             f"over {stat['n']} {over})")
 
 
-def timing_lines(res: dict) -> list[str]:
+def timing_lines(res: BenchmarkResults) -> list[str]:
     """Plain-language lines about how the baseline was measured and how efficient it is."""
     from .shown import timing_counts
 
-    base = res.get("baseline") or {}
-    t = base.get("timing") or {}
-    lines = [f"device {res.get('device')}; timing: {timing_counts(res)}; quality: {len(res.get('cases') or [])} "
+    t, eff = res.baseline.timing, res.baseline.efficiency
+    lines = [f"device {res.device}; timing: {timing_counts(res)}; quality: {len(res.cases)} "
              "cases on the calibration seeds (the card's prompts × seeds), each against the uncached baseline"]
-    if res.get("video"):
-        lines.append(f"cases are videos of {res['video'].get('frames')} frames: {res['video'].get('meaning')}")
+    if res.video:
+        lines.append(f"cases are videos of {res.video['frames']} frames: {res.video['meaning']}")
     if t:
-        lines.append(f"baseline end to end: {_ms(t.get('end_to_end'))}")
-        for part, stat in (t.get("parts") or {}).items():
+        lines.append(f"baseline end to end: {_ms(t['end_to_end'])}")
+        for part, stat in t.get("parts", {}).items():
             over = "transformer calls (every step of every repeat)" if part == "transformer_step" else "repeats"
             lines.append(f"baseline {part.replace('_', ' ')}: {_ms(stat, over)}")
         lines.append(f"peak memory ({t.get('memory_kind')}): {t.get('peak_memory_mb')} MB")
-    fl = res.get("flops")
-    eff = base.get("efficiency") or {}
-    if fl:
-        lines.append(f"transformer FLOPs per step: {fl['gflops_per_step']} GFLOP "
-                     f"({fl['calls_per_step']:g} call(s) per step)")
-    if eff.get("achieved_tflops") is not None:
+    if res.flops:
+        lines.append(f"transformer FLOPs per step: {res.flops['gflops_per_step']} GFLOP "
+                     f"({res.flops['calls_per_step']:g} call(s) per step)")
+    if eff and eff.get("achieved_tflops") is not None:
         share = eff.get("share_of_peak")
         lines.append(f"achieved {eff['achieved_tflops']} TFLOP/s per transformer call" +
                      (f", {share * 100:.2f}% of the {eff['peak_tflops']} TFLOP/s peak" if share is not None
                       else " (no device peak given: set benchmark.peak_tflops)"))
-    if res.get("baseline_drift") is not None:
-        lines.append(f"baseline re-timed at the end / at the start: {res['baseline_drift']:.3f}")
-    if res.get("noise_floor"):
-        nf = res["noise_floor"]
+    if res.baseline_drift is not None:
+        lines.append(f"baseline re-timed at the end / at the start: {res.baseline_drift:.3f}")
+    if res.noise_floor:
+        nf = res.noise_floor
         lines.append(f"noise floor (baseline rendered twice, calibration seeds): worst PSNR {nf.get('psnr_min')} dB, "
                      f"SSIM {nf.get('ssim_min')}, max abs {nf.get('max_abs')}")
-    if res.get("intake_agreement"):
-        ia = res["intake_agreement"]
+    if res.intake_agreement:
+        ia = res.intake_agreement
         lines.append(f"baseline here vs the intake images (calibration seeds): worst PSNR {ia.get('psnr_min')} dB, "
                      f"SSIM {ia.get('ssim_min')}")
     return lines
@@ -156,43 +154,50 @@ def _mark(ok: bool | None) -> str:
     return "✔" if ok is True else "✘" if ok is False else "–"
 
 
-def not_run_plans(parallel: dict | None) -> list[dict]:
-    """The parallel plans the stage did not run, each with its reason (``parallel.not_run``)."""
-    return [n for n in ((parallel or {}).get("not_run") or []) if isinstance(n, dict)]
+def not_run_plans(parallel: ParallelResults | None) -> list:
+    """The parallel plans the stage did not run, each with its reason (``records.NotRun``)."""
+    return list(parallel.not_run) if parallel is not None else []
 
 
-def verdict_words(v: dict, cache: dict | None) -> str | None:
+def verdict_words(v: Verdict, cache: CacheResults | None) -> str | None:
     """The verdict's configuration in words (``shown.config_words``), or None when it has none."""
     from .shown import config_words
 
-    if v.get("name") in (None, "baseline", "none"):
-        return None
-    return config_words(v["name"], cache)
+    return None if v.name in ("baseline", "none") else config_words(v.name, cache)
 
 
-def runners_up(v: dict, res: dict | None, cache: dict | None) -> list[dict]:
+def _repeats(res: BenchmarkResults | None, name: str) -> int | None:
+    row = res.row(name) if res is not None else None
+    return row.timing["end_to_end"].get("n") if row is not None and row.timing else None
+
+
+def runners_up(v: Verdict, res: BenchmarkResults | None, cache: CacheResults | None) -> list[dict]:
     """The verdict's runners-up as the report lists them: words, key, speed (with range and
     repeats), quality (labelled) and why not chosen; a runner-up timed with other repeats than
     the verdict says so."""
-    from .shown import config_words, quality_text, speed_spread
+    from .shown import HELD_OUT, config_words, quality_text
+    from .verdict import speed_range
 
-    spread = speed_spread(res)
-    n = {str(c.get("name")): ((c.get("timing") or {}).get("end_to_end") or {}).get("n")
-         for c in (res or {}).get("configs") or [] if isinstance(c, dict)}
-    own = n.get(str(v.get("name")))
+    own = _repeats(res, v.name)
     out = []
-    for r in v.get("runner_ups") or []:
-        sp = r.get("speedup")
-        lo_hi = spread.get(r["name"])
+    for r in v.runner_ups:
+        sp, lo_hi, n = r.get("speedup"), speed_range(res, r["name"]), _repeats(res, r["name"])
         speed = "speed-up not measured" if sp is None else f"{sp:.2f}× end to end" + (
             f" ({lo_hi[0]:.2f}–{lo_hi[1]:.2f})" if lo_hi else "")
-        if sp is not None and own and n.get(r["name"]) and n[r["name"]] != own:
-            speed += f", timed over {n[r['name']]} repeats against the verdict's {own}"
+        if sp is not None and own and n and n != own:
+            speed += f", timed over {n} repeats against the verdict's {own}"
         out.append({"name": r["name"], "words": config_words(r["name"], cache), "speed": speed,
-                    "quality": "worst-image PSNR / SSIM " + quality_text(r.get("psnr_min"), r.get("ssim_min"),
-                                                                          r.get("quality_on")),
-                    "why_not": r.get("why_not")})
+                    "quality": "worst-image PSNR / SSIM " + quality_text(r.get("psnr"), r.get("ssim"), HELD_OUT),
+                    "why_not": r["why_not"]})
     return out
+
+
+def not_chosen(v: Verdict, cache: CacheResults | None) -> list[dict]:
+    """The candidates the ship rule could not take, in words, each with what it failed."""
+    from .shown import config_words
+
+    return [{"name": r["name"], "words": config_words(r["name"], cache), "why_not": r["why_not"]}
+            for r in v.refused if r["name"] != v.name]
 
 
 # -- result.md ------------------------------------------------------------------------------
@@ -211,16 +216,19 @@ def result_markdown(run_dir: str | Path) -> str:
     f8 = fp8_text(v, cache)
     words = verdict_words(v, cache)
     out += ["", "## Verdict", "", f"**{headline(v, words)}**", ""]
-    if words and words != v["name"]:
-        out += [f"Configuration key: `{v['name']}`", ""]
-    out += [f"Chosen by the cache stage's rule: {v.get('rule') or 'see cache/results.json'}."]
+    if words and words != v.name:
+        out += [f"Configuration key: `{v.name}`", ""]
+    out += [f"The ship rule (ditbook.ship): {v.rule or 'see benchmark/results.json'}."]
     ups = runners_up(v, res, cache)
     if ups:
-        out += ["", "Runners-up (passing, faster here or better on held-out seeds):" if len(ups) > 1 else
-                "Runner-up (passing, faster here or better on held-out seeds):", ""]
+        out += ["", "Runners-up (passing on held-out seeds and every check, not chosen):" if len(ups) > 1 else
+                "Runner-up (passing on held-out seeds and every check, not chosen):", ""]
         out += [f"- {u['words']} — {u['speed']}, {u['quality']}: not chosen, {u['why_not']} (`{u['name']}`)"
                 for u in ups]
-    out += [*(["", f8] if f8 else []), "", holdout_meaning(meta.get("card")), ""]
+    refused = not_chosen(v, cache)
+    if refused:
+        out += ["", "Not eligible:", ""] + [f"- {r['words']}: {r['why_not']} (`{r['name']}`)" for r in refused]
+    out += [*(["", f8] if f8 else []), "", holdout_meaning(meta.get("card", {})), ""]
     use = usage(run, v, stage_results)
     if use:
         out += ["## Use it", ""]
@@ -250,19 +258,19 @@ def result_markdown(run_dir: str | Path) -> str:
                 f"(status: {meta.get('stages', {}).get('benchmark', {}).get('status', 'not run')}); "
                 "nothing was measured."]
         return "\n".join(out) + "\n"
-    rows = shown_rows(res.get("summary") or summary_rows(res), res, cache, stage_results.get("parallel"))
+    rows = shown_rows(res.summary or summary_rows(res), res, cache, stage_results.get("parallel"))
     out += ["", "## Summary", "", summary_markdown(rows), ""]
     out += [SUMMARY_NOTE, ""]
-    if v.get("timing_unstable"):
+    if v.timing_unstable:
         out += [_unstable_note(v).strip().replace("<b>", "**").replace("</b>", "**"), ""]
     skipped = not_run_plans(stage_results.get("parallel"))
     if skipped:
-        out += ["Parallel plans not run:", ""] + [f"- {n.get('name')}: {n.get('reason')}" for n in skipped] + [""]
+        out += ["Parallel plans not run:", ""] + [f"- {n.name}: {n.reason}" for n in skipped] + [""]
     out += [f"- {line}" for line in timing_lines(res)]
     out += ["", "## Plots", ""]
-    out += [f"- {k}: `benchmark/{p}`" for k, p in (res.get("plots") or {}).items()]
-    if res.get("grid"):
-        out.append(f"- image grid (calibration seeds, one case per prompt): `benchmark/{res['grid']}`")
+    out += [f"- {k}: `benchmark/{p}`" for k, p in res.plots.items()]
+    if res.grid:
+        out.append(f"- image grid (calibration seeds, one case per prompt): `benchmark/{res.grid}`")
     return "\n".join(out) + "\n"
 
 
@@ -504,12 +512,12 @@ def _key_table(rows: list[dict], labels: dict[str, str], chosen: str | None) -> 
             "</tbody></table></div>")
 
 
-def _holdout_worst_html(run: RunFolder, res: dict | None, words: str | None = None) -> str:
+def _holdout_worst_html(run: RunFolder, res: BenchmarkResults | None, words: str | None = None) -> str:
     """The worst held-out image of the chosen configuration (``benchmark.holdout_worst``) as a
     figure with its key and figures; '' when none was drawn."""
-    w = (res or {}).get("holdout_worst") or {}
-    path = run.stage_dir("benchmark", create=False) / str(w.get("plot") or "")
-    if not w.get("plot") or not path.is_file():
+    w = res.holdout_worst if res is not None else None
+    path = run.stage_dir("benchmark", create=False) / str(w["plot"]) if w else None
+    if path is None or not path.is_file():
         return ""
     cap = (f"Worst held-out image of {html.escape(words or str(w.get('name')))} (case {html.escape(str(w.get('key')))}): "
            f"PSNR {_psnr(w.get('psnr'))} dB, SSIM {_ssim(w.get('ssim'))} (held-out seeds), against the uncached render "
@@ -518,7 +526,7 @@ def _holdout_worst_html(run: RunFolder, res: dict | None, words: str | None = No
             f'reference and their difference" src="{_data_uri(path)}"><figcaption>{cap}</figcaption></figure>')
 
 
-def _off_axis(rows: list[dict], parallel: dict | None = None) -> str:
+def _off_axis(rows: list[dict], parallel: ParallelResults | None = None) -> str:
     """The caption's note of the parallel plans left off the speed axis (CPU processes) and of
     those not run."""
     from .shown import display_name
@@ -528,21 +536,21 @@ def _off_axis(rows: list[dict], parallel: dict | None = None) -> str:
            f'runs, in the summary table): {html.escape(", ".join(names))}.</span>' if names else "")
     skipped = not_run_plans(parallel)
     if skipped:
-        out += f' Not run: {html.escape(", ".join(str(n.get("name")) for n in skipped))} (reasons below the summary table).'
+        out += f' Not run: {html.escape(", ".join(n.name for n in skipped))} (reasons below the summary table).'
     return out
 
 
-def _unstable_note(v: dict) -> str:
+def _unstable_note(v: Verdict) -> str:
     """The caveat on every speed figure of a run whose baseline drifted (the checklist's row)."""
     return (" <b>Timing was unstable in this run</b> (the baseline re-timed at the end drifted beyond "
-            "benchmark.timing_drift): its speed-ups and their ranges are not reliable." if v.get("timing_unstable") else "")
+            "benchmark.timing_drift): its speed-ups and their ranges are not reliable." if v.timing_unstable else "")
 
 
 SUMMARY_HEAD = ("configuration", "from", "proc.", "repeats", "speed-up (min–max)", "e2e ms", "step", "decode",
                 "peak MB", "worst PSNR / SSIM vs uncached baseline", "parity vs one process", "passed")
 
 
-def summary_html(rows: list[dict], parallel: dict | None = None) -> str:
+def summary_html(rows: list[dict], parallel: ParallelResults | None = None) -> str:
     """The summary table: each configuration once, its quality figure against the uncached
     baseline labelled with the seeds it is measured on, a parallel plan's parity apart, the
     speed-up with its range, per-part speed-ups and peak memory; no speed for CPU processes."""
@@ -575,41 +583,45 @@ def summary_html(rows: list[dict], parallel: dict | None = None) -> str:
     head = "".join(f"<th>{html.escape(c)}</th>" for c in SUMMARY_HEAD)
     skipped = not_run_plans(parallel)
     not_run = ('<p class=note id="not-run">Parallel plans not run: ' + "; ".join(
-        f"<b>{html.escape(str(n.get('name')))}</b>: {html.escape(str(n.get('reason')))}" for n in skipped) + ".</p>"
+        f"<b>{html.escape(n.name)}</b>: {html.escape(n.reason)}" for n in skipped) + ".</p>"
                if skipped else "")
     return (f'<div class="box"><table id="summary-table"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}'
             f"</tbody></table></div>{not_run}<p class=note>{html.escape(SUMMARY_NOTE)}</p>")
 
 
-def _verdict_html(run: RunFolder, v: dict, res: dict | None, cache: dict | None, f8: str) -> str:
+def _verdict_html(run: RunFolder, v: Verdict, res: BenchmarkResults | None, cache: CacheResults | None,
+                  f8: str) -> str:
     """The verdict box: the headline naming the configuration in words, its full key below,
     the gates, the rule and the runners-up as a list; beside it the worst held-out image."""
     words = verdict_words(v, cache)
-    g = v["gates"]
-    key = (f'<div class="key" id="verdict-key">configuration key: <code>{name_html(v["name"])}</code></div>'
-           if words and words != v["name"] else "")
+    g = v.gates
+    key = (f'<div class="key" id="verdict-key">configuration key: <code>{name_html(v.name)}</code></div>'
+           if words and words != v.name else "")
     ups = runners_up(v, res, cache)
     items = "".join(f"<li><b>{html.escape(u['words'])}</b> — {html.escape(u['speed'])}, {html.escape(u['quality'])}: "
                     f"{html.escape(str(u['why_not']))} <code class=key>{name_html(u['name'])}</code></li>" for u in ups)
-    rule = (f"Chosen by the cache stage's rule: {html.escape(str(v.get('rule') or 'see cache/results.json'))}."
-            + ((" Runners-up" if len(ups) > 1 else " Runner-up") + f" (passing, faster here or better on held-out "
-               f"seeds):<ul>{items}</ul>" if ups else ""))
-    box = (f'<div class="verdict{"" if v["ship"] else " no"}" id="verdict"><b id="headline">'
+    refused = "".join(f"<li><b>{html.escape(r['words'])}</b>: {html.escape(r['why_not'])} "
+                      f"<code class=key>{name_html(r['name'])}</code></li>" for r in not_chosen(v, cache))
+    rule = (f"The ship rule (ditbook.ship): {html.escape(v.rule or 'see benchmark/results.json')}."
+            + ((" Runners-up" if len(ups) > 1 else " Runner-up") + f" (passing on held-out seeds and every check, "
+               f"not chosen):<ul>{items}</ul>" if ups else "")
+            + (f" Not eligible:<ul id=refused>{refused}</ul>" if refused else ""))
+    box = (f'<div class="verdict{"" if v.ship else " no"}" id="verdict"><b id="headline">'
            f"{html.escape(headline(v, words))}</b>{key}"
-           f'<div id="gates">Gates (cache, on held-out seeds): worst-image PSNR &gt; {g["psnr"]:g} dB and '
-           f'SSIM &gt; {g["ssim"]:g}. Chosen once, by the cache stage; the benchmark times it.</div>'
+           f'<div id="gates">Gates (cache, on held-out seeds): worst-image PSNR &gt; {g.psnr:g} dB and '
+           f'SSIM &gt; {g.ssim:g}. Every configuration the cache stage confirmed is timed here; one rule decides.</div>'
            f'<div id="rule">{rule}</div>' + (f'<div id="fp8">{html.escape(f8)}</div>' if f8 else "") + "</div>")
     worst = _holdout_worst_html(run, res, words)
     return f'<div class="verdict-row">{box}{worst}</div>' if worst else box
 
 
-def _use_html(run: RunFolder, v: dict, stage_results: dict, meta: dict) -> str:
+def _use_html(run: RunFolder, v: Verdict, stage_results: dict, meta: dict) -> str:
     """The "use it" box: the files the cache stage wrote, the lines to paste, what to expect, what
     held-out means here, and why there is no perceptual figure."""
     from .shown import LPIPS_NOTE, holdout_meaning, usage
 
     use = usage(run, v, stage_results)
-    meaning = f"<p class=note>{html.escape(holdout_meaning(meta.get('card')))}</p>"
+    meaning = f"<p class=note>{html.escape(holdout_meaning(meta.get('card', {})))}</p>"
     if not use:
         return meaning
     files = "".join(f"<li>{html.escape(k)}: <code>{html.escape(p)}</code></li>" for k, p in use["files"].items())
@@ -654,13 +666,13 @@ def report_html(run_dir: str | Path) -> str:
         parts.append('<h2 id="grid">Images</h2><p>No benchmark images.</p>')
         parts.append('<h2 id="summary">Summary table</h2>' + table_html([], ["name", "family", "speedup"], "summary-table"))
     else:
-        rows = shown_rows(res.get("summary") or summary_rows(res), res, stage_results.get("cache"),
+        rows = shown_rows(res.summary or summary_rows(res), res, stage_results.get("cache"),
                           stage_results.get("parallel"))
         bdir = run.stage_dir("benchmark", create=False)
         from .plots import short_labels
 
-        labels = res.get("labels") or short_labels(rows)
-        plot = bdir / (res.get("plots") or {}).get("tradeoff_psnr", "plots/tradeoff_psnr.png")
+        labels = res.labels or short_labels(rows)
+        plot = bdir / res.plots.get("tradeoff_psnr", "plots/tradeoff_psnr.png")
         parts.append('<h2 id="plot">Speed vs quality</h2><div class="twocol">')
         if plot.is_file():
             uri = _data_uri(plot)
@@ -672,14 +684,14 @@ def report_html(run_dir: str | Path) -> str:
                          "timings allow; ringed: the Pareto front; ★: the verdict; dotted: the gate; the baseline is "
                          "the dashed line at 1×, its images identical to themselves (no PSNR to draw)."
                          + _off_axis(rows, stage_results.get("parallel")) + _unstable_note(v) + "</figcaption></figure>")
-        parts.append(_key_table(rows, labels, v.get("name")) + "</div>")
-        grid = bdir / res["grid"] if res.get("grid") else None
+        parts.append(_key_table(rows, labels, v.name) + "</div>")
+        grid = bdir / res.grid if res.grid else None
         parts.append('<h2 id="grid">Images</h2>')
         if grid is not None and grid.is_file():
             uri = _data_uri(grid)
             known[uri.split(",", 1)[1]] = ("grid", "image grid")
-            if res.get("grid_videos"):
-                n = res["grid_videos"].get("frames")
+            if res.grid_videos:
+                n = res.grid_videos["frames"]
                 parts.append(f'<figure><img id="grid-img" alt="per case, the baseline video and each configuration as '
                              f'a row of {n} frames, with its difference map below" src="{uri}"><figcaption>Videos: a row '
                              f"of frames each ({n} frames, frame numbers on top). Per case (one per prompt) the baseline, "
@@ -695,9 +707,9 @@ def report_html(run_dir: str | Path) -> str:
         else:
             parts.append("<p>No image grid (no stored images).</p>")
         parts.append('<h2 id="summary">Summary table</h2>' + summary_html(rows, stage_results.get("parallel"))
-                     + (f"<p class=note>{_unstable_note(v).strip()}</p>" if v.get("timing_unstable") else ""))
+                     + (f"<p class=note>{_unstable_note(v).strip()}</p>" if v.timing_unstable else ""))
         parts.append("<ul>" + "".join(f"<li>{html.escape(x)}</li>" for x in timing_lines(res)) + "</ul>")
-        for k, p in (res.get("plots") or {}).items():
+        for k, p in res.plots.items():
             if k != "tradeoff_psnr" and (bdir / p).is_file():
                 uri = _data_uri(bdir / p)
                 known[uri.split(",", 1)[1]] = (f"fig-{k}", f"{k} plot")
@@ -711,7 +723,7 @@ def report_html(run_dir: str | Path) -> str:
     if nbs:
         parts.append("<h2>Executed notebooks</h2>")
     for nb in nbs:
-        st = (meta.get("stages") or {}).get(_NB_RE.match(nb.name).group(2), {}).get("status", "?")
+        st = meta.get("stages", {}).get(_NB_RE.match(nb.name).group(2), {}).get("status", "?")
         try:
             frag = notebook_html(nb, run.path, known)
         except Exception as exc:  # an unreadable notebook is reported, not fatal to the report

@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import re
 
-from ..configuration import fp8_suffix, row_name
+from ..configuration import row_name
+from ..records import BenchmarkResults, CacheResults, ParallelResults
+from .verdict import chosen_row_name, fp8_row_name, speed_range
 
 HELD_OUT = "held-out"
 CALIBRATION = "calibration"
@@ -39,89 +41,46 @@ ON_TEXT = {HELD_OUT: "held-out seeds", CALIBRATION: "calibration seeds",
            PARITY: "parity against one process, calibration seeds"}
 
 
-def is_cpu_run(benchmark: dict | None) -> bool:
+def is_cpu_run(benchmark: BenchmarkResults | None) -> bool:
     """The benchmark ran on a CPU host (its ``device``): multi-process plans there share cores."""
-    return str((benchmark or {}).get("device") or "").startswith("cpu")
+    return benchmark is not None and benchmark.device.startswith("cpu")
 
 
 def is_parallel(row: dict) -> bool:
     return str(row.get("family") or "").endswith("parallel") and int(row.get("nproc") or 1) > 1
 
 
-def fp8_row_name(cache: dict | None) -> str | None:
-    """The benchmark row of the cache stage's fp8 composition (``cache.fp8_tune``), or None: the
-    name ``cache.benchmark_configs`` gives it."""
-    f8 = ((cache or {}).get("fp8") or {}).get("chosen")
-    if not f8:
-        return None
-    return row_name(f8["name"], f8.get("config")) + fp8_suffix(f8)
-
-
-def chosen_row_name(chosen: dict) -> str:
-    """The benchmark row of the cache stage's chosen configuration (``cache.benchmark_configs``)."""
-    return row_name(chosen["name"], chosen.get("config"))
-
-
-def holdout_records(cache: dict | None) -> dict[str, dict]:
+def holdout_records(cache: CacheResults | None) -> dict[str, dict]:
     """``{benchmark row name: {psnr_min, ssim_min, n, passed, skipped_fraction}}`` of every
     configuration the cache stage ran on held-out seeds (the chosen one's own record last, so it
     wins), and the fp8 composition's (``cache.fp8``) under its own row name."""
     out: dict[str, dict] = {}
-    for e in (cache or {}).get("strategies") or []:
-        if not isinstance(e, dict) or e.get("split") != "holdout":
-            continue
-        name = row_name(str(e.get("name")), e.get("config"))
-        q = e.get("quality") or {}
-        out[name] = {"psnr_min": q.get("psnr_min", e.get("psnr_min")), "ssim_min": q.get("ssim_min", e.get("ssim_min")),
-                     "n": q.get("n"), "passed": e.get("passed"), "skipped_fraction": e.get("skipped_fraction")}
-    chosen, detail = (cache or {}).get("chosen"), (cache or {}).get("chosen_detail") or {}
-    hq = detail.get("holdout_quality") or {}
-    if chosen and hq:
-        out[chosen_row_name(chosen)] = {"psnr_min": hq.get("psnr_min"), "ssim_min": hq.get("ssim_min"),
-                                        "n": hq.get("n"), "passed": True, "skipped_fraction": detail.get("skipped_fraction")}
-    f8 = ((cache or {}).get("fp8") or {}).get("chosen")
-    if f8 and f8.get("holdout_quality"):  # the fp8 composition's own held-out record (cache.fp8)
-        q = f8["holdout_quality"]
-        out[fp8_row_name(cache)] = {"psnr_min": q.get("psnr_min"), "ssim_min": q.get("ssim_min"), "n": q.get("n"),
-                                    "passed": True, "skipped_fraction": f8.get("skipped_fraction")}
+
+    def put(name, q, passed, skipped):
+        out[name] = {"psnr_min": q and q.psnr_min, "ssim_min": q and q.ssim_min, "n": q and q.n, "passed": passed,
+                     "skipped_fraction": skipped}
+
+    for e in cache.holdout_rows(passed_only=False) if cache is not None else []:
+        put(row_name(e.name, e.config), e.quality, e.passed, e.skipped_fraction)
+    if cache is not None and cache.chosen is not None and cache.chosen.holdout_quality is not None:
+        put(chosen_row_name(cache.chosen), cache.chosen.holdout_quality, True, cache.chosen.skipped_fraction)
+    f8 = cache.fp8.chosen if cache is not None else None
+    if f8 is not None and f8.holdout_quality is not None:  # the fp8 composition's own held-out record
+        put(fp8_row_name(cache), f8.holdout_quality, True, f8.skipped_fraction)
     return out
 
 
-def speed_spread(benchmark: dict | None) -> dict[str, tuple[float, float]]:
-    """``{row name: (low, high)}``: the speed-up range the end-to-end timings allow (baseline
-    min / configuration max, baseline max / configuration min), for rows measured here."""
-    res = benchmark or {}
-    base = ((res.get("baseline") or {}).get("timing") or {}).get("end_to_end") or {}
-    out: dict[str, tuple[float, float]] = {}
-    if not base.get("min") or not base.get("max"):
-        return out
-    for c in res.get("configs") or []:
-        t = ((c or {}).get("timing") or {}).get("end_to_end") or {}
-        if t.get("min") and t.get("max"):
-            out[str(c.get("name"))] = (base["min"] / t["max"], base["max"] / t["min"])
-    return out
-
-
-def _plans(parallel: dict | None) -> dict[tuple[str, int], dict]:
-    """The parallel stage's plan records by (name, process count)."""
-    out = {}
-    for p in (parallel or {}).get("plans") or []:
-        if isinstance(p, dict):
-            out[(str(p.get("name")), int(p.get("world_size") or p.get("nproc") or 1))] = p
-    return out
-
-
-def plan_quality(row: dict, plan: dict | None) -> dict:
+def plan_quality(row: dict, plan) -> dict:
     """A parallel plan's two figures: ``baseline`` (PSNR/SSIM against the uncached baseline, or
     None when not recorded) and ``parity`` (against one process). A ``+cache`` plan's figure
     against the uncached baseline is the parallel stage's ``baseline_quality``; a plan without
     cache is compared with the one-process run of the uncached model, so its parity is that
     figure too."""
     parity = {"psnr": row.get("psnr_min"), "ssim": row.get("ssim_min")}
-    bq = (plan or {}).get("baseline_quality") or {}
-    if bq:
-        base = {"psnr": bq.get("psnr_min"), "ssim": bq.get("ssim_min")}
-    elif not row.get("cache") and str((plan or {}).get("reference") or "single") == "single" \
+    bq = plan.baseline_quality if plan is not None else None
+    if bq is not None:
+        base = {"psnr": bq.psnr_min, "ssim": bq.ssim_min}
+    elif not row.get("cache") and (plan is None or (plan.reference or "single") == "single") \
             and "cache" not in str(row.get("family")).split("+")[0]:
         base = dict(parity)
     else:
@@ -129,28 +88,21 @@ def plan_quality(row: dict, plan: dict | None) -> dict:
     return {"baseline": base, "parity": parity}
 
 
-def _measured(benchmark: dict | None) -> dict[str, dict]:
-    res = benchmark or {}
-    return {str(c.get("name")): c for c in [res.get("baseline")] + list(res.get("configs") or [])
-            if isinstance(c, dict)}
-
-
-def _timing_extras(config: dict | None) -> dict:
-    """Per measured row: the repeats its end-to-end figure is the median of, the per-part
-    speed-ups that matter to a user (one transformer step, the decode) and peak memory."""
-    if not config:
+def _timing_extras(config) -> dict:
+    """Per measured row (a ``records.ConfigRow``): the repeats its end-to-end figure is the median
+    of, the per-part speed-ups that matter to a user (one transformer step, the decode) and peak memory."""
+    if config is None or not config.timing:
         return {}
-    t = config.get("timing") or {}
-    parts = config.get("part_speedups") or {}
-    base = config.get("family") == "baseline"
-    return {"repeats": (t.get("end_to_end") or {}).get("n"),
-            "step_speedup": 1.0 if base and t else parts.get("transformer_step"),
-            "decode_speedup": 1.0 if base and t else parts.get("vae_decode"),
+    t, parts = config.timing, config.part_speedups
+    base = config.family == "baseline"
+    return {"repeats": t["end_to_end"].get("n"),
+            "step_speedup": 1.0 if base else parts.get("transformer_step"),
+            "decode_speedup": 1.0 if base else parts.get("vae_decode"),
             "peak_mb": t.get("peak_memory_mb"), "memory_kind": t.get("memory_kind")}
 
 
-def shown_rows(rows: list[dict], benchmark: dict | None, cache: dict | None,
-               parallel: dict | None = None) -> list[dict]:
+def shown_rows(rows: list[dict], benchmark: BenchmarkResults | None, cache: CacheResults | None,
+               parallel: ParallelResults | None = None) -> list[dict]:
     """Each summary row with the figures the report shows: ``psnr_holdout``/``ssim_holdout`` or
     ``psnr_calibration``/``ssim_calibration`` (never both), ``quality_on``, ``psnr``/``ssim`` (the
     one figure, against the uncached baseline), ``passed_shown`` (the gate result on the seeds of
@@ -161,15 +113,14 @@ def shown_rows(rows: list[dict], benchmark: dict | None, cache: dict | None,
     measured rows ``repeats``, ``step_speedup``, ``decode_speedup`` and ``peak_mb``."""
     # long: one pass over the rows, each figure decided once (quality, parity, speed, names, timings)
     held = holdout_records(cache)
-    spread = speed_spread(benchmark)
     cpu = is_cpu_run(benchmark)
-    plans, measured = _plans(parallel), _measured(benchmark)
+    plans = {(p.name, p.world_size): p for p in parallel.plans} if parallel is not None else {}
     out = []
     for r in rows:
         s = dict(r)
         name = str(r.get("name"))
         rec = held.get(name)
-        if rec is None and name.endswith("+compile") and ((cache or {}).get("compiled") or {}).get("ok") is True:
+        if rec is None and name.endswith("+compile") and cache is not None and cache.compiled.ok is True:
             # the cache stage's compiled check found compiling leaves the images as they were: the
             # compiled twin's held-out figure is its uncompiled configuration's
             rec = held.get(name.removesuffix("+compile"))
@@ -178,10 +129,9 @@ def shown_rows(rows: list[dict], benchmark: dict | None, cache: dict | None,
         par = is_parallel(r)
         if par:
             q = plan_quality(r, plans.get((name, int(r.get("nproc") or 1))))
-            b = q["baseline"] or {}
-            s.update(quality_on=CALIBRATION, psnr=b.get("psnr"), ssim=b.get("ssim"), psnr_calibration=b.get("psnr"),
-                     ssim_calibration=b.get("ssim"), psnr_parity=q["parity"]["psnr"], ssim_parity=q["parity"]["ssim"],
-                     passed_shown=r.get("passed"))
+            psnr, ssim = (q["baseline"]["psnr"], q["baseline"]["ssim"]) if q["baseline"] else (None, None)
+            s.update(quality_on=CALIBRATION, psnr=psnr, ssim=ssim, psnr_calibration=psnr, ssim_calibration=ssim,
+                     psnr_parity=q["parity"]["psnr"], ssim_parity=q["parity"]["ssim"], passed_shown=r.get("passed"))
         elif rec is not None and r.get("family") != "baseline":
             s.update(quality_on=HELD_OUT, psnr=rec.get("psnr_min"), ssim=rec.get("ssim_min"),
                      psnr_holdout=rec.get("psnr_min"), ssim_holdout=rec.get("ssim_min"),
@@ -192,12 +142,12 @@ def shown_rows(rows: list[dict], benchmark: dict | None, cache: dict | None,
                      passed_shown=r.get("passed"))
         s["parity_only"] = bool(cpu and par)
         s["speedup_shown"] = None if s["parity_only"] else r.get("speedup")
-        s["speedup_range"] = spread.get(name)
+        s["speedup_range"] = speed_range(benchmark, name) if r.get("source") == "measured here" else None
         s["devices"] = (f"{int(r.get('nproc'))} {'CPU processes' if cpu else 'GPUs'}" if par else None)
         s["words"] = config_words(name, cache)
         s["family_shown"] = family_name(r, cache)
-        if r.get("source") == "measured here":
-            s.update(_timing_extras(measured.get(name)))
+        if r.get("source") == "measured here" and benchmark is not None:
+            s.update(_timing_extras(benchmark.row(name)))
         out.append(s)
     return out
 
@@ -206,45 +156,41 @@ def shown_rows(rows: list[dict], benchmark: dict | None, cache: dict | None,
 _SUFFIX = re.compile(r"^(?P<base>.*?)(?P<fp8>\+fp8\[(?P<q>\d+)/(?P<n>[^\]]*)\])?(?P<compile>\+compile)?$")
 
 
-def _entries(cache: dict | None) -> list[dict]:
-    es = [e for e in (cache or {}).get("strategies") or [] if isinstance(e, dict)]
-    for key in ("chosen", "chosen_detail"):
-        if isinstance((cache or {}).get(key), dict):
-            es.append(cache[key])
-    return es
+def _entries(cache: CacheResults | None) -> list:
+    """Every configuration the cache stage recorded (rows and its choice): ``name``, ``family``, ``config``."""
+    return [] if cache is None else [*cache.strategies, *([cache.chosen] if cache.chosen else [])]
 
 
-def strategy_families(cache: dict | None) -> dict[str, str]:
+def strategy_families(cache: CacheResults | None) -> dict[str, str]:
     """``{strategy: family}`` as the cache stage names them (one family name per strategy)."""
     out: dict[str, str] = {}
     for e in _entries(cache):
-        if e.get("family"):
-            out.setdefault(str(e.get("name")), str(e["family"]).removeprefix("cache/"))
+        out.setdefault(e.name, e.family.removeprefix("cache/"))
     return out
 
 
-def tuned_settings(cache: dict | None) -> dict[str, list[str]]:
+def tuned_settings(cache: CacheResults | None) -> dict[str, list[str]]:
     """``{strategy: [setting, ...]}``: the scalar settings whose value the cache stage's search
     varied for that strategy (what tells its configurations apart), in the order it names them."""
     values: dict[str, dict[str, set]] = {}
     for e in _entries(cache):
-        for k, v in (e.get("config") or {}).items():
+        for k, v in e.config.items():
             if isinstance(v, (int, float, str, bool)) or v is None:
-                values.setdefault(str(e.get("name")), {}).setdefault(k, set()).add(repr(v))
+                values.setdefault(e.name, {}).setdefault(k, set()).add(repr(v))
     return {n: [k for k, vs in keys.items() if len(vs) > 1] for n, keys in values.items()}
 
 
-def _config_of(base: str, cache: dict | None) -> dict:
+def _config_of(base: str, cache: CacheResults | None) -> dict:
     """The configuration of the row ``base`` (no suffix): the cache stage's record, else the
     ``k=v`` settings of its name."""
     for e in _entries(cache):
-        if row_name(str(e.get("name")), e.get("config")) == base:
-            return dict(e.get("config") or {})
+        if row_name(e.name, e.config) == base:
+            return dict(e.config)
     inner = base[base.index("[") + 1:-1] if "[" in base and base.endswith("]") else ""
     return dict(kv.split("=", 1) for kv in inner.split(",") if "=" in kv)
 
 
-def config_words(name, cache: dict | None) -> str:
+def config_words(name, cache: CacheResults | None) -> str:
     """A configuration as a reviewer reads it: its family and the few settings that tell it
     apart (those its strategy's search varied), e.g. ``cache-dit DBCache+TaylorSeer, threshold
     0.24``; ``, compiled`` and ``, 12 of 42 block linears in fp8`` for the twins. A name that is
@@ -269,7 +215,7 @@ def config_words(name, cache: dict | None) -> str:
     return text
 
 
-def family_name(row: dict, cache: dict | None) -> str:
+def family_name(row: dict, cache: CacheResults | None) -> str:
     """One family name per strategy: the cache stage's (``cache-dit DBCache+TaylorSeer``) for a
     measured ``cache/<strategy>`` row and a recorded one alike."""
     fam = str(row.get("family") or "-")
@@ -293,17 +239,16 @@ def _is_num(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def timing_counts(benchmark: dict | None) -> str:
+def timing_counts(benchmark: BenchmarkResults) -> str:
     """How the speed figures were timed, in one phrase that agrees with every row: the warm-up and
     repeats of the baseline and of the rows the verdict compares, and the card's for the rest."""
-    res = benchmark or {}
-    t = res.get("timing") or {}
-    w, n = res.get("warmup"), res.get("repeats")
-    if t.get("repeats") is None:
+    t = benchmark.timing
+    w, n = benchmark.warmup, benchmark.repeats
+    if t is None or t.repeats is None:
         return f"{w} warm-up call(s), {n} timed repeats per configuration (benchmark.warmup / benchmark.repeats)"
-    text = (f"the baseline and every configuration the verdict compares: {t['warmup']} warm-up call(s), "
-            f"{t['repeats']} timed repeats each")
-    if (t["warmup"], t["repeats"]) != (w, n):
+    text = (f"the baseline and every configuration the verdict compares: {t.warmup} warm-up call(s), "
+            f"{t.repeats} timed repeats each")
+    if (t.warmup, t.repeats) != (w, n):
         text += f"; the other rows: {w} warm-up, {n} repeats (benchmark.warmup / benchmark.repeats)"
     return text
 
@@ -332,17 +277,19 @@ LPIPS_NOTE = ("No perceptual figure (LPIPS) beside PSNR/SSIM: the lpips package 
               "from the network.")
 
 
-def holdout_meaning(card: dict | None) -> str:
-    """What "held-out" means for this run's card: other seeds, same prompts, unless
-    ``generation.holdout_prompts`` is set."""
-    gen = (card or {}).get("generation") or {}
-    shift = ((card or {}).get("cache") or {}).get("holdout_shift", 1000)
-    seeds = list(gen.get("holdout_seeds") or [s + shift for s in gen.get("seeds") or []])
-    prompts = gen.get("holdout_prompts") or []
+def holdout_meaning(card: dict) -> str:
+    """What "held-out" means for this run's card (its snapshot in ``run.json``): other seeds, same
+    prompts, unless ``generation.holdout_prompts`` is set."""
+    from ..settings import CacheSettings, Generation
+
+    gen = {**Generation().__dict__, **card.get("generation", {})}
+    shift = card.get("cache", {}).get("holdout_shift", CacheSettings().holdout_shift)
+    seeds = list(gen["holdout_seeds"] or [s + shift for s in gen["seeds"]])
+    prompts = gen["holdout_prompts"]
     what = (f"{len(prompts)} other prompts (generation.holdout_prompts)" if prompts
             else "the same prompts (generation.holdout_prompts is not set)")
     return (f"Held-out: seeds the cache stage did not tune on ({', '.join(map(str, seeds)) or '-'}), with {what}; "
-            f"calibration: the card's seeds ({', '.join(map(str, gen.get('seeds') or [])) or '-'}), on which it tuned.")
+            f"calibration: the card's seeds ({', '.join(map(str, gen['seeds'])) or '-'}), on which it tuned.")
 
 
 def _example_lines(path) -> list[str]:
@@ -360,67 +307,64 @@ def _example_lines(path) -> list[str]:
     return lines if len(lines) == 3 else []
 
 
-def usage(run, v: dict, results: dict[str, dict | None]) -> dict | None:
+def usage(run, v, results: dict) -> dict | None:
     """How to use the verdict's configuration: the ``files`` the cache stage wrote (the adapter
     module, the same under its import name, a script applying it), ``how`` and the ``lines`` to
     paste, what to ``expect`` (speed, per part, memory, quality, each labelled) and ``notes``; None
-    when nothing was chosen."""
+    when nothing was chosen. ``results``: every stage's record (``verdict.read_stage_results``)."""
     # long: one box's facts gathered from the cache stage's files and the benchmark's figures
-    cache, bench = results.get("cache") or {}, results.get("benchmark") or {}
-    if v.get("name") in (None, "baseline", "none") or not cache.get("chosen"):
+    cache, bench = results.get("cache"), results.get("benchmark")
+    if v.name in ("baseline", "none") or cache is None or cache.chosen is None:
         return None
     cdir = run.stage_dir("cache", create=False)
-    up = {}
+    up: dict = {}
     if (cdir / "upstream" / "upstream.json").is_file():
         import json
 
         up = json.loads((cdir / "upstream" / "upstream.json").read_text())
-    files = {}
-    if cache.get("adapter_module"):
-        files["adapter module (the file the cache stage ran)"] = f"cache/{cache['adapter_module']}"
+    files = {"adapter module (the file the cache stage ran)": f"cache/{cache.adapter_module}"}
     if up.get("adapter_module"):
         files["the same module, named for import"] = f"cache/upstream/{up['adapter_module']}"
     if up.get("example"):
         files["example script (renders the card's prompts with it)"] = f"cache/upstream/{up['example']}"
-    lines = _example_lines(cdir / "upstream" / str(up.get("example") or "")) if up.get("example") else []
-    notes = [f"From the cache stage: {n}." for n in up.get("notes") or []]
+    lines = _example_lines(cdir / "upstream" / str(up["example"])) if up.get("example") else []
+    notes = [f"From the cache stage: {n}." for n in up.get("notes", [])]
     how = (f"Put cache/upstream/{up['adapter_module']} on your path (copy it beside your code), load the pipeline "
            "as usual, then paste:" if up.get("adapter_module") else "")
-    ex = up.get("example_strategy") or {}
-    if ex and row_name(ex.get("name"), ex.get("config")) != chosen_row_name(cache["chosen"]):
-        notes.append(f"The example applies {config_words(row_name(ex.get('name'), ex.get('config')), cache)} "
-                     f"({ex.get('why')}); the chosen configuration does not go through cache_dit.enable_cache.")
+    ex = up.get("example_strategy")
+    if ex and row_name(ex["name"], ex["config"]) != row_name(v.short, v.config):
+        notes.append(f"The example applies {config_words(row_name(ex['name'], ex['config']), cache)} "
+                     f"({ex.get('why')}); the shipped configuration does not go through it as written.")
         lines, how = [], ""
-    if str(v.get("name")).endswith("+compile"):
-        notes.append("Shipped compiled: after enable_cache, ditbook.regional.compile_regions(pipe.transformer) "
+    if "compiled" in v.form:
+        notes.append("Shipped compiled: after enable_cache, ditbook.accel.compile.compile_regions(pipe.transformer) "
                      "(regional torch.compile); its one-time compile cost is in the verdict.")
-    if "+fp8[" in str(v.get("name")):
+    if "fp8" in v.form:
         notes.append("Shipped with block linears in fp8: the layers are listed in cache/results.json fp8.chosen.layers.")
-    row = next((r for r in shown_rows(bench.get("summary") or [], bench, cache) if r.get("name") == v.get("name")), {})
-    h = v.get("holdout") or {}
+    row = next((r for r in shown_rows(bench.summary, bench, cache) if r["name"] == v.name), {}) if bench else {}
     expect = []
-    if v.get("speedup") is not None:
-        lo_hi = v.get("speedup_range")
-        expect.append(f"{v['speedup']:.2f}× end to end" + (f" (timings allow {lo_hi[0]:.2f}–{lo_hi[1]:.2f}×)" if lo_hi else "")
-                      + f" on {bench.get('device')}")
+    if v.speedup is not None:
+        lo_hi = v.speedup_range
+        expect.append(f"{v.speedup:.2f}× end to end" + (f" (timings allow {lo_hi[0]:.2f}–{lo_hi[1]:.2f}×)" if lo_hi else "")
+                      + f" on {bench.device}")
     else:
-        expect.append("speed-up not established by this run (" + (v.get("reason") or "not timed") + ")")
+        expect.append("speed-up not established by this run (" + (v.reason or "not timed") + ")")
     parts = [f"{label} {row[k]:.2f}×" for k, label in (("step_speedup", "transformer step"),
                                                       ("decode_speedup", "decode")) if _is_num(row.get(k))]
-    if parts and v.get("timing_unstable"):  # the same timings: no per-part figure either
+    if parts and v.timing_unstable:  # the same timings: no per-part figure either
         expect.append("per-part speed-ups not reliable either (the same timings)")
     elif parts:
         expect.append("per part: " + ", ".join(parts))
     if _is_num(row.get("peak_mb")):
-        base = (((bench.get("baseline") or {}).get("timing") or {}).get("peak_memory_mb"))
+        base = bench.baseline.timing.get("peak_memory_mb") if bench.baseline.timing else None
         expect.append(f"peak memory {row['peak_mb']:.0f} MB" + (f" (baseline {base:.0f} MB)" if _is_num(base) else ""))
-    if h:
-        expect.append("worst image " + quality_text(h.get("psnr_min"), h.get("ssim_min"), HELD_OUT)
-                      + (f" over {h['n']} cases" if h.get("n") else ""))
+    if v.holdout is not None:
+        expect.append("worst image " + quality_text(v.holdout.psnr_min, v.holdout.ssim_min, HELD_OUT)
+                      + (f" over {v.holdout.n} cases" if v.holdout.n else ""))
     return {"files": files, "how": how if lines else "", "lines": lines, "expect": expect, "notes": notes}
 
 
-__all__ = ["HELD_OUT", "CALIBRATION", "PARITY", "ON_TEXT", "is_cpu_run", "is_parallel", "holdout_records",
-           "speed_spread", "shown_rows", "speed_text", "display_name", "config_words", "family_name",
+__all__ = ["HELD_OUT", "CALIBRATION", "PARITY", "ON_TEXT", "is_cpu_run", "is_parallel", "holdout_records", "shown_rows",
+           "speed_text", "display_name", "config_words", "family_name",
            "strategy_families", "tuned_settings", "quality_text", "plan_quality", "timing_counts",
            "usage", "holdout_meaning", "LPIPS_NOTE"]

@@ -1,34 +1,12 @@
 """The benchmark stage's steps, each one call from ``notebooks/05_benchmark.ipynb``.
 
-``benchmark/results.json`` holds (scalars and relative paths only):
-
-- ``device``, ``warmup``, ``repeats``, ``cases``: how it was measured;
-- ``flops``: FLOPs per transformer call and per step (``FlopEstimate.to_dict``);
-- ``baseline`` and ``configs``: per configuration its timing (end to end and per part: median,
-  min, max, n), ``speedup`` and ``part_speedups`` against the same-process baseline,
-  ``memory_ratio``, ``efficiency`` (achieved TFLOP/s, share of peak), ``psnr_min``, ``ssim_min``,
-  ``worst_tile_psnr``, ``passed``, ``reasons``, ``error``;
-- ``baseline_drift`` (baseline re-timed at the end / at the start) and ``noise_floor`` (the
-  baseline rendered twice); ``timing`` (``measure.timing_record``: ``drift``, ``limit`` — the card's
-  ``benchmark.timing_drift`` —, ``stable``, and the ``warmup`` / ``repeats`` the baseline and the
-  ``verdict_rows`` got: at least ``settings.VERDICT_MIN_WARMUP`` / ``VERDICT_MIN_REPEATS``);
-- ``intake_agreement``: the baseline rendered here against the intake stage's stored images;
-- ``recorded``: ``{"cache": rows, "parallel": rows}`` — figures of the earlier stages;
-- ``video``: for video cases ``{frames, reduce, meaning}`` (every frame compared, a video's figures
-  are its worst frame's), else null;
-- ``inputs``: which earlier results existed; ``residual_changes``: ``{name: [per step]}``;
-- ``images``: ``{config: [{key, png, npy}]}``; ``plots``: ``{name: path}`` (``tradeoff_psnr``: the
-  speed-vs-quality plot); ``grid``: the image grid (``grid_videos``: ``{frames}`` when the cases
-  are videos, drawn as a row of frames each, else null); ``labels``: the plot's short key per
-  configuration; ``holdout_worst``: the worst held-out image of the chosen configuration beside
-  its reference (``{plot, key, psnr, ssim, name}``, from the cache stage's saved held-out images, or
-  null); ``plot_points``: the rows the speed plot draws, ``parity_only``: the parallel plans
-  run as CPU processes, left off it (``benchmark.shown``); ``sheets``: ``[]`` (no longer drawn);
-  every path relative to ``benchmark/``;
-- ``summary`` (rows of :func:`~ditbook.benchmark.summary.summary_rows`), ``recommendation`` (the
-  fastest row passing its gates, kept for reference) and ``verdict``
-  (:func:`~ditbook.benchmark.verdict.verdict`: the cache stage's choice, timed here, with its
-  held-out quality — what the report and ``result.md`` say to ship).
+Every configuration the earlier stages hand over (``inputs``: the cache stage's confirmed ones
+through its shipped adapter, the card's hook specs) and the rows the pipeline-wide techniques add
+(``variants``) are timed beside the baseline in this process (``measure``: end to end and per part,
+warm and repeated, the baseline re-timed at the end); their images judged against the baseline's.
+``save`` writes ``benchmark/results.json`` (``records.BenchmarkResults``) with the verdict
+(``verdict``: the one ship rule over the measured candidates); ``make_figures`` draws the plot and
+the grid; ``report`` writes ``result.md`` and ``report.html``.
 """
 
 from __future__ import annotations
@@ -38,9 +16,10 @@ from typing import Callable
 
 import numpy as np
 
-from .inputs import StageInputs, cache_rows, parallel_rows, residual_series
+from .inputs import StageInputs, cache_rows, parallel_rows
 from ..quality import Gates, compare_sets
-from .summary import family_gates, gates_dict, gates_for_family, recommend, summary_rows
+from ..records import BenchmarkResults, ConfigRow, TimingState, decode
+from .summary import family_gates, gates_for_family, summary_rows
 from ..configuration import Config
 from .measure import BenchmarkReport, benchmark
 # the 05_benchmark notebook imports this module (and the display helpers) only: the other names it uses
@@ -51,7 +30,6 @@ from .report import build_report, table_html, write_result_md  # noqa: F401
 from .variants import derived_configs, measured_table  # noqa: F401
 from ..accel.attention_backend import BACKENDS_FILE  # noqa: F401
 from .verdict import headline  # noqa: F401
-from .shown import is_cpu_run, is_parallel
 
 
 def _slug(name: str) -> str:
@@ -100,16 +78,11 @@ def verdict_rows(ctx) -> set[str]:
     composition when ``cache.fp8`` found one, the other configurations that passed on held-out
     seeds — its possible runners-up, compared with it like for like — and their compiled twins):
     timed warm and repeated whatever the card's ``benchmark`` section says."""
-    from .shown import chosen_row_name, fp8_row_name, holdout_records
+    from .verdict import candidates
 
-    run = ctx.run
-    cache = run.read_results("cache") if run.has_results("cache") else {}
-    chosen = cache.get("chosen")
-    if not chosen:
-        return set()
-    names = [chosen_row_name(chosen), fp8_row_name(cache)]
-    names += [n for n, rec in holdout_records(cache).items() if rec.get("passed")]
-    return {n + tail for n in names if n for tail in ("", "+compile")}
+    cache = ctx.run.results_or_none("cache")
+    names = [c.name for c in candidates(None, cache)] if cache is not None else []
+    return {n + tail for n in names for tail in ("", "+compile")}
 
 
 def measure_residuals(ctx, pipe, configs: list[Config] | None = None) -> dict[str, list[float]]:
@@ -132,9 +105,9 @@ def measure_residuals(ctx, pipe, configs: list[Config] | None = None) -> dict[st
 
 
 def save(ctx, report: BenchmarkReport, inputs: StageInputs,
-         residuals: dict[str, list[float]] | None = None) -> dict:
-    """Write images and ``benchmark/results.json``; returns the results mapping."""
-    from ..render import Render, save_renders
+         residuals: dict[str, list[float]] | None = None) -> BenchmarkResults:
+    """Write images and ``benchmark/results.json`` (``records.BenchmarkResults``); returns the record."""
+    from ..render import Render, load_images, save_renders
 
     stage_dir = ctx.run.stage_dir(STAGE)
     images: dict[str, list[dict]] = {}
@@ -143,36 +116,41 @@ def save(ctx, report: BenchmarkReport, inputs: StageInputs,
             continue
         renders = [Render(prompt="", seed=0, image=img, seconds=0.0, key=k) for k, img in res.images.items()]
         rows = save_renders(renders, stage_dir / "images" / _slug(res.name))
-        images[res.name] = [{"key": r["key"], "png": f"images/{r['png']}", "npy": f"images/{r['npy']}"} for r in rows]
-    results = report.to_dict()
-    results["cases"] = sorted(report.baseline.images)
-    results["video"] = video_note(report.baseline.images)
-    results["inputs"] = inputs.to_dict()
-    intake = inputs.get("intake")
-    if intake and intake.get("images"):
-        from ..render import load_images
-
-        stored = load_images(ctx.run.stage_dir("intake"), intake["images"])
+        images[res.name] = [{"key": r.key, "png": f"images/{r.png}", "npy": f"images/{r.npy}"} for r in rows]
+    data = report.to_dict()
+    results = BenchmarkResults(
+        device=data["device"], warmup=data["warmup"], repeats=data["repeats"],
+        baseline=decode(ConfigRow, data["baseline"], "baseline"),
+        configs=[decode(ConfigRow, c, "configs") for c in data["configs"]], flops=data["flops"],
+        baseline_drift=data["baseline_drift"], noise_floor=data["noise_floor"],
+        timing=decode(TimingState, data["timing"], "timing") if data["timing"] else None,
+        cases=sorted(report.baseline.images), video=video_note(report.baseline.images), inputs=inputs.to_dict(),
+        recorded={"cache": cache_rows(inputs.cache), "parallel": parallel_rows(inputs.parallel)},
+        residual_changes=dict(residuals or {}), images=images,
+        gates=family_gates(ctx.card))
+    if inputs.intake is not None:
+        stored = load_images(ctx.run.stage_dir("intake"), inputs.intake.images)
         stored = {k: v for k, v in stored.items() if k in report.baseline.images}
         if stored:
             agree = compare_sets(report.baseline.images, stored, Gates()).to_dict()
-            results["intake_agreement"] = {k: agree[k] for k in ("psnr_min", "ssim_min", "max_abs", "passed")}
-    results["recorded"] = {"cache": cache_rows(inputs.get("cache")), "parallel": parallel_rows(inputs.get("parallel"))}
-    series = dict(residual_series(inputs.get("cache")))
-    series.update(residuals or {})
-    results["residual_changes"] = series
-    results["images"] = images
-    results["summary"] = summary_rows(results)
-    results["gates"] = gates_dict(gate_overrides(ctx.card))
-    # parallel plans run as CPU processes have no speed-up to recommend them by (benchmark.shown)
-    speed_rows = [r for r in results["summary"] if not (is_cpu_run(results) and is_parallel(r))]
-    results["recommendation"] = recommend(speed_rows, gate_overrides(ctx.card)).to_dict()
-    # the verdict is the cache stage's choice, timed here (one decision, made once: verdict.py)
+            results.intake_agreement = {k: agree[k] for k in ("psnr_min", "ssim_min", "max_abs", "passed")}
+    results.summary = summary_rows(results)
+    # what ships: the one rule over every configuration the cache stage confirmed, as timed here (verdict.py)
     from .verdict import verdict
 
-    results["verdict"] = verdict(results, inputs.get("cache"))
+    results.verdict = verdict(results, inputs.cache)
     ctx.run.write_results(STAGE, results)
     return results
+
+
+def summary_table(ctx, results: BenchmarkResults) -> str:
+    """The summary table as the report shows it (one quality figure per configuration, each
+    labelled; no speed for CPU processes), as HTML."""
+    from .report import summary_html
+    from .shown import shown_rows
+
+    parallel = ctx.run.results_or_none("parallel")
+    return summary_html(shown_rows(results.summary, results, ctx.run.results_or_none("cache"), parallel), parallel)
 
 
 def video_note(images: dict) -> dict | None:
@@ -188,5 +166,5 @@ def video_note(images: dict) -> dict | None:
             "meaning": f"every frame compared; a video's PSNR, SSIM and worst tile are the {FRAME_REDUCE} over its frames"}
 
 
-__all__ = ["STAGE", "gate_overrides", "measure", "measure_residuals", "save", "make_figures",
+__all__ = ["STAGE", "gate_overrides", "measure", "measure_residuals", "save", "make_figures", "summary_table",
            "verdict_rows"]

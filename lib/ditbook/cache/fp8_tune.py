@@ -33,6 +33,8 @@ from typing import Callable
 
 import numpy as np
 
+from ..records import Fp8Search, decode
+
 Quantize = Callable[[object, list], Callable[[], None]]  # (transformer, layer names) -> undo
 
 FP8_IMAGES = "images/chosen_fp8"
@@ -63,14 +65,18 @@ def rank_layers(session, names: list, quantize: Quantize) -> list[dict]:
 
 
 def _quality(r) -> dict:
-    q = r.quality or {}
     return {"config": r.config, "passed": r.passed, "skipped_fraction": r.skipped_fraction,
-            "psnr_min": q.get("psnr_min"), "ssim_min": q.get("ssim_min"), "stopped": r.stopped}
+            "psnr_min": r.quality.psnr_min if r.quality else None, "ssim_min": r.quality.ssim_min if r.quality else None,
+            "stopped": r.stopped}
 
 
-def fp8_tune(session, progress=None, quantize: Quantize | None = None) -> dict:
+def fp8_tune(session, progress=None, quantize: Quantize | None = None) -> Fp8Search:
     """Tune the chosen strategy again with fp8 applied (module docstring); returns the record
     ``results.json`` keeps as ``fp8``. ``quantize`` stands in for torchao's fp8 (tests on the CPU)."""
+    return decode(Fp8Search, _search(session, progress, quantize), "cache.fp8")
+
+
+def _search(session, progress, quantize: Quantize | None) -> dict:
     card = session.card
     if not card.cache.fp8:
         return {"ran": False, "reason": "cache.fp8 is off"}
@@ -93,7 +99,7 @@ def fp8_tune(session, progress=None, quantize: Quantize | None = None) -> dict:
     if not names:
         why = "no block linear whose features are multiples of 16"
         return {"ran": False, "refused": why, "reason": f"fp8 refused: {why}"}
-    name = session.chosen["name"]
+    name = session.chosen.name
     out: dict = {"ran": True, "quantization": how, "shipped_quantizer": shipped, "strategy": name,
                  "candidates": len(names), "left_out": odd,
                  "sensitivity": [], "tries": [], "chosen": None}
@@ -143,7 +149,7 @@ def _try_share(session, out: dict, name: str, names: list, kept: list, share: fl
                          "holdout": [_quality(h) for h in held], "passed": bool(passed)})
     if not passed:
         return None
-    best = max(passed, key=lambda r: (r.skipped_fraction, r.quality["psnr_min"]))
+    best = max(passed, key=lambda r: (r.skipped_fraction, r.quality.psnr_min))
     return {"name": best.name, "family": best.family, "config": best.config,
             "skipped_fraction": best.skipped_fraction, "holdout_quality": best.quality,
             "candidates": len(names), "layers": layers, "kept": list(kept), "kept_share": share}

@@ -24,11 +24,12 @@ from pathlib import Path
 
 import numpy as np
 
-from ..quality import Gates
 from .. import accel
+from ..quality import Gates
+from ..records import CacheResults, ChosenDetail, CompiledCheck, Fp8Search, Reproduction, decode
 from ..adapter.build import CacheAdapter, CacheRefused, build_cache_adapter
 from ..adapter.loopfold import FoldError
-from .verify import (OrderDependentCache, StrategyResult, check_cases, counted_render, disabled_check,  # noqa: F401
+from .verify import (OrderDependentCache, StrategyRow, check_cases, counted_render, disabled_check,  # noqa: F401
                      evaluate, max_abs, noise_floor, order_check)
 # the 03_cache notebook imports this module (and the display helpers) only: the other names it uses
 from ..context import open_stage  # noqa: F401
@@ -86,20 +87,21 @@ class CacheSession:
     floor: dict = field(default_factory=dict)
     checks: list = field(default_factory=list)
     calibration: dict = field(default_factory=dict)
-    results: list = field(default_factory=list)  # StrategyResult (calibration and holdout)
+    results: list = field(default_factory=list)  # StrategyRow (calibration and holdout)
     skipped: dict = field(default_factory=dict)  # strategy -> why it cannot run here
-    chosen: dict | None = None
+    chosen: ChosenDetail | None = None
+    decision: object = None  # ship.decide's answer on held-out seeds (choose)
     chosen_images: dict = field(default_factory=dict)
-    reproduction: dict = field(default_factory=dict)
+    reproduction: Reproduction = field(default_factory=lambda: Reproduction(reason="not run"))
     only: list | None = None  # strategy names to run (None: the card's list, else all)
     max_configs: int | None = None  # per strategy (None: the card's, else the whole grid)
     confirm_tries: int | None = None  # held-out confirmations per strategy (None: card.cache.confirm_tries)
-    compiled: dict = field(default_factory=dict)  # the chosen configuration compiled (compiled_check)
+    compiled: CompiledCheck = field(default_factory=lambda: CompiledCheck(reason="runtime.compile is off"))
     holdout_kept: dict = field(default_factory=dict)  # {result, images}: the best passing held-out render so far
     refused: str | None = None  # why no cache strategy can be applied safely (the stage still passes)
     fallback: list = field(default_factory=list)  # why cache-dit's registered adapter was replaced by ours
     order: dict = field(default_factory=dict)  # the chosen configuration rendered alone vs after another (order_check)
-    fp8: dict = field(default_factory=dict)  # the schedule tuned with fp8 applied (fp8_tune)
+    fp8: Fp8Search = field(default_factory=Fp8Search)  # the schedule tuned with fp8 applied (fp8_tune)
     _ahead: object = field(default=None, repr=False)  # reproduce's process, started ahead (start_reproduction)
 
     # -- setup ---------------------------------------------------------------------------
@@ -263,7 +265,7 @@ class CacheSession:
         # confirm on held-out cases, from the most compute saved down: the edge of what
         # passed on calibration prompts often fails on new seeds
         passing = sorted([(r, c) for r, c in family if r.passed],
-                         key=lambda rc: (-rc[0].skipped_fraction, -rc[0].quality["psnr_min"]))
+                         key=lambda rc: (-rc[0].skipped_fraction, -rc[0].quality.psnr_min))
         tried = set()
         for r, cfg in passing:
             key = round(r.skipped_fraction, 3)
@@ -289,11 +291,11 @@ class CacheSession:
         for r in self.results:
             if split and r.split != split:
                 continue
-            q = r.quality or {}
+            q = r.quality
             rows.append({"strategy": r.name, "split": r.split, "config": json.dumps(r.config),
                          "skipped": r.skipped_fraction, "attn skipped": r.attention_skipped_fraction,
-                         "cached steps": r.cached_steps, "PSNR min": q.get("psnr_min"), "SSIM min": q.get("ssim_min"),
-                         "worst tile": q.get("worst_tile_psnr"), "max abs": q.get("max_abs"), "passed": r.passed,
+                         "cached steps": r.cached_steps, "PSNR min": q and q.psnr_min, "SSIM min": q and q.ssim_min,
+                         "worst tile": q and q.worst_tile_psnr, "max abs": q and q.max_abs, "passed": r.passed,
                          "stopped": r.stopped or "", "error": (r.error or "").splitlines()[0] if r.error else ""}
                         | ({"fp8 layers": f"{r.fp8['quantized']} (kept {r.fp8['kept']})"} if r.fp8 else {}))
         return rows
@@ -304,7 +306,7 @@ class CacheSession:
     @staticmethod
     def _rank(r) -> tuple:
         """How :meth:`choose` ranks held-out-passing results: most work skipped, then PSNR."""
-        return (r.skipped_fraction, r.quality["psnr_min"])
+        return (r.skipped_fraction, r.quality.psnr_min)
 
     def _keep_holdout(self, result, images: dict) -> None:
         """Keep the held-out images of the best passing held-out result so far (the one
@@ -324,23 +326,37 @@ class CacheSession:
             (root / sub).mkdir(parents=True, exist_ok=True)
             for key, img in images.items():
                 np.save(root / sub / f"{key}.npy", np.asarray(img, dtype=np.float32))
-        per = (best.quality or {}).get("per_image") or {}
+        per = best.quality.per_image if best.quality else {}
         worst = min(per, key=lambda k: per[k].get("psnr", float("inf"))) if per else None
         return {"folder": "images/holdout/chosen", "baseline": "images/holdout/baseline",
                 "keys": sorted(self.holdout_kept["images"]), "worst": worst}
 
-    def choose(self) -> dict | None:
-        """The held-out-confirmed configuration that skips the most block evaluations; its cases
-        rendered again, and its last case alone against it after the others (``order_check``:
-        ``OrderDependentCache`` stops the stage when they differ)."""
-        held = [r for r in self.results if r.split == "holdout" and r.passed]
-        if not held:
+    def candidates(self) -> list:
+        """Every configuration rendered on held-out seeds as a candidate of the ship rule."""
+        from ..ship import Candidate
+
+        return [Candidate(r.name, r.family, r.config, technique=r.name, psnr=r.quality and r.quality.psnr_min,
+                          ssim=r.quality and r.quality.ssim_min, n=r.quality and r.quality.n,
+                          skipped_fraction=r.skipped_fraction,
+                          failed=[f"stopped on held-out seeds: {r.stopped}"] if r.stopped else [])
+                for r in self.results if r.split == "holdout" and not r.error]
+
+    def choose(self) -> ChosenDetail | None:
+        """The configuration the ship rule keeps before anything is timed (``ship.decide``: the most
+        work skipped among those passing on held-out seeds); its cases rendered again, and its last
+        case alone against it after the others (``order_check``: ``OrderDependentCache`` stops the
+        stage when they differ)."""
+        from ..ship import decide
+
+        self.decision = decide(self.candidates(), self.gates, timed=False)
+        if self.decision.name is None:
             self.chosen = None
             return None
-        best = max(held, key=self._rank)
-        self.chosen = {"name": best.name, "family": best.family, "config": best.config,
-                       "skipped_fraction": best.skipped_fraction, "holdout_quality": best.quality,
-                       "holdout_images": self._save_holdout(best)}
+        c = self.decision.chosen
+        best = next(r for r in self.results if r.split == "holdout" and r.passed and r.name == c.name
+                    and r.config == c.config)
+        self.chosen = ChosenDetail(best.name, best.family, best.config, skipped_fraction=best.skipped_fraction,
+                                   holdout_quality=best.quality, holdout_images=self._save_holdout(best))
         gen = self.card.generation
         cfg = accel.get(best.name).settings(**best.config)
         images: dict = {}
@@ -358,10 +374,10 @@ class CacheSession:
     def passing_at(self, min_skipped: float = 0.4) -> list[dict]:
         """Strategies whose held-out run passes the gates while skipping at least ``min_skipped``."""
         return [{"name": r.name, "config": r.config, "skipped_fraction": r.skipped_fraction,
-                 "psnr_min": r.quality["psnr_min"], "ssim_min": r.quality["ssim_min"]}
+                 "psnr_min": r.quality.psnr_min, "ssim_min": r.quality.ssim_min}
                 for r in self.results if r.split == "holdout" and r.passed and r.skipped_fraction >= min_skipped]
 
-    def compiled_check(self, settings=None) -> dict:
+    def compiled_check(self, settings=None) -> CompiledCheck:
         """The chosen configuration again with the blocks compiled (``accel.compile``, the card's
         ``runtime.compile`` unless ``settings`` is given): its images against the uncompiled ones
         (parallel gates: compile must not change the result), its render time against the
@@ -374,13 +390,13 @@ class CacheSession:
 
         settings = compile_settings(settings or self.card.runtime.compile or True)
         if not self.chosen:
-            self.compiled = {"ran": False, "reason": "no configuration passed on held-out cases"}
+            self.compiled = CompiledCheck(reason="no configuration passed on held-out cases")
             return self.compiled
-        strat = accel.get(self.chosen["name"])
+        strat = accel.get(self.chosen.name)
         gen = self.card.generation
         render = lambda: render_set(self.pipe, self.card, gen.prompts, gen.seeds)  # noqa: E731
-        out: dict = {"ran": True, "name": self.chosen["name"], "backend": str(settings.backend)}
-        undo = strat.apply(self.pipe, strat.settings(**self.chosen["config"]), adapter=self.adapter, steps=gen.steps)
+        out: dict = {"ran": True, "name": self.chosen.name, "backend": str(settings.backend)}
+        undo = strat.apply(self.pipe, strat.settings(**self.chosen.config), adapter=self.adapter, steps=gen.steps)
         try:
             render()  # warm
             t0 = time.perf_counter()
@@ -400,8 +416,8 @@ class CacheSession:
                 compiled.undo()
         except Exception as exc:  # recorded: compiling the chosen configuration is a finding, not a crash
             out.update(ok=False, error=f"{type(exc).__name__}: {exc}")
-            self.compiled = out
-            return out
+            self.compiled = CompiledCheck(**out)
+            return self.compiled
         finally:
             undo()
         out["compile_s"] = round(max(0.0, first - out["compiled_s"]), 4)
@@ -409,10 +425,10 @@ class CacheSession:
         q = compare_sets(images, eager, self.card.parallel.gates)  # compiling must not change the result
         out["quality"] = {k: q.to_dict()[k] for k in ("psnr_min", "ssim_min", "max_abs", "passed")}
         out["ok"] = bool(q.passed)
-        self.compiled = out
-        return out
+        self.compiled = CompiledCheck(**out)
+        return self.compiled
 
-    def fp8_tune(self, progress=None, quantize=None) -> dict:
+    def fp8_tune(self, progress=None, quantize=None) -> Fp8Search:
         """With card ``cache.fp8``: the chosen strategy tuned again with the block linears in fp8,
         judged on held-out seeds (:mod:`.fp8_tune`); the record, also kept as ``self.fp8``."""
         from .fp8_tune import fp8_tune
@@ -456,7 +472,7 @@ class CacheSession:
             return
         weakref.finalize(self, self._ahead.close)
 
-    def reproduce(self, timeout: float = 600) -> dict:
+    def reproduce(self, timeout: float = 600) -> Reproduction:
         """Import the generated adapter module in a fresh Python process (started ahead by
         :meth:`start_reproduction` where it could be), rerun the chosen configuration and compare
         with the images verified here."""
@@ -464,19 +480,19 @@ class CacheSession:
         if not self.chosen:
             if ahead is not None:
                 ahead.close()
-            self.reproduction = {"ran": False, "reason": f"cache refused: {self.refused}" if self.refused
-                                 else "no configuration passed on held-out cases"}
+            self.reproduction = Reproduction(reason=f"cache refused: {self.refused}" if self.refused
+                                             else "no configuration passed on held-out cases")
             return self.reproduction
         spec = {"card": str(self.card.card_path), "overrides": self.ctx.overrides,
                 "adapter_module": str(self.ctx.dir / f"{self.adapter.info.module_name}.py"),
                 "arch": str(self.ctx.run.stage_dir("inspect") / "arch.json"),
-                "used": self.adapter.info.used, "name": self.chosen["name"], "config": self.chosen["config"],
+                "used": self.adapter.info.used, "name": self.chosen.name, "config": self.chosen.config,
                 "images": str(self.ctx.dir / "images" / "chosen"), "device": self.ctx.placement.device,
                 "dtype": self.ctx.placement.dtype}
-        f8 = (self.fp8 or {}).get("chosen")
-        if f8 and f8.get("images") and self.fp8.get("shipped_quantizer"):
-            spec["fp8"] = {"name": f8["name"], "config": f8["config"], "layers": f8["layers"],
-                           "images": str(self.ctx.dir / f8["images"])}
+        f8 = self.fp8.chosen
+        if f8 is not None and f8.images and self.fp8.shipped_quantizer:
+            spec["fp8"] = {"name": f8.name, "config": f8.config, "layers": f8.layers,
+                           "images": str(self.ctx.dir / f8.images)}
         spec_path = self.ctx.dir / "reproduce.json"
         spec_path.write_text(json.dumps(spec, indent=2))
         if ahead is not None and ahead.proc.poll() is None:
@@ -487,41 +503,28 @@ class CacheSession:
             returncode, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
         lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
         if returncode != 0 or not lines:
-            self.reproduction = {"ran": True, "ok": False, "returncode": returncode,
-                                 "stderr_tail": stderr[-2000:]}
+            self.reproduction = Reproduction(ran=True, ok=False, returncode=returncode, stderr_tail=stderr[-2000:])
         else:
             out = json.loads(lines[-1])
             tol = self.card.cache.reproduce_tolerance
             out.update(ran=True, ok=out["max_abs"] <= tol, tolerance=tol)
             if isinstance(out.get("fp8"), dict):  # the fp8 composition, rerun in the same process
                 out["fp8"]["ok"] = out["fp8"].get("max_abs") is not None and out["fp8"]["max_abs"] <= tol
-            self.reproduction = out
+            self.reproduction = decode(Reproduction, out, "cache.reproduction")
         return self.reproduction
 
     # -- results.json ----------------------------------------------------------------------
-    def write_results(self) -> dict:
-        adapter_rel = f"{self.adapter.info.module_name}.py"
-        res = {
-            "refused": self.refused,  # why no cache strategy could be applied safely (null: none refused)
-            "adapter_fallback": self.fallback,
-            "adapter": self.adapter.info.to_dict(),
-            "adapter_module": adapter_rel,
-            "gates": self.gates.to_dict(),
-            "noise_floor": self.floor,
-            "adapter_checks": self.checks,
-            "skipped_strategies": self.skipped,
-            "calibration": self.calibration,
-            "strategies": [{k: v for k, v in r.to_dict().items() if k != "counts"} | {"counts": {
-                k: v for k, v in r.counts.items() if k != "calls"}} for r in self.results],
-            "frontier": self.frontier(),
-            "frontier_holdout": self.frontier("holdout"),
-            "chosen": ({k: self.chosen[k] for k in ("name", "family", "config")} if self.chosen else None),
-            "chosen_detail": self.chosen,
-            "passing_at_40pct": self.passing_at(0.4),
-            "order_check": self.order or None,  # the chosen configuration: a case alone vs after another
-            "reproduction": self.reproduction,
-            "compiled": self.compiled or {"ran": False, "reason": "runtime.compile is off"},
-            "fp8": self.fp8 or {"ran": False, "reason": "cache.fp8 is off" if not self.card.cache.fp8 else "not run"},
-        }
+    def write_results(self) -> CacheResults:
+        res = CacheResults(
+            adapter_module=f"{self.adapter.info.module_name}.py", gates=self.gates, refused=self.refused,
+            adapter_fallback=self.fallback, adapter=self.adapter.info.to_dict(), noise_floor=self.floor,
+            adapter_checks=self.checks, skipped_strategies=self.skipped, calibration=self.calibration,
+            strategies=[replace(r, counts={k: v for k, v in r.counts.items() if k != "calls"}) for r in self.results],
+            frontier=self.frontier(), frontier_holdout=self.frontier("holdout"), chosen=self.chosen,
+            decision=self.decision.to_dict() if self.decision is not None else None,
+            order_check=self.order or None,  # the chosen configuration: a case alone vs after another
+            reproduction=self.reproduction, compiled=self.compiled,
+            fp8=self.fp8 if self.fp8.ran or self.fp8.reason else Fp8Search(
+                reason="cache.fp8 is off" if not self.card.cache.fp8 else "not run"))
         self.ctx.write_results(res)
         return res

@@ -144,18 +144,18 @@ def example_strategy(session) -> dict:
     the held-out-confirmed (then calibration-passing) cache-dit configuration that skips most."""
     chosen = session.chosen
     if chosen:
-        call = cache_dit_call(session, chosen["name"], chosen["config"])
+        call = cache_dit_call(session, chosen.name, chosen.config)
         if call:
-            return {"name": chosen["name"], "config": chosen["config"], "why": "the configuration the stage chose",
+            return {"name": chosen.name, "config": chosen.config, "why": "the configuration the stage chose",
                     "call": call}
     for split in ("holdout", "calibration"):
         rows = sorted([r for r in session.results if r.split == split and r.passed],
-                      key=lambda r: (-r.skipped_fraction, -r.quality["psnr_min"]))
+                      key=lambda r: (-r.skipped_fraction, -r.quality.psnr_min))
         for r in rows:
             call = cache_dit_call(session, r.name, r.config)
             if call:
                 why = (f"best passing cache-dit configuration ({split})"
-                       + (f"; the stage chose {chosen['name']}, which is not a cache-dit strategy" if chosen else ""))
+                       + (f"; the stage chose {chosen.name}, which is not a cache-dit strategy" if chosen else ""))
                 return {"name": r.name, "config": r.config, "why": why, "call": call}
     call = cache_dit_call(session, "dbcache", {})
     return {"name": "dbcache", "config": {}, "why": "no cache-dit configuration passed: ditbook's DBCache defaults",

@@ -1,7 +1,7 @@
 """Verification of a cache strategy against baseline images, with counted savings.
 
 ``evaluate`` applies one strategy configuration, renders the cases, removes it again, and
-returns a ``StrategyResult``: the quality of the set (``bench.metrics.compare_sets``: PSNR in
+returns a ``StrategyRow``: the quality of the set (``bench.metrics.compare_sets``: PSNR in
 float, SSIM, max abs, NaN/Inf/blank, worst tile), the fraction of block (and attention)
 evaluations really skipped against the uncached count, and cached steps. ``noise_floor``
 measures what is achievable at all: the baseline re-run, and against another attention backend.
@@ -12,39 +12,14 @@ from __future__ import annotations
 import contextlib
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
 from ..quality import Gates, compare, compare_sets
+from ..records import StrategyRow
 from ..render import render_all
 from .. import accel
 from ..adapter.counting import EvalCounter
-
-
-@dataclass
-class StrategyResult:
-    name: str
-    family: str
-    config: dict
-    quality: dict | None
-    skipped_fraction: float
-    attention_skipped_fraction: float
-    cached_steps: int
-    passed: bool
-    split: str = "calibration"
-    seconds: float = 0.0
-    error: str | None = None
-    counts: dict = field(default_factory=dict)
-    # set when the renders stopped at the first case that failed a gate: which case, and how
-    # many of the cases were rendered (the quality and savings are over those)
-    stopped: str | None = None
-    # the fp8 search's rows (``fp8_tune``): how many block linears stayed in the model's dtype and
-    # how many were quantized while these images were rendered; None for every other row
-    fp8: dict | None = None
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def render_set(pipe, card, prompts, seeds, **overrides) -> dict:
@@ -93,7 +68,7 @@ def _partial(baseline_counts: dict, rendered: int, total: int) -> dict:
 
 def evaluate(pipe, card, adapter, name: str, config, references: dict, baseline_counts: dict,
              gates: Gates, prompts, seeds, split: str = "calibration", keep_images: dict | None = None,
-             stop_at_failure: bool = False) -> StrategyResult:
+             stop_at_failure: bool = False) -> StrategyRow:
     """``stop_at_failure``: stop rendering at the first case that fails a gate (the verdict of the
     set is then known); the search's rows use it, the checks that need every image do not."""
     strat = accel.get(name)
@@ -107,9 +82,8 @@ def evaluate(pipe, card, adapter, name: str, config, references: dict, baseline_
             images = render_set(pipe, card, prompts, seeds)
         record = handle.record()
     except Exception as exc:  # a strategy that cannot run on this model is reported, not hidden
-        return StrategyResult(name, strat.family, strat.settings_dict(config), None, 0.0, 0.0, 0, False, split,
-                              time.perf_counter() - start,
-                              f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}")
+        return StrategyRow(name, strat.family, strat.settings_dict(config), None, 0.0, 0.0, 0, False, split,
+                           time.perf_counter() - start, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}")
     finally:
         if handle is not None:
             with contextlib.suppress(Exception):
@@ -118,13 +92,13 @@ def evaluate(pipe, card, adapter, name: str, config, references: dict, baseline_
     r = record.against(_partial(baseline_counts, len(images), len(references)) if stopped else baseline_counts)
     if keep_images is not None:
         keep_images.update(images)
-    return StrategyResult(name, strat.family, strat.settings_dict(config), q.to_dict(), r.skipped_fraction,
-                          r.attention_skipped_fraction, r.cached_steps, bool(q.passed) and not stopped, split,
-                          round(time.perf_counter() - start, 3),
-                          counts={"attention_skipped_fraction": r.attention_skipped_fraction,
-                                  "transformer_calls": r.transformer_calls, "block_evals": r.block_evals,
-                                  "baseline_block_evals": r.baseline_block_evals},
-                          stopped=stopped)
+    return StrategyRow(name, strat.family, strat.settings_dict(config), q, r.skipped_fraction,
+                       r.attention_skipped_fraction, r.cached_steps, bool(q.passed) and not stopped, split,
+                       round(time.perf_counter() - start, 3),
+                       counts={"attention_skipped_fraction": r.attention_skipped_fraction,
+                               "transformer_calls": r.transformer_calls, "block_evals": r.block_evals,
+                               "baseline_block_evals": r.baseline_block_evals},
+                       stopped=stopped)
 
 
 def max_abs(images: dict, references: dict) -> float:

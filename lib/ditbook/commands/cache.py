@@ -64,9 +64,10 @@ def _run_cache(args, card, run, wanted: list[str], run_overrides: dict | None = 
             print(outcome.failing_cell)
         return 1
     res = run.read_results("cache")
-    summary = {"run": str(run.path), "chosen": res.get("chosen"), "passing_at_40pct": res.get("passing_at_40pct"),
-               "adapter_module": str(run.stage_dir("cache") / res["adapter_module"]),
-               "reproduction_ok": (res.get("reproduction") or {}).get("ok")}
+    summary = {"run": str(run.path), "chosen": res.chosen.to_dict() if res.chosen else None,
+               "why": res.decision["reason"] if res.decision else res.refused,
+               "adapter_module": str(run.stage_dir("cache") / res.adapter_module),
+               "reproduction_ok": res.reproduction.ok}
     print(json.dumps(summary, indent=2))
     return 0
 

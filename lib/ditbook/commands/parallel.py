@@ -75,7 +75,7 @@ def traced_arch(card) -> str | None:
 
     try:
         run = latest_run(outputs_dir(), card.name, with_stage="inspect")
-        traced = run.read_results("inspect").get("traced_size") if run is not None else None
+        traced = run.read_results("inspect").traced_size if run is not None else None
     except (RunError, OSError):
         return None
     arch = run.stage_dir("inspect", create=False) / "arch.json" if run is not None else None

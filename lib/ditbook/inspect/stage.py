@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .code_surface import CodeSurface, code_surface
+from ..records import InspectResults
 from .plan import build_plan, write_plan
 from ..arch.report import ArchReport
 # the 02_inspect notebook imports this module (and the display helpers) only: the other names it uses
@@ -52,24 +53,17 @@ def run_inspection(pipe, card, steps: int | None = None, size: int | None = None
     return Inspection(report, surface, plan, traced)
 
 
-def save_inspection(folder: str | Path, result: Inspection) -> dict:
-    """Write arch.json, code_surface.json, plan.json, plan.md; return the results.json mapping."""
+def save_inspection(folder: str | Path, result: Inspection) -> InspectResults:
+    """Write arch.json, code_surface.json, plan.json, plan.md; return the stage's record."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     result.report.save(folder / "arch.json")
     (folder / "code_surface.json").write_text(json.dumps(result.surface.to_dict(), indent=2) + "\n")
     write_plan(folder, result.plan)
     r = result.report
-    return {
-        "plan_hash": result.plan["hash"],
-        "arch": "arch.json", "plan": "plan.json", "plan_md": "plan.md", "code_surface": "code_surface.json",
-        "transformer_class": r.transformer_class,
-        "block_lists": [b.path for b in r.block_lists],
-        "forward_patterns": [b.forward_pattern for b in r.block_lists],
-        "loop_extra_work": r.loop_extra_work,
-        "cfg_style": r.cfg.style,
-        "heads": r.attention.heads, "kv_heads": r.attention.kv_heads,
-        "risks": [x["id"] for x in result.plan["risks"]],
-        "port_estimate_lines": result.surface.port_estimate_lines,
-        "traced_size": result.traced_size,
-    }
+    return InspectResults(plan_hash=result.plan["hash"], transformer_class=r.transformer_class,
+                          block_lists=[b.path for b in r.block_lists],
+                          forward_patterns=[b.forward_pattern for b in r.block_lists],
+                          loop_extra_work=r.loop_extra_work, cfg_style=r.cfg.style, heads=r.attention.heads,
+                          kv_heads=r.attention.kv_heads, risks=[x["id"] for x in result.plan["risks"]],
+                          port_estimate_lines=result.surface.port_estimate_lines, traced_size=result.traced_size)

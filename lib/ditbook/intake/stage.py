@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+
 
 import numpy as np
 
@@ -11,6 +11,7 @@ from ..display import Table, image_grid, save_figure
 from ..quality import is_blank
 from ..environment import environment_rows
 from .reference import reference_facts, write_reference
+from ..records import IntakeResults
 from ..render import is_video, render_all, save_renders
 from ..context import StageContext
 # the 01_intake notebook imports this module (and the display helpers) only: the other names it uses
@@ -31,20 +32,6 @@ def card_form(card_path, problems):
     """The form asking for the card's missing items (``card_form.card_form``), the card's path
     resolved as :func:`gate_problems` resolves it."""
     return card_form_widget(resolve_from_root(card_path) if card_path else card_path, problems)
-
-
-@dataclass
-class IntakeResult:
-    images: list[dict]
-    load_seconds: float
-    render_seconds: float
-    placement: dict
-    grid: str
-    pipeline_components: dict = field(default_factory=dict)
-    reference: dict = field(default_factory=dict)  # license, model card, pipeline defaults, baseline command
-
-    def to_dict(self) -> dict:
-        return dict(self.__dict__)
 
 
 def environment_table() -> Table:
@@ -101,7 +88,7 @@ def baseline_sheet(renders):
     return image_grid([r.image for r in renders], labels)
 
 
-def run_intake(ctx: StageContext, progress=None) -> tuple[IntakeResult, object]:
+def run_intake(ctx: StageContext, progress=None) -> tuple[IntakeResults, object]:
     """Load the model and render the baseline; writes ``intake/results.json``. Returns the
     result and the loaded pipeline."""
     start = time.perf_counter()
@@ -114,13 +101,10 @@ def run_intake(ctx: StageContext, progress=None) -> tuple[IntakeResult, object]:
     rows = save_renders(renders, ctx.dir / "images")
     fig = baseline_sheet(renders)
     grid = save_figure(fig, ctx.dir / "baseline_grid.png")
-    result = IntakeResult(
-        images=rows, load_seconds=round(load_seconds, 3), render_seconds=round(render_seconds, 3),
-        placement=ctx.placement.to_dict(), grid=str(grid.relative_to(ctx.dir)),
-        pipeline_components=components(pipe),
-    )
     facts = reference_facts(ctx, pipe)
     write_reference(ctx.dir, facts)
-    result.reference = facts.to_dict()
-    ctx.write_results(result.to_dict())
+    result = IntakeResults(images=rows, placement=ctx.placement.to_dict(), load_seconds=round(load_seconds, 3),
+                           render_seconds=round(render_seconds, 3), grid=str(grid.relative_to(ctx.dir)),
+                           pipeline_components=components(pipe), reference=facts.to_dict())
+    ctx.write_results(result)
     return result, pipe

@@ -12,15 +12,14 @@ Main entry points:
 - ``plans.refusal``: plans ditbook refuses before launch (tensor parallel: nothing would be sharded)
 - ``apply_cfg_parallel(transformer, style, group)``
 - ``time_gqa(...)`` and ``route_attention(transformer, gqa_path)``
-- ``run_plans(card, plans, nproc, out_dir) -> ([PlanResult], LaunchResult)`` — also the
-  benchmark stage's way to time a plan (``PlanResult.seconds`` / ``speedup``).
+- ``run_plans(card, plans, nproc, out_dir) -> ([records.PlanRow], LaunchResult)``
 """
 
 from .feasibility import Feasibility, FeasibilityTable, feasibility
-from .launch import LaunchResult, ParallelRunError, PlanResult, launch, run_plans
+from .launch import LaunchResult, ParallelRunError, launch, run_plans
 from .plans import PlanSpec, parse_plan, plan_name
 from ..cp.sharding import ShardingError
 
 
-__all__ = ["Feasibility", "FeasibilityTable", "feasibility", "LaunchResult", "ParallelRunError", "PlanResult",
+__all__ = ["Feasibility", "FeasibilityTable", "feasibility", "LaunchResult", "ParallelRunError",
            "launch", "run_plans", "PlanSpec", "parse_plan", "plan_name", "ShardingError"]

@@ -9,7 +9,7 @@ and kills the whole group after that; a failing rank makes torchrun end the othe
 single-process baseline and the plans in one torchrun (so every figure comes from the same
 processes), compares each plan's images with the baseline's (the card's ``parallel.gates``; a
 +cache plan also against the uncached baseline with ``cache.gates``) and returns one
-``PlanResult`` per plan with its seconds and speedup.
+``records.PlanRow`` per plan with its seconds and speedup.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import numpy as np
 
 from ..processes import LAUNCHER_ENV, die_with_parent
 from ..quality import Gates, compare_sets
+from ..records import PlanRow, Sharding, decode
 from .plans import parse_plan, refusal
 
 
@@ -54,23 +55,10 @@ class LaunchResult:
         rows = self.worker["plans"][plan].get("images", [])
         return {r["key"]: np.load(self.out_dir / r["npy"]) for r in rows}
 
-
-@dataclass
-class PlanResult:
-    name: str
-    world_size: int
-    passed: bool
-    quality: dict  # SetQuality.to_dict() against the reference
-    seconds: float | None  # median seconds per image
-    speedup: float | None  # reference seconds / plan seconds, same processes
-    reference: str  # plan the images were compared with ("single" or "single+cache")
-    baseline_quality: dict | None = None  # against the uncached baseline, for +cache plans
-    details: dict = field(default_factory=dict)  # cp plan source, cfg stats, cache agreement, attention
-    error: str | None = None
-    gates: dict = field(default_factory=dict)  # the gates that judged it (quality), and the cache gates (baseline_quality)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+    def sharding(self, plan: str) -> Sharding | None:
+        """The split the worker recorded for ``plan`` (None: the plan did not run or recorded none)."""
+        rec = self.worker["plans"].get(plan, {}).get("sharding")
+        return None if rec is None else decode(Sharding, rec, f"worker.json plans.{plan}.sharding")
 
 
 @dataclass
@@ -263,7 +251,7 @@ def _kill_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
 
 
 def judge(result: LaunchResult, plans: list[str], gates: Gates | None = None,
-          cache_gates: Gates | None = None) -> list[PlanResult]:
+          cache_gates: Gates | None = None) -> list[PlanRow]:
     """Compare each plan with its single-process reference from the same launch, with ``gates``
     (a card's ``parallel.gates``); a +cache plan also with the uncached baseline, with
     ``cache_gates`` (a card's ``cache.gates``). None: the settings' defaults."""
@@ -287,18 +275,19 @@ def judge(result: LaunchResult, plans: list[str], gates: Gates | None = None,
         details = {k: v for k, v in entry.items() if k not in ("images", "seconds", "median_seconds", "world_size")}
         details["reference_seconds"] = ref_s
         details["baseline_seconds"] = base_s
-        bq = compare_sets(result.images(name), base, cache_gates).to_dict() \
-            if spec.cache and base is not None else None
-        quality = q.to_dict()
-        sharding_problem = sharding_failure(spec, entry.get("sharding")) or cfg_split_failure(
-            spec, entry.get("sharding"), result.worker["plans"].get(ref_name, {}).get("sharding")) \
+        bq = compare_sets(result.images(name), base, cache_gates) if spec.cache and base is not None else None
+        quality = q
+        sharding, ref_sharding = result.sharding(name), result.sharding(ref_name)
+        sharding_problem = sharding_failure(spec, sharding) or cfg_split_failure(spec, sharding, ref_sharding) \
             or cache_skip_failure(spec, entry)
+        if sharding is not None:
+            details["sharding"] = sharding
         if sharding_problem:  # parity cannot see a plan that splits nothing: this can
-            quality["reasons"] = list(quality.get("reasons") or []) + [sharding_problem]
+            quality.reasons = [*quality.reasons, sharding_problem]
         elif not q.passed:  # the plan ran and its output is not the reference's: a named error too
             sharding_problem = f"ParityError: against {ref_name}: " + "; ".join(
-                (quality.get("reasons") or ["the quality gates failed"])[:2])
-        out.append(PlanResult(name=name, world_size=spec.world_size, passed=q.passed and not sharding_problem,
+                (quality.reasons or ["the quality gates failed"])[:2])
+        out.append(PlanRow(name=name, world_size=spec.world_size, passed=q.passed and not sharding_problem,
                               quality=quality,
                               seconds=s, speedup=(ref_s / s) if ref_s and s else None, reference=ref_name,
                               baseline_quality=bq, details=details, error=sharding_problem,
@@ -314,7 +303,7 @@ def cache_skip_failure(spec, entry: dict) -> str | None:
     if not spec.cache:
         return None
     steps = entry.get("cached_steps")
-    skips = (entry.get("cache_agreement") or {}).get("skips") or 0
+    skips = entry.get("cache_agreement", {}).get("skips", 0)
     if steps or skips:
         return None
     return (f"CacheSkippedNothing: the cache of {spec.name} skipped no step (cached_steps "
@@ -322,46 +311,45 @@ def cache_skip_failure(spec, entry: dict) -> str | None:
             f"plan without the cache under another name; raise parallel.cache's residual_diff_threshold or drop +cache")
 
 
-def sharding_failure(spec, sharding: dict | None) -> str | None:
+def sharding_failure(spec, sharding: Sharding | None) -> str | None:
     """Why the plan's recorded block inputs show it did not split (None when they show it did).
     A CP plan without a record fails too: it cannot show that it split anything. Tensor, VAE and
     text-encoder parallel and ditbook's ring (each kind that ``records`` on the ranks) are judged by
-    their own per-rank records (``sharding["kinds"]``)."""
+    their own per-rank records (``sharding.kinds``)."""
     for technique in spec.kinds():
         if not technique.records(spec):
             continue
-        rec = ((sharding or {}).get("kinds") or {}).get(technique.token)
-        if not rec:
+        rec = sharding.kinds.get(technique.token) if sharding is not None else None
+        if rec is None:
             return f"ShardingError: the run recorded nothing of {technique.family}, so its split is unproven"
-        if rec.get("error") or not rec.get("check"):
-            return rec.get("error") or f"ShardingError: {technique.family} was not checked"
+        if rec.error or not rec.check:
+            return rec.error or f"ShardingError: {technique.family} was not checked"
     if not spec.uses_cp:
         return None
-    if not sharding:
+    if sharding is None:
         return "ShardingError: the run recorded no block input lengths, so the split is unproven"
-    if sharding.get("error"):
-        return sharding["error"]
-    if not sharding.get("check"):
+    if sharding.error:
+        return sharding.error
+    if not sharding.check:
         return "ShardingError: the block input lengths were not checked"
     return None
 
 
-def cfg_split_failure(spec, sharding: dict | None, reference: dict | None) -> str | None:
+def cfg_split_failure(spec, sharding: Sharding | None, reference: Sharding | None) -> str | None:
     """Why the recorded block rows show that a CFG-parallel plan's ranks did not divide the
     branches (None when they show they did, and for plans without CFG parallelism). The record
-    goes into ``sharding["cfg_check"]``."""
+    goes into ``sharding.cfg_check``."""
     from ..cp.sharding import CfgSplitError, check_cfg_split
 
     if spec.cfg <= 1:
         return None
-    if not sharding or not reference:
+    if sharding is None or reference is None or not reference.ranks:
         return "CfgSplitError: the run recorded no block rows (plan or one-process reference), so the split is unproven"
     try:
-        ref_ranks = reference.get("ranks") or [{}]
-        sharding["cfg_check"] = check_cfg_split([r.get("block_inputs") or {} for r in sharding.get("ranks") or []],
-                                                (ref_ranks[0] or {}).get("block_inputs") or {}, spec.cfg)
+        sharding.cfg_check = check_cfg_split([r.block_inputs for r in sharding.ranks],
+                                             reference.ranks[0].block_inputs, spec.cfg)
     except CfgSplitError as exc:
-        sharding["cfg_check"] = None
+        sharding.cfg_check = None
         return f"CfgSplitError: {exc}"
     return None
 
@@ -390,11 +378,11 @@ def _cuda_available() -> bool:
 
 
 def run_plans(card: str | Path, plans: list[str], nproc: int, out_dir: str | Path, *, gates: Gates | None = None,
-              cache_gates: Gates | None = None, **launch_opts) -> tuple[list[PlanResult], LaunchResult]:
+              cache_gates: Gates | None = None, **launch_opts) -> tuple[list[PlanRow], LaunchResult]:
     """Launch the baseline(s) and ``plans`` together and judge each plan against its baseline,
     with the card's ``parallel.gates`` and ``cache.gates`` (after its overrides) unless given.
 
-    This is what the benchmark stage calls to time a plan: ``PlanResult.seconds`` is the median
+    This is what the benchmark stage calls to time a plan: ``PlanRow.seconds`` is the median
     seconds per image (after ``warmup`` renders), ``speedup`` the ratio to the single-process
     run in the same launch; ``LaunchResult.worker`` holds every per-image time.
     """
@@ -426,7 +414,7 @@ def _refs(plans: list[str]) -> list[str]:
 
 
 def launch_each_plan(card, plans: list[str], nproc: int, out_dir: str | Path, gates: Gates, cache_gates: Gates,
-                     **launch_opts) -> tuple[list[PlanResult], LaunchResult]:
+                     **launch_opts) -> tuple[list[PlanRow], LaunchResult]:
     """Launch the references and ``plans`` in one torchrun; when a plan fails in the ranks (its
     error, a dead or stalled rank), torchrun ends every rank, so the plans that finished are judged
     from rank 0's progress record, the failed plan is recorded with its named error
@@ -434,7 +422,7 @@ def launch_each_plan(card, plans: list[str], nproc: int, out_dir: str | Path, ga
     every figure still comes from the processes that made it). A failure of a reference is the
     launch's: it raises ``ParallelRunError``. ``LaunchResult.attempts`` lists every launch."""
     out_dir = Path(out_dir)
-    judged: list[PlanResult] = []
+    judged: list[PlanRow] = []
     attempts: list[dict] = []
     remaining = [p for p in plans if p not in _refs(plans)]
     total = 0.0
@@ -471,15 +459,12 @@ def exc_seconds(exc: ParallelRunError) -> float:
     return float(getattr(exc, "seconds", 0.0) or 0.0)
 
 
-def failed_plan(name: str, error: str, gates: Gates, cache_gates: Gates) -> PlanResult:
+def failed_plan(name: str, error: str, gates: Gates, cache_gates: Gates) -> PlanRow:
     """The record of a plan that failed in the ranks: not passed, its named error, no figures."""
     spec = parse_plan(name)
-    return PlanResult(name=name, world_size=spec.world_size, passed=False,
-                      quality={"psnr_min": None, "ssim_min": None, "worst_tile_psnr": None, "passed": False,
-                               "reasons": [error]},
-                      seconds=None, speedup=None, reference="single+cache" if spec.cache else "single",
-                      details={"failed_in_ranks": True}, error=error,
-                      gates={"quality": gates.to_dict(), "baseline_quality": cache_gates.to_dict()})
+    return PlanRow(name=name, world_size=spec.world_size, passed=False, quality=None, seconds=None, speedup=None,
+                   reference="single+cache" if spec.cache else "single", details={"failed_in_ranks": True},
+                   error=error, gates={"quality": gates.to_dict(), "baseline_quality": cache_gates.to_dict()})
 
 
 def _clear_progress(out_dir: Path) -> None:

@@ -1,23 +1,10 @@
 """What the ``04_parallel`` notebook calls: choose plans, time the GQA paths, run, and write
 ``parallel/results.json``.
 
-``parallel/results.json`` holds:
-
-- ``feasibility``: ``FeasibilityTable.to_dict()`` (facts and one row per kind x world size);
-- ``plans``: one entry per plan run — ``name``, ``world_size``, ``passed``, ``quality``
-  (``SetQuality`` dict against the single-process run of the same launch), ``seconds`` (median
-  per image), ``speedup`` (against that single-process run), ``reference``, ``details``;
-- ``not_run``: plans asked for but ruled out, with their reason;
-- ``gqa``: the GQA timing (``GqaTiming`` dict, or null for a model without GQA) and ``applied``;
-- ``launch``: command, processes, wall seconds, ``attempts`` (one per torchrun launch: ``plans``,
-  ``failed`` — the plan that failed in the ranks, recorded as not passed with its named ``error``;
-  the plans after it ran in the next launch); ``cp_plan_file``: the emitted plan code;
-- ``sharding``: per plan, per rank, the sequence lengths each block list's blocks received, the
-  number of sharded parameters per rank, and whether the split was verified (a CP plan whose
-  blocks did not get full length / degree fails with a ``ShardingError``; the full record is
-  in each plan's ``details.sharding``); ``kinds``: for tp/vae/te/ring plans, that kind's check
-  of every rank's record (``check``, or ``error`` naming ``TensorShardingError``,
-  ``VaeShardingError``, ``TextEncoderShardingError`` or ``RingShardingError``).
+``parallel/results.json`` is ``records.ParallelResults``: each plan's row (parity against its
+one-process reference, speed-up, named error), the plans not run and why, the GQA timing, the
+launch attempts, and per plan the split each rank received (``records.ShardingSummary``; the
+whole per-rank record is in the plan's ``details.sharding``).
 """
 
 from __future__ import annotations
@@ -27,6 +14,7 @@ from pathlib import Path
 from ..cp.attention import model_gqa_shapes, time_gqa
 from .feasibility import FeasibilityTable
 from .launch import run_plans
+from ..records import NotRun, ParallelResults, ShardingSummary
 from .plans import parse_plan, refusal
 # the 04_parallel notebook imports this module (and the display helpers) only: the other names it uses
 from ..context import open_stage  # noqa: F401
@@ -60,10 +48,8 @@ def choose_plans(table: FeasibilityTable, nproc: int, wanted: list[str] | None =
 
 def cache_refusal(ctx) -> str | None:
     """Why the cache stage of this run refused caching (``cache/results.json`` ``refused``), or None."""
-    run = ctx.run
-    if not run.has_results("cache"):
-        return None
-    return run.read_results("cache").get("refused") or None
+    cache = ctx.run.results_or_none("cache")
+    return cache.refused if cache is not None else None
 
 
 def ranks_for(ctx) -> int | None:
@@ -126,54 +112,23 @@ def gqa_timings(report, card, placement, repeats: int = 5) -> dict | None:
 def run_stage_plans(ctx, report, plans: list[str], nproc: int, gqa: dict | None, timeout: float = 300.0):
     cfg_style = report.cfg.style if report.cfg.style in ("separate", "batched") else None
     kind = report.attention.kind if report.attention.kind in ("joint", "cross", "self") else None
-    gqa_path = (gqa or {}).get("faster") or "enable_gqa"
+    gqa_path = gqa["faster"] if gqa and gqa.get("faster") else "enable_gqa"
     return run_plans(ctx.card.card_path, plans, nproc, ctx.dir, overrides=ctx.overrides, timeout=timeout,
                      cfg_style=cfg_style, attention_kind=kind, gqa_path=gqa_path,
                      gates=ctx.card.parallel.gates, cache_gates=ctx.card.cache.gates)
 
 
-def block_sequence_lengths(sharding: dict | None) -> dict | None:
-    """Per rank, per block list: the sequence lengths its blocks received (and, for a CP plan,
-    whether they were the full length / degree)."""
-    if not sharding:
-        return None
-    return {"per_rank": [{name: rec["seq_lens"] for name, rec in (r or {}).get("block_inputs", {}).items()}
-                         for r in sharding.get("ranks") or []],
-            "sharded_parameters": [len((r or {}).get("sharded_parameters") or []) for r in sharding.get("ranks") or []],
-            "rows_per_rank": [{name: rec.get("entries") for name, rec in (r or {}).get("block_inputs", {}).items()}
-                              for r in sharding.get("ranks") or []],
-            # True when every split the plan makes was checked on every rank's record: the block
-            # sequence (CP), the CFG branches (rows entering the blocks), each kind's own record
-            # (tensor / VAE / text-encoder parallel, ditbook's ring); None: the plan splits nothing
-            "verified": _verified(sharding), "error": sharding.get("error"),
-            "kinds": sharding.get("kinds") or {}}
-
-
-def _verified(sharding: dict) -> bool | None:
-    checks = []
-    if (sharding.get("degree") or 1) > 1:
-        checks.append(bool(sharding.get("check")) and not sharding.get("error"))
-    if "cfg_check" in sharding:
-        checks.append(bool(sharding["cfg_check"]))
-    for rec in (sharding.get("kinds") or {}).values():
-        checks.append(bool((rec or {}).get("check")) and not (rec or {}).get("error"))
-    return all(checks) if checks else None
-
-
 def stage_results(table: FeasibilityTable, results, launch, gqa: dict | None, not_run: list[dict],
-                  stage_dir: Path) -> dict:
+                  stage_dir: Path) -> ParallelResults:
     files = sorted(p.name for p in Path(stage_dir).glob("cp_plan_*.py"))
-    return {
-        "feasibility": table.to_dict(),
-        "plans": [r.to_dict() for r in results],
-        "not_run": not_run,
-        "gqa": {"timing": gqa, "applied": (gqa or {}).get("faster")},
-        "launch": {"command": launch.command if launch else None, "nproc": launch.nproc if launch else None,
-                   "seconds": round(launch.seconds, 2) if launch else None,
-                   "attempts": list(getattr(launch, "attempts", None) or []) if launch else []},
-        "cp_plan_file": files[0] if files else None,
-        "sharding": {r.name: block_sequence_lengths(r.details.get("sharding")) for r in results},
-        "passed": all(r.passed for r in results),
-    }
+    return ParallelResults(
+        feasibility=table.to_dict(), passed=all(r.passed for r in results), plans=list(results),
+        not_run=[NotRun(**n) for n in not_run], gqa={"timing": gqa, "applied": gqa["faster"] if gqa else None},
+        launch={"command": launch.command, "nproc": launch.nproc, "seconds": round(launch.seconds, 2),
+                "attempts": list(getattr(launch, "attempts", None) or [])} if launch else None,
+        cp_plan_file=files[0] if files else None,
+        sharding={r.name: ShardingSummary.of(r.details["sharding"]) if "sharding" in r.details else None
+                  for r in results},
+        device=table.facts.get("device"))
 
 

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from .. import accel
 from ..accel.technique import Handle
+from ..records import KindCheck, RankSplit, Sharding
 
 
 REUSE_LIMIT = 500_000_000  # transformer parameters; larger models are loaded per plan
@@ -225,34 +226,30 @@ def _apply_library_cp(pipe, card, spec, cp, cp_mesh, route, info: dict) -> None:
         info["cache_agreement"] = agree_cache_decisions(pipe)
 
 
-def _apply_graphs(tr, card, spec, info: dict) -> None:
-    """CUDA graphs of the transformer's steps (of the computed steps' block work, with a cache)."""
-    if spec.graph and spec.cache:
-        from ..accel.graphs import install_cached_step_graphs
+def _apply_graphs(pipe, card, spec, info: dict) -> None:
+    """CUDA graphs of the transformer's steps (of the computed steps' block work, with a cache; the
+    cache's decisions and buffers stay eager). Inside the CFG wrapper: each rank replays its own
+    branch's transformer call."""
+    if spec.graph:
+        from ..accel.graphs import CudaGraphs, GraphsSettings
 
-        # a static cache schedule: the computed steps' block work of each cached unit is replayed;
-        # the cache's decisions and buffers stay eager (parallel.graphs)
-        info["graphs"] = install_cached_step_graphs(tr, spec.options.get("cache"), steps=card.generation.steps)
-    elif spec.graph:
-        from ..accel.graphs import install_step_graphs
-
-        # inside the CFG wrapper: each rank replays its own branch's transformer call
-        info["graphs"] = install_step_graphs(tr)
+        info["graphs"] = CudaGraphs.apply(pipe, GraphsSettings(cache=spec.options.get("cache") if spec.cache else None,
+                                                               steps=card.generation.steps))
 
 
 def apply_plan(pipe, card, spec, *, cfg_style: str | None, cp_plan_file: str | None, attention_kind: str | None,
                gqa_path: str, out_dir: Path | None, heartbeat=None) -> dict:
     """Apply one plan to a freshly loaded pipeline on this rank; returns what was applied."""
-    from ..cp.attention import route_attention
     from ..accel.dbcache import dbcache_config
+    from ..accel.gqa import GqaPath, GqaSettings
     from ..accel.cfg import apply_cfg_parallel, detect_cfg_style
     from ..accel.ring import Ring, apply_own_ring
     from ..cp.dryrun import verify_before_launch
 
     info: dict = {"plan": spec.name}
     tr = pipe.transformer
-    route = route_attention(tr, gqa_path=gqa_path)
-    info["attention"] = {"patched_modules": route.modules, "gqa_path": gqa_path}
+    routed = GqaPath.apply(pipe, GqaSettings(gqa_path))
+    route = routed.state
     cfg_group, cp_mesh = _cfg_groups(tr, spec)
     if spec.cfg > 1:
         style = cfg_style or detect_cfg_style(pipe, card)
@@ -280,7 +277,7 @@ def apply_plan(pipe, card, spec, *, cfg_style: str | None, cp_plan_file: str | N
         from ..accel.compile import CompileSettings, compile_settings
 
         info["compiled"] = compile_repeated_blocks(tr, (compile_settings(card.runtime.compile) or CompileSettings()).backend)
-    _apply_graphs(tr, card, spec, info)
+    _apply_graphs(pipe, card, spec, info)
     if spec.cfg > 1:
         info["cfg_stats"] = apply_cfg_parallel(tr, info["cfg_style"], group=cfg_group, heartbeat=heartbeat,
                                                cached=spec.cache)
@@ -290,7 +287,7 @@ def apply_plan(pipe, card, spec, *, cfg_style: str | None, cp_plan_file: str | N
             handles[technique.token] = technique.apply_on_rank(pipe, card, spec, spec.degree(technique.token),
                                                                noop=technique.token in noop)
     info["kinds"] = handles  # token -> Handle: record() this rank's record, undo() the recorder off
-    info["route"] = route
+    info["route"] = routed
     return info
 
 
@@ -394,16 +391,15 @@ def _fresh_pipeline(card, placement, pristine):
 def _finish_info(info: dict, pipe, spec) -> dict:
     """What was applied, made JSON-ready after the renders: the attention routing's call counts,
     the stats objects as dicts, the cached steps; the graphs removed. Returns the kind recorders."""
-    route = info.pop("route")
     kinds = info.pop("kinds", {})
-    info["attention"].update({"calls": route.calls, "gqa_calls": route.gqa_calls,
-                              "cp_calls": route.cp_calls})
+    info["attention"] = info.pop("route").record().to_dict()
     graphs = info.get("graphs")
-    for k in ("cfg_stats", "cache_agreement", "graphs"):
+    for k in ("cfg_stats", "cache_agreement"):
         if k in info:
             info[k] = info[k].to_dict()
     if graphs is not None:
-        graphs.remove()  # captured NCCL work goes before the communicator does
+        info["graphs"] = graphs.record().to_dict()
+        graphs.undo()  # captured NCCL work goes before the communicator does
     if spec.cache:
         info["cached_steps"] = [int(s) for s in (getattr(pipe.transformer, "_cached_steps", None) or [])]
     return kinds
@@ -432,12 +428,12 @@ def _run_plan(pipe, card, spec, name: str, args, rank: int, dog: Watchdog, out_d
     kinds = _finish_info(info, pipe, spec)
     entry.update(info)
     entry["sharding"] = sharding_record(pipe.transformer, recorder, spec, info.get("cp_plan"),
-                                        {k: h.record() for k, h in kinds.items()})
+                                        {k: h.record() for k, h in kinds.items()}).to_dict()
     recorder.remove()
     for h in kinds.values():
         h.undo()
     if rank == 0:
-        entry["images"] = save_renders(renders, out_dir / _folder(name))
+        entry["images"] = [r.to_dict() for r in save_renders(renders, out_dir / _folder(name))]
 
 
 def run(args) -> int:
@@ -513,31 +509,30 @@ def write_failure(out_dir: Path, rank: int, plan: str | None, exc: BaseException
         pass
 
 
-def sharding_record(transformer, recorder, spec, cp_plan: dict | None, kinds: dict | None = None) -> dict:
+def sharding_record(transformer, recorder, spec, cp_plan: dict | None, kinds: dict[str, object]) -> Sharding:
     """Every rank's block input lengths and sharded parameters, gathered on every rank; for a CP
     plan, ``check_sharding`` against the unsplit trace (``error`` names a ``ShardingError``); for
-    tensor / VAE / text-encoder parallel, each rank's record of that kind and its check
-    (``kinds[kind]``: ``check`` or ``error`` naming the ``ShardingError`` subclass)."""
+    each kind that records on the ranks (``kinds``: token -> this rank's record), its check over
+    every rank's record (``error`` naming the ``ShardingError`` subclass)."""
     from ..cp.sharding import ShardingError, check_sharding
 
-    mine = {"block_inputs": recorder.to_dict(),
-            "sharded_parameters": [n for n, p in transformer.named_parameters() if type(p.data).__name__ == "DTensor"],
-            "kinds": kinds or {}}
+    mine = RankSplit(recorder.to_dict(), [n for n, p in transformer.named_parameters()
+                                          if type(p.data).__name__ == "DTensor"], kinds)
     ranks: list = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, mine)
-    out = {"ranks": ranks, "degree": spec.cp, "check": None, "error": None, "kinds": {}}
+    out = Sharding(ranks, spec.cp, split_cfg=spec.cfg > 1)
     if spec.uses_cp:
+        expected = cp_plan["facts"].get("sharding_expected", {}) if cp_plan else {}
         try:
-            out["check"] = check_sharding([r["block_inputs"] for r in ranks],
-                                          (cp_plan or {}).get("facts", {}).get("sharding_expected") or {}, spec.cp)
+            out.check = check_sharding([r.block_inputs for r in ranks], expected, spec.cp)
         except ShardingError as exc:
-            out["error"] = f"ShardingError: {exc}"
-    for token in kinds or {}:
+            out.error = f"ShardingError: {exc}"
+    for token in kinds:
         try:
-            out["kinds"][token] = {"check": accel.by_token(token).check([r["kinds"].get(token) for r in ranks],
-                                                                        spec.degree(token)), "error": None}
+            out.kinds[token] = KindCheck(accel.by_token(token).check([r.kinds.get(token) for r in ranks],
+                                                                     spec.degree(token)))
         except ShardingError as exc:
-            out["kinds"][token] = {"check": None, "error": f"{type(exc).__name__}: {exc}"}
+            out.kinds[token] = KindCheck(error=f"{type(exc).__name__}: {exc}")
     return out
 
 

@@ -1,4 +1,4 @@
-"""A synthetic run folder for tests and for previewing the report without a model.
+"""A synthetic run folder for the tests: the report, result.md and compare without a model.
 
 ``FakePipeline`` has the method names the harness wraps (``encode_prompt``, ``transformer``,
 ``vae.decode``) and renders a seed- and prompt-dependent image in milliseconds;
@@ -12,12 +12,13 @@ from __future__ import annotations
 import base64
 import io
 import json
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 
-from ..configuration import Config
+from ditbook.configuration import Config
 
 
 def _torch():
@@ -65,6 +66,7 @@ class FakePipeline:
         self.transformer = FakeTransformer()
         self.vae = FakeVAE()
         self.noise = 0.0
+        self.step_seconds = 0.0  # a fixed wait per step: the stand-in for work an acceleration skips
         self.device = "cpu"
         self.frames = frames
 
@@ -79,6 +81,8 @@ class FakePipeline:
         x = torch.randn(1, 64, 16, generator=generator) + emb
         for _ in range(num_inference_steps):
             x = x - 0.2 * self.transformer(x, timestep=None)
+            if self.step_seconds:
+                time.sleep(self.step_seconds)
             if self.noise:
                 x = x + self.noise * torch.randn(x.shape, generator=generator)
         if self.frames:  # (batch, frames, H, W, 3), as video pipelines return with output_type="np"
@@ -88,13 +92,17 @@ class FakePipeline:
         return SimpleNamespace(images=img.detach().numpy())
 
 
-def noise_config(name: str, noise: float, family: str = "cache/fake") -> Config:
+def noise_config(name: str, noise: float, family: str = "cache/fake", step_seconds: float | None = None) -> Config:
+    """``noise`` added each step; ``step_seconds``: the wait per step it leaves (the baseline's is
+    the pipeline's own), so its speed-up is known ahead of the timing."""
     def apply(pipe):
-        old = pipe.noise
+        old = pipe.noise, pipe.step_seconds
         pipe.noise = noise
+        if step_seconds is not None:
+            pipe.step_seconds = step_seconds
 
         def undo():
-            pipe.noise = old
+            pipe.noise, pipe.step_seconds = old
 
         return undo
 
@@ -110,14 +118,16 @@ def failing_config(name: str = "raises") -> Config:
 
 CARD = """name: synthetic
 path: {path}
-pipeline: {{class: FakePipeline, source: ditbook.benchmark.synthetic}}
-transformer: {{class: FakeTransformer, source: ditbook.benchmark.synthetic}}
+pipeline: {{class: FakePipeline, source: synthetic_run}}
+transformer: {{class: FakeTransformer, source: synthetic_run}}
 generation:
   prompts: ["a red circle", "a blue square"]
   seeds: [0]
   height: 8
   width: 8
   steps: 3
+benchmark:
+  timing_drift: 0.25  # a shared CI host moves a 60 ms call by more than the default 10%
 """
 
 
@@ -180,16 +190,25 @@ def _upstream(run) -> None:
         "example_strategy": {"name": "gentle", "config": {}, "why": "the configuration the stage chose"}}))
 
 
+def _quality(n: int, psnr: float, ssim: float, per_image: dict | None = None):
+    """A set's figures as ``quality.compare_sets`` records them (worst image = ``psnr``/``ssim``)."""
+    from ditbook.quality import SetQuality
+
+    return SetQuality(n=n, psnr_mean=psnr, psnr_min=psnr, ssim_mean=ssim, ssim_min=ssim, max_abs=0.0,
+                      worst_tile_psnr=psnr, passed=True, reasons=[], per_image=per_image or {})
+
+
 def make_synthetic_run(root: str | Path, *, failed_stage: str | None = None, benchmark: bool = True,
                        repeats: int = 2, parallel: bool = True, frames: int = 0) -> Path:
     """Write a run folder under ``root`` and return its path (``frames``: of a video pipeline)."""
     # long: one run folder written stage by stage, as the real stages would, so a reader can follow it
-    from ..card import load_card
-    from ..environment import environment
-    from ..render import frame_strip, render_all, save_renders
-    from ..runs import RunFolder
-    from .inputs import read_inputs
-    from .stage import make_figures, measure, save
+    from ditbook.card import load_card
+    from ditbook.environment import environment
+    from ditbook.render import frame_strip, render_all, save_renders
+    from ditbook.records import CacheResults, ChosenDetail, IntakeResults, NotRun, ParallelResults, PlanRow, StrategyRow
+    from ditbook.runs import RunFolder
+    from ditbook.benchmark.inputs import read_inputs
+    from ditbook.benchmark.stage import make_figures, measure, save
 
     root = Path(root)
     model = root / "model"
@@ -211,43 +230,28 @@ def make_synthetic_run(root: str | Path, *, failed_stage: str | None = None, ben
                     "status": "failed" if failed_stage else "finished", "stages": stages})
     pipe = FakePipeline(frames=frames)
     renders = render_all(pipe, card)
-    run.write_results("intake", {"images": save_renders(renders, run.stage_dir("intake") / "images"),
-                                 "placement": {"device": "cpu", "dtype": "float32"}})
-    run.write_results("cache", {"tuned": [{"name": "recorded-dbcache", "family": "cache/dbcache", "speedup": 1.6,
-                                           "psnr_min": 33.0, "ssim_min": 0.95, "passed": True}],
-                                "residual_changes": {"calibration": [0.3, 0.2, 0.1]},
-                                # tuned on the calibration seeds, confirmed on held-out ones: "brisk"
-                                # is better on held-out seeds but skips less work (a runner-up)
-                                "strategies": [
-                                    {"name": "gentle", "family": "cache/fake", "config": {}, "split": "calibration",
-                                     "skipped_fraction": 0.5, "passed": True,
-                                     "quality": {"n": 2, "psnr_min": 60.25, "ssim_min": 0.9999}},
-                                    {"name": "gentle", "family": "cache/fake", "config": {}, "split": "holdout",
-                                     "skipped_fraction": 0.5, "passed": True,
-                                     "quality": {"n": 2, "psnr_min": 41.5, "ssim_min": 0.99}},
-                                    {"name": "brisk", "family": "cache/fake", "config": {}, "split": "holdout",
-                                     "skipped_fraction": 0.45, "passed": True,
-                                     "quality": {"n": 2, "psnr_min": 43.25, "ssim_min": 0.995}}],
-                                # the cache stage's one decision, confirmed on held-out seeds
-                                "gates": card.cache.gates.to_dict(),
-                                "chosen": {"name": "gentle", "family": "cache/fake", "config": {}},
-                                "chosen_detail": {"name": "gentle", "family": "cache/fake", "config": {},
-                                                  "skipped_fraction": 0.5,
-                                                  "holdout_quality": {"n": 2, "psnr_min": 41.5, "ssim_min": 0.99,
-                                                                      "per_image": HOLDOUT_PER_IMAGE},
-                                                  "holdout_images": _holdout_images(run, renders)},
-                                "adapter_checks": [{"name": "gentle", "checked": True, "max_abs": 0.0,
-                                                    "reproduces": True}],
-                                "noise_floor": {"rerun_vs_intake": {"psnr_min": 100.0}, "rerun_max_abs": 0.0}})
+    run.write_results("intake", IntakeResults(images=save_renders(renders, run.stage_dir("intake") / "images"),
+                                              placement={"device": "cpu", "dtype": "float32"}))
+    # tuned on the calibration seeds, confirmed on held-out ones: "brisk" is better on held-out
+    # seeds but skips less work and is slower (a runner-up); the cache stage's choice is "gentle"
+    holdout = _quality(2, 41.5, 0.99, HOLDOUT_PER_IMAGE)
+    run.write_results("cache", CacheResults(
+        adapter_module="synthetic_adapter.py", gates=card.cache.gates,
+        strategies=[StrategyRow("gentle", "cache/fake", {}, _quality(2, 60.25, 0.9999), 0.5, 0.5, 1, True),
+                    StrategyRow("gentle", "cache/fake", {}, holdout, 0.5, 0.5, 1, True, "holdout"),
+                    StrategyRow("brisk", "cache/fake", {}, _quality(2, 43.25, 0.995), 0.45, 0.45, 1, True, "holdout")],
+        chosen=ChosenDetail("gentle", "cache/fake", {}, skipped_fraction=0.5, holdout_quality=holdout,
+                            holdout_images=_holdout_images(run, renders)),
+        adapter_checks=[{"name": "gentle", "checked": True, "max_abs": 0.0, "reproduces": True}],
+        noise_floor={"rerun_vs_intake": {"psnr_min": 100.0}, "rerun_max_abs": 0.0}))
     if parallel:
-        run.write_results("parallel", {"baseline_seconds": 2.0, "plans": [
-            {"name": "ulysses", "nproc": 2, "seconds": 1.2, "psnr_min": 48.0, "ssim_min": 0.999, "passed": True},
-            {"name": "ulysses", "nproc": 4, "seconds": 0.8, "psnr_min": 47.0, "ssim_min": 0.999, "passed": True},
-            {"name": "ulysses+dbcache", "nproc": 2, "seconds": 0.9, "psnr_min": 99.0, "ssim_min": 1.0,
-             "passed": True, "cache": "recorded-dbcache", "reference": "single+cache",
-             # parity against one process with the same cache; against the uncached baseline:
-             "baseline_quality": {"psnr_min": 32.0, "ssim_min": 0.93}}],
-            "not_run": [{"name": "ring2+cache", "reason": "needs CUDA (flash SDPA's log-sum-exp)"}]})
+        run.write_results("parallel", ParallelResults(feasibility={}, passed=True, device="cpu", plans=[
+            PlanRow("ulysses2", 2, True, _quality(2, 48.0, 0.999), seconds=1.2, speedup=1.67, reference="single"),
+            PlanRow("ulysses4", 4, True, _quality(2, 47.0, 0.999), seconds=0.8, speedup=2.5, reference="single"),
+            # parity against one process with the same cache; against the uncached baseline:
+            PlanRow("ulysses2+cache", 2, True, _quality(2, 99.0, 1.0), seconds=0.9, speedup=2.2,
+                    reference="single+cache", baseline_quality=_quality(2, 32.0, 0.93))],
+            not_run=[NotRun("ring2+cache", "needs CUDA (flash SDPA's log-sum-exp)")]))
     _upstream(run)
     executed_notebook(run_path / "01_intake.ipynb", "01 Intake", frame_strip(renders[0].image))
     if failed_stage:
@@ -255,9 +259,14 @@ def make_synthetic_run(root: str | Path, *, failed_stage: str | None = None, ben
                           error="adapter returned the wrong stream")
     if benchmark:
         ctx = SimpleNamespace(card=card, run=run)
-        configs = [noise_config("gentle", 0.0005), noise_config("rough", 0.3), failing_config()]
+        # the baseline waits 20 ms a step, "gentle" 7 ms (about 2.5x), "brisk" 14 ms (about 1.4x): the
+        # waits dominate, so the timings are stable and their order is known
+        pipe.step_seconds = 0.02
+        configs = [noise_config("gentle", 0.0005, step_seconds=0.007), noise_config("brisk", 0.0004, step_seconds=0.014),
+                   noise_config("rough", 0.3, step_seconds=0.007),
+                   failing_config()]
         report = measure(ctx, pipe, configs, warmup=1, repeats=repeats)
-        from .stage import measure_residuals
+        from ditbook.benchmark.stage import measure_residuals
 
         results = save(ctx, report, read_inputs(run), measure_residuals(ctx, pipe))
         make_figures(run, results)
