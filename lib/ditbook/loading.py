@@ -247,7 +247,7 @@ def load_pipeline(card: ModelCard, placement: Placement | None = None, *, transf
     pipe_cls = import_class(card.resolve_source(card.pipeline.source), card.pipeline.cls)
     if transformer is None:
         transformer = load_transformer(card, placement)
-    with _loading_bars(progress):
+    with _loading_bars(progress), _source_modules_as_saved(card):
         pipe = pipe_cls.from_pretrained(
             str(card.path), transformer=transformer, dtype=placement.torch_dtype, local_files_only=True
         )
@@ -255,6 +255,59 @@ def load_pipeline(card: ModelCard, placement: Placement | None = None, *, transf
     if hasattr(pipe, "set_progress_bar_config"):
         pipe.set_progress_bar_config(disable=not progress)
     return pipe
+
+
+def saved_source_names(card: ModelCard) -> dict[str, str]:
+    """The modules ``model_index.json`` names that are the card's own source files: ``{module name: file}``.
+
+    ``save_pretrained`` records a component defined outside diffusers/transformers under the module
+    name its class had when the folder was built (``transformer`` when the user's build script did
+    ``from transformer import ...``), and diffusers loads such a component only from a module of
+    that name already imported. ditbook imports the card's source files under names of its own, so
+    a recorded name is matched to a card source file by path: the module path ``a.b`` names the
+    file whose path ends in ``a/b.py``. Names diffusers loads itself, and names already imported,
+    are left alone."""
+    import sys
+
+    from diffusers import pipelines
+    from diffusers.pipelines.pipeline_loading_utils import LOADABLE_CLASSES
+
+    from .card import _is_file_source
+
+    try:
+        index = json.loads((Path(card.path) / "model_index.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    files = [Path(card.resolve_source(part.source)) for part in (card.pipeline, card.transformer)
+             if part is not None and part.source and _is_file_source(card.resolve_source(part.source))]
+    out: dict[str, str] = {}
+    for value in index.values() if isinstance(index, dict) else ():
+        library = value[0] if isinstance(value, list) and value and isinstance(value[0], str) else None
+        if not library or library in LOADABLE_CLASSES or library in sys.modules or hasattr(pipelines, library):
+            continue
+        parts = tuple(library.split("."))
+        for file in files:
+            if file.suffix == ".py" and file.with_suffix("").parts[-len(parts):] == parts:
+                out[library] = str(file)
+                break
+    return out
+
+
+@contextmanager
+def _source_modules_as_saved(card: ModelCard):
+    """For one load, each card source file also stands under the module name the saved folder
+    records for it (``saved_source_names``): the same module object, so the classes are the card's."""
+    import sys
+
+    from .card import _import_source
+    from .hooks import set_item
+
+    handles = [set_item(sys.modules, name, _import_source(file)) for name, file in saved_source_names(card).items()]
+    try:
+        yield
+    finally:
+        for handle in reversed(handles):
+            handle.remove()
 
 
 def build_meta_transformer(card: ModelCard):
