@@ -598,3 +598,32 @@ def test_a_gather_at_a_module_returning_none_beside_the_tokens_is_refused_before
             "blocks.1": [ContextParallelOutput(gather_dim=1, expected_dims=3), None]}
     with pytest.raises(DryRunError, match=r"returns \(Tensor, NoneType\)"):
         dry_run(m, (), kw, plan, 2, ["blocks"])
+
+
+
+def test_a_table_axis_as_long_as_the_text_is_not_a_token_axis():
+    """The FLUX reference code at a tiny size: ``pe`` [1, 1, 24, 8, 2, 2] (text + image on dim 2,
+    head_dim / 2 = 8 on dim 3) with 8 text tokens. Split on dim 2 by the plan, its dim 3 was taken
+    for a token axis left whole and every Ulysses plan was refused (TokenAxisError). A tensor split
+    along a token axis has no other: it passes; the table left whole is still refused."""
+    from ditbook.parallel.cp_dryrun import _unsplit_axis
+
+    counts = {16, 8, 24}  # image, text, text + image
+    table = [[1, 1, 24, 8, 2, 2]]
+    assert _unsplit_axis(table, [[1, 1, 12, 8, 2, 2]], counts, 2) is None
+    assert _unsplit_axis(table, [[1, 1, 24, 8, 2, 2]], counts, 2)[2] == 2   # whole: refused on its token axis
+    assert _unsplit_axis([[1, 24, 8, 32]], [[1, 12, 4, 32]], counts, 2) is None  # both axes split: fine too
+
+
+def test_a_dual_stream_list_is_not_left_whole_as_a_refiner():
+    """The plan that splits the last main list alone (text joined to the image after refiner
+    lists) was also offered where the earlier list is a dual-stream main list taking image and
+    text (FLUX's double blocks): ``ulysses2`` then ran the double blocks whole on every rank and
+    was reported verified, its sharding check covering the single-stream list only."""
+    from ditbook.parallel.cp_plan import _last_list_streams
+
+    m, kw = _joint()
+    tr = trace_forward(m, (), kw)
+    st = find_streams(tr)
+    assert st.lists == ["joint_blocks", "single_blocks"]
+    assert _last_list_streams(tr, st) is None

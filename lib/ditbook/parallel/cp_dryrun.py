@@ -931,8 +931,11 @@ def _unsplit_axis(shapes, after, counts, degree):
     plan left unsplit (rank 0 holds not its share: ``shard_sizes``), else None."""
     for i, s in enumerate(shapes):
         g = after[i] if after and i < len(after) else None
-        for axis, n in enumerate(s[:-1]):  # never the last (feature) axis
-            if n in counts and (g is None or len(g) != len(s) or g[axis] != shard_sizes(n, degree)[0]):
+        axes = [axis for axis, n in enumerate(s[:-1]) if n in counts]  # never the last (feature) axis
+        if g is not None and len(g) == len(s) and any(g[a] == shard_sizes(s[a], degree)[0] < s[a] for a in axes):
+            continue  # split along its token axis: another axis that happens to be a token count long is not one
+        for axis in axes:
+            if g is None or len(g) != len(s) or g[axis] != shard_sizes(s[axis], degree)[0]:
                 return i, s, axis, g
     return None
 

@@ -1046,6 +1046,10 @@ def _last_list_streams(tr: ForwardTrace, st: Streams) -> Streams | None:
     if len(st.lists) < 2:
         return None
     last = max(st.lists, key=lambda n: tr.lists[n].last_order)
+    if any(sum(v[2] == st.image_shape[2] for v in _token_inputs(tr.lists[n]).values()) >= 2
+           for n in st.lists if n != last):
+        return None  # an earlier list takes image and text tokens (a dual-stream main list), not a refiner
+    # of one stream: left whole on every rank, it would be main work no rank splits
     lt = tr.lists[last]
     img = _image_of(lt)
     shape = _token_inputs(lt).get(img) if img else None
