@@ -73,15 +73,43 @@ class AdapterInfo:
     module_name: str = ""
     refused: str | None = None  # why no adapter could be made safely (then block_lists is empty)
     uncached: list[str] = field(default_factory=list)  # block lists left uncached, each with why
+    # attribute path of the module whose own forward loops over the block lists ('' = the transformer):
+    # a network held as an attribute of the ModelMixin wrapper (``self.net = Net()``) runs its loops itself
+    owner: str = ""
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 def _get(obj, path: str):
-    for part in path.split("."):
+    for part in path.split(".") if path else ():
         obj = getattr(obj, part)
     return obj
+
+
+def loop_owner(transformer, paths: list[str]) -> str:
+    """The attribute path of the module whose own forward loops over every block list of ``paths``
+    ('' when that is the transformer). A network held as an attribute of the ModelMixin wrapper
+    (``self.net = Net(...)``, the wrapper's forward calling ``self.net(...)``) holds its lists as
+    direct attributes of its own and runs their loops in its own forward: cache-dit is handed that
+    module, whose attribute it swaps while that forward runs. Not an element of a list (a container
+    the transformer iterates is never called) and not when the lists sit in different modules."""
+    owners = {p.rsplit(".", 1)[0] if "." in p else "" for p in paths}
+    if len(owners) != 1:
+        return ""
+    owner = owners.pop()
+    if not owner or any(part.isdigit() for part in owner.split(".")):
+        return ""
+    try:
+        module = _get(transformer, owner)
+    except AttributeError:
+        return ""
+    names = [p[len(owner) + 1:] for p in paths]
+    try:
+        uses = list_uses(type(module), names)
+    except Exception:  # noqa: BLE001 - a class whose source cannot be read: its loops cannot be shown
+        return ""
+    return owner if all(uses[n].loops for n in names) else ""
 
 
 def _pattern_from_report(bl) -> str | None:
@@ -233,16 +261,20 @@ def _folded_plan(transformer, path: str, fold: LoopFold, reasons: list[str]) -> 
                          fold.pattern, True, fold.to_dict(), "; ".join(reasons) or "forced")
 
 
-def _unfolded_or_renamed(bl, transformer, fold: LoopFold | None, folds: list, info: AdapterInfo):
+def _unfolded_or_renamed(bl, transformer, fold: LoopFold | None, folds: list, info: AdapterInfo,
+                         owner=None, rel: str | None = None):
     """The unfolded plan; where no pattern matches the blocks by name but ditbook's own fold can
     rename and reorder their streams, the folded plan (the folded block takes what cache-dit
-    passes); else why the list cannot be cached as it is."""
+    passes); else why the list cannot be cached as it is. ``owner``/``rel``: the module running
+    the loop and the list's path in it (default: the transformer and the list's path)."""
     plan = _unfolded_plan(bl, transformer)
     if isinstance(plan, str) and fold is not None:
         why = [f"{plan}; folded, the loop body renames and reorders the streams"]
         folds.append(fold)
         info.functor_reasons += why
-        return _folded_plan(transformer, bl.path, fold, why)
+        folded = _folded_plan(owner if owner is not None else transformer, rel or bl.path, fold, why)
+        folded.path = bl.path
+        return folded
     return plan
 
 
@@ -276,15 +308,20 @@ def generate_adapter_source(pipe, report: ArchReport, model: str, *, force_fold:
     if not report.block_lists:
         raise CacheRefused(f"inspection found no block list in {tcls.__name__} (no ModuleList whose modules "
                            f"the forward calls and that run attention): nothing for a block cache to skip")
-    uses = list_uses(tcls, [b.path for b in report.block_lists])
+    # the module whose forward runs the loops: the transformer, or a network it holds as an attribute
+    info.owner = loop_owner(transformer, [b.path for b in report.block_lists])
+    owner = _get(transformer, info.owner)
+    ocls = type(owner)
+    rel = {b.path: b.path[len(info.owner) + 1:] if info.owner else b.path for b in report.block_lists}
+    uses = list_uses(ocls, list(rel.values()))
     uncached: list[str] = []
     for bl in report.block_lists:
-        u = uses[bl.path]
-        unsafe = _list_problem(bl.path, u, tcls)
+        u = uses[rel[bl.path]]
+        unsafe = _list_problem(rel[bl.path], u, ocls)
         if unsafe:
             uncached.append(f"{bl.path}: {unsafe}")
             continue
-        fold, fold_problem = _try_plan_fold(tcls, bl.path)
+        fold, fold_problem = _try_plan_fold(ocls, rel[bl.path])
         reasons, unsafe = _fold_reasons(report, bl, u, fold, fold_problem)
         if unsafe:
             uncached.append(f"{bl.path}: {unsafe}")
@@ -297,10 +334,12 @@ def generate_adapter_source(pipe, report: ArchReport, model: str, *, force_fold:
             continue
         if do_fold:
             folds.append(fold)
-            plans.append(_folded_plan(transformer, bl.path, fold, reasons))
+            plans.append(_folded_plan(owner, rel[bl.path], fold, reasons))
+            plans[-1].path = bl.path
             info.functor_reasons += reasons
         else:
-            plan = _unfolded_or_renamed(bl, transformer, fold if force_fold is None else None, folds, info)
+            plan = _unfolded_or_renamed(bl, transformer, fold if force_fold is None else None, folds, info,
+                                        owner, rel[bl.path])
             if isinstance(plan, str):
                 uncached.append(f"{bl.path}: {plan}")
                 continue
@@ -318,7 +357,7 @@ def generate_adapter_source(pipe, report: ArchReport, model: str, *, force_fold:
     info.module_name = f"adapter_{model}".replace("-", "_").replace(".", "_")
     from .. import __version__
 
-    return adapter_module_source(tcls, info, folds, __version__), info
+    return adapter_module_source(ocls, info, folds, __version__), info
 
 
 class _AdapterFileLoader(importlib.machinery.SourceFileLoader):
@@ -466,12 +505,19 @@ class CacheAdapter:
         info = AdapterInfo(model=module.__name__, transformer_class=module.TRANSFORMER_CLASS,
                            pipeline_class=module.PIPELINE_CLASS, has_separate_cfg=module.HAS_SEPARATE_CFG,
                            patch_functor=functors[0] if functors else None, used=used,
-                           cache_dit_registered=cache_dit_registered(pipe), module_name=Path(module.__file__).stem)
+                           cache_dit_registered=cache_dit_registered(pipe), module_name=Path(module.__file__).stem,
+                           owner=getattr(module, "OWNER", ""))
         for path, pattern in module.BLOCK_LISTS:
             blocks = _get(pipe.transformer, path)
-            block_class = folded[path].__name__ if path in folded else type(blocks[0]).__name__
-            info.block_lists.append(BlockListPlan(path, len(blocks), block_class, pattern, path in folded))
+            rel = path[len(info.owner) + 1:] if info.owner else path  # FOLDED is keyed in the owner
+            block_class = folded[rel].__name__ if rel in folded else type(blocks[0]).__name__
+            info.block_lists.append(BlockListPlan(path, len(blocks), block_class, pattern, rel in folded))
         return cls(pipe, report, info, module, module_text(module))
+
+    def owner_module(self):
+        """The module whose forward runs the loops (``info.owner``): the transformer, or the network
+        it holds as an attribute; cache-dit and the patch functor work on it."""
+        return _get(self.pipe.transformer, self.info.owner)
 
     # --- the patch functor -------------------------------------------------------------
     def patch(self):
@@ -480,7 +526,7 @@ class CacheAdapter:
         ``_is_patched``: then the blocks would not be the loop bodies whose patterns the plan
         declares, so that is an error, never a silent no-op."""
         if self.info.patch_functor:
-            transformer = self.pipe.transformer
+            transformer = self.owner_module()
             getattr(self.module, self.info.patch_functor)().apply(transformer)
             if not getattr(transformer, "_ditbook_folded", False):
                 raise FoldError(f"the loop fold of {type(transformer).__name__} was not applied: the instance is "
@@ -490,7 +536,7 @@ class CacheAdapter:
 
     def unpatch(self):
         if self.module is not None:
-            self.module.unpatch(self.pipe.transformer)
+            self.module.unpatch(self.owner_module())
         return self
 
     @contextlib.contextmanager
@@ -658,7 +704,7 @@ def build_cache_adapter(pipe, report: ArchReport, model: str | None = None, *, w
                                            pattern_overrides=pattern_overrides)
     info.cache_dit_registered = cache_dit_registered(pipe)
     path = Path(write_to) / f"{info.module_name}.py" if write_to else None
-    module = import_adapter_module(source, path, info.module_name, transformer=pipe.transformer)
+    module = import_adapter_module(source, path, info.module_name, transformer=_get(pipe.transformer, info.owner))
     if info.cache_dit_registered:
         info.differences = compare_with_registered(pipe, info)
         if prefer_registered and pattern_overrides is None and force_fold is None:

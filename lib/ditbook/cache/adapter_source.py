@@ -198,6 +198,7 @@ def _constants(info, folded: dict[str, str]) -> list[str]:
     return [
         f"PIPELINE_CLASS = {info.pipeline_class!r}",
         f"TRANSFORMER_CLASS = {info.transformer_class!r}",
+        f"OWNER = {getattr(info, 'owner', '')!r}  # the module whose forward runs the loops ('': the transformer)",
         f"BLOCK_LISTS = {lists!r}  # (attribute path, cache-dit ForwardPattern)",
         f"HAS_SEPARATE_CFG = {info.has_separate_cfg!r}  # CFG runs as a second transformer call per step",
         "# for diffusers' hooks: block class -> (hidden_states index, encoder_hidden_states index) of its output",
@@ -283,7 +284,7 @@ def _reserved(tcls, info, folds: list[LoopFold], functor: str) -> dict[str, obje
     import cache_dit
     import torch
 
-    own = {n: _OWN for n in ("PIPELINE_CLASS", "TRANSFORMER_CLASS", "BLOCK_LISTS", "HAS_SEPARATE_CFG",
+    own = {n: _OWN for n in ("PIPELINE_CLASS", "TRANSFORMER_CLASS", "OWNER", "BLOCK_LISTS", "HAS_SEPARATE_CFG",
                              "DIFFUSERS_BLOCK_OUTPUTS", "FOLDED", "FOLDED_METHODS", "CarriedNotTensor", "_get",
                              "unpatch", functor, adapter_function_name(info.pipeline_class), "annotations")}
     own.update({_body_function_name(f, v): _OWN for f in folds for v in f.variants})
@@ -397,7 +398,7 @@ def _registration(info, functor: str | None) -> list[str]:
             f'    """{info.pipeline_class}: {len(info.block_lists)} block list(s) of {info.transformer_class}."""',
             "    return BlockAdapter(",
             "        pipe=pipe,",
-            "        transformer=pipe.transformer,",
+            f"        transformer=pipe.transformer{'.' + info.owner if getattr(info, 'owner', '') else ''},",
             f"        blocks=[{blocks}],",
             f"        forward_pattern=[{patterns}],",
             f"        patch_functor={functor + '()' if functor else 'None'},",
