@@ -60,14 +60,53 @@ def test_a_chain_from_one_nested_list_into_the_next_is_no_skip_connection(inspec
     assert (report.cfg.style, report.cfg.calls_per_step) == ("separate", 2.0)
 
 
-def test_nested_lists_in_never_called_containers_are_refused_with_the_true_reason(inspected):
+def test_nested_lists_in_never_called_containers_are_cached_through_stand_in_owners(inspected):
+    """``for stage in self.stages: for blk in stage.blocks``: refused before ("containers are never
+    called"). The inner lists are run by the transformer's forward in order; cache-dit is handed one
+    stand-in owner per container (chained from the transformer's forward), whose attribute swap lands
+    on the container: both lists cached, block calls skipped, the baseline back exactly after the undo."""
+    import numpy as np
+    import torch
+
+    from ditbook.cache.adapter import build_cache_adapter
+    from ditbook.cache.strategies.dbcache import enable_dbcache
+
+    pipe, report = inspected("stages")
+    adapter = build_cache_adapter(pipe, report, "stages")
+    assert adapter.info.containers == ["stages", "blocks"] and not adapter.info.uncached
+    assert [p.path for p in adapter.info.block_lists] == ["stages.0.blocks", "stages.1.blocks"]
+
+    def render():
+        return pipe("a red circle", num_inference_steps=4, generator=torch.Generator().manual_seed(0)).images
+
+    base = render()
+    undo = enable_dbcache(pipe, adapter, dict(Fn_compute_blocks=1, Bn_compute_blocks=0, residual_diff_threshold=10.0,
+                                              max_warmup_steps=1, num_inference_steps=4))
+    calls = []
+    handles = [b.register_forward_hook(lambda *a: calls.append(1)) for b in adapter.original_blocks()]
+    try:
+        cached = render()
+    finally:
+        undo()
+        for h in handles:
+            h.remove()
+    assert 0 < len(calls) < 8 * len(adapter.original_blocks())  # 4 steps x 2 CFG calls
+    assert np.abs(cached - base).max() > 0
+    assert np.abs(render() - base).max() == 0 and "forward" not in pipe.transformer.__dict__
+
+
+def test_a_container_loop_passing_the_stream_by_keyword_is_refused_with_the_reason(inspected):
+    """The stand-in owners run the loop unfolded: cache-dit's unit takes the streams first,
+    positionally; a loop that passes them by keyword is left uncached, saying so."""
+    import dataclasses
+
     from ditbook.cache.adapter import CacheRefused, generate_adapter_source
 
     pipe, report = inspected("stages")
-    with pytest.raises(CacheRefused) as err:
-        generate_adapter_source(pipe, report, "stages")
-    assert "containers are never called" in str(err.value) and "iterates self.stages" in str(err.value)
-    assert "whose own code runs the loop" not in str(err.value)
+    bad = dataclasses.replace(report, block_lists=[dataclasses.replace(
+        b, call=dataclasses.replace(b.call, positional=[], keywords=["x", "cond", "emb"])) for b in report.block_lists])
+    with pytest.raises(CacheRefused, match="does not pass the hidden_states stream as positional argument 0"):
+        generate_adapter_source(pipe, bad, "stages")
 
 
 def test_flux_reference_shape(inspected):

@@ -76,6 +76,10 @@ class AdapterInfo:
     # attribute path of the module whose own forward loops over the block lists ('' = the transformer):
     # a network held as an attribute of the ModelMixin wrapper (``self.net = Net()``) runs its loops itself
     owner: str = ""
+    # [containers, attribute] when the lists are ``<containers>.<i>.<attribute>`` of containers the
+    # transformer never calls (its own loop runs ``for c in self.<containers>: for blk in c.<attribute>``):
+    # cache-dit swaps each through a stand-in owner while the transformer's forward runs
+    containers: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -209,6 +213,74 @@ def _fold_reasons(report: ArchReport, bl, u, fold: LoopFold | None, fold_problem
     return reasons, ""
 
 
+def container_lists(transformer, paths: list[str]) -> tuple[str, str] | None:
+    """``(containers, attribute)`` when every block list is ``<containers>.<i>.<attribute>``, one per
+    container of one ModuleList, in order, the containers' own code loops over none of them and the
+    transformer's code iterates the containers (``for stage in self.stages: for blk in stage.blocks``);
+    else None. Each list is run by the transformer's forward, in the containers' order."""
+    import torch
+
+    parts = [p.split(".") for p in paths]
+    if not parts or any(len(q) < 3 or not q[-2].isdigit() for q in parts):
+        return None
+    outers, attrs = {".".join(q[:-2]) for q in parts}, {q[-1] for q in parts}
+    if len(outers) != 1 or len(attrs) != 1:
+        return None
+    outer, attr = outers.pop(), attrs.pop()
+    try:
+        containers = _get(transformer, outer)
+    except AttributeError:
+        return None
+    if not isinstance(containers, torch.nn.ModuleList):
+        return None
+    holding = [i for i, c in enumerate(containers) if isinstance(getattr(c, attr, None), torch.nn.ModuleList)]
+    if [int(q[-2]) for q in parts] != holding:
+        return None
+    if any(list_uses(type(c), [attr])[attr].loops for c in containers):
+        return None  # a container that runs its own blocks: not this case
+    uses = list_uses(type(transformer), [outer])[outer]
+    iterated = uses.loops or [e for e in uses.element_attrs if ": for " in e]
+    return (outer, attr) if iterated else None
+
+
+def _container_problem(report: ArchReport, bl, pattern: str) -> str:
+    """Why a list of a never-called container cannot be cached through a stand-in owner ('' when it
+    can): that loop is not folded, so the loop must do no work of its own per block and call each
+    block as cache-dit calls its cached unit: the streams first, positionally, in the pattern's order."""
+    from ..inspect.patterns import PATTERNS
+
+    if report.loop_extra_work:
+        return ("the loop does work of its own per block, and a loop over the blocks of never-called containers "
+                "is not folded")
+    call, (ins, outs) = bl.call, PATTERNS[pattern]
+    if call is None or call.outputs != len(outs) or list(call.output_roles) != list(outs):
+        return f"its traced call does not return {list(outs)}"
+    if call.varying_arguments:
+        return f"the loop passes each block its own {call.varying_arguments[:3]}, which an unfolded unit cannot"
+    for k, role in enumerate(ins):
+        name = call.positional[k] if k < len(call.positional) else None
+        if name is None or call.input_shapes.get(name) != call.output_shapes[list(outs).index(role)]:
+            return (f"the loop does not pass the {role} stream as positional argument {k} (traced: positional "
+                    f"{call.positional}, keywords {call.keywords}): cache-dit's unit takes the streams first")
+    return ""
+
+
+def _container_plans(report: ArchReport, transformer, containers: tuple[str, str], uncached: list[str]) -> list:
+    """The plans of the lists of never-called containers (``container_lists``), unfolded."""
+    plans = []
+    for bl in report.block_lists:
+        plan = _unfolded_plan(bl, transformer)
+        why = plan if isinstance(plan, str) else _container_problem(report, bl, plan.pattern)
+        if why:
+            uncached.append(f"{bl.path}: {why}")
+            continue
+        plan.reason = ((plan.reason + "; ") if plan.reason else "") + (
+            f"held by a container the transformer never calls (its code iterates self.{containers[0]}): cache-dit "
+            f"swaps each container's {containers[1]} through a stand-in owner while the transformer's forward runs")
+        plans.append(plan)
+    return plans
+
+
 def _unfolded_plan(bl, transformer) -> "BlockListPlan | str":
     """The plan for a list cache-dit runs as it is, or why no forward pattern fits it."""
     pattern = _pattern_from_report(bl)
@@ -315,7 +387,11 @@ def generate_adapter_source(pipe, report: ArchReport, model: str, *, force_fold:
     rel = {b.path: b.path[len(info.owner) + 1:] if info.owner else b.path for b in report.block_lists}
     uses = list_uses(ocls, list(rel.values()))
     uncached: list[str] = []
-    for bl in report.block_lists:
+    nested = None if info.owner or force_fold else container_lists(transformer, list(rel.values()))
+    if nested:
+        info.containers = list(nested)
+        plans = _container_plans(report, transformer, nested, uncached)
+    for bl in report.block_lists if not nested else ():
         u = uses[rel[bl.path]]
         unsafe = _list_problem(rel[bl.path], u, ocls)
         if unsafe:
@@ -506,7 +582,7 @@ class CacheAdapter:
                            pipeline_class=module.PIPELINE_CLASS, has_separate_cfg=module.HAS_SEPARATE_CFG,
                            patch_functor=functors[0] if functors else None, used=used,
                            cache_dit_registered=cache_dit_registered(pipe), module_name=Path(module.__file__).stem,
-                           owner=getattr(module, "OWNER", ""))
+                           owner=getattr(module, "OWNER", ""), containers=list(getattr(module, "CONTAINERS", ())))
         for path, pattern in module.BLOCK_LISTS:
             blocks = _get(pipe.transformer, path)
             rel = path[len(info.owner) + 1:] if info.owner else path  # FOLDED is keyed in the owner
