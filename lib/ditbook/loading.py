@@ -252,6 +252,7 @@ def load_pipeline(card: ModelCard, placement: Placement | None = None, *, transf
             str(card.path), transformer=transformer, dtype=placement.torch_dtype, local_files_only=True
         )
     pipe.to(placement.device)
+    route_entries(pipe.transformer)
     if hasattr(pipe, "set_progress_bar_config"):
         pipe.set_progress_bar_config(disable=not progress)
     return pipe
@@ -308,6 +309,99 @@ def _source_modules_as_saved(card: ModelCard):
     finally:
         for handle in reversed(handles):
             handle.remove()
+
+
+def _own_classes(cls) -> list[type]:
+    """The classes of ``cls``'s MRO written by the model's authors (not torch's, diffusers', transformers')."""
+    return [c for c in cls.__mro__ if c is not object
+            and not c.__module__.split(".")[0] in ("torch", "diffusers", "transformers", "builtins")]
+
+
+def _delegate_of(fn) -> str | None:
+    """``m`` when ``fn`` is ``def forward(self, *args, **kwargs): return self.m(*args, **kwargs)``."""
+    import ast
+    import inspect
+    import textwrap
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    node = tree.body[0] if tree.body and isinstance(tree.body[0], ast.FunctionDef) else None
+    body = [b for b in node.body if not (isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant))] if node else []
+    if len(body) != 1 or not isinstance(body[0], ast.Return) or not isinstance(body[0].value, ast.Call):
+        return None
+    call = body[0].value
+    f = call.func
+    if not (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self"):
+        return None
+    passes_all = (len(call.args) == 1 and isinstance(call.args[0], ast.Starred) and len(call.keywords) == 1
+                  and call.keywords[0].arg is None)
+    return f.attr if passes_all and f.attr != "forward" else None
+
+
+def entry_routes(transformer) -> list[str]:
+    """Methods that code outside the module call enters the transformer by, to be routed through
+    the module call (``route_entries``) so that its hooks see every call: ``forward`` when a method
+    of the model's own classes calls ``self.forward(...)`` directly (the original DiT's
+    ``forward_with_cfg``, which the sampling loop calls), and ``m`` when ``forward`` is ``m`` or only
+    hands ``self.m(*args, **kwargs)`` every argument (the SD3.5 reference's ``apply_model``, which its
+    CFG denoiser calls)."""
+    import ast
+    import inspect
+    import textwrap
+
+    cls, out = type(transformer), []
+    for c in _own_classes(cls):
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(c)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        for fn in ast.walk(tree):
+            if not isinstance(fn, ast.FunctionDef) or fn.name == "forward":
+                continue
+            if any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "forward"
+                   and isinstance(n.func.value, ast.Name) and n.func.value.id == "self" for n in ast.walk(fn)):
+                out.append("forward")
+                break
+    forward = getattr(cls, "forward", None)
+    same = [n for c in _own_classes(cls) for n, v in vars(c).items()
+            if n != "forward" and not n.startswith("__") and v is forward and callable(v)]
+    delegate = _delegate_of(forward) if forward is not None and any(
+        "forward" in vars(c) for c in _own_classes(cls)) else None
+    return list(dict.fromkeys(out + same + ([delegate] if delegate and callable(getattr(cls, delegate, None)) else [])))
+
+
+def route_entries(transformer) -> list:
+    """Route each of ``entry_routes(transformer)`` through the module call when it is entered from
+    outside one (``self.forward(...)`` from another method, or the pipeline calling ``m``): the call
+    runs ``transformer(*args, **kwargs)``, so forward hooks (the inspection's trace, the caches' call
+    counters, diffusers' and cache-dit's forward patches) see it; inside the module call the method
+    runs as written. Returns the handles (the routes stay for the pipeline's life)."""
+    import threading
+
+    from .hooks import is_wrapped, wrap_method
+
+    names = [n for n in entry_routes(transformer) if not is_wrapped(transformer, "ditbook-entry", attr=n)]
+    if not names:
+        return []
+    depth = threading.local()  # the one-process CP simulation runs ranks as threads
+
+    def enter(module, args, kwargs):
+        depth.n = getattr(depth, "n", 0) + 1
+
+    def leave(module, args, kwargs, output):
+        depth.n = getattr(depth, "n", 1) - 1
+
+    handles = [transformer.register_forward_pre_hook(enter, with_kwargs=True),
+               transformer.register_forward_hook(leave, with_kwargs=True, always_call=True)]
+
+    def routed(original, *args, **kwargs):
+        if getattr(depth, "n", 0) > 0:
+            return original(*args, **kwargs)
+        return transformer(*args, **kwargs)
+
+    return handles + [wrap_method(transformer, "ditbook-entry", routed, attr=n) for n in names]
 
 
 def build_meta_transformer(card: ModelCard):
