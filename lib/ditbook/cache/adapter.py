@@ -721,9 +721,41 @@ def cache_dit_adapter_builds(pipe) -> bool:
     if cache_dit_registered(pipe) is None:
         return False
     try:
-        return cache_dit.BlockAdapterRegister.get_adapter(pipe, skip_post_init=True) is not None
+        theirs = cache_dit.BlockAdapterRegister.get_adapter(pipe, skip_post_init=True)
     except Exception:  # noqa: BLE001 - their factory assumes attributes this model does not have
         return False
+    return theirs is not None and declared_patterns_fit(theirs)
+
+
+def declared_patterns_fit(block_adapter) -> bool:
+    """Every block list of a cache-dit ``BlockAdapter`` has blocks whose forward takes the inputs its
+    declared pattern passes by name (what cache-dit asserts when the cache is enabled: "No block
+    forward pattern matched"). A registration found by pipeline-name prefix builds on a third-party
+    model with a ``blocks`` list too (the Wan2.1 reference code's ``WanPipeline`` around its own
+    ``WanModel``, whose blocks take ``x``), yet its pattern does not fit. Not judged (True) where the
+    registration applies a patch functor (it may rename the inputs) or nests its lists."""
+    import inspect as _inspect
+
+    import torch
+
+    if block_adapter.patch_functor is not None:
+        return True
+    blocks = block_adapter.blocks if isinstance(block_adapter.blocks, list) else [block_adapter.blocks]
+    patterns = (block_adapter.forward_pattern if isinstance(block_adapter.forward_pattern, list)
+                else [block_adapter.forward_pattern] * len(blocks))
+    for group, pattern in zip(blocks, patterns):
+        if isinstance(group, list) or isinstance(pattern, list) or group is None or not len(group):
+            continue
+        block = group[0]
+        inner = getattr(block, "block", None)  # cache-dit checks a wrapped block's inner one
+        block = inner if isinstance(inner, torch.nn.Module) else block
+        try:
+            params = set(_inspect.signature(block.forward).parameters)
+        except (TypeError, ValueError):
+            continue
+        if not set(getattr(pattern, "In", ())) <= params:
+            return False
+    return True
 
 
 def compare_with_registered(pipe, info: AdapterInfo) -> list[str]:
