@@ -223,3 +223,48 @@ def test_a_network_held_as_an_attribute_is_cached_through_its_own_forward(inspec
     assert 0 < len(calls) < 4 * len(adapter.original_blocks())  # steps after the warmup skipped blocks
     assert np.abs(cached - base).max() > 0
     assert np.abs(render() - base).max() == 0
+
+
+def test_a_sampler_entering_by_apply_model_with_the_text_carried_first(inspected):
+    """``textfirst`` (the SD3.5 reference's shape): the CFG denoiser calls ``apply_model``, not the
+    module, so no forward hook saw a call (0 transformer calls, no block call traced, the cache stage
+    crashed); the loop carries ``context, x`` text first and the last block returns no text, so the fold
+    made the text the hidden stream (TeaCache's residual of None crashed). Now: 3 steps traced as batched
+    CFG, the held network's list folded with the image first, and both caches run and skip."""
+    import numpy as np
+    import torch
+
+    from ditbook.cache.adapter import build_cache_adapter
+    from ditbook.cache.strategies import teacache_fitted as tf
+    from ditbook.cache.strategies.dbcache import enable_dbcache
+
+    pipe, report = inspected("textfirst")
+    assert (report.cfg.style, report.cfg.batch_per_call) == ("batched", 2)
+    (bl,) = report.block_lists
+    assert bl.path == "model.joint_blocks" and list(bl.call.output_roles) == [E, H]
+    adapter = build_cache_adapter(pipe, report, "textfirst")
+    assert adapter.info.owner == "model"
+    assert "x, context = block(hidden_states=x, encoder_hidden_states=context" in adapter.source
+
+    def render():
+        return pipe("a red circle", num_inference_steps=4, generator=torch.Generator().manual_seed(0)).images
+
+    base = render()
+    undo = tf.TeaCacheFitted.apply(pipe, adapter, tf.TeaCacheSettings(threshold=0.3, coefficients=[0.0, 1.0, 0.0],
+                                                                        warmup_steps=1, max_consecutive=1), steps=4)
+    try:
+        render()
+    finally:
+        undo()
+    undo = enable_dbcache(pipe, adapter, dict(Fn_compute_blocks=1, Bn_compute_blocks=0, residual_diff_threshold=10.0,
+                                              max_warmup_steps=1, num_inference_steps=4))
+    calls = []
+    handles = [b.register_forward_hook(lambda *a: calls.append(1)) for b in adapter.original_blocks()]
+    try:
+        cached = render()
+    finally:
+        undo()
+        for h in handles:
+            h.remove()
+    assert 0 < len(calls) < 4 * len(adapter.original_blocks()) and np.abs(cached - base).max() > 0
+    assert np.abs(render() - base).max() == 0

@@ -56,6 +56,11 @@ MODELS: dict[str, Novel] = {
                      "HeldNetPipeline", "HeldNetTransformer",
                      generation={"prompts": ["a red circle"], "seeds": [0, 1], "height": 16, "width": 16, "steps": 3},
                      scheduler=False),
+    "textfirst": Novel("SD3.5-reference shape: the wrapper holds the network and an apply_model entry that forward hands "
+                       "everything to; the sampler's CFG denoiser calls apply_model (batched CFG); the loop carries the "
+                       "text first (context, x = block(context, x, c=c)), the last block returns no text",
+                       "TextFirstPipeline", "TextFirstTransformer",
+                       generation={**GEN, "guidance_scale": 3.0, "height": 16, "width": 16}, scheduler=False),
     "batchcfg": Novel("true CFG as one batched call (cat [cond, uncond], chunk); registers; GQA 4q/2kv",
                       "BatchCFGPipeline", "RegisterDiT",
                       generation={**GEN, "negative_prompt": "blurry", "true_cfg_scale": 4.0}),

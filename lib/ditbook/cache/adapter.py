@@ -358,6 +358,41 @@ def _try_plan_fold(tcls, path: str) -> tuple[LoopFold | None, str]:
         return None, str(exc)
 
 
+def _assigned_from_block(fold: LoopFold) -> list[str]:
+    """The names the loop body assigns the block call's outputs to, in order (``context, x = block(...)``)."""
+    import ast
+    import textwrap
+
+    try:
+        tree = ast.parse(textwrap.dedent(fold.body_source))
+    except SyntaxError:
+        return []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and any(isinstance(c, ast.Call) and isinstance(c.func, ast.Name)
+                                                and c.func.id == fold.block_var for c in ast.walk(node.value)):
+            target = node.targets[0]
+            names = target.elts if isinstance(target, (ast.Tuple, ast.List)) else [target]
+            return [n.id for n in names if isinstance(n, ast.Name)]
+    return []
+
+
+def orient_fold(fold: LoopFold | None, bl) -> LoopFold | None:
+    """The image stream first among the two names a fold carries: they come in the block call's
+    order, which is the text first where a loop runs ``context, x = block(context, x, ...)`` (the SD3.5
+    reference's joint blocks). Where the trace shows the block returns (encoder, hidden) and the loop
+    assigns them back to its names in that order, the fold carries them the other way round, so the
+    folded block takes and returns (hidden_states, encoder_hidden_states) as its pattern declares; before,
+    cache-dit cached the text as the hidden stream (and a last block returning no text gave None)."""
+    if fold is None or len(fold.carried) != 2 or bl.call is None:
+        return fold
+    if list(bl.call.output_roles) != ["encoder_hidden_states", "hidden_states"]:
+        return fold
+    for variant in fold.variants:
+        if _assigned_from_block(variant) == variant.carried:
+            variant.carried = variant.carried[::-1]
+    return fold
+
+
 def _override_patterns(plans: list, overrides: dict) -> None:
     """Set the forward pattern of the listed block lists (deliberately wrong adapters in tests)."""
     for p in plans:
@@ -398,6 +433,7 @@ def generate_adapter_source(pipe, report: ArchReport, model: str, *, force_fold:
             uncached.append(f"{bl.path}: {unsafe}")
             continue
         fold, fold_problem = _try_plan_fold(ocls, rel[bl.path])
+        fold = orient_fold(fold, bl)
         reasons, unsafe = _fold_reasons(report, bl, u, fold, fold_problem)
         if unsafe:
             uncached.append(f"{bl.path}: {unsafe}")
