@@ -258,7 +258,10 @@ def apply_plan(pipe, card, spec, *, cfg_style: str | None, cp_plan_file: str | N
     plan_args = {"attention_kind": attention_kind, "cp_plan_file": cp_plan_file, "out_dir": out_dir, "info": info}
     ring_recorder = None
     if own_ring(spec):  # ditbook's ring: the CP plan's split/gather hooks, attention sent round the ring
-        cp = _resolve_plan(pipe, card, spec, **plan_args)
+        # checked before launch like Ulysses' plans: the one-process simulation gives every rank's
+        # attention all the keys, which is what the ring computes (a table the plan leaves whole or
+        # splits twice is refused with its reason, not met as a reshape error in the ranks)
+        cp = _resolve_plan(pipe, card, spec, check=verify_before_launch, **plan_args)
         info["ring_modules"], ring_recorder = apply_own_ring(tr, cp.plan, spec)
     if spec.uses_cp and not own_ring(spec):
         cp = _resolve_plan(pipe, card, spec, check=verify_before_launch, **plan_args)
