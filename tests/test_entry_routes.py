@@ -54,7 +54,7 @@ def _count(module):
 
 def test_a_method_calling_self_forward_is_seen_as_a_transformer_call():
     m = WithCfg()
-    assert entry_routes(m) == ["forward"]
+    assert entry_routes(m) == ["forward_with_cfg"]
     x = torch.randn(1, 4)
     want = m.forward_with_cfg(x, 0.5, 3.0)
     calls = _count(m)
@@ -63,6 +63,7 @@ def test_a_method_calling_self_forward_is_seen_as_a_transformer_call():
     route_entries(m)
     assert torch.equal(m.forward_with_cfg(x, 0.5, 3.0), want) and calls == [2]  # one batched call
     assert torch.equal(m(torch.cat([x, x]), 0.5), m.lin(torch.cat([x, x])) * 0.5) and calls == [2, 2]
+    assert "forward" not in m.__dict__  # forward itself is routed only while forward_with_cfg runs
 
 
 def test_a_method_forward_hands_everything_to_is_routed_once():

@@ -342,48 +342,60 @@ def _delegate_of(fn) -> str | None:
 
 def entry_routes(transformer) -> list[str]:
     """Methods that code outside the module call enters the transformer by, to be routed through
-    the module call (``route_entries``) so that its hooks see every call: ``forward`` when a method
-    of the model's own classes calls ``self.forward(...)`` directly (the original DiT's
-    ``forward_with_cfg``, which the sampling loop calls), and ``m`` when ``forward`` is ``m`` or only
-    hands ``self.m(*args, **kwargs)`` every argument (the SD3.5 reference's ``apply_model``, which its
-    CFG denoiser calls)."""
+    the module call (``route_entries``) so that its hooks see every call: a method of the model's own
+    classes that calls ``self.forward(...)`` directly (the original DiT's ``forward_with_cfg``, which
+    its sampling loop calls), and ``m`` when ``forward`` is ``m`` or only hands ``self.m(*args,
+    **kwargs)`` every argument (the SD3.5 reference's ``apply_model``, which its CFG denoiser calls)."""
+    return _forward_callers(transformer) + _forward_aliases(transformer)
+
+
+def _forward_callers(transformer) -> list[str]:
+    """Methods of the model's own classes (not ``forward``) whose code calls ``self.forward(...)``."""
     import ast
     import inspect
     import textwrap
 
-    cls, out = type(transformer), []
-    for c in _own_classes(cls):
+    out = []
+    for c in _own_classes(type(transformer)):
         try:
             tree = ast.parse(textwrap.dedent(inspect.getsource(c)))
         except (OSError, TypeError, SyntaxError):
             continue
-        for fn in ast.walk(tree):
-            if not isinstance(fn, ast.FunctionDef) or fn.name == "forward":
-                continue
-            if any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "forward"
-                   and isinstance(n.func.value, ast.Name) and n.func.value.id == "self" for n in ast.walk(fn)):
-                out.append("forward")
-                break
+        for fn in tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []:
+            if isinstance(fn, ast.FunctionDef) and fn.name != "forward" and any(
+                    isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "forward"
+                    and isinstance(n.func.value, ast.Name) and n.func.value.id == "self" for n in ast.walk(fn)):
+                out.append(fn.name)
+    return list(dict.fromkeys(out))
+
+
+def _forward_aliases(transformer) -> list[str]:
+    """Methods ``m`` that are ``forward`` itself, or that ``forward`` hands every argument to."""
+    cls = type(transformer)
     forward = getattr(cls, "forward", None)
+    if forward is None:
+        return []
     same = [n for c in _own_classes(cls) for n, v in vars(c).items()
             if n != "forward" and not n.startswith("__") and v is forward and callable(v)]
-    delegate = _delegate_of(forward) if forward is not None and any(
-        "forward" in vars(c) for c in _own_classes(cls)) else None
-    return list(dict.fromkeys(out + same + ([delegate] if delegate and callable(getattr(cls, delegate, None)) else [])))
+    delegate = _delegate_of(forward) if any("forward" in vars(c) for c in _own_classes(cls)) else None
+    return list(dict.fromkeys(same + ([delegate] if delegate and callable(getattr(cls, delegate, None)) else [])))
 
 
 def route_entries(transformer) -> list:
-    """Route each of ``entry_routes(transformer)`` through the module call when it is entered from
-    outside one (``self.forward(...)`` from another method, or the pipeline calling ``m``): the call
-    runs ``transformer(*args, **kwargs)``, so forward hooks (the inspection's trace, the caches' call
-    counters, diffusers' and cache-dit's forward patches) see it; inside the module call the method
-    runs as written. Returns the handles (the routes stay for the pipeline's life)."""
+    """Route the transformer's entry methods (``entry_routes``) through the module call when they
+    are entered from outside one: an alias of ``forward`` runs ``transformer(*args, **kwargs)``; a
+    method calling ``self.forward(...)`` runs as written, its ``self.forward`` calls routed through
+    the module call for that method's duration only (``forward`` itself is never wrapped for longer:
+    cache-dit, CFG parallel and the CP trace replace or wrap it). Inside a module call everything runs
+    as written. So forward hooks (the inspection's trace, the caches' call counters, diffusers' and
+    cache-dit's forward patches) see every call. Returns the handles (kept for the pipeline's life)."""
     import threading
 
-    from .hooks import is_wrapped, wrap_method
+    from .hooks import is_wrapped, remove_wrap, wrap_method
 
-    names = [n for n in entry_routes(transformer) if not is_wrapped(transformer, "ditbook-entry", attr=n)]
-    if not names:
+    callers = [n for n in _forward_callers(transformer) if not is_wrapped(transformer, "ditbook-entry", attr=n)]
+    aliases = [n for n in _forward_aliases(transformer) if not is_wrapped(transformer, "ditbook-entry", attr=n)]
+    if not callers and not aliases:
         return []
     depth = threading.local()  # the one-process CP simulation runs ranks as threads
 
@@ -396,12 +408,22 @@ def route_entries(transformer) -> list:
     handles = [transformer.register_forward_pre_hook(enter, with_kwargs=True),
                transformer.register_forward_hook(leave, with_kwargs=True, always_call=True)]
 
-    def routed(original, *args, **kwargs):
+    def through_call(original, *args, **kwargs):
         if getattr(depth, "n", 0) > 0:
             return original(*args, **kwargs)
         return transformer(*args, **kwargs)
 
-    return handles + [wrap_method(transformer, "ditbook-entry", routed, attr=n) for n in names]
+    def forward_routed_while(original, *args, **kwargs):
+        if getattr(depth, "n", 0) > 0 or is_wrapped(transformer, "ditbook-entry-forward"):
+            return original(*args, **kwargs)
+        wrap_method(transformer, "ditbook-entry-forward", through_call)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            remove_wrap(transformer, "ditbook-entry-forward")
+
+    return handles + [wrap_method(transformer, "ditbook-entry", through_call, attr=n) for n in aliases] + [
+        wrap_method(transformer, "ditbook-entry", forward_routed_while, attr=n) for n in callers]
 
 
 def build_meta_transformer(card: ModelCard):
