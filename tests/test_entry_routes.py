@@ -80,3 +80,21 @@ def test_a_method_forward_hands_everything_to_is_routed_once():
 
 def test_a_plain_model_gets_no_route():
     assert entry_routes(Held()) == []
+
+
+def test_a_deep_copy_is_routed_to_itself():
+    """The parallel worker deep-copies a pristine pipeline per plan: the copy's routes were the
+    original's, bound to the original, so the copy's hooks never fired ("the pipeline run never called
+    the transformer") and the calls ran the original's weights."""
+    import copy
+
+    m = Delegating()
+    route_entries(m)
+    twin = copy.deepcopy(m)
+    with torch.no_grad():
+        twin.net.lin.weight.mul_(2)
+    route_entries(twin)
+    calls = _count(twin)
+    x = torch.randn(2, 4)
+    assert torch.equal(twin.apply_model(x, 0.3), x - twin.net(x) * 0.3) and calls == [2]
+    assert not torch.equal(m.apply_model(x, 0.3), twin.apply_model(x, 0.3))

@@ -391,12 +391,16 @@ def route_entries(transformer) -> list:
     cache-dit's forward patches) see every call. Returns the handles (kept for the pipeline's life)."""
     import threading
 
-    from .hooks import is_wrapped, remove_wrap, wrap_method
+    from .hooks import is_wrapped, remove_wrap, swap_attribute, wrap_method
 
-    callers = [n for n in _forward_callers(transformer) if not is_wrapped(transformer, "ditbook-entry", attr=n)]
-    aliases = [n for n in _forward_aliases(transformer) if not is_wrapped(transformer, "ditbook-entry", attr=n)]
-    if not callers and not aliases:
+    callers, aliases = _forward_callers(transformer), _forward_aliases(transformer)
+    if not callers and not aliases or transformer.__dict__.get("_ditbook_entry_routed") == id(transformer):
         return []
+    # a deep copy of a routed transformer (the parallel worker copies a pristine pipeline per plan) holds
+    # the original's routes, which call the original: take them off and route the copy itself
+    for n in callers + aliases:
+        if is_wrapped(transformer, "ditbook-entry", attr=n):
+            remove_wrap(transformer, "ditbook-entry", attr=n)
     depth = threading.local()  # the one-process CP simulation runs ranks as threads
 
     def enter(module, args, kwargs):
@@ -422,6 +426,7 @@ def route_entries(transformer) -> list:
         finally:
             remove_wrap(transformer, "ditbook-entry-forward")
 
+    handles.append(swap_attribute(transformer, "_ditbook_entry_routed", id(transformer)))
     return handles + [wrap_method(transformer, "ditbook-entry", through_call, attr=n) for n in aliases] + [
         wrap_method(transformer, "ditbook-entry", forward_routed_while, attr=n) for n in callers]
 

@@ -452,10 +452,20 @@ def _fresh_pipeline(card, placement, pristine):
         pristine = load_pipeline(card, placement)
         if sum(p.numel() for p in pristine.transformer.parameters()) > REUSE_LIMIT:
             return pristine, False
-        return copy.deepcopy(pristine), pristine
+        return _copied(pristine), pristine
     if pristine is False:
         return load_pipeline(card, placement), False
-    return copy.deepcopy(pristine), pristine
+    return _copied(pristine), pristine
+
+
+def _copied(pipe):
+    """A deep copy of ``pipe`` whose transformer's entry routes call the copy (a deep copy keeps the
+    original's, bound to the original: ``loading.route_entries``)."""
+    from ..loading import route_entries
+
+    out = copy.deepcopy(pipe)
+    route_entries(out.transformer)
+    return out
 
 
 def _finish_info(info: dict, pipe, spec) -> dict:
