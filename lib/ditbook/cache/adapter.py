@@ -401,6 +401,15 @@ def _override_patterns(plans: list, overrides: dict) -> None:
             p.reason = "overridden (deliberately)"
 
 
+def _owner_view(transformer, report: ArchReport, info: AdapterInfo):
+    """The module whose forward runs the loops (the transformer, or a network it holds as an
+    attribute: ``info.owner``), each list's path in it, and how that module's code uses them."""
+    info.owner = loop_owner(transformer, [b.path for b in report.block_lists])
+    owner = _get(transformer, info.owner)
+    rel = {b.path: b.path[len(info.owner) + 1:] if info.owner else b.path for b in report.block_lists}
+    return owner, rel, list_uses(type(owner), list(rel.values()))
+
+
 def generate_adapter_source(pipe, report: ArchReport, model: str, *, force_fold: bool | None = None,
                             pattern_overrides: dict | None = None) -> tuple[str, AdapterInfo]:
     """The adapter module's source text and what it decided. ``force_fold`` True/False
@@ -415,12 +424,8 @@ def generate_adapter_source(pipe, report: ArchReport, model: str, *, force_fold:
     if not report.block_lists:
         raise CacheRefused(f"inspection found no block list in {tcls.__name__} (no ModuleList whose modules "
                            f"the forward calls and that run attention): nothing for a block cache to skip")
-    # the module whose forward runs the loops: the transformer, or a network it holds as an attribute
-    info.owner = loop_owner(transformer, [b.path for b in report.block_lists])
-    owner = _get(transformer, info.owner)
+    owner, rel, uses = _owner_view(transformer, report, info)
     ocls = type(owner)
-    rel = {b.path: b.path[len(info.owner) + 1:] if info.owner else b.path for b in report.block_lists}
-    uses = list_uses(ocls, list(rel.values()))
     uncached: list[str] = []
     nested = None if info.owner or force_fold else container_lists(transformer, list(rel.values()))
     if nested:
@@ -459,6 +464,12 @@ def generate_adapter_source(pipe, report: ArchReport, model: str, *, force_fold:
         if u.conditional:
             plans[-1].reason += ("; the code also reads the list outside its loop in an optional mode, which is "
                                  "unsafe with the cache on: " + "; ".join(u.conditional[:2]))
+    return _finished_source(info, plans, folds, uncached, tcls, ocls, model, pattern_overrides)
+
+
+def _finished_source(info: AdapterInfo, plans: list, folds: list, uncached: list[str], tcls, ocls, model: str,
+                     pattern_overrides: dict | None) -> tuple[str, AdapterInfo]:
+    """The decisions recorded in ``info`` and the adapter module's text; refused without a plan."""
     info.uncached = uncached
     if not plans:
         raise CacheRefused("no block list of " + tcls.__name__ + " can be cached safely: " + "; ".join(uncached))
