@@ -268,3 +268,22 @@ def test_a_sampler_entering_by_apply_model_with_the_text_carried_first(inspected
             h.remove()
     assert 0 < len(calls) < 4 * len(adapter.original_blocks()) and np.abs(cached - base).max() > 0
     assert np.abs(render() - base).max() == 0
+
+
+def test_cached_units_of_a_held_network_are_found_for_cp_with_a_cache(inspected):
+    """``ulysses2+cache`` on ``heldnet`` failed in the ranks with ``CacheSplitError: cache-dit's cached
+    block units were not found on this transformer's forward``: cache-dit patched the held network's
+    forward, not the transformer's. The units are looked up on every module cache-dit was handed and
+    named by the transformer's paths."""
+    from ditbook.cache.adapter import build_cache_adapter
+    from ditbook.cache.strategies.dbcache import enable_dbcache
+    from ditbook.parallel.cache_sync import cached_block_units
+
+    pipe, report = inspected("heldnet")
+    adapter = build_cache_adapter(pipe, report, "heldnet")
+    undo = enable_dbcache(pipe, adapter, dict(Fn_compute_blocks=1, Bn_compute_blocks=0, residual_diff_threshold=0.1,
+                                              max_warmup_steps=1, num_inference_steps=3))
+    try:
+        assert set(cached_block_units(pipe.transformer)) == {"net.dual", "net.joined"}
+    finally:
+        undo()
