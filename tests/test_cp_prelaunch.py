@@ -627,3 +627,31 @@ def test_a_dual_stream_list_is_not_left_whole_as_a_refiner():
     st = find_streams(tr)
     assert st.lists == ["joint_blocks", "single_blocks"]
     assert _last_list_streams(tr, st) is None
+
+
+def test_streams_passed_into_star_args_are_told_apart_and_the_refusal_names_why():
+    """SD3.5's joint blocks take ``forward(self, *args, **kwargs)`` and are called ``block(context, x,
+    c=c)``: the binding named the text ``args`` and the image ``kwargs``, the image stream was taken to
+    be the text (the first unnamed one) and the gather was planned on the slot the last block returns
+    as None. Now the positional elements are ``args[0]``, ``args[1]``, the image is the one the module
+    after the list takes, and the plan that would split ``args[1]`` is refused saying cache-dit's split
+    hooks cannot name an element of ``*args`` (novel ``textfirst``)."""
+    from pathlib import Path
+
+    from ditbook.card import import_class
+    from ditbook.parallel.sharding import bind_inputs
+
+    class Star(nn.Module):
+        def forward(self, *args, **kwargs):
+            return args
+
+    assert list(bind_inputs(Star(), (torch.zeros(1), torch.zeros(2)), {"c": 1})) == ["args[0]", "args[1]", "c"]
+    net_cls = import_class(str(Path(__file__).parent / "novel" / "textfirst" / "transformer.py"), "TextFirstNet")
+    torch.manual_seed(0)
+    net = net_cls().eval()
+    kw = dict(x=torch.randn(2, 16, 4), t=torch.tensor([0.5, 0.5]), context=torch.randn(2, 6, 16))
+    tr = trace_forward(net, (), kw)
+    st = find_streams(tr)
+    assert (st.image, st.text, st.s_img) == ("args[1]", "args[0]", 16)
+    with pytest.raises(PlanCheckError, match=r"an element of \*args, which cache-dit's split hooks cannot name"):
+        resolve_cp_plan(net, capture=lambda: ((), kw), degree=2, check=verify_before_launch)

@@ -519,6 +519,9 @@ def _split_hooks(key: str, spec: dict, module, world: _World):
                 i = params.index(name)
                 val, put = a[i], (lambda v, _i=i: a.__setitem__(_i, v))
             else:
+                if "[" in name and world.state().rank == 0:  # bound from ``*args`` (``sharding.bind_inputs``)
+                    world.run.skipped.append(f"'{name}' at '{key or '<transformer>'}': an element of *{name.split('[')[0]}, "
+                                             f"which cache-dit's split hooks cannot name: not split")
                 continue
             where = f"'{name}' at '{key or '<transformer>'}'"
             if isinstance(val, torch.Tensor):

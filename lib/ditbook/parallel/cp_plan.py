@@ -502,17 +502,29 @@ def _token_inputs(lt: ListTrace) -> dict[str, list[int]]:
     return {k: v[0] for k, v in lt.inputs.items() if v and len(v) == 1 and len(v[0]) == 3}
 
 
-def _image_of(lt: ListTrace) -> str | None:
+def _image_of(lt: ListTrace, tr: ForwardTrace | None = None) -> str | None:
     three = _token_inputs(lt)
-    return next((k for k in three if _IMAGE_NAMES.match(k)), None) or next(
-        (k for k in three if not _TEXT_NAMES.search(k)), None)
+    named = next((k for k in three if _IMAGE_NAMES.match(k)), None)
+    if named:
+        return named
+    unnamed = [k for k in three if not _TEXT_NAMES.search(k)]
+    if len(unnamed) > 1 and tr is not None:
+        # streams passed without names (``block(context, x)`` into ``forward(self, *args, **kwargs)``: SD3.5's
+        # joint blocks bind them as args[0], args[1]): the image stream is the one the first module
+        # after the list takes on (the final layer), not the first one passed
+        after = next((c for c in tr.calls if c.order > lt.last_order
+                      and any(three[k] in c.inputs for k in unnamed)), None)
+        taken = [k for k in unnamed if after is not None and three[k] in after.inputs]
+        if len(taken) == 1:
+            return taken[0]
+    return unnamed[0] if unnamed else None
 
 
 def find_streams(tr: ForwardTrace, attention_kind: str | None = None) -> Streams:
     if not tr.lists:
         raise PlanDerivationError("the forward calls no block list (nn.ModuleList of blocks) to split the "
                                   "sequence for")
-    images = {n: _image_of(lt) for n, lt in tr.lists.items()}
+    images = {n: _image_of(lt, tr) for n, lt in tr.lists.items()}
     lengths = {n: _token_inputs(tr.lists[n])[p][1] for n, p in images.items() if p}
     if not lengths:
         desc = {n: lt.inputs for n, lt in tr.lists.items()}
@@ -547,7 +559,7 @@ def expected_lengths(tr: ForwardTrace, streams: Streams) -> dict[str, dict]:
     out = {}
     for name in streams.lists:
         lt = tr.lists[name]
-        param = streams.image if name == streams.lists[0] else _image_of(lt)
+        param = streams.image if name == streams.lists[0] else _image_of(lt, tr)
         if param is not None:
             out[name] = {"argument": param, "full": _token_inputs(lt)[param][1]}
     return out
@@ -1051,7 +1063,7 @@ def _last_list_streams(tr: ForwardTrace, st: Streams) -> Streams | None:
         return None  # an earlier list takes image and text tokens (a dual-stream main list), not a refiner
     # of one stream: left whole on every rank, it would be main work no rank splits
     lt = tr.lists[last]
-    img = _image_of(lt)
+    img = _image_of(lt, tr)
     shape = _token_inputs(lt).get(img) if img else None
     if shape is None or shape[1] <= st.s_img:
         return None
