@@ -271,3 +271,26 @@ def test_approve_cli_without_runs(tmp_path, capsys):
     card = _card(tmp_path)
     assert main(["approve", str(card.card_path), "--outputs", str(tmp_path / "none"), "--yes"]) == 2
     assert "ditbook inspect" in capsys.readouterr().err
+
+
+def test_a_gated_mlp_three_times_as_wide_is_no_fused_qkv():
+    """minRF's FeedForward at dim 64: w1 and w3 write 192 = 3 x 64 (LLaMA's SwiGLU width rounded to
+    a multiple of 32), w2 maps it back. Taken for an attention with a fused qkv, it made the model's
+    ``fused_qkv`` true and the TP judge refuse on it; a real fused qkv sits beside a square output
+    projection."""
+    from torch import nn
+
+    from ditbook.arch.static import shaped_projections
+
+    class FeedForward(nn.Module):
+        def __init__(self, dim=64, hidden=192):
+            super().__init__()
+            self.w1, self.w2, self.w3 = nn.Linear(dim, hidden), nn.Linear(hidden, dim), nn.Linear(dim, hidden)
+
+    class FusedAttention(nn.Module):
+        def __init__(self, dim=64):
+            super().__init__()
+            self.packed, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    assert shaped_projections(FeedForward()) == {}
+    assert set(shaped_projections(FusedAttention())) == {"qkv"}

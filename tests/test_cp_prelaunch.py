@@ -596,3 +596,60 @@ def test_a_gather_at_a_module_returning_none_beside_the_tokens_is_refused_before
             "blocks.1": [ContextParallelOutput(gather_dim=1, expected_dims=3), None]}
     with pytest.raises(DryRunError, match=r"returns \(Tensor, NoneType\)"):
         dry_run(m, (), kw, plan, 2, ["blocks"])
+
+
+
+def test_a_table_axis_as_long_as_the_text_is_not_a_token_axis():
+    """The FLUX reference code at a tiny size: ``pe`` [1, 1, 24, 8, 2, 2] (text + image on dim 2,
+    head_dim / 2 = 8 on dim 3) with 8 text tokens. Split on dim 2 by the plan, its dim 3 was taken
+    for a token axis left whole and every Ulysses plan was refused (TokenAxisError). A tensor split
+    along a token axis has no other: it passes; the table left whole is still refused."""
+    from ditbook.cp.dryrun import _unsplit_axis
+
+    counts = {16, 8, 24}  # image, text, text + image
+    table = [[1, 1, 24, 8, 2, 2]]
+    assert _unsplit_axis(table, [[1, 1, 12, 8, 2, 2]], counts, 2) is None
+    assert _unsplit_axis(table, [[1, 1, 24, 8, 2, 2]], counts, 2)[2] == 2   # whole: refused on its token axis
+    assert _unsplit_axis([[1, 24, 8, 32]], [[1, 12, 4, 32]], counts, 2) is None  # both axes split: fine too
+
+
+def test_a_dual_stream_list_is_not_left_whole_as_a_refiner():
+    """The plan that splits the last main list alone (text joined to the image after refiner
+    lists) was also offered where the earlier list is a dual-stream main list taking image and
+    text (FLUX's double blocks): ``ulysses2`` then ran the double blocks whole on every rank and
+    was reported verified, its sharding check covering the single-stream list only."""
+    from ditbook.cp.plan import _last_list_streams
+
+    m, kw = _joint()
+    tr = trace_forward(m, (), kw)
+    st = find_streams(tr)
+    assert st.lists == ["joint_blocks", "single_blocks"]
+    assert _last_list_streams(tr, st) is None
+
+
+def test_streams_passed_into_star_args_are_told_apart_and_the_refusal_names_why():
+    """SD3.5's joint blocks take ``forward(self, *args, **kwargs)`` and are called ``block(context, x,
+    c=c)``: the binding named the text ``args`` and the image ``kwargs``, the image stream was taken to
+    be the text (the first unnamed one) and the gather was planned on the slot the last block returns
+    as None. Now the positional elements are ``args[0]``, ``args[1]``, the image is the one the module
+    after the list takes, and the plan that would split ``args[1]`` is refused saying cache-dit's split
+    hooks cannot name an element of ``*args`` (novel ``textfirst``)."""
+    from pathlib import Path
+
+    from ditbook.card import import_class
+    from ditbook.cp.sharding import bind_inputs
+
+    class Star(nn.Module):
+        def forward(self, *args, **kwargs):
+            return args
+
+    assert list(bind_inputs(Star(), (torch.zeros(1), torch.zeros(2)), {"c": 1})) == ["args[0]", "args[1]", "c"]
+    net_cls = import_class(str(Path(__file__).parent / "novel" / "textfirst" / "transformer.py"), "TextFirstNet")
+    torch.manual_seed(0)
+    net = net_cls().eval()
+    kw = dict(x=torch.randn(2, 16, 4), t=torch.tensor([0.5, 0.5]), context=torch.randn(2, 6, 16))
+    tr = trace_forward(net, (), kw)
+    st = find_streams(tr)
+    assert (st.image, st.text, st.s_img) == ("args[1]", "args[0]", 16)
+    with pytest.raises(PlanCheckError, match=r"an element of \*args, which cache-dit's split hooks cannot name"):
+        resolve_cp_plan(net, capture=lambda: ((), kw), degree=2, check=verify_before_launch)

@@ -60,14 +60,53 @@ def test_a_chain_from_one_nested_list_into_the_next_is_no_skip_connection(inspec
     assert (report.cfg.style, report.cfg.calls_per_step) == ("separate", 2.0)
 
 
-def test_nested_lists_in_never_called_containers_are_refused_with_the_true_reason(inspected):
+def test_nested_lists_in_never_called_containers_are_cached_through_stand_in_owners(inspected):
+    """``for stage in self.stages: for blk in stage.blocks``: refused before ("containers are never
+    called"). The inner lists are run by the transformer's forward in order; cache-dit is handed one
+    stand-in owner per container (chained from the transformer's forward), whose attribute swap lands
+    on the container: both lists cached, block calls skipped, the baseline back exactly after the undo."""
+    import numpy as np
+    import torch
+
+    from ditbook.adapter.build import build_cache_adapter
+    from ditbook.accel.dbcache import enable_dbcache
+
+    pipe, report = inspected("stages")
+    adapter = build_cache_adapter(pipe, report, "stages")
+    assert adapter.info.containers == ["stages", "blocks"] and not adapter.info.uncached
+    assert [p.path for p in adapter.info.block_lists] == ["stages.0.blocks", "stages.1.blocks"]
+
+    def render():
+        return pipe("a red circle", num_inference_steps=4, generator=torch.Generator().manual_seed(0)).images
+
+    base = render()
+    undo = enable_dbcache(pipe, adapter, dict(Fn_compute_blocks=1, Bn_compute_blocks=0, residual_diff_threshold=10.0,
+                                              max_warmup_steps=1, num_inference_steps=4))
+    calls = []
+    handles = [b.register_forward_hook(lambda *a: calls.append(1)) for b in adapter.original_blocks()]
+    try:
+        cached = render()
+    finally:
+        undo()
+        for h in handles:
+            h.remove()
+    assert 0 < len(calls) < 8 * len(adapter.original_blocks())  # 4 steps x 2 CFG calls
+    assert np.abs(cached - base).max() > 0
+    assert np.abs(render() - base).max() == 0 and "forward" not in pipe.transformer.__dict__
+
+
+def test_a_container_loop_passing_the_stream_by_keyword_is_refused_with_the_reason(inspected):
+    """The stand-in owners run the loop unfolded: cache-dit's unit takes the streams first,
+    positionally; a loop that passes them by keyword is left uncached, saying so."""
+    import dataclasses
+
     from ditbook.adapter.build import CacheRefused, generate_adapter_source
 
     pipe, report = inspected("stages")
-    with pytest.raises(CacheRefused) as err:
-        generate_adapter_source(pipe, report, "stages")
-    assert "containers are never called" in str(err.value) and "iterates self.stages" in str(err.value)
-    assert "whose own code runs the loop" not in str(err.value)
+    bad = dataclasses.replace(report, block_lists=[dataclasses.replace(
+        b, call=dataclasses.replace(b.call, positional=[], keywords=["x", "cond", "emb"])) for b in report.block_lists])
+    with pytest.raises(CacheRefused, match="does not pass the hidden_states stream as positional argument 0"):
+        generate_adapter_source(pipe, bad, "stages")
 
 
 def test_flux_reference_shape(inspected):
@@ -146,3 +185,105 @@ def test_attention_through_a_plain_function_is_routed(inspected):
         assert route.modules == names
     finally:
         route.remove()
+
+
+def test_a_network_held_as_an_attribute_is_cached_through_its_own_forward(inspected):
+    """``heldnet``: the ModelMixin wrapper holds the reference network as ``self.net`` and its own
+    forward runs the loops. Refused before ("nested inside net, whose own code runs the loop"); now
+    cache-dit is handed the held network (``owner``), both lists are cached, a cached render skips
+    block calls, and the undo gives the baseline back exactly."""
+    import numpy as np
+    import torch
+
+    from ditbook.benchmark.residuals import first_block
+    from ditbook.adapter.build import build_cache_adapter
+    from ditbook.accel.dbcache import enable_dbcache
+
+    pipe, report = inspected("heldnet")
+    assert [b.path for b in report.block_lists] == ["net.dual", "net.joined"]
+    adapter = build_cache_adapter(pipe, report, "heldnet")
+    assert adapter.info.owner == "net" and not adapter.info.uncached
+    assert "transformer=pipe.transformer.net," in adapter.source
+    assert first_block(pipe.transformer)[0] == "net.dual.0"   # the benchmark's residual probe finds it too
+
+    def render():
+        return pipe("a red circle", num_inference_steps=4, generator=torch.Generator().manual_seed(0)).images
+
+    base = render()
+    undo = enable_dbcache(pipe, adapter, dict(Fn_compute_blocks=1, Bn_compute_blocks=0, residual_diff_threshold=10.0,
+                                              max_warmup_steps=1, num_inference_steps=4))
+    calls = []
+    handles = [b.register_forward_hook(lambda *a: calls.append(1)) for b in adapter.original_blocks()]
+    try:
+        cached = render()
+    finally:
+        undo()
+        for h in handles:
+            h.remove()
+    assert 0 < len(calls) < 4 * len(adapter.original_blocks())  # steps after the warmup skipped blocks
+    assert np.abs(cached - base).max() > 0
+    assert np.abs(render() - base).max() == 0
+
+
+def test_a_sampler_entering_by_apply_model_with_the_text_carried_first(inspected):
+    """``textfirst`` (the SD3.5 reference's shape): the CFG denoiser calls ``apply_model``, not the
+    module, so no forward hook saw a call (0 transformer calls, no block call traced, the cache stage
+    crashed); the loop carries ``context, x`` text first and the last block returns no text, so the fold
+    made the text the hidden stream (TeaCache's residual of None crashed). Now: 3 steps traced as batched
+    CFG, the held network's list folded with the image first, and both caches run and skip."""
+    import numpy as np
+    import torch
+
+    from ditbook.adapter.build import build_cache_adapter
+    from ditbook.accel import teacache_fitted as tf
+    from ditbook.accel.dbcache import enable_dbcache
+
+    pipe, report = inspected("textfirst")
+    assert (report.cfg.style, report.cfg.batch_per_call) == ("batched", 2)
+    (bl,) = report.block_lists
+    assert bl.path == "model.joint_blocks" and list(bl.call.output_roles) == [E, H]
+    adapter = build_cache_adapter(pipe, report, "textfirst")
+    assert adapter.info.owner == "model"
+    assert "x, context = block(hidden_states=x, encoder_hidden_states=context" in adapter.source
+
+    def render():
+        return pipe("a red circle", num_inference_steps=4, generator=torch.Generator().manual_seed(0)).images
+
+    base = render()
+    undo = tf.TeaCacheFitted.apply(pipe, tf.TeaCacheSettings(threshold=0.3, coefficients=[0.0, 1.0, 0.0],
+                                                             warmup_steps=1, max_consecutive=1), adapter=adapter, steps=4)
+    try:
+        render()
+    finally:
+        undo()
+    undo = enable_dbcache(pipe, adapter, dict(Fn_compute_blocks=1, Bn_compute_blocks=0, residual_diff_threshold=10.0,
+                                              max_warmup_steps=1, num_inference_steps=4))
+    calls = []
+    handles = [b.register_forward_hook(lambda *a: calls.append(1)) for b in adapter.original_blocks()]
+    try:
+        cached = render()
+    finally:
+        undo()
+        for h in handles:
+            h.remove()
+    assert 0 < len(calls) < 4 * len(adapter.original_blocks()) and np.abs(cached - base).max() > 0
+    assert np.abs(render() - base).max() == 0
+
+
+def test_cached_units_of_a_held_network_are_found_for_cp_with_a_cache(inspected):
+    """``ulysses2+cache`` on ``heldnet`` failed in the ranks with ``CacheSplitError: cache-dit's cached
+    block units were not found on this transformer's forward``: cache-dit patched the held network's
+    forward, not the transformer's. The units are looked up on every module cache-dit was handed and
+    named by the transformer's paths."""
+    from ditbook.adapter.build import build_cache_adapter
+    from ditbook.accel.dbcache import enable_dbcache
+    from ditbook.cp.cache_sync import cached_block_units
+
+    pipe, report = inspected("heldnet")
+    adapter = build_cache_adapter(pipe, report, "heldnet")
+    undo = enable_dbcache(pipe, adapter, dict(Fn_compute_blocks=1, Bn_compute_blocks=0, residual_diff_threshold=0.1,
+                                              max_warmup_steps=1, num_inference_steps=3))
+    try:
+        assert set(cached_block_units(pipe.transformer)) == {"net.dual", "net.joined"}
+    finally:
+        undo()

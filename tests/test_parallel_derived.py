@@ -192,6 +192,23 @@ def test_cfg_placeholder_of_a_forward_without_return_dict_is_the_bare_tensor(mon
     assert isinstance(second, torch.Tensor) and float(first.mean()) == 1.0  # filled by the exchange
 
 
+def test_cfg_placeholder_of_a_transformer_taking_a_list_of_tensors(monkeypatch):
+    """The Wan2.1 reference code's WanModel takes ``x`` as a list of ``[C, F, H, W]`` tensors (one per
+    sample) and returns such a list: with a cache, the skipping rank's placeholder was made from the
+    first tensor argument, there was none, and ``cfg2+cache`` failed in the ranks with
+    ``TypeError: empty_like(): argument 'input' ... must be Tensor, not NoneType``."""
+    from ditbook.accel import cfg
+
+    monkeypatch.setattr(cfg, "_gather", lambda local, group, size: [local, local])
+    stats = cfg.CfgStats(style="separate")
+    wrapper = cfg._separate(stats, 1, None, None, shape_from_input=True, wraps=False)
+    latents = [torch.zeros(4, 3, 8, 8)]
+    first = wrapper(lambda x, **k: [u.float() for u in x], latents, t=torch.zeros(1), seq_len=48)
+    assert isinstance(first, list) and first[0].shape == latents[0].shape and stats.computed == 0
+    second = wrapper(lambda x, **k: [u + 1 for u in x], latents, t=torch.zeros(1), seq_len=48)
+    assert isinstance(second, list) and float(first[0].mean()) == 1.0  # filled by the exchange
+
+
 def test_a_plan_failing_only_parity_gets_a_named_error(tmp_path, monkeypatch):
     """A plan that ran, split as planned, and gave other images than its reference failed with
     ``error`` None: the novel suite saw 'failed without a named error' (spacetime's ring2)."""

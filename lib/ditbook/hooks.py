@@ -40,7 +40,22 @@ from typing import Any, Callable
 
 _REGISTRY_ATTR = "_ditbook_wraps"
 _CALL_BASE = "_ditbook_call_base"  # on a class made by wrap_call: the instance's class before
-_MISSING = object()
+class _Missing:
+    """The "nothing was there" marker. A deep copy of a wrapped object (the parallel worker copies a
+    pristine pipeline per plan) keeps this very marker: a copied plain ``object()`` was another object,
+    and the copy's wrap called it as the method it stood in for ("'object' object is not callable")."""
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __repr__(self) -> str:
+        return "<missing>"
+
+
+_MISSING = _Missing()
 
 Wrapper = Callable[..., Any]
 

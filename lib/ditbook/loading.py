@@ -247,14 +247,188 @@ def load_pipeline(card: ModelCard, placement: Placement | None = None, *, transf
     pipe_cls = import_class(card.resolve_source(card.pipeline.source), card.pipeline.cls)
     if transformer is None:
         transformer = load_transformer(card, placement)
-    with _loading_bars(progress):
+    with _loading_bars(progress), _source_modules_as_saved(card):
         pipe = pipe_cls.from_pretrained(
             str(card.path), transformer=transformer, dtype=placement.torch_dtype, local_files_only=True
         )
     pipe.to(placement.device)
+    route_entries(pipe.transformer)
     if hasattr(pipe, "set_progress_bar_config"):
         pipe.set_progress_bar_config(disable=not progress)
     return pipe
+
+
+def saved_source_names(card: ModelCard) -> dict[str, str]:
+    """The modules ``model_index.json`` names that are the card's own source files: ``{module name: file}``.
+
+    ``save_pretrained`` records a component defined outside diffusers/transformers under the module
+    name its class had when the folder was built (``transformer`` when the user's build script did
+    ``from transformer import ...``), and diffusers loads such a component only from a module of
+    that name already imported. ditbook imports the card's source files under names of its own, so
+    a recorded name is matched to a card source file by path: the module path ``a.b`` names the
+    file whose path ends in ``a/b.py``. Names diffusers loads itself, and names already imported,
+    are left alone."""
+    import sys
+
+    from diffusers import pipelines
+    from diffusers.pipelines.pipeline_loading_utils import LOADABLE_CLASSES
+
+    from .card import _is_file_source
+
+    try:
+        index = json.loads((Path(card.path) / "model_index.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    files = [Path(card.resolve_source(part.source)) for part in (card.pipeline, card.transformer)
+             if part is not None and part.source and _is_file_source(card.resolve_source(part.source))]
+    out: dict[str, str] = {}
+    for value in index.values() if isinstance(index, dict) else ():
+        library = value[0] if isinstance(value, list) and value and isinstance(value[0], str) else None
+        if not library or library in LOADABLE_CLASSES or library in sys.modules or hasattr(pipelines, library):
+            continue
+        parts = tuple(library.split("."))
+        for file in files:
+            if file.suffix == ".py" and file.with_suffix("").parts[-len(parts):] == parts:
+                out[library] = str(file)
+                break
+    return out
+
+
+@contextmanager
+def _source_modules_as_saved(card: ModelCard):
+    """For one load, each card source file also stands under the module name the saved folder
+    records for it (``saved_source_names``): the same module object, so the classes are the card's."""
+    import sys
+
+    from .card import _import_source
+    from .hooks import set_item
+
+    handles = [set_item(sys.modules, name, _import_source(file)) for name, file in saved_source_names(card).items()]
+    try:
+        yield
+    finally:
+        for handle in reversed(handles):
+            handle.remove()
+
+
+def _own_classes(cls) -> list[type]:
+    """The classes of ``cls``'s MRO written by the model's authors (not torch's, diffusers', transformers')."""
+    return [c for c in cls.__mro__ if c is not object
+            and not c.__module__.split(".")[0] in ("torch", "diffusers", "transformers", "builtins")]
+
+
+def _delegate_of(fn) -> str | None:
+    """``m`` when ``fn`` is ``def forward(self, *args, **kwargs): return self.m(*args, **kwargs)``."""
+    import ast
+    import inspect
+    import textwrap
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    node = tree.body[0] if tree.body and isinstance(tree.body[0], ast.FunctionDef) else None
+    body = [b for b in node.body if not (isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant))] if node else []
+    if len(body) != 1 or not isinstance(body[0], ast.Return) or not isinstance(body[0].value, ast.Call):
+        return None
+    call = body[0].value
+    f = call.func
+    if not (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self"):
+        return None
+    passes_all = (len(call.args) == 1 and isinstance(call.args[0], ast.Starred) and len(call.keywords) == 1
+                  and call.keywords[0].arg is None)
+    return f.attr if passes_all and f.attr != "forward" else None
+
+
+def entry_routes(transformer) -> list[str]:
+    """Methods that code outside the module call enters the transformer by, to be routed through
+    the module call (``route_entries``) so that its hooks see every call: a method of the model's own
+    classes that calls ``self.forward(...)`` directly (the original DiT's ``forward_with_cfg``, which
+    its sampling loop calls), and ``m`` when ``forward`` is ``m`` or only hands ``self.m(*args,
+    **kwargs)`` every argument (the SD3.5 reference's ``apply_model``, which its CFG denoiser calls)."""
+    return _forward_callers(transformer) + _forward_aliases(transformer)
+
+
+def _forward_callers(transformer) -> list[str]:
+    """Methods of the model's own classes (not ``forward``) whose code calls ``self.forward(...)``."""
+    import ast
+    import inspect
+    import textwrap
+
+    out = []
+    for c in _own_classes(type(transformer)):
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(c)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        for fn in tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []:
+            if isinstance(fn, ast.FunctionDef) and fn.name != "forward" and any(
+                    isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "forward"
+                    and isinstance(n.func.value, ast.Name) and n.func.value.id == "self" for n in ast.walk(fn)):
+                out.append(fn.name)
+    return list(dict.fromkeys(out))
+
+
+def _forward_aliases(transformer) -> list[str]:
+    """Methods ``m`` that are ``forward`` itself, or that ``forward`` hands every argument to."""
+    cls = type(transformer)
+    forward = getattr(cls, "forward", None)
+    if forward is None:
+        return []
+    same = [n for c in _own_classes(cls) for n, v in vars(c).items()
+            if n != "forward" and not n.startswith("__") and v is forward and callable(v)]
+    delegate = _delegate_of(forward) if any("forward" in vars(c) for c in _own_classes(cls)) else None
+    return list(dict.fromkeys(same + ([delegate] if delegate and callable(getattr(cls, delegate, None)) else [])))
+
+
+def route_entries(transformer) -> list:
+    """Route the transformer's entry methods (``entry_routes``) through the module call when they
+    are entered from outside one: an alias of ``forward`` runs ``transformer(*args, **kwargs)``; a
+    method calling ``self.forward(...)`` runs as written, its ``self.forward`` calls routed through
+    the module call for that method's duration only (``forward`` itself is never wrapped for longer:
+    cache-dit, CFG parallel and the CP trace replace or wrap it). Inside a module call everything runs
+    as written. So forward hooks (the inspection's trace, the caches' call counters, diffusers' and
+    cache-dit's forward patches) see every call. Returns the handles (kept for the pipeline's life)."""
+    import threading
+
+    from .hooks import is_wrapped, remove_wrap, swap_attribute, wrap_method
+
+    callers, aliases = _forward_callers(transformer), _forward_aliases(transformer)
+    if not callers and not aliases or transformer.__dict__.get("_ditbook_entry_routed") == id(transformer):
+        return []
+    # a deep copy of a routed transformer (the parallel worker copies a pristine pipeline per plan) holds
+    # the original's routes, which call the original: take them off and route the copy itself
+    for n in callers + aliases:
+        if is_wrapped(transformer, "ditbook-entry", attr=n):
+            remove_wrap(transformer, "ditbook-entry", attr=n)
+    depth = threading.local()  # the one-process CP simulation runs ranks as threads
+
+    def enter(module, args, kwargs):
+        depth.n = getattr(depth, "n", 0) + 1
+
+    def leave(module, args, kwargs, output):
+        depth.n = getattr(depth, "n", 1) - 1
+
+    handles = [transformer.register_forward_pre_hook(enter, with_kwargs=True),
+               transformer.register_forward_hook(leave, with_kwargs=True, always_call=True)]
+
+    def through_call(original, *args, **kwargs):
+        if getattr(depth, "n", 0) > 0:
+            return original(*args, **kwargs)
+        return transformer(*args, **kwargs)
+
+    def forward_routed_while(original, *args, **kwargs):
+        if getattr(depth, "n", 0) > 0 or is_wrapped(transformer, "ditbook-entry-forward"):
+            return original(*args, **kwargs)
+        wrap_method(transformer, "ditbook-entry-forward", through_call)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            remove_wrap(transformer, "ditbook-entry-forward")
+
+    handles.append(swap_attribute(transformer, "_ditbook_entry_routed", id(transformer)))
+    return handles + [wrap_method(transformer, "ditbook-entry", through_call, attr=n) for n in aliases] + [
+        wrap_method(transformer, "ditbook-entry", forward_routed_while, attr=n) for n in callers]
 
 
 def build_meta_transformer(card: ModelCard):

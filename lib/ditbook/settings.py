@@ -271,7 +271,7 @@ class CacheSettings:
 @dataclass
 class ParallelCache:
     """``parallel.cache:`` — the DBCache options of ``+cache`` plans, by cache-dit's ``DBCacheConfig``
-    names; a key left out takes the cache strategy's default (``cache.strategies.dbcache.DBCacheSettings``,
+    names; a key left out takes the cache strategy's default (``accel.dbcache.DBCacheSettings``,
     the one place DBCache's defaults are written)."""
 
     Fn_compute_blocks: int | None = setting(None, optional(integer(0)), "blocks always computed first")

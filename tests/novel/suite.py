@@ -51,6 +51,16 @@ MODELS: dict[str, Novel] = {
                      "FluxReferencePipeline", "FluxReferenceTransformer",
                      generation={"prompts": ["a red circle"], "seeds": [0, 1], "height": 16, "width": 16, "steps": 3,
                                  "guidance_scale": 3.5}, scheduler=False),
+    "heldnet": Novel("the network held as an attribute of the ModelMixin wrapper (self.net), its own forward runs a "
+                     "dual-stream and a joined list; attention through a plain function; module-level denoise()",
+                     "HeldNetPipeline", "HeldNetTransformer",
+                     generation={"prompts": ["a red circle"], "seeds": [0, 1], "height": 16, "width": 16, "steps": 3},
+                     scheduler=False),
+    "textfirst": Novel("SD3.5-reference shape: the wrapper holds the network and an apply_model entry that forward hands "
+                       "everything to; the sampler's CFG denoiser calls apply_model (batched CFG); the loop carries the "
+                       "text first (context, x = block(context, x, c=c)), the last block returns no text",
+                       "TextFirstPipeline", "TextFirstTransformer",
+                       generation={**GEN, "guidance_scale": 3.0, "height": 16, "width": 16}, scheduler=False),
     "batchcfg": Novel("true CFG as one batched call (cat [cond, uncond], chunk); registers; GQA 4q/2kv",
                       "BatchCFGPipeline", "RegisterDiT",
                       generation={**GEN, "negative_prompt": "blurry", "true_cfg_scale": 4.0}),

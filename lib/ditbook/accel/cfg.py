@@ -107,6 +107,16 @@ def _placeholder_like_input(args, kwargs, takes_return_dict: bool = True):
     t = kwargs.get("hidden_states")
     if t is None:
         t = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    if t is None:
+        # the input as a list of one tensor per sample (the Wan2.1 reference code's WanModel takes and
+        # returns ``[C, F, H, W]`` tensors in a list): the placeholder is a list of the same shape
+        seq = next((a for a in list(args) + list(kwargs.values()) if isinstance(a, (list, tuple)) and len(a) == 1
+                    and isinstance(a[0], torch.Tensor)), None)
+        if seq is None:
+            raise CfgShapeError("CFG parallel with a cache: the transformer call has no tensor input to shape the "
+                                "other branch's placeholder from; run this model's CFG parallel without the cache")
+        ph = torch.empty_like(seq[0])
+        return type(seq)([ph]), ph
     ph = torch.empty_like(t)
     if not takes_return_dict:
         return ph, ph

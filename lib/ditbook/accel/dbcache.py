@@ -38,7 +38,7 @@ def enable_dbcache(pipe, adapter, cache_config_kwargs: dict, calibrator=None):
 
     from ..hooks import snapshot_instance_attrs
 
-    transformer = pipe.transformer
+    transformer = adapter.owner_module() if hasattr(adapter, "owner_module") else pipe.transformer
     order = list(transformer._modules)
     # cache-dit's registered patch functors replace forward on the transformer and on blocks and
     # mark it _is_patched, and disable_cache leaves them: put the instances back exactly

@@ -725,11 +725,10 @@ class TensorParallel(ParallelTechnique):
         if f.kv % n:
             return no(f"GQA: {f.kv} KV heads not divisible by {n}: the K/V projections cannot be split by head")
         diffusers_plan = bool(f.tp_plan) and "_tp_plan" in f.tp_plan  # cache-dit's TP planners are not applied
-        if f.att.fused_qkv and not diffusers_plan:
-            return no("fused QKV without a diffusers _tp_plan: the packed projection needs block-wise column "
-                      "sharding, which ditbook does not derive")
+        # a fused QKV is derived too: split per chunk (``packed_colwise``), the plan simulated before launch
         how = ("plan: diffusers _tp_plan" if diffusers_plan else
-               "plan derived from the traced linear layers (attention in-projections colwise, out-projection rowwise; "
+               "plan derived from the traced linear layers (attention in-projections colwise"
+               + (", a fused qkv per chunk" if f.att.fused_qkv else "") + ", out-projection rowwise; "
                "MLP up colwise, down rowwise)")
         return [Feasibility("tp", n, True, plan_name(tp=n), how)]
 

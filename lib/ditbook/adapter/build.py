@@ -67,15 +67,47 @@ class AdapterInfo:
     module_name: str = ""
     refused: str | None = None  # why no adapter could be made safely (then block_lists is empty)
     uncached: list[str] = field(default_factory=list)  # block lists left uncached, each with why
+    # attribute path of the module whose own forward loops over the block lists ('' = the transformer):
+    # a network held as an attribute of the ModelMixin wrapper (``self.net = Net()``) runs its loops itself
+    owner: str = ""
+    # [containers, attribute] when the lists are ``<containers>.<i>.<attribute>`` of containers the
+    # transformer never calls (its own loop runs ``for c in self.<containers>: for blk in c.<attribute>``):
+    # cache-dit swaps each through a stand-in owner while the transformer's forward runs
+    containers: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 def _get(obj, path: str):
-    for part in path.split("."):
+    for part in path.split(".") if path else ():
         obj = getattr(obj, part)
     return obj
+
+
+def loop_owner(transformer, paths: list[str]) -> str:
+    """The attribute path of the module whose own forward loops over every block list of ``paths``
+    ('' when that is the transformer). A network held as an attribute of the ModelMixin wrapper
+    (``self.net = Net(...)``, the wrapper's forward calling ``self.net(...)``) holds its lists as
+    direct attributes of its own and runs their loops in its own forward: cache-dit is handed that
+    module, whose attribute it swaps while that forward runs. Not an element of a list (a container
+    the transformer iterates is never called) and not when the lists sit in different modules."""
+    owners = {p.rsplit(".", 1)[0] if "." in p else "" for p in paths}
+    if len(owners) != 1:
+        return ""
+    owner = owners.pop()
+    if not owner or any(part.isdigit() for part in owner.split(".")):
+        return ""
+    try:
+        module = _get(transformer, owner)
+    except AttributeError:
+        return ""
+    names = [p[len(owner) + 1:] for p in paths]
+    try:
+        uses = list_uses(type(module), names)
+    except Exception:  # noqa: BLE001 - a class whose source cannot be read: its loops cannot be shown
+        return ""
+    return owner if all(uses[n].loops for n in names) else ""
 
 
 def _pattern_from_report(bl) -> str | None:
@@ -175,6 +207,74 @@ def _fold_reasons(report: ArchReport, bl, u, fold: LoopFold | None, fold_problem
     return reasons, ""
 
 
+def container_lists(transformer, paths: list[str]) -> tuple[str, str] | None:
+    """``(containers, attribute)`` when every block list is ``<containers>.<i>.<attribute>``, one per
+    container of one ModuleList, in order, the containers' own code loops over none of them and the
+    transformer's code iterates the containers (``for stage in self.stages: for blk in stage.blocks``);
+    else None. Each list is run by the transformer's forward, in the containers' order."""
+    import torch
+
+    parts = [p.split(".") for p in paths]
+    if not parts or any(len(q) < 3 or not q[-2].isdigit() for q in parts):
+        return None
+    outers, attrs = {".".join(q[:-2]) for q in parts}, {q[-1] for q in parts}
+    if len(outers) != 1 or len(attrs) != 1:
+        return None
+    outer, attr = outers.pop(), attrs.pop()
+    try:
+        containers = _get(transformer, outer)
+    except AttributeError:
+        return None
+    if not isinstance(containers, torch.nn.ModuleList):
+        return None
+    holding = [i for i, c in enumerate(containers) if isinstance(getattr(c, attr, None), torch.nn.ModuleList)]
+    if [int(q[-2]) for q in parts] != holding:
+        return None
+    if any(list_uses(type(c), [attr])[attr].loops for c in containers):
+        return None  # a container that runs its own blocks: not this case
+    uses = list_uses(type(transformer), [outer])[outer]
+    iterated = uses.loops or [e for e in uses.element_attrs if ": for " in e]
+    return (outer, attr) if iterated else None
+
+
+def _container_problem(report: ArchReport, bl, pattern: str) -> str:
+    """Why a list of a never-called container cannot be cached through a stand-in owner ('' when it
+    can): that loop is not folded, so the loop must do no work of its own per block and call each
+    block as cache-dit calls its cached unit: the streams first, positionally, in the pattern's order."""
+    from ..arch.patterns import PATTERNS
+
+    if report.loop_extra_work:
+        return ("the loop does work of its own per block, and a loop over the blocks of never-called containers "
+                "is not folded")
+    call, (ins, outs) = bl.call, PATTERNS[pattern]
+    if call is None or call.outputs != len(outs) or list(call.output_roles) != list(outs):
+        return f"its traced call does not return {list(outs)}"
+    if call.varying_arguments:
+        return f"the loop passes each block its own {call.varying_arguments[:3]}, which an unfolded unit cannot"
+    for k, role in enumerate(ins):
+        name = call.positional[k] if k < len(call.positional) else None
+        if name is None or call.input_shapes.get(name) != call.output_shapes[list(outs).index(role)]:
+            return (f"the loop does not pass the {role} stream as positional argument {k} (traced: positional "
+                    f"{call.positional}, keywords {call.keywords}): cache-dit's unit takes the streams first")
+    return ""
+
+
+def _container_plans(report: ArchReport, transformer, containers: tuple[str, str], uncached: list[str]) -> list:
+    """The plans of the lists of never-called containers (``container_lists``), unfolded."""
+    plans = []
+    for bl in report.block_lists:
+        plan = _unfolded_plan(bl, transformer)
+        why = plan if isinstance(plan, str) else _container_problem(report, bl, plan.pattern)
+        if why:
+            uncached.append(f"{bl.path}: {why}")
+            continue
+        plan.reason = ((plan.reason + "; ") if plan.reason else "") + (
+            f"held by a container the transformer never calls (its code iterates self.{containers[0]}): cache-dit "
+            f"swaps each container's {containers[1]} through a stand-in owner while the transformer's forward runs")
+        plans.append(plan)
+    return plans
+
+
 def _unfolded_plan(bl, transformer) -> "BlockListPlan | str":
     """The plan for a list cache-dit runs as it is, or why no forward pattern fits it."""
     pattern = _pattern_from_report(bl)
@@ -227,16 +327,20 @@ def _folded_plan(transformer, path: str, fold: LoopFold, reasons: list[str]) -> 
                          fold.pattern, True, fold.to_dict(), "; ".join(reasons) or "forced")
 
 
-def _unfolded_or_renamed(bl, transformer, fold: LoopFold | None, folds: list, info: AdapterInfo):
+def _unfolded_or_renamed(bl, transformer, fold: LoopFold | None, folds: list, info: AdapterInfo,
+                         owner=None, rel: str | None = None):
     """The unfolded plan; where no pattern matches the blocks by name but ditbook's own fold can
     rename and reorder their streams, the folded plan (the folded block takes what cache-dit
-    passes); else why the list cannot be cached as it is."""
+    passes); else why the list cannot be cached as it is. ``owner``/``rel``: the module running
+    the loop and the list's path in it (default: the transformer and the list's path)."""
     plan = _unfolded_plan(bl, transformer)
     if isinstance(plan, str) and fold is not None:
         why = [f"{plan}; folded, the loop body renames and reorders the streams"]
         folds.append(fold)
         info.functor_reasons += why
-        return _folded_plan(transformer, bl.path, fold, why)
+        folded = _folded_plan(owner if owner is not None else transformer, rel or bl.path, fold, why)
+        folded.path = bl.path
+        return folded
     return plan
 
 
@@ -248,12 +352,56 @@ def _try_plan_fold(tcls, path: str) -> tuple[LoopFold | None, str]:
         return None, str(exc)
 
 
+def _assigned_from_block(fold: LoopFold) -> list[str]:
+    """The names the loop body assigns the block call's outputs to, in order (``context, x = block(...)``)."""
+    import ast
+    import textwrap
+
+    try:
+        tree = ast.parse(textwrap.dedent(fold.body_source))
+    except SyntaxError:
+        return []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and any(isinstance(c, ast.Call) and isinstance(c.func, ast.Name)
+                                                and c.func.id == fold.block_var for c in ast.walk(node.value)):
+            target = node.targets[0]
+            names = target.elts if isinstance(target, (ast.Tuple, ast.List)) else [target]
+            return [n.id for n in names if isinstance(n, ast.Name)]
+    return []
+
+
+def orient_fold(fold: LoopFold | None, bl) -> LoopFold | None:
+    """The image stream first among the two names a fold carries: they come in the block call's
+    order, which is the text first where a loop runs ``context, x = block(context, x, ...)`` (the SD3.5
+    reference's joint blocks). Where the trace shows the block returns (encoder, hidden) and the loop
+    assigns them back to its names in that order, the fold carries them the other way round, so the
+    folded block takes and returns (hidden_states, encoder_hidden_states) as its pattern declares; before,
+    cache-dit cached the text as the hidden stream (and a last block returning no text gave None)."""
+    if fold is None or len(fold.carried) != 2 or bl.call is None:
+        return fold
+    if list(bl.call.output_roles) != ["encoder_hidden_states", "hidden_states"]:
+        return fold
+    for variant in fold.variants:
+        if _assigned_from_block(variant) == variant.carried:
+            variant.carried = variant.carried[::-1]
+    return fold
+
+
 def _override_patterns(plans: list, overrides: dict) -> None:
     """Set the forward pattern of the listed block lists (deliberately wrong adapters in tests)."""
     for p in plans:
         if p.path in overrides:
             p.pattern = overrides[p.path]
             p.reason = "overridden (deliberately)"
+
+
+def _owner_view(transformer, report: ArchReport, info: AdapterInfo):
+    """The module whose forward runs the loops (the transformer, or a network it holds as an
+    attribute: ``info.owner``), each list's path in it, and how that module's code uses them."""
+    info.owner = loop_owner(transformer, [b.path for b in report.block_lists])
+    owner = _get(transformer, info.owner)
+    rel = {b.path: b.path[len(info.owner) + 1:] if info.owner else b.path for b in report.block_lists}
+    return owner, rel, list_uses(type(owner), list(rel.values()))
 
 
 def generate_adapter_source(pipe, report: ArchReport, model: str, *, force_fold: bool | None = None,
@@ -270,15 +418,21 @@ def generate_adapter_source(pipe, report: ArchReport, model: str, *, force_fold:
     if not report.block_lists:
         raise CacheRefused(f"inspection found no block list in {tcls.__name__} (no ModuleList whose modules "
                            f"the forward calls and that run attention): nothing for a block cache to skip")
-    uses = list_uses(tcls, [b.path for b in report.block_lists])
+    owner, rel, uses = _owner_view(transformer, report, info)
+    ocls = type(owner)
     uncached: list[str] = []
-    for bl in report.block_lists:
-        u = uses[bl.path]
-        unsafe = _list_problem(bl.path, u, tcls)
+    nested = None if info.owner or force_fold else container_lists(transformer, list(rel.values()))
+    if nested:
+        info.containers = list(nested)
+        plans = _container_plans(report, transformer, nested, uncached)
+    for bl in report.block_lists if not nested else ():
+        u = uses[rel[bl.path]]
+        unsafe = _list_problem(rel[bl.path], u, ocls)
         if unsafe:
             uncached.append(f"{bl.path}: {unsafe}")
             continue
-        fold, fold_problem = _try_plan_fold(tcls, bl.path)
+        fold, fold_problem = _try_plan_fold(ocls, rel[bl.path])
+        fold = orient_fold(fold, bl)
         reasons, unsafe = _fold_reasons(report, bl, u, fold, fold_problem)
         if unsafe:
             uncached.append(f"{bl.path}: {unsafe}")
@@ -291,10 +445,12 @@ def generate_adapter_source(pipe, report: ArchReport, model: str, *, force_fold:
             continue
         if do_fold:
             folds.append(fold)
-            plans.append(_folded_plan(transformer, bl.path, fold, reasons))
+            plans.append(_folded_plan(owner, rel[bl.path], fold, reasons))
+            plans[-1].path = bl.path
             info.functor_reasons += reasons
         else:
-            plan = _unfolded_or_renamed(bl, transformer, fold if force_fold is None else None, folds, info)
+            plan = _unfolded_or_renamed(bl, transformer, fold if force_fold is None else None, folds, info,
+                                        owner, rel[bl.path])
             if isinstance(plan, str):
                 uncached.append(f"{bl.path}: {plan}")
                 continue
@@ -302,6 +458,12 @@ def generate_adapter_source(pipe, report: ArchReport, model: str, *, force_fold:
         if u.conditional:
             plans[-1].reason += ("; the code also reads the list outside its loop in an optional mode, which is "
                                  "unsafe with the cache on: " + "; ".join(u.conditional[:2]))
+    return _finished_source(info, plans, folds, uncached, tcls, ocls, model, pattern_overrides)
+
+
+def _finished_source(info: AdapterInfo, plans: list, folds: list, uncached: list[str], tcls, ocls, model: str,
+                     pattern_overrides: dict | None) -> tuple[str, AdapterInfo]:
+    """The decisions recorded in ``info`` and the adapter module's text; refused without a plan."""
     info.uncached = uncached
     if not plans:
         raise CacheRefused("no block list of " + tcls.__name__ + " can be cached safely: " + "; ".join(uncached))
@@ -312,7 +474,7 @@ def generate_adapter_source(pipe, report: ArchReport, model: str, *, force_fold:
     info.module_name = f"adapter_{model}".replace("-", "_").replace(".", "_")
     from .. import __version__
 
-    return adapter_module_source(tcls, info, folds, __version__), info
+    return adapter_module_source(ocls, info, folds, __version__), info
 
 
 class _AdapterFileLoader(importlib.machinery.SourceFileLoader):
@@ -460,12 +622,19 @@ class CacheAdapter:
         info = AdapterInfo(model=module.__name__, transformer_class=module.TRANSFORMER_CLASS,
                            pipeline_class=module.PIPELINE_CLASS, has_separate_cfg=module.HAS_SEPARATE_CFG,
                            patch_functor=functors[0] if functors else None, used=used,
-                           cache_dit_registered=cache_dit_registered(pipe), module_name=Path(module.__file__).stem)
+                           cache_dit_registered=cache_dit_registered(pipe), module_name=Path(module.__file__).stem,
+                           owner=getattr(module, "OWNER", ""), containers=list(getattr(module, "CONTAINERS", ())))
         for path, pattern in module.BLOCK_LISTS:
             blocks = _get(pipe.transformer, path)
-            block_class = folded[path].__name__ if path in folded else type(blocks[0]).__name__
-            info.block_lists.append(BlockListPlan(path, len(blocks), block_class, pattern, path in folded))
+            rel = path[len(info.owner) + 1:] if info.owner else path  # FOLDED is keyed in the owner
+            block_class = folded[rel].__name__ if rel in folded else type(blocks[0]).__name__
+            info.block_lists.append(BlockListPlan(path, len(blocks), block_class, pattern, rel in folded))
         return cls(pipe, report, info, module, module_text(module))
+
+    def owner_module(self):
+        """The module whose forward runs the loops (``info.owner``): the transformer, or the network
+        it holds as an attribute; cache-dit and the patch functor work on it."""
+        return _get(self.pipe.transformer, self.info.owner)
 
     # --- the patch functor -------------------------------------------------------------
     def patch(self):
@@ -474,7 +643,7 @@ class CacheAdapter:
         ``_is_patched``: then the blocks would not be the loop bodies whose patterns the plan
         declares, so that is an error, never a silent no-op."""
         if self.info.patch_functor:
-            transformer = self.pipe.transformer
+            transformer = self.owner_module()
             getattr(self.module, self.info.patch_functor)().apply(transformer)
             if not getattr(transformer, "_ditbook_folded", False):
                 raise FoldError(f"the loop fold of {type(transformer).__name__} was not applied: the instance is "
@@ -484,7 +653,7 @@ class CacheAdapter:
 
     def unpatch(self):
         if self.module is not None:
-            self.module.unpatch(self.pipe.transformer)
+            self.module.unpatch(self.owner_module())
         return self
 
     @contextlib.contextmanager
@@ -593,9 +762,41 @@ def cache_dit_adapter_builds(pipe) -> bool:
     if cache_dit_registered(pipe) is None:
         return False
     try:
-        return cache_dit.BlockAdapterRegister.get_adapter(pipe, skip_post_init=True) is not None
+        theirs = cache_dit.BlockAdapterRegister.get_adapter(pipe, skip_post_init=True)
     except Exception:  # noqa: BLE001 - their factory assumes attributes this model does not have
         return False
+    return theirs is not None and declared_patterns_fit(theirs)
+
+
+def declared_patterns_fit(block_adapter) -> bool:
+    """Every block list of a cache-dit ``BlockAdapter`` has blocks whose forward takes the inputs its
+    declared pattern passes by name (what cache-dit asserts when the cache is enabled: "No block
+    forward pattern matched"). A registration found by pipeline-name prefix builds on a third-party
+    model with a ``blocks`` list too (the Wan2.1 reference code's ``WanPipeline`` around its own
+    ``WanModel``, whose blocks take ``x``), yet its pattern does not fit. Not judged (True) where the
+    registration applies a patch functor (it may rename the inputs) or nests its lists."""
+    import inspect as _inspect
+
+    import torch
+
+    if block_adapter.patch_functor is not None:
+        return True
+    blocks = block_adapter.blocks if isinstance(block_adapter.blocks, list) else [block_adapter.blocks]
+    patterns = (block_adapter.forward_pattern if isinstance(block_adapter.forward_pattern, list)
+                else [block_adapter.forward_pattern] * len(blocks))
+    for group, pattern in zip(blocks, patterns):
+        if isinstance(group, list) or isinstance(pattern, list) or group is None or not len(group):
+            continue
+        block = group[0]
+        inner = getattr(block, "block", None)  # cache-dit checks a wrapped block's inner one
+        block = inner if isinstance(inner, torch.nn.Module) else block
+        try:
+            params = set(_inspect.signature(block.forward).parameters)
+        except (TypeError, ValueError):
+            continue
+        if not set(getattr(pattern, "In", ())) <= params:
+            return False
+    return True
 
 
 def compare_with_registered(pipe, info: AdapterInfo) -> list[str]:
@@ -652,7 +853,7 @@ def build_cache_adapter(pipe, report: ArchReport, model: str | None = None, *, w
                                            pattern_overrides=pattern_overrides)
     info.cache_dit_registered = cache_dit_registered(pipe)
     path = Path(write_to) / f"{info.module_name}.py" if write_to else None
-    module = import_adapter_module(source, path, info.module_name, transformer=pipe.transformer)
+    module = import_adapter_module(source, path, info.module_name, transformer=_get(pipe.transformer, info.owner))
     if info.cache_dit_registered:
         info.differences = compare_with_registered(pipe, info)
         if prefer_registered and pattern_overrides is None and force_fold is None:

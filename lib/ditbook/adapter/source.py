@@ -190,6 +190,9 @@ def _constants(info, folded: dict[str, str]) -> list[str]:
     return [
         f"PIPELINE_CLASS = {info.pipeline_class!r}",
         f"TRANSFORMER_CLASS = {info.transformer_class!r}",
+        f"OWNER = {getattr(info, 'owner', '')!r}  # the module whose forward runs the loops ('': the transformer)",
+        f"CONTAINERS = {tuple(getattr(info, 'containers', []) or ())!r}  # (containers, attribute): lists of "
+        "never-called containers",
         f"BLOCK_LISTS = {lists!r}  # (attribute path, cache-dit ForwardPattern)",
         f"HAS_SEPARATE_CFG = {info.has_separate_cfg!r}  # CFG runs as a second transformer call per step",
         "# for diffusers' hooks: block class -> (hidden_states index, encoder_hidden_states index) of its output",
@@ -263,10 +266,13 @@ def adapter_module_source(tcls, info, folds: list[LoopFold], version: str) -> st
         names = ModelNames(_reserved(tcls, info, folds, functor))
         body += _fold_pieces(tcls, folds, functor, names)
         lines += [""] + names.lines()
+    elif getattr(info, "containers", None):
+        body += ["FOLDED = {}  # no loop is folded", _CONTAINER_OWNERS.rstrip()]
+        lines += ["", "import types", "", "import torch"]
     else:
         body += ["FOLDED = {}  # no loop is folded", "", "", "def unpatch(transformer):",
                  '    """Nothing to undo: this adapter has no patch functor."""', "    return transformer"]
-    body += _registration(info, functor)
+    body += _container_registration(info) if getattr(info, "containers", None) else _registration(info, functor)
     return "\n".join(lines + body) + "\n"
 
 
@@ -275,7 +281,7 @@ def _reserved(tcls, info, folds: list[LoopFold], functor: str) -> dict[str, obje
     import cache_dit
     import torch
 
-    own = {n: _OWN for n in ("PIPELINE_CLASS", "TRANSFORMER_CLASS", "BLOCK_LISTS", "HAS_SEPARATE_CFG",
+    own = {n: _OWN for n in ("PIPELINE_CLASS", "TRANSFORMER_CLASS", "OWNER", "CONTAINERS", "BLOCK_LISTS", "HAS_SEPARATE_CFG",
                              "DIFFUSERS_BLOCK_OUTPUTS", "FOLDED", "FOLDED_METHODS", "CarriedNotTensor", "_get",
                              "unpatch", functor, adapter_function_name(info.pipeline_class), "annotations")}
     own.update({_body_function_name(f, v): _OWN for f in folds for v in f.variants})
@@ -389,12 +395,96 @@ def _registration(info, functor: str | None) -> list[str]:
             f'    """{info.pipeline_class}: {len(info.block_lists)} block list(s) of {info.transformer_class}."""',
             "    return BlockAdapter(",
             "        pipe=pipe,",
-            "        transformer=pipe.transformer,",
+            f"        transformer=pipe.transformer{'.' + info.owner if getattr(info, 'owner', '') else ''},",
             f"        blocks=[{blocks}],",
             f"        forward_pattern=[{patterns}],",
             f"        patch_functor={functor + '()' if functor else 'None'},",
             f"        has_separate_cfg={info.has_separate_cfg!r},",
             "        check_forward_pattern=True,",
+            "        **kwargs,",
+            "    )"]
+
+
+_CONTAINER_OWNERS = '''
+
+
+class ContainerOwner(torch.nn.Module):
+    """Stands in for a container the transformer never calls (it runs the container's block list in
+    its own loop): cache-dit swaps the list on this owner while the owner's forward runs, and the swap
+    lands on the container; the forward runs the next owner, the last one the transformer's own forward."""
+
+    def __init__(self, container, name, following):
+        super().__init__()
+        object.__setattr__(self, "_container", container)  # not submodules: no cycle, no second copy
+        object.__setattr__(self, "_name", name)
+        object.__setattr__(self, "_following", following)
+
+    def __getattr__(self, name):
+        if name == self.__dict__.get("_name"):
+            return getattr(self.__dict__["_container"], name)
+        return super().__getattr__(name)
+
+    def __setattr__(self, name, value):
+        if name == self.__dict__.get("_name"):
+            return setattr(self._container, name, value)
+        return super().__setattr__(name, value)
+
+    def __delattr__(self, name):
+        if name == self.__dict__.get("_name"):
+            return delattr(self._container, name)
+        return super().__delattr__(name)
+
+    def forward(self, *args, **kwargs):
+        return self._following(*args, **kwargs)
+
+
+def container_owners(transformer):
+    """One ContainerOwner per container, chained: the transformer's forward (on this instance) runs
+    the first; built once per instance, taken off by ``unpatch``."""
+    if "_ditbook_container_owners" in transformer.__dict__:
+        return transformer.__dict__["_ditbook_container_owners"]
+    outer, name = CONTAINERS
+    following, owners = transformer.forward, []
+    for container in reversed([c for c in _get(transformer, outer) if isinstance(getattr(c, name, None), torch.nn.ModuleList)]):
+        following = ContainerOwner(container, name, following)
+        owners.insert(0, following)
+    object.__setattr__(transformer, "_ditbook_container_owners", owners)
+    object.__setattr__(transformer, "forward", types.MethodType(lambda self, *a, **k: owners[0](*a, **k), transformer))
+    return owners
+
+
+def _get(obj, path):
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def unpatch(transformer):
+    """Take the container owners off one transformer instance (its own forward back)."""
+    if transformer.__dict__.pop("_ditbook_container_owners", None) is not None:
+        transformer.__dict__.pop("forward", None)
+    return transformer
+'''
+
+
+def _container_registration(info) -> list[str]:
+    """The registration function for lists of never-called containers: one stand-in owner each."""
+    outer, name = info.containers
+    patterns = ", ".join(f"[ForwardPattern.{p.pattern}]" for p in info.block_lists)
+    return ["", "",
+            f"@BlockAdapterRegister.register({info.pipeline_class!r})",
+            f"def {adapter_function_name(info.pipeline_class)}(pipe, **kwargs) -> BlockAdapter:",
+            f'    """{info.pipeline_class}: the {name} of each of self.{outer} of {info.transformer_class}."""',
+            "    owners = container_owners(pipe.transformer)",
+            "    return BlockAdapter(",
+            "        pipe=pipe,",
+            "        transformer=owners,",
+            f"        blocks=[[getattr(o, {name!r})] for o in owners],",
+            f"        blocks_name=[[{name!r}] for _ in owners],",
+            f"        forward_pattern=[{patterns}],",
+            "        patch_functor=None,",
+            f"        has_separate_cfg={info.has_separate_cfg!r},",
+            "        check_forward_pattern=False,  # the loop passes the streams positionally (checked by ditbook)",
             "        **kwargs,",
             "    )"]
 

@@ -56,7 +56,8 @@ def shaped_projections(m: nn.Module) -> dict:
     """q/k/v recognised by shape, whatever their names: three or more direct Linear children
     reading the same width where two of them (query and key) write the same width; or one
     direct Linear writing three times its input width (a fused qkv) next to a Linear that
-    reads the same width (the output projection; an MLP's down projection reads the wide one)."""
+    maps that width onto itself (the output projection; an MLP's down projection reads the wide one,
+    a gated MLP's gate writes it)."""
     lins = _linear_children(m)
     by_in: dict[int, list[nn.Linear]] = {}
     for _, lin in lins:
@@ -69,8 +70,10 @@ def shaped_projections(m: nn.Module) -> dict:
                     rest = [g for g in group if g is not q and g is not same[0]]
                     return {"q": q, "k": same[0], "v": rest[0]}
     for _, lin in lins:
+        # the output projection maps the width back onto itself; a SwiGLU gate reading the same width
+        # writes the wide one (minRF's FeedForward: hidden 3 x dim at a small width is no fused qkv)
         if lin.out_features == 3 * lin.in_features and any(
-                o is not lin and o.in_features == lin.in_features for _, o in lins):
+                o is not lin and o.in_features == lin.in_features == o.out_features for _, o in lins):
             return {"qkv": lin}
     return {}
 

@@ -11,12 +11,16 @@ from typing import Any, Callable
 
 
 def first_block(transformer):
-    """The first block of the first non-empty ``nn.ModuleList`` child of the transformer."""
+    """The first block of the outermost non-empty ``nn.ModuleList`` of the transformer: a direct
+    child, else one level further down (a network held as an attribute of a ModelMixin wrapper,
+    ``self.net.blocks``), the first in registration order at the smallest depth."""
     import torch.nn as nn
 
-    for name, child in transformer.named_children():
-        if isinstance(child, nn.ModuleList) and len(child) > 0:
-            return f"{name}.0", child[0]
+    lists = [(name.count("."), name, m) for name, m in transformer.named_modules()
+             if name and isinstance(m, nn.ModuleList) and len(m) > 0]
+    if lists:
+        _, name, blocks = min(lists, key=lambda t: t[0])
+        return f"{name}.0", blocks[0]
     raise ValueError(f"{type(transformer).__name__} has no nn.ModuleList of blocks")
 
 

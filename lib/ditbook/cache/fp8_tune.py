@@ -6,7 +6,7 @@ held-out, fp8 alone 32.0 dB, the two together 27.3 dB against a 30 dB gate). So 
 again with fp8 applied, and every figure of that search is the combined error:
 
 1. which layers: each block linear fp8 can take, ranked by how much it alone changes the
-   transformer's output (``benchmark.fp8.layer_sensitivity``, on the transformer calls of one
+   transformer's output (``accel.fp8.layer_sensitivity``, on the transformer calls of one
    calibration case) — measured on the model, never chosen by name; measured only when a share
    that keeps layers is tried (at the FLUX.1-dev shape the ranking of its 494 block linears took
    about two minutes of an H200, and with every layer in fp8 the first share often passes);

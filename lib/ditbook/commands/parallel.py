@@ -110,7 +110,7 @@ def static_refusal(card, plans: list[str]) -> list[str]:
         for kind, n in (("ulysses", spec.ulysses), ("tp", spec.tp)):
             if n > 1 and heads and heads % n:
                 out.append(f"{p}: not feasible — {heads} attention heads are not divisible by {kind} {n}")
-        if spec.vae > 1:  # the VAE's decoder, built on the meta device (parallel.vae)
+        if spec.vae > 1:  # the VAE's decoder, built on the meta device (accel.vae)
             from ..accel.vae import vae_facts
 
             problem, rows = vae_facts(card.path, card.generation.height)

@@ -122,7 +122,7 @@ class AttentionRoute:
     # module-name prefixes (the block lists whose tokens a CP plan splits) whose SDPA calls go
     # through the CP attention; None: every routed module. A module outside them (a text
     # refiner, a pooling attention over the text) runs on whole sequences on every rank: an
-    # all-to-all there would mix unsplit sequences (set by ``parallel.cp_scope``)
+    # all-to-all there would mix unsplit sequences (set by ``cp.scope``)
     cp_scope: list[str] | None = None
     wraps: WrapGroup = field(default_factory=lambda: WrapGroup(ROUTE_WRAP), repr=False, compare=False)
 

@@ -129,10 +129,22 @@ def cached_block_units(transformer) -> dict[str, torch.nn.Module]:
                     if callable(inner_fn) and not isinstance(inner_fn, torch.nn.Module):
                         walk(inner_fn, depth + 1)
 
-    walk(transformer.__dict__.get("forward"), 0)
-    if not found:
+    # the modules cache-dit was handed: the transformer, a network it holds (``adapter.build``'s owner,
+    # whose lists are named in it) or the stand-in owners of never-called containers; names by the
+    # transformer's paths
+    paths = {id(m): n for n, m in transformer.named_modules()}
+    roots = [("", transformer)] + [(n, m) for n, m in transformer.named_modules()
+                                   if n and "forward" in m.__dict__ and getattr(m, "_is_cached", False)]
+    roots += [(paths.get(id(o.__dict__.get("_container")), ""), o)
+              for o in transformer.__dict__.get("_ditbook_container_owners") or ()]
+    units = {}
+    for prefix, module in roots:
+        found.clear()
+        walk(module.__dict__.get("forward"), 0)
+        units.update({f"{prefix}.{name}" if prefix else name: unit for name, unit in found.items()})
+    if not units:
         raise CacheSplitError("cache-dit's cached block units were not found on this transformer's forward")
-    return found
+    return units
 
 
 def split_at_cached_units(transformer, plan: dict, facts: dict) -> tuple[dict, dict[str, torch.nn.Module], dict]:

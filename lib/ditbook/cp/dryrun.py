@@ -518,6 +518,9 @@ def _split_hooks(key: str, spec: dict, module, world: _World):
                 i = params.index(name)
                 val, put = a[i], (lambda v, _i=i: a.__setitem__(_i, v))
             else:
+                if "[" in name and world.state().rank == 0:  # bound from ``*args`` (``sharding.bind_inputs``)
+                    world.run.skipped.append(f"'{name}' at '{key or '<transformer>'}': an element of *{name.split('[')[0]}, "
+                                             f"which cache-dit's split hooks cannot name: not split")
                 continue
             where = f"'{name}' at '{key or '<transformer>'}'"
             if isinstance(val, torch.Tensor):
@@ -930,8 +933,11 @@ def _unsplit_axis(shapes, after, counts, degree):
     plan left unsplit (rank 0 holds not its share: ``shard_sizes``), else None."""
     for i, s in enumerate(shapes):
         g = after[i] if after and i < len(after) else None
-        for axis, n in enumerate(s[:-1]):  # never the last (feature) axis
-            if n in counts and (g is None or len(g) != len(s) or g[axis] != shard_sizes(n, degree)[0]):
+        axes = [axis for axis, n in enumerate(s[:-1]) if n in counts]  # never the last (feature) axis
+        if g is not None and len(g) == len(s) and any(g[a] == shard_sizes(s[a], degree)[0] < s[a] for a in axes):
+            continue  # split along its token axis: another axis that happens to be a token count long is not one
+        for axis in axes:
+            if g is None or len(g) != len(s) or g[axis] != shard_sizes(s[axis], degree)[0]:
                 return i, s, axis, g
     return None
 

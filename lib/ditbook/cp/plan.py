@@ -6,7 +6,7 @@ A plan maps module names to ``ContextParallelInput`` (split an input, or with
 ``split_output=True`` an output, along the sequence) and ``ContextParallelOutput`` (gather the
 sequence back). A plan is only useful if the blocks run on a shard of the sequence, so every
 split happens **before the first block** and the gather after the last one; what the blocks
-really received is measured on every run (``parallel.sharding``).
+really received is measured on every run (``cp.sharding``).
 
 Derivation, in named steps (no model names anywhere):
 
@@ -47,7 +47,7 @@ Derivation, in named steps (no model names anywhere):
 5. ``check_plan_sites``: every split site of a plan — derived, registered or read from a file —
    is a block or runs before the first block; a split at a module after the blocks, or a plan
    that splits nothing, raises ``PlanSiteError``.
-6. before any launch (``resolve_cp_plan``, ``parallel.cp_dryrun``): blocks that reshape the
+6. before any launch (``resolve_cp_plan``, ``cp.dryrun``): blocks that reshape the
    tokens into the full grid are refused; a one-process dry run of the plan shows what every
    main list's blocks would receive, and every input with a full-length token axis must be
    split with the tokens, the output must come back whole, and every rank simulated in one
@@ -82,7 +82,7 @@ class PlanDerivationError(RuntimeError):
 
 class PlanCheckError(PlanDerivationError):
     """A plan that would crash or compute the wrong thing on the ranks, found before launch
-    (``parallel.cp_dryrun``). ``final``: no other plan can help (the model itself is the reason)."""
+    (``cp.dryrun``). ``final``: no other plan can help (the model itself is the reason)."""
 
     final = False
 
@@ -502,17 +502,29 @@ def _token_inputs(lt: ListTrace) -> dict[str, list[int]]:
     return {k: v[0] for k, v in lt.inputs.items() if v and len(v) == 1 and len(v[0]) == 3}
 
 
-def _image_of(lt: ListTrace) -> str | None:
+def _image_of(lt: ListTrace, tr: ForwardTrace | None = None) -> str | None:
     three = _token_inputs(lt)
-    return next((k for k in three if _IMAGE_NAMES.match(k)), None) or next(
-        (k for k in three if not _TEXT_NAMES.search(k)), None)
+    named = next((k for k in three if _IMAGE_NAMES.match(k)), None)
+    if named:
+        return named
+    unnamed = [k for k in three if not _TEXT_NAMES.search(k)]
+    if len(unnamed) > 1 and tr is not None:
+        # streams passed without names (``block(context, x)`` into ``forward(self, *args, **kwargs)``: SD3.5's
+        # joint blocks bind them as args[0], args[1]): the image stream is the one the first module
+        # after the list takes on (the final layer), not the first one passed
+        after = next((c for c in tr.calls if c.order > lt.last_order
+                      and any(three[k] in c.inputs for k in unnamed)), None)
+        taken = [k for k in unnamed if after is not None and three[k] in after.inputs]
+        if len(taken) == 1:
+            return taken[0]
+    return unnamed[0] if unnamed else None
 
 
 def find_streams(tr: ForwardTrace, attention_kind: str | None = None) -> Streams:
     if not tr.lists:
         raise PlanDerivationError("the forward calls no block list (nn.ModuleList of blocks) to split the "
                                   "sequence for")
-    images = {n: _image_of(lt) for n, lt in tr.lists.items()}
+    images = {n: _image_of(lt, tr) for n, lt in tr.lists.items()}
     lengths = {n: _token_inputs(tr.lists[n])[p][1] for n, p in images.items() if p}
     if not lengths:
         desc = {n: lt.inputs for n, lt in tr.lists.items()}
@@ -547,7 +559,7 @@ def expected_lengths(tr: ForwardTrace, streams: Streams) -> dict[str, dict]:
     out = {}
     for name in streams.lists:
         lt = tr.lists[name]
-        param = streams.image if name == streams.lists[0] else _image_of(lt)
+        param = streams.image if name == streams.lists[0] else _image_of(lt, tr)
         if param is not None:
             out[name] = {"argument": param, "full": _token_inputs(lt)[param][1]}
     return out
@@ -1046,8 +1058,12 @@ def _last_list_streams(tr: ForwardTrace, st: Streams) -> Streams | None:
     if len(st.lists) < 2:
         return None
     last = max(st.lists, key=lambda n: tr.lists[n].last_order)
+    if any(sum(v[2] == st.image_shape[2] for v in _token_inputs(tr.lists[n]).values()) >= 2
+           for n in st.lists if n != last):
+        return None  # an earlier list takes image and text tokens (a dual-stream main list), not a refiner
+    # of one stream: left whole on every rank, it would be main work no rank splits
     lt = tr.lists[last]
-    img = _image_of(lt)
+    img = _image_of(lt, tr)
     shape = _token_inputs(lt).get(img) if img else None
     if shape is None or shape[1] <= st.s_img:
         return None
@@ -1114,7 +1130,7 @@ def resolve_cp_plan(transformer, capture=None, attention_kind: str | None = None
     planner is noted, never silently replaced), else a derived one. With ``capture()`` (giving
     the transformer call's (args, kwargs)) the plan is checked against a traced forward
     (``check_plan_sites``) and ``facts["sharding_expected"]`` says what each main block list must
-    receive (``parallel.sharding``). ``check(transformer, args, kwargs, plan, trace, streams,
+    receive (``cp.sharding``). ``check(transformer, args, kwargs, plan, trace, streams,
     degree) -> dict`` (``cp_dryrun.verify_before_launch``) judges the plan before any launch: a
     registered plan that fails it is noted and a derived one tried; the derived plan splitting the
     streams where they are made, then the one splitting them at the transformer's inputs; the

@@ -37,10 +37,18 @@ def _tensors(value) -> list[torch.Tensor] | None:
 def bind_inputs(module, args, kwargs) -> dict[str, Any]:
     """A call's arguments by parameter name (positional ones bound through the signature)."""
     try:
-        params = [p for p in inspect.signature(module.forward).parameters]
+        params = list(inspect.signature(module.forward).parameters.values())
     except (TypeError, ValueError):
         params = []
-    named = {(params[i] if i < len(params) else f"arg{i}"): a for i, a in enumerate(args)}
+    names, star = [], None
+    for p in params:  # positional names up to a ``*args`` (``forward(self, *args, **kwargs)``: SD3.5's blocks)
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            names.append(p.name)
+            continue
+        star = p.name if p.kind is p.VAR_POSITIONAL else None
+        break
+    named = {(names[i] if i < len(names) else f"{star}[{i - len(names)}]" if star else f"arg{i}"): a
+             for i, a in enumerate(args)}
     named.update(kwargs)
     return named
 

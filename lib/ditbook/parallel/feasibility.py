@@ -126,7 +126,7 @@ class ModelFacts:
     components: dict[str, str] = field(default_factory=dict)
     text_encoder_planners: set[str] = field(default_factory=set)
     vae_planners: set[str] = field(default_factory=set)
-    vae_problem: str | None = None  # why the VAE's decoder cannot be split (parallel.vae), read on meta
+    vae_problem: str | None = None  # why the VAE's decoder cannot be split (accel.vae), read on meta
     latent_height: int | None = None  # latent rows at the card's height
 
     def seq_reason(self, n: int) -> str | None:

@@ -31,7 +31,7 @@ def choose_plans(table: FeasibilityTable, nproc: int, wanted: list[str] | None =
     every ``+cache`` plan is then listed as not run with that reason, and the others go on.
 
     ``with_graph`` adds each feasible plan again as ``+compile+graph`` (regional compile, each
-    transformer call replayed as a CUDA graph: GPU only, see ``parallel.graphs``). ``present``
+    transformer call replayed as a CUDA graph: GPU only, see ``accel.graphs``). ``present``
     is the number of GPUs the ranks can use (``launch.ranks_present``; None on the CPU): a plan
     needing more is listed as not run, "needs 2 GPUs, 1 present", and never launched."""
     run, skipped = _choose_plans(table, nproc, wanted, with_cache, with_graph)

@@ -260,7 +260,10 @@ def apply_plan(pipe, card, spec, *, cfg_style: str | None, cp_plan_file: str | N
     handles: dict = {}
     own_ring = Ring.own(spec)
     if own_ring:  # ditbook's ring: the CP plan's split/gather hooks, attention sent round the ring
-        cp = _resolve_plan(pipe, card, spec, **plan_args)
+        # checked before launch like Ulysses' plans: the one-process simulation gives every rank's
+        # attention all the keys, which is what the ring computes (a table the plan leaves whole or
+        # splits twice is refused with its reason, not met as a reshape error in the ranks)
+        cp = _resolve_plan(pipe, card, spec, check=verify_before_launch, **plan_args)
         info["ring_modules"], recorder = apply_own_ring(tr, cp.plan, spec, noop=Ring.token in noop_kinds())
         handles[Ring.token] = Handle(recorder.remove, recorder.record)
     if spec.uses_cp and not own_ring:
@@ -304,7 +307,7 @@ class CacheRefused(RuntimeError):
 
 def cache_target(pipe, card):
     """What ``cache_dit.enable_cache`` is given: the pipeline where cache-dit's registered adapter
-    builds on it (``cache.adapter.cache_dit_adapter_builds``), else ditbook's generated adapter (``cache.build_cache_adapter`` on an inspection of
+    builds on it (``adapter.build.cache_dit_adapter_builds``), else ditbook's generated adapter (``cache.build_cache_adapter`` on an inspection of
     this pipeline) as a ``BlockAdapter``. Returns (target, which)."""
     from ..adapter.build import build_cache_adapter, cache_dit_adapter_builds
 
@@ -382,10 +385,20 @@ def _fresh_pipeline(card, placement, pristine):
         pristine = load_pipeline(card, placement)
         if sum(p.numel() for p in pristine.transformer.parameters()) > REUSE_LIMIT:
             return pristine, False
-        return copy.deepcopy(pristine), pristine
+        return _copied(pristine), pristine
     if pristine is False:
         return load_pipeline(card, placement), False
-    return copy.deepcopy(pristine), pristine
+    return _copied(pristine), pristine
+
+
+def _copied(pipe):
+    """A deep copy of ``pipe`` whose transformer's entry routes call the copy (a deep copy keeps the
+    original's, bound to the original: ``loading.route_entries``)."""
+    from ..loading import route_entries
+
+    out = copy.deepcopy(pipe)
+    route_entries(out.transformer)
+    return out
 
 
 def _finish_info(info: dict, pipe, spec) -> dict:
