@@ -157,9 +157,8 @@ def _may_supply(n: str, params, kwargs: dict, forbid: set) -> bool:
 
 
 def repair(exc: BaseException, kwargs: dict, make, forbid: set) -> tuple[dict, str] | None:
-    """New keyword inputs that address ``exc`` (or None when the error says nothing usable).
-    ``make(name, kwargs)`` builds a value for a parameter; ``forbid`` holds (name, fix) already
-    tried, so a repair is never repeated."""
+    """New keyword inputs that address ``exc`` (or None): the first fix of the rules in ``REPAIRS``;
+    ``make(name, kwargs)`` builds a value for a parameter."""
     msg = str(exc)
     params = set(kwargs) | set(getattr(make, "params", ()))
     for fix in REPAIRS:
@@ -254,9 +253,8 @@ _SAFE_KEY_NODES = (ast.Expression, ast.Name, ast.Constant, ast.Subscript, ast.At
 
 
 def missing_key(exc: BaseException) -> str | None:
-    """The string key a ``KeyError`` is about: the key a failing statement subscripts with
-    (``features["mask"]``); else the key of a failing frame's ``x = d.get(KEY)`` that gave None
-    (``KEY`` a name, constant or subscript, evaluated in that frame)."""
+    """The string key a ``KeyError`` is about: one a failing statement subscripts with, else that of a
+    failing frame's ``x = d.get(KEY)`` that gave None (``KEY`` evaluated in that frame)."""
     if not isinstance(exc, KeyError) or not exc.args or not isinstance(exc.args[0], str):
         return None
     key = exc.args[0]
@@ -297,9 +295,8 @@ def _per_token_like(exc, kwargs: dict) -> torch.Tensor | None:
 
 @rule
 def _missing_dict_key(exc, msg, kwargs, make, forbid, params):
-    """A ``KeyError`` for a named feature (``missing_key``) the forward reads from what it builds
-    out of its one dict input: that input gets the key, zeros like ``_per_token_like``. A key that
-    is a forward parameter is left to ``_supply_named``."""
+    """A ``KeyError`` for a named feature (``missing_key``, not a forward parameter) the forward reads
+    from its one dict input: that input gets the key, zeros like ``_per_token_like``."""
     model = getattr(make, "model", None)
     key = missing_key(exc)
     if model is None or key is None or key in params:
@@ -397,9 +394,8 @@ def _like_concatenated(exc, msg, kwargs, make, forbid, params):
 
 @rule
 def _size_mismatch(exc, msg, kwargs, make, forbid, params):
-    """Sizes ``a`` and ``b`` differ at dim ``d``: the input the failing frame holds takes the other.
-    An input of lower rank than the frame's largest takes part right-aligned (a ``(B, S)`` mask
-    against ``(B, H, S, S)`` scores)."""
+    """Sizes ``a`` and ``b`` differ at dim ``d``: the input the failing frame holds takes the other (a
+    lower-rank input right-aligned: a ``(B, S)`` mask against ``(B, H, S, S)`` scores)."""
     m = _SIZE.search(msg)
     if m:
         a, b, d = int(m.group(1)), int(m.group(2)), int(m.group(3))
@@ -426,9 +422,8 @@ _MASKED = re.compile(r"value tensor of shape \[([\d, ]*)\] cannot be broadcast t
 
 @rule
 def _masked_count(exc, msg, kwargs, make, forbid, params):
-    """``x[:, mask] = v`` whose mask selects another number of rows than ``v`` has: the boolean
-    input the mask expands from (``k`` positions per True) is True at its last ``rows / k``
-    positions (masked slots after the others, as tokens appended after a prompt)."""
+    """``x[:, mask] = v`` selecting another number of rows than ``v`` has: the boolean input the mask
+    expands from (``k`` positions per True) is True at its last ``rows / k`` positions."""
     m = _MASKED.search(msg)
     if not m:
         return None
@@ -466,9 +461,8 @@ def _grid_rows(val) -> list | None:
 
 @rule
 def _grid_token_count(exc, msg, kwargs, make, forbid, params):
-    """The error names a grid-list input whose token count (the sum of its grids' products) is one
-    number of the message and another number what the code counts elsewhere: the last grid's
-    leading (frames) axis takes the difference."""
+    """A grid-list input the error names whose token count (the sum of its grids' products) differs
+    from another number of the message: the last grid's frames axis takes the difference."""
     nums = [int(x) for x in re.findall(r"\b\d+\b", msg)]
     for name, val in kwargs.items():
         rows = _grid_rows(val)
@@ -510,9 +504,8 @@ def _computed_from(frame, size: int, kwargs: dict) -> list[str]:
 
 @rule
 def _repeats_length(exc, msg, kwargs, make, forbid, params):
-    """``repeat_interleave`` with one repeat count per position of an input of another length: the
-    input the counts are computed from takes that length (keeping its last positions, so a mask
-    True at its end stays so)."""
+    """``repeat_interleave`` counts for an input of another length: the input the counts are computed
+    from takes that length, keeping its last positions (a mask True at its end stays so)."""
     m = _REPEATS.search(msg)
     if not m:
         return None
@@ -619,9 +612,8 @@ def _grid_as_positions(exc, msg, kwargs, make, forbid, params):
 
 
 def missing_dependency(exc: BaseException) -> str | None:
-    """A ``NameError`` for a name the failing code's module imports only under a condition
-    (``if is_x_available(): from x import y``): the optional dependency is not installed and no
-    input can run the forward. The reason, or None."""
+    """The reason, when a ``NameError``'s name is imported by the failing module only under a
+    condition (``if is_x_available():``): the optional dependency is missing; else None."""
     if not isinstance(exc, NameError) or not getattr(exc, "name", None):
         return None
     frames = _model_frames(exc)
@@ -729,9 +721,8 @@ def _output_width(model) -> int | None:
 
 @rule
 def _split_concat_channels(exc, msg, kwargs, make, forbid, params):
-    """An embedding expecting C channels gets the noisy input concatenated with another input
-    (``torch.cat([cond, x], dim=-1)``): the noisy input (the forward's first) keeps the width of
-    the model's output, the other input takes the rest of C."""
+    """An embedding expecting C channels gets the noisy input (the forward's first) concatenated with
+    one other input: the noisy input keeps the model's output width, the other takes the rest of C."""
     m = _CHANNELS.search(msg)
     model = getattr(make, "model", None)
     first = getattr(make, "first", None)
@@ -830,9 +821,8 @@ def _input_held(exc, kwargs) -> list[tuple[str, torch.Tensor]]:
 
 @rule
 def _reshaped_last_dim(exc, msg, kwargs, make, forbid, params):
-    """A Linear (``mat1 (AxB and CxD)``) or a norm (``normalized_shape=[C] ... got [.., B]``) rejects
-    a reshape of an input (same element count, its last dim L folded ``B / L`` times into the row,
-    e.g. a patchify view): the input's last dim becomes ``L * C / B``."""
+    """A Linear or a norm rejects a reshape of an input (its last dim L folded ``B / L`` times into a
+    row of B, e.g. a patchify view) wanting width C: the input's last dim becomes ``L * C / B``."""
     m, n = _MATMUL.search(msg), _NORM_SHAPE.search(msg)
     if m:
         rows, b, c = int(m.group(1)), int(m.group(2)), int(m.group(3))
@@ -858,9 +848,8 @@ _TUPLE_DOC = re.compile(r"`?\(([\w ,]+)\)`? tuples")
 
 @rule
 def _iterated_tuples(exc, msg, kwargs, make, forbid, params):
-    """``for a, b in <input>`` unpacks each item of an input into N names: the input becomes a list
-    of one N-tuple; items named like a mask (by the loop or by the docstring's ``(encoding, mask)
-    tuples``) are ones of (batch, text), the others (batch, text, width) states."""
+    """``for a, b in <input>``: the input becomes a list of one N-tuple; items named like a mask (by
+    the loop or the docstring's ``(encoding, mask) tuples``) are (batch, text) ones, others states."""
     m = _UNPACK.search(msg)
     frames = _model_frames(exc)
     if not m or not frames:
@@ -1009,9 +998,8 @@ _NAME_NOISE = {"num", "hidden", "states", "n", "size", "len", "length", "of", "i
 
 
 def int_input_size(exc, kwargs: dict) -> tuple[str, int] | None:
-    """(name, size) when a size mismatch ``a`` vs ``b`` sets an int input equal to one side (a token
-    count: ``audio_num_frames``) against a tensor input with the other side on that axis that shares
-    a word of its name (``audio_hidden_states``): the int takes the tensor's size."""
+    """(name, size) when a size mismatch sets an int input (``audio_num_frames``) against a tensor
+    input sharing a word of its name (``audio_hidden_states``): the int takes the tensor's size."""
     m = _SIZE.search(str(exc))
     if not m:
         return None
@@ -1157,9 +1145,8 @@ STACK_MAX = 64  # entries a stacked input grows to at most
 
 
 def _subscripted_inputs(exc, kwargs: dict, d: int) -> list:
-    """(input name, tensor, axis) for each tensor input a failing statement subscripts (``x[k]``),
-    by its name or through a local that is the input or a row of it (then the axis is one further
-    in)."""
+    """(input name, tensor, axis) of each tensor input a failing statement subscripts (``x[k]``), by
+    name or through a local that is it or a row of it (then one axis further in)."""
     out = []
     for frame in reversed(_model_frames(exc)):
         for local in re.findall(r"(\w+)\s*\[", statement_text(frame)):
@@ -1178,9 +1165,8 @@ def _subscripted_inputs(exc, kwargs: dict, d: int) -> list:
 
 @rule
 def _stacked_entries(exc, msg, kwargs, make, forbid, params):
-    """``index i is out of bounds for dimension d with size s`` where the failing statement
-    subscripts an input (``x[k]``, a stack of per-layer states): it gets ``i + 1`` entries along
-    ``d`` (a new leading axis before a size-1 batch axis), one error at a time up to STACK_MAX."""
+    """``index i is out of bounds for dimension d`` on an input the failing statement subscripts: it
+    gets ``i + 1`` entries along ``d`` (a new axis before a size-1 batch axis), up to STACK_MAX."""
     m = _OUT_OF_BOUNDS.search(msg)
     if not m:
         return None
@@ -1209,9 +1195,8 @@ _NAMED_COUNT = re.compile(r"`(\w+)` \(([^)]*)\)[^`]*?\bgot \[?(\d+)")
 
 @rule
 def _stated_count(exc, msg, kwargs, make, forbid, params):
-    """A check whose message names a forward input, its value and the count the code got
-    (``exactly `seq_len` (8) tokens, got [32]``): the input becomes that count (an int where the
-    forward annotates an int)."""
+    """A check naming an input, its value and the count it got (``exactly `seq_len` (8) tokens, got
+    [32]``): the input becomes that count (an int where the forward annotates one)."""
     m = _NAMED_COUNT.search(msg)
     if not m or m.group(1) not in params or (m.group(1), "count", m.group(3)) in forbid:
         return None
@@ -1243,9 +1228,8 @@ def _index_count(text: str, name: str) -> int:
 
 @rule
 def _per_frame_values(exc, msg, kwargs, make, forbid, params):
-    """``too many indices for tensor of dimension k`` where the failing statement indexes an input
-    with more axes than it has (``timestep[:, -n:]``, one value per frame): each missing axis is
-    added with the grid's frame count, the values repeated along it."""
+    """An input indexed with more axes than it has (``timestep[:, -n:]``): each missing axis added
+    with the grid's frame count, the values repeated along it."""
     m = _TOO_MANY.search(msg)
     if not m:
         return None
@@ -1270,9 +1254,8 @@ def _per_frame_values(exc, msg, kwargs, make, forbid, params):
 
 
 def explain(exc: BaseException, model, kwargs: dict | None = None) -> str:
-    """A named reason for an error no repair addresses: a ``KeyError`` on the features a forward
-    builds from a dict input (named features of a running pipeline), or any error after the probe
-    filled keys of such an input (``_missing_dict_key``): their real shapes are unknown to it."""
+    """A named reason for an error no repair addresses: a ``KeyError`` on features built from a dict
+    input, or any error after the probe filled such an input's keys (their real shapes unknown)."""
     dicts = dict_inputs(model)
     filled = {n: list(v) for n, v in (kwargs or {}).items() if n in dicts and isinstance(v, dict) and v}
     if filled and not isinstance(exc, KeyError):
