@@ -5,12 +5,11 @@
 (the default schedule is sized for one H200: a few minutes; ``--device cpu``, the default, runs
 the same schedule but takes hours on 2 cores; ``--quick`` is a seconds-long schedule for tests).
 Three stages, seeded by ``--seed``:
-  1. render ``clips`` 9-frame 32x32 clips of a shape moving left/right/up/down
-     (``moving_shapes.py``) and train a small AutoencoderKLWan on them (causal 3D VAE, 4x in
-     space and time: 9x32x32 -> 3x8x8; reconstruction, the shape's pixels weighted up, + a
-     small KL term); register the
-     per-channel ``latents_mean`` / ``latents_std`` of its latents in its config, which
-     WanPipeline uses to un-normalize before decoding;
+  1. render ``clips`` 9-frame 32x32 clips of a shape moving left/right/up/down (``moving_shapes.py``)
+     and train a small AutoencoderKLWan on them (causal 3D VAE, 4x in space and time: 9x32x32 ->
+     3x8x8; reconstruction, the shape's pixels weighted up, + a small KL term); register the
+     per-channel ``latents_mean`` / ``latents_std`` of its latents in its config (WanPipeline
+     un-normalizes with them before decoding);
   2. encode each prompt once with the (random, frozen) UMT5 encoder;
   3. train the WanTransformer3DModel with rectified flow matching (x_t = (1-t) x0 + t noise,
      timestep 1000 t, target noise - x0: what the pipeline's Euler scheduler integrates), with
