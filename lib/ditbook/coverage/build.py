@@ -4,11 +4,13 @@
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import importlib
 import inspect
 import io
 import pkgutil
+import re
 import traceback
 
 import torch
@@ -29,9 +31,6 @@ OPTIONAL_SHAPE_DEFAULTS = {"in_channels": 4, "patch_size": 2, "sample_size": 8}
 
 class Refused(Exception):
     """ditbook (or the probe) declines this class, with a named reason."""
-
-
-
 
 
 def transformer_classes() -> list[type]:
@@ -111,10 +110,9 @@ def shrink_config(cls: type, factor: int, heads: int | None = None) -> dict:
             out[p.name] = type(d)(x * (head1 // sum(d)) for x in d)
     # widths that equal heads x head dim by default (an attention width fed from the inner
     # dim) keep doing so when a head cap changed the inner dim
-    heads0 = next((v.default for k, v in params.items() if _is_head_count(k) and "kv" not in k.lower()
-                   and isinstance(v.default, int) and v.default > 0), None)
-    heads1 = next((out.get(k) for k, v in params.items() if _is_head_count(k) and "kv" not in k.lower()
-                   and isinstance(v.default, int) and v.default > 0), None)
+    key = next((k for k, v in params.items() if _is_head_count(k) and "kv" not in k.lower()
+                and isinstance(v.default, int) and v.default > 0), None)
+    heads0, heads1 = (params[key].default, out.get(key)) if key else (None, None)
     if head0 and head1 and heads0 and heads1 and heads1 != heads0:
         for p in params.values():
             if isinstance(p.default, int) and not isinstance(p.default, bool) and p.default == head0 * heads0 \
@@ -137,10 +135,9 @@ def _kept_ties(params, out: dict) -> dict:
 
 
 def _even_rotary_axes(params, out: dict, head0, head1) -> dict:
-    """Rotary axes that sum to the head dim by default, each even (a rotary axis rotates pairs),
-    but that the shrink left odd or no longer summing to the new head dim: the default's
-    proportions rescaled to the new head dim, each rounded to an even size. Axes that define the
-    head dim (no head dim in the config) keep the sum the shrink gave them, each made even."""
+    """Even rotary axes (a rotary axis rotates pairs) the shrink left odd or no longer summing to
+    their share of the new head dim: the default's proportions rescaled to it, each rounded to an
+    even size; without a head dim in the config, the shrunk sum kept."""
     for p in params.values():
         d0 = p.default
         if not (("axes" in p.name.lower() or "rope" in p.name.lower()) and isinstance(d0, (tuple, list)) and d0
@@ -170,9 +167,8 @@ def _even_rotary_axes(params, out: dict, head0, head1) -> dict:
 
 
 def _tie_prefixed_widths(params, out: dict) -> None:
-    """Per attention of its own (``audio_num_attention_heads`` with ``audio_attention_head_dim``: one
-    name prefix), widths of that prefix that equal its heads x head dim by default (``audio_cross_
-    attention_dim``) keep doing so after shrinking."""
+    """Widths of an attention's own name prefix (``audio_``) equal to its heads x head dim by
+    default keep that tie after shrinking."""
     defaults = {k: v.default for k, v in params.items() if isinstance(v.default, int) and not isinstance(v.default, bool)}
     for hname in defaults:
         if not _is_head_count(hname) or "kv" in hname.lower() or "_" not in hname:
@@ -233,15 +229,9 @@ _GENERIC_TOKENS = {"num", "dim", "size", "of", "max", "n", "default"}
 def _init_usage(cls: type) -> dict[str, set]:
     """How ``cls.__init__``'s code uses each parameter: ``{"int-index", "str-index"}`` when it
     subscripts it with an int/str constant."""
-    import ast
-    import textwrap
-
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(cls.__init__))))
-    except (OSError, TypeError, SyntaxError):
-        return {}
+    _, node = ci._source_tree(cls.__init__)
     out: dict[str, set] = {}
-    for n in ast.walk(tree):
+    for n in ast.walk(node) if node is not None else ():
         if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) and isinstance(n.slice, ast.Constant):
             kind = "str-index" if isinstance(n.slice.value, str) else "int-index"
             out.setdefault(n.value.id, set()).add(kind)
@@ -264,10 +254,8 @@ def _similar_int(name: str, kwargs: dict, defaults: dict):
 
 
 def ctor_repair(cls: type, kwargs: dict, exc: BaseException) -> dict | None:
-    """Constructor keywords that address ``exc``: a parameter whose default is None but which the
-    constructor's failing line uses gets a value derived from how the code uses it (subscripted by
-    an int: a tuple; otherwise an int: the value of the most similarly named parameter, else the
-    latent-image default). None when the error names no such parameter."""
+    """Constructor keywords that address ``exc``: a parameter None by default that the failing line of
+    ``__init__`` uses gets a value from how the code uses it; None when the error names none."""
     sig = inspect.signature(cls.__init__).parameters
     defaults = {k: v.default for k, v in sig.items() if v.default is not inspect.Parameter.empty}
     frames = [f for f, _ in traceback.walk_tb(exc.__traceback__)]
@@ -281,7 +269,7 @@ def ctor_repair(cls: type, kwargs: dict, exc: BaseException) -> dict | None:
     for name, val in frame.f_locals.items():
         if val is not None or name not in defaults or defaults[name] is not None or name in kwargs:
             continue
-        if not __import__("re").search(rf"\b{name}\b", line):
+        if not re.search(rf"\b{name}\b", line):
             continue
         uses = usage.get(name, set())
         keys = _settings_keys(exc, frame, name)
@@ -299,8 +287,6 @@ def ctor_repair(cls: type, kwargs: dict, exc: BaseException) -> dict | None:
 def _unconditional_self_calls(fn) -> set[str]:
     """Attributes ``X`` the forward calls as ``self.X(...)`` in its top-level statements (not
     under a condition, a loop or a ``with``)."""
-    import ast
-
     _, node = ci._source_tree(fn)
     if node is None:
         return set()
@@ -318,8 +304,6 @@ def _unconditional_self_calls(fn) -> set[str]:
 def _init_gates(cls: type) -> dict[str, set]:
     """Per attribute ``X``: the constructor parameters a condition tests before the constructor
     sets ``self.X`` to something (``if flag: self.X = ...``, ``self.X = M(...) if flag else None``)."""
-    import ast
-
     _, node = ci._source_tree(cls.__init__)
     if node is None:
         return {}
@@ -344,11 +328,9 @@ def _init_gates(cls: type) -> dict[str, set]:
 
 
 def _with_called_submodules(cls: type, model, kwargs: dict):
-    """The instance, rebuilt with a constructor flag turned on when the forward calls
-    ``self.X(...)`` unconditionally but the defaults leave ``X`` None and a flag off by default
-    (False/0) is what the constructor tests before it builds ``X``: the defaults describe no
-    runnable model; the flag makes the one the forward expects. The instance as built when no
-    such flag is found or the rebuilt one fails to construct."""
+    """The instance rebuilt with the constructor flags (off by default) that gate building ``X``
+    turned on, when the forward always calls ``self.X(...)`` but the defaults leave ``X`` None; else
+    (no such flag, or the rebuild fails) the instance as built."""
     called = {a for a in _unconditional_self_calls(type(model).forward) if getattr(model, a, 0) is None}
     if not called:
         return model
@@ -372,11 +354,8 @@ def _with_called_submodules(cls: type, model, kwargs: dict):
 
 
 def _settings_keys(exc: BaseException, own, name: str) -> list[str]:
-    """String-constant keys that the constructor's frame ``own`` or a frame it called subscripts
-    its None local ``name`` with, anywhere in that frame's function (``rope_scaling["short_factor"]``
-    and ``rope_scaling["long_factor"]`` in a submodule's ``__init__``), in source order."""
-    import ast
-
+    """String keys that ``own`` or a frame it called subscripts its None local ``name`` with
+    (``rope_scaling["short_factor"]``), in source order."""
     frames = [f for f, _ in traceback.walk_tb(exc.__traceback__)]
     inner = frames[frames.index(own):] if own in frames else []
     keys: list[str] = []
@@ -393,9 +372,8 @@ def _settings_keys(exc: BaseException, own, name: str) -> list[str]:
 
 
 def tiny_instances(cls: type, ladder=LADDER, overrides: dict | None = None):
-    """Instances for each rung (width divisor, head cap) the constructor accepts, smallest
-    first, with ``overrides`` (constructor keywords the forward asked for, ``coverage.reconfig``)
-    set on every rung; Refused when none."""
+    """Instances for each rung (width divisor, head cap) the constructor accepts, smallest first,
+    with ``overrides`` (from ``coverage.reconfig``) on every rung; Refused when none."""
     errors = []
     built = False
     for f, heads in ladder:
@@ -439,9 +417,8 @@ _WIDTH_NAMES = ("hidden_size", "inner_dim", "hidden_dim", "dim", "width", "model
 
 
 def _tied_width_instance(cls: type, ladder=LADDER):
-    """(instance, factor) of the first rung with the model width set to heads x head dim, when
-    the class's defaults disagree (a width of 1152 next to 16 heads of 88): tried only after no
-    rung ran as the defaults say; None when the defaults agree or it does not build."""
+    """(instance, factor) of the first rung with the model width set to heads x head dim when the
+    defaults disagree (tried after no rung ran); None when they agree or it does not build."""
     sig = inspect.signature(cls.__init__).parameters
     for f, heads in ladder[:1]:
         kwargs = shrink_config(cls, f, heads)
@@ -460,8 +437,6 @@ def _tied_width_instance(cls: type, ladder=LADDER):
             return None
         return _with_called_submodules(cls, model.float().eval(), {**kwargs, width: head * n}), f
     return None
-
-
 
 
 def _summary(exc: BaseException) -> str:

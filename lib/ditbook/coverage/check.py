@@ -39,11 +39,6 @@ class ClassOutcome:
         return asdict(self)
 
 
-# --- discovery ---------------------------------------------------------------------------------
-
-
-# --- the stages' checks ------------------------------------------------------------------------
-
 def _perturbed(kwargs: dict, step: int, hidden_name: str) -> dict:
     """Step ``step`` of a slowly changing sequence: the image stream drifts by 0.1% a step and
     the timestep decreases."""
@@ -72,7 +67,6 @@ def _steps_pipeline(transformer, kwargs: dict, hidden_name: str):
             return outs
 
     return CoveragePipeline(transformer)
-
 
 
 def _refusal_types() -> tuple:
@@ -105,10 +99,8 @@ def check_class(cls: type, steps: int = STEPS, cp: bool = True) -> ClassOutcome:
 
 
 def _check_cache(cls: type, steps: int, row: ClassOutcome):
-    """Build, inspect, adapt and run caching off and on, filling ``row``; returns (model, inputs).
-
-    While it runs ``row.stage`` names the stage (a refusal or crash is reported there); it ends
-    with ``row.outcome`` "correct" (stage cleared) or "wrong" (stage kept)."""
+    """Build, inspect, adapt and run caching off and on, filling ``row`` (``row.stage`` names the
+    stage a refusal or crash happens in; "wrong" keeps it); returns (model, inputs)."""
     from .. import accel
     from ..adapter.build import build_cache_adapter
 
@@ -131,8 +123,7 @@ def _check_cache(cls: type, steps: int, row: ClassOutcome):
     row.stage = "cache-on"
     on_cfg = strat.Settings(Fn=1, Bn=0, threshold=1.0, max_warmup_steps=1)
     outs, record = _run_cached(pipe, adapter, strat, on_cfg, steps)
-    total = off[1].block_evals
-    ran = record.block_evals
+    total, ran = off[1].block_evals, record.block_evals
     row.skipped = f"{total - ran} of {total}"
     if not all(torch.isfinite(o).all() for o in outs):
         row.outcome, row.reason = "wrong", "caching on gave non-finite outputs"

@@ -1,22 +1,14 @@
-"""``coverage_cp``: does context parallel really work on a bare transformer?
+"""``coverage_cp``: does context parallel really work on a bare transformer? For the coverage
+table: the registered or derived plan (``cp.plan.resolve_cp_plan``), checked before launch
+(``cp.dryrun.verify_before_launch``; a caller's plan runs as given), is EXECUTED on 2 forked gloo
+processes on the CPU (file rendezvous, CP attention only inside the split block lists), each rank
+recording what its blocks received; rank 0's output is compared with the one-process output.
+All-zero parameters are filled first, so zero-initialised gates cannot make the parity vacuous.
 
-For the coverage table (one row per transformer class): take the registered plan or derive one
-(``cp_plan.resolve_cp_plan``), then EXECUTE it in a 2-process gloo run on the CPU (two forked
-processes, so the transformer needs no pickling), each rank recording what its blocks received
-(``sharding.BlockInputRecorder``), and compare rank 0's output with the one-process output.
-
-Before the launch the plan passes ``cp_dryrun.verify_before_launch`` (blocks that reshape the
-tokens into the grid, a one-process dry run, every full-length token axis split, the output
-whole); a plan given by the caller runs as given. All-zero parameters of the (forked) instance
-are filled first, so that zero-initialised gates cannot make the parity vacuous. The ranks meet
-through a file rendezvous (no TCP port to race for) and only the attention inside the split
-block lists runs as CP attention (``cp_scope``).
-
-Outcome: ``correct`` (split verified: every main block list got ``S / degree`` tokens on every
-rank, and the output matches), ``refused`` (no plan can be made, the plan splits after the
-blocks, or it fails the checks before launch; the named reason), ``wrong`` (it ran but did not
-split, or the output differs), ``crash`` (a rank raised or did not finish: each rank's own error
-and where it was raised, a peer's lost connection last).
+Outcome: ``correct`` (every main block list got ``S / degree`` tokens on every rank and the output
+matches), ``refused`` (no plan, or it fails the checks before launch), ``wrong`` (it ran but did
+not split, or the output differs), ``crash`` (a rank raised or did not finish: each rank's own
+error first, a peer's lost connection last).
 """
 
 from __future__ import annotations
@@ -43,6 +35,11 @@ def _output(out) -> torch.Tensor:
     if got is None:
         raise TypeError(f"the transformer's output ({type(out).__name__}) holds no tensor to compare")
     return got
+
+
+def _failed(outcome: str, reason: str, **extra) -> dict:
+    """The result of a run that produced no sharding record."""
+    return {"outcome": outcome, "reason": reason, "seq_lens": None, "source": None, **extra}
 
 
 def _where(exc: BaseException) -> str:
@@ -175,16 +172,14 @@ def coverage_cp(transformer, args, kwargs, degree: int = 2, plan: dict | None = 
             torch.set_num_threads(1)  # an OpenMP pool inherited through fork must not be used
             queue.put(_coverage_cp(transformer, args, kwargs, degree, plan, timeout))
         except BaseException as exc:  # noqa: BLE001
-            queue.put({"outcome": "crash", "reason": f"{type(exc).__name__}: {exc}", "seq_lens": None,
-                       "source": None})
+            queue.put(_failed("crash", f"{type(exc).__name__}: {exc}"))
 
     proc = ctx.Process(target=driver)
     proc.start()
     try:
         result = queue.get(timeout=timeout * 2 + 60)
     except Exception:  # noqa: BLE001 - queue.Empty
-        result = {"outcome": "crash", "reason": f"no result within {timeout * 2 + 60:.0f}s", "seq_lens": None,
-                  "source": None}
+        result = _failed("crash", f"no result within {timeout * 2 + 60:.0f}s")
     proc.join(timeout=10)
     if proc.is_alive():
         proc.kill()
@@ -194,21 +189,18 @@ def coverage_cp(transformer, args, kwargs, degree: int = 2, plan: dict | None = 
 
 def _coverage_cp(transformer, args, kwargs, degree: int = 2, plan: dict | None = None,
                  timeout: float = 120.0) -> dict:
-    """Derive or look up the CP plan of a bare ``transformer`` for the call ``(args, kwargs)`` and
-    execute it on ``degree`` gloo ranks with the sharding check. Returns
-    ``dict(outcome=correct|refused|crash|wrong, reason=..., seq_lens={list: [per-rank lengths]},
-    source=plan source)``. ``plan`` overrides the plan (its sites are still checked)."""
-    from ..cp.plan import (PlanDerivationError, RegisteredPlanError, find_streams, check_plan_sites, resolve_cp_plan, trace_forward)
+    """Derive or look up the CP plan of ``transformer`` for ``(args, kwargs)`` (or check the given
+    ``plan``'s sites) and execute it on ``degree`` gloo ranks: dict(outcome, reason, seq_lens, source)."""
     from ..cp.dryrun import verify_before_launch
-    from ..cp.plan import expected_lengths, needs_ulysses_anything
+    from ..cp.plan import (PlanDerivationError, RegisteredPlanError, check_plan_sites, expected_lengths, find_streams,
+                           needs_ulysses_anything, resolve_cp_plan, trace_forward)
 
     filled = fill_zero_parameters(transformer)  # this is the forked driver's copy
     try:
         with torch.no_grad():  # before any planner touches the model
             reference = _output(transformer(*args, **kwargs)).detach().float().clone()
     except Exception as exc:  # noqa: BLE001
-        return {"outcome": "crash", "reason": f"the one-process forward failed: {type(exc).__name__}: {exc}",
-                "seq_lens": None, "source": None}
+        return _failed("crash", f"the one-process forward failed: {type(exc).__name__}: {exc}")
     try:
         if plan is None:
             cp = resolve_cp_plan(transformer, capture=lambda: (args, kwargs), degree=degree,
@@ -221,10 +213,9 @@ def _coverage_cp(transformer, args, kwargs, degree: int = 2, plan: dict | None =
             check_plan_sites(plan, tr, st)
             source, expected, uneven = "given", expected_lengths(tr, st), False
     except (PlanDerivationError, RegisteredPlanError) as exc:
-        return {"outcome": "refused", "reason": f"{type(exc).__name__}: {exc}", "seq_lens": None, "source": None,
-                "filled_zero_parameters": len(filled)}
+        return _failed("refused", f"{type(exc).__name__}: {exc}", filled_zero_parameters=len(filled))
     except Exception as exc:  # noqa: BLE001 - a crash of the derivation is a crash row
-        return {"outcome": "crash", "reason": f"{type(exc).__name__}: {exc}", "seq_lens": None, "source": None}
+        return _failed("crash", f"{type(exc).__name__}: {exc}")
     result = execute_cp_plan(transformer, args, kwargs, plan, expected, degree, timeout, reference, uneven=uneven)
     result["source"] = source
     result["filled_zero_parameters"] = len(filled)
@@ -232,10 +223,8 @@ def _coverage_cp(transformer, args, kwargs, degree: int = 2, plan: dict | None =
 
 
 def fill_zero_parameters(transformer, scale: float = 0.1) -> list[str]:
-    """Give every all-zero parameter small random values (seeded). A tiny random instance keeps
-    its zero-initialised gates (adaLN-zero tables, zero output projections): its blocks then add
-    nothing to the output, and the one-process/CP parity cannot fail whatever the plan does to
-    them. Returns the names filled."""
+    """Give every all-zero parameter small seeded random values, so that zero-initialised gates
+    cannot make the one-process/CP parity pass whatever the plan does; returns the names filled."""
     g = torch.Generator().manual_seed(0)
     filled = []
     with torch.no_grad():

@@ -1,38 +1,18 @@
-"""Inputs for a model's forward found from its code, for the coverage probe (issue 13).
+"""What a model's forward asks of its inputs, read from its code, for the coverage probe (issue 13);
+no class names:
 
-Three generic mechanisms, no class names:
-
-* **data flow** (``forward_needs``): the forward's source (AST) tells, per parameter, what the
-  code does with it first: which submodule it is passed to (``self.x_embedder(hidden_states)``:
-  a ``Linear`` fixes the last dim, a ``ConvNd`` the rank, channel count and a spatial multiple,
-  an ``Embedding`` makes it long indices below the vocabulary size; any other module is followed
-  into its own forward), how its ``.shape`` is unpacked (``b, f, c, h, w = x.shape``: the rank
-  and which axis is channels/frames/height/width), and the shape its docstring documents;
-* **tensors from needs** (``tensor_for``): a tensor built to those needs on one coherent latent
-  grid (frames x height x width), text of a fixed length;
-* **error-directed repair** (``repair``): when the forward raises, the traceback says what to
-  change: a forward parameter that is ``None`` where the code uses it (a local of the failing
-  frame, or the parameter a ``missing required argument`` error names) is supplied; a matrix
-  product ``(AxB and CxD)`` whose left side is an input with last dim ``B`` gets last dim ``C``;
-  an index tensor that is not an integer tensor becomes one; a tensor unpacked into more or fewer
-  names than its rank gets that rank (with the axes its target names say); inputs that the
-  condition setting an unset local tests are supplied; an int grid whose elements index tables
-  becomes per-axis position ranges; a view's rows are filled; a concatenated input takes the
-  other operand's size, or (the noisy input with another) the output's width and the rest; a
-  reshape of an input that a Linear/norm/conv rejects resizes the input; an int input that sizes
-  a table takes the like-named tensor's size; a shape the message states (``expected to have
-  resolution (64, 64)``, ``seq_len=8`` for documented ``(seq_len,)`` inputs) is applied; an input
-  unpacked into pairs becomes a list of pairs; tensors inside list/tuple inputs get the same
-  repairs;
-* **docstring sizes** (``doc_sizes``): axes a documented shape names after config entries
-  (``num_text_layers``), int literals, sums (``text_seq_len + image_seq_len``, ``T + 1``);
+* **data flow** (``forward_needs``): per parameter, the first submodule it is passed to (a
+  ``Linear`` fixes the last dim, a ``ConvNd`` rank, channels and a spatial multiple, an ``Embedding``
+  long indices below its size; other modules are followed into their forward), how its ``.shape``
+  is unpacked (also through a ``permute``), its documented shape (config entries, int literals and
+  sums such as ``text_seq_len + image_seq_len``: ``doc_sizes``), the module constants it is
+  compared with (token tags), lists fed element-wise to a ModuleList;
+* **tensors from needs** (``tensor_for``): built on one coherent latent grid (``Grid``: frames x
+  height x width, text of a fixed length); second text inputs sized by suffixed config entries;
 * **pipelines** (``pipeline_value``): an input diffusers' own pipeline builds with one call the
   probe can evaluate (found from the pipelines' AST) is built that way.
 
-Also read from the code: unpacked axes through a ``permute``, documented dims written with
-config entries, lists fed element-wise to a ModuleList, tags compared with module constants,
-second text inputs sized by config entries with their suffix (``text_len_t5``).
-"""
+The error-directed repairs of these inputs are ``coverage.repairs``."""
 
 from __future__ import annotations
 
@@ -243,8 +223,7 @@ def module_need(mod: nn.Module, position, depth: int = 0) -> Need:
     if isinstance(mod, nn.Linear):
         need.last = mod.in_features
     elif isinstance(mod, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
-        need.conv_dims = {nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3}[type(mod)] if type(mod) in (
-            nn.Conv1d, nn.Conv2d, nn.Conv3d) else len(mod.kernel_size)
+        need.conv_dims = len(mod.kernel_size)
         need.channels = mod.in_channels
         need.stride = max(int(s) for s in mod.stride)
         need.roles = ["batch", "channels"] + [("frames", "height", "width")[-need.conv_dims + i]
@@ -346,11 +325,9 @@ def _unpack_roles(node, alias: dict, needs: dict) -> None:
 
 
 def _roles_before_rebinding(node, name: str, line: int, roles: list) -> list | None:
-    """The roles of the value ``name`` held when the forward began, from the roles of the value
-    it holds at ``line``: the same when it is not rebound before; through the inverse of
-    ``name = name.permute(...)`` when that is its only rebinding before; None (unknown) when
-    another statement rebinds it first. Only the forward's top-level statements count (a
-    rebinding under a condition is one input layout among several)."""
+    """The roles the value of ``name`` had when the forward began, from its roles at ``line``: the
+    same unless rebound before it; through the inverse of its one top-level ``permute`` rebinding;
+    None (unknown) for any other rebinding."""
     perm = None
     for n in node.body:
         if not (isinstance(n, ast.Assign) and n.lineno < line
@@ -434,9 +411,8 @@ def _first_module_needs(model: nn.Module, node, alias: dict, rebound: dict, need
 
 
 def per_module_list(model: nn.Module, name: str) -> tuple[int, "Need"] | None:
-    """(count, need of one element) when the forward iterates the parameter ``name`` as
-    ``for i, x in enumerate(name)`` and feeds each element to ``self.<list>[i](x)``: a list of one
-    tensor per module of that ModuleList."""
+    """(count, need of one element) when the forward feeds each element of ``name`` to
+    ``self.<list>[i](x)`` in ``for i, x in enumerate(name)``: one tensor per module of that ModuleList."""
     _, node = _source_tree(type(model).forward)
     if node is None:
         return None
@@ -457,17 +433,13 @@ def per_module_list(model: nn.Module, name: str) -> tuple[int, "Need"] | None:
 
 
 def structured(annotation, grid: "Grid", make_tensor):
-    """A value for a parameter annotated as a structure of ints/tensors (``list[tuple[int, int,
-    int]]``: one (frames, height, width) token grid per sample; ``list[torch.Tensor]``: one
-    tensor per sample; ``tuple[int, int, int]``: the grid; ``list[int]``: the frame count),
-    or None."""
-    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", None) \
-        if isinstance(annotation, type) else str(annotation)
+    """A value for a parameter annotated as a structure of ints/tensors (``list[tuple[int, int, int]]``:
+    a token grid per sample; ``list[torch.Tensor]``: a tensor per sample; ``tuple[int, ...]``), or None."""
+    text = annotation_text(annotation)
     if not text:
         return None
-    text = text.replace("typing.", "").replace("List[", "list[").replace("Tuple[", "tuple[").replace(" ", "")
     text = re.sub(r"\|None$|^Optional\[(.*)\]$", r"\1", text)
-    g = (max(1, grid.frames // grid.patch_t), grid.height // grid.patch, grid.width // grid.patch)
+    g = grid.token_grid()
 
     def build(t: str):
         if t.startswith("list[") and t.endswith("]"):
@@ -501,6 +473,12 @@ def _first_alternative(t: str) -> str:
     return t
 
 
+def annotation_text(ann) -> str:
+    """An annotation as text without spaces or ``typing.``, ``List[``/``Tuple[`` lower-cased ("" for none)."""
+    text = ann if isinstance(ann, str) else getattr(ann, "__name__", None) if isinstance(ann, type) else str(ann)
+    return (text or "").replace("typing.", "").replace("List[", "list[").replace("Tuple[", "tuple[").replace(" ", "")
+
+
 def _model_config(model) -> dict:
     cfg = getattr(model, "config", None)
     try:
@@ -530,10 +508,8 @@ def _size_term(term: str, cfg: dict):
 
 
 def doc_sizes(fn, params, cfg: dict) -> dict[str, list]:
-    """Per parameter, the sizes its documented shape names: ``(batch_size, text_seq_len,
-    num_text_layers, text_hidden_dim)`` with ``num_text_layers``/``text_hidden_dim`` config
-    entries gives their values; ``(text_seq_len + image_seq_len, 3)`` gives the sum of the text
-    and image token counts, then 3. Axes it says nothing about are None."""
+    """Per parameter, the sizes its documented shape names: config entries' values, int literals, and
+    sums of text/image token counts (``text_seq_len + image_seq_len``); None for other axes."""
     out = {}
     for name, dims in doc_shapes(fn):
         if name not in params or "..." in dims:
@@ -583,6 +559,10 @@ class Grid:
         """Set one axis of the grid (``text``, ``frames``, ...) in place."""
         setattr(self, axis, value)
 
+    def token_grid(self) -> tuple[int, int, int]:
+        """The (frames, height, width) grid of tokens after patchifying."""
+        return max(1, self.frames // self.patch_t), self.height // self.patch, self.width // self.patch
+
     def tokens(self, rank: int = 4) -> int:
         t = (self.height // self.patch) * (self.width // self.patch)
         return t * max(1, self.frames // self.patch_t) if rank == 5 else t
@@ -631,12 +611,8 @@ def tensor_for(name: str, need: Need, grid: Grid, gen: torch.Generator, hidden: 
                 shape.append(need.channels or grid.channels)
             elif r in ("patch", "patch_t"):  # (.., tokens, channels, pt, ph, pw): one patch's pixels
                 shape.append(grid.patch if r == "patch" else grid.patch_t)
-            elif r == "frames":
-                shape.append(grid.frames)
-            elif r == "height":
-                shape.append(grid.height)
-            elif r == "width":
-                shape.append(grid.width)
+            elif r in ("frames", "height", "width"):
+                shape.append(getattr(grid, r))
             elif r is None and i == len(roles) - 1 and (low.endswith("ids") or "position" in low):
                 shape.append(grid.n_axes)  # position ids: one coordinate per rotary axis
             elif r is None and i == 1 and len(roles) >= 4:
@@ -699,25 +675,15 @@ def _pipeline_calls() -> dict[str, list[set]]:
     (``transformer: SomeTransformer``): the keyword sets of every ``self.transformer(...)`` call
     in that pipeline's code. Read once from the installed diffusers' pipeline sources (AST)."""
     global _KEYWORDS_BY_CLASS
-    if _KEYWORDS_BY_CLASS is not None:
-        return _KEYWORDS_BY_CLASS
-    import pathlib
+    if _KEYWORDS_BY_CLASS is None:
+        import diffusers.pipelines as pipes
 
-    import diffusers.pipelines as pipes
-
-    out: dict[str, list[set]] = {}
-    for path in pathlib.Path(pipes.__path__[0]).rglob("*.py"):
-        try:
-            text = path.read_text()
-            if "self.transformer(" not in text:
-                continue
-            tree = ast.parse(text)
-        except (OSError, SyntaxError, UnicodeDecodeError):
-            continue
-        for name, calls in pipeline_calls_in(tree).items():
-            out.setdefault(name, []).extend(calls)
-    _KEYWORDS_BY_CLASS = out
-    return out
+        out: dict[str, list[set]] = {}
+        for _, tree in _pipeline_sources("self.transformer(", [("diffusers.pipelines", pipes.__path__[0])]):
+            for name, calls in pipeline_calls_in(tree).items():
+                out.setdefault(name, []).extend(calls)
+        _KEYWORDS_BY_CLASS = out
+    return _KEYWORDS_BY_CLASS
 
 
 def pipeline_calls_in(tree) -> dict[str, list[set]]:
@@ -741,9 +707,8 @@ _KEYWORDS_BY_CLASS: dict | None = None
 
 
 def pipeline_state_inputs(cls: type) -> list[str]:
-    """The keywords naming running-pipeline state (kv caches) that every call of a transformer of
-    class ``cls`` in diffusers' pipelines passes; empty when some call passes none, or no
-    pipeline annotates the class."""
+    """The kv-cache keywords every call of a ``cls`` transformer in diffusers' pipelines passes
+    (running-pipeline state); empty when some call passes none or no pipeline annotates the class."""
     calls = _pipeline_calls().get(cls.__name__, [])
     if not calls:
         return []
@@ -766,12 +731,17 @@ def pipeline_calls(cls: type) -> list[tuple]:
     if cls in _FUNCTIONS_BY_CLASS:
         return _FUNCTIONS_BY_CLASS[cls]
     import importlib
-    import pathlib
 
     out = []
-    needle = f"transformer: {cls.__name__}"
-    for prefix, root in _pipeline_roots():
-        out += _pipeline_functions(cls, needle, prefix, pathlib.Path(root))
+    for module, tree in _pipeline_sources(f"transformer: {cls.__name__}", _pipeline_roots()):
+        for c in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+            init = next((f for f in c.body if isinstance(f, ast.FunctionDef) and f.name == "__init__"), None)
+            if init is None or not any(a.arg == "transformer" and a.annotation is not None
+                                       and ast.unparse(a.annotation).split("|")[0].strip() == cls.__name__
+                                       for a in init.args.args):
+                continue
+            out += [(module, f) for f in c.body if isinstance(f, ast.FunctionDef)
+                    and any(_is_self_transformer(n.func) for n in ast.walk(f) if isinstance(n, ast.Call))]
     _FUNCTIONS_BY_CLASS[cls] = out
     importlib.invalidate_caches()
     return out
@@ -788,30 +758,21 @@ def _pipeline_roots() -> list[tuple[str, str]]:
     return [("diffusers.pipelines", os.path.dirname(pkg.__file__))]
 
 
-def _pipeline_functions(cls, needle: str, prefix: str, root) -> list[tuple]:
-    out = []
-    for path in root.rglob("*.py"):
-        try:
-            text = path.read_text()
-        except OSError:
-            continue
-        if needle not in text:
-            continue
-        try:
-            tree = ast.parse(text)
-        except SyntaxError:
-            continue
-        module = prefix + "." + ".".join(path.relative_to(root).with_suffix("").parts)
-        for c in (n for n in tree.body if isinstance(n, ast.ClassDef)):
-            init = next((f for f in c.body if isinstance(f, ast.FunctionDef) and f.name == "__init__"), None)
-            if init is None or not any(a.arg == "transformer" and a.annotation is not None
-                                       and ast.unparse(a.annotation).split("|")[0].strip() == cls.__name__
-                                       for a in init.args.args):
+def _pipeline_sources(needle: str, roots):
+    """(module name, AST) of each source file under ``roots`` (package name, folder) holding ``needle``."""
+    import pathlib
+
+    for prefix, root in roots:
+        root = pathlib.Path(root)
+        for path in root.rglob("*.py"):
+            try:
+                text = path.read_text()
+                if needle not in text:
+                    continue
+                tree = ast.parse(text)
+            except (OSError, SyntaxError, UnicodeDecodeError):
                 continue
-            for f in (x for x in c.body if isinstance(x, ast.FunctionDef)):
-                if any(_is_self_transformer(n.func) for n in ast.walk(f) if isinstance(n, ast.Call)):
-                    out.append((module, f))
-    return out
+            yield prefix + "." + ".".join(path.relative_to(root).with_suffix("").parts), tree
 
 
 def _is_self_transformer(node) -> bool:
@@ -824,12 +785,9 @@ class _Unresolved(Exception):
 
 
 def pipeline_value(model, name: str, fill=None):
-    """The value diffusers' own pipeline passes as ``name`` to ``self.transformer(...)`` when the
-    pipeline builds it with one call the probe can evaluate: a function of the pipeline module (or
-    a method of the transformer) whose arguments are constants or attributes of the transformer
-    (``self.transformer.head_dim``); an argument built from the pipeline's running state is left to
-    its default, or to ``fill(param_name, annotation)`` (the probe's own rules) when it has none.
-    None when no pipeline builds it that way."""
+    """The value diffusers' own pipeline passes as ``name`` to ``self.transformer(...)`` when it builds
+    it with one call of constants and transformer attributes the probe can evaluate (an argument from
+    the running state takes its default, or ``fill(param_name, annotation)``); None otherwise."""
     import importlib
 
     for module, func in pipeline_calls(type(model)):

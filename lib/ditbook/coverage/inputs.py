@@ -20,10 +20,8 @@ from .build import LADDER, Refused, _summary, _tied_width_instance, tiny_instanc
 # --- inputs ------------------------------------------------------------------------------------
 
 def tiny_with_inputs(cls: type, ladder=LADDER):
-    """(instance, factor, keyword inputs): the first rung whose instance runs. When the forward
-    asks for another constructor setting (``reconfig.Reconfigure``), the class is built again
-    with it (at most ``reconfig.RECONFIGURES`` times); what the probe set up beyond the defaults
-    is the instance's ``coverage_setup`` note."""
+    """(instance, factor, keyword inputs): the first rung whose instance runs, the class rebuilt
+    with the settings the forward asks for (``reconfig.Reconfigure``, at most ``RECONFIGURES`` times)."""
     overrides: dict = {}
     notes: list = []
     for _ in range(reconfig.RECONFIGURES + 1):
@@ -36,28 +34,29 @@ def tiny_with_inputs(cls: type, ladder=LADDER):
 
 
 def _first_running(cls: type, ladder, overrides: dict, notes: list):
+    """(instance, factor, inputs) of the first rung whose forward runs, else of the tied-width instance."""
     last = None
     for model, f in tiny_instances(cls, ladder, overrides):
         try:
-            kwargs, cand = find_inputs(model)
-            model.coverage_setup = "; ".join(notes + cand.get("setup", []))
-            return model, f, kwargs
+            return _running(model, f, notes)
         except reconfig.Reconfigure:
             raise
         except Refused as exc:
             last = exc
     tied = _tied_width_instance(cls, ladder)
-    if tied is not None:
-        model, f = tied
-        try:
-            kwargs, cand = find_inputs(model)
-            model.coverage_setup = "; ".join(notes + cand.get("setup", []))
-            return model, f, kwargs
-        except reconfig.Reconfigure:
+    try:
+        if tied is not None:
+            return _running(*tied, notes)
+    except Refused as exc:
+        if isinstance(exc, reconfig.Reconfigure):
             raise
-        except Refused:
-            pass
     raise Refused(f"{last}")
+
+
+def _running(model, f: int, notes: list):
+    kwargs, cand = find_inputs(model)
+    model.coverage_setup = "; ".join(notes + cand.get("setup", []))
+    return model, f, kwargs
 
 
 def _config(model) -> dict:
@@ -75,14 +74,23 @@ def _patch(cfg: dict) -> tuple[int, int]:
     return int(s or 1), int(t or 1)
 
 
+def _in_channels(cfg: dict) -> int:
+    return (_ints(cfg, "in_channels", "in_dim", "in_chans", "latent_channels", "input_dim")[:1] or [4])[0]
+
+
+def _rotary_axes(cfg: dict) -> int:
+    """The number of rotary position axes (the length of a config's axes tuple; 3 without one)."""
+    axes = next((v for k, v in cfg.items() if "axes" in k.lower() and isinstance(v, (tuple, list))), None)
+    return len(axes) if axes else 3
+
+
 def input_candidates(model) -> list[dict]:
     """Combinations of shapes to try, most likely first."""
     cfg = _config(model)
     s, t = _patch(cfg)
     side = 4 * s
     frames = max(2, t) if t > 1 else 2
-    chans = _ints(cfg, "in_channels", "in_dim", "in_chans", "latent_channels", "input_dim")[:1] or [4]
-    c = chans[0]
+    c = _in_channels(cfg)
     text_dims = _ints(cfg, "text", "caption", "joint", "cross", "context", "encoder", "prompt",
                       exclude=("layer", "len", "head", "num_", "seq", "max", "vocab"))
     hs = [("4d", (1, c, side, side)), ("5d", (1, c, frames, side, side)), ("5d-fc", (1, frames, c, side, side)),
@@ -112,8 +120,7 @@ def make_inputs(model, cand: dict, text_len: int = 8, seed: int = 0) -> dict:
     kwargs: dict = {}
     params = [p for p in inspect.signature(model.forward).parameters.values() if p.name != "self"]
     first = True
-    axes = next((v for k, v in cfg.items() if "axes" in k.lower() and isinstance(v, (tuple, list))), None)
-    n_axes = len(axes) if axes else 3
+    n_axes = _rotary_axes(cfg)
     for p in params:
         n = p.name.lower()
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
@@ -196,15 +203,12 @@ def _grid(model, cand: dict) -> "ci.Grid":
     s, t = _patch(cfg)
     hidden = cand["hidden"][1]
     side = hidden[-1] if len(hidden) >= 4 else 4 * s
-    chans = _ints(cfg, "in_channels", "in_dim", "in_chans", "latent_channels", "input_dim")[:1] or [4]
     # a text length the config fixes (a positional table sized for it)
     text = [v for k, v in cfg.items() if isinstance(v, int) and not isinstance(v, bool) and 0 < v <= 512
             and any(w in k.lower() for w in ("text", "caption", "prompt"))
             and any(w in k.lower() for w in ("len", "seq"))]
-    axes = next((v for k, v in cfg.items() if "axes" in k.lower() and isinstance(v, (tuple, list))), None)
-    return ci.Grid(frames=max(2, t), height=side, width=side, channels=chans[0], patch=s, patch_t=t,
-                   n_axes=len(axes) if axes else 3,
-                   text=text[0] if text else ci.TEXT_LEN)
+    return ci.Grid(frames=max(2, t), height=side, width=side, channels=_in_channels(cfg), patch=s, patch_t=t,
+                   n_axes=_rotary_axes(cfg), text=text[0] if text else ci.TEXT_LEN)
 
 
 def _default_roles(rank: int) -> list:
@@ -261,8 +265,7 @@ class _Maker:
         """A plain argument of a pipeline helper (``pipeline_value``): the device, a size of the token
         grid by its name, positions of the frames, 1.0 for a float; None otherwise."""
         low, text = name.lower(), str(annotation)
-        g = self.grid
-        grid_t = (max(1, g.frames // g.patch_t), g.height // g.patch, g.width // g.patch)
+        grid_t = self.grid.token_grid()
         if "device" in low:
             return torch.device("cpu")
         if "dtype" in low:
@@ -285,10 +288,8 @@ class _Maker:
         ann = str(self.annotations.get(name, ""))
         if ann and "int" in ann and "Tensor" not in ann and "list" not in ann.lower() and "tuple" not in ann.lower():
             # a size the forward takes as a plain int: the token grid's (frames, height, width)
-            role = ci.axis_role(name)
-            grid_t = (max(1, g.frames // g.patch_t), g.height // g.patch, g.width // g.patch)
-            return {"frames": grid_t[0], "height": grid_t[1], "width": grid_t[2],
-                    "tokens": length}.get(role, 1)
+            frames, height, width = g.token_grid()
+            return {"frames": frames, "height": height, "width": width, "tokens": length}.get(ci.axis_role(name), 1)
         if "mask" in low:
             return torch.ones(1, g.text if _doc_texty(self.model, name) else length, dtype=torch.long)
         if "index" in low or "indices" in low:
@@ -371,8 +372,7 @@ def _list_annotated(maker, name: str) -> bool:
     """The forward annotates ``name`` as a list (of tensors per sample, of grids): a tensor made by
     the name rules is not what it takes."""
     ann = maker.annotations.get(name)
-    text = (ann if isinstance(ann, str) else str(ann)).replace("typing.", "").replace("List[", "list[")
-    return ann is not None and text.startswith("list[") and "Tensor" in text
+    return ann is not None and ci.annotation_text(ann).startswith("list[") and "Tensor" in ci.annotation_text(ann)
 
 
 def _regrid(exc, kwargs, model, cand, needs, maker, forbid):
@@ -422,11 +422,9 @@ def _regrid_inputs(exc, model, cand, needs, maker, forbid):
 
 
 def find_inputs(model, log=None) -> tuple[dict, dict]:
-    """(keyword inputs, the candidate) of the first combination whose forward runs: the name
-    rules' candidates as they are, then each with the code's data flow applied and repaired from
-    the errors the forward raises (``coverage.dataflow``, ``coverage.repairs``). Required state
-    inputs of a running pipeline (a cache object, its mode) are made where the code says how
-    (``coverage.state``), each option in turn; the candidate's ``setup`` notes them."""
+    """(keyword inputs, candidate) of the first combination whose forward runs: the name rules'
+    candidates, then each through the data flow and the error repairs; required running-pipeline state
+    inputs are made where the code says how (``coverage.state``), noted in the candidate's ``setup``."""
     required = [p.name for p in inspect.signature(model.forward).parameters.values()
                 if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     names = [n for n in required if repairs.never_supplied(n)]

@@ -1,18 +1,10 @@
-"""Inputs for a forward that takes one packed joint sequence (no batch axis) described by its
-parts (``joint_layout``, ``layout_inputs``), for the coverage probe.
-
-Such a forward takes an int total length (``sequence_length``), for each part of the sequence
-(the text, the image latents, ...) a tensor of that part's positions in it (``text_indexes``,
-``vision_sequence_indexes``), and per part its contents: token ids an ``Embedding`` reads, or a
-``list[Tensor]`` of per-item latents before patchify with a companion ``list[tuple]`` of each
-item's token grid (``vision_token_shapes``), per-item frame index lists, per-token timesteps.
-Everything is read from the signature (names, annotations), the docstring (a part a length int
-is about, a documented shape such as ``[3, sequence_length]``), the code's data flow (an
-``Embedding`` reads the ids) and the config (patch size, latent channels); no class names. The
-values are made consistent with each other: the parts laid out one after another (in signature
-order), each index tensor the range of its part's positions, the lengths their sums.
-Optional parts (parameters with a default) are left out. Whatever the layout leaves wrong is
-left to the probe's error-directed repairs (``coverage.repairs``)."""
+"""Inputs for a forward that takes one packed joint sequence (no batch axis) described by its parts
+(``joint_layout``, ``layout_inputs``): an int total length (``sequence_length``), per part a tensor of
+its positions in the sequence (``text_indexes``), and its contents (token ids an ``Embedding`` reads,
+or per-item latents with a companion list of each item's token grid, frame index lists, per-token
+timesteps). Read from the signature, the docstring, the data flow and the config; no class names.
+The parts are laid out one after another in signature order, each index tensor its part's range,
+the lengths their sums; optional parts are left out, and what is left wrong to ``coverage.repairs``."""
 
 from __future__ import annotations
 
@@ -24,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import config_int
-from .dataflow import axis_role
+from .dataflow import annotation_text, axis_role
 
 _INDEX_WORDS = ("index", "indexes", "indices", "idx")
 
@@ -42,9 +34,7 @@ class Part:
 
 
 def _ann(p) -> str:
-    a = p.annotation
-    text = a if isinstance(a, str) else getattr(a, "__name__", None) if isinstance(a, type) else str(a)
-    return (text or "").replace("typing.", "").replace("List[", "list[").replace("Tuple[", "tuple[").replace(" ", "")
+    return annotation_text(p.annotation)
 
 
 def _is_index(name: str) -> bool:
@@ -111,10 +101,8 @@ _DOC_DIMS = re.compile(r"`+[\[(]([\w ,+*]+)[\])]`+")
 
 
 def layout_inputs(model, grid, needs: dict, base: dict, gen: torch.Generator | None = None) -> dict | None:
-    """Keyword inputs laid out as one packed joint sequence (``joint_layout``), on top of ``base``
-    (the name rules' inputs for the other parameters); None when the forward takes no such
-    sequence. ``grid`` gives the latent frames/height/width and the text length; ``needs`` (the
-    code's data flow, ``dataflow.forward_needs``) which input an ``Embedding`` reads."""
+    """Keyword inputs laid out as one packed joint sequence (``joint_layout``) on top of ``base``;
+    None when the forward takes no such sequence. ``needs`` tells which input an ``Embedding`` reads."""
     # long: one layout built part by part; its sizes, index ranges, ids, lengths and positions depend on each other
     fn = type(model).forward
     found = joint_layout(fn)

@@ -1,27 +1,18 @@
-"""Constructor settings the forward's errors ask for (``config_repair``): when no input can fix
-an error because it comes from the instance's own configuration, the class is built again with
-that setting changed. Each rule is keyed on an error kind, registered with ``@config_rule``:
-
-- an optional dependency the forward uses only under ``if self.config.FLAG:`` (a mode the class
-  documents) that is not installed: built with ``FLAG=False``, the mode that runs without it;
-- a list setting the defaults leave None that the forward iterates or measures
-  (``for k in self.config.xs``): built with one entry per block the constructor builds (the sum
-  of its layer counts), ``[0, 1, ...]``; the inputs are then repaired to what the entries index;
-- a tuple setting (rotary axes) that a submodule indexes past its end (``self.axes_dim[i]`` for
-  each position axis the ids carry): one more entry, even sizes summing to the head dim.
-
-``Reconfigure`` carries the change from the input search (``inputs.find_inputs``) to the build
-(``inputs.tiny_with_inputs``); the change is recorded in the row's setup note."""
+"""Constructor settings the forward's errors ask for (``config_repair``): when an error comes from
+the instance's own configuration, the class is built again with that setting changed. One rule
+per error kind, registered with ``@config_rule``: an optional dependency missing under ``if
+self.config.FLAG:`` (built with FLAG=False); a list setting left None that the forward iterates
+(one entry per block); rotary axes indexed past their end (one more even entry). ``Reconfigure``
+carries the change from the input search to the build; it is recorded in the row's setup note."""
 
 from __future__ import annotations
 
 import ast
 import inspect
 import re
-import textwrap
 
 from .build import Refused, _head_dim, _is_layer_count
-from .repairs import _model_frames, _own_none, missing_dependency, statement_text
+from .repairs import _code_tree, _model_frames, _own_none, missing_dependency, statement_text
 
 CONFIG_RULES: list = []
 RECONFIGURES = 3  # constructor changes per class at most
@@ -69,10 +60,8 @@ def _config_flag(test) -> str | None:
 
 def _guarding_flags(frame) -> list[str]:
     """The config flags of the ``if`` statements around the line ``frame`` is executing."""
-    try:
-        lines, start = inspect.getsourcelines(frame.f_code)
-        tree = ast.parse(textwrap.dedent("".join(lines)))
-    except (OSError, TypeError, SyntaxError, IndentationError):
+    tree, start = _code_tree(frame.f_code)
+    if tree is None:
         return []
     line = frame.f_lineno - max(start, 1) + 1
     out = []

@@ -1,7 +1,8 @@
 """Error-directed repair of the probe's inputs: when the forward raises, the traceback says
 what to change. Each error kind is one small function registered with ``@rule`` (tried in the
 order they are registered, ``REPAIRS``); ``repair`` returns the first fix, ``explain`` names an
-error no rule addresses. See ``coverage.dataflow`` for the list of kinds."""
+error no rule addresses. Each rule is ``(exc, msg, kwargs, make, forbid, params) -> (new, note) | None``;
+``forbid`` holds the fixes already tried, so none is repeated."""
 
 from __future__ import annotations
 
@@ -16,8 +17,7 @@ import torch
 
 from .dataflow import TEXT_LEN, _source_tree, axis_role, doc_shapes
 
-# the repairs ``repair`` tries, in order: each is (exc, msg, kwargs, make, forbid, params) -> (new, note) | None
-REPAIRS: list = []
+REPAIRS: list = []  # the rules ``repair`` tries, in order
 
 
 def rule(fn):
@@ -25,7 +25,7 @@ def rule(fn):
     REPAIRS.append(fn)
     return fn
 
-# --- error-directed repair ---------------------------------------------------------------------
+# --- helpers shared by the rules ---------------------------------------------------------------
 
 _MATMUL = re.compile(r"mat1 and mat2 shapes cannot be multiplied \((\d+)x(\d+) and (\d+)x(\d+)\)")
 _MISSING = re.compile(r"missing \d+ required (?:positional|keyword-only) arguments?: (.*)")
@@ -34,16 +34,45 @@ _SIZE = re.compile(r"size of tensor a \((\d+)\) must match the size of tensor b 
 _UNPACK = re.compile(r"(?:not enough|too many) values to unpack \(expected (\d+)")
 
 
+def _with(kwargs: dict, name: str, value) -> dict:
+    """A copy of ``kwargs`` with input ``name`` set to ``value``."""
+    new = dict(kwargs)
+    new[name] = value
+    return new
+
+
+def _remade(val: torch.Tensor, shape) -> torch.Tensor:
+    """A tensor of ``shape`` and ``val``'s dtype: random when floating, else zeros."""
+    return torch.randn(shape).to(val.dtype) if val.is_floating_point() else torch.zeros(shape, dtype=val.dtype)
+
+
+def _ints(text: str) -> list[int]:
+    """``[1, 8, 8]`` of ``"1, 8, 8"``."""
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _code_tree(code):
+    """(the AST of the function ``code`` runs, its first line), or (None, 0) without its source."""
+    try:
+        lines, start = inspect.getsourcelines(code)
+        return ast.parse(textwrap.dedent("".join(lines))), start
+    except (OSError, TypeError, SyntaxError, IndentationError):
+        return None, 0
+
+
+def _line_text(frame) -> str:
+    """The source line a frame is executing ("" when unknown)."""
+    try:
+        return (inspect.getframeinfo(frame).code_context or [""])[0]
+    except Exception:
+        return ""
+
+
 def statement_text(frame) -> str:
     """The whole statement a frame is executing (a call spread over several lines included)."""
-    try:
-        lines, start = inspect.getsourcelines(frame.f_code)
-        tree = ast.parse(textwrap.dedent("".join(lines)))
-    except (OSError, TypeError, SyntaxError, IndentationError):
-        try:
-            return (inspect.getframeinfo(frame).code_context or [""])[0]
-        except Exception:
-            return ""
+    tree, start = _code_tree(frame.f_code)
+    if tree is None:
+        return _line_text(frame)
     line = frame.f_lineno - max(start, 1) + 1
     best = None
     for n in ast.walk(tree):
@@ -60,8 +89,8 @@ def _model_frames(exc: BaseException):
 
 
 def _none_params(exc: BaseException, params: set[str], kwargs: dict) -> list[str]:
-    """Forward parameters that are None in a frame of the failing call, innermost first, and
-    that the failing line reads."""
+    """Forward parameters that are None in a frame of the failing call and that the failing line
+    reads, innermost first."""
     out = []
     for frame in reversed(_model_frames(exc)):
         text = statement_text(frame)
@@ -79,9 +108,8 @@ def _none_params(exc: BaseException, params: set[str], kwargs: dict) -> list[str
 
 
 def _own_none(exc: BaseException) -> str | None:
-    """``self.config.x`` (or another ``self.`` attribute) that the failing statement reads and
-    that is None: the None is the model's own (a setting its defaults leave unset), not a
-    missing input. Its text, or None."""
+    """The text of a ``self.`` attribute (``self.config.x``) the failing statement reads that is
+    None: the model's own unset setting, not a missing input; else None."""
     for frame in reversed(_model_frames(exc)):
         owner = frame.f_locals.get("self")
         if owner is None:
@@ -123,10 +151,14 @@ def never_supplied(name: str) -> bool:
         or low.startswith(("return", "use_", "enable_", "is_"))
 
 
+def _may_supply(n: str, params, kwargs: dict, forbid: set) -> bool:
+    """A forward parameter left None that the probe may make up and has not tried to yet."""
+    return n in params and kwargs.get(n) is None and ("supply", n) not in forbid and not never_supplied(n)
+
+
 def repair(exc: BaseException, kwargs: dict, make, forbid: set) -> tuple[dict, str] | None:
-    """New keyword inputs that address ``exc`` (or None when the error says nothing usable).
-    ``make(name, kwargs)`` builds a value for a parameter; ``forbid`` holds (name, fix) already
-    tried, so a repair is never repeated."""
+    """New keyword inputs that address ``exc`` (or None): the first fix of the rules in ``REPAIRS``;
+    ``make(name, kwargs)`` builds a value for a parameter."""
     msg = str(exc)
     params = set(kwargs) | set(getattr(make, "params", ()))
     for fix in REPAIRS:
@@ -134,6 +166,8 @@ def repair(exc: BaseException, kwargs: dict, make, forbid: set) -> tuple[dict, s
         if fixed is not None:
             return fixed
     return None
+
+# --- the rules, in the order they are tried ----------------------------------------------------
 
 
 @rule
@@ -162,9 +196,7 @@ def _matmul_last_dim(exc, msg, kwargs, make, forbid, params):
             if isinstance(val, torch.Tensor) and val.is_floating_point() and val.ndim >= 2 and val.shape[-1] == b \
                     and val.numel() // b == a and (name, "last", c) not in forbid:
                 forbid.add((name, "last", c))
-                new = dict(kwargs)
-                new[name] = torch.randn(tuple(val.shape[:-1]) + (c,))
-                return new, f"{name}: last dim {b} -> {c}"
+                return _with(kwargs, name, torch.randn(tuple(val.shape[:-1]) + (c,))), f"{name}: last dim {b} -> {c}"
     return None
 
 
@@ -173,14 +205,12 @@ def _supply_none(exc, msg, kwargs, make, forbid, params):
     """A forward parameter that is None where the failing code uses it: supply it."""
     if ("NoneType" in msg or "None" in msg) and "not callable" not in msg and "must be a mapping" not in msg:
         for n in _none_params(exc, params, kwargs):
-            if ("supply", n) in forbid or never_supplied(n):
+            if not _may_supply(n, params, kwargs, forbid):
                 continue
             forbid.add(("supply", n))
             val = make(n, kwargs)
             if val is not None:
-                new = dict(kwargs)
-                new[n] = val
-                return new, f"supplied {n}"
+                return _with(kwargs, n, val), f"supplied {n}"
     return None
 
 
@@ -193,9 +223,7 @@ def _boolean_mask(exc, msg, kwargs, make, forbid, params):
                     and (name, "bool") not in forbid \
                     and any(v is val for _, v in _failing_locals(exc)):
                 forbid.add((name, "bool"))
-                new = dict(kwargs)
-                new[name] = val != 0
-                return new, f"{name}: a boolean mask"
+                return _with(kwargs, name, val != 0), f"{name}: a boolean mask"
     return None
 
 
@@ -203,19 +231,16 @@ def _boolean_mask(exc, msg, kwargs, make, forbid, params):
 def _supply_named(exc, msg, kwargs, make, forbid, params):
     """The error message names a forward parameter: supply it when missing."""
     for n in re.findall(r"[`'\"](\w+)[`'\"]", msg):
-        if n in params and kwargs.get(n) is None and ("supply", n) not in forbid and not never_supplied(n):
+        if _may_supply(n, params, kwargs, forbid):
             forbid.add(("supply", n))
             val = make(n, kwargs)
             if val is not None:
-                new = dict(kwargs)
-                new[n] = val
-                return new, f"supplied {n} (named by the error)"
+                return _with(kwargs, n, val), f"supplied {n} (named by the error)"
     return None
 
 
 def dict_inputs(model) -> list[str]:
-    """The forward's parameters annotated as a dict/Mapping that the probe may fill (option dicts
-    and caches excluded: ``never_supplied``)."""
+    """The forward's dict/Mapping-annotated parameters the probe may fill (not ``never_supplied``)."""
     try:
         sig = inspect.signature(type(model).forward).parameters
     except (TypeError, ValueError):
@@ -228,10 +253,8 @@ _SAFE_KEY_NODES = (ast.Expression, ast.Name, ast.Constant, ast.Subscript, ast.At
 
 
 def missing_key(exc: BaseException) -> str | None:
-    """The string key a ``KeyError`` is about: the key itself when a failing statement subscripts
-    a mapping with it (``features["mask"]``); else, for a ``KeyError`` the code raises with a
-    message, the key of a ``x = d.get(KEY)`` of a failing frame that gave None (``KEY`` a name,
-    constant or subscript, evaluated in that frame: ``TABLE[name]``)."""
+    """The string key a ``KeyError`` is about: one a failing statement subscripts with, else that of a
+    failing frame's ``x = d.get(KEY)`` that gave None (``KEY`` evaluated in that frame)."""
     if not isinstance(exc, KeyError) or not exc.args or not isinstance(exc.args[0], str):
         return None
     key = exc.args[0]
@@ -260,9 +283,8 @@ def missing_key(exc: BaseException) -> str | None:
 
 
 def _per_token_like(exc, kwargs: dict) -> torch.Tensor | None:
-    """A tensor to stand for a missing named feature: like the first other tensor the failing
-    statement reads (``mask & ~d["k"]``), else like the forward's first 2-D tensor input (one value
-    per token: a ``(batch, tokens)`` mask)."""
+    """What a missing named feature is shaped like: the first other tensor the failing statement
+    reads, else the forward's first 2-D tensor input (a ``(batch, tokens)`` mask)."""
     for frame in reversed(_model_frames(exc)):
         text = statement_text(frame)
         for name, val in frame.f_locals.items():
@@ -273,10 +295,8 @@ def _per_token_like(exc, kwargs: dict) -> torch.Tensor | None:
 
 @rule
 def _missing_dict_key(exc, msg, kwargs, make, forbid, params):
-    """A ``KeyError`` for a named feature (``missing_key``) that the forward reads from what it
-    builds out of its dict input (``conditioning: dict``, the one such input): the dict input gets
-    that key, zeros like the tensor the failing statement combines it with (or one value per
-    token). A key that is a forward parameter is left to ``_supply_named``."""
+    """A ``KeyError`` for a named feature (``missing_key``, not a forward parameter) the forward reads
+    from its one dict input: that input gets the key, zeros like ``_per_token_like``."""
     model = getattr(make, "model", None)
     key = missing_key(exc)
     if model is None or key is None or key in params:
@@ -286,9 +306,8 @@ def _missing_dict_key(exc, msg, kwargs, make, forbid, params):
     if len(dicts) != 1 or like is None or (dicts[0], "key", key) in forbid:
         return None
     forbid.add((dicts[0], "key", key))
-    new = dict(kwargs)
-    new[dicts[0]] = {**(kwargs.get(dicts[0]) or {}), key: torch.zeros_like(like)}
-    return new, f"{dicts[0]}[{key!r}]: zeros {list(like.shape)} (a key the forward reads)"
+    value = {**(kwargs.get(dicts[0]) or {}), key: torch.zeros_like(like)}
+    return _with(kwargs, dicts[0], value), f"{dicts[0]}[{key!r}]: zeros {list(like.shape)} (a key the forward reads)"
 
 
 def _leaves(kwargs: dict):
@@ -305,8 +324,7 @@ def _leaves(kwargs: dict):
 @rule
 def _embedding_range(exc, msg, kwargs, make, forbid, params):
     """``index out of range in self`` from an embedding lookup whose indices are an input (or a
-    tensor of a dict input; by identity, else by shape and values: a ``.long()`` copy): that
-    input becomes zeros (index 0 exists in every table)."""
+    dict input's tensor; by identity, else equal values): it becomes zeros (in every table)."""
     if "index out of range in self" not in msg:
         return None
     frames = _model_frames(exc)
@@ -318,8 +336,7 @@ def _embedding_range(exc, msg, kwargs, make, forbid, params):
                 and (name, "range", key) not in forbid:
             forbid.add((name, "range", key))
             zeros = torch.zeros(val.shape, dtype=torch.long)
-            new = dict(kwargs)
-            new[name] = zeros if key is None else {**kwargs[name], key: zeros}
+            new = _with(kwargs, name, zeros if key is None else {**kwargs[name], key: zeros})
             return new, f"{name}{'' if key is None else f'[{key!r}]'}: zeros (indices into an embedding table)"
     return None
 
@@ -339,9 +356,7 @@ def _integer_indices(exc, msg, kwargs, make, forbid, params):
 def _as_long_zeros(kwargs: dict, name: str, forbid: set, note: str) -> tuple[dict, str]:
     """``kwargs`` with input ``name`` made long zeros of its shape (once per input: ``forbid``)."""
     forbid.add((name, "long"))
-    new = dict(kwargs)
-    new[name] = torch.zeros(kwargs[name].shape, dtype=torch.long)
-    return new, note
+    return _with(kwargs, name, torch.zeros(kwargs[name].shape, dtype=torch.long)), note
 
 
 def _held(v, named: list) -> bool:
@@ -358,10 +373,7 @@ def _like_concatenated(exc, msg, kwargs, make, forbid, params):
     """A concatenation of an input with another: make the one we made up like the other."""
     if "Sizes of tensors must match" in msg or "same number of dimensions" in msg:
         for frame in reversed(_model_frames(exc)):
-            try:
-                text = (inspect.getframeinfo(frame).code_context or [""])[0]
-            except Exception:
-                text = ""
+            text = _line_text(frame)
             if "cat(" not in text and "stack(" not in text:
                 continue
             named = [lv for ln, lv in frame.f_locals.items() if re.search(rf"\b{re.escape(ln)}\b", text)]
@@ -371,22 +383,19 @@ def _like_concatenated(exc, msg, kwargs, make, forbid, params):
                 others = [v for n, v in present if n != name]
                 if name != first and others and (name, "like") not in forbid:
                     forbid.add((name, "like"))
-                    new = dict(kwargs)
                     if isinstance(val, list):  # per-sample lists zipped together: each item like the other's
-                        new[name] = [torch.randn(o.shape).to(x.dtype) for x, o in zip(val, list(others[0]))]
+                        value = [torch.randn(o.shape).to(x.dtype) for x, o in zip(val, list(others[0]))]
                     else:
-                        new[name] = torch.randn(others[0].shape).to(val.dtype)
-                    return new, f"{name}: shaped like the tensor it is concatenated with"
+                        value = torch.randn(others[0].shape).to(val.dtype)
+                    return _with(kwargs, name, value), f"{name}: shaped like the tensor it is concatenated with"
             break
     return None
 
 
 @rule
 def _size_mismatch(exc, msg, kwargs, make, forbid, params):
-    """Sizes ``a`` and ``b`` differ at dim ``d``: the input the failing frame holds takes the other.
-    An input of lower rank than the broadcast (the largest rank the frame holds) takes part in it
-    right-aligned: its own dim is ``d`` less the ranks it lacks (a ``(B, S)`` mask against
-    ``(B, H, S, S)`` scores)."""
+    """Sizes ``a`` and ``b`` differ at dim ``d``: the input the failing frame holds takes the other (a
+    lower-rank input right-aligned: a ``(B, S)`` mask against ``(B, H, S, S)`` scores)."""
     m = _SIZE.search(msg)
     if m:
         a, b, d = int(m.group(1)), int(m.group(2)), int(m.group(3))
@@ -403,10 +412,7 @@ def _size_mismatch(exc, msg, kwargs, make, forbid, params):
                     forbid.add((name, "dim", d))
                     shape = list(val.shape)
                     shape[k] = b if shape[k] == a else a
-                    new = dict(kwargs)
-                    new[name] = torch.randn(shape).to(val.dtype) if val.is_floating_point() else \
-                        torch.zeros(shape, dtype=val.dtype)
-                    return new, f"{name}: dim {k} {val.shape[k]} -> {shape[k]}"
+                    return _with(kwargs, name, _remade(val, shape)), f"{name}: dim {k} {val.shape[k]} -> {shape[k]}"
     return None
 
 
@@ -416,15 +422,12 @@ _MASKED = re.compile(r"value tensor of shape \[([\d, ]*)\] cannot be broadcast t
 
 @rule
 def _masked_count(exc, msg, kwargs, make, forbid, params):
-    """A masked assignment ``x[:, mask] = v`` whose boolean mask selects another number of rows
-    than ``v`` has: the boolean input the frame's mask expands from (``k`` selected positions per
-    True: the ratio of their True counts) keeps its length and is True at its last ``rows / k``
-    positions (the masked slots after the others, as tokens appended after a prompt)."""
+    """``x[:, mask] = v`` selecting another number of rows than ``v`` has: the boolean input the mask
+    expands from (``k`` positions per True) is True at its last ``rows / k`` positions."""
     m = _MASKED.search(msg)
     if not m:
         return None
-    value = [int(x) for x in m.group(1).split(",") if x.strip()]
-    result = [int(x) for x in m.group(2).split(",")]
+    value, result = _ints(m.group(1)), _ints(m.group(2))
     masks = [lv for _, lv in _failing_locals(exc) if isinstance(lv, torch.Tensor) and lv.dtype == torch.bool]
     for name, val in kwargs.items():
         if not isinstance(val, torch.Tensor) or val.dtype != torch.bool or not val.any() or (name, "count") in forbid:
@@ -437,10 +440,9 @@ def _masked_count(exc, msg, kwargs, make, forbid, params):
             if not k or not rows or rows % k or rows // k > val.shape[-1]:
                 continue
             forbid.add((name, "count"))
-            new = dict(kwargs)
-            new[name] = torch.zeros_like(val)
-            new[name][..., val.shape[-1] - rows // k:] = True
-            return new, f"{name}: True at its last {rows // k} of {val.shape[-1]} positions"
+            mask = torch.zeros_like(val)
+            mask[..., val.shape[-1] - rows // k:] = True
+            return _with(kwargs, name, mask), f"{name}: True at its last {rows // k} of {val.shape[-1]} positions"
     return None
 
 
@@ -459,9 +461,8 @@ def _grid_rows(val) -> list | None:
 
 @rule
 def _grid_token_count(exc, msg, kwargs, make, forbid, params):
-    """The error names a grid-list input whose token count (the sum of its grids' products) is one
-    number of the message and another number what the code counts elsewhere: the last grid's
-    leading (frames) axis takes the difference."""
+    """A grid-list input the error names whose token count (the sum of its grids' products) differs
+    from another number of the message: the last grid's frames axis takes the difference."""
     nums = [int(x) for x in re.findall(r"\b\d+\b", msg)]
     for name, val in kwargs.items():
         rows = _grid_rows(val)
@@ -474,9 +475,8 @@ def _grid_token_count(exc, msg, kwargs, make, forbid, params):
             if want > rest and (want - rest) % per == 0:
                 forbid.add((name, "tokens"))
                 grid = ((want - rest) // per,) + tuple(last[1:])
-                new = dict(kwargs)
-                new[name] = [r[:-1] + [grid] for r in rows] if rows is val else rows[0][:-1] + [grid]
-                return new, f"{name}: last grid {last} -> {grid} ({want} tokens)"
+                value = [r[:-1] + [grid] for r in rows] if rows is val else rows[0][:-1] + [grid]
+                return _with(kwargs, name, value), f"{name}: last grid {last} -> {grid} ({want} tokens)"
     return None
 
 
@@ -504,9 +504,8 @@ def _computed_from(frame, size: int, kwargs: dict) -> list[str]:
 
 @rule
 def _repeats_length(exc, msg, kwargs, make, forbid, params):
-    """``repeat_interleave`` with one repeat count per position of an input of another length: the
-    input the counts are computed from takes that length (a boolean one keeps its last positions,
-    so a mask True at its end stays so)."""
+    """``repeat_interleave`` counts for an input of another length: the input the counts are computed
+    from takes that length, keeping its last positions (a mask True at its end stays so)."""
     m = _REPEATS.search(msg)
     if not m:
         return None
@@ -516,12 +515,11 @@ def _repeats_length(exc, msg, kwargs, make, forbid, params):
         if not isinstance(val, torch.Tensor) or val.shape[-1] != a or (name, "repeats") in forbid:
             continue
         forbid.add((name, "repeats"))
-        new = dict(kwargs)
         if b <= a:
-            new[name] = val[..., a - b:].clone()
+            value = val[..., a - b:].clone()
         else:
-            new[name] = torch.cat([torch.zeros(*val.shape[:-1], b - a, dtype=val.dtype), val], dim=-1)
-        return new, f"{name}: last dim {a} -> {b} (one repeat count per position)"
+            value = torch.cat([torch.zeros(*val.shape[:-1], b - a, dtype=val.dtype), val], dim=-1)
+        return _with(kwargs, name, value), f"{name}: last dim {a} -> {b} (one repeat count per position)"
     return None
 
 
@@ -529,25 +527,20 @@ def _repeats_length(exc, msg, kwargs, make, forbid, params):
 def _unpack_rank(exc, msg, kwargs, make, forbid, params):
     """A tensor unpacked into more or fewer names than its rank: remake it with that rank."""
     m = _UNPACK.search(msg)
-    if m:
-        want = int(m.group(1))
-        frames = _model_frames(exc)
-        if frames:
-            frame = frames[-1]
-            try:
-                text = (inspect.getframeinfo(frame).code_context or [""])[0]
-            except Exception:
-                text = ""
-            sm = re.search(r"=\s*(\w+)\.(?:shape|size\(\))", text)
-            if sm:
-                local = frame.f_locals.get(sm.group(1))
-                for name, val in kwargs.items():
-                    if val is local and isinstance(val, torch.Tensor) and (name, "rank", want) not in forbid:
-                        forbid.add((name, "rank", want))
-                        new = dict(kwargs)
-                        new[name] = make(name, kwargs, rank=want, **_unpacked_roles(make, frame, want))
-                        if new[name] is not None:
-                            return new, f"{name}: rank {want}"
+    frames = _model_frames(exc)
+    if not m or not frames:
+        return None
+    want, frame = int(m.group(1)), frames[-1]
+    sm = re.search(r"=\s*(\w+)\.(?:shape|size\(\))", _line_text(frame))
+    if not sm:
+        return None
+    local = frame.f_locals.get(sm.group(1))
+    for name, val in kwargs.items():
+        if val is local and isinstance(val, torch.Tensor) and (name, "rank", want) not in forbid:
+            forbid.add((name, "rank", want))
+            value = make(name, kwargs, rank=want, **_unpacked_roles(make, frame, want))
+            if value is not None:
+                return _with(kwargs, name, value), f"{name}: rank {want}"
     return None
 
 
@@ -569,22 +562,16 @@ def _unpacked_roles(make, frame, want: int) -> dict:
 
 @rule
 def _supply_guarded(exc, msg, kwargs, make, forbid, params):
-    """A local read before it is set (``UnboundLocalError``) because the code sets it only under
-    a condition on optional inputs (``if latents is not None and ids is not None: x = ...``):
-    supply the forward parameters that condition tests and that are None."""
+    """``UnboundLocalError``: the code sets the local only under a condition on optional inputs
+    (``if latents is not None: x = ...``): supply the None forward parameters the condition tests."""
     if not isinstance(exc, UnboundLocalError):
         return None
     m = re.search(r"local variable '(\w+)'", msg)
     frames = _model_frames(exc)
-    if not m or not frames:
+    tree = _code_tree(frames[-1].f_code)[0] if m and frames else None
+    if tree is None:
         return None
     local = m.group(1)
-    frame = frames[-1]
-    try:
-        lines, _ = inspect.getsourcelines(frame.f_code)
-        tree = ast.parse(textwrap.dedent("".join(lines)))
-    except (OSError, TypeError, SyntaxError, IndentationError):
-        return None
     tested: list[str] = []
     for n in ast.walk(tree):
         if isinstance(n, ast.If) and any(isinstance(t, ast.Name) and t.id == local
@@ -594,7 +581,7 @@ def _supply_guarded(exc, msg, kwargs, make, forbid, params):
     new = dict(kwargs)
     supplied = []
     for n in tested:
-        if n in params and kwargs.get(n) is None and ("supply", n) not in forbid and not never_supplied(n):
+        if _may_supply(n, params, kwargs, forbid):
             forbid.add(("supply", n))
             val = make(n, new)
             if val is not None:
@@ -605,37 +592,28 @@ def _supply_guarded(exc, msg, kwargs, make, forbid, params):
 
 @rule
 def _grid_as_positions(exc, msg, kwargs, make, forbid, params):
-    """A grid of ints we made up from an annotation (``tuple[int, int, int]``) whose elements the
-    failing function uses as indices (``table[pos[0]]``): read it the other way, as one range
-    of positions per axis (``[arange(f), arange(h), arange(w)]``), once per made-up value."""
+    """An int grid we made up (``tuple[int, int, int]``) whose elements the failing function uses
+    as indices (``table[pos[0]]``): one range of positions per axis instead, once per made-up value."""
     frames = _model_frames(exc)
-    if not frames:
-        return None
-    frame = frames[-1]
-    try:
-        lines, _ = inspect.getsourcelines(frame.f_code)
-        tree = ast.parse(textwrap.dedent("".join(lines)))
-    except (OSError, TypeError, SyntaxError, IndentationError):
+    tree = _code_tree(frames[-1].f_code)[0] if frames else None
+    if tree is None:
         return None
     # names whose elements index something in the failing function: ``table[pos[0]]``
     indexing = {n.slice.value.id for n in ast.walk(tree) if isinstance(n, ast.Subscript)
                 and isinstance(n.slice, ast.Subscript) and isinstance(n.slice.value, ast.Name)}
-    held = {id(v) for k, v in frame.f_locals.items() if k in indexing}
+    held = {id(v) for k, v in frames[-1].f_locals.items() if k in indexing}
     for name, val in kwargs.items():
         if isinstance(val, (tuple, list)) and val and all(isinstance(x, int) and not isinstance(x, bool) and x > 0
                                                           for x in val) \
                 and id(val) in held and (name, "positions", id(val)) not in forbid:
             forbid.add((name, "positions", id(val)))  # once per made-up value (a regrid makes it again)
-            new = dict(kwargs)
-            new[name] = [torch.arange(x) for x in val]
-            return new, f"{name}: one range of positions per axis"
+            return _with(kwargs, name, [torch.arange(x) for x in val]), f"{name}: one range of positions per axis"
     return None
 
 
 def missing_dependency(exc: BaseException) -> str | None:
-    """A ``NameError`` for a name the failing code's module imports only under a condition
-    (``if is_x_available(): from x import y``): the optional dependency is not installed and the
-    forward cannot run on any input. The reason, or None."""
+    """The reason, when a ``NameError``'s name is imported by the failing module only under a
+    condition (``if is_x_available():``): the optional dependency is missing; else None."""
     if not isinstance(exc, NameError) or not getattr(exc, "name", None):
         return None
     frames = _model_frames(exc)
@@ -662,19 +640,16 @@ _VIEW = re.compile(r"shape '\[([-\d, ]+)\]' is invalid for input of size (\d+)")
 
 @rule
 def _view_multiple(exc, msg, kwargs, make, forbid, params):
-    """``x.view(-1, K)`` of an input the failing statement names, whose elements (times what the
-    code made of each) do not fill rows of K: the input with as many values per sample as fill
-    one row (``image_meta_size`` as 6 numbers where 2 were made up)."""
+    """``x.view(-1, K)`` of an input the failing statement names whose elements do not fill rows
+    of K: the input with as many values per sample as fill one row (``image_meta_size`` as 6)."""
     m = _VIEW.search(msg)
     if not m:
         return None
-    dims = [int(x) for x in m.group(1).split(",") if x.strip()]
+    dims = _ints(m.group(1))
     total = int(m.group(2))
     if dims.count(-1) != 1:
         return None
-    row = 1
-    for d in dims:
-        row *= d if d != -1 else 1
+    row = -math.prod(dims)
     frames = _model_frames(exc)
     named = set(re.findall(r"\w+", statement_text(frames[-1]))) if frames else set()
     for name, val in kwargs.items():
@@ -684,10 +659,9 @@ def _view_multiple(exc, msg, kwargs, make, forbid, params):
         each = total // val.numel()  # what the code made of one value
         per = (row * each // math.gcd(row, each)) // each  # values that fill one row
         forbid.add((name, "view"))
-        new = dict(kwargs)
         fill = val.flatten()[0].item()
-        new[name] = torch.full((1, per) if val.ndim == 2 else (per,), fill, dtype=val.dtype)
-        return new, f"{name}: {per} values per sample (a row of {row})"
+        value = torch.full((1, per) if val.ndim == 2 else (per,), fill, dtype=val.dtype)
+        return _with(kwargs, name, value), f"{name}: {per} values per sample (a row of {row})"
     return None
 
 
@@ -697,9 +671,8 @@ _CAT_SIZES = re.compile(r"Sizes of tensors must match except in dimension (-?\d+
 
 @rule
 def _cat_operand_size(exc, msg, kwargs, make, forbid, params):
-    """``torch.cat([ours, theirs], dim=D)`` where ``theirs`` was computed by the code: the input
-    among the listed operands takes the other operand's size on the axis that differs (the
-    first operand's size X against operand k's size Y)."""
+    """``torch.cat([ours, theirs], dim=D)`` with ``theirs`` computed by the code: the input among
+    the operands takes the other operand's size on the axis that differs."""
     m = _CAT_SIZES.search(msg)
     frames = _model_frames(exc)
     if not m or not frames:
@@ -728,13 +701,12 @@ def _cat_operand_size(exc, msg, kwargs, make, forbid, params):
             forbid.add((name, "cat", want_to))
             shape = list(val.shape)
             shape[axes[-1]] = want_to
-            new = dict(kwargs)
-            new[name] = torch.randn(shape).to(val.dtype) if val.is_floating_point() else torch.zeros(shape, dtype=val.dtype)
-            return new, f"{name}: dim {axes[-1]} {want_from} -> {want_to} (like the tensor it is concatenated with)"
+            return _with(kwargs, name, _remade(val, shape)), \
+                f"{name}: dim {axes[-1]} {want_from} -> {want_to} (like the tensor it is concatenated with)"
     return None
 
 
-_CHANNELS = re.compile(r"expected input\[[\d, ]+\] to have (\d+) channels, but got (\d+) channels")
+_CHANNELS = re.compile(r"expected input\[([\d, ]+)\] to have (\d+) channels, but got (\d+) channels")
 
 
 def _output_width(model) -> int | None:
@@ -749,16 +721,14 @@ def _output_width(model) -> int | None:
 
 @rule
 def _split_concat_channels(exc, msg, kwargs, make, forbid, params):
-    """An embedding that expects C channels gets the concatenation of the noisy input with other
-    inputs (``x = torch.cat([cond, x], dim=-1)`` in a frame of the failing call): the noisy input
-    (the forward's first) keeps the width of the model's output (a denoiser returns what it
-    takes), the other concatenated input takes the rest of C."""
+    """An embedding expecting C channels gets the noisy input (the forward's first) concatenated with
+    one other input: the noisy input keeps the model's output width, the other takes the rest of C."""
     m = _CHANNELS.search(msg)
     model = getattr(make, "model", None)
     first = getattr(make, "first", None)
     if not m or model is None or first not in kwargs:
         return None
-    want = int(m.group(1))
+    want = int(m.group(2))
     out_w = _output_width(model)
     if not out_w or out_w >= want:  # the last layer writes patches: the config's output channels
         cfg = dict(getattr(model, "config", {}) or {})
@@ -767,12 +737,8 @@ def _split_concat_channels(exc, msg, kwargs, make, forbid, params):
     if not out_w or out_w >= want:
         return None
     for frame in reversed(_model_frames(exc)):
-        try:
-            lines, _ = inspect.getsourcelines(frame.f_code)
-            tree = ast.parse(textwrap.dedent("".join(lines)))
-        except (OSError, TypeError, SyntaxError, IndentationError):
-            continue
-        for c in ast.walk(tree):
+        tree, _ = _code_tree(frame.f_code)
+        for c in ast.walk(tree) if tree is not None else ():
             if not (isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute) and c.func.attr in ("cat", "concat")
                     and c.args and isinstance(c.args[0], (ast.List, ast.Tuple))):
                 continue
@@ -783,13 +749,11 @@ def _split_concat_channels(exc, msg, kwargs, make, forbid, params):
                         -k.value.operand.value if isinstance(k.value, ast.UnaryOp) else None
                         for k in c.keywords if k.arg == "dim"), None)
             others = [n for n in names if n != first and _tensors(kwargs.get(n))]
-            if first not in names or len(others) != 1 or not isinstance(dim, int):
+            if first not in names or len(others) != 1 or not isinstance(dim, int) \
+                    or (others[0], "split", want) in forbid:
                 continue
             other = others[0]
-            key = (other, "split", want)
-            if key in forbid:
-                continue
-            forbid.add(key)
+            forbid.add((other, "split", want))
             new = dict(kwargs)
             for n, w in ((first, out_w), (other, want - out_w)):
                 new[n] = _with_width(kwargs[n], dim, w, per_item=n not in locs)
@@ -857,14 +821,13 @@ def _input_held(exc, kwargs) -> list[tuple[str, torch.Tensor]]:
 
 @rule
 def _reshaped_last_dim(exc, msg, kwargs, make, forbid, params):
-    """A Linear (``mat1 (AxB and CxD)``) or a norm (``normalized_shape=[C] ... got [.., B]``) rejects
-    a reshape of an input (same element count A x B, its last dim L folded ``B / L`` times into the
-    row, e.g. a patchify view): the input's last dim becomes ``L * C / B``."""
+    """A Linear or a norm rejects a reshape of an input (its last dim L folded ``B / L`` times into a
+    row of B, e.g. a patchify view) wanting width C: the input's last dim becomes ``L * C / B``."""
     m, n = _MATMUL.search(msg), _NORM_SHAPE.search(msg)
     if m:
         rows, b, c = int(m.group(1)), int(m.group(2)), int(m.group(3))
     elif n:
-        size = [int(x) for x in n.group(2).replace(" ", "").split(",") if x]
+        size = _ints(n.group(2))
         c, b, rows = int(n.group(1)), size[-1], math.prod(size[:-1])
     else:
         return None
@@ -875,8 +838,7 @@ def _reshaped_last_dim(exc, msg, kwargs, make, forbid, params):
             continue
         want = c * last // b
         forbid.add((name, "last", want))
-        new = dict(kwargs)
-        new[name] = torch.randn(tuple(val.shape[:-1]) + (want,))
+        new = _with(kwargs, name, torch.randn(tuple(val.shape[:-1]) + (want,)))
         return new, f"{name}: last dim {last} -> {want} (a reshape of it meets a width {c})"
     return None
 
@@ -886,9 +848,8 @@ _TUPLE_DOC = re.compile(r"`?\(([\w ,]+)\)`? tuples")
 
 @rule
 def _iterated_tuples(exc, msg, kwargs, make, forbid, params):
-    """``for a, b in <input>`` unpacks each item of an input into N names: the input becomes a list
-    of one N-tuple; items named (by the loop or by the docstring's ``(encoding, mask) tuples``) like
-    a mask are ones of (batch, text), the others (batch, text, width) states."""
+    """``for a, b in <input>``: the input becomes a list of one N-tuple; items named like a mask (by
+    the loop or the docstring's ``(encoding, mask) tuples``) are (batch, text) ones, others states."""
     m = _UNPACK.search(msg)
     frames = _model_frames(exc)
     if not m or not frames:
@@ -907,9 +868,7 @@ def _iterated_tuples(exc, msg, kwargs, make, forbid, params):
         text = getattr(getattr(make, "grid", None), "text", TEXT_LEN)
         width = getattr(getattr(make, "grid", None), "channels", 4)
         item = tuple(torch.ones(1, text) if "mask" in x.lower() else torch.randn(1, text, width) for x in names)
-        new = dict(kwargs)
-        new[name] = [item]
-        return new, f"{name}: a list of {want}-tuples {tuple(names)}"
+        return _with(kwargs, name, [item]), f"{name}: a list of {want}-tuples {tuple(names)}"
     return None
 
 
@@ -966,9 +925,8 @@ def _put(val, idx: list, new):
 
 @rule
 def _nested_inputs(exc, msg, kwargs, make, forbid, params):
-    """Tensors inside list/tuple inputs (one tensor per sample, ``(encoding, mask)`` pairs) get the
-    shape repairs the top-level tensors get; a per-sample element is made like one sample of a
-    batched input (its batch axis dropped)."""
+    """Tensors inside list/tuple inputs (one per sample, ``(encoding, mask)`` pairs) get the shape
+    repairs top-level tensors get; a per-sample element is made like one sample of a batch."""
     flat = _flat_leaves(kwargs)
     if not flat:
         return None
@@ -1014,9 +972,8 @@ def last_axis_mismatch(exc) -> tuple | None:
 
 @rule
 def _last_axis_width(exc, msg, kwargs, make, forbid, params):
-    """A width mismatch on the last axis (``last_axis_mismatch``) of a tensor that is an input, or
-    has an input's elements (a concatenation of one per-sample tensor, a view): the input's last dim
-    takes the other width."""
+    """A width mismatch on the last axis (``last_axis_mismatch``) of a tensor that is an input or
+    holds an input's elements (a concatenation, a view): the input's last dim takes the other width."""
     found = last_axis_mismatch(exc)
     if not found:
         return None
@@ -1032,8 +989,7 @@ def _last_axis_width(exc, msg, kwargs, make, forbid, params):
         if (name, "last", want) in forbid:
             continue
         forbid.add((name, "last", want))
-        new = dict(kwargs)
-        new[name] = torch.randn(tuple(val.shape[:-1]) + (want,))
+        new = _with(kwargs, name, torch.randn(tuple(val.shape[:-1]) + (want,)))
         return new, f"{name}: last dim {val.shape[-1]} -> {want} (a width its consumer fixes)"
     return None
 
@@ -1042,10 +998,8 @@ _NAME_NOISE = {"num", "hidden", "states", "n", "size", "len", "length", "of", "i
 
 
 def int_input_size(exc, kwargs: dict) -> tuple[str, int] | None:
-    """(name, size) when a size mismatch ``a`` vs ``b`` sets an int input that equals one side
-    (a token count given as an int: ``audio_num_frames``) against a tensor input that has the other
-    side on that axis and shares a word of its name (``audio_hidden_states``): the int takes the
-    tensor's size."""
+    """(name, size) when a size mismatch sets an int input (``audio_num_frames``) against a tensor
+    input sharing a word of its name (``audio_hidden_states``): the int takes the tensor's size."""
     m = _SIZE.search(str(exc))
     if not m:
         return None
@@ -1071,9 +1025,8 @@ def _int_input_size(exc, msg, kwargs, make, forbid, params):
     if not found or (found[0], "int", found[1]) in forbid:
         return None
     forbid.add((found[0], "int", found[1]))
-    new = dict(kwargs)
-    new[found[0]] = found[1]
-    return new, f"{found[0]}: {kwargs[found[0]]} -> {found[1]} (the size of the tensor it describes)"
+    note = f"{found[0]}: {kwargs[found[0]]} -> {found[1]} (the size of the tensor it describes)"
+    return _with(kwargs, found[0], found[1]), note
 
 
 _EXPECTED_TUPLE = re.compile(r"has (?:shape|resolution|size) \(([\d, ]+)\),? but (?:is |was )?expected (?:to have )?"
@@ -1087,8 +1040,7 @@ def _expected_tuple(exc, msg, kwargs, make, forbid, params):
     m = _EXPECTED_TUPLE.search(msg)
     if not m:
         return None
-    have = [int(x) for x in m.group(1).replace(" ", "").split(",") if x]
-    want = [int(x) for x in m.group(2).replace(" ", "").split(",") if x]
+    have, want = _ints(m.group(1)), _ints(m.group(2))
     if len(have) != len(want) or not have or any(w > 4096 for w in want):
         return None
     low = msg.lower().replace("_", " ")
@@ -1099,24 +1051,19 @@ def _expected_tuple(exc, msg, kwargs, make, forbid, params):
             if shape[start:start + len(have)] == have and (name, "axes", tuple(want)) not in forbid:
                 forbid.add((name, "axes", tuple(want)))
                 shape[start:start + len(have)] = want
-                new = dict(kwargs)
-                new[name] = torch.randn(shape).to(val.dtype) if val.is_floating_point() else \
-                    torch.zeros(shape, dtype=val.dtype)
-                return new, f"{name}: axes {tuple(have)} -> {tuple(want)} (the error's expected shape)"
+                return _with(kwargs, name, _remade(val, shape)), \
+                    f"{name}: axes {tuple(have)} -> {tuple(want)} (the error's expected shape)"
     return None
-
-
-_CONV_CHANNELS = re.compile(r"expected input\[([\d, ]+)\] to have (\d+) channels, but got (\d+) channels")
 
 
 @rule
 def _conv_channels(exc, msg, kwargs, make, forbid, params):
     """A convolution wants C channels and gets G from an input or a reshape of it (same element
     count; frames folded into the batch): the input's axis of size G (axis 1 first) becomes C."""
-    m = _CONV_CHANNELS.search(msg)
+    m = _CHANNELS.search(msg)
     if not m:
         return None
-    seen = [int(x) for x in m.group(1).replace(" ", "").split(",") if x]
+    seen = _ints(m.group(1))
     want, got = int(m.group(2)), int(m.group(3))
     held = _input_held(exc, kwargs)
     others = [(n, v) for n, v in kwargs.items() if isinstance(v, torch.Tensor) and all(n != h for h, _ in held)]
@@ -1129,17 +1076,15 @@ def _conv_channels(exc, msg, kwargs, make, forbid, params):
         forbid.add((name, "channels", want))
         shape = list(val.shape)
         shape[axes[0]] = want
-        new = dict(kwargs)
-        new[name] = torch.randn(shape).to(val.dtype) if val.is_floating_point() else torch.zeros(shape, dtype=val.dtype)
-        return new, f"{name}: axis {axes[0]} {got} -> {want} (a convolution's channels)"
+        return _with(kwargs, name, _remade(val, shape)), \
+            f"{name}: axis {axes[0]} {got} -> {want} (a convolution's channels)"
     return None
 
 
 @rule
 def _documented_symbol(exc, msg, kwargs, make, forbid, params):
     """The message gives a documented size symbol's value (``... for seq_len=8``) and names inputs
-    (in backticks) documented with that symbol (``timestep_indices (... of shape `(seq_len,)`)``):
-    each such input gets that size on that axis."""
+    (in backticks) documented with that symbol (``of shape `(seq_len,)```): each gets that size there."""
     model = getattr(make, "model", None)
     values = {k: int(v) for k, v in re.findall(r"\b(\w+)\s*=\s*(\d+)\b", msg)}
     if model is None or not values:
@@ -1166,7 +1111,7 @@ def _documented_symbol(exc, msg, kwargs, make, forbid, params):
 @rule
 def _index_dtype(exc, msg, kwargs, make, forbid, params):
     """``Expected dtype int32 or int64 for index``: the float input shaped like the float index the
-    innermost frame holds (an index computed from inputs, e.g. ``row * k + tags``) becomes integers."""
+    innermost frame holds (computed from inputs, e.g. ``row * k + tags``) becomes integers."""
     if "for index" not in msg or "int" not in msg:
         return None
     frames = _model_frames(exc)
@@ -1191,9 +1136,7 @@ def _empty_mapping(exc, msg, kwargs, make, forbid, params):
             if name in params and frame.f_locals.get(name, 0) is None and kwargs.get(name) is None \
                     and (name, "mapping") not in forbid:
                 forbid.add((name, "mapping"))
-                new = dict(kwargs)
-                new[name] = {}
-                return new, f"{name}: an empty options dict (spread with **)"
+                return _with(kwargs, name, {}), f"{name}: an empty options dict (spread with **)"
     return None
 
 
@@ -1202,9 +1145,8 @@ STACK_MAX = 64  # entries a stacked input grows to at most
 
 
 def _subscripted_inputs(exc, kwargs: dict, d: int) -> list:
-    """(input name, tensor, axis) for each tensor input a failing statement subscripts (``x[k]``),
-    by its name or through a local that is the input or a row of it (then the axis is one further
-    in)."""
+    """(input name, tensor, axis) of each tensor input a failing statement subscripts (``x[k]``), by
+    name or through a local that is it or a row of it (then one axis further in)."""
     out = []
     for frame in reversed(_model_frames(exc)):
         for local in re.findall(r"(\w+)\s*\[", statement_text(frame)):
@@ -1223,10 +1165,8 @@ def _subscripted_inputs(exc, kwargs: dict, d: int) -> list:
 
 @rule
 def _stacked_entries(exc, msg, kwargs, make, forbid, params):
-    """``index i is out of bounds for dimension d with size s`` where the failing statement
-    subscripts a forward input (``x[k]``, ``k`` from a setting: a stack of per-layer states):
-    the input gets ``i + 1`` entries along ``d``; a batch-sized leading axis (size 1) is kept and
-    a new leading stack axis is put before it. Grown one error at a time (bounded by STACK_MAX)."""
+    """``index i is out of bounds for dimension d`` on an input the failing statement subscripts: it
+    gets ``i + 1`` entries along ``d`` (a new axis before a size-1 batch axis), up to STACK_MAX."""
     m = _OUT_OF_BOUNDS.search(msg)
     if not m:
         return None
@@ -1245,10 +1185,9 @@ def _stacked_entries(exc, msg, kwargs, make, forbid, params):
             shape = (i + 1, *val.shape)
         else:
             shape = tuple(i + 1 if k == d else n for k, n in enumerate(val.shape))
-        new = dict(kwargs)
-        new[name] = (torch.randn(shape, generator=gen) if val.is_floating_point()
-                     else torch.zeros(shape, dtype=val.dtype))
-        return new, f"{name}: {i + 1} entries along axis {d} (indexed by the code) -> {list(shape)}"
+        value = torch.randn(shape, generator=gen) if val.is_floating_point() else torch.zeros(shape, dtype=val.dtype)
+        return _with(kwargs, name, value), \
+            f"{name}: {i + 1} entries along axis {d} (indexed by the code) -> {list(shape)}"
     return None
 
 _NAMED_COUNT = re.compile(r"`(\w+)` \(([^)]*)\)[^`]*?\bgot \[?(\d+)")
@@ -1256,9 +1195,8 @@ _NAMED_COUNT = re.compile(r"`(\w+)` \(([^)]*)\)[^`]*?\bgot \[?(\d+)")
 
 @rule
 def _stated_count(exc, msg, kwargs, make, forbid, params):
-    """A check whose message names a forward input, its value and the count the code got
-    (``Each sample must hold exactly `seq_len` (8) tokens, got [32]``): the input becomes that
-    count (an int where the forward annotates an int)."""
+    """A check naming an input, its value and the count it got (``exactly `seq_len` (8) tokens, got
+    [32]``): the input becomes that count (an int where the forward annotates one)."""
     m = _NAMED_COUNT.search(msg)
     if not m or m.group(1) not in params or (m.group(1), "count", m.group(3)) in forbid:
         return None
@@ -1266,12 +1204,11 @@ def _stated_count(exc, msg, kwargs, make, forbid, params):
     forbid.add((name, "count", m.group(3)))
     ann = str(getattr(make, "annotations", {}).get(name, ""))
     old = kwargs.get(name)
-    new = dict(kwargs)
     if isinstance(old, torch.Tensor) and "int" not in ann.replace("Tensor", ""):
-        new[name] = torch.full(old.shape, count, dtype=old.dtype)
+        value = torch.full(old.shape, count, dtype=old.dtype)
     else:
-        new[name] = count
-    return new, f"{name}: {count} (the count the forward's check got)"
+        value = count
+    return _with(kwargs, name, value), f"{name}: {count} (the count the forward's check got)"
 
 _TOO_MANY = re.compile(r"too many indices for tensor of dimension (\d+)")
 
@@ -1291,9 +1228,8 @@ def _index_count(text: str, name: str) -> int:
 
 @rule
 def _per_frame_values(exc, msg, kwargs, make, forbid, params):
-    """``too many indices for tensor of dimension k`` where the failing statement indexes a forward
-    input with more axes than it has (``timestep[:, -n:]``, one value per frame): the input gets
-    the axes it is indexed with, each new one the grid's frame count, its values repeated along it."""
+    """An input indexed with more axes than it has (``timestep[:, -n:]``): each missing axis added
+    with the grid's frame count, the values repeated along it."""
     m = _TOO_MANY.search(msg)
     if not m:
         return None
@@ -1311,34 +1247,22 @@ def _per_frame_values(exc, msg, kwargs, make, forbid, params):
             val = lv
             while val.ndim < want:
                 val = val.unsqueeze(-1).expand(*val.shape, frames)
-            new = dict(kwargs)
-            new[name] = val.clone()
-            return new, f"{name}: {list(val.shape)} (indexed with {want} axes: a value per frame)"
+            return _with(kwargs, name, val.clone()), \
+                f"{name}: {list(val.shape)} (indexed with {want} axes: a value per frame)"
         break
     return None
 
 
 def explain(exc: BaseException, model, kwargs: dict | None = None) -> str:
-    """A named reason for an error no repair addresses, when the code says more than the message:
-    a ``KeyError`` on a dict built from a dict-annotated forward parameter (named features of a
-    running pipeline that the probe does not make up); or any error after the probe filled keys of
-    such a dict input (``_missing_dict_key``): those features' real shapes are unknown to it."""
-    filled = {n: list(v) for n, v in (kwargs or {}).items() if n in dict_inputs(model) and isinstance(v, dict) and v}
+    """A named reason for an error no repair addresses: a ``KeyError`` on features built from a dict
+    input, or any error after the probe filled such an input's keys (their real shapes unknown)."""
+    dicts = dict_inputs(model)
+    filled = {n: list(v) for n, v in (kwargs or {}).items() if n in dicts and isinstance(v, dict) and v}
     if filled and not isinstance(exc, KeyError):
         return "".join(f" (after {len(keys)} named features the forward reads from the dict input {n!r} were made "
                        f"up as zeros per token, {keys[:3]}...: their real shapes are not in the code's signature)"
                        for n, keys in filled.items())
-    if not isinstance(exc, KeyError) or not exc.args:
-        return ""
-    try:
-        sig = inspect.signature(type(model).forward).parameters
-    except (TypeError, ValueError):
-        return ""
-    dicts = [n for n, p in sig.items() if "dict" in str(p.annotation).lower() or "mapping" in str(p.annotation).lower()]
-    dicts = [n for n in dicts if not never_supplied(n)]
-    if not dicts:
+    if not isinstance(exc, KeyError) or not exc.args or not dicts:
         return ""
     return (f" (the forward reads key {exc.args[0]!r} of the features it builds from the dict input "
             f"{', '.join(repr(d) for d in dicts)}: named features the probe does not make up)")
-
-

@@ -1,16 +1,9 @@
-"""State inputs of a running pipeline that a forward requires (``state_options``): a cache object
-and the mode string that says how the forward uses it. The probe makes them only where the code
-says how:
-
-- a parameter annotated with a class whose constructor takes only ints (``KVCache(num_layers)``):
-  an empty instance, each int the model config's value of the same name, else the length of the
-  longest block list the model holds;
-- a ``str`` parameter the forward compares with string constants (``mode not in ("extract",
-  "cached")``): each constant, in the order the code names them (the first mode whose forward
-  runs is kept: a mode that fills the cache runs on an empty one, a mode that reads it does not).
-
-Anything else (a dict of flags, an untyped cache) is not made up: ``state_options`` returns None
-and the probe refuses with the names."""
+"""State inputs of a running pipeline that a forward requires (``state_options``), made only where
+the code says how: a parameter annotated with a class whose constructor takes only ints
+(``KVCache(num_layers)``) gets an empty instance (each int the config's value of that name, else the
+longest block list's length); a ``str`` parameter the forward compares with string constants gets
+each constant in turn, in source order (a mode that fills the cache runs on an empty one). Anything
+else is not made up: ``state_options`` returns None and the probe refuses with the names."""
 
 from __future__ import annotations
 

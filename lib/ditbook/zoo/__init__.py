@@ -45,14 +45,11 @@ configs: dict[str, Spec] = {
     "wan": Spec("wan", "WanPipeline", "WanTransformer3DModel", notes="video, self + cross attention"),
     "pixart": Spec("pixart", "PixArtSigmaPipeline", "PixArtTransformer2DModel", notes="cross attention, adaLN-single"),
     "hunyuandit": Spec("hunyuandit", "HunyuanDiTPipeline", "HunyuanDiT2DModel", notes="long skip connections between blocks"),
-    "thirdparty": Spec(
-        "thirdparty",
-        "GQAPipeline",
-        "GQATransformer2DModel",
-        pipeline_source=str(THIRDPARTY_DIR / "pipeline_gqa.py"),
-        transformer_source=str(THIRDPARTY_DIR / "transformer_gqa.py"),
-        notes="user code outside diffusers: GQA 8q/2kv heads, keyword-argument blocks, per-block embedding in the loop",
-    ),
+    "thirdparty": Spec("thirdparty", "GQAPipeline", "GQATransformer2DModel",
+                       pipeline_source=str(THIRDPARTY_DIR / "pipeline_gqa.py"),
+                       transformer_source=str(THIRDPARTY_DIR / "transformer_gqa.py"),
+                       notes="user code outside diffusers: GQA 8q/2kv heads, keyword-argument blocks, per-block "
+                             "embedding in the loop"),
 }
 
 
@@ -65,15 +62,12 @@ def card_data(name: str, path: str) -> dict:
     """The model card mapping of zoo model ``name`` whose saved pipeline is at ``path``."""
     spec = configs[name]
     module = importlib.import_module(f"{__name__}.{spec.module}")
-    return {
-        "name": f"{name}-tiny",
-        "path": path,
-        "pipeline": {"class": spec.pipeline_class, "source": spec.pipeline_source},
-        "transformer": {"class": spec.transformer_class, "source": spec.transformer_source, "subfolder": "transformer"},
-        "generation": dict(module.GENERATION),
-        "runtime": dict(spec.runtime),
-        "notes": f"ditbook zoo: tiny random-initialized {spec.pipeline_class}; {spec.notes}",
-    }
+    return {"name": f"{name}-tiny", "path": path,
+            "pipeline": {"class": spec.pipeline_class, "source": spec.pipeline_source},
+            "transformer": {"class": spec.transformer_class, "source": spec.transformer_source,
+                            "subfolder": "transformer"},
+            "generation": dict(module.GENERATION), "runtime": dict(spec.runtime),
+            "notes": f"ditbook zoo: tiny random-initialized {spec.pipeline_class}; {spec.notes}"}
 
 
 def build(name: str, out_dir: Path, seed: int = 0) -> Path:

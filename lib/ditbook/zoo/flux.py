@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from . import vocab
-from .parts import make_clip, make_t5, make_vae
+from .parts import generation, make_clip, make_t5, make_vae
 
 
 @dataclass(frozen=True)
@@ -34,17 +34,10 @@ def make_transformer(size: FluxSize):
     from diffusers import FluxTransformer2DModel
 
     return FluxTransformer2DModel(
-        patch_size=1,
-        in_channels=4 * size.latent_channels,  # 2x2 latent patches packed by the pipeline
-        num_layers=size.dual_blocks,
-        num_single_layers=size.single_blocks,
-        attention_head_dim=size.head_dim,
-        num_attention_heads=size.heads,
-        joint_attention_dim=size.text_dim,
-        pooled_projection_dim=size.clip_dim,
-        guidance_embeds=True,
-        axes_dims_rope=size.axes_dims_rope,
-    )
+        patch_size=1, in_channels=4 * size.latent_channels,  # 2x2 latent patches packed by the pipeline
+        num_layers=size.dual_blocks, num_single_layers=size.single_blocks, attention_head_dim=size.head_dim,
+        num_attention_heads=size.heads, joint_attention_dim=size.text_dim, pooled_projection_dim=size.clip_dim,
+        guidance_embeds=True, axes_dims_rope=size.axes_dims_rope)
 
 
 def build_pipeline(size: FluxSize = FluxSize(), seed: int = 0, transformer=None, vae=None):
@@ -57,22 +50,9 @@ def build_pipeline(size: FluxSize = FluxSize(), seed: int = 0, transformer=None,
     return FluxPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True),
         vae=vae if vae is not None else make_vae(size.vae_channels, size.latent_channels),
-        text_encoder=make_clip(tok, size.clip_dim, size.text_layers, size.clip_max_length),
-        tokenizer=tok,
-        text_encoder_2=make_t5(tok2, size.text_dim, size.text_layers),
-        tokenizer_2=tok2,
-        transformer=transformer if transformer is not None else make_transformer(size),
-    )
+        text_encoder=make_clip(tok, size.clip_dim, size.text_layers, size.clip_max_length), tokenizer=tok,
+        text_encoder_2=make_t5(tok2, size.text_dim, size.text_layers), tokenizer_2=tok2,
+        transformer=transformer if transformer is not None else make_transformer(size))
 
 
-GENERATION = {
-    "prompts": ["a red circle on the left", "a blue square in the center"],
-    "negative_prompt": None,
-    "seeds": [0, 1],
-    "height": 32,
-    "width": 32,
-    "steps": 2,
-    "guidance_scale": 3.5,
-    "true_cfg_scale": 1.0,
-    "extra": {"max_sequence_length": 16},
-}
+GENERATION = generation(negative_prompt=None, guidance_scale=3.5)

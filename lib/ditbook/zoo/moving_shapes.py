@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, ImageDraw
 
-from .shapes import BACKGROUND, COLORS, SHAPES, color_fractions
+from .shapes import BACKGROUND, COLORS, SHAPES, color_fractions, draw_shape, unit_float
 
 SIZE = 32
 FRAMES = 9  # 1 + 4k frames: what a Wan VAE with 4x temporal compression expects
@@ -37,16 +37,6 @@ class MovingScene:
 
 def all_scenes() -> list[MovingScene]:
     return [MovingScene(s, c, d) for c in COLORS for s in SHAPES for d in DIRECTIONS]
-
-
-def _draw(draw: ImageDraw.ImageDraw, shape: str, cx: float, cy: float, r: float, color) -> None:
-    if shape == "circle":
-        draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=color)
-    elif shape == "square":
-        h = r * 0.9
-        draw.rectangle([cx - h, cy - h, cx + h, cy + h], fill=color)
-    else:
-        draw.polygon([(cx, cy - r), (cx - r * 1.1, cy + r * 0.8), (cx + r * 1.1, cy + r * 0.8)], fill=color)
 
 
 def path(scene: MovingScene, rng: np.random.Generator, frames: int = FRAMES) -> tuple[np.ndarray, float]:
@@ -75,7 +65,7 @@ def render(scene: MovingScene, rng: np.random.Generator, size: int = SIZE, frame
     out = []
     for cx, cy in centers:
         img = Image.new("RGB", (big, big), BACKGROUND)
-        _draw(ImageDraw.Draw(img), scene.shape, cx * big, cy * big, r * big, color)
+        draw_shape(ImageDraw.Draw(img), scene.shape, cx * big, cy * big, r * big, color)
         out.append(np.asarray(img.resize((size, size), Image.LANCZOS)))
     return np.stack(out)
 
@@ -91,15 +81,10 @@ def dataset(n: int, seed: int, size: int = SIZE, frames: int = FRAMES) -> tuple[
     return clips, order, scenes
 
 
-def _float(clip: np.ndarray) -> np.ndarray:
-    arr = np.asarray(clip, dtype=np.float32)
-    return arr / 255.0 if arr.max() > 1.5 else arr
-
-
 def centroids(clip: np.ndarray) -> np.ndarray:
     """Center of mass (x, y) of each frame's non-background pixels, as fractions of the side
     (x: 0 left, 1 right; y: 0 top, 1 bottom); NaN for a frame with no such pixel."""
-    arr = _float(clip)
+    arr = unit_float(clip)
     fg = np.abs(arr - np.array(BACKGROUND, dtype=np.float32) / 255.0).sum(-1)  # (F, H, W)
     fg = np.where(fg > 0.3, fg, 0.0)
     h, w = fg.shape[1:]
@@ -117,7 +102,7 @@ def motion(clip: np.ndarray, min_travel: float = 0.15) -> dict:
     shape over the clip (least-squares line through the frames' centroids, first to last frame,
     fractions of the side), and the direction: the axis that moved most and its sign, or
     ``None`` when the shape travelled less than ``min_travel`` or vanished in some frame."""
-    arr = _float(clip)
+    arr = unit_float(clip)
     fractions = color_fractions(arr.reshape(-1, arr.shape[-2], 3))
     c = centroids(arr)
     row = {"color": max(fractions, key=fractions.get), "color_share": round(float(max(fractions.values())), 3)}

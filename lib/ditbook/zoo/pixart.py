@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from . import vocab
-from .parts import make_t5, make_vae
+from .parts import generation, make_t5, make_vae
 
 
 def build_pipeline(seed: int = 0):
@@ -15,35 +15,12 @@ def build_pipeline(seed: int = 0):
     torch.manual_seed(seed)
     tok = vocab.t5_tokenizer()
     transformer = PixArtTransformer2DModel(
-        num_attention_heads=2,
-        attention_head_dim=16,
-        in_channels=4,
-        out_channels=8,  # learned sigma
-        num_layers=2,
-        cross_attention_dim=32,
-        caption_channels=32,
-        sample_size=16,
-        patch_size=2,
-        norm_type="ada_norm_single",
-        use_additional_conditions=False,
-    )
-    return PixArtSigmaPipeline(
-        tokenizer=tok,
-        text_encoder=make_t5(tok, 32, 1),
-        vae=make_vae((16, 32), 4),
-        transformer=transformer,
-        scheduler=DPMSolverMultistepScheduler(),
-    )
+        num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=8,  # learned sigma
+        num_layers=2, cross_attention_dim=32, caption_channels=32, sample_size=16, patch_size=2,
+        norm_type="ada_norm_single", use_additional_conditions=False)
+    return PixArtSigmaPipeline(tokenizer=tok, text_encoder=make_t5(tok, 32, 1), vae=make_vae((16, 32), 4),
+                               transformer=transformer, scheduler=DPMSolverMultistepScheduler())
 
 
-GENERATION = {
-    "prompts": ["a red circle on the left", "a blue square in the center"],
-    "negative_prompt": "",
-    "seeds": [0, 1],
-    "height": 32,
-    "width": 32,
-    "steps": 2,
-    "guidance_scale": 4.5,
-    "true_cfg_scale": 1.0,
-    "extra": {"max_sequence_length": 16, "use_resolution_binning": False, "clean_caption": False},
-}
+GENERATION = generation(guidance_scale=4.5,
+                        extra={"max_sequence_length": 16, "use_resolution_binning": False, "clean_caption": False})

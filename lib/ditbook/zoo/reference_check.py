@@ -39,16 +39,13 @@ def load_reference(path: str | Path, device: str = "cpu"):
 def generate(pipe, prompt: str, seed: int = 0, steps: int = 20, **kwargs) -> np.ndarray:
     """One 64x64 image (H, W, 3) in [0, 1]."""
     kwargs.setdefault("guidance_scale", 3.5)
-    return pipe(
-        prompt,
-        height=64,
-        width=64,
-        num_inference_steps=steps,
-        max_sequence_length=MAX_SEQUENCE_LENGTH,
-        generator=torch.Generator("cpu").manual_seed(seed),
-        output_type="np",
-        **kwargs,
-    ).images[0]
+    return pipe(prompt, **_call(steps, seed), **kwargs).images[0]
+
+
+def _call(steps: int, seed: int) -> dict:
+    """The pipeline call's keywords: 64x64, ``steps`` steps, the seeded CPU generator, numpy output."""
+    return dict(height=64, width=64, num_inference_steps=steps, max_sequence_length=MAX_SEQUENCE_LENGTH,
+                generator=torch.Generator("cpu").manual_seed(seed), output_type="np")
 
 
 def check(pipe, seeds=(0, 1), steps: int = 20) -> dict:
@@ -57,26 +54,10 @@ def check(pipe, seeds=(0, 1), steps: int = 20) -> dict:
         for seed in seeds:
             img = generate(pipe, prompt, seed, steps)
             fractions = shapes.color_fractions(img)
-            rows.append(
-                {
-                    "prompt": prompt,
-                    "seed": seed,
-                    "dominant_color": max(fractions, key=fractions.get),
-                    "expected_color": color,
-                    "x_center": round(shapes.horizontal_center(img), 3),
-                    "expected_x": x,
-                }
-            )
-    changes = first_block_residual_changes(
-        pipe,
-        prompt=PROBES[0][0],
-        height=64,
-        width=64,
-        num_inference_steps=steps,
-        max_sequence_length=MAX_SEQUENCE_LENGTH,
-        generator=torch.Generator("cpu").manual_seed(0),
-        output_type="np",
-    )
+            rows.append({"prompt": prompt, "seed": seed, "dominant_color": max(fractions, key=fractions.get),
+                         "expected_color": color, "x_center": round(shapes.horizontal_center(img), 3),
+                         "expected_x": x})
+    changes = first_block_residual_changes(pipe, prompt=PROBES[0][0], **_call(steps, 0))
     cfg_img = generate(pipe, PROBES[0][0], 0, steps, negative_prompt="", true_cfg_scale=3.0)
     cfg_fr = shapes.color_fractions(cfg_img)
     return {

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from . import vocab
-from .parts import make_clip, make_t5, make_vae
+from .parts import generation, make_clip, make_t5, make_vae
 
 
 def build_pipeline(seed: int = 0):
@@ -15,39 +15,15 @@ def build_pipeline(seed: int = 0):
     torch.manual_seed(seed)
     clip_tok, t5_tok = vocab.clip_tokenizer(16), vocab.t5_tokenizer()
     transformer = SD3Transformer2DModel(
-        sample_size=16,
-        patch_size=2,
-        in_channels=16,
-        out_channels=16,
-        num_layers=2,
-        attention_head_dim=16,
-        num_attention_heads=2,
-        joint_attention_dim=64,  # T5 width; the two CLIPs (32 + 32) are padded to it
-        caption_projection_dim=32,
-        pooled_projection_dim=64,  # two CLIP projections of 32
-        pos_embed_max_size=16,
-    )
+        sample_size=16, patch_size=2, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=64,  # T5 width; the two CLIPs (32 + 32) are padded to it
+        caption_projection_dim=32, pooled_projection_dim=64,  # two CLIP projections of 32
+        pos_embed_max_size=16)
     return StableDiffusion3Pipeline(
-        transformer=transformer,
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-        vae=make_vae((16, 32), 16),
-        text_encoder=make_clip(clip_tok, 32, 1, 16, projection=True),
-        tokenizer=clip_tok,
-        text_encoder_2=make_clip(clip_tok, 32, 1, 16, projection=True),
-        tokenizer_2=clip_tok,
-        text_encoder_3=make_t5(t5_tok, 64, 1),
-        tokenizer_3=t5_tok,
-    )
+        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=make_vae((16, 32), 16),
+        text_encoder=make_clip(clip_tok, 32, 1, 16, projection=True), tokenizer=clip_tok,
+        text_encoder_2=make_clip(clip_tok, 32, 1, 16, projection=True), tokenizer_2=clip_tok,
+        text_encoder_3=make_t5(t5_tok, 64, 1), tokenizer_3=t5_tok)
 
 
-GENERATION = {
-    "prompts": ["a red circle on the left", "a blue square in the center"],
-    "negative_prompt": "blurry",
-    "seeds": [0, 1],
-    "height": 32,
-    "width": 32,
-    "steps": 2,
-    "guidance_scale": 3.0,
-    "true_cfg_scale": 1.0,
-    "extra": {"max_sequence_length": 16},
-}
+GENERATION = generation(negative_prompt="blurry", guidance_scale=3.0)

@@ -44,19 +44,21 @@ def render(scene: ShapeScene, rng: np.random.Generator, size: int = SIZE) -> np.
     k = 4
     big = size * k
     img = Image.new("RGB", (big, big), BACKGROUND)
-    draw = ImageDraw.Draw(img)
     cx = (POSITIONS[scene.position] + rng.uniform(-0.04, 0.04)) * big
     cy = (0.5 + rng.uniform(-0.08, 0.08)) * big
-    r = rng.uniform(0.13, 0.18) * big
-    color = COLORS[scene.color]
-    if scene.shape == "circle":
+    draw_shape(ImageDraw.Draw(img), scene.shape, cx, cy, rng.uniform(0.13, 0.18) * big, COLORS[scene.color])
+    return np.asarray(img.resize((size, size), Image.LANCZOS))
+
+
+def draw_shape(draw: ImageDraw.ImageDraw, shape: str, cx: float, cy: float, r: float, color) -> None:
+    """One filled circle, square or triangle of radius ``r`` around (cx, cy)."""
+    if shape == "circle":
         draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=color)
-    elif scene.shape == "square":
+    elif shape == "square":
         h = r * 0.9
         draw.rectangle([cx - h, cy - h, cx + h, cy + h], fill=color)
     else:
         draw.polygon([(cx, cy - r), (cx - r * 1.1, cy + r * 0.8), (cx + r * 1.1, cy + r * 0.8)], fill=color)
-    return np.asarray(img.resize((size, size), Image.LANCZOS))
 
 
 def dataset(n: int, seed: int) -> tuple[np.ndarray, list[int], list[ShapeScene]]:
@@ -70,12 +72,16 @@ def dataset(n: int, seed: int) -> tuple[np.ndarray, list[int], list[ShapeScene]]
     return images, order, scenes
 
 
+def unit_float(image: np.ndarray) -> np.ndarray:
+    """``image`` as float32 in [0, 1] (uint8 values scaled down)."""
+    arr = np.asarray(image, dtype=np.float32)
+    return arr / 255.0 if arr.max() > 1.5 else arr
+
+
 def color_fractions(image: np.ndarray) -> dict[str, float]:
     """Fraction of pixels nearest to each shape color (background pixels excluded); ``image``
     is (H, W, 3) in [0, 1] or uint8. Used by the tests to check that prompts steer colors."""
-    img = image.astype(np.float32)
-    if img.max() > 1.5:
-        img = img / 255.0
+    img = unit_float(image)
     palette = np.array([BACKGROUND, *COLORS.values()], dtype=np.float32) / 255.0
     dist = ((img[..., None, :] - palette) ** 2).sum(-1)
     nearest = dist.argmin(-1)
@@ -86,9 +92,7 @@ def color_fractions(image: np.ndarray) -> dict[str, float]:
 
 def horizontal_center(image: np.ndarray) -> float:
     """Horizontal center of mass (0 = left edge, 1 = right edge) of non-background pixels."""
-    img = image.astype(np.float32)
-    if img.max() > 1.5:
-        img = img / 255.0
+    img = unit_float(image)
     fg = np.abs(img - np.array(BACKGROUND, dtype=np.float32) / 255.0).sum(-1)
     fg = np.where(fg > 0.3, fg, 0.0)
     xs = (np.arange(img.shape[1]) + 0.5) / img.shape[1]

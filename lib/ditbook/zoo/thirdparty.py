@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from . import vocab
-from .parts import make_t5, make_vae
+from .parts import generation, make_t5, make_vae
 
 
 def _classes():
@@ -26,45 +26,19 @@ def build_pipeline(seed: int = 0):
     pipeline_cls, transformer_cls = _classes()
     torch.manual_seed(seed)
     tok = vocab.t5_tokenizer()
-    transformer = transformer_cls(
-        in_channels=4,
-        patch_size=2,
-        hidden_size=64,
-        num_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        text_dim=32,
-    )
-    return pipeline_cls(
-        transformer=transformer,
-        vae=make_vae((16, 32), 4),
-        text_encoder=make_t5(tok, 32, 1),
-        tokenizer=tok,
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-    )
+    transformer = transformer_cls(in_channels=4, patch_size=2, hidden_size=64, num_layers=4, num_attention_heads=8,
+                                  num_key_value_heads=2, text_dim=32)
+    return pipeline_cls(transformer=transformer, vae=make_vae((16, 32), 4), text_encoder=make_t5(tok, 32, 1),
+                        tokenizer=tok, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0))
 
 
-GENERATION = {
-    "prompts": ["a red circle on the left", "a blue square in the center"],
-    "negative_prompt": "",
-    "seeds": [0, 1],
-    "height": 32,
-    "width": 32,
-    "steps": 2,
-    "guidance_scale": 4.0,  # > 1: true CFG, two transformer calls per step
-    "true_cfg_scale": 1.0,
-    "extra": {"max_sequence_length": 16},
-}
+GENERATION = generation(guidance_scale=4.0)  # > 1: true CFG, two transformer calls per step
 
 
 def after_save(folder) -> None:
-    """List the transformer in ``model_index.json`` as ``["diffusers", "ModelMixin"]``.
-
-    ``save_pretrained`` records the class under the module name it was imported as (for a file
-    source, a machine-specific name), and diffusers' ``from_pretrained`` refuses a component
-    whose library is not imported, even when the object is passed in. With the base class
-    named, any passed ``ModelMixin`` subclass — ``GQATransformer2DModel`` — is accepted, and
-    the pipeline is always loaded with ``transformer=`` given (the card contract)."""
+    """List the transformer in ``model_index.json`` as ``["diffusers", "ModelMixin"]``: saved under its
+    file-source module name, diffusers' ``from_pretrained`` would refuse it even when passed in; with
+    the base class named, the passed ``GQATransformer2DModel`` is accepted (the card contract)."""
     import json
     from pathlib import Path
 

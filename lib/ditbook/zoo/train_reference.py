@@ -17,30 +17,17 @@ Then save the whole pipeline with ``save_pretrained`` and a ``training.json`` of
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from . import flux, shapes
-from .training import deterministic, optimise
+from .training import clock, deterministic, encode_means, flow_times, optimise, save_run, vae_pass
 
-SIZE = flux.FluxSize(
-    heads=4,
-    head_dim=32,
-    axes_dims_rope=(8, 12, 12),
-    dual_blocks=2,
-    single_blocks=4,
-    text_dim=64,
-    clip_dim=64,
-    text_layers=2,
-    vae_channels=(16, 32, 32),
-    latent_channels=4,
-    clip_max_length=16,
-)
+SIZE = flux.FluxSize(heads=4, head_dim=32, axes_dims_rope=(8, 12, 12), dual_blocks=2, single_blocks=4, text_dim=64,
+                     clip_dim=64, text_layers=2, vae_channels=(16, 32, 32), latent_channels=4, clip_max_length=16)
 MAX_SEQUENCE_LENGTH = 16  # T5 tokens; the card passes the same value at generation time
 
 
@@ -64,9 +51,7 @@ class TrainConfig:
 def train_vae(vae, images: torch.Tensor, cfg: TrainConfig, log) -> list[float]:
     def step_loss(g):
         x = images[torch.randint(0, len(images), (cfg.vae_batch,), generator=g)].to(cfg.device)
-        post = vae.encode(x).latent_dist
-        z = post.mean + post.std * torch.randn(post.mean.shape, generator=g).to(cfg.device)
-        y = vae.decode(z).sample
+        post, z, y = vae_pass(vae, x, g, cfg.device)
         rec = (y - x).abs().mean() + (y - x).pow(2).mean()
         kl = post.kl().mean() / z[0].numel()
         return rec + cfg.vae_kl * kl, rec
@@ -92,25 +77,13 @@ def train_transformer(transformer, latents, scene_idx, text, cfg: TrainConfig, l
         x0 = FluxPipeline._pack_latents(latents[pick], cfg.batch, c, h, w).to(dev)
         cond = scene_idx[pick].clone()
         cond[torch.rand(cfg.batch, generator=g) < cfg.prompt_dropout] = empty
-        # half uniform, half logit-normal timesteps: all of [0, 1] covered, the middle more
-        t = torch.where(
-            torch.rand(cfg.batch, generator=g) < 0.5,
-            torch.rand(cfg.batch, generator=g),
-            torch.sigmoid(torch.randn(cfg.batch, generator=g)),
-        )
+        t = flow_times(g, cfg.batch)
         noise = torch.randn(x0.shape, generator=g).to(dev)
         t = t.to(dev)
         xt = (1 - t[:, None, None]) * x0 + t[:, None, None] * noise
         guidance = (1.0 + 4.0 * torch.rand(cfg.batch, generator=g)).to(dev)
-        pred = transformer(
-            hidden_states=xt,
-            timestep=t,
-            guidance=guidance,
-            pooled_projections=pooled[cond.to(dev)],
-            encoder_hidden_states=embeds[cond.to(dev)],
-            txt_ids=txt_ids,
-            img_ids=img_ids,
-        ).sample
+        pred = transformer(hidden_states=xt, timestep=t, guidance=guidance, pooled_projections=pooled[cond.to(dev)],
+                           encoder_hidden_states=embeds[cond.to(dev)], txt_ids=txt_ids, img_ids=img_ids).sample
         loss = (pred - (noise - x0)).pow(2).mean()
         return loss, loss
 
@@ -124,14 +97,9 @@ def train(out: Path, cfg: TrainConfig) -> dict:
 
 
 def _train(out: Path, cfg: TrainConfig) -> dict:
-    # long: one training loop with its logging, evaluation and save, kept together to read as a script
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
-    start = time.time()
-
-    def log(msg: str) -> None:
-        print(f"[{time.time() - start:7.1f}s] {msg}", flush=True)
-
+    start, log = clock()
     pipe = flux.build_pipeline(SIZE, seed=cfg.seed)
     images_u8, order, scenes = shapes.dataset(cfg.images, cfg.seed)
     images = torch.from_numpy(images_u8).permute(0, 3, 1, 2).float() / 127.5 - 1.0
@@ -140,10 +108,7 @@ def _train(out: Path, cfg: TrainConfig) -> dict:
     pipe.vae.to(cfg.device)
     pipe.transformer.to(cfg.device)
     vae_losses = train_vae(pipe.vae, images, cfg, log)
-    with torch.no_grad():
-        raw = torch.cat(
-            [pipe.vae.encode(images[i : i + 256].to(cfg.device)).latent_dist.mean.cpu() for i in range(0, len(images), 256)]
-        )
+    raw = encode_means(pipe.vae, images, cfg.device, 256)
     shift, scale = float(raw.mean()), float(1.0 / raw.std())
     pipe.vae.register_to_config(shift_factor=shift, scaling_factor=scale)
     latents = (raw - shift) * scale
@@ -153,33 +118,12 @@ def _train(out: Path, cfg: TrainConfig) -> dict:
     with torch.no_grad():
         prompts = [s.prompt for s in scenes] + [""]
         embeds, pooled, _ = pipe.encode_prompt(prompts, prompts, max_sequence_length=MAX_SEQUENCE_LENGTH)
-    tr_losses = train_transformer(
-        pipe.transformer, latents, torch.tensor(order), (embeds, pooled), cfg, log
-    )
+    tr_losses = train_transformer(pipe.transformer, latents, torch.tensor(order), (embeds, pooled), cfg, log)
     t_total = time.time() - start
-    pipe.to("cpu")
-
-    out.mkdir(parents=True, exist_ok=True)
-    pipe.save_pretrained(out)
-    size_mb = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) / 1e6
-    record = {
-        "command": f"python -m ditbook.zoo.train_reference --out {out} --seed {cfg.seed} --device {cfg.device}",
-        "config": asdict(cfg),
-        "model_size": asdict(SIZE),
-        "transformer_params": sum(p.numel() for p in pipe.transformer.parameters()),
-        "vae_params": sum(p.numel() for p in pipe.vae.parameters()),
-        "vae_final_rec_loss": float(np.mean(vae_losses[-100:])),
-        "transformer_final_loss": float(np.mean(tr_losses[-100:])),
-        "vae_seconds": round(t_vae, 1),
-        "total_seconds": round(t_total, 1),
-        "folder_mb": round(size_mb, 2),
-        "torch": torch.__version__,
-        "threads": cfg.threads,
-        "hardware": torch.cuda.get_device_name() if cfg.device.startswith("cuda") else f"cpu, {cfg.threads} threads",
-    }
-    (out.parent / "training.json").write_text(json.dumps(record, indent=2) + "\n")
-    log(f"saved to {out} ({size_mb:.1f} MB)")
-    return record
+    head = {"command": f"python -m ditbook.zoo.train_reference --out {out} --seed {cfg.seed} --device {cfg.device}",
+            "config": asdict(cfg), "model_size": asdict(SIZE)}
+    seconds = {"vae_seconds": round(t_vae, 1), "total_seconds": round(t_total, 1)}
+    return save_run(pipe, out, cfg, head, (vae_losses, tr_losses), seconds, log)
 
 
 def main(argv: list[str] | None = None) -> None:

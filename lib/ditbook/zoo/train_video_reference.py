@@ -5,12 +5,11 @@
 (the default schedule is sized for one H200: a few minutes; ``--device cpu``, the default, runs
 the same schedule but takes hours on 2 cores; ``--quick`` is a seconds-long schedule for tests).
 Three stages, seeded by ``--seed``:
-  1. render ``clips`` 9-frame 32x32 clips of a shape moving left/right/up/down
-     (``moving_shapes.py``) and train a small AutoencoderKLWan on them (causal 3D VAE, 4x in
-     space and time: 9x32x32 -> 3x8x8; reconstruction, the shape's pixels weighted up, + a
-     small KL term); register the
-     per-channel ``latents_mean`` / ``latents_std`` of its latents in its config, which
-     WanPipeline uses to un-normalize before decoding;
+  1. render ``clips`` 9-frame 32x32 clips of a shape moving left/right/up/down (``moving_shapes.py``)
+     and train a small AutoencoderKLWan on them (causal 3D VAE, 4x in space and time: 9x32x32 ->
+     3x8x8; reconstruction, the shape's pixels weighted up, + a small KL term); register the
+     per-channel ``latents_mean`` / ``latents_std`` of its latents in its config (WanPipeline
+     un-normalizes with them before decoding);
   2. encode each prompt once with the (random, frozen) UMT5 encoder;
   3. train the WanTransformer3DModel with rectified flow matching (x_t = (1-t) x0 + t noise,
      timestep 1000 t, target noise - x0: what the pipeline's Euler scheduler integrates), with
@@ -22,7 +21,6 @@ Then save the whole pipeline with ``save_pretrained`` and a ``training.json`` of
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -32,7 +30,7 @@ import torch
 
 from . import moving_shapes, vocab
 from .parts import make_t5
-from .training import deterministic, optimise
+from .training import clock, deterministic, encode_means, flow_times, optimise, save_run, vae_pass
 
 MAX_SEQUENCE_LENGTH = 24  # UMT5 tokens ("moving", "up", "down" are spelled in characters); the card passes it too
 NEGATIVE_PROMPT = "blurry low quality"  # trained as an unconditional prompt, like the empty one
@@ -84,38 +82,17 @@ def build_pipeline(size: WanSize = SIZE, seed: int = 0):
     torch.manual_seed(seed)
     tok = vocab.t5_tokenizer()
     down = 2 ** (len(size.vae_dim_mult) - 1)
-    vae = AutoencoderKLWan(
-        base_dim=size.vae_base_dim,
-        z_dim=size.z_dim,
-        dim_mult=list(size.vae_dim_mult),
-        num_res_blocks=1,
-        temperal_downsample=list(size.vae_temporal_down),
-        latents_mean=[0.0] * size.z_dim,
-        latents_std=[1.0] * size.z_dim,
-        scale_factor_spatial=down,
-        scale_factor_temporal=2 ** sum(size.vae_temporal_down),
-    )
+    vae = AutoencoderKLWan(base_dim=size.vae_base_dim, z_dim=size.z_dim, dim_mult=list(size.vae_dim_mult),
+                           num_res_blocks=1, temperal_downsample=list(size.vae_temporal_down),
+                           latents_mean=[0.0] * size.z_dim, latents_std=[1.0] * size.z_dim,
+                           scale_factor_spatial=down, scale_factor_temporal=2 ** sum(size.vae_temporal_down))
     transformer = WanTransformer3DModel(
-        patch_size=(1, 2, 2),
-        num_attention_heads=size.heads,
-        attention_head_dim=size.head_dim,
-        in_channels=size.z_dim,
-        out_channels=size.z_dim,
-        text_dim=size.text_dim,
-        freq_dim=size.freq_dim,
-        ffn_dim=size.ffn_dim,
-        num_layers=size.layers,
-        cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads",
-        rope_max_seq_len=32,
-    )
-    return WanPipeline(
-        tokenizer=tok,
-        text_encoder=make_t5(tok, size.text_dim, size.text_layers, umt5=True),
-        vae=vae,
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-        transformer=transformer,
-    )
+        patch_size=(1, 2, 2), num_attention_heads=size.heads, attention_head_dim=size.head_dim,
+        in_channels=size.z_dim, out_channels=size.z_dim, text_dim=size.text_dim, freq_dim=size.freq_dim,
+        ffn_dim=size.ffn_dim, num_layers=size.layers, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32)
+    return WanPipeline(tokenizer=tok, text_encoder=make_t5(tok, size.text_dim, size.text_layers, umt5=True), vae=vae,
+                       scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), transformer=transformer)
 
 
 def to_video_tensor(clips_u8: np.ndarray) -> torch.Tensor:
@@ -128,9 +105,7 @@ def train_vae(vae, clips: torch.Tensor, cfg: TrainConfig, log) -> list[float]:
 
     def step_loss(g):
         x = clips[torch.randint(0, len(clips), (cfg.vae_batch,), generator=g)].to(cfg.device)
-        post = vae.encode(x).latent_dist
-        z = post.mean + post.std * torch.randn(post.mean.shape, generator=g).to(cfg.device)
-        y = vae.decode(z).sample
+        post, z, y = vae_pass(vae, x, g, cfg.device)
         err = (y - x).abs() + (y - x).pow(2)
         rec = err.mean()
         weight = 1.0 + (cfg.vae_shape_weight - 1.0) * ((x - background).abs().sum(1, keepdim=True) > 0.1)
@@ -155,31 +130,18 @@ def train_transformer(transformer, latents, scene_idx, embeds, uncond: list[int]
         cond = scene_idx[pick].clone()
         drop = torch.rand(cfg.batch, generator=g) < cfg.prompt_dropout
         cond[drop] = uncond_t[torch.randint(0, len(uncond), (int(drop.sum()),), generator=g)]
-        # half uniform, half logit-normal times: all of [0, 1] covered, the middle more
-        t = torch.where(
-            torch.rand(cfg.batch, generator=g) < 0.5,
-            torch.rand(cfg.batch, generator=g),
-            torch.sigmoid(torch.randn(cfg.batch, generator=g)),
-        )
+        t = flow_times(g, cfg.batch)
         noise = torch.randn(x0.shape, generator=g).to(dev)
         t = t.to(dev)
         tb = t.view(-1, 1, 1, 1, 1)
         xt = (1 - tb) * x0 + tb * noise
-        pred = transformer(
-            hidden_states=xt, timestep=t * 1000.0, encoder_hidden_states=embeds[cond.to(dev)], return_dict=False
-        )[0]
+        pred = transformer(hidden_states=xt, timestep=t * 1000.0, encoder_hidden_states=embeds[cond.to(dev)],
+                           return_dict=False)[0]
         loss = (pred - (noise - x0)).pow(2).mean()
         return loss, loss
 
     return optimise(transformer, step_loss, steps=cfg.steps, lr=cfg.lr, warmup=cfg.warmup, weight_decay=0.01,
                     seed=cfg.seed + 2, log=log, label="transformer")
-
-
-def _encode_latents(vae, clips: torch.Tensor, device: str) -> torch.Tensor:
-    with torch.no_grad():
-        return torch.cat(
-            [vae.encode(clips[i : i + 64].to(device)).latent_dist.mean.cpu() for i in range(0, len(clips), 64)]
-        )
 
 
 def train(out: Path, cfg: TrainConfig, command: str | None = None) -> dict:
@@ -188,14 +150,9 @@ def train(out: Path, cfg: TrainConfig, command: str | None = None) -> dict:
 
 
 def _train(out: Path, cfg: TrainConfig, command: str | None = None) -> dict:
-    # long: one training loop with its logging, timing and save, kept together to read as a script
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
-    start = time.time()
-
-    def log(msg: str) -> None:
-        print(f"[{time.time() - start:7.1f}s] {msg}", flush=True)
-
+    start, log = clock()
     pipe = build_pipeline(SIZE, seed=cfg.seed)
     clips_u8, order, scenes = moving_shapes.dataset(cfg.clips, cfg.seed)
     clips = to_video_tensor(clips_u8)
@@ -204,10 +161,11 @@ def _train(out: Path, cfg: TrainConfig, command: str | None = None) -> dict:
     pipe.vae.to(cfg.device)
     pipe.transformer.to(cfg.device)
     vae_losses = train_vae(pipe.vae, clips, cfg, log)
-    raw = _encode_latents(pipe.vae, clips, cfg.device)  # (N, C, T, h, w)
+    raw = encode_means(pipe.vae, clips, cfg.device, 64)  # (N, C, T, h, w)
     mean = raw.mean(dim=(0, 2, 3, 4))
     std = raw.std(dim=(0, 2, 3, 4)).clamp_min(1e-6)
-    pipe.vae.register_to_config(latents_mean=[round(float(v), 6) for v in mean], latents_std=[round(float(v), 6) for v in std])
+    pipe.vae.register_to_config(latents_mean=[round(float(v), 6) for v in mean],
+                                latents_std=[round(float(v), 6) for v in std])
     mean_t = torch.tensor(pipe.vae.config.latents_mean).view(1, -1, 1, 1, 1)
     std_t = torch.tensor(pipe.vae.config.latents_std).view(1, -1, 1, 1, 1)
     latents = (raw - mean_t) / std_t
@@ -216,39 +174,18 @@ def _train(out: Path, cfg: TrainConfig, command: str | None = None) -> dict:
 
     with torch.no_grad():
         prompts = [s.prompt for s in scenes] + ["", NEGATIVE_PROMPT]
-        embeds, _ = pipe.encode_prompt(
-            prompts, do_classifier_free_guidance=False, max_sequence_length=MAX_SEQUENCE_LENGTH, device="cpu"
-        )
+        embeds, _ = pipe.encode_prompt(prompts, do_classifier_free_guidance=False,
+                                       max_sequence_length=MAX_SEQUENCE_LENGTH, device="cpu")
     uncond = [len(scenes), len(scenes) + 1]
     tr_losses = train_transformer(pipe.transformer, latents, torch.tensor(order), embeds, uncond, cfg, log)
     t_total = time.time() - start
-    pipe.to("cpu")
-
-    out.mkdir(parents=True, exist_ok=True)
-    pipe.save_pretrained(out)
-    size_mb = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) / 1e6
-    record = {
-        "command": command or f"python -m ditbook.zoo.train_video_reference --out {out} --seed {cfg.seed} --device {cfg.device}",
-        "config": asdict(cfg),
-        "model_size": asdict(SIZE),
-        "clip": {"frames": moving_shapes.FRAMES, "height": moving_shapes.SIZE, "width": moving_shapes.SIZE},
-        "max_sequence_length": MAX_SEQUENCE_LENGTH,
-        "negative_prompt": NEGATIVE_PROMPT,
-        "transformer_params": sum(p.numel() for p in pipe.transformer.parameters()),
-        "vae_params": sum(p.numel() for p in pipe.vae.parameters()),
-        "vae_final_rec_loss": float(np.mean(vae_losses[-100:])),
-        "transformer_final_loss": float(np.mean(tr_losses[-100:])),
-        "vae_seconds": round(t_vae, 1),
-        "transformer_seconds": round(t_total - t_vae, 1),
-        "total_seconds": round(t_total, 1),
-        "folder_mb": round(size_mb, 2),
-        "torch": torch.__version__,
-        "threads": cfg.threads,
-        "hardware": torch.cuda.get_device_name() if cfg.device.startswith("cuda") else f"cpu, {cfg.threads} threads",
-    }
-    (out.parent / "training.json").write_text(json.dumps(record, indent=2) + "\n")
-    log(f"saved to {out} ({size_mb:.1f} MB)")
-    return record
+    default = f"python -m ditbook.zoo.train_video_reference --out {out} --seed {cfg.seed} --device {cfg.device}"
+    head = {"command": command or default, "config": asdict(cfg), "model_size": asdict(SIZE),
+            "clip": {"frames": moving_shapes.FRAMES, "height": moving_shapes.SIZE, "width": moving_shapes.SIZE},
+            "max_sequence_length": MAX_SEQUENCE_LENGTH, "negative_prompt": NEGATIVE_PROMPT}
+    seconds = {"vae_seconds": round(t_vae, 1), "transformer_seconds": round(t_total - t_vae, 1),
+               "total_seconds": round(t_total, 1)}
+    return save_run(pipe, out, cfg, head, (vae_losses, tr_losses), seconds, log)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -42,17 +42,9 @@ def generate(pipe, prompt: str, seed: int = 0, steps: int = 20, **kwargs) -> np.
     """One clip (frames, H, W, 3) in [0, 1]."""
     kwargs.setdefault("guidance_scale", GUIDANCE)
     kwargs.setdefault("negative_prompt", NEGATIVE_PROMPT)
-    return pipe(
-        prompt,
-        height=moving_shapes.SIZE,
-        width=moving_shapes.SIZE,
-        num_frames=moving_shapes.FRAMES,
-        num_inference_steps=steps,
-        max_sequence_length=MAX_SEQUENCE_LENGTH,
-        generator=torch.Generator("cpu").manual_seed(seed),
-        output_type="np",
-        **kwargs,
-    ).frames[0]
+    return pipe(prompt, height=moving_shapes.SIZE, width=moving_shapes.SIZE, num_frames=moving_shapes.FRAMES,
+                num_inference_steps=steps, max_sequence_length=MAX_SEQUENCE_LENGTH,
+                generator=torch.Generator("cpu").manual_seed(seed), output_type="np", **kwargs).frames[0]
 
 
 def judge(clip: np.ndarray, color: str, direction: str) -> dict:
@@ -64,12 +56,9 @@ def judge(clip: np.ndarray, color: str, direction: str) -> dict:
 
 def summarize(rows: list[dict]) -> dict:
     """Shares right over judged clips: color, motion, and both at once."""
-    return {
-        "clips": len(rows),
-        "color_accuracy": float(np.mean([r["color_ok"] for r in rows])),
-        "motion_accuracy": float(np.mean([r["motion_ok"] for r in rows])),
-        "accuracy": float(np.mean([r["color_ok"] and r["motion_ok"] for r in rows])),
-    }
+    return {"clips": len(rows), "color_accuracy": float(np.mean([r["color_ok"] for r in rows])),
+            "motion_accuracy": float(np.mean([r["motion_ok"] for r in rows])),
+            "accuracy": float(np.mean([r["color_ok"] and r["motion_ok"] for r in rows]))}
 
 
 def check(pipe, seeds=(0, 1), steps: int = 20, probes=PROBES) -> dict:
