@@ -115,3 +115,21 @@ def test_cli_names_runtime_device(tmp_path):
                           timeout=120)
     assert proc.returncode != 0
     assert "runtime.device" in proc.stdout + proc.stderr
+
+
+def test_auto_dtype_is_bf16_on_cuda_only_for_a_diffusers_pipeline(tmp_path, monkeypatch):
+    """A pipeline from the user's own code makes its tensors in its own dtype (the FLUX, SD3.5 and
+    minRF reference samplers pass fp32 latents; a bf16 model's first layer refused them on the GPU):
+    ``auto`` keeps fp32 there; a diffusers pipeline casts what it hands the transformer: bf16."""
+    import torch
+
+    from ditbook.card import load_card
+    from ditbook.loading import choose_placement
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    own = load_card(str(tiny_card(tmp_path)), {})  # TinyPipeline from a .py file
+    assert own.pipeline.source != "diffusers" and choose_placement(own, device="cuda").dtype == "float32"
+    diffusers_card = load_card(str(Path(__file__).resolve().parents[1] / "models" / "reference.yaml"), {})
+    assert choose_placement(diffusers_card, device="cuda").dtype == "bfloat16"
+    assert choose_placement(own, device="cuda", dtype="bfloat16").dtype == "bfloat16"  # the card or caller decides

@@ -50,7 +50,10 @@ class Placement:
 
 
 def choose_placement(card: ModelCard | None = None, device: str | None = None, dtype: str | None = None) -> Placement:
-    """CUDA with bf16 when present, else CPU fp32; the card's ``runtime`` and explicit
+    """CUDA when present, else the CPU; ``auto`` dtype is bf16 on CUDA for a diffusers pipeline
+    (which casts what it hands the transformer) and fp32 otherwise: a pipeline from the user's own
+    code makes its tensors in its own dtype (the FLUX/SD3.5/minRF reference samplers pass fp32
+    latents, which a bf16 model's first layer refuses). The card's ``runtime`` and explicit
     arguments override (arguments win)."""
     import torch
 
@@ -67,7 +70,8 @@ def choose_placement(card: ModelCard | None = None, device: str | None = None, d
                 f"(torch {torch.__version__}, CUDA build {torch.version.cuda or 'none'}): run on a GPU machine, "
                 f"or set runtime.device to 'cpu' (or 'auto') in the card")
     if dt == "auto":
-        dt = "bfloat16" if dev.startswith("cuda") else "float32"
+        own_code = card is not None and card.pipeline.source != "diffusers"
+        dt = "bfloat16" if dev.startswith("cuda") and not own_code else "float32"
     return Placement(dev, dt)
 
 

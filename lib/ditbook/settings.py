@@ -239,7 +239,7 @@ class RuntimeSettings:
     """``runtime:`` — where the model runs."""
 
     device: str = setting("auto", text(DEVICES, ("cuda:",)), "auto (CUDA when present), cpu, cuda or cuda:N")
-    dtype: str = setting("auto", text(DTYPES), "auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16")
+    dtype: str = setting("auto", text(DTYPES), "auto (bf16 on CUDA for a diffusers pipeline, else fp32), float32, bfloat16, float16")
     compile: bool | str | dict | None = setting(None, compile_choice(), "regional torch.compile, everywhere it is measured: the cache stage checks its choice compiled, the benchmark times a compiled twin of every row, +compile plans use its backend; true (inductor), a backend name, or a mapping of backend, mode, fullgraph, dynamic, decoder (the image decoder too), probe_calls")
 
 
