@@ -1,13 +1,7 @@
-"""Which attention runs as context-parallel attention: only the attention inside the block lists
-whose tokens the plan splits.
-
-cache-dit's ``_enable_context_parallelism`` gives its CP config to every attention processor of
-the model, and ``attention.route_attention`` routes every module's own SDPA call; a module that
-runs on whole sequences on every rank (a text token refiner before the blocks, an attention pool
-over the text) then does a Ulysses all-to-all over sequences that were never split: the ranks
-exchange copies of the same tokens and the attention sees each key ``degree`` times (or the
-shapes no longer match its mask and it raises). ``limit_cp_to`` confines CP to the split region.
-"""
+"""Only the attention inside the split block lists runs as context-parallel attention. cache-dit gives its CP config to
+every attention processor, and ``attention.route_attention`` routes every SDPA call; a module running on whole
+sequences on every rank (a text refiner) would then all-to-all unsplit tokens. ``limit_cp_to`` confines CP to the
+split region."""
 
 from __future__ import annotations
 
@@ -19,11 +13,9 @@ def _inside(name: str, prefixes) -> bool:
 
 
 def limit_cp_to(transformer, lists: list[str] | None, route=None, undo=None) -> list[str]:
-    """After CP is enabled: attention processors outside ``lists`` (module-name prefixes) lose the
-    CP config cache-dit gave them, and ``route`` (an ``AttentionRoute``) sends only the SDPA calls
-    of modules inside ``lists`` through the CP attention. A processor object shared with a module
-    inside ``lists`` keeps its config. Returns the attention modules taken out of CP; ``undo`` (a
-    ``hooks.WrapGroup``, optional) keeps the handles that give the configs back exactly."""
+    """After CP is enabled: processors outside ``lists`` (name prefixes) lose their CP config (unless shared with one
+    inside), and ``route`` sends only the SDPA calls inside ``lists`` through CP attention. Returns the modules taken
+    out; ``undo`` keeps the handles."""
     if not lists:
         return []
     if route is not None:
