@@ -106,8 +106,7 @@ def _pattern_from_report(bl) -> str | None:
 
 
 def _contradicts_trace(bl, pattern: str) -> str:
-    """Why ``pattern`` disagrees with the traced block outputs (count, roles, shapes); '' when it agrees or nothing was
-    traced."""
+    """Why ``pattern`` disagrees with the traced outputs (count, roles, shapes); '' otherwise."""
     from ..arch.patterns import PATTERNS
 
     call = bl.call
@@ -184,8 +183,8 @@ def _fold_reasons(report: ArchReport, bl, u, fold: LoopFold | None, fold_problem
 
 
 def container_lists(transformer, paths: list[str]) -> tuple[str, str] | None:
-    """``(containers, attribute)`` when every block list is ``<containers>.<i>.<attribute>`` of one ModuleList, the
-    containers loop over none of them and the transformer's code iterates the containers; else None."""
+    """``(containers, attribute)`` when the block lists are ``<containers>.<i>.<attribute>`` the transformer iterates.
+    """
     import torch
 
     parts = [p.split(".") for p in paths]
@@ -212,8 +211,7 @@ def container_lists(transformer, paths: list[str]) -> tuple[str, str] | None:
 
 
 def _container_problem(report: ArchReport, bl, pattern: str) -> str:
-    """Why a never-called container's list cannot be cached through a stand-in owner ('' when it can): unfolded, the
-    loop must do no work of its own and pass the streams first, positionally, in pattern order."""
+    """Why a never-called container's list cannot be cached unfolded through a stand-in owner ('' if it can)."""
     from ..arch.patterns import PATTERNS
 
     if report.loop_extra_work:
@@ -299,8 +297,7 @@ def _folded_plan(transformer, path: str, fold: LoopFold, reasons: list[str]) -> 
 
 def _unfolded_or_renamed(bl, transformer, fold: LoopFold | None, folds: list, info: AdapterInfo,
                          owner=None, rel: str | None = None):
-    """The unfolded plan; where no pattern matches by name but a fold can rename the streams, the folded plan; else why
-    the list cannot be cached. ``owner``/``rel``: the looping module and the path in it."""
+    """The unfolded plan, else the folded one where a fold can rename the streams, else why not."""
     plan = _unfolded_plan(bl, transformer)
     if isinstance(plan, str) and fold is not None:
         why = [f"{plan}; folded, the loop body renames and reorders the streams"]
@@ -370,8 +367,7 @@ def _owner_view(transformer, report: ArchReport, info: AdapterInfo):
 
 def generate_adapter_source(pipe, report: ArchReport, model: str, *, force_fold: bool | None = None,
                             pattern_overrides: dict | None = None) -> tuple[str, AdapterInfo]:
-    """The adapter module's source and what it decided. ``force_fold`` overrides the fold decision;
-    ``pattern_overrides`` ({path: pattern}) builds deliberately wrong adapters for tests."""
+    """The adapter module's source and its decisions (``pattern_overrides``: wrong adapters for tests)."""
     transformer = pipe.transformer
     tcls = type(transformer)
     info = AdapterInfo(model=model, transformer_class=tcls.__name__, pipeline_class=type(pipe).__name__,
@@ -451,8 +447,7 @@ class _AdapterFileLoader(importlib.machinery.SourceFileLoader):
 
 @contextlib.contextmanager
 def _model_modules_by_plain_name(transformer):
-    """While an adapter file is imported, the model's modules loaded from a file under another name answer to the plain
-    name the file imports them by; put back afterwards."""
+    """During the import, the model's file-loaded modules answer to the plain names the file uses."""
     from .source import importable_module_name
 
     aliases = {}
@@ -471,8 +466,7 @@ def _model_modules_by_plain_name(transformer):
 
 @contextlib.contextmanager
 def _registrations_kept():
-    """The adapter file's cache-dit registration runs against a copy of cache-dit's table: the process-wide table is
-    never written."""
+    """The file's cache-dit registration runs against a copy of cache-dit's table, never the real one."""
     from cache_dit import BlockAdapterRegister
 
     with hooks.swap_attribute(BlockAdapterRegister, "_adapters", dict(BlockAdapterRegister._adapters)):
@@ -489,8 +483,7 @@ def run_time_refusals() -> tuple:
 
 
 def load_adapter_module(path: str | Path, transformer=None, *, register: bool = False):
-    """Import the adapter module from its file under a fresh unique name. ``transformer``: whose modules the file
-    imports names from; ``register``: keep the file's cache-dit registration."""
+    """Import the adapter file under a fresh unique name (``register``: keep its cache-dit registration)."""
     path = Path(path).resolve()
     name = f"ditbook_adapter_{safe_name(path.stem)}_{next(_LOADS)}"
     loader = _AdapterFileLoader(name, str(path))
@@ -515,8 +508,7 @@ def load_adapter_file(path: str | Path, transformer=None, *, register: bool = Fa
 
 
 def import_adapter_module(source: str, path: str | Path | None = None, name: str = "adapter", transformer=None):
-    """Write adapter source to ``path`` and import it. Without a path it goes to a temporary folder removed once
-    imported (the text stays in ``linecache`` for tracebacks and ``inspect``)."""
+    """Write adapter source to ``path`` (else a removed temporary folder) and import it from there."""
     import linecache
     import tempfile
 
@@ -583,8 +575,7 @@ class CacheAdapter:
         return _get(self.pipe.transformer, self.info.owner)
 
     def patch(self):
-        """Fold the loop into the blocks (no-op without functor); an instance another functor marked ``_is_patched`` is
-        an error, never a silent no-op."""
+        """Fold the loop into the blocks (no-op without functor); a refused patch is an error, never a no-op."""
         if self.info.patch_functor:
             transformer = self.owner_module()
             getattr(self.module, self.info.patch_functor)().apply(transformer)
@@ -644,8 +635,7 @@ class CacheAdapter:
         return getattr(self.module, adapter_function_name(self.module.PIPELINE_CLASS))(self.pipe, **kwargs)
 
     def register_diffusers_blocks(self) -> list:
-        """Register the block classes in diffusers' TransformerBlockRegistry so FirstBlockCache / MagCache read their
-        outputs; returns the ``hooks.set_item`` handles the strategy removes."""
+        """Register the block classes in diffusers' TransformerBlockRegistry; returns the handles."""
         from diffusers.hooks._helpers import TransformerBlockMetadata, TransformerBlockRegistry
 
         TransformerBlockRegistry._register()
@@ -669,10 +659,10 @@ class CacheAdapter:
         extra = tuple(p for p, _, _ in self.block_lists() if "." not in p)
         with contextlib.ExitStack() as stack:
             for mod in modules:
-                for attr in ("_ALL_TRANSFORMER_BLOCK_IDENTIFIERS",):
-                    if hasattr(mod, attr):
-                        stack.enter_context(hooks.swap_attribute(
-                            mod, attr, tuple(dict.fromkeys(getattr(mod, attr) + extra))))
+                attr = "_ALL_TRANSFORMER_BLOCK_IDENTIFIERS"
+                if hasattr(mod, attr):
+                    names = tuple(dict.fromkeys(getattr(mod, attr) + extra))
+                    stack.enter_context(hooks.swap_attribute(mod, attr, names))
             yield
 
     def top_level_lists_only(self) -> bool:
@@ -688,8 +678,7 @@ def cache_dit_registered(pipe) -> str | None:
 
 
 def cache_dit_adapter_builds(pipe) -> bool:
-    """cache-dit's registered adapter applies to ``pipe``: its name matches and the factory builds on this pipeline with
-    patterns that fit."""
+    """cache-dit's registered adapter matches ``pipe``'s name, builds on it and its patterns fit."""
     import cache_dit
 
     if cache_dit_registered(pipe) is None:
@@ -702,8 +691,7 @@ def cache_dit_adapter_builds(pipe) -> bool:
 
 
 def declared_patterns_fit(block_adapter) -> bool:
-    """Every block list of a cache-dit ``BlockAdapter`` takes the inputs its pattern passes by name (a registration
-    found by name prefix may wrap a third-party model); not judged (True) with a patch functor or nested lists."""
+    """Every list of a cache-dit ``BlockAdapter`` takes the inputs its pattern passes by name."""
     import inspect as _inspect
 
     import torch
@@ -738,17 +726,11 @@ def compare_with_registered(pipe, info: AdapterInfo) -> list[str]:
         return [f"cache-dit's registered adapter could not be built: {type(exc).__name__}: {exc}"]
     if theirs is None:
         return []
-    names = theirs.blocks_name
-    if isinstance(names, str):
-        names = [names]
+    names = [theirs.blocks_name] if isinstance(theirs.blocks_name, str) else theirs.blocks_name
     blocks = theirs.blocks if isinstance(theirs.blocks, list) else [theirs.blocks]
     pats = theirs.forward_pattern if isinstance(theirs.forward_pattern, list) else [theirs.forward_pattern]
     if names is None:
-        names = []
-        for b in blocks:
-            for attr, val in vars(pipe.transformer).get("_modules", {}).items():
-                if val is b:
-                    names.append(attr)
+        names = [a for b in blocks for a, v in vars(pipe.transformer).get("_modules", {}).items() if v is b]
     theirs_lists = [(n, p.name) for n, p in zip(names, pats)]
     ours = [(p.path, p.pattern) for p in info.block_lists]
     diffs = []
@@ -775,8 +757,7 @@ def module_text(module) -> str:
 def build_cache_adapter(pipe, report: ArchReport, model: str | None = None, *, write_to: str | Path | None = None,
                         prefer_registered: bool = True, force_fold: bool | None = None,
                         pattern_overrides: dict | None = None) -> CacheAdapter:
-    """Write the adapter module of ``pipe`` (to ``write_to``, else a temporary folder), import it and return the
-    adapter."""
+    """Write the adapter module of ``pipe`` (to ``write_to``, else a temporary folder) and import it."""
     model = model or type(pipe.transformer).__name__
     source, info = generate_adapter_source(pipe, report, model, force_fold=force_fold,
                                            pattern_overrides=pattern_overrides)

@@ -84,11 +84,7 @@ def element_methods(cls, path: str) -> list[str]:
 
 
 def _names(node: ast.AST, ctx) -> list[str]:
-    out = []
-    for n in ast.walk(node):
-        if isinstance(n, ast.Name) and isinstance(n.ctx, ctx) and n.id not in out:
-            out.append(n.id)
-    return out
+    return list(dict.fromkeys(n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ctx)))
 
 
 def _first_events(stmts: list[ast.stmt]) -> dict[str, str]:
@@ -101,26 +97,17 @@ def _first_events(stmts: list[ast.stmt]) -> dict[str, str]:
                 events[n.id] = "load" if isinstance(n.ctx, ast.Load) else "store"
 
     def visit(stmt):
-        if isinstance(stmt, ast.Assign):
-            note(stmt.value)
-            for t in stmt.targets:
-                note(t)
-        elif isinstance(stmt, ast.AugAssign):
-            note(stmt.value)
-            if isinstance(stmt.target, ast.Name) and stmt.target.id not in events:
-                events[stmt.target.id] = "load"
-            note(stmt.target)
-        elif isinstance(stmt, ast.AnnAssign):
+        if isinstance(stmt, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
             if stmt.value is not None:
                 note(stmt.value)
-            note(stmt.target)
-        elif isinstance(stmt, (ast.If, ast.While)):
-            note(stmt.test)
-            for s in stmt.body + stmt.orelse:
-                visit(s)
-        elif isinstance(stmt, ast.For):
-            note(stmt.iter)
-            note(stmt.target)
+            if isinstance(stmt, ast.AugAssign) and isinstance(stmt.target, ast.Name):
+                events.setdefault(stmt.target.id, "load")
+            for t in getattr(stmt, "targets", None) or [stmt.target]:
+                note(t)
+        elif isinstance(stmt, (ast.If, ast.While, ast.For)):
+            note(stmt.iter if isinstance(stmt, ast.For) else stmt.test)
+            if isinstance(stmt, ast.For):
+                note(stmt.target)
             for s in stmt.body + stmt.orelse:
                 visit(s)
         elif isinstance(stmt, ast.With):
@@ -242,8 +229,7 @@ def _outer_names(fn: ast.FunctionDef, loop: ast.For) -> set[str]:
 
 
 def _control_slice(stmts: list[ast.stmt], control: set[str], tainted: set[str]) -> list[ast.stmt] | None:
-    """The body's statements updating the ``control`` names (with their ``if`` tests), or None when one reads a
-    ``tainted`` name."""
+    """The body's statements updating ``control`` (with their ``if`` tests); None if one reads ``tainted``."""
     out: list[ast.stmt] = []
     for st in stmts:
         if isinstance(st, (ast.Continue, ast.Break)):  # the loop's own exits: the updates after them are skipped
@@ -285,8 +271,7 @@ _PY_VALUE_METHODS = {"item": "a Python number (.item())", "tolist": "a list (.to
 
 
 def _python_value(expr: ast.AST, name: str) -> str | None:
-    """What ``expr`` evaluates to when certainly a Python value, not a tensor; None when it may be a tensor. ``name`` on
-    one side of an operator takes the other side's kind."""
+    """What ``expr`` certainly evaluates to when not a tensor (``name`` takes the other operand's kind)."""
     if isinstance(expr, ast.Constant) and isinstance(expr.value, (bool, int, float, str)):
         return f"a {type(expr.value).__name__}"
     if isinstance(expr, (ast.List, ast.ListComp)):
@@ -343,8 +328,7 @@ def loop_methods(cls, path: str) -> list[str]:
 
 
 def plan_fold(cls, path: str) -> LoopFold:
-    """Read the loop over ``self.<path>`` in ``cls.forward`` (or the method that has it). A list looped in several
-    methods that never run in one call (modes) is folded in each: the others' folds go in ``modes``."""
+    """Read the loop over ``self.<path>``; loops in other methods never run in one call go in ``modes``."""
     from ..arch.loop_source import list_uses
 
     methods = loop_methods(cls, path)
@@ -439,8 +423,7 @@ class _OriginalList(ast.NodeTransformer):
 
 
 def loop_body_source(fold: LoopFold, folded_paths=()) -> str:
-    """``def loop_body(owner, index, block, <carried>, *, <inputs>=None, ...)``: the loop body for one block, returning
-    the carried names. Reads of another list of ``folded_paths`` go to its original blocks."""
+    """``def loop_body(owner, index, block, <carried>, *, ...)``: the loop body for one block."""
     body = ast.parse(fold.body_source).body
     others = _OriginalElements(set(folded_paths) - {fold.path})
     body = [_RenameSelf().visit(others.visit(_OriginalList(fold.path).visit(s))) for s in body]
@@ -467,8 +450,7 @@ def loop_body_source(fold: LoopFold, folded_paths=()) -> str:
 
 
 class _EarlyExit(ast.NodeTransformer):
-    """The loop's own ``continue`` -> ``return <carried>``, its ``break`` -> the same after ``_loop_stop[0] = True``;
-    nested loops keep their own."""
+    """The loop's own ``continue`` / ``break`` -> ``return <carried>`` (``break`` sets ``_loop_stop``)."""
 
     def __init__(self, returned: str):
         self.returned = returned
@@ -497,8 +479,7 @@ def fold_methods(folds: list[LoopFold]) -> list[str]:
 
 
 class _OriginalElements(ast.NodeTransformer):
-    """``self.<path>[i]``, ``len(self.<path>)`` and attribute-reading iterations over the list -> the original blocks
-    kept by the functor (while cached, ``self.<path>`` is cache-dit's stand-in)."""
+    """Reads of ``self.<path>`` elements and length -> the original blocks the functor keeps."""
 
     def __init__(self, paths):
         self.paths = set(paths)
@@ -581,8 +562,7 @@ def _insert_before(fn: ast.AST, target: ast.stmt, stmts: list[ast.stmt]) -> None
 
 
 def rewritten_method_source(cls, folds: list[LoopFold], method: str | None = None) -> str:
-    """``method`` (default: the one holding the folded loops) with each folded loop reduced to one block call per block
-    (docstring and decorators dropped); a list folded in several modes passes ``_loop_mode=k``."""
+    """``method`` with each folded loop reduced to one block call per block (modes: ``_loop_mode``)."""
     methods = fold_methods(folds)
     if method is None:
         if len(methods) > 1:

@@ -41,8 +41,7 @@ def adapter_function_name(pipeline_class: str) -> str:
 
 
 def importable_module_name(name: str) -> tuple[str, str | None]:
-    """The name a plain interpreter imports module ``name`` by, and the folder ``sys.path`` needs for it (None when
-    importable by its own name)."""
+    """The name a plain interpreter imports module ``name`` by, and the folder it needs on ``sys.path``."""
     file = getattr(sys.modules.get(name), "__file__", None)
     if file is None:
         return name, None
@@ -205,8 +204,7 @@ def _body_function_name(fold: LoopFold, variant: LoopFold) -> str:
 
 
 def _loop_body_class(tcls, fold: LoopFold, fn_names: list[str]) -> str:
-    """The module class running one block of ``fold.path`` with the loop's work (the ``_loop_mode`` body with several
-    modes)."""
+    """The module class running one block of ``fold.path`` with the loop's work."""
     if len(fn_names) > 1:
         fn_name, mode_kw = f"({', '.join(fn_names)})[_loop_mode]", ", _loop_mode=0"
     else:

@@ -149,8 +149,7 @@ class _LoopReader:
         return isinstance(v, ast.Name) and v.id in self.block_outputs
 
     def _passes_output_on(self, s: ast.stmt) -> bool:
-        """``x = out`` / ``x, c = out`` / ``img, txt = out["img"], out["txt"]``: the block's output
-        (a tuple's items, a returned dict's values) taken as is, no work."""
+        """``x = out`` / ``x, c = out`` / ``a, b = out[...], out[...]``: the block's output as is."""
         if not isinstance(s, ast.Assign):
             return False
         v = s.value
@@ -400,8 +399,7 @@ class Flow:
 
 
 def _loop_iter_lists(it: ast.AST) -> list[ast.AST]:
-    """The ``self.<x>`` nodes a for-loop iterates one by one (``self.x``, ``enumerate(self.x)``, each list of ``zip``);
-    [] for anything else."""
+    """The ``self.<x>`` nodes a for-loop iterates one by one (plain, ``enumerate``, ``zip``)."""
     if isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "enumerate" and len(it.args) == 1:
         it = it.args[0]
     if isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "zip" and it.args \
@@ -430,8 +428,7 @@ _COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)
 
 
 def comprehension_element_var(gen) -> tuple[str | None, ast.AST | None]:
-    """(element name, list node) of ``for b in self.<list>`` or ``for i, b in enumerate(self.<list>)``; else (None,
-    None)."""
+    """(element name, list node) of ``for b in self.<list>`` (or its ``enumerate``), else Nones."""
     it, target = gen.iter, gen.target
     if isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "enumerate" \
             and len(it.args) == 1 and not it.keywords:
@@ -477,8 +474,7 @@ def for_reads_attributes(loop: ast.AST) -> bool:
 
 
 def _comprehension_attribute(node: ast.AST, parents: dict) -> bool:
-    """``node`` (``self.<list>``) is iterated by a comprehension or non-block ``for`` that only reads element
-    attributes."""
+    """``node`` is iterated by a comprehension or ``for`` that only reads element attributes."""
     up = parents.get(id(node))
     if isinstance(up, ast.Call):
         up = parents.get(id(up))
@@ -505,8 +501,7 @@ def _bucket(u: ListUses, in_body: bool, element_attr: bool) -> list[str]:
 
 
 def own_flow_nodes(stmts: list[ast.stmt]):
-    """The ``break`` / ``continue`` / ``return`` / ``yield`` nodes under ``stmts`` acting on their loop (not a nested
-    loop's own, nor a nested function's)."""
+    """The ``break`` / ``continue`` / ``return`` / ``yield`` nodes under ``stmts`` acting on their loop."""
     todo = list(stmts)
     while todo:
         node = todo.pop()
@@ -605,8 +600,7 @@ def _record_loop(node: ast.For, where: str, uses: dict, loop_nodes: set, loops_b
 
 
 def _exclusive_methods(u: ListUses, sites: dict) -> None:
-    """Loops over one list in several methods, each called once from places of one caller that never both run: only one
-    runs per call."""
+    """Loops over one list in several methods called from places that never both run: exclusive."""
     methods = [loop.split(":")[0] for loop in u.loops]
     if len(methods) < 2 or len(set(methods)) != len(methods) or u.exclusive:
         return

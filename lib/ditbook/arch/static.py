@@ -152,8 +152,7 @@ def find_block_lists(module: nn.Module) -> tuple[list[tuple[str, nn.ModuleList]]
 
 
 def candidate_lists(module: nn.Module, taken: list[str]) -> list[tuple[str, nn.ModuleList]]:
-    """ModuleLists not taken as blocks whose elements are modules of their own (not torch layers, not containers): the
-    trace takes those whose blocks call attention."""
+    """ModuleLists of non-torch, non-container modules: block lists if the trace sees them call attention."""
     out: list[tuple[str, nn.ModuleList]] = []
     for name, m in module.named_modules():
         if not isinstance(m, nn.ModuleList) or not name or not len(m):

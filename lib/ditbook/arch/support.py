@@ -46,10 +46,7 @@ def _planner(kind: str, cls_name: str) -> str | None:
             (planners._activate_cp_planners if kind == "cp" else planners._activate_tp_planners)()
     except Exception:
         return None
-    for name in reg.supported_planners()[1]:
-        if cls_name.startswith(name):
-            return name
-    return None
+    return next((name for name in reg.supported_planners()[1] if cls_name.startswith(name)), None)
 
 
 def _paths_of(module: nn.Module, lists) -> list[str]:

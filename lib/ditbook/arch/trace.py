@@ -37,8 +37,7 @@ def _same(a, b) -> bool:
 
 
 class AttentionCallMode(torch.overrides.TorchFunctionMode):
-    """Reports query/key/mask of every ``scaled_dot_product_attention`` call (diffusers' dispatch included) to
-    ``record``."""
+    """Reports query/key/mask of every ``scaled_dot_product_attention`` call to ``record``."""
 
     def __init__(self, record):
         super().__init__()
@@ -164,8 +163,7 @@ def _flat_outputs(outputs: list) -> list:
 
 
 def stream_names(calls: list) -> list[str]:
-    """Parameters carrying a stream through the list, in parameter order: a later block receives there a value an
-    earlier call returned."""
+    """Parameters through which a later block receives a value an earlier block returned."""
     names = []
     for prev, nxt in zip(calls, calls[1:]):
         outs = [o for o in _flat_outputs(prev.outputs) if isinstance(o, torch.Tensor)]
@@ -193,8 +191,7 @@ def _is_image_stream(value, spatial: int | None, tokens: bool) -> bool:
 
 
 def image_text_names(calls: list, latent_shape: list[int] | None) -> tuple[str | None, str | None]:
-    """(image-stream, text-stream) parameter names: ``hidden_states`` / ``encoder_hidden_states``, else of the traced
-    streams the one whose token count the latents make is the image; a single stream is the image."""
+    """(image, text) stream parameter names; the image is the stream whose length the latents make."""
     first = calls[0]
     if H in first.bound:
         return H, (E if isinstance(first.bound.get(E), torch.Tensor) else None)
@@ -320,8 +317,7 @@ def _varying_arguments(path: str, calls: list, reasons: list, streams: set | Non
 
 def _masks_and_skip_connections(path: str, calls: list, outputs_seen: dict, masks: set, reasons: list,
                                 previous: dict | None = None) -> None:
-    """Mask arguments the blocks receive, and arguments that are an earlier call's output (skips; the directly preceding
-    block call's is the chain)."""
+    """Mask arguments, and arguments that are an earlier (not the preceding) call's output."""
     for c in calls:
         for name, v in c.bound.items():
             if "mask" in name and isinstance(v, torch.Tensor):
@@ -393,8 +389,7 @@ def _promote_attention_lists(tracer: Tracer, transformer: nn.Module, report: Arc
 
 
 def _position_table(v, lengths: set[int], head_dim: int) -> bool:
-    """A precomputed rotary table: a tensor (or tuple, cos/sin) with an axis as long as an attention's tokens followed
-    by one of head_dim or head_dim / 2."""
+    """A precomputed rotary table: an axis of an attention's length followed by one of head_dim (/ 2)."""
     if isinstance(v, (tuple, list)):
         return bool(v) and all(_position_table(x, lengths, head_dim) for x in v)
     if not isinstance(v, torch.Tensor) or v.ndim < 2 or not v.is_floating_point():
@@ -405,8 +400,7 @@ def _position_table(v, lengths: set[int], head_dim: int) -> bool:
 
 
 def _rope_tensors(tracer: Tracer, report: ArchReport) -> None:
-    """RoPE passed to the blocks as a precomputed table: a non-stream argument, the same for every block, shaped per
-    token."""
+    """RoPE passed to the blocks as a precomputed per-token table, the same for every block."""
     att = report.attention
     if att.rope or not tracer.sdpa or len(tracer.sdpa[0]["q"]) != 4:
         return
@@ -433,8 +427,7 @@ def _table_text(v) -> str:
 
 def trace_calls(transformer: nn.Module, run: Callable[[], Any], report: ArchReport | None = None,
                 scheduler=None, steps: int | None = None) -> ArchReport:
-    """Run ``run()`` with hooks on ``transformer`` and fold what it saw into ``report`` (static when none).
-    ``scheduler``: its ``step`` calls are counted; ``steps``: used when no scheduler step was seen."""
+    """Run ``run()`` with hooks on ``transformer`` and fold what it saw into ``report``."""
     if report is None:
         from .static import inspect_transformer
 
@@ -483,8 +476,7 @@ def trace_calls(transformer: nn.Module, run: Callable[[], Any], report: ArchRepo
 
 
 def trace_pipeline(pipe, card, steps: int = 2, size: int | None = None, report: ArchReport | None = None) -> ArchReport:
-    """Static inspection plus a real ``steps``-step generation at ``size`` (default: the card's) with the card's first
-    prompt and seed."""
+    """Static inspection plus a real ``steps``-step generation with the card's first prompt and seed."""
     from ..render import render_one
 
     if report is None:

@@ -49,8 +49,7 @@ def _sync(device: str) -> None:
 def time_gqa(heads: int, kv_heads: int, head_dim: int, seq_len: int, *, batch: int = 1,
              device: str = "cpu", dtype: str = "float32", repeats: int = 5, warmup: int = 2,
              backends: tuple[str, ...] = ()) -> GqaTiming:
-    """Median time of one attention call on these shapes, by path (``enable_gqa``, ``repeat_interleave``,
-    ``dispatch:<backend>``), on this device."""
+    """Median time of one attention call on these shapes, per path, on this device."""
     dt = getattr(torch, dtype)
     g = torch.Generator(device="cpu").manual_seed(0)
     q = torch.randn(batch, heads, seq_len, head_dim, generator=g, device="cpu").to(device=device, dtype=dt)
@@ -170,8 +169,7 @@ _PROC_CALLS_SDPA: dict = {}  # processor __call__ function -> whether its own co
 
 
 def _processor_calls_sdpa(module) -> bool:
-    """A processor whose ``__call__`` (as it is now) calls SDPA itself, never a dispatch function: its calls must be
-    routed even with diffusers' ``_attention_backend`` attribute."""
+    """A processor whose ``__call__`` calls SDPA itself, never a dispatch function: to be routed."""
     proc = getattr(module, "processor", None)
     fn = getattr(type(proc), "__call__", None) if proc is not None else None
     if fn is None:
@@ -187,8 +185,7 @@ def _processor_calls_sdpa(module) -> bool:
 
 
 class SdpaRedirect(TorchFunctionMode):
-    """Within its dynamic extent (this thread only), SDPA calls under any name go to ``fn``; while ``fn`` runs the mode
-    is off, so ``fn`` reaches the real SDPA."""
+    """Within its extent (this thread only) SDPA calls go to ``fn``, which itself reaches the real SDPA."""
 
     def __init__(self, fn):
         super().__init__()
@@ -202,8 +199,7 @@ class SdpaRedirect(TorchFunctionMode):
 
 
 def _in_scope(name: str, scope: list[str] | None) -> bool:
-    """A routed module's SDPA calls belong to the CP region ``scope`` (an outer caller containing it keeps the CP path).
-    """
+    """A routed module's SDPA calls belong to the CP region ``scope`` (or contain it)."""
     if scope is None:
         return True
     return any(name == p or name.startswith(p + ".") or p.startswith(name + ".") or name == "" for p in scope)
@@ -211,8 +207,7 @@ def _in_scope(name: str, scope: list[str] | None) -> bool:
 
 def _redirect(route: AttentionRoute, transformer, query, key, value, attn_mask=None, dropout_p=0.0,
               is_causal=False, scale=None, enable_gqa=False, _module: str = "", **extra):
-    """One routed SDPA call: GQA by ``route.gqa_path``; with a CP config on the transformer, through
-    ``dispatch_attention_fn``."""
+    """One routed SDPA call: GQA by ``route.gqa_path``; under CP through ``dispatch_attention_fn``."""
     route.calls += 1
     hq, hk = query.shape[-3], key.shape[-3]
     cfg = getattr(transformer, "_parallel_config", None)

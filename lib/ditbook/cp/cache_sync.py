@@ -31,8 +31,7 @@ class CacheAgreement:
 
 
 def static_schedule(mask) -> dict:
-    """``parallel.cache`` options of a static schedule: ``mask`` (1 = computed step) alone decides which steps compute.
-    """
+    """``parallel.cache`` options of a static schedule (``mask``: 1 = computed step)."""
     mask = [int(m) for m in mask]
     return {"steps_computation_mask": mask, "steps_computation_policy": "static", "num_inference_steps": len(mask),
             "max_warmup_steps": 0}

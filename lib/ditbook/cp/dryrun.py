@@ -87,8 +87,7 @@ def _reshape_names(fn) -> set[str]:
 
 
 def check_grid_reshape(transformer, tr: ForwardTrace, streams: Streams) -> None:
-    """Raise ``GridReshapeError`` when a split list's first block takes integers whose product is its full token count
-    and reshapes with them."""
+    """Raise ``GridReshapeError`` when a split list's blocks reshape tokens into the full grid."""
     for lname in streams.lists:
         lt = tr.lists[lname]
         image = streams.image if lname == streams.lists[0] else None
@@ -163,8 +162,7 @@ class _PeerGone(RuntimeError):
 
 
 class _Exchange:
-    """Collectives between simulated ranks (threads): ``all_gather(rank, value)`` gives every rank's value of the round.
-    """
+    """Collectives between simulated ranks (threads): ``all_gather`` in rank order."""
 
     def __init__(self, degree: int):
         self.degree = degree
@@ -259,8 +257,7 @@ _CONFIG_ATTRS = ("_parallel_config", "_cp_config")
 
 
 def _cp_processors(transformer, lists: list[str]) -> dict[str, object]:
-    """Attention modules inside the split lists whose processor decides per call whether to pass the CP config
-    (diffusers' dispatch-aware processors); one calling SDPA itself is routed by ditbook and always CP."""
+    """Attention modules in the split lists whose processor decides per call whether to run as CP."""
     from .attention import _processor_calls_sdpa
 
     out = {}
@@ -321,8 +318,7 @@ def _attention_wrapper(world: _World, name: str, module, probe: bool):
 
 
 class _RankAttention(TorchFunctionMode):
-    """SDPA inside a split block as a rank sees it: CP attention takes every rank's keys and values in rank order
-    (alone: its own ``degree`` times); local attention runs as it is."""
+    """SDPA inside a split block as a rank sees it (CP attention: every rank's keys and values)."""
 
     def __init__(self, world: _World):
         super().__init__()
@@ -374,8 +370,7 @@ class _RankAttention(TorchFunctionMode):
         return sum(lens[:rank]), n_local, sum(lens)
 
     def _mask_for_rank(self, mask, query, key):
-        """The mask as Ulysses attention applies it (``cp.mask.fit_mask``), cut to this rank's query rows: all-head
-        masks stay, every-rank rows are cut to this rank's, own keys are joined to the others'."""
+        """The mask as Ulysses attention applies it (``cp.mask.fit_mask``), cut to this rank's rows."""
         if not torch.is_tensor(mask) or not torch.is_tensor(query) or not torch.is_tensor(key):
             return mask
         start, n, total = self._query_rows(query.shape[-2])
@@ -402,8 +397,7 @@ class _RankAttention(TorchFunctionMode):
         return mask
 
     def _gathered(self, x: torch.Tensor, keys_of: str | None) -> torch.Tensor:
-        """Every rank's ``x`` on the sequence axis; for keys, rank 0 notes how many positions hold the same values on
-        every rank."""
+        """Every rank's ``x`` on the sequence axis; for keys rank 0 counts positions equal on all ranks."""
         world = self.world
         if world.exchange is None:
             return torch.cat([x] * world.degree, dim=-2)
@@ -501,8 +495,7 @@ def _tensor_outputs(out, where: str) -> None:
 
 
 def _gather_hook(spec, world: _World):
-    """The post hook re-enacting a gather (alone: the shard repeated). With ``None`` entries in the output, the specs
-    apply to its tensors in order, as ``cp.uneven.gather_around_none`` does."""
+    """The post hook re-enacting a gather; ``None`` outputs pass as in ``cp.uneven.gather_around_none``."""
     specs = [spec] if _is_output(spec) else list(spec)
 
     def post(m, a, out):
@@ -544,8 +537,7 @@ def _module_index(transformer, lists: list[str]) -> tuple[dict, dict, set]:
 
 def _hook_recorder(transformer, index: tuple[dict, dict, set], world: _World, handles: list,
                    outputs: dict | None = None, watch: set | None = None) -> None:
-    """Hooks on every module: the running stack, the depth inside split blocks, rank 0's first-block inputs, and with
-    ``outputs`` each rank's first outputs of the ``watch`` modules."""
+    """Hooks on every module: running stack, split depth, first-block inputs, ``watch`` outputs."""
     names, firsts, split_blocks = index
     run = world.run
 
@@ -589,8 +581,7 @@ def _dry_run_failure(exc: Exception, stack: list[str], run: DryRun) -> Exception
 @contextlib.contextmanager
 def _plan_installed(transformer, plan: dict, world: _World, lists: list[str], probe: bool,
                     outputs: dict | None = None, watch: set | None = None):
-    """The plan's hooks, the recorder, the attention wrappers (``probe``: config probes) and the stand-in CP config, all
-    removed on exit."""
+    """The plan's hooks, recorder, attention wrappers and stand-in CP config, removed on exit."""
     handles: list = []
     group = WrapGroup("ditbook-cp-dryrun")
     procs: list[tuple[object, dict]] = []
@@ -644,8 +635,7 @@ def _os_threads() -> int | None:
 
 
 def _wait_os_threads(before: int | None, timeout: float = 5.0) -> None:
-    """Until the rank threads' OS threads have ended: a fork during their exit inherits held math library locks and
-    hangs."""
+    """Until the rank threads have really ended: a fork during their exit hangs on held locks."""
     if before is None:
         return
     end = time.monotonic() + timeout
@@ -711,8 +701,7 @@ def _rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _whole(parts: list[torch.Tensor], shape) -> torch.Tensor | None:
-    """A module's whole-sequence output from every rank's: rank 0's when full, else concatenated on the one axis they
-    share out."""
+    """A module's whole-sequence output from every rank's (rank 0's, or joined on the split axis)."""
     first = parts[0]
     if list(first.shape) == list(shape):
         return first
@@ -772,8 +761,7 @@ def _attention_note(name: str, keys: dict, degree: int) -> str:
 
 def _first_divergence(transformer, args, kwargs, plan: dict, degree: int, lists: list[str],
                       cp_calls: dict, uneven: bool = False) -> str:
-    """Where the simulated ranks first part from the plain forward inside the split lists' first blocks ('' when they
-    agree)."""
+    """Where the simulated ranks first part from the plain forward in the first blocks ('' if nowhere)."""
     watch = _watched(transformer, lists)
     ref = _reference_outputs(transformer, args, kwargs, watch)
     _, outs, run = simulate_ranks(transformer, args, kwargs, plan, degree, lists, cp_calls, watch=watch, uneven=uneven)
@@ -816,8 +804,7 @@ def _without_cp(transformer):
 
 def check_parity(transformer, args, kwargs, plan: dict, degree: int, lists: list[str], run: DryRun,
                  reference: torch.Tensor | None = None) -> float | None:
-    """Compare every simulated rank's output with ``reference`` (else the plain forward's); raise ``ParityError`` naming
-    where they part. Returns the largest relative error."""
+    """Raise ``ParityError`` unless every simulated rank gives ``reference``; returns the largest error."""
     ref = reference
     if ref is None:
         with torch.no_grad(), _without_cp(transformer):
@@ -865,8 +852,7 @@ def _unsplit_axis(shapes, after, counts, degree):
 
 
 def check_token_axes(tr: ForwardTrace, streams: Streams, run: DryRun, degree: int) -> dict:
-    """Raise ``TokenAxisError`` for a split list's block input with a full-length token axis the dry run did not divide.
-    Returns {list: checked arguments}."""
+    """Raise ``TokenAxisError`` for a full-length token axis left unsplit; returns the checked arguments."""
     problems, checked = [], {}
     for lname in streams.lists:
         full, got = tr.lists[lname].inputs, run.inputs.get(lname)
@@ -900,8 +886,7 @@ def check_token_axes(tr: ForwardTrace, streams: Streams, run: DryRun, degree: in
 
 def verify_before_launch(transformer, args, kwargs, plan: dict, tr: ForwardTrace, streams: Streams,
                          degree: int, uneven: bool = False) -> dict:
-    """All checks; returns a summary for the plan's facts (``uneven_splits``: simulated with ``tensor_split`` shares
-    when ``uneven``). Raises a ``PlanCheckError``."""
+    """All checks; returns a summary for the plan's facts, raises a ``PlanCheckError``."""
     check_grid_reshape(transformer, tr, streams)
     try:
         run = dry_run(transformer, args, kwargs, plan, degree, streams.lists, uneven=uneven)

@@ -24,8 +24,7 @@ def _gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 
 def fit_mask(mask, query: torch.Tensor, key: torch.Tensor, rank: int, degree: int, gather) -> torch.Tensor:
-    """``mask`` as rank ``rank``'s Ulysses attention needs it; ``query`` / ``key`` are the rank's own ``[B, S, H, D]``;
-    ``gather(x, dim)`` joins every rank's ``x`` in rank order."""
+    """``mask`` as rank ``rank``'s Ulysses attention needs it (``query`` / ``key``: the rank's own)."""
     if not torch.is_tensor(mask) or mask.dim() < 2 or degree < 2:
         return mask
     s_q, heads, s_k = query.shape[1], query.shape[2], key.shape[1]
@@ -50,8 +49,7 @@ def _fitting(original, query, key, value, attn_mask=None, *args, **kwargs):
 
 
 def install_mask_fit(undo: WrapGroup | None = None):
-    """Wrap cache-dit's native CP attention entry so each call's mask is fitted; idempotent; the handle is kept in
-    ``undo``."""
+    """Wrap cache-dit's native CP attention entry to fit each mask; idempotent."""
     from cache_dit.attention.backends import native
 
     from ..hooks import is_wrapped, wrap_method

@@ -36,8 +36,7 @@ class PlanDerivationError(RuntimeError):
 
 
 class PlanCheckError(PlanDerivationError):
-    """A plan that would crash or compute the wrong thing on the ranks, found before launch. ``final``: no other plan
-    can help."""
+    """A plan found before launch to crash or compute wrongly (``final``: no plan can help)."""
 
     final = False
 
@@ -85,8 +84,7 @@ class RegisteredPlanError(RuntimeError):
 
 
 def registered_cp_plan(transformer, degree: int = 2) -> CPPlan | None:
-    """diffusers' class ``_cp_plan``, or cache-dit's registered planner called with this transformer; None when neither
-    exists. A failing planner raises ``RegisteredPlanError``."""
+    """diffusers' ``_cp_plan`` or cache-dit's registered planner's plan; None when neither exists."""
     cls = type(transformer)
     plan = getattr(cls, "_cp_plan", None)
     if plan:
@@ -358,15 +356,13 @@ def _fingerprint(named: dict) -> dict[str, tuple]:
 
 
 def _image_root(transformer, root_named: dict) -> str | None:
-    """The transformer's image input: the floating tensor input named like the image (or
-    ``sample``), else its first floating tensor input."""
+    """The transformer's floating input named like the image, else its first floating input."""
     floats = [k for k, v in root_named.items() if isinstance(v, torch.Tensor) and v.is_floating_point()]
     return next((k for k in floats if _IMAGE_NAMES.match(k) or k == "sample"), floats[0] if floats else None)
 
 
 def perturbation_like(base: torch.Tensor, seed: int) -> torch.Tensor:
-    """Seeded noise of ``base``'s shape, scale (std, at least 1), device and dtype; drawn on the CPU so every device
-    gets the same numbers."""
+    """Seeded CPU noise of ``base``'s shape and scale, on ``base``'s device and dtype."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     noise = torch.randn(tuple(base.shape), generator=g, device="cpu", dtype=torch.float32)
     scale = float(base.detach().float().std().clamp_min(1.0)) if base.numel() > 1 else 1.0
@@ -477,8 +473,7 @@ def find_streams(tr: ForwardTrace, attention_kind: str | None = None) -> Streams
 
 
 def expected_lengths(tr: ForwardTrace, streams: Streams) -> dict[str, dict]:
-    """Per main block list: its image-token argument and that argument's full (unsplit) length,
-    what ``sharding.check_sharding`` holds each rank's record against."""
+    """Per main list: its image-token argument and full length (what ``check_sharding`` expects)."""
     out = {}
     for name in streams.lists:
         lt = tr.lists[name]
@@ -501,8 +496,7 @@ def _producer(tr: ForwardTrace, ids: list[int], before: int) -> tuple[str, list[
 
 
 def _position_inputs(tr: ForwardTrace, st: Streams, first: ListTrace, before: int) -> dict[str, tuple[int, int]] | None:
-    """The transformer's own non-stream inputs holding image positions (an ``S_img`` axis) and text positions (an
-    ``S_txt`` axis): {input: (axis, dims)}, or None unless both kinds are there."""
+    """The transformer's separate image and text position inputs: {input: (axis, dims)}, or None."""
     stream_ids = set(first.input_ids.get(st.image, [])) | set(first.input_ids.get(st.text, []) if st.text else [])
     # modules that make a token stream (their output has a stream's shape): their inputs are streams
     shapes_of = [st.image_shape] + ([st.text_shape] if st.text_shape else [])
@@ -579,8 +573,7 @@ def _stream_notes(st: Streams) -> list[str]:
 
 
 def _check_shards_divide(st: Streams, degree: int | None, uneven: bool = False) -> list[str]:
-    """Refuse a degree that does not divide the image tokens (and joint text); with ``uneven`` such counts take
-    ``tensor_split`` shares instead: returns the notes."""
+    """Refuse a degree that does not divide the tokens (``uneven``: tensor_split shares, noted)."""
     if not degree:
         return []
     s_img, s_txt = st.s_img, st.s_txt
@@ -747,8 +740,7 @@ def _split_image_table(d: _Draft, lt: ListTrace, param: str, shapes: list[list[i
 
 
 def _block_key(lt: ListTrace, param: str, unknown_every: bool) -> str:
-    """``<list>.*`` when every block takes the same tensor, ``<list>.0`` when the blocks carry it; ``unknown_every``
-    when not traced."""
+    """``<list>.*`` when every block takes the same tensor, ``<list>.0`` when the blocks carry it."""
     if lt.unchanged is None:
         every = unknown_every
     else:
@@ -791,8 +783,7 @@ def _split_block_inputs(d: _Draft) -> None:
 
 
 def _gather_site(tr: ForwardTrace, st: Streams, at_block: bool = False) -> tuple[ModuleCall, str]:
-    """Step 4: the first module after the last main block taking and returning the image tokens, else the last block;
-    with a phrase saying which."""
+    """Step 4: where the image tokens are gathered, and a phrase saying which."""
     s_img = st.s_img
     end = max(tr.lists[n].last_order for n in st.lists)
     site = None
@@ -865,8 +856,7 @@ def derive_cp_plan(transformer, args, kwargs, attention_kind: str | None = None,
 
 
 def _through_module_dicts(transformer, key: str) -> str:
-    """``key`` as cache-dit's lookup can reach it: a ModuleDict only as the last atom (``dict.entry`` -> ``dict``); a
-    key inside an entry is refused."""
+    """``key`` as cache-dit's lookup reaches it (a ModuleDict only as the last atom)."""
     atoms, mod = key.split(".") if key else [], transformer
     for i, atom in enumerate(atoms):
         if isinstance(mod, torch.nn.ModuleDict):
@@ -881,8 +871,7 @@ def _through_module_dicts(transformer, key: str) -> str:
 
 
 def check_plan_sites(plan: dict, tr: ForwardTrace, streams: Streams | None = None) -> list[str]:
-    """Step 5: every split is at the transformer's input, a block, or a module before the first block; returns the split
-    sites, raises ``PlanSiteError`` otherwise or when nothing is split."""
+    """Step 5: every split runs before the first block, and something is split; returns the sites."""
     streams = streams or find_streams(tr)
     first = tr.lists[streams.lists[0]].first_order
     sites = []
@@ -918,8 +907,7 @@ def _given_plan(transformer, plan_file, degree: int) -> tuple[CPPlan | None, lis
 
 def _checked_registered(reg: CPPlan, transformer, args, kwargs, tr: ForwardTrace, st: Streams, degree: int,
                         check) -> tuple[CPPlan | None, list[str]]:
-    """A registered or file plan with its sites checked and facts added; judged by ``check``: the plan, else None and
-    why."""
+    """A registered or file plan checked against the trace and judged by ``check`` (None: refused)."""
     check_plan_sites(reg.plan, tr, st)
     reg.facts.update({"block_lists": st.lists, "image_seq_len": st.s_img, "text_seq_len": st.s_txt,
                       "image_input": st.image, "text_input": st.text,
@@ -936,8 +924,7 @@ def _checked_registered(reg: CPPlan, transformer, args, kwargs, tr: ForwardTrace
 
 
 def _last_list_streams(tr: ForwardTrace, st: Streams) -> Streams | None:
-    """The streams of a plan splitting the last main list alone, where it takes a longer stream than the first (text
-    joined to the image after refiner lists); None when there is no such list."""
+    """The streams of a plan splitting the last main list alone, where it takes the longest stream."""
     if len(st.lists) < 2:
         return None
     last = max(st.lists, key=lambda n: tr.lists[n].last_order)
@@ -974,10 +961,8 @@ def _derive_checked(transformer, args, kwargs, tr: ForwardTrace, st: Streams, at
                                 split_text=split_text, uneven=uneven, at_block=at_input == "block",
                                 streams=streams if streams is not st else None)
         except PlanDerivationError as exc:
-            if split_text or (check is not None and failures):  # a variant tried after others failed
-                failures.append((label, exc, {}))
-                continue
-            if check is None or len(variants) == 1:
+            first_try = not (split_text or (check is not None and failures))  # not a variant after others failed
+            if first_try and (check is None or len(variants) == 1):
                 if notes:
                     raise type(exc)(f"{exc}; and {notes[0]}") from exc
                 raise

@@ -31,9 +31,7 @@ def limit_cp_to(transformer, lists: list[str] | None, route=None, undo=None) -> 
             outside.append((name, proc))
     taken = []
     for name, proc in outside:
-        if id(proc) in inside:
-            continue
-        if getattr(proc, "_parallel_config", None) is None and getattr(proc, "_cp_config", None) is None:
+        if id(proc) in inside or all(getattr(proc, a, None) is None for a in ("_parallel_config", "_cp_config")):
             continue
         for attr in ("_parallel_config", "_cp_config"):
             if hasattr(proc, attr):

@@ -100,8 +100,7 @@ class BlockInputRecorder:
         return record
 
     def to_dict(self) -> dict:
-        """{list: {"calls", "rows", "entries", "entry_calls", "seq_lens": {argument: [lengths]}}} for the lists called.
-        """
+        """Per called list: calls, rows, entries, entry_calls and ``seq_lens`` per argument."""
         return {n: {"calls": self.calls[n], "rows": self.rows.get(n, 0), "entries": self.entries.get(n, 0),
                     "entry_calls": self.entry_calls.get(n, 0),
                     "seq_lens": {p: sorted(v) for p, v in self.lengths.get(n, {}).items()}}
@@ -120,14 +119,12 @@ class BlockInputRecorder:
 
 
 def shard_sizes(n: int, degree: int) -> list[int]:
-    """Each rank's share of ``n`` tokens: ``torch.tensor_split``'s sizes (the first ``n % degree`` ranks hold one more).
-    """
+    """Each rank's share of ``n`` tokens, as ``torch.tensor_split`` gives them."""
     return [n // degree + (1 if r < n % degree else 0) for r in range(degree)]
 
 
 def check_sharding(ranks: list[dict], expected: dict[str, dict], degree: int) -> dict:
-    """``ranks``: each rank's ``BlockInputRecorder.to_dict()`` in global rank order. Raises ``ShardingError`` when a
-    main list's blocks did not get the rank's share."""
+    """Raise ``ShardingError`` unless every rank's main lists got the rank's share of the tokens."""
     if not expected:
         raise ShardingError("no block list with [batch, sequence, width] inputs to check the split on")
     problems, seen = [], {}
@@ -155,8 +152,7 @@ class CfgSplitError(RuntimeError):
 
 
 def check_cfg_split(ranks: list[dict], reference: dict, degree: int) -> dict:
-    """Each rank may enter each block list with at most ``reference / degree`` batch rows plus one call's rows (the
-    shape probe); raises ``CfgSplitError`` otherwise or when a rank entered nothing."""
+    """Raise ``CfgSplitError`` unless each rank entered the lists with about 1 / degree of the rows."""
     if not reference:
         raise CfgSplitError("no one-process block record to compare the ranks' work with")
     problems, per_list = [], {}

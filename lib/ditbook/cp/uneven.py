@@ -49,8 +49,7 @@ def _gather_post(hook, original):
 
 
 def _around_none_post(hook, original):
-    """One gather hook's ``post_forward`` for an output with ``None`` entries (cache-dit refuses it): the metadata
-    applies to the tensors in order, ``None`` passes through."""
+    """A gather hook's ``post_forward`` gathering an output's tensors around its ``None`` entries."""
     def post(module, output):
         if not isinstance(output, (list, tuple)) or all(o is not None for o in output):
             return original(module, output)
