@@ -67,9 +67,7 @@ def _get(obj, path: str):
 
 
 def loop_owner(transformer, paths: list[str]) -> str:
-    """The attribute path of the module whose own forward loops over every block list ('' for the transformer): a
-    network the ModelMixin wrapper holds as an attribute and calls; never a list element, and not when the lists sit
-    in different modules."""
+    """The path of the module whose own forward loops over every list ('' for the transformer, or when unclear)."""
     owners = {p.rsplit(".", 1)[0] if "." in p else "" for p in paths}
     if len(owners) != 1:
         return ""
@@ -336,9 +334,7 @@ def _assigned_from_block(fold: LoopFold) -> list[str]:
 
 
 def orient_fold(fold: LoopFold | None, bl) -> LoopFold | None:
-    """The image stream first among a fold's two carried names: where the block returns (encoder, hidden) and the loop
-    assigns them back in that order (``context, x = block(context, x)``), the carried names are reversed so the
-    folded block takes and returns (hidden_states, encoder_hidden_states)."""
+    """The image stream first among a fold's carried names where the block returns (encoder, hidden)."""
     if fold is None or len(fold.carried) != 2 or bl.call is None:
         return fold
     if list(bl.call.output_roles) != ["encoder_hidden_states", "hidden_states"]:

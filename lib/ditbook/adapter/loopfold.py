@@ -1,11 +1,6 @@
-"""Folding a transformer's block loop into its blocks: the loop analysis and the rewritten source.
-
-cache-dit's cached blocks run a block list as one unit, so work the loop does besides calling the block (a gate, a skip,
-a controlnet residual) would run once instead of once per block, and blocks called with other keyword names cannot be
-routed. ``plan_fold`` reads the loop with ``ast``; ``loop_body_source`` gives the whole loop body for one block
-(``self`` renamed ``owner``), ``rewritten_method_source`` the method whose loop only calls the block,
-``extra_method_sources`` the methods reading ``self.<list>[i].<attr>`` pointed at the original blocks; no library folds
-loop work into blocks."""
+"""Folding a transformer's block loop into its blocks: cache-dit runs a block list as one cached unit, so loop work
+besides the block call would run once per list. ``plan_fold`` reads the loop with ``ast``; the other functions give
+the loop body, the rewritten methods and the methods reading elements, as plain source."""
 
 from __future__ import annotations
 
@@ -299,9 +294,7 @@ def _python_value(expr: ast.AST, name: str) -> str | None:
 
 
 def _refuse_non_tensor_carried(loop: ast.For, path: str, carried: list[str]) -> None:
-    """Raise ``FoldError`` for a carried name besides the first stream whose update is certainly not a tensor (``level =
-    float(x.mean())``): cache-dit carries it as the encoder stream, and since it reads the blocks' output it cannot
-    be precomputed like a counter."""
+    """Raise ``FoldError`` for a second carried name whose update is certainly not a tensor."""
     for name in carried[1:]:
         for node in (n for s in loop.body for n in ast.walk(s)):
             if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):

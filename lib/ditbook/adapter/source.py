@@ -1,10 +1,6 @@
-"""The adapter module's text: one plain Python file, the file the cache stage runs and ships.
-
-``adapter_module_source`` writes, in the layout of cache-dit's own adapters and patch functors: the constants; when the
-loop is folded, each loop body as a ``def``, its ``LoopBody`` module class, the rewritten methods, the ``PatchFunctor``
-and ``unpatch``; and the registration function returning the ``BlockAdapter``. The model's names are imported from the
-module defining each folded function (colliding names under an alias). The file needs diffusers, cache-dit and the
-model's code, never ditbook."""
+"""The adapter module's text, one plain Python file in the layout of cache-dit's own adapters: constants, the folded
+loop bodies, rewritten methods and ``PatchFunctor`` when folded, and the registration function. The model's names are
+imported from where each folded function is defined; the file never needs ditbook."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""Reading the transformer's block loops from its source: what happens between block calls.
-
-A cache wrapper replaces a whole ``for block in self.<list>:`` loop by one call, so anything else the loop body does is
-dropped unless a patch functor moves it into the blocks. Rules (tests/test_arch.py): a loop is a ``for`` whose iterable
-mentions ``self.<path>`` (directly, ``enumerate``/``zip``/``range(len(...))``) in ``forward`` or a method it calls; a
-statement calling the loop variable (or checkpointing it) is the block call; every other statement is loop work,
-*conditional* under an ``if`` testing a forward argument against ``None``, else *active*; block-call arguments using the
-loop index or loop-local names are per-index terms (active)."""
+"""Reading the transformer's block loops from its source: what happens between block calls (a cache wrapper replaces the
+whole loop). A loop is a ``for`` over ``self.<path>`` in ``forward`` or a method it calls; a statement calling the
+loop variable is the block call; every other statement is loop work, *conditional* under an ``if`` testing a forward
+argument against ``None``, else *active* (per-index block arguments too)."""
 
 from __future__ import annotations
 
@@ -340,9 +336,7 @@ def exclusive_branches(branches: dict, a: ast.AST, b: ast.AST) -> bool:
 
 
 class Flow:
-    """Which two places of one function can both run in one call: never in different branches of one ``if``, or when the
-    earlier is always followed by a ``return`` / ``raise`` (modes dispatched by early returns). Conservative: a loop
-    around both, a ``try`` or a ``break`` / ``continue`` on the way count as "may both run"."""
+    """Which two places of one function can both run in one call (conservative: loops, ``try`` count as may)."""
 
     def __init__(self, fn: ast.AST):
         self.fn = fn

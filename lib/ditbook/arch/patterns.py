@@ -1,10 +1,6 @@
-"""Which cache-dit ``ForwardPattern`` a block list corresponds to, and why (or why none).
-
-cache-dit replaces a block loop by one module calling every block: Patterns 0-2 call ``block(hidden_states,
-encoder_hidden_states, ...)`` (the block's first two parameters must be those), Patterns 3-5 ``block(hidden_states,
-...)`` passing everything else through; the block returns ``H`` (2, 3), ``(H, E)`` (0, 4) or ``(E, H)`` (1, 5). Where
-several fit, a text stream the block does not return is passed through (Pattern_3) unless ``encoder_hidden_states`` is a
-required second parameter (Pattern_2)."""
+"""Which cache-dit ``ForwardPattern`` a block list corresponds to, and why (or why none): Patterns 0-2 call
+``block(hidden_states, encoder_hidden_states, ...)``, 3-5 ``block(hidden_states, ...)``; the block returns ``H`` (2,
+3), ``(H, E)`` (0, 4) or ``(E, H)`` (1, 5)."""
 
 from __future__ import annotations
 
@@ -46,9 +42,7 @@ def forward_params(block) -> list[str]:
 
 def match_pattern(block, output_roles: list[str] | None, receives_encoder: bool | None,
                   renamed: dict | None = None) -> PatternMatch:
-    """Decide the pattern of one block. ``output_roles``: its outputs' roles in order (None: unknown);
-    ``receives_encoder``: the transformer passes a text stream; ``renamed``: {H: image parameter, E: text parameter}
-    when the trace found the streams under other names (then matched as a renaming fold would run it)."""
+    """Decide the pattern of one block (``renamed``: {H: image parameter, E: text parameter} from the trace)."""
     params = signature_params(block.forward)
     names = [p.name for p in params]
     note = ""

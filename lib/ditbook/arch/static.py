@@ -1,9 +1,6 @@
-"""Static inspection: facts read from the module tree and the source, no weights, no forward (works on the meta device).
-Rules: an attention module has query/key projections (by name, fused, or by shape) or is an
-``nn.MultiheadAttention``; a block list is an ``nn.ModuleList`` (not inside another) whose every element holds
-attention; heads / kv heads / head dim come from attributes, else projection widths; joint attention has added text
-projections, cross attention a key projection reading another width; RoPE is a submodule or block parameter named
-rope/rotary/freqs; modulation is per block with an adaLN Linear widening to 2x, shared with only a learned table."""
+"""Static inspection: facts read from the module tree and the source, no weights, no forward (works on the meta device):
+attention modules (by projection names or shapes), block lists (ModuleLists whose elements all hold attention),
+heads, attention kind, RoPE and modulation."""
 
 from __future__ import annotations
 
@@ -29,9 +26,7 @@ def _linear_children(m: nn.Module) -> list[tuple[str, nn.Linear]]:
 
 
 def shaped_projections(m: nn.Module) -> dict:
-    """q/k/v recognised by shape: three or more direct Linear children reading one width, two (query, key) writing one
-    width; or one Linear writing three times its input width (fused qkv) next to a Linear mapping that width onto
-    itself (the output projection)."""
+    """q/k/v recognised by shape (three Linear of one input width), or a fused qkv next to its output."""
     lins = _linear_children(m)
     by_in: dict[int, list[nn.Linear]] = {}
     for _, lin in lins:

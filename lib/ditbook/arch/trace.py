@@ -1,10 +1,5 @@
-"""The traced pass: a real short generation with hooks on every block and on the transformer.
-
-On the first transformer call the hooks record, per block call, the positional and keyword parameters, shapes and
-outputs (matched to the image / text stream); whether each block receives the previous one's output; arguments passed to
-some blocks only, new per block, or an earlier block's output (skips); masks, and every ``scaled_dot_product_attention``
-call. Per pipeline: transformer calls, scheduler steps and batches, which give the CFG style (separate, batched,
-distilled or none)."""
+"""The traced pass: a real short generation with hooks on every block and on the transformer, recording block call
+conventions, streams, loop work, masks, attention calls, and the CFG style."""
 
 from __future__ import annotations
 
@@ -128,10 +123,8 @@ class Tracer:
     def _record_attention(self, query, key, attn_mask=None, enable_gqa=False, via: str = "sdpa") -> None:
         if self.forwards == 1 and isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor):
             self.sdpa.append({"q": list(query.shape), "k": list(key.shape), "mask": attn_mask is not None,
-                              "enable_gqa": bool(enable_gqa), "via": via, "block": self._current_block()})
-
-    def _current_block(self):
-        return self._active[-1] if self._active else None
+                              "enable_gqa": bool(enable_gqa), "via": via,
+                              "block": self._active[-1] if self._active else None})
 
     def __enter__(self):
         self.handles.append(self.transformer.register_forward_pre_hook(self._t_pre, with_kwargs=True))

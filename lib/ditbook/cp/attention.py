@@ -248,9 +248,7 @@ def sdpa_callers(transformer) -> list[tuple[str, torch.nn.Module]]:
 
 
 def route_attention(transformer, gqa_path: str = "enable_gqa") -> AttentionRoute:
-    """Wrap every module calling SDPA outside diffusers' dispatch-aware processors so the call goes through
-    ``dispatch_attention_fn`` with the model's CP config (``transformer._parallel_config``), GQA by ``gqa_path``
-    (under CP, K/V repeated before the all-to-all). All or nothing; ``route.remove()`` undoes it."""
+    """Wrap every module calling SDPA itself so the call takes ``dispatch_attention_fn`` under CP."""
     route = AttentionRoute(gqa_path=gqa_path)
 
     def routed_as(name, module):

@@ -1,9 +1,6 @@
-"""Cache on top of context parallelism, with the skip decision agreed across ranks.
-
-Each rank holds a different slice of the sequence, so a locally measured residual difference differs between ranks; a
-rank skipping blocks another runs would pair mismatched collectives. ``agree_cache_decisions`` all-reduces ``can_cache``
-(MIN: skip only when every rank may) and counts disagreements. With ditbook's own adapter cache-dit runs each block list
-as one cached unit, so a split planned at a list's first block moves onto that unit (``split_at_cached_units``)."""
+"""Cache on top of context parallelism: ``agree_cache_decisions`` all-reduces cache-dit's ``can_cache`` so every rank
+skips together (a lone skip would pair mismatched collectives), and ``split_at_cached_units`` moves a split at a
+list's first block onto cache-dit's cached unit of that list."""
 
 from __future__ import annotations
 
@@ -74,9 +71,7 @@ class CacheSplitError(RuntimeError):
 
 
 def cached_block_units(transformer) -> dict[str, torch.nn.Module]:
-    """cache-dit's cached units of this transformer, by block-list name, reached through the closures of the forward
-    cache-dit installed (the units are submodules only while the forward runs). Raises ``CacheSplitError`` for
-    another layout."""
+    """cache-dit's cached units by block-list name, found in the closures of its installed forward."""
     seen, found = set(), {}
 
     def walk(fn, depth):
@@ -129,9 +124,7 @@ def cached_block_units(transformer) -> dict[str, torch.nn.Module]:
 
 
 def split_at_cached_units(transformer, plan: dict, facts: dict) -> tuple[dict, dict[str, torch.nn.Module], dict]:
-    """Move a plan's splits at a list's first block (``<list>.0``) onto cache-dit's cached unit of that list (a split
-    inside the first block would make what enters and leaves the unit differ in length). Returns (the rest of the
-    plan, unit by list, unit plan by list)."""
+    """Move splits at ``<list>.0`` onto cache-dit's cached unit of that list: (rest, units, unit plans)."""
     units = None
     rest, unit_plans = {}, {}
     roles = {facts.get("image_input"): "hidden_states", facts.get("text_input"): "encoder_hidden_states"}

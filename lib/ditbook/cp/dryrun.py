@@ -1,13 +1,7 @@
-"""Checks of a context-parallel plan before any process is launched, all in one process, by mechanism.
-
-A plan splits the image (and joint text) tokens; everything else a block receives must agree with that split, or the
-ranks crash or compute the wrong thing. 1. ``check_grid_reshape``: a block that reshapes the token axis into the full
-grid it takes as integers cannot run on a shard. 2. ``dry_run``: the plan's splits and gathers re-enacted for rank 0 (a
-gather repeats the shard), CP attention given ``degree`` times the keys; records what every list's first block receives,
-names where the forward fails, and probes (``_ConfigProbe``) which attention calls run as CP attention. 3.
-``check_token_axes``: every full-length token axis a split block receives must be divided. 4. ``check_parity``: every
-rank simulated as a thread (``simulate_ranks``) must give the plain forward's output, or the plan is refused with where
-the ranks first part. No library offers a one-process CP simulation."""
+"""Checks of a context-parallel plan before any process is launched, all in one process, by mechanism:
+``check_grid_reshape`` (blocks reshaping tokens into the full grid), ``dry_run`` (the plan re-enacted for rank 0,
+probing which attention runs as CP), ``check_token_axes`` (every full-length token axis split) and ``check_parity``
+(every rank simulated as a thread must give the plain forward's output). No library offers such a simulation."""
 
 from __future__ import annotations
 
@@ -281,9 +275,7 @@ def _restore_configs(proc, saved: list) -> None:
 
 
 def _attention_wrapper(world: _World, name: str, module, probe: bool):
-    """Wraps one CP-capable attention module. Probing: a call that uses the ``_ConfigProbe`` is run again without it,
-    its SDPA calls from there on CP attention (kept in ``run.cp_calls``). Simulating: each call follows what the
-    probe found."""
+    """Wraps one CP-capable attention module: probing records which calls run as CP (``run.cp_calls``)."""
     def wrapper(original, *args, **kwargs):
         st = world.state()
         idx = st.counts.get(name, 0)
@@ -609,9 +601,7 @@ def _plan_installed(transformer, plan: dict, world: _World, lists: list[str], pr
 
 
 def dry_run(transformer, args, kwargs, plan: dict, degree: int, lists: list[str], uneven: bool = False) -> DryRun:
-    """Run the forward once with ``plan`` re-enacted for rank 0 of ``degree``: what each list's first block received and
-    which attention calls are CP. ``uneven``: ``tensor_split`` shares for splits the degree does not divide, else
-    refused."""
+    """Run the forward once with ``plan`` re-enacted for rank 0 of ``degree``."""
     run = DryRun(allow_uneven=uneven)
     world = _World(degree, run, uneven=uneven)
     try:
@@ -645,9 +635,7 @@ def _wait_os_threads(before: int | None, timeout: float = 5.0) -> None:
 
 def simulate_ranks(transformer, args, kwargs, plan: dict, degree: int, lists: list[str], cp_calls: dict,
                    watch: set | None = None, uneven: bool = False) -> tuple[list, dict, DryRun]:
-    """Every rank of ``plan`` in one thread each (own splits, CP attention over every rank's keys, gathers
-    concatenating; calls the probe found local stay local). Returns each rank's main output and, with ``watch``, each
-    rank's outputs of those modules."""
+    """Every rank of ``plan`` as one thread; returns each rank's output and its ``watch`` modules' outputs."""
     run = DryRun(cp_calls=dict(cp_calls), allow_uneven=uneven)
     world = _World(degree, run, _Exchange(degree), uneven=uneven)
     outputs: dict | None = {} if watch else None

@@ -1,15 +1,8 @@
 """Context-parallel plans in diffusers' ``_cp_plan`` format: registered ones where they exist, else derived from a
-traced forward; every plan is checked against the trace (``check_plan_sites``) and written out as code.
-
-Derivation (no model names anywhere): 1. ``trace_forward`` records every module call outside the block lists and every
-block list's first block inputs, then a forward with the image perturbed tells which lists see the image. 2.
-``find_streams``: the image / text tokens and positional tables entering the main lists (those that see the image; lists
-that never see it run whole on every rank). 3. split sites (``_split_token_streams``, ``_split_block_inputs``), all
-before the first block: at the producing module, the first block's input, or (``at_input``) the transformer's own input;
-joint attention splits the text with the image, cross attention keeps it whole. 4. ``_gather_site``: the first module
-after the last main block taking and returning ``[B, S_img, ...]``. 5. ``check_plan_sites``: no split after the blocks,
-and at least one split. 6. ``resolve_cp_plan`` with ``cp.dryrun``: each variant is judged before launch, and the first
-that passes is the plan."""
+traced forward (no model names): 1. ``trace_forward`` records module and block calls and which lists see the image;
+2. ``find_streams`` finds the image / text tokens and tables of the main lists; 3. every split lands before the first
+block (producer, first block, or transformer input); 4. ``_gather_site`` after the last block; 5.
+``check_plan_sites``; 6. ``resolve_cp_plan`` keeps the first variant ``cp.dryrun`` passes."""
 
 from __future__ import annotations
 
@@ -941,9 +934,7 @@ def _last_list_streams(tr: ForwardTrace, st: Streams) -> Streams | None:
 
 def _derive_checked(transformer, args, kwargs, tr: ForwardTrace, st: Streams, attention_kind, degree: int,
                     check, notes: list[str], uneven: bool = False) -> CPPlan:
-    """The first derived plan variant that passes ``check`` (at the producers, at the inputs, at the first block; under
-    cross attention the same with the text split; the last main list alone); else the error naming every variant's
-    reason."""
+    """The first derived plan variant that passes ``check``, else the error naming every variant's reason."""
     variants = [(False, False, "", st), (True, False, "the plan splitting at the transformer's inputs", st)]
     if check is not None:
         variants += [("block", False, "the plan splitting at the first block", st)]
@@ -1059,8 +1050,7 @@ def plan_code(cp: CPPlan, model: str, transformer_class: str) -> str:
         "",
         "CP_PLAN = {",
     ]
-    for k, v in cp.plan.items():
-        lines.append(f"    {k!r}: {_code(v)},")
+    lines += [f"    {k!r}: {_code(v)}," for k, v in cp.plan.items()]
     lines += ["}", "", f"SOURCE = {cp.source!r}", ""]
     return "\n".join(lines)
 

@@ -13,9 +13,7 @@ def _inside(name: str, prefixes) -> bool:
 
 
 def limit_cp_to(transformer, lists: list[str] | None, route=None, undo=None) -> list[str]:
-    """After CP is enabled: processors outside ``lists`` (name prefixes) lose their CP config (unless shared with one
-    inside), and ``route`` sends only the SDPA calls inside ``lists`` through CP attention. Returns the modules taken
-    out; ``undo`` keeps the handles."""
+    """After CP is enabled: attention outside ``lists`` loses its CP config; returns the modules taken out."""
     if not lists:
         return []
     if route is not None:

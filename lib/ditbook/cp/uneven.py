@@ -89,9 +89,7 @@ def _swap_post(ref, post, undo: WrapGroup | None) -> None:
 
 
 def gather_around_none(transformer, undo: WrapGroup | None = None) -> list[str]:
-    """After CP is enabled: cache-dit's gather hooks also gather an output tuple with ``None`` entries, and a
-    split hook that splits no output lets one pass. Returns the modules whose hooks changed; ``undo`` keeps the
-    handles."""
+    """After CP is enabled: cache-dit's split and gather hooks let outputs with ``None`` entries pass."""
     from cache_dit.distributed.core._context_parallel import _ContextParallelGatherHook, _ContextParallelSplitHook
 
     changed = []
@@ -109,9 +107,7 @@ def gather_around_none(transformer, undo: WrapGroup | None = None) -> list[str]:
 
 
 def gather_unevenly(transformer, undo: WrapGroup | None = None) -> list[str]:
-    """After CP is enabled with ``ulysses_anything``: on a process group other than NCCL, cache-dit's gather hooks
-    gather unequal shares by padding (``padded_all_gather``). Returns the modules whose gather changed; ``undo``
-    keeps the handles."""
+    """After CP is enabled with ``ulysses_anything`` off NCCL: gathers pad unequal shares."""
     from cache_dit.distributed.core._context_parallel import _ContextParallelGatherHook
 
     changed = []
