@@ -489,11 +489,6 @@ def _use_text(node: ast.AST, parent: ast.AST | None, parents: dict) -> str:
     return ast.unparse(parent if parent is not None else node)
 
 
-def _bucket(u: ListUses, in_body: bool, element_attr: bool) -> list[str]:
-    """The list of ``u`` a use belongs to: in the loop body, an element's attribute, or other."""
-    return u.in_body if in_body else u.element_attrs if element_attr else u.other
-
-
 def own_flow_nodes(stmts: list[ast.stmt]):
     """The ``break`` / ``continue`` / ``return`` / ``yield`` nodes under ``stmts`` acting on their loop."""
     todo = list(stmts)
@@ -566,8 +561,10 @@ def list_uses(cls, paths: list[str]) -> dict[str, ListUses]:
             if getattr(node, "ctx", None).__class__ is ast.Store:
                 continue  # assignment in __init__-like helpers
             line = _use_text(node, parent, parents)
-            where = _bucket(uses[p], body_nodes.get(id(node)) == p, _element_attribute(node, parents)
-                            or _comprehension_attribute(node, parents) or length_read(node, parents))
+            element_attr = (_element_attribute(node, parents) or _comprehension_attribute(node, parents)
+                            or length_read(node, parents))
+            u = uses[p]
+            where = u.in_body if body_nodes.get(id(node)) == p else u.element_attrs if element_attr else u.other
             guard = _optional_guard(fn, ifs, branches.get(id(node), []))
             if where is uses[p].other and guard:
                 where = uses[p].conditional

@@ -53,11 +53,6 @@ class DryRunUnavailable(RuntimeError):
     """The forward under the plan calls ``torch.distributed``: the dry run says nothing, the launch decides."""
 
 
-def _needs_process_group(exc: BaseException) -> bool:
-    frames = [f.filename.replace("\\", "/") for f in traceback.extract_tb(exc.__traceback__)]
-    return any("torch/distributed" in f for f in frames)
-
-
 _RESHAPES = {"unflatten", "view", "reshape", "rearrange"}
 
 
@@ -559,7 +554,7 @@ def _hook_recorder(transformer, index: tuple[dict, dict, set], world: _World, ha
 def _dry_run_failure(exc: Exception, stack: list[str], run: DryRun) -> Exception:
     """``DryRunUnavailable`` for a forward needing a process group, else a ``DryRunError`` naming the module."""
     line = str(exc).splitlines()[0] if str(exc) else ""
-    if _needs_process_group(exc):
+    if any("torch/distributed" in f.filename.replace("\\", "/") for f in traceback.extract_tb(exc.__traceback__)):
         return DryRunUnavailable(f"the forward under the plan needs a process group (a planner's patched "
                                  f"forward talks to the other ranks): {type(exc).__name__}: {line[:160]}")
     where = (stack[-1] if stack else "") or "<transformer>"
