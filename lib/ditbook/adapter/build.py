@@ -1,20 +1,9 @@
 """The automatic cache adapter: from the inspection report to a cache-dit ``BlockAdapter``.
 
-``build_cache_adapter(pipe, report)`` decides, per block list of the report, the cache-dit
-``ForwardPattern`` and whether the loop must be folded into the blocks (blocks called with
-keyword names cache-dit cannot route, or a loop that does extra work per block: see
-``loopfold``). It then *writes the adapter as a plain Python module file*
-(``adapter_source``: the registration function, the patch functor class, the folded loop as
-ordinary ``def``s) — ``cache/adapter_<model>.py`` of the run folder for the cache stage, a
-temporary file otherwise — and imports that file (``load_adapter_module``), so the adapter the
-stage verifies is the file it ships (``upstream`` copies it unchanged).
-
-Where cache-dit has its own registration for the pipeline (``cache_dit.BlockAdapterRegister``),
-that one is used for cache-dit strategies (``prefer_registered``) and ``info.differences`` says
-where ours differs. ``register_diffusers_blocks`` registers the block classes with diffusers'
-``TransformerBlockRegistry`` so FirstBlockCache / MagCache find their outputs on unknown models
-(through ``hooks.set_item``: the strategy's undo takes the entries out again).
-"""
+``build_cache_adapter`` decides per block list the ``ForwardPattern`` and whether the loop must be folded into the
+blocks (``loopfold``), writes the adapter as a plain Python module file (``adapter_source``) and imports that file, so
+the adapter the stage verifies is the file it ships. Where cache-dit registers the pipeline, its adapter is preferred
+and ``info.differences`` says where ours differs."""
 
 from __future__ import annotations
 
@@ -32,12 +21,8 @@ from ..arch.loop_source import list_uses
 from .source import (PATTERN_OUTPUT_INDEX, adapter_function_name, adapter_module_source, refused_module_source, safe_name)
 from .loopfold import FoldError, LoopFold, loop_body_class_name, plan_fold
 
-STANDARD_INPUTS = {"hidden_states", "encoder_hidden_states"}
-
-
 class CacheRefused(ValueError):
-    """No cache strategy can be applied safely to this model; the message names why. The cache
-    stage records it and passes (later stages run without cache configurations)."""
+    """No cache strategy can be applied safely to this model; the message names why."""
 
 
 @dataclass
@@ -67,12 +52,8 @@ class AdapterInfo:
     module_name: str = ""
     refused: str | None = None  # why no adapter could be made safely (then block_lists is empty)
     uncached: list[str] = field(default_factory=list)  # block lists left uncached, each with why
-    # attribute path of the module whose own forward loops over the block lists ('' = the transformer):
-    # a network held as an attribute of the ModelMixin wrapper (``self.net = Net()``) runs its loops itself
-    owner: str = ""
-    # [containers, attribute] when the lists are ``<containers>.<i>.<attribute>`` of containers the
-    # transformer never calls (its own loop runs ``for c in self.<containers>: for blk in c.<attribute>``):
-    # cache-dit swaps each through a stand-in owner while the transformer's forward runs
+    owner: str = ""  # attribute path of the module whose forward loops over the lists ('' = the transformer)
+    # [containers, attribute]: lists ``<containers>.<i>.<attribute>`` of containers the transformer never calls
     containers: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -86,12 +67,7 @@ def _get(obj, path: str):
 
 
 def loop_owner(transformer, paths: list[str]) -> str:
-    """The attribute path of the module whose own forward loops over every block list of ``paths``
-    ('' when that is the transformer). A network held as an attribute of the ModelMixin wrapper
-    (``self.net = Net(...)``, the wrapper's forward calling ``self.net(...)``) holds its lists as
-    direct attributes of its own and runs their loops in its own forward: cache-dit is handed that
-    module, whose attribute it swaps while that forward runs. Not an element of a list (a container
-    the transformer iterates is never called) and not when the lists sit in different modules."""
+    """The path of the module whose own forward loops over every list ('' for the transformer, or when unclear)."""
     owners = {p.rsplit(".", 1)[0] if "." in p else "" for p in paths}
     if len(owners) != 1:
         return ""
@@ -128,8 +104,7 @@ def _pattern_from_report(bl) -> str | None:
 
 
 def _contradicts_trace(bl, pattern: str) -> str:
-    """Why ``pattern`` disagrees with what the traced call showed ('' when it agrees or nothing
-    was traced): the block's outputs (count, roles, shapes) must be the pattern's."""
+    """Why ``pattern`` disagrees with the traced outputs (count, roles, shapes); '' otherwise."""
     from ..arch.patterns import PATTERNS
 
     call = bl.call
@@ -150,8 +125,7 @@ def _contradicts_trace(bl, pattern: str) -> str:
 def needs_fold(report: ArchReport, bl, fold: LoopFold | None) -> list[str]:
     """Why the loop over ``bl`` must be folded into its blocks (empty: it need not)."""
     reasons = []
-    # the inspection tells active loop work (runs on every call) from conditional work (only
-    # with an optional argument such as controlnet samples); only active work forces a fold
+    # only active loop work (on every call, not only with an optional argument) forces a fold
     if report.loop_extra_work and fold is not None and fold.extra_statements:
         mine = [r for r in report.loop_extra_work_reasons if bl.path in r] or report.loop_extra_work_reasons
         reasons += [f"inspection: {r}" for r in mine] or [
@@ -177,9 +151,8 @@ def needs_fold(report: ArchReport, bl, fold: LoopFold | None) -> list[str]:
     return reasons
 
 
-def _fold_reasons(report: ArchReport, bl, u, fold: LoopFold | None, fold_problem: str) -> tuple[list[str], str]:
-    """Why the loop over ``bl`` must be folded, and why it cannot be cached at all ('' if it can).
-    A list looped in several mode methods is folded in all of them when one of them needs it."""
+def _fold_reasons(report: ArchReport, bl, u, fold: LoopFold | None, fold_problem: str) -> list[str]:
+    """Why the loop over ``bl`` must be folded (in every mode method when one needs it)."""
     reasons = needs_fold(report, bl, fold)
     for mode in fold.modes if fold is not None else []:
         reasons += [r for r in needs_fold(report, bl, mode) if r not in reasons]
@@ -204,14 +177,12 @@ def _fold_reasons(report: ArchReport, bl, u, fold: LoopFold | None, fold_problem
     if bl.call is not None and getattr(bl.call, "returns_tuple", False) and bl.call.outputs == 1:
         reasons.append(f"blocks of {bl.path} return a 1-tuple that the loop unpacks; folded, the loop body "
                        f"does the unpacking")
-    return reasons, ""
+    return reasons
 
 
 def container_lists(transformer, paths: list[str]) -> tuple[str, str] | None:
-    """``(containers, attribute)`` when every block list is ``<containers>.<i>.<attribute>``, one per
-    container of one ModuleList, in order, the containers' own code loops over none of them and the
-    transformer's code iterates the containers (``for stage in self.stages: for blk in stage.blocks``);
-    else None. Each list is run by the transformer's forward, in the containers' order."""
+    """``(containers, attribute)`` when the block lists are ``<containers>.<i>.<attribute>`` the transformer iterates.
+    """
     import torch
 
     parts = [p.split(".") for p in paths]
@@ -238,9 +209,7 @@ def container_lists(transformer, paths: list[str]) -> tuple[str, str] | None:
 
 
 def _container_problem(report: ArchReport, bl, pattern: str) -> str:
-    """Why a list of a never-called container cannot be cached through a stand-in owner ('' when it
-    can): that loop is not folded, so the loop must do no work of its own per block and call each
-    block as cache-dit calls its cached unit: the streams first, positionally, in the pattern's order."""
+    """Why a never-called container's list cannot be cached unfolded through a stand-in owner ('' if it can)."""
     from ..arch.patterns import PATTERNS
 
     if report.loop_extra_work:
@@ -289,8 +258,7 @@ def _unfolded_plan(bl, transformer) -> "BlockListPlan | str":
 
 
 def _nesting(tcls, path: str, u) -> str:
-    """Who runs the loop over a nested list: the container's own forward, or the transformer's code
-    iterating the never-called containers (``for stage in self.stages: for blk in stage.blocks``)."""
+    """Who runs a nested list's loop: the container's forward, or the transformer iterating the containers."""
     if u.loops:
         return "though the transformer's forward runs its loop"
     parts = path.split(".")
@@ -309,9 +277,7 @@ def _nesting(tcls, path: str, u) -> str:
 def _list_problem(path: str, u, tcls=None) -> str:
     """Why the list cannot be handed to cache-dit at all ('' when it can): nested, or used unsafely."""
     if "." in path:
-        # cache-dit finds (and swaps) a block list by a direct attribute of the transformer:
-        # a list one level down cannot be handed to it, even when the transformer's own
-        # forward runs its loop
+        # cache-dit swaps a block list by a direct attribute of the transformer only
         where = _nesting(tcls, path, u) if tcls is not None else "nested"
         return (f"nested inside {path.rsplit('.', 1)[0]}, {where}; "
                 f"cache-dit swaps block lists by attribute of the transformer, so it is left uncached")
@@ -329,10 +295,7 @@ def _folded_plan(transformer, path: str, fold: LoopFold, reasons: list[str]) -> 
 
 def _unfolded_or_renamed(bl, transformer, fold: LoopFold | None, folds: list, info: AdapterInfo,
                          owner=None, rel: str | None = None):
-    """The unfolded plan; where no pattern matches the blocks by name but ditbook's own fold can
-    rename and reorder their streams, the folded plan (the folded block takes what cache-dit
-    passes); else why the list cannot be cached as it is. ``owner``/``rel``: the module running
-    the loop and the list's path in it (default: the transformer and the list's path)."""
+    """The unfolded plan, else the folded one where a fold can rename the streams, else why not."""
     plan = _unfolded_plan(bl, transformer)
     if isinstance(plan, str) and fold is not None:
         why = [f"{plan}; folded, the loop body renames and reorders the streams"]
@@ -371,12 +334,7 @@ def _assigned_from_block(fold: LoopFold) -> list[str]:
 
 
 def orient_fold(fold: LoopFold | None, bl) -> LoopFold | None:
-    """The image stream first among the two names a fold carries: they come in the block call's
-    order, which is the text first where a loop runs ``context, x = block(context, x, ...)`` (the SD3.5
-    reference's joint blocks). Where the trace shows the block returns (encoder, hidden) and the loop
-    assigns them back to its names in that order, the fold carries them the other way round, so the
-    folded block takes and returns (hidden_states, encoder_hidden_states) as its pattern declares; before,
-    cache-dit cached the text as the hidden stream (and a last block returning no text gave None)."""
+    """The image stream first among a fold's carried names where the block returns (encoder, hidden)."""
     if fold is None or len(fold.carried) != 2 or bl.call is None:
         return fold
     if list(bl.call.output_roles) != ["encoder_hidden_states", "hidden_states"]:
@@ -396,8 +354,7 @@ def _override_patterns(plans: list, overrides: dict) -> None:
 
 
 def _owner_view(transformer, report: ArchReport, info: AdapterInfo):
-    """The module whose forward runs the loops (the transformer, or a network it holds as an
-    attribute: ``info.owner``), each list's path in it, and how that module's code uses them."""
+    """The module whose forward runs the loops, each list's path in it, and how its code uses them."""
     info.owner = loop_owner(transformer, [b.path for b in report.block_lists])
     owner = _get(transformer, info.owner)
     rel = {b.path: b.path[len(info.owner) + 1:] if info.owner else b.path for b in report.block_lists}
@@ -406,9 +363,7 @@ def _owner_view(transformer, report: ArchReport, info: AdapterInfo):
 
 def generate_adapter_source(pipe, report: ArchReport, model: str, *, force_fold: bool | None = None,
                             pattern_overrides: dict | None = None) -> tuple[str, AdapterInfo]:
-    """The adapter module's source text and what it decided. ``force_fold`` True/False
-    overrides the automatic decision; ``pattern_overrides`` ({path: pattern}) exists to build
-    deliberately wrong adapters in tests."""
+    """The adapter module's source and its decisions (``pattern_overrides``: wrong adapters for tests)."""
     transformer = pipe.transformer
     tcls = type(transformer)
     info = AdapterInfo(model=model, transformer_class=tcls.__name__, pipeline_class=type(pipe).__name__,
@@ -433,10 +388,7 @@ def generate_adapter_source(pipe, report: ArchReport, model: str, *, force_fold:
             continue
         fold, fold_problem = _try_plan_fold(ocls, rel[bl.path])
         fold = orient_fold(fold, bl)
-        reasons, unsafe = _fold_reasons(report, bl, u, fold, fold_problem)
-        if unsafe:
-            uncached.append(f"{bl.path}: {unsafe}")
-            continue
+        reasons = _fold_reasons(report, bl, u, fold, fold_problem)
         do_fold = bool(reasons) if force_fold is None else force_fold
         if do_fold and fold is None:
             if force_fold:
@@ -478,9 +430,7 @@ def _finished_source(info: AdapterInfo, plans: list, folds: list, uncached: list
 
 
 class _AdapterFileLoader(importlib.machinery.SourceFileLoader):
-    """Imports an adapter file as it is on disk now: no ``__pycache__`` read or written (an edit
-    made in the same second as the last import must not be hidden by stale bytecode); keeps the
-    exact text it ran in ``text``."""
+    """Imports an adapter file as it is on disk now (no ``__pycache__``), keeping the text it ran in ``text``."""
 
     text = ""
 
@@ -493,10 +443,7 @@ class _AdapterFileLoader(importlib.machinery.SourceFileLoader):
 
 @contextlib.contextmanager
 def _model_modules_by_plain_name(transformer):
-    """While an adapter file is imported: the model's modules that were loaded from a file under
-    another name (a card's ``source: file.py``) answer to the plain name the file imports them by,
-    so the adapter's functions see the very module objects the model's classes were defined in.
-    Put back exactly afterwards."""
+    """During the import, the model's file-loaded modules answer to the plain names the file uses."""
     from .source import importable_module_name
 
     aliases = {}
@@ -515,11 +462,7 @@ def _model_modules_by_plain_name(transformer):
 
 @contextlib.contextmanager
 def _registrations_kept():
-    """The adapter file registers its function with cache-dit when imported (cache-dit's layout:
-    ``@BlockAdapterRegister.register(...)``, what a maintainer's merged file does). The stage passes
-    the adapter explicitly and is done with the registration once the file is imported, so the
-    import runs against a copy of cache-dit's table (``hooks.swap_attribute``): the process-wide
-    table is never written, and is the very same object with the same entries afterwards."""
+    """The file's cache-dit registration runs against a copy of cache-dit's table, never the real one."""
     from cache_dit import BlockAdapterRegister
 
     with hooks.swap_attribute(BlockAdapterRegister, "_adapters", dict(BlockAdapterRegister._adapters)):
@@ -531,16 +474,12 @@ _RUN_TIME_REFUSALS: list[type] = []
 
 
 def run_time_refusals() -> tuple:
-    """The exception classes the loaded adapter files raise when the model cannot be cached their
-    way (``CarriedNotTensor``): a refusal with a named reason, not a crash."""
+    """The exception classes loaded adapter files raise to refuse a model (``CarriedNotTensor``)."""
     return tuple(_RUN_TIME_REFUSALS)
 
 
 def load_adapter_module(path: str | Path, transformer=None, *, register: bool = False):
-    """Import the adapter module from its file, under a fresh unique module name (every load runs
-    the file as it is now). ``transformer``: the model instance whose modules the file imports
-    names from (see ``_model_modules_by_plain_name``). ``register``: leave the file's registration
-    in cache-dit's registry (a plain import's effect), else put the registry back."""
+    """Import the adapter file under a fresh unique name (``register``: keep its cache-dit registration)."""
     path = Path(path).resolve()
     name = f"ditbook_adapter_{safe_name(path.stem)}_{next(_LOADS)}"
     loader = _AdapterFileLoader(name, str(path))
@@ -565,9 +504,7 @@ def load_adapter_file(path: str | Path, transformer=None, *, register: bool = Fa
 
 
 def import_adapter_module(source: str, path: str | Path | None = None, name: str = "adapter", transformer=None):
-    """Write adapter source to ``path`` and import it from there (``load_adapter_module``). Without
-    a path it goes to a temporary folder that is removed once imported (tracebacks and
-    ``inspect`` still show the text: it is kept in ``linecache``), so no folder is left behind."""
+    """Write adapter source to ``path`` (else a removed temporary folder) and import it from there."""
     import linecache
     import tempfile
 
@@ -597,8 +534,7 @@ class CacheAdapter:
     @classmethod
     def refused(cls, pipe, report: ArchReport, model: str, reason: str,
                 write_to: str | Path | None = None) -> "CacheAdapter":
-        """An adapter with no block lists that records why none could be made; every strategy
-        finds nothing to apply (``applicable`` says so) and the stage records the refusal."""
+        """An adapter with no block lists that records why none could be made."""
         info = AdapterInfo(model=model, transformer_class=type(pipe.transformer).__name__,
                            pipeline_class=type(pipe).__name__, refused=reason,
                            module_name=f"adapter_{model}".replace("-", "_").replace(".", "_"))
@@ -610,8 +546,7 @@ class CacheAdapter:
 
     @classmethod
     def from_module(cls, pipe, report: ArchReport, module, used: str = "ditbook") -> "CacheAdapter":
-        """An adapter from an adapter module loaded from its file (``load_adapter_module``, e.g.
-        ``cache/adapter_<model>.py`` of a run)."""
+        """An adapter from a module loaded by ``load_adapter_module``."""
         import inspect as _inspect
 
         from cache_dit import PatchFunctor
@@ -632,16 +567,11 @@ class CacheAdapter:
         return cls(pipe, report, info, module, module_text(module))
 
     def owner_module(self):
-        """The module whose forward runs the loops (``info.owner``): the transformer, or the network
-        it holds as an attribute; cache-dit and the patch functor work on it."""
+        """The module whose forward runs the loops (``info.owner``)."""
         return _get(self.pipe.transformer, self.info.owner)
 
-    # --- the patch functor -------------------------------------------------------------
     def patch(self):
-        """Fold the loop into the blocks of this transformer instance (no-op without functor).
-        cache-dit's ``PatchFunctor.apply`` skips an instance another functor marked
-        ``_is_patched``: then the blocks would not be the loop bodies whose patterns the plan
-        declares, so that is an error, never a silent no-op."""
+        """Fold the loop into the blocks (no-op without functor); a refused patch is an error, never a no-op."""
         if self.info.patch_functor:
             transformer = self.owner_module()
             getattr(self.module, self.info.patch_functor)().apply(transformer)
@@ -664,7 +594,6 @@ class CacheAdapter:
         finally:
             self.unpatch()
 
-    # --- what the cache runs -----------------------------------------------------------
     def block_lists(self) -> list[tuple[str, object, str]]:
         """(path, ModuleList, pattern) as the transformer holds them now."""
         return [(p.path, _get(self.pipe.transformer, p.path), p.pattern) for p in self.info.block_lists]
@@ -678,9 +607,7 @@ class CacheAdapter:
         return out
 
     def counted_blocks(self) -> list:
-        """The blocks a skipped share counts: every block of every list the forward runs (the
-        inspection's block lists), cached or not, each module once — a cache that skips half of
-        one list skips less of the whole transformer."""
+        """Every block of every list the forward runs (cached or not), each once: what a skipped share counts."""
         out = self.original_blocks()
         seen = {id(b) for b in out}
         cached = {p.path for p in self.info.block_lists}
@@ -696,8 +623,7 @@ class CacheAdapter:
         return out
 
     def block_adapter(self, **kwargs):
-        """A fresh cache-dit BlockAdapter: cache-dit's registered one when ``info.used`` says
-        so, else ours (which applies our patch functor)."""
+        """A fresh cache-dit BlockAdapter: cache-dit's registered one when ``info.used`` says so, else ours."""
         if self.info.used == "cache-dit":
             import cache_dit
 
@@ -705,11 +631,7 @@ class CacheAdapter:
         return getattr(self.module, adapter_function_name(self.module.PIPELINE_CLASS))(self.pipe, **kwargs)
 
     def register_diffusers_blocks(self) -> list:
-        """Register the block classes in diffusers' TransformerBlockRegistry (class-keyed, at run
-        time) so FirstBlockCache / MagCache read their outputs; keeps existing entries. Returns the
-        ``hooks.set_item`` handles of the entries ditbook added: the strategy removes them with its
-        hooks, so diffusers' registry is exactly as before once the strategy is off (its own lazy
-        fill, ``_register()``, is what any ``apply_*`` call does first and is diffusers')."""
+        """Register the block classes in diffusers' TransformerBlockRegistry; returns the handles."""
         from diffusers.hooks._helpers import TransformerBlockMetadata, TransformerBlockRegistry
 
         TransformerBlockRegistry._register()
@@ -729,15 +651,14 @@ class CacheAdapter:
 
     @contextlib.contextmanager
     def diffusers_identifiers(self, *modules):
-        """diffusers' block hooks look for top-level children named like ``blocks`` /
-        ``transformer_blocks``; this adds our block lists' names while a hook is applied."""
+        """Our top-level block list names added to diffusers' block identifiers while a hook is applied."""
         extra = tuple(p for p, _, _ in self.block_lists() if "." not in p)
         with contextlib.ExitStack() as stack:
             for mod in modules:
-                for attr in ("_ALL_TRANSFORMER_BLOCK_IDENTIFIERS",):
-                    if hasattr(mod, attr):
-                        stack.enter_context(hooks.swap_attribute(
-                            mod, attr, tuple(dict.fromkeys(getattr(mod, attr) + extra))))
+                attr = "_ALL_TRANSFORMER_BLOCK_IDENTIFIERS"
+                if hasattr(mod, attr):
+                    names = tuple(dict.fromkeys(getattr(mod, attr) + extra))
+                    stack.enter_context(hooks.swap_attribute(mod, attr, names))
             yield
 
     def top_level_lists_only(self) -> bool:
@@ -745,8 +666,7 @@ class CacheAdapter:
 
 
 def cache_dit_registered(pipe) -> str | None:
-    """The name of the cache-dit registration whose prefix ``pipe``'s class name matches (cache-dit's
-    registry matches by prefix), or None; whether it applies is ``cache_dit_adapter_builds``."""
+    """The cache-dit registration whose prefix ``pipe``'s class name matches, or None."""
     import cache_dit
 
     name = type(pipe).__name__
@@ -754,9 +674,7 @@ def cache_dit_registered(pipe) -> str | None:
 
 
 def cache_dit_adapter_builds(pipe) -> bool:
-    """cache-dit's registered adapter applies to ``pipe``: its name matches and the factory builds
-    on this very pipeline (a third-party pipeline named like a registered one, ``FluxReference...``,
-    whose model has other block lists, is not cache-dit's: ditbook's own adapter is used)."""
+    """cache-dit's registered adapter matches ``pipe``'s name, builds on it and its patterns fit."""
     import cache_dit
 
     if cache_dit_registered(pipe) is None:
@@ -769,12 +687,7 @@ def cache_dit_adapter_builds(pipe) -> bool:
 
 
 def declared_patterns_fit(block_adapter) -> bool:
-    """Every block list of a cache-dit ``BlockAdapter`` has blocks whose forward takes the inputs its
-    declared pattern passes by name (what cache-dit asserts when the cache is enabled: "No block
-    forward pattern matched"). A registration found by pipeline-name prefix builds on a third-party
-    model with a ``blocks`` list too (the Wan2.1 reference code's ``WanPipeline`` around its own
-    ``WanModel``, whose blocks take ``x``), yet its pattern does not fit. Not judged (True) where the
-    registration applies a patch functor (it may rename the inputs) or nests its lists."""
+    """Every list of a cache-dit ``BlockAdapter`` takes the inputs its pattern passes by name."""
     import inspect as _inspect
 
     import torch
@@ -809,17 +722,11 @@ def compare_with_registered(pipe, info: AdapterInfo) -> list[str]:
         return [f"cache-dit's registered adapter could not be built: {type(exc).__name__}: {exc}"]
     if theirs is None:
         return []
-    names = theirs.blocks_name
-    if isinstance(names, str):
-        names = [names]
+    names = [theirs.blocks_name] if isinstance(theirs.blocks_name, str) else theirs.blocks_name
     blocks = theirs.blocks if isinstance(theirs.blocks, list) else [theirs.blocks]
     pats = theirs.forward_pattern if isinstance(theirs.forward_pattern, list) else [theirs.forward_pattern]
     if names is None:
-        names = []
-        for b in blocks:
-            for attr, val in vars(pipe.transformer).get("_modules", {}).items():
-                if val is b:
-                    names.append(attr)
+        names = [a for b in blocks for a, v in vars(pipe.transformer).get("_modules", {}).items() if v is b]
     theirs_lists = [(n, p.name) for n, p in zip(names, pats)]
     ours = [(p.path, p.pattern) for p in info.block_lists]
     diffs = []
@@ -846,8 +753,7 @@ def module_text(module) -> str:
 def build_cache_adapter(pipe, report: ArchReport, model: str | None = None, *, write_to: str | Path | None = None,
                         prefer_registered: bool = True, force_fold: bool | None = None,
                         pattern_overrides: dict | None = None) -> CacheAdapter:
-    """Write the adapter module of ``pipe`` (to ``write_to``, else a temporary folder), import
-    that file and return the adapter (see the module docstring)."""
+    """Write the adapter module of ``pipe`` (to ``write_to``, else a temporary folder) and import it."""
     model = model or type(pipe.transformer).__name__
     source, info = generate_adapter_source(pipe, report, model, force_fold=force_fold,
                                            pattern_overrides=pattern_overrides)
@@ -857,9 +763,6 @@ def build_cache_adapter(pipe, report: ArchReport, model: str | None = None, *, w
     if info.cache_dit_registered:
         info.differences = compare_with_registered(pipe, info)
         if prefer_registered and pattern_overrides is None and force_fold is None:
-            # cache-dit's registration matches pipeline names by prefix: a class that merely shares
-            # a prefix may be refused by its factory; then ours is used, the same rule as the
-            # parallel worker's +cache plans (the stage's caching-off check also falls back to ours
-            # when cache-dit's changes the output)
+            # cache-dit matches pipeline names by prefix: a mere namesake its factory refuses gets ours
             info.used = "cache-dit" if cache_dit_adapter_builds(pipe) else "ditbook"
     return CacheAdapter(pipe, report, info, module, module_text(module))

@@ -1,10 +1,6 @@
-"""Counting real block (and attention) evaluations, per instance.
-
-A strategy's savings are measured, not inferred from its config: each original block's and
-attention module's ``forward`` is wrapped on the instance (before a strategy is applied), so a
-block skipped by any cache — cache-dit's cached blocks, a diffusers hook, a step-level skip —
-is simply not counted. ``calls`` records, per transformer call, how many blocks really ran.
-"""
+"""Counting real block (and attention) evaluations, per instance: each original block's and attention module's
+``forward`` is wrapped before a strategy is applied, so a skipped block is simply not counted; ``calls`` records how
+many blocks ran per transformer call."""
 
 from __future__ import annotations
 

@@ -1,29 +1,6 @@
-"""Folding a transformer's block loop into its blocks: the loop analysis and the rewritten source.
-
-cache-dit's cached blocks (and diffusers' block hooks) run a block list themselves: the
-transformer's ``for block in self.blocks: ...`` loop then sees one unified module, so any work
-the loop does besides calling the block (a gate, a skip connection, a re-scale, a controlnet
-residual) would run once instead of once per block, and blocks called with keyword names other
-than ``hidden_states`` / ``encoder_hidden_states`` cannot be routed at all.
-
-``plan_fold`` reads the transformer's ``forward`` with ``ast`` (no model-specific knowledge) and
-finds the loop over each block list; this module then gives the pieces of the fold as plain
-function source, which ``adapter_source`` writes into the adapter module file:
-
-* ``loop_body_source``: the *whole original loop body* for one block (the block call and the
-  extra work), with ``self`` of the transformer renamed ``owner`` and the loop index bound to the
-  block's position; it returns the carried names (``(hidden_states, encoder_hidden_states)``,
-  cache-dit ``Pattern_0``, or ``hidden_states``, ``Pattern_3``); the module's
-  ``<Transformer><List>LoopBody`` class (``loop_body_class_name``) runs it per block;
-* ``rewritten_method_source``: each transformer method whose loop only calls ``block(hidden_states=...,
-  encoder_hidden_states=..., <every outer name the body reads>=...)``;
-* ``extra_method_sources``: other methods that read ``self.<list>[i].<attr>``, pointed at the
-  original blocks;
-* ``defining_globals``: where the names of a method's source resolve (the module that defines it,
-  a base class's module when it is inherited).
-
-Written by hand because no library folds loop work into blocks; the rewrite is plain ``ast``.
-"""
+"""Folding a transformer's block loop into its blocks: cache-dit runs a block list as one cached unit, so loop work
+besides the block call would run once per list. ``plan_fold`` reads the loop with ``ast``; the other functions give
+the loop body, the rewritten methods and the methods reading elements, as plain source."""
 
 from __future__ import annotations
 
@@ -52,19 +29,14 @@ class LoopFold:
     body_source: str = ""
     method: str = "forward"  # the method of the transformer that holds the loop
     element_methods: list[str] = field(default_factory=list)  # methods reading self.<path>[i].<attr>
-    # carried names besides the streams whose updates never read a block's output (a counter):
-    # their value at each block is computed before the loop, so skipped blocks cannot stall them
+    # carried names whose updates never read a block's output (a counter): precomputed per block
     control: list[str] = field(default_factory=list)
     # a zip loop's other lists: {loop variable: list path}; each folded block runs its partners too
     partners: dict[str, str] = field(default_factory=dict)
-    # the loop's own early exits ("break", "continue"): folded, the block's body returns its
-    # carried names there; after a ``break`` every later block returns them unchanged (``_loop_stop``)
     flow: list[str] = field(default_factory=list)
-    # block-call arguments that differ per block (``kv_cache[i]``, ``temb_per_block[i]``): only a
-    # fold hands each block its own
+    # block-call arguments that differ per block (``kv_cache[i]``)
     per_block_args: list[str] = field(default_factory=list)
-    # the same list's loops in other methods never run in the same call (modes): each folded too,
-    # with its own loop body; the rewritten method tells the block which one runs (``_loop_mode``)
+    # the same list's loops in other methods that never run in one call (``_loop_mode``)
     modes: list["LoopFold"] = field(default_factory=list)
 
     @property
@@ -77,9 +49,7 @@ class LoopFold:
         return "Pattern_0" if len(self.carried) == 2 else "Pattern_3"
 
     def input_keyword(self, name: str) -> str:
-        """The keyword an outer input travels under through the block call: its own name,
-        unless that is a stream role of the call (``hidden_states`` read by a loop that carries
-        another stream would repeat the keyword)."""
+        """The keyword an outer input travels under: its name, unless that is a stream role of the call."""
         roles = ["hidden_states", "encoder_hidden_states"][: len(self.carried)]
         return f"_loop_in_{name}" if name in roles else name
 
@@ -102,52 +72,37 @@ def _forward_function(cls, method: str = "forward") -> tuple[ast.FunctionDef, st
 
 
 def element_methods(cls, path: str) -> list[str]:
-    """The methods that read an attribute of an element of ``self.<path>`` outside its loop
-    (``self.<path>[i].attr``, or ``b.attr`` in a comprehension over the list)."""
+    """The methods that read an attribute of an element of ``self.<path>`` outside its loop."""
     from ..arch.loop_source import list_uses
 
     return sorted({e.split(":")[0] for e in list_uses(cls, [path])[path].element_attrs})
 
 
 def _names(node: ast.AST, ctx) -> list[str]:
-    out = []
-    for n in ast.walk(node):
-        if isinstance(n, ast.Name) and isinstance(n.ctx, ctx) and n.id not in out:
-            out.append(n.id)
-    return out
+    return list(dict.fromkeys(n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ctx)))
 
 
 def _first_events(stmts: list[ast.stmt]) -> dict[str, str]:
-    """For each name, whether the body first reads ("load") or writes ("store") it, in
-    evaluation order (an assignment's value before its targets; an if's test before its branches)."""
+    """For each name, whether the body first reads ("load") or writes ("store") it, in evaluation order."""
     events: dict[str, str] = {}
 
-    def note(node, kind_default=None):
+    def note(node):
         for n in ast.walk(node):
             if isinstance(n, ast.Name) and n.id not in events:
                 events[n.id] = "load" if isinstance(n.ctx, ast.Load) else "store"
 
     def visit(stmt):
-        if isinstance(stmt, ast.Assign):
-            note(stmt.value)
-            for t in stmt.targets:
-                note(t)
-        elif isinstance(stmt, ast.AugAssign):
-            note(stmt.value)
-            if isinstance(stmt.target, ast.Name) and stmt.target.id not in events:
-                events[stmt.target.id] = "load"
-            note(stmt.target)
-        elif isinstance(stmt, ast.AnnAssign):
+        if isinstance(stmt, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
             if stmt.value is not None:
                 note(stmt.value)
-            note(stmt.target)
-        elif isinstance(stmt, (ast.If, ast.While)):
-            note(stmt.test)
-            for s in stmt.body + stmt.orelse:
-                visit(s)
-        elif isinstance(stmt, ast.For):
-            note(stmt.iter)
-            note(stmt.target)
+            if isinstance(stmt, ast.AugAssign) and isinstance(stmt.target, ast.Name):
+                events.setdefault(stmt.target.id, "load")
+            for t in getattr(stmt, "targets", None) or [stmt.target]:
+                note(t)
+        elif isinstance(stmt, (ast.If, ast.While, ast.For)):
+            note(stmt.iter if isinstance(stmt, ast.For) else stmt.test)
+            if isinstance(stmt, ast.For):
+                note(stmt.target)
             for s in stmt.body + stmt.orelse:
                 visit(s)
         elif isinstance(stmt, ast.With):
@@ -244,12 +199,9 @@ def _the_loop(cls, fn: ast.FunctionDef, method: str, path: str) -> ast.For:
         flow = Flow(fn)
         if not all(flow.never_both(a, b) for i, a in enumerate(loops) for b in loops[i + 1:]):
             raise FoldError(f"{cls.__name__}.{method} loops over self.{path} {len(loops)} times")
-        # alternatives of one ``if`` (the gradient-checkpointing switch): fold the one that calls
-        # the block itself; the rewrite below reduces every one of them to the block call
+        # alternatives of one ``if`` (the gradient-checkpointing switch): fold the direct call
         direct = [lp for lp in loops if any(isinstance(c.func, ast.Name) for c in _block_calls(lp.body, _loop_list(lp)[1]))]
         if len({ast.dump(ast.Module(body=lp.body, type_ignores=[])) for lp in direct}) > 1:
-            # exclusive loops of one method doing different work (modes in one method): one fold
-            # would give every one of them the first one's body
             raise FoldError(f"{cls.__name__}.{method} loops over self.{path} {len(loops)} times, in alternatives "
                             f"with different loop bodies")
         loops = direct or loops
@@ -272,8 +224,7 @@ def _outer_names(fn: ast.FunctionDef, loop: ast.For) -> set[str]:
 
 
 def _control_slice(stmts: list[ast.stmt], control: set[str], tainted: set[str]) -> list[ast.stmt] | None:
-    """The statements of a loop body that update the ``control`` names (with the ``if`` tests
-    around them), or None when an update or its test reads a ``tainted`` name (a stream)."""
+    """The body's statements updating ``control`` (with their ``if`` tests); None if one reads ``tainted``."""
     out: list[ast.stmt] = []
     for st in stmts:
         if isinstance(st, (ast.Continue, ast.Break)):  # the loop's own exits: the updates after them are skipped
@@ -315,9 +266,7 @@ _PY_VALUE_METHODS = {"item": "a Python number (.item())", "tolist": "a list (.to
 
 
 def _python_value(expr: ast.AST, name: str) -> str | None:
-    """What ``expr`` evaluates to when that is certainly a Python value, not a tensor (a number,
-    a list, ...); None when it may be a tensor. ``name`` (the variable being assigned) on one side
-    of an operator takes the other side's kind (``k = k + int(...)``)."""
+    """What ``expr`` certainly evaluates to when not a tensor (``name`` takes the other operand's kind)."""
     if isinstance(expr, ast.Constant) and isinstance(expr.value, (bool, int, float, str)):
         return f"a {type(expr.value).__name__}"
     if isinstance(expr, (ast.List, ast.ListComp)):
@@ -345,11 +294,7 @@ def _python_value(expr: ast.AST, name: str) -> str | None:
 
 
 def _refuse_non_tensor_carried(loop: ast.For, path: str, carried: list[str]) -> None:
-    """A carried name besides the first stream whose update in the loop body is certainly not a
-    tensor (``level = float(x.mean())``, ``k = k + int(x.max() > 1)``, ``means = means + [...]``):
-    cache-dit carries the second name as the encoder stream of the folded block (a tensor it caches,
-    slices and calls ``.contiguous()`` on) and crashes; and since its update reads the blocks'
-    output, it cannot be computed before the loop like a counter. Raises ``FoldError`` naming it."""
+    """Raise ``FoldError`` for a second carried name whose update is certainly not a tensor."""
     for name in carried[1:]:
         for node in (n for s in loop.body for n in ast.walk(s)):
             if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
@@ -376,12 +321,7 @@ def loop_methods(cls, path: str) -> list[str]:
 
 
 def plan_fold(cls, path: str) -> LoopFold:
-    """Read the loop over ``self.<path>`` in ``cls.forward`` (or the helper method that has it).
-
-    One list looped in several methods that never run in the same call (modes: ``forward``
-    dispatching to ``_forward_train`` / ``_forward_cache`` / ...) is folded in each of them: the
-    first method's fold, the others' in ``modes`` (each its own loop body; all carry as many
-    streams, so the list has one forward pattern)."""
+    """Read the loop over ``self.<path>``; loops in other methods never run in one call go in ``modes``."""
     from ..arch.loop_source import list_uses
 
     methods = loop_methods(cls, path)
@@ -408,14 +348,8 @@ def _plan_fold_in(cls, path: str, method: str) -> LoopFold:
         raise FoldError(f"the loop over self.{path} never calls {block_var}(...)")
     call = calls[-1]
     outer_stores = _outer_names(fn, loop)
-    loaded, stored = [], []
-    for s in loop.body:
-        for n in _names(s, ast.Load):
-            if n not in loaded:
-                loaded.append(n)
-        for n in _names(s, ast.Store):
-            if n not in stored:
-                stored.append(n)
+    loaded = list(dict.fromkeys(n for s in loop.body for n in _names(s, ast.Load)))
+    stored = list(dict.fromkeys(n for s in loop.body for n in _names(s, ast.Store)))
     partners = loop_partners(loop)
     loop_vars = {block_var, index_var, *partners}
     first = _first_events(loop.body)
@@ -434,8 +368,7 @@ def _plan_fold_in(cls, path: str, method: str) -> LoopFold:
               and n not in control and n not in loop_vars and n != "self"]
     extra = [s for s in loop.body if not _is_checkpoint_branch(s) and not (
         isinstance(s, (ast.Assign, ast.Expr)) and any(c is call for c in ast.walk(s)))]
-    # arguments that differ per block: they read the loop index, the block, a partner or a name the
-    # body assigns (a cached unit is called once, with the first block's values)
+    # arguments that differ per block: they read a loop variable or a name the body assigns
     local = (loop_vars - {None}) | (set(stored) - set(carried))
     per_block = [ast.unparse(a) for a in [*call.args, *(k.value for k in call.keywords)]
                  if set(_names(a, ast.Load)) & local]
@@ -447,8 +380,7 @@ def _plan_fold_in(cls, path: str, method: str) -> LoopFold:
 
 
 def _early_exits(loop: ast.For, path: str) -> list[str]:
-    """The loop's own ``continue`` / ``break`` (folded: the block's body returns early); a
-    ``return``, ``yield`` or ``for ... else`` cannot be folded (``FoldError``)."""
+    """The loop's own ``continue`` / ``break``; a ``return``, ``yield`` or ``for ... else`` raises ``FoldError``."""
     from ..arch.loop_source import FOLDABLE_FLOW, own_flow_nodes
 
     kinds = sorted({type(n).__name__.lower() for n in own_flow_nodes(loop.body)} | ({"for-else"} if loop.orelse else set()))
@@ -484,19 +416,13 @@ class _OriginalList(ast.NodeTransformer):
 
 
 def loop_body_source(fold: LoopFold, folded_paths=()) -> str:
-    """``def loop_body(owner, index, block, <carried>, *, <inputs>=None, _original_list=None, ...)``:
-    the whole loop body for one block, ``self`` renamed ``owner``, returning the carried names.
-
-    ``folded_paths``: every list folded with it. The body's reads of another folded list
-    (``len(self.<other>)``, ``self.<other>[i].attr``) are pointed at that list's original blocks:
-    while cached, ``owner.<other>`` is cache-dit's stand-in (``len`` of one unit), as in the
-    rewritten method."""
+    """``def loop_body(owner, index, block, <carried>, *, ...)``: the loop body for one block."""
     body = ast.parse(fold.body_source).body
     others = _OriginalElements(set(folded_paths) - {fold.path})
     body = [_RenameSelf().visit(others.visit(_OriginalList(fold.path).visit(s))) for s in body]
     returned = f"return {', '.join(fold.carried)}"
     body = [_EarlyExit(returned).visit(s) for s in body]
-    args = ", ".join(["owner", "index", "block", *fold.carried] + [f"{n}=None" for n in fold.inputs[:0]])
+    args = ", ".join(["owner", "index", "block", *fold.carried])
     kw = "".join(f", {fold.input_keyword(n)}=None" for n in fold.inputs) + ", _original_list=None"
     kw += ", _loop_control=None" if fold.control else ""
     kw += ", _loop_stop=None" if "break" in fold.flow else ""
@@ -517,10 +443,7 @@ def loop_body_source(fold: LoopFold, folded_paths=()) -> str:
 
 
 class _EarlyExit(ast.NodeTransformer):
-    """The loop's own ``continue`` -> ``return <carried>`` (the rest of this block's body is
-    skipped, the next block starts from the names as they are); its own ``break`` -> the same
-    after ``_loop_stop[0] = True`` (every later block then returns at once). A loop nested in
-    the body keeps its own ``break`` / ``continue`` (its ``else`` clause's are the outer loop's)."""
+    """The loop's own ``continue`` / ``break`` -> ``return <carried>`` (``break`` sets ``_loop_stop``)."""
 
     def __init__(self, returned: str):
         self.returned = returned
@@ -549,9 +472,7 @@ def fold_methods(folds: list[LoopFold]) -> list[str]:
 
 
 class _OriginalElements(ast.NodeTransformer):
-    """``self.<path>[i]`` in the rewritten method -> the original block ``i``, kept by the functor
-    (while cached, ``self.<path>`` is cache-dit's one-unit stand-in; folded, it holds wrappers);
-    a comprehension that only reads each element's attributes iterates the original blocks."""
+    """Reads of ``self.<path>`` elements and length -> the original blocks the functor keeps."""
 
     def __init__(self, paths):
         self.paths = set(paths)
@@ -567,7 +488,7 @@ class _OriginalElements(ast.NodeTransformer):
         return node
 
     def _comprehension(self, node):
-        """``[b.attn.processor for b in self.<path>]`` (elements only read): over the original blocks."""
+        """A comprehension that only reads the elements: over the original blocks."""
         from ..arch.loop_source import comprehension_element_var, comprehension_reads_attributes
 
         self.generic_visit(node)
@@ -575,16 +496,13 @@ class _OriginalElements(ast.NodeTransformer):
             _, it = comprehension_element_var(gen)
             path = _self_attr(it) if it is not None else None
             if path in self.paths and comprehension_reads_attributes(node, gen):
-                if gen.iter is it:
-                    gen.iter = self._original(path)
-                else:  # enumerate(self.<path>)
-                    gen.iter.args[0] = self._original(path)
+                self._iterate_original(gen, it, path)
         return node
 
     visit_ListComp = visit_SetComp = visit_GeneratorExp = visit_DictComp = _comprehension
 
     def visit_Call(self, node):
-        """``len(self.<path>)``: the number of original blocks (the stand-in may hold fewer)."""
+        """``len(self.<path>)``: the number of original blocks."""
         self.generic_visit(node)
         if (isinstance(node.func, ast.Name) and node.func.id == "len" and len(node.args) == 1
                 and _self_attr(node.args[0]) in self.paths):
@@ -592,7 +510,7 @@ class _OriginalElements(ast.NodeTransformer):
         return node
 
     def visit_For(self, node):
-        """A ``for`` statement that only reads each element's attributes: over the original blocks."""
+        """A ``for`` that only reads each element's attributes: over the original blocks."""
         from ..arch.loop_source import comprehension_element_var, for_reads_attributes
 
         reads = for_reads_attributes(node)  # before the body's own reads are rewritten
@@ -600,16 +518,18 @@ class _OriginalElements(ast.NodeTransformer):
         _, it = comprehension_element_var(node)
         path = _self_attr(it) if it is not None else None
         if reads and path in self.paths:
-            if node.iter is it:
-                node.iter = self._original(path)
-            else:  # enumerate(self.<path>)
-                node.iter.args[0] = self._original(path)
+            self._iterate_original(node, it, path)
         return node
+
+    def _iterate_original(self, holder, it, path: str) -> None:
+        if holder.iter is it:
+            holder.iter = self._original(path)
+        else:  # enumerate(self.<path>)
+            holder.iter.args[0] = self._original(path)
 
 
 def _control_source(fold: LoopFold, k: int) -> str:
-    """A loop before the folded one that records the control names' values at each block and
-    leaves them at their final values (it runs only their stream-free updates)."""
+    """A loop before the folded one recording the control names' values at each block."""
     body = ast.parse(fold.body_source).body
     tainted = set(_names(ast.Module(body=body, type_ignores=[]), ast.Store)) - set(fold.control) | {fold.block_var}
     tainted |= set(fold.partners)
@@ -635,9 +555,7 @@ def _insert_before(fn: ast.AST, target: ast.stmt, stmts: list[ast.stmt]) -> None
 
 
 def rewritten_method_source(cls, folds: list[LoopFold], method: str | None = None) -> str:
-    """``method`` (by default the one method holding the folded loops), each of its folded loops
-    reduced to one call per block (docstring and decorators dropped). A list folded in several
-    mode methods passes ``_loop_mode=k``: the block runs the k-th loop body (``LoopFold.variants``)."""
+    """``method`` with each folded loop reduced to one block call per block (modes: ``_loop_mode``)."""
     methods = fold_methods(folds)
     if method is None:
         if len(methods) > 1:
@@ -675,17 +593,13 @@ def rewritten_method_source(cls, folds: list[LoopFold], method: str | None = Non
         _insert_before(fn, loop, ast.parse(src).body)
     fn = _OriginalElements([f.path for f in folds]).visit(fn)
     fn.name = method
-    if fn.body and isinstance(fn.body[0], ast.Expr) and isinstance(getattr(fn.body[0], "value", None), ast.Constant) \
-            and isinstance(fn.body[0].value.value, str):
-        fn.body = fn.body[1:]  # the docstring
+    if ast.get_docstring(fn, clean=False) is not None:
+        fn.body = fn.body[1:]
     return ast.unparse(ast.fix_missing_locations(fn)) + "\n"
 
 
-
-
 def extra_method_sources(cls, folds: list[LoopFold]) -> dict[str, str]:
-    """Each method besides the rewritten one that reads an attribute of a folded list's element,
-    rewritten to read it from the original block: {method name: source}."""
+    """Other methods reading a folded list's element attributes, pointed at the original blocks: {name: source}."""
     out = {}
     for name in sorted({m for f in folds for m in f.element_methods} - set(fold_methods(folds))):
         fn, _ = _forward_function(cls, name)
@@ -696,6 +610,5 @@ def extra_method_sources(cls, folds: list[LoopFold]) -> dict[str, str]:
 
 
 def defining_globals(cls, method: str) -> dict:
-    """The globals of the module that defines ``cls.<method>`` (a base class's module when the
-    method is inherited): the names its source reads resolve there."""
+    """The globals of the module defining ``cls.<method>`` (a base class's when inherited)."""
     return inspect.unwrap(getattr(cls, method)).__globals__

@@ -1,23 +1,6 @@
-"""The adapter module's text: one plain Python file, the file the cache stage runs and ships.
-
-``adapter_module_source(tcls, info, folds)`` writes, in the layout of cache-dit 1.5's own adapters
-(``caching/block_adapters/adapters.py``) and patch functors (``caching/patch_functors/``):
-
-- constants (``PIPELINE_CLASS``, ``TRANSFORMER_CLASS``, ``BLOCK_LISTS``, ``HAS_SEPARATE_CFG``,
-  ``DIFFUSERS_BLOCK_OUTPUTS``, ``FOLDED``);
-- when the loop is folded: each loop body as an ordinary ``def`` (one per mode method of a list
-  looped in several), the ``<Transformer><List>LoopBody`` module class that runs it for one block
-  (the mode's body by ``_loop_mode``), the rewritten transformer method(s) as ordinary ``def``s,
-  the ``PatchFunctor`` class (atomic, per instance) and ``unpatch``; no ``exec``, no source strings;
-- the registration function, decorated with ``BlockAdapterRegister.register("<PipelineClass>")``,
-  returning the ``BlockAdapter``.
-
-Names the model's code reads are imported from the module that *defines* each function being
-folded (a base class's module when the method is inherited), never from the transformer class's
-module by default; a name that collides with one the adapter module binds, or that two defining
-modules bind to different objects, is imported under an alias and renamed in that function.
-The file needs diffusers, cache-dit and the model's own code, never ditbook.
-"""
+"""The adapter module's text, one plain Python file in the layout of cache-dit's own adapters: constants, the folded
+loop bodies, rewritten methods and ``PatchFunctor`` when folded, and the registration function. The model's names are
+imported from where each folded function is defined; the file never needs ditbook."""
 
 from __future__ import annotations
 
@@ -54,8 +37,7 @@ def adapter_function_name(pipeline_class: str) -> str:
 
 
 def importable_module_name(name: str) -> tuple[str, str | None]:
-    """The name a plain interpreter imports module ``name`` by, and the folder that must be on
-    ``sys.path`` for it (None when the module is importable by its own name, e.g. diffusers')."""
+    """The name a plain interpreter imports module ``name`` by, and the folder it needs on ``sys.path``."""
     file = getattr(sys.modules.get(name), "__file__", None)
     if file is None:
         return name, None
@@ -66,8 +48,7 @@ def importable_module_name(name: str) -> tuple[str, str | None]:
 
 
 def free_names(tree: ast.AST) -> list[str]:
-    """Names a function reads that it never binds (parameters, stores, imports, comprehension
-    targets), in order of first use; globals or builtins of wherever it is defined."""
+    """Names a function reads but never binds, in order of first use."""
     bound, loaded = set(), []
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.Lambda, ast.AsyncFunctionDef)):
@@ -209,8 +190,7 @@ class CarriedNotTensor(TypeError):
 
 
 def _body_function_name(fold: LoopFold, variant: LoopFold) -> str:
-    """The loop body's ``def``: one per list, or one per mode method of a list looped in several
-    (named by the method; by its ``_loop_mode`` number where two methods' safe names collide)."""
+    """The loop body's ``def`` name: one per list, or per mode method (by ``_loop_mode`` number where names collide)."""
     base = f"_{safe_name(fold.path)}_loop_body"
     if not fold.modes:
         return base
@@ -220,8 +200,7 @@ def _body_function_name(fold: LoopFold, variant: LoopFold) -> str:
 
 
 def _loop_body_class(tcls, fold: LoopFold, fn_names: list[str]) -> str:
-    """The module class that runs one block of ``fold.path`` with the loop's work for it (with
-    several mode methods, the body of the one the rewritten method names by ``_loop_mode``)."""
+    """The module class running one block of ``fold.path`` with the loop's work."""
     if len(fn_names) > 1:
         fn_name, mode_kw = f"({', '.join(fn_names)})[_loop_mode]", ", _loop_mode=0"
     else:
@@ -277,7 +256,7 @@ def adapter_module_source(tcls, info, folds: list[LoopFold], version: str) -> st
 
 
 def _reserved(tcls, info, folds: list[LoopFold], functor: str) -> dict[str, object]:
-    """The names the adapter module binds itself (model names that collide are imported under an alias)."""
+    """The names the adapter module binds itself (colliding model names are imported under an alias)."""
     import cache_dit
     import torch
 

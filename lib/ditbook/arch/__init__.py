@@ -1,11 +1,7 @@
-"""Architecture facts: what a transformer is, read from its code and from a traced run — block
-lists, each block's call convention, forward patterns, loop work, attention facts (heads, KV
-heads, kind, masks, RoPE), the CFG style, and what diffusers and cache-dit already support for it.
-
-``inspect_pipeline(pipe, card, steps, size) -> ArchReport`` is the one entry: static inspection of
-the transformer (``static``), then one traced generation (``trace``). The inspect stage drives it
-and writes the facts (``inspect/arch.json``); every technique reads them (``ArchReport.load``),
-never the stage. Heavy imports (torch, diffusers) load on first use."""
+"""Architecture facts read from a transformer's code and a traced run: block lists, call conventions, forward patterns,
+loop work, attention facts, the CFG style and what diffusers and cache-dit already support. ``inspect_pipeline`` is
+the one entry (``static`` then ``trace``); the inspect stage writes ``inspect/arch.json`` and techniques read it
+(``ArchReport.load``)."""
 
 from __future__ import annotations
 

@@ -1,24 +1,7 @@
-"""Reading the transformer's block loops from its source: what happens between block calls.
-
-A cache wrapper replaces a whole ``for block in self.<list>:`` loop by one call that runs the
-blocks itself, so anything else the loop body does (controlnet residuals, skip connections,
-per-index embeddings, bookkeeping) is silently dropped unless a patch functor moves it into
-the blocks. This module finds the loops with ``ast`` and lists the other statements.
-
-Rules (documented in the plan, tested in tests/test_arch.py):
-
-* a loop is a ``for`` whose iterable mentions ``self.<path>`` of a block list (directly, via
-  ``enumerate``/``zip``/``range(len(...))``), in ``forward`` or a method it calls by name;
-* a statement that calls the loop variable (``block(...)``), or hands it to
-  ``self._gradient_checkpointing_func`` / ``checkpoint``, is the block call; an ``if`` whose
-  branches only hold block calls (the gradient-checkpointing switch) counts as one;
-* every other statement is loop work. It is *conditional* when it sits under an ``if`` that
-  tests a forward argument against ``None`` (``if controlnet_block_samples is not None``): off
-  unless the caller passes that argument. It is *active* otherwise, including under tests on
-  the loop index (``if layer > n // 2``): those run on some iterations of every call;
-* block-call arguments that use the loop index or names assigned inside the loop body are
-  per-index terms (active).
-"""
+"""Reading the transformer's block loops from its source: what happens between block calls (a cache wrapper replaces the
+whole loop). A loop is a ``for`` over ``self.<path>`` in ``forward`` or a method it calls; a statement calling the
+loop variable is the block call; every other statement is loop work, *conditional* under an ``if`` testing a forward
+argument against ``None``, else *active* (per-index block arguments too)."""
 
 from __future__ import annotations
 
@@ -77,10 +60,6 @@ def _attr_path(node: ast.AST) -> str | None:
 
 def _names(node: ast.AST) -> set[str]:
     return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
-
-
-def _loop_vars(target: ast.AST) -> set[str]:
-    return _names(target)
 
 
 def _calls_block(node: ast.AST, block_vars: set[str]) -> bool:
@@ -166,8 +145,7 @@ class _LoopReader:
         return isinstance(v, ast.Name) and v.id in self.block_outputs
 
     def _passes_output_on(self, s: ast.stmt) -> bool:
-        """``x = out`` / ``x, c = out`` / ``img, txt = out["img"], out["txt"]``: the block's output
-        (a tuple's items, a returned dict's values) taken as is, no work."""
+        """``x = out`` / ``x, c = out`` / ``a, b = out[...], out[...]``: the block's output as is."""
         if not isinstance(s, ast.Assign):
             return False
         v = s.value
@@ -242,14 +220,12 @@ def read_loops(module, block_paths: list[str]) -> LoopSource:
             continue
         path = hit[0]
         out.loops[path] = start - 1 + node.lineno
-        loop_vars = _loop_vars(node.target)
+        loop_vars = _names(node.target)
         iter_text = ast.unparse(node.iter)
         if iter_text.startswith("enumerate(") and isinstance(node.target, ast.Tuple) and len(node.target.elts) == 2:
             index_vars, block_vars = _names(node.target.elts[0]), _names(node.target.elts[1])
         elif iter_text.startswith("range("):
-            index_vars, block_vars = loop_vars, set()
-            # ``for i in range(len(self.blocks)): self.blocks[i](...)``: the call is a subscript
-            block_vars = {f"__sub_{path}"}
+            index_vars, block_vars = loop_vars, {f"__sub_{path}"}  # the call is a subscript ``self.blocks[i]``
         else:
             index_vars, block_vars = set(), loop_vars
         reader = _LoopReader(start - 1, args, path, index_vars, block_vars)
@@ -268,8 +244,7 @@ def read_loops(module, block_paths: list[str]) -> LoopSource:
 
 @dataclass
 class ListUses:
-    """Every place the transformer's code touches ``self.<path>`` (forward and the methods it
-    calls as ``self.<method>(...)``, one level deep and then recursively)."""
+    """Every place the transformer's code (forward and the methods it calls, recursively) touches ``self.<path>``."""
 
     path: str
     loops: list[str] = field(default_factory=list)  # "forward:123" per plain for-loop over the list
@@ -277,20 +252,14 @@ class ListUses:
     other: list[str] = field(default_factory=list)  # "method:line: code" per other use
     in_body: list[str] = field(default_factory=list)  # uses inside the loop's own body (len, indexing)
     conditional: list[str] = field(default_factory=list)  # other uses only under a test of an optional argument
-    # break/continue/return/else of a loop over the list; break and continue (``FOLDABLE_FLOW``)
-    # are safe once the loop is folded (each block's body returns early): see ``early_exits``
     loop_flow: list[str] = field(default_factory=list)
     zipped_after: list[str] = field(default_factory=list)  # the list whose zip loop runs this one (not first)
-    # outside the loop, an attribute of one element read (``self.<list>[0].norm1.emb(...)``) or of
-    # each element in a comprehension (``[b.attn.processor for b in self.<list>]``), the element
-    # itself never called, or the list's length read (``len(self.<list>)``): safe when the code
-    # is pointed at the original blocks
+    # outside the loop: element attributes read, or the length; safe pointed at the original blocks
     element_attrs: list[str] = field(default_factory=list)
 
     @property
     def early_exits(self) -> list[str]:
-        """The loop's ``break`` / ``continue``: the loop must be folded (a cached unit runs every
-        block of its list; folded, the block's loop body returns early as the loop would)."""
+        """The loop's ``break`` / ``continue``: the loop must be folded."""
         return sorted({f for f in self.loop_flow if f in FOLDABLE_FLOW})
 
     def unsafe(self) -> str:
@@ -347,8 +316,7 @@ def _branches(fn: ast.AST) -> dict[int, list[tuple[int, str]]]:
 
 
 def _optional_guard(fn, ifs: dict, chain: list) -> str:
-    """The test of an enclosing ``if`` that reads a parameter defaulting to None or False (an
-    optional mode the caller must ask for), '' when there is none."""
+    """The test of an enclosing ``if`` reading a parameter defaulting to None or False; '' when none."""
     a = fn.args
     pos = a.posonlyargs + a.args
     defaults = dict(zip([x.arg for x in pos[len(pos) - len(a.defaults):]], a.defaults))
@@ -368,12 +336,7 @@ def exclusive_branches(branches: dict, a: ast.AST, b: ast.AST) -> bool:
 
 
 class Flow:
-    """Which two places of one function can both run in one call of it, read from its ``if`` /
-    ``return`` structure: never when they sit in different branches of one ``if``, or when the
-    earlier one is always followed by a ``return`` / ``raise`` before the later is reached
-    (``if a: return self._one(...)`` then ``return self._other(...)``: modes dispatched by early
-    returns). Conservative: a loop around both, a ``try``, a ``break`` / ``continue`` on the way
-    count as "may both run"."""
+    """Which two places of one function can both run in one call (conservative: loops, ``try`` count as may)."""
 
     def __init__(self, fn: ast.AST):
         self.fn = fn
@@ -430,9 +393,7 @@ class Flow:
 
 
 def _loop_iter_lists(it: ast.AST) -> list[ast.AST]:
-    """The ``self.<x>`` nodes a for-loop's iterable runs over one by one: ``self.x`` itself or
-    ``enumerate(self.x)``, or each list of ``zip(self.x, self.y)`` (all ``self`` attributes, one
-    element of each per step); anything else (``range(len(...))``) is not a plain loop."""
+    """The ``self.<x>`` nodes a for-loop iterates one by one (plain, ``enumerate``, ``zip``)."""
     if isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "enumerate" and len(it.args) == 1:
         it = it.args[0]
     if isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "zip" and it.args \
@@ -442,8 +403,7 @@ def _loop_iter_lists(it: ast.AST) -> list[ast.AST]:
 
 
 def _element_attribute(node: ast.AST, parents: dict) -> bool:
-    """``node`` (``self.<list>``) is indexed and an attribute of the element is read:
-    ``self.<list>[i].attr`` (the element itself is neither called nor iterated)."""
+    """``node`` (``self.<list>``) is indexed and an attribute of the element read: ``self.<list>[i].attr``."""
     sub = parents.get(id(node))
     if not (isinstance(sub, ast.Subscript) and sub.value is node and isinstance(sub.ctx, ast.Load)):
         return False
@@ -452,8 +412,7 @@ def _element_attribute(node: ast.AST, parents: dict) -> bool:
 
 
 def length_read(node: ast.AST, parents: dict) -> bool:
-    """``node`` (``self.<list>``) is only measured: ``len(self.<list>)`` reads how many blocks
-    there are, not the blocks (safe when the code is pointed at the original list)."""
+    """``node`` (``self.<list>``) is only measured: ``len(self.<list>)``."""
     call = parents.get(id(node))
     return (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "len"
             and len(call.args) == 1 and call.args[0] is node and not call.keywords)
@@ -463,8 +422,7 @@ _COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)
 
 
 def comprehension_element_var(gen) -> tuple[str | None, ast.AST | None]:
-    """(element name, the list node) of a generator (or ``for`` statement) ``for b in self.<list>``
-    or ``for i, b in enumerate(self.<list>)``; (None, None) for any other."""
+    """(element name, list node) of ``for b in self.<list>`` (or its ``enumerate``), else Nones."""
     it, target = gen.iter, gen.target
     if isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "enumerate" \
             and len(it.args) == 1 and not it.keywords:
@@ -477,8 +435,7 @@ def comprehension_element_var(gen) -> tuple[str | None, ast.AST | None]:
 
 
 def _only_attribute_reads(roots: list[ast.AST], var: str, skip: set[int]) -> bool:
-    """Every ``var`` under ``roots`` (but the ``skip`` nodes) is read as ``var.<attr>``: never
-    called, iterated, passed on whole or rebound."""
+    """Every ``var`` under ``roots`` (but ``skip``) is read as ``var.<attr>`` only."""
     parents = {id(c): n for root in roots for n in ast.walk(root) for c in ast.iter_child_nodes(n)}
     for n in (n for root in roots for n in ast.walk(root)):
         if not (isinstance(n, ast.Name) and n.id == var) or id(n) in skip:
@@ -491,9 +448,7 @@ def _only_attribute_reads(roots: list[ast.AST], var: str, skip: set[int]) -> boo
 
 
 def comprehension_reads_attributes(comp: ast.AST, gen: ast.comprehension) -> bool:
-    """In ``comp`` (a list/set/dict comprehension or generator expression), the element that
-    ``gen`` takes from ``self.<list>`` is only used to read its attributes (``b.attn.processor``,
-    ``b.norm1.emb(t)``): never called itself, iterated, passed on whole or rebound."""
+    """In ``comp``, the element ``gen`` takes from ``self.<list>`` is only used to read its attributes."""
     var, _ = comprehension_element_var(gen)
     if var is None or not isinstance(comp, _COMPREHENSIONS) or gen not in comp.generators:
         return False
@@ -505,8 +460,7 @@ def comprehension_reads_attributes(comp: ast.AST, gen: ast.comprehension) -> boo
 
 
 def for_reads_attributes(loop: ast.AST) -> bool:
-    """A ``for`` statement over ``self.<list>`` (or its ``enumerate``) that only reads attributes
-    of each element (never calls it: not a block loop), like the comprehensions above."""
+    """A ``for`` over ``self.<list>`` that only reads attributes of each element: not a block loop."""
     if not isinstance(loop, ast.For):
         return False
     var, _ = comprehension_element_var(loop)
@@ -514,9 +468,7 @@ def for_reads_attributes(loop: ast.AST) -> bool:
 
 
 def _comprehension_attribute(node: ast.AST, parents: dict) -> bool:
-    """``node`` (``self.<list>``) is what a comprehension's generator (or a ``for`` statement that
-    is not the block loop) iterates, and the element is only used to read its attributes
-    (``[b.attn.processor for b in self.<list>]``)."""
+    """``node`` is iterated by a comprehension or ``for`` that only reads element attributes."""
     up = parents.get(id(node))
     if isinstance(up, ast.Call):
         up = parents.get(id(up))
@@ -528,8 +480,7 @@ def _comprehension_attribute(node: ast.AST, parents: dict) -> bool:
 
 
 def _use_text(node: ast.AST, parent: ast.AST | None, parents: dict) -> str:
-    """The code of one use of ``node`` (``self.<list>``) for the record: its parent expression,
-    or the whole comprehension / the ``for`` header that iterates it."""
+    """The code of one use of ``node`` for the record: its parent expression, or the comprehension / ``for`` header."""
     gen = parent if isinstance(parent, (ast.comprehension, ast.For)) else parents.get(id(parent))
     if isinstance(gen, ast.comprehension):
         return ast.unparse(parents.get(id(gen), gen))
@@ -538,16 +489,8 @@ def _use_text(node: ast.AST, parent: ast.AST | None, parents: dict) -> str:
     return ast.unparse(parent if parent is not None else node)
 
 
-def _bucket(u: ListUses, in_body: bool, element_attr: bool) -> list[str]:
-    """The list of ``u`` a use belongs to: in the loop body, an element's attribute, or other."""
-    return u.in_body if in_body else u.element_attrs if element_attr else u.other
-
-
 def own_flow_nodes(stmts: list[ast.stmt]):
-    """The ``break`` / ``continue`` / ``return`` / ``yield`` nodes under ``stmts`` that act on the
-    loop whose body they are: not those of a loop nested in it (its body's ``break`` and
-    ``continue`` are its own; its ``else`` clause's act on the outer loop), nor of a function
-    or class defined in it."""
+    """The ``break`` / ``continue`` / ``return`` / ``yield`` nodes under ``stmts`` acting on their loop."""
     todo = list(stmts)
     while todo:
         node = todo.pop()
@@ -618,8 +561,10 @@ def list_uses(cls, paths: list[str]) -> dict[str, ListUses]:
             if getattr(node, "ctx", None).__class__ is ast.Store:
                 continue  # assignment in __init__-like helpers
             line = _use_text(node, parent, parents)
-            where = _bucket(uses[p], body_nodes.get(id(node)) == p, _element_attribute(node, parents)
-                            or _comprehension_attribute(node, parents) or length_read(node, parents))
+            element_attr = (_element_attribute(node, parents) or _comprehension_attribute(node, parents)
+                            or length_read(node, parents))
+            u = uses[p]
+            where = u.in_body if body_nodes.get(id(node)) == p else u.element_attrs if element_attr else u.other
             guard = _optional_guard(fn, ifs, branches.get(id(node), []))
             if where is uses[p].other and guard:
                 where = uses[p].conditional
@@ -646,9 +591,7 @@ def _record_loop(node: ast.For, where: str, uses: dict, loop_nodes: set, loops_b
 
 
 def _exclusive_methods(u: ListUses, sites: dict) -> None:
-    """Loops over one list in several methods (modes), each method called once, from places of
-    the same caller that never both run (different branches of one ``if``, or each followed by a
-    ``return``: ``Flow.never_both``): only one of them runs per call."""
+    """Loops over one list in several methods called from places that never both run: exclusive."""
     methods = [loop.split(":")[0] for loop in u.loops]
     if len(methods) < 2 or len(set(methods)) != len(methods) or u.exclusive:
         return

@@ -1,20 +1,6 @@
-"""Which cache-dit ``ForwardPattern`` a block list corresponds to, and why (or why none).
-
-cache-dit replaces a block loop by one module that calls every block itself, so what matters
-is how that module will call the blocks (read from ``cache_dit/caching/cache_blocks``):
-
-* Patterns 0, 1, 2 call ``block(hidden_states, encoder_hidden_states, *args, **kwargs)``: the
-  block's first two parameters must be ``hidden_states`` and ``encoder_hidden_states``, and the
-  transformer must hand both to the loop.
-* Patterns 3, 4, 5 call ``block(hidden_states, *args, **kwargs)`` and pass everything else
-  through unchanged: fine for blocks whose text stream is not updated by the blocks.
-* The block returns ``H`` (2, 3), ``(H, E)`` (0, 4) or ``(E, H)`` (1, 5).
-
-The rules here decide from the block's signature and, when traced, from the real outputs
-matched against the inputs by shape. Where several patterns fit, the preferred one follows
-cache-dit's own convention: a text stream that the block does not return is passed through
-(Pattern_3), unless ``encoder_hidden_states`` is a required second parameter (Pattern_2).
-"""
+"""Which cache-dit ``ForwardPattern`` a block list corresponds to, and why (or why none): Patterns 0-2 call
+``block(hidden_states, encoder_hidden_states, ...)``, 3-5 ``block(hidden_states, ...)``; the block returns ``H`` (2,
+3), ``(H, E)`` (0, 4) or ``(E, H)`` (1, 5)."""
 
 from __future__ import annotations
 
@@ -56,14 +42,7 @@ def forward_params(block) -> list[str]:
 
 def match_pattern(block, output_roles: list[str] | None, receives_encoder: bool | None,
                   renamed: dict | None = None) -> PatternMatch:
-    """Decide the pattern of one block.
-
-    ``output_roles``: the roles of the block's outputs in order (``hidden_states`` /
-    ``encoder_hidden_states`` / ``other``), from a trace or from diffusers' block metadata;
-    ``None`` when unknown. ``receives_encoder``: whether the transformer passes a text stream.
-    ``renamed``: {H: image parameter, E: text parameter or None} when the trace found the streams
-    under other names; the pattern is then the one the roles make, run through a renaming fold.
-    """
+    """Decide the pattern of one block (``renamed``: {H: image parameter, E: text parameter} from the trace)."""
     params = signature_params(block.forward)
     names = [p.name for p in params]
     note = ""
@@ -129,8 +108,7 @@ def _match_named(params: list, names: list[str], output_roles, receives_encoder)
 
 
 def static_output_roles(block) -> list[str] | None:
-    """Output roles without a trace: diffusers' block metadata when the class is registered,
-    else a bare ``-> torch.Tensor`` annotation means the image stream only."""
+    """Output roles without a trace: diffusers' block metadata, else a bare ``-> torch.Tensor`` means ``[H]``."""
     meta = diffusers_block_metadata(type(block))
     if meta is not None:
         roles: dict[int, str] = {}

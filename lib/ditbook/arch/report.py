@@ -1,8 +1,4 @@
-"""The architecture report: what the inspection stage found, read by every later stage.
-
-Plain dataclasses with ``to_dict``/``from_dict``; stored as ``inspect/arch.json`` in the run
-folder, so later stages never re-derive (or guess) these facts.
-"""
+"""The architecture report: plain dataclasses stored as ``inspect/arch.json``, read by every later stage."""
 
 from __future__ import annotations
 

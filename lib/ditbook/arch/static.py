@@ -1,25 +1,6 @@
-"""Static inspection: facts read from the module tree and the source, no weights, no forward.
-
-Works on a transformer built on the meta device, so a full-size config can be inspected in
-seconds. Rules (each one a small function below):
-
-* attention module: has query/key projections (``to_q``/``to_k``, ``q_proj``/``k_proj``,
-  ``wq``/``wk``, ``query``/``key``) or one fused projection (``to_qkv``, ``qkv``, ``qkv_proj``,
-  ``wqkv``), or is a ``torch.nn.MultiheadAttention``;
-* block list: an ``nn.ModuleList`` (not inside another block list) whose every element holds an
-  attention module below it; other lists (projections, norms, attention's ``to_out``) are
-  recorded as "not blocks";
-* heads / kv heads / head dim: the attention's ``heads``/``num_heads``/``n_heads`` and
-  ``kv_heads``/``num_kv_heads``/``n_kv_heads``/``num_key_value_heads`` and ``head_dim``/
-  ``dim_head`` attributes; missing ones from the projections' output widths;
-* joint attention: added text projections (``add_k_proj``/``added_kv_proj_dim``) or a fused
-  single stream (confirmed by the trace); cross attention: ``is_cross_attention`` or a key
-  projection whose input width differs from the query's;
-* RoPE: a submodule class or a block parameter whose name mentions rope/rotary/freqs;
-* modulation: per block when a block holds a Linear under a ``norm``/``ada``/``mod`` path
-  that widens to 2x or more of its input (an adaLN projection); shared when blocks only hold
-  a learned table (``scale_shift_table``) and the transformer computes the modulation once.
-"""
+"""Static inspection: facts read from the module tree and the source, no weights, no forward (works on the meta device):
+attention modules (by projection names or shapes), block lists (ModuleLists whose elements all hold attention),
+heads, attention kind, RoPE and modulation."""
 
 from __future__ import annotations
 
@@ -40,24 +21,12 @@ KV_HEAD_ATTRS = ("kv_heads", "num_kv_heads", "n_kv_heads", "num_key_value_heads"
 HEAD_DIM_ATTRS = ("head_dim", "dim_head", "attention_head_dim")
 
 
-def _linear_out(m) -> int | None:
-    return getattr(m, "out_features", None)
-
-
-def _linear_in(m) -> int | None:
-    return getattr(m, "in_features", None)
-
-
 def _linear_children(m: nn.Module) -> list[tuple[str, nn.Linear]]:
     return [(n, c) for n, c in m.named_children() if isinstance(c, nn.Linear)]
 
 
 def shaped_projections(m: nn.Module) -> dict:
-    """q/k/v recognised by shape, whatever their names: three or more direct Linear children
-    reading the same width where two of them (query and key) write the same width; or one
-    direct Linear writing three times its input width (a fused qkv) next to a Linear that
-    maps that width onto itself (the output projection; an MLP's down projection reads the wide one,
-    a gated MLP's gate writes it)."""
+    """q/k/v recognised by shape (three Linear of one input width), or a fused qkv next to its output."""
     lins = _linear_children(m)
     by_in: dict[int, list[nn.Linear]] = {}
     for _, lin in lins:
@@ -79,8 +48,7 @@ def shaped_projections(m: nn.Module) -> dict:
 
 
 def projections(m: nn.Module) -> dict:
-    """q/k/v (or fused) projection layers of an attention module, {} when it is none: by the
-    usual names first, then by shape (``shaped_projections``)."""
+    """q/k/v (or fused) projections of an attention module ({} when none): by name, then by shape."""
     for q, k, v in QK_NAMES:
         if isinstance(getattr(m, q, None), nn.Module) and isinstance(getattr(m, k, None), nn.Module):
             return {"q": getattr(m, q), "k": getattr(m, k), "v": getattr(m, v, None)}
@@ -101,14 +69,12 @@ def attention_modules(m: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def is_container(m: nn.Module) -> bool:
-    """A module that is never called itself (its class defines no ``forward``): a stage that
-    only holds block lists."""
+    """A module never called itself (its class defines no ``forward``): a stage holding block lists."""
     return type(m).forward is nn.Module.forward
 
 
 def is_block(m: nn.Module) -> bool:
-    """A module the forward calls that runs attention: attention below it, or attention
-    inlined in the module itself (its own q/k/v projections)."""
+    """A called module running attention: below it, or inlined (its own q/k/v projections)."""
     if is_container(m):
         return False
     return bool(attention_modules(m)) or (is_attention(m) and not isinstance(m, nn.MultiheadAttention)
@@ -138,8 +104,7 @@ def attention_shape(attn: nn.Module) -> dict:
     kv_heads = _first_attr(attn, KV_HEAD_ATTRS)
     head_dim = _first_attr(attn, HEAD_DIM_ATTRS)
     fused = "qkv" in proj or bool(getattr(attn, "fused_projections", False))
-    q_out = _linear_out(proj.get("q")) if "q" in proj else None
-    k_out = _linear_out(proj.get("k")) if "k" in proj else None
+    q_out, k_out = (getattr(proj.get(r), "out_features", None) for r in "qk")
     if head_dim is None and heads and q_out:
         head_dim = q_out // heads
     if heads is None and head_dim and q_out:
@@ -147,13 +112,14 @@ def attention_shape(attn: nn.Module) -> dict:
     if kv_heads is None and head_dim and k_out:
         kv_heads = k_out // head_dim
     if kv_heads is None and "qkv" in proj and heads and head_dim:
-        rest = _linear_out(proj["qkv"]) - heads * head_dim
+        rest = getattr(proj["qkv"], "out_features", None) - heads * head_dim
         kv_heads = rest // (2 * head_dim) if rest > 0 else heads
     joint = any(isinstance(getattr(attn, n, None), nn.Module) for n in ("add_k_proj", "add_kv_proj")) or (
         getattr(attn, "added_kv_proj_dim", None) is not None)
     cross = bool(getattr(attn, "is_cross_attention", False))
-    if not cross and "q" in proj and "k" in proj and _linear_in(proj["q"]) and _linear_in(proj["k"]):
-        cross = _linear_in(proj["q"]) != _linear_in(proj["k"])
+    q_in, k_in = (getattr(proj.get(r), "in_features", None) for r in "qk")
+    if not cross and q_in and k_in:
+        cross = q_in != k_in
     return {"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "fused": fused, "joint": joint, "cross": cross}
 
 
@@ -181,9 +147,7 @@ def find_block_lists(module: nn.Module) -> tuple[list[tuple[str, nn.ModuleList]]
 
 
 def candidate_lists(module: nn.Module, taken: list[str]) -> list[tuple[str, nn.ModuleList]]:
-    """ModuleLists the static rules did not take as blocks but whose elements are modules of their
-    own (not torch layers, not never-called containers): the trace takes those whose blocks make
-    an attention call as block lists (attention by the call, not by an attention module)."""
+    """ModuleLists of non-torch, non-container modules: block lists if the trace sees them call attention."""
     out: list[tuple[str, nn.ModuleList]] = []
     for name, m in module.named_modules():
         if not isinstance(m, nn.ModuleList) or not name or not len(m):
@@ -196,8 +160,7 @@ def candidate_lists(module: nn.Module, taken: list[str]) -> list[tuple[str, nn.M
 
 
 def add_block_lists(module: nn.Module, report: ArchReport, paths: list[str], why: str) -> None:
-    """Take the ModuleLists at ``paths`` as block lists too (found by the trace): their facts, the
-    loop facts and modulation again over every list, the 'not blocks' notes of them dropped."""
+    """Take the ModuleLists at ``paths`` as block lists too (found by the trace), redoing loop facts and modulation."""
     if not paths:
         return
     lists = [(p, module.get_submodule(p)) for p in paths]
@@ -212,15 +175,10 @@ def add_block_lists(module: nn.Module, report: ArchReport, paths: list[str], why
 
 
 def _rope(module: nn.Module, block_lists) -> bool:
-    for _, m in module.named_modules():
-        n = type(m).__name__.lower()
-        if "rope" in n or "rotary" in n:
-            return True
-    for _, lst in block_lists:
-        for p in forward_params(lst[0]):
-            if any(k in p.lower() for k in ("rotary", "rope", "freqs")):
-                return True
-    return False
+    if any("rope" in type(m).__name__.lower() or "rotary" in type(m).__name__.lower() for m in module.modules()):
+        return True
+    return any(k in p.lower() for _, lst in block_lists for p in forward_params(lst[0])
+               for k in ("rotary", "rope", "freqs"))
 
 
 def modulation(module: nn.Module, block_lists) -> tuple[str, str]:
@@ -312,13 +270,10 @@ def _block_list_facts(lists: list, total: int) -> list[BlockList]:
 
 
 def _attention_facts(module: nn.Module, lists: list) -> AttentionFacts:
-    """Heads, kind (joint/cross/self), fused qkv, rope and processors of the blocks' attention."""
+    """Heads, kind, fused qkv, rope and processors of the blocks' attention."""
     attention = AttentionFacts()
     main = max(lists, key=lambda pl: param_count(pl[1]), default=None)
-    shapes = []
-    for path, lst in lists:
-        for _, a in attention_modules(lst[0]):
-            shapes.append(attention_shape(a))
+    shapes = [attention_shape(a) for _, lst in lists for _, a in attention_modules(lst[0])]
     attention.attention_modules = sum(len(attention_modules(lst[0])) * len(lst) for _, lst in lists)
     if main is not None:
         first = attention_modules(main[1][0])

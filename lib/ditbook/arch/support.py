@@ -1,14 +1,6 @@
-"""What the libraries already support for a transformer class, asked of the libraries themselves.
-
-* cache-dit: ``BlockAdapterRegister`` (its predefined adapters, matched by cache-dit on class
-  name prefixes: the pipeline's name, or the transformer's for a transformer-only lookup), the
-  block lists and ForwardPatterns the adapter declares, its patch functor and separate-CFG flag;
-  the context- and tensor-parallel planners registered in ``cache_dit.distributed.transformers``.
-* diffusers: the class's ``_cp_plan`` / ``_tp_plan`` and whether each block class is in the
-  hooks' ``TransformerBlockRegistry`` (what FirstBlockCache / MagCache / TaylorSeer need).
-
-Each lookup is wrapped: a library version without the registry gives "unknown", not a crash.
-"""
+"""What the libraries already support for a transformer class, asked of the libraries themselves: cache-dit's registered
+adapter (block lists, patterns, patch functor, separate CFG) and CP / TP planners; diffusers' ``_cp_plan`` /
+``_tp_plan`` and ``TransformerBlockRegistry`` entries. A library without a registry gives "unknown", not a crash."""
 
 from __future__ import annotations
 
@@ -54,15 +46,11 @@ def _planner(kind: str, cls_name: str) -> str | None:
             (planners._activate_cp_planners if kind == "cp" else planners._activate_tp_planners)()
     except Exception:
         return None
-    for name in reg.supported_planners()[1]:
-        if cls_name.startswith(name):
-            return name
-    return None
+    return next((name for name in reg.supported_planners()[1] if cls_name.startswith(name)), None)
 
 
 def _paths_of(module: nn.Module, lists) -> list[str]:
-    """Attribute paths of cache-dit's block lists; a list it built by concatenating named lists
-    (Flux's dummy-blocks mode) is named ``a+b``."""
+    """Attribute paths of cache-dit's block lists; a list concatenated from named lists is ``a+b``."""
     named = {id(m): n for n, m in module.named_modules()}
     lists_by_first = {id(m[0]): (n, m) for n, m in module.named_modules() if isinstance(m, nn.ModuleList) and len(m)}
     out = []

@@ -1,23 +1,10 @@
-"""The traced pass: a real short generation with hooks on every block and on the transformer.
-
-What the hooks record on the first transformer call (the later ones are only counted):
-
-* per block call: which parameters arrived positionally and which as keywords, the tensors'
-  shapes, the outputs (matched to the image / text stream by shape, then by closeness);
-* stream continuity inside a list: block i+1 must receive block i's output (the same tensor or
-  equal values); anything else means the loop changed it in between;
-* non-stream arguments that are passed to some blocks only, or that take a new value per block,
-  and arguments that are an earlier block's output (skip connections);
-* masks in block arguments, in attention-kwargs dicts and at ``scaled_dot_product_attention``
-  (wrapped for the run only, restored after), with query/key head counts and lengths;
-* per pipeline: transformer calls, the scheduler's ``step`` calls (wrapped on the instance),
-  the batch of each call: separate CFG (2 calls per step), batched (batch 2), distilled (a
-  ``guidance`` argument) or none.
-"""
+"""The traced pass: a real short generation with hooks on every block and on the transformer, recording block call
+conventions, streams, loop work, masks, attention calls, and the CFG style."""
 
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Any, Callable
 
 import torch
@@ -45,9 +32,7 @@ def _same(a, b) -> bool:
 
 
 class AttentionCallMode(torch.overrides.TorchFunctionMode):
-    """Sees every ``scaled_dot_product_attention`` call made while it is active (the torch
-    function, whatever name the caller reached it by, including diffusers' attention dispatch,
-    which ends in it on the native backends) and reports query/key/mask to ``record``."""
+    """Reports query/key/mask of every ``scaled_dot_product_attention`` call to ``record``."""
 
     def __init__(self, record):
         super().__init__()
@@ -138,10 +123,8 @@ class Tracer:
     def _record_attention(self, query, key, attn_mask=None, enable_gqa=False, via: str = "sdpa") -> None:
         if self.forwards == 1 and isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor):
             self.sdpa.append({"q": list(query.shape), "k": list(key.shape), "mask": attn_mask is not None,
-                              "enable_gqa": bool(enable_gqa), "via": via, "block": self._current_block()})
-
-    def _current_block(self):
-        return self._active[-1] if self._active else None
+                              "enable_gqa": bool(enable_gqa), "via": via,
+                              "block": self._active[-1] if self._active else None})
 
     def __enter__(self):
         self.handles.append(self.transformer.register_forward_pre_hook(self._t_pre, with_kwargs=True))
@@ -149,8 +132,7 @@ class Tracer:
             for i, block in enumerate(self.transformer.get_submodule(path)):
                 self.handles.append(block.register_forward_pre_hook(self._b_pre(path, i), with_kwargs=True))
                 self.handles.append(block.register_forward_hook(self._b_post, with_kwargs=True))
-        # attention calls are seen through a TorchFunctionMode for the traced call only: nothing
-        # in torch is rebound, so other threads and other code paths are never affected
+        # a TorchFunctionMode for the traced call only: nothing in torch is rebound
         self._mode = AttentionCallMode(self._record_attention)
         self._mode.__enter__()
         return self
@@ -174,8 +156,7 @@ def _flat_outputs(outputs: list) -> list:
 
 
 def stream_names(calls: list) -> list[str]:
-    """Parameters that carry a stream through the list, in the block's parameter order: each later
-    block receives there a value an earlier call returned (the data flow, whatever the names)."""
+    """Parameters through which a later block receives a value an earlier block returned."""
     names = []
     for prev, nxt in zip(calls, calls[1:]):
         outs = [o for o in _flat_outputs(prev.outputs) if isinstance(o, torch.Tensor)]
@@ -187,16 +168,10 @@ def stream_names(calls: list) -> list[str]:
 
 
 def _image_tokens(latent_shape: list[int] | None) -> int | None:
-    """Image tokens the latents make: their length when they come as tokens (B, N, C), else their
-    spatial size (B, C, [F,] H, W), which patches divide by a square."""
+    """Image tokens the latents make: N of (B, N, C) tokens, else the spatial size of (B, C, [F,] H, W)."""
     if not latent_shape or len(latent_shape) < 3:
         return None
-    if len(latent_shape) == 3:
-        return latent_shape[1]
-    n = 1
-    for d in latent_shape[2:]:
-        n *= d
-    return n
+    return latent_shape[1] if len(latent_shape) == 3 else math.prod(latent_shape[2:])
 
 
 def _is_image_stream(value, spatial: int | None, tokens: bool) -> bool:
@@ -209,9 +184,7 @@ def _is_image_stream(value, spatial: int | None, tokens: bool) -> bool:
 
 
 def image_text_names(calls: list, latent_shape: list[int] | None) -> tuple[str | None, str | None]:
-    """(image-stream, text-stream) parameter names of a list whose blocks do not name them
-    ``hidden_states``/``encoder_hidden_states``: of the traced streams, the image stream is the one
-    whose token count the latents make; a single stream is the image stream."""
+    """(image, text) stream parameter names; the image is the stream whose length the latents make."""
     first = calls[0]
     if H in first.bound:
         return H, (E if isinstance(first.bound.get(E), torch.Tensor) else None)
@@ -235,10 +208,8 @@ def _streams(call: _Call):
         return h, (e if isinstance(e, torch.Tensor) else None)
     h = call.bound.get(H)
     if h is None:  # the image stream under another name: the first tensor parameter
-        for name in getattr(call, "order", call.positional):
-            if isinstance(call.bound.get(name), torch.Tensor):
-                h = call.bound[name]
-                break
+        h = next((call.bound[n] for n in getattr(call, "order", call.positional)
+                  if isinstance(call.bound.get(n), torch.Tensor)), None)
     e = call.bound.get(E)
     return h, (e if isinstance(e, torch.Tensor) else None)
 
@@ -268,10 +239,7 @@ def _roles(call: _Call) -> list[str]:
 
 
 def _out(call: _Call, role: str):
-    for r, o in zip(_roles(call), _flat_outputs(call.outputs)):
-        if r == role:
-            return o
-    return None
+    return next((o for r, o in zip(_roles(call), _flat_outputs(call.outputs)) if r == role), None)
 
 
 def analyse_calls(tracer: Tracer, transformer: nn.Module, report: ArchReport) -> None:
@@ -281,8 +249,7 @@ def analyse_calls(tracer: Tracer, transformer: nn.Module, report: ArchReport) ->
         for o in call.outputs:
             if isinstance(o, torch.Tensor):
                 outputs_seen.setdefault(id(o), (call.path, call.index))
-    # the block call just before each one, across lists: the last block of one list feeding the
-    # first of the next (nested stages, double then single stream) is a chain, not a skip
+    # the block call just before each one, across lists: a chain, not a skip
     previous = {id(c): (p.path, p.index) for p, c in zip(tracer.calls, tracer.calls[1:])}
     reasons: list[str] = []
     masks: set[str] = {f"transformer.{m}" for m in tracer.transformer_masks}
@@ -317,7 +284,7 @@ def analyse_calls(tracer: Tracer, transformer: nn.Module, report: ArchReport) ->
                 report.attention.image_seq_len = int(h.shape[1])
             if e is not None and e.ndim == 3:
                 report.attention.text_seq_len = int(e.shape[1])
-    report.loop_extra_work_reasons = _dedupe(reasons + report.loop_extra_work_reasons)
+    report.loop_extra_work_reasons = list(dict.fromkeys(reasons + report.loop_extra_work_reasons))
     report.loop_extra_work = bool(report.loop_extra_work_reasons)
     _sdpa_facts(tracer, report.attention, masks)
     _rope_tensors(tracer, report)
@@ -325,8 +292,7 @@ def analyse_calls(tracer: Tracer, transformer: nn.Module, report: ArchReport) ->
 
 
 def _varying_arguments(path: str, calls: list, reasons: list, streams: set | None = None) -> list[str]:
-    """Block arguments (other than the streams: hidden_states, encoder_hidden_states and any
-    parameter that takes the previous block's output) missing from some calls or new per call."""
+    """Non-stream block arguments missing from some calls or new per call."""
     varying: list[str] = []
     names_all = set().union(*(set(c.bound) for c in calls))
     for name in sorted(names_all - {H, E} - (streams or set())):
@@ -344,8 +310,7 @@ def _varying_arguments(path: str, calls: list, reasons: list, streams: set | Non
 
 def _masks_and_skip_connections(path: str, calls: list, outputs_seen: dict, masks: set, reasons: list,
                                 previous: dict | None = None) -> None:
-    """Mask arguments the blocks receive, and arguments that are an earlier call's output (skips;
-    the output of the block call just before, ``previous[id(call)]``, is the chain, not a skip)."""
+    """Mask arguments, and arguments that are an earlier (not the preceding) call's output."""
     for c in calls:
         for name, v in c.bound.items():
             if "mask" in name and isinstance(v, torch.Tensor):
@@ -406,8 +371,7 @@ def _sdpa_facts(tracer: Tracer, att, masks: set) -> None:
 
 
 def _promote_attention_lists(tracer: Tracer, transformer: nn.Module, report: ArchReport, candidates: list[str]) -> None:
-    """Lists whose blocks made an attention call in the traced run are block lists, whatever their
-    attention is made of (a plain function calling scaled_dot_product_attention, no module)."""
+    """Lists whose blocks called attention in the traced run are block lists, whatever the attention is made of."""
     from .static import add_block_lists
 
     called = {s["block"][0] for s in tracer.sdpa if s.get("block")}
@@ -418,8 +382,7 @@ def _promote_attention_lists(tracer: Tracer, transformer: nn.Module, report: Arc
 
 
 def _position_table(v, lengths: set[int], head_dim: int) -> bool:
-    """A precomputed rotary table: a tensor (or a tuple of them, cos/sin) with an axis as long as
-    an attention's tokens and one of head_dim or head_dim / 2 entries after it."""
+    """A precomputed rotary table: an axis of an attention's length followed by one of head_dim (/ 2)."""
     if isinstance(v, (tuple, list)):
         return bool(v) and all(_position_table(x, lengths, head_dim) for x in v)
     if not isinstance(v, torch.Tensor) or v.ndim < 2 or not v.is_floating_point():
@@ -430,8 +393,7 @@ def _position_table(v, lengths: set[int], head_dim: int) -> bool:
 
 
 def _rope_tensors(tracer: Tracer, report: ArchReport) -> None:
-    """RoPE passed to the blocks as precomputed tensors (``pe``, ``(cos, sin)``): a non-stream block
-    argument, the same for every block, shaped as a per-token table of the traced attention."""
+    """RoPE passed to the blocks as a precomputed per-token table, the same for every block."""
     att = report.attention
     if att.rope or not tracer.sdpa or len(tracer.sdpa[0]["q"]) != 4:
         return
@@ -456,21 +418,9 @@ def _table_text(v) -> str:
     return f"tensor{_shape(v)}" if isinstance(v, torch.Tensor) else type(v).__name__
 
 
-def _dedupe(items: list[str]) -> list[str]:
-    seen, out = set(), []
-    for i in items:
-        if i not in seen:
-            seen.add(i)
-            out.append(i)
-    return out
-
-
 def trace_calls(transformer: nn.Module, run: Callable[[], Any], report: ArchReport | None = None,
                 scheduler=None, steps: int | None = None) -> ArchReport:
-    """Run ``run()`` with hooks on ``transformer`` and fold what it saw into ``report``
-    (a static report is made when none is given). ``scheduler``: its ``step`` calls are counted;
-    ``steps``: the denoising steps ``run()`` asks for, used when no scheduler step was seen (a
-    loop written without one, or in a function outside the pipeline)."""
+    """Run ``run()`` with hooks on ``transformer`` and fold what it saw into ``report``."""
     if report is None:
         from .static import inspect_transformer
 
@@ -519,8 +469,7 @@ def trace_calls(transformer: nn.Module, run: Callable[[], Any], report: ArchRepo
 
 
 def trace_pipeline(pipe, card, steps: int = 2, size: int | None = None, report: ArchReport | None = None) -> ArchReport:
-    """Static inspection plus a real ``steps``-step generation at ``size`` (default: the card's
-    size) with the card's first prompt and seed and its guidance settings."""
+    """Static inspection plus a real ``steps``-step generation with the card's first prompt and seed."""
     from ..render import render_one
 
     if report is None:
@@ -542,9 +491,7 @@ def trace_pipeline(pipe, card, steps: int = 2, size: int | None = None, report: 
 def cache_dit_separate_cfg(pipe) -> bool | None:
     try:
         from cache_dit.caching.block_adapters import BlockAdapterRegister
-    except Exception:
-        return None
-    try:
+
         return bool(BlockAdapterRegister.has_separate_cfg(pipe))
     except Exception:
         return None

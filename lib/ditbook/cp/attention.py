@@ -1,13 +1,8 @@
-"""The attention path: GQA timing (SDPA ``enable_gqa=True`` against K/V repeated to the query
-heads, and other dispatch backends present) and a run-time patch that routes a model's own
-``scaled_dot_product_attention`` calls through ``diffusers.models.attention_dispatch.dispatch_attention_fn``
-so that context parallelism (Ulysses all-to-all, Ring) reaches attention written outside diffusers.
-
-The patch is per instance: each attention module whose code calls SDPA gets its ``forward``
-wrapped (``ditbook.hooks``); only while that forward runs, and only in that thread, a
-``TorchFunctionMode`` sends its SDPA calls to the redirect. No torch function is rebound;
-nothing is changed on disk or on classes.
-"""
+"""The attention path: GQA timing (SDPA ``enable_gqa`` against K/V repeated to the query heads, and other backends), and
+a per-instance run-time patch routing a model's own ``scaled_dot_product_attention`` calls through diffusers'
+``dispatch_attention_fn`` so context parallelism reaches attention written outside diffusers: each calling module's
+``forward`` is wrapped (``ditbook.hooks``) to enter a ``TorchFunctionMode`` for that forward and thread only; no
+torch function is rebound."""
 
 from __future__ import annotations
 
@@ -54,11 +49,7 @@ def _sync(device: str) -> None:
 def time_gqa(heads: int, kv_heads: int, head_dim: int, seq_len: int, *, batch: int = 1,
              device: str = "cpu", dtype: str = "float32", repeats: int = 5, warmup: int = 2,
              backends: tuple[str, ...] = ()) -> GqaTiming:
-    """Median time of one attention call on these shapes, by path, on this device.
-
-    Paths: ``enable_gqa`` (SDPA's native grouped-query), ``repeat_interleave`` (K/V repeated to
-    the query heads, then plain SDPA), and ``dispatch:<backend>`` for each named diffusers backend.
-    """
+    """Median time of one attention call on these shapes, per path, on this device."""
     dt = getattr(torch, dtype)
     g = torch.Generator(device="cpu").manual_seed(0)
     q = torch.randn(batch, heads, seq_len, head_dim, generator=g, device="cpu").to(device=device, dtype=dt)
@@ -108,10 +99,6 @@ def time_gqa(heads: int, kv_heads: int, head_dim: int, seq_len: int, *, batch: i
     return out
 
 
-# ---------------------------------------------------------------------------------------------
-# routing a model's own SDPA calls through diffusers' dispatcher
-
-
 @dataclass
 class AttentionRoute:
     gqa_path: str = "enable_gqa"  # or "repeat_interleave"
@@ -119,10 +106,7 @@ class AttentionRoute:
     gqa_calls: int = 0
     cp_calls: int = 0
     modules: list[str] = field(default_factory=list)
-    # module-name prefixes (the block lists whose tokens a CP plan splits) whose SDPA calls go
-    # through the CP attention; None: every routed module. A module outside them (a text
-    # refiner, a pooling attention over the text) runs on whole sequences on every rank: an
-    # all-to-all there would mix unsplit sequences (set by ``cp.scope``)
+    # module-name prefixes whose SDPA calls go through CP attention (None: all; set by ``cp.scope``)
     cp_scope: list[str] | None = None
     wraps: WrapGroup = field(default_factory=lambda: WrapGroup(ROUTE_WRAP), repr=False, compare=False)
 
@@ -135,8 +119,7 @@ ROUTE_WRAP = "ditbook.attention-route"
 
 
 def _calls_sdpa(obj) -> bool:
-    """The class's own code calls SDPA: directly, or through a plain function of its module
-    (a reference implementation's ``attention(q, k, v, pe)``, no attention module around it)."""
+    """The class's own code calls SDPA, directly or through a plain function of its module."""
     try:
         src = inspect.getsource(type(obj))
     except (OSError, TypeError):
@@ -162,8 +145,7 @@ def _called_names(src: str) -> set[str]:
 
 
 def _function_calls_sdpa(fn, depth: int) -> bool:
-    """A plain Python function whose code (or that of the module functions it calls, ``depth``
-    levels down) calls ``scaled_dot_product_attention``."""
+    """A plain function whose code (or its module's functions it calls, ``depth`` levels down) calls SDPA."""
     import sys
 
     if not inspect.isfunction(fn) or depth < 0:
@@ -187,9 +169,7 @@ _PROC_CALLS_SDPA: dict = {}  # processor __call__ function -> whether its own co
 
 
 def _processor_calls_sdpa(module) -> bool:
-    """A processor whose ``__call__`` (as it is now: a planner may have replaced it) calls SDPA
-    itself and never a dispatch function (a model's custom processor, Mochi's): its calls must be
-    routed, even when it carries diffusers' ``_attention_backend`` attribute."""
+    """A processor whose ``__call__`` calls SDPA itself, never a dispatch function: to be routed."""
     proc = getattr(module, "processor", None)
     fn = getattr(type(proc), "__call__", None) if proc is not None else None
     if fn is None:
@@ -205,12 +185,7 @@ def _processor_calls_sdpa(module) -> bool:
 
 
 class SdpaRedirect(TorchFunctionMode):
-    """Within its dynamic extent (this thread only), calls of ``scaled_dot_product_attention``
-    under any name (``F.``, ``torch.nn.functional.``, a name imported from it) go to ``fn``.
-
-    Nothing is rebound: it is a ``torch.overrides.TorchFunctionMode``, which torch consults on
-    every torch function call while it is entered. While ``fn`` runs the mode is off (torch pops
-    a mode during its own handler), so ``fn`` and what it calls reach the real SDPA."""
+    """Within its extent (this thread only) SDPA calls go to ``fn``, which itself reaches the real SDPA."""
 
     def __init__(self, fn):
         super().__init__()
@@ -224,8 +199,7 @@ class SdpaRedirect(TorchFunctionMode):
 
 
 def _in_scope(name: str, scope: list[str] | None) -> bool:
-    """Whether a routed module's SDPA calls belong to the CP region ``scope`` (an outer caller that
-    contains the region cannot be told apart: it keeps the CP path)."""
+    """A routed module's SDPA calls belong to the CP region ``scope`` (or contain it)."""
     if scope is None:
         return True
     return any(name == p or name.startswith(p + ".") or p.startswith(name + ".") or name == "" for p in scope)
@@ -233,9 +207,7 @@ def _in_scope(name: str, scope: list[str] | None) -> bool:
 
 def _redirect(route: AttentionRoute, transformer, query, key, value, attn_mask=None, dropout_p=0.0,
               is_causal=False, scale=None, enable_gqa=False, _module: str = "", **extra):
-    """One routed SDPA call: GQA by ``route.gqa_path``; with a context-parallel config on the
-    transformer, through ``dispatch_attention_fn`` (the CP backend's own SDPA call is the real
-    one: the redirect mode is off while this runs)."""
+    """One routed SDPA call: GQA by ``route.gqa_path``; under CP through ``dispatch_attention_fn``."""
     route.calls += 1
     hq, hk = query.shape[-3], key.shape[-3]
     cfg = getattr(transformer, "_parallel_config", None)
@@ -244,8 +216,7 @@ def _redirect(route: AttentionRoute, transformer, query, key, value, attn_mask=N
         cp = None  # outside the split region: the whole sequence is on every rank
     if hk != hq:
         route.gqa_calls += 1
-        # under CP, cache-dit's templated Ulysses/Ring attention takes no GQA: K/V are
-        # repeated to the query heads before the all-to-all
+        # cache-dit's templated CP attention takes no GQA: repeat K/V first
         if route.gqa_path == "repeat_interleave" or cp is not None:
             key = key.repeat_interleave(hq // hk, dim=-3)
             value = value.repeat_interleave(hq // hk, dim=-3)
@@ -265,8 +236,7 @@ def _redirect(route: AttentionRoute, transformer, query, key, value, attn_mask=N
 
 
 def sdpa_callers(transformer) -> list[tuple[str, torch.nn.Module]]:
-    """The modules whose own code calls SDPA, outside diffusers' dispatch-aware processors; the
-    outermost only — a caller inside another caller is already inside its redirect's extent."""
+    """The outermost modules whose own code calls SDPA, outside diffusers' dispatch-aware processors."""
     found: list[tuple[str, torch.nn.Module]] = []
     for name, module in transformer.named_modules():
         if not (_processor_calls_sdpa(module) or (not _dispatch_aware(module) and _calls_sdpa(module))):
@@ -278,20 +248,11 @@ def sdpa_callers(transformer) -> list[tuple[str, torch.nn.Module]]:
 
 
 def route_attention(transformer, gqa_path: str = "enable_gqa") -> AttentionRoute:
-    """Wrap the forward of every attention module (outside diffusers' dispatch-aware processors)
-    that calls ``scaled_dot_product_attention`` so the call goes through ``dispatch_attention_fn``
-    with the model's context-parallel config (``transformer._parallel_config``, set when CP is
-    enabled), and GQA takes ``gqa_path``. Under CP, K/V are repeated to the query heads before the
-    all-to-all (the templated CP attention takes no GQA).
-
-    Per module: each wrap (``ditbook.hooks``) enters an ``SdpaRedirect`` for that forward only;
-    ``torch.nn.functional`` is never changed. All or nothing: a wrap that fails half-way takes the
-    earlier ones off. ``route.remove()`` undoes it."""
+    """Wrap every module calling SDPA itself so the call takes ``dispatch_attention_fn`` under CP."""
     route = AttentionRoute(gqa_path=gqa_path)
 
     def routed_as(name, module):
-        # chosen for its processor alone: re-checked per call, since a CP planner may replace the
-        # processor's __call__ by one that dispatches itself (routing it too would split twice)
+        # chosen for its processor alone: re-checked per call (a CP planner may replace its __call__)
         by_processor = _dispatch_aware(module) or not _calls_sdpa(module)
 
         def redirect(*args, **kwargs):

@@ -1,17 +1,6 @@
-"""Cache on top of context parallelism, with the skip decision agreed across ranks.
-
-Each rank of a CP group holds a different slice of the sequence, so a residual difference
-measured locally differs between ranks; if one rank skipped the remaining blocks while another
-ran them, the next collective would pair mismatched calls — a hang or corrupted output.
-cache-dit averages the difference over the world before deciding; ditbook adds an explicit
-agreement on the decision itself: a per-instance wrapper around the context manager's
-``can_cache`` all-reduces the boolean (MIN: skip only when every rank may skip) and counts the
-times a rank's local answer differed from the agreed one.
-
-With ditbook's own cache adapter (models cache-dit registers none for), cache-dit runs each
-block list as one cached unit that compares what enters the list with what leaves it, so a CP
-split planned at a list's first block moves onto that unit (``split_at_cached_units``).
-"""
+"""Cache on top of context parallelism: ``agree_cache_decisions`` all-reduces cache-dit's ``can_cache`` so every rank
+skips together (a lone skip would pair mismatched collectives), and ``split_at_cached_units`` moves a split at a
+list's first block onto cache-dit's cached unit of that list."""
 
 from __future__ import annotations
 
@@ -21,7 +10,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
 
 
 @dataclass
@@ -40,17 +28,14 @@ class CacheAgreement:
 
 
 def static_schedule(mask) -> dict:
-    """``parallel.cache`` options of a static cache schedule: ``mask`` (1 = computed step, one entry
-    per step) decides alone which steps compute; the others reuse the cache (cache-dit's
-    ``steps_computation_policy="static"``). Such a schedule can ride with ``+graph``."""
+    """``parallel.cache`` options of a static schedule (``mask``: 1 = computed step)."""
     mask = [int(m) for m in mask]
     return {"steps_computation_mask": mask, "steps_computation_policy": "static", "num_inference_steps": len(mask),
             "max_warmup_steps": 0}
 
 
 def _collective_device(group=None) -> torch.device:
-    """Where a tensor for a collective on ``group`` must live: the current CUDA device for NCCL
-    (whatever the cached call's first argument was), the CPU otherwise."""
+    """The current CUDA device for NCCL, else the CPU."""
     if dist.is_initialized() and dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -86,13 +71,7 @@ class CacheSplitError(RuntimeError):
 
 
 def cached_block_units(transformer) -> dict[str, torch.nn.Module]:
-    """cache-dit's cached units of this transformer, by block-list name.
-
-    cache-dit swaps each block list for a one-element list holding its cached unit only while the
-    transformer's forward runs (``unittest.mock``), so the unit is not a submodule the rest of
-    the time; it is reached through the forward cache-dit installed on this instance (the
-    closures of ``mock_transformer``'s ``new_forward``). Raises ``CacheSplitError`` when the
-    layout is not the one expected (a cache-dit version that keeps them elsewhere)."""
+    """cache-dit's cached units by block-list name, found in the closures of its installed forward."""
     seen, found = set(), {}
 
     def walk(fn, depth):
@@ -122,16 +101,13 @@ def cached_block_units(transformer) -> dict[str, torch.nn.Module]:
             if callable(v):
                 walk(v, depth + 1)
             elif not isinstance(v, torch.nn.Module):
-                # a hook registry's reference to the forward it wraps (diffusers' HookFunctionReference,
-                # installed by the context-parallel hooks over cache-dit's forward)
+                # a hook registry's reference to the forward it wraps (diffusers' HookFunctionReference)
                 for attr in ("forward", "original_forward"):
                     inner_fn = getattr(v, attr, None)
                     if callable(inner_fn) and not isinstance(inner_fn, torch.nn.Module):
                         walk(inner_fn, depth + 1)
 
-    # the modules cache-dit was handed: the transformer, a network it holds (``adapter.build``'s owner,
-    # whose lists are named in it) or the stand-in owners of never-called containers; names by the
-    # transformer's paths
+    # the modules cache-dit was handed: the transformer, a network it holds, or stand-in container owners
     paths = {id(m): n for n, m in transformer.named_modules()}
     roots = [("", transformer)] + [(n, m) for n, m in transformer.named_modules()
                                    if n and "forward" in m.__dict__ and getattr(m, "_is_cached", False)]
@@ -148,12 +124,7 @@ def cached_block_units(transformer) -> dict[str, torch.nn.Module]:
 
 
 def split_at_cached_units(transformer, plan: dict, facts: dict) -> tuple[dict, dict[str, torch.nn.Module], dict]:
-    """Move a plan's splits at a block list's first block (``<list>.0``) onto cache-dit's cached
-    unit of that list, whose forward takes ``(hidden_states, encoder_hidden_states, ...)``.
-
-    With a cache, the cached unit compares what enters the block list with what leaves it; a split
-    inside the first block would make those two of different lengths. Returns (the rest of the
-    plan, unit by list, unit plan by list)."""
+    """Move splits at ``<list>.0`` onto cache-dit's cached unit of that list: (rest, units, unit plans)."""
     units = None
     rest, unit_plans = {}, {}
     roles = {facts.get("image_input"): "hidden_states", facts.get("text_input"): "encoder_hidden_states"}

@@ -1,37 +1,7 @@
-"""Checks of a context-parallel plan before any process is launched.
-
-A plan splits the image (and joint text) tokens; everything else a block receives must agree
-with that split, or the ranks crash (a RoPE table of the full length against a shard of the
-tokens) or compute the wrong thing. Three checks, all in one process, all by mechanism:
-
-1. ``check_grid_reshape``: a block that takes the token grid as integer arguments (height,
-   width, frames whose product is the full token count) and reshapes the token axis into it in
-   its own code (``unflatten``/``view``/``reshape``/``rearrange``) cannot run on a shard of the
-   tokens: the plan would have to split the grid's leading axis and pass each shard's height,
-   which a ``ContextParallelInput`` cannot do. Refused with the names of the arguments.
-2. ``dry_run``: the plan's splits and gathers applied on one process, as rank 0 of ``degree``
-   ranks would see them (a split keeps shard 0, a gather repeats the shard ``degree`` times),
-   with the attention inside the split blocks given ``degree`` times the keys and values, as the
-   Ulysses all-to-all gives them. It records what the first block of every block list receives
-   and names the module where the forward fails.
-   The same run probes which attention calls run as CP attention: each dispatch-aware processor
-   inside the split lists holds a ``_ConfigProbe`` as its CP config (as cache-dit gives it the
-   real one); a call whose code uses it is CP attention, one that passes no config (diffusers'
-   Wan processor for its cross attention) runs locally on each rank's tokens.
-3. ``check_token_axes``: every tensor a block of a split list receives that has an axis (not
-   its last, feature axis) as long as a full token count (image tokens; with joint attention
-   text, and text + image) must have that axis divided by ``degree`` in the dry run.
-4. ``check_parity``: every rank simulated in one process (``simulate_ranks``: a thread per rank,
-   each applying its own shards; CP attention takes every rank's keys and values in rank order,
-   as the Ulysses all-to-all gives them; the calls found local stay local; gathers concatenate
-   every rank's output), and each rank's output compared with the plain forward's. A plan whose
-   splits are right but whose result is not (keys of tokens every rank holds whole joined to
-   split keys inside a CP attention: counted ``degree`` times; split keys given to an attention
-   that runs locally) is refused with where the ranks first part from one process and why.
-
-diffusers' and cache-dit's split hooks are the ones the real run uses; this module re-enacts
-what they do by hand (no library offers a one-process CP simulation).
-"""
+"""Checks of a context-parallel plan before any process is launched, all in one process, by mechanism:
+``check_grid_reshape`` (blocks reshaping tokens into the full grid), ``dry_run`` (the plan re-enacted for rank 0,
+probing which attention runs as CP), ``check_token_axes`` (every full-length token axis split) and ``check_parity``
+(every rank simulated as a thread must give the plain forward's output). No library offers such a simulation."""
 
 from __future__ import annotations
 
@@ -72,8 +42,7 @@ class DryRunError(PlanCheckError):
 
 
 class ParityError(PlanCheckError):
-    """Simulated in one process, every rank running the plan, the output differs from the plain
-    forward: the plan splits something that the forward combines with unsplit tokens."""
+    """The simulated ranks' output differs from the plain forward's."""
 
 
 class CausalAttentionUnderSplit(ValueError):
@@ -81,17 +50,8 @@ class CausalAttentionUnderSplit(ValueError):
 
 
 class DryRunUnavailable(RuntimeError):
-    """The forward under the plan cannot run in one process (it calls ``torch.distributed``): the
-    dry run says nothing, the launch decides."""
+    """The forward under the plan calls ``torch.distributed``: the dry run says nothing, the launch decides."""
 
-
-def _needs_process_group(exc: BaseException) -> bool:
-    frames = [f.filename.replace("\\", "/") for f in traceback.extract_tb(exc.__traceback__)]
-    return any("torch/distributed" in f for f in frames)
-
-
-# ---------------------------------------------------------------------------------------------
-# 1. blocks that reshape tokens into the grid
 
 _RESHAPES = {"unflatten", "view", "reshape", "rearrange"}
 
@@ -116,8 +76,7 @@ def _reshape_names(fn) -> set[str]:
 
 
 def check_grid_reshape(transformer, tr: ForwardTrace, streams: Streams) -> None:
-    """Raise ``GridReshapeError`` when the first block of a split list takes integer arguments
-    whose product is its full token count and reshapes with them in its forward."""
+    """Raise ``GridReshapeError`` when a split list's blocks reshape tokens into the full grid."""
     for lname in streams.lists:
         lt = tr.lists[lname]
         image = streams.image if lname == streams.lists[0] else None
@@ -146,10 +105,6 @@ def check_grid_reshape(transformer, tr: ForwardTrace, streams: Streams) -> None:
                         f"cannot do")
 
 
-# ---------------------------------------------------------------------------------------------
-# 2. the dry run, and the simulation of every rank
-
-
 @dataclass
 class DryRun:
     inputs: dict[str, dict[str, list[list[int]]]] = field(default_factory=dict)  # list -> param -> shapes
@@ -159,8 +114,7 @@ class DryRun:
     sdpa_calls: int = 0  # attention calls inside the split blocks
     keys: dict[str, dict] = field(default_factory=dict)  # attention module -> rank 0's first SDPA call there
     output_shape: list[int] | None = None  # the transformer's main output after the plan's gathers
-    # (attention module, its call index) -> index of its first SDPA call that runs as CP attention
-    # (None: every SDPA call of that module call runs locally on each rank's tokens)
+    # (attention module, call index) -> index of its first CP SDPA call (None: all run locally)
     cp_calls: dict[tuple[str, int], int | None] = field(default_factory=dict)
 
     def inputs_seen_uneven(self, where: str) -> bool:
@@ -197,8 +151,7 @@ class _PeerGone(RuntimeError):
 
 
 class _Exchange:
-    """The collectives between simulated ranks (threads): ``all_gather(rank, value)`` returns
-    every rank's value of the same round, in rank order."""
+    """Collectives between simulated ranks (threads): ``all_gather`` in rank order."""
 
     def __init__(self, degree: int):
         self.degree = degree
@@ -231,9 +184,7 @@ class _Exchange:
 
 
 class _World:
-    """What the hooks of one dry run share: the degree, each thread's rank state, and the exchange
-    between simulated ranks (None: rank 0 alone, where a gather repeats its shard and CP attention
-    repeats its keys)."""
+    """What one dry run's hooks share: degree, per-thread rank state, the exchange (None: rank 0 alone)."""
 
     def __init__(self, degree: int, run: DryRun, exchange: _Exchange | None = None, uneven: bool = False):
         self.degree, self.run, self.exchange, self.uneven = degree, run, exchange, uneven
@@ -282,9 +233,7 @@ class _WouldRunCP(Exception):
 
 
 class _ConfigProbe:
-    """Set as an attention processor's CP config during the dry run: the processor passes it on
-    to the dispatch only for the calls it runs as CP attention (a processor may run its cross
-    attention locally), and the first use of it says so."""
+    """An attention processor's CP config during the dry run: the first use says the call runs as CP attention."""
 
     def __getattr__(self, name):
         raise _WouldRunCP(name)
@@ -297,10 +246,7 @@ _CONFIG_ATTRS = ("_parallel_config", "_cp_config")
 
 
 def _cp_processors(transformer, lists: list[str]) -> dict[str, object]:
-    """Attention modules inside the split lists whose processor decides per call whether to pass
-    the CP config to the attention dispatch (diffusers' dispatch-aware processors: cache-dit gives
-    each of them the config): name -> module. A processor whose own code calls SDPA is routed by
-    ditbook (``attention.route_attention``): every one of its calls is CP attention, no probe."""
+    """Attention modules in the split lists whose processor decides per call whether to run as CP."""
     from .attention import _processor_calls_sdpa
 
     out = {}
@@ -314,8 +260,7 @@ def _cp_processors(transformer, lists: list[str]) -> dict[str, object]:
 
 
 def _set_configs(proc, value) -> list:
-    """Set both CP config attributes of ``proc`` (as cache-dit's ``_enable_context_parallelism``
-    does); returns the handles that restore them (``ditbook.hooks.swap_attribute``)."""
+    """Set both CP config attributes of ``proc`` as cache-dit does; returns the restoring handles."""
     return [swap_attribute(proc, attr, value) for attr in _CONFIG_ATTRS]
 
 
@@ -325,10 +270,7 @@ def _restore_configs(proc, saved: list) -> None:
 
 
 def _attention_wrapper(world: _World, name: str, module, probe: bool):
-    """Wraps the forward of one CP-capable attention module. Probing (rank 0 alone): its processor
-    holds a ``_ConfigProbe``; a call that uses it is run again with the config taken away and its
-    SDPA calls from there on treated as CP attention; what each call did is kept in
-    ``run.cp_calls``. Simulating: each call follows what the probe found."""
+    """Wraps one CP-capable attention module: probing records which calls run as CP (``run.cp_calls``)."""
     def wrapper(original, *args, **kwargs):
         st = world.state()
         idx = st.counts.get(name, 0)
@@ -363,10 +305,7 @@ def _attention_wrapper(world: _World, name: str, module, probe: bool):
 
 
 class _RankAttention(TorchFunctionMode):
-    """SDPA inside a split block, as a rank sees it. CP attention (Ulysses): the rank's queries
-    against every rank's keys and values, in rank order (alone: its own ``degree`` times); local
-    attention (a processor that passes no CP config for this call): as it is. Elsewhere the real
-    SDPA."""
+    """SDPA inside a split block as a rank sees it (CP attention: every rank's keys and values)."""
 
     def __init__(self, world: _World):
         super().__init__()
@@ -409,8 +348,7 @@ class _RankAttention(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def _query_rows(self, n_local: int) -> tuple[int, int, int]:
-        """(first row, rows, all rows) of this rank's queries in the sequence the Ulysses all-to-all
-        gives every rank (the ranks' queries in rank order); alone: rank 0's, of ``degree`` times as many."""
+        """(first row, rows, all rows) of this rank's queries after the Ulysses all-to-all."""
         world = self.world
         if world.exchange is None:
             return 0, n_local, n_local * world.degree
@@ -419,13 +357,7 @@ class _RankAttention(TorchFunctionMode):
         return sum(lens[:rank]), n_local, sum(lens)
 
     def _mask_for_rank(self, mask, query, key):
-        """The mask as Ulysses attention applies it, cut to this rank's query rows. After the
-        all-to-all the attention holds every rank's queries and keys for a share of the heads; the
-        launch fits the mask to that (``cp_mask.fit_mask``): a heads axis of all the heads is cut to
-        the rank's share, query rows or keys of the rank's own tokens are gathered from every rank.
-        Here each rank computes its own queries with every head: a mask of all the heads stays, one
-        of every rank's query rows is cut to this rank's, one of its own rows stays, one of its own
-        keys is joined to the other ranks' (alone: repeated; the simulation checks values)."""
+        """The mask as Ulysses attention applies it (``cp.mask.fit_mask``), cut to this rank's rows."""
         if not torch.is_tensor(mask) or not torch.is_tensor(query) or not torch.is_tensor(key):
             return mask
         start, n, total = self._query_rows(query.shape[-2])
@@ -452,8 +384,7 @@ class _RankAttention(TorchFunctionMode):
         return mask
 
     def _gathered(self, x: torch.Tensor, keys_of: str | None) -> torch.Tensor:
-        """Every rank's ``x`` on the sequence axis; for keys, rank 0 notes how many of its key
-        positions hold the same values on every rank (tokens every rank holds whole)."""
+        """Every rank's ``x`` on the sequence axis; for keys rank 0 counts positions equal on all ranks."""
         world = self.world
         if world.exchange is None:
             return torch.cat([x] * world.degree, dim=-2)
@@ -479,7 +410,7 @@ def _modules_for(transformer, key: str) -> list:
 
 
 def _shard(x: torch.Tensor, cpi, where: str, world: _World) -> torch.Tensor:
-    """This rank's shard of ``x`` under one ``ContextParallelInput`` (a wrong rank count is skipped and noted)."""
+    """This rank's shard of ``x`` under one ``ContextParallelInput`` (a wrong dim count is skipped and noted)."""
     rank, degree, run = world.state().rank, world.degree, world.run
     if cpi.expected_dims is not None and x.dim() != cpi.expected_dims:
         if rank == 0:
@@ -500,8 +431,7 @@ def _shard(x: torch.Tensor, cpi, where: str, world: _World) -> torch.Tensor:
 
 
 def _split_hooks(key: str, spec: dict, module, world: _World):
-    """The (pre, post) hooks that re-enact one plan entry of splits: named inputs before the
-    call, indexed outputs (``split_output``) after it."""
+    """The (pre, post) hooks re-enacting one plan entry: named inputs before, ``split_output`` after."""
     try:
         params = list(inspect.signature(module.forward).parameters)
     except (TypeError, ValueError):
@@ -543,8 +473,7 @@ def _split_hooks(key: str, spec: dict, module, world: _World):
 
 
 def _tensor_outputs(out, where: str) -> None:
-    """cache-dit's split/gather hooks take a module output that is a tensor or a tuple/list of tensors
-    only (a block returning ``(tensor, None)`` raises in every rank): the dry run refuses it first."""
+    """Refuse a hooked output that is not a tensor or tuple of tensors, as cache-dit's hooks would fail."""
     if torch.is_tensor(out) or (isinstance(out, (list, tuple)) and all(torch.is_tensor(x) for x in out)):
         return
     kinds = [type(x).__name__ for x in out] if isinstance(out, (list, tuple)) else [type(out).__name__]
@@ -553,10 +482,7 @@ def _tensor_outputs(out, where: str) -> None:
 
 
 def _gather_hook(spec, world: _World):
-    """The post hook that re-enacts a gather: every rank's output concatenated (alone: the shard
-    repeated ``degree`` times). An output tuple with ``None`` entries and one spec per tensor: the
-    specs apply to its tensors in order (the launch's gather hooks do so too:
-    ``cp_uneven.gather_around_none``); other specs for it are refused as cache-dit refuses them."""
+    """The post hook re-enacting a gather; ``None`` outputs pass as in ``cp.uneven.gather_around_none``."""
     specs = [spec] if _is_output(spec) else list(spec)
 
     def post(m, a, out):
@@ -598,10 +524,7 @@ def _module_index(transformer, lists: list[str]) -> tuple[dict, dict, set]:
 
 def _hook_recorder(transformer, index: tuple[dict, dict, set], world: _World, handles: list,
                    outputs: dict | None = None, watch: set | None = None) -> None:
-    """Hooks on every module: the stack of running modules (to name where a failure happens), the
-    depth inside split blocks (for ``_RankAttention``), rank 0's inputs of each list's first block,
-    and with ``outputs`` each rank's outputs of the modules in ``watch`` (first call, in the order
-    they return: ``outputs[rank]`` is a list of (name, tensors))."""
+    """Hooks on every module: running stack, split depth, first-block inputs, ``watch`` outputs."""
     names, firsts, split_blocks = index
     run = world.run
 
@@ -629,27 +552,23 @@ def _hook_recorder(transformer, index: tuple[dict, dict, set], world: _World, ha
 
 
 def _dry_run_failure(exc: Exception, stack: list[str], run: DryRun) -> Exception:
-    """The error to raise for a forward that failed under the plan: ``DryRunUnavailable`` when it
-    needs a process group, else a ``DryRunError`` naming the module that failed."""
-    if _needs_process_group(exc):
+    """``DryRunUnavailable`` for a forward needing a process group, else a ``DryRunError`` naming the module."""
+    line = str(exc).splitlines()[0] if str(exc) else ""
+    if any("torch/distributed" in f.filename.replace("\\", "/") for f in traceback.extract_tb(exc.__traceback__)):
         return DryRunUnavailable(f"the forward under the plan needs a process group (a planner's patched "
-                                 f"forward talks to the other ranks): {type(exc).__name__}: "
-                                 f"{str(exc).splitlines()[0][:160] if str(exc) else ''}")
-    where = stack[-1] if stack else "<transformer>"
+                                 f"forward talks to the other ranks): {type(exc).__name__}: {line[:160]}")
+    where = (stack[-1] if stack else "") or "<transformer>"
     skipped = f" (splits not applied: {'; '.join(run.skipped)})" if run.skipped else ""
-    err = DryRunError(f"one-process dry run of the plan fails in '{where or '<transformer>'}': "
-                      f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}{skipped}")
-    err.run = run  # what the blocks had received until then
-    err.short = f"in '{where or '<transformer>'}': {type(exc).__name__}: " + \
-        (str(exc).splitlines()[0][:200] if str(exc) else "")
+    short = f"in '{where}': {type(exc).__name__}: {line[:200]}"
+    err = DryRunError(f"one-process dry run of the plan fails {short}{skipped}")
+    err.run, err.short = run, short  # what the blocks had received until then
     return err
 
 
 @contextlib.contextmanager
 def _plan_installed(transformer, plan: dict, world: _World, lists: list[str], probe: bool,
                     outputs: dict | None = None, watch: set | None = None):
-    """The plan's hooks, the recorder, the attention wrappers (and with ``probe`` the config
-    probes) and the stand-in CP config on ``transformer``; all removed on exit."""
+    """The plan's hooks, recorder, attention wrappers and stand-in CP config, removed on exit."""
     handles: list = []
     group = WrapGroup("ditbook-cp-dryrun")
     procs: list[tuple[object, dict]] = []
@@ -677,10 +596,7 @@ def _plan_installed(transformer, plan: dict, world: _World, lists: list[str], pr
 
 
 def dry_run(transformer, args, kwargs, plan: dict, degree: int, lists: list[str], uneven: bool = False) -> DryRun:
-    """Run the forward once with ``plan`` re-enacted for rank 0 of ``degree``; returns what the
-    first block of each list received and which attention calls run as CP attention. Raises
-    ``DryRunError`` naming the module that failed. ``uneven``: a split the degree does not divide
-    takes ``torch.tensor_split``'s shares (cache-dit's ``ulysses_anything``), else it is refused."""
+    """Run the forward once with ``plan`` re-enacted for rank 0 of ``degree``."""
     run = DryRun(allow_uneven=uneven)
     world = _World(degree, run, uneven=uneven)
     try:
@@ -704,10 +620,7 @@ def _os_threads() -> int | None:
 
 
 def _wait_os_threads(before: int | None, timeout: float = 5.0) -> None:
-    """Until the rank threads have really ended. ``Thread.join`` returns while the OS thread
-    still runs its exit (thread-local destructors of the math libraries, holding their locks); a
-    process forked in that moment (the CP launch forks the ranks right after this check) inherits
-    a held lock and its first matrix product waits on it for ever."""
+    """Until the rank threads have really ended: a fork during their exit hangs on held locks."""
     if before is None:
         return
     end = time.monotonic() + timeout
@@ -717,11 +630,7 @@ def _wait_os_threads(before: int | None, timeout: float = 5.0) -> None:
 
 def simulate_ranks(transformer, args, kwargs, plan: dict, degree: int, lists: list[str], cp_calls: dict,
                    watch: set | None = None, uneven: bool = False) -> tuple[list, dict, DryRun]:
-    """Every rank of ``plan`` in one process, one thread each: each applies its own splits, CP
-    attention takes every rank's keys and values, gathers concatenate every rank's output (as
-    the Ulysses all-to-all and all-gather do); attention calls that the probe of ``dry_run`` found
-    local (``cp_calls``) run on the rank's own tokens. Returns each rank's main output and, with
-    ``watch`` (module names), each rank's outputs of those modules."""
+    """Every rank of ``plan`` as one thread; returns each rank's output and its ``watch`` modules' outputs."""
     run = DryRun(cp_calls=dict(cp_calls), allow_uneven=uneven)
     world = _World(degree, run, _Exchange(degree), uneven=uneven)
     outputs: dict | None = {} if watch else None
@@ -734,8 +643,7 @@ def simulate_ranks(transformer, args, kwargs, plan: dict, degree: int, lists: li
     def rank_thread(rank: int) -> None:
         st = world.state()
         st.rank = rank
-        # the intra-op thread count is per thread: a new thread would take the default and use an
-        # OpenMP pool that a forked process inherited but cannot run (it hangs)
+        # per-thread intra-op count: the default would use an inherited OpenMP pool that hangs
         torch.set_num_threads(threads_per_rank)
         try:
             with torch.no_grad(), _RankAttention(world):
@@ -762,10 +670,6 @@ def simulate_ranks(transformer, args, kwargs, plan: dict, degree: int, lists: li
     return results, outputs or {}, run
 
 
-# ---------------------------------------------------------------------------------------------
-# 2b. the simulated ranks give the plain forward's output
-
-
 def _tolerance(t: torch.Tensor) -> float:
     return CP_DRYRUN_REL_TOL[0] if t.dtype in (torch.float32, torch.float64) else CP_DRYRUN_REL_TOL[1]
 
@@ -780,8 +684,7 @@ def _rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _whole(parts: list[torch.Tensor], shape) -> torch.Tensor | None:
-    """A module's output over the whole sequence from every rank's: rank 0's when it already has
-    the full shape, else the ranks' concatenated on the one axis they share out (equally or not)."""
+    """A module's whole-sequence output from every rank's (rank 0's, or joined on the split axis)."""
     first = parts[0]
     if list(first.shape) == list(shape):
         return first
@@ -805,7 +708,7 @@ def _watched(transformer, lists: list[str]) -> set[str]:
 
 
 def _reference_outputs(transformer, args, kwargs, watch: set[str]) -> list[tuple[str, list]]:
-    """The plain forward's outputs of the ``watch`` modules (first call, in the order they return)."""
+    """The plain forward's first outputs of the ``watch`` modules, in the order they return."""
     got: list = []
     handles = []
     for name, module in transformer.named_modules():
@@ -841,8 +744,7 @@ def _attention_note(name: str, keys: dict, degree: int) -> str:
 
 def _first_divergence(transformer, args, kwargs, plan: dict, degree: int, lists: list[str],
                       cp_calls: dict, uneven: bool = False) -> str:
-    """Where the simulated ranks first part from the plain forward, inside the first block of the
-    split lists (modules in the order they return); '' when they agree there."""
+    """Where the simulated ranks first part from the plain forward in the first blocks ('' if nowhere)."""
     watch = _watched(transformer, lists)
     ref = _reference_outputs(transformer, args, kwargs, watch)
     _, outs, run = simulate_ranks(transformer, args, kwargs, plan, degree, lists, cp_calls, watch=watch, uneven=uneven)
@@ -872,8 +774,7 @@ def _first_divergence(transformer, args, kwargs, plan: dict, degree: int, lists:
 
 @contextlib.contextmanager
 def _without_cp(transformer):
-    """The plain forward of a transformer whose forward a planner patched to read
-    ``self._cp_config`` (set only when CP is enabled): None while it runs."""
+    """``transformer._cp_config`` is None while the plain forward of a planner-patched transformer runs."""
     missing = "_cp_config" not in transformer.__dict__
     if missing:
         transformer.__dict__["_cp_config"] = None
@@ -886,9 +787,7 @@ def _without_cp(transformer):
 
 def check_parity(transformer, args, kwargs, plan: dict, degree: int, lists: list[str], run: DryRun,
                  reference: torch.Tensor | None = None) -> float | None:
-    """Run every rank of ``plan`` in one process (``simulate_ranks``) and compare each rank's
-    output with ``reference`` (else the plain forward's); raise ``ParityError`` naming where they
-    first part (also when the output holds no tensor to compare). Returns the largest relative error."""
+    """Raise ``ParityError`` unless every simulated rank gives ``reference``; returns the largest error."""
     ref = reference
     if ref is None:
         with torch.no_grad(), _without_cp(transformer):
@@ -911,14 +810,8 @@ def check_parity(transformer, args, kwargs, plan: dict, degree: int, lists: list
 _MISSING = object()
 
 
-# ---------------------------------------------------------------------------------------------
-# 3. every full-length token axis is split
-
-
 def token_counts(tr: ForwardTrace, streams: Streams, lname: str) -> set[int]:
-    """The full token counts a block of ``lname`` can see: image tokens and the list's own token
-    streams, and with joint attention the text and text + image (with cross attention the text
-    is whole on every rank: its length is not one of them)."""
+    """The full token counts a block of ``lname`` can see (joint attention: text and text + image too)."""
     out = {streams.s_img}
     own = expected_lengths(tr, streams).get(lname)
     if own:
@@ -929,8 +822,7 @@ def token_counts(tr: ForwardTrace, streams: Streams, lname: str) -> set[int]:
 
 
 def _unsplit_axis(shapes, after, counts, degree):
-    """(index, full shape, axis, shape under the plan) of the first full-length token axis the
-    plan left unsplit (rank 0 holds not its share: ``shard_sizes``), else None."""
+    """(index, full shape, axis, shape under the plan) of the first full-length token axis left unsplit, else None."""
     for i, s in enumerate(shapes):
         g = after[i] if after and i < len(after) else None
         axes = [axis for axis, n in enumerate(s[:-1]) if n in counts]  # never the last (feature) axis
@@ -943,8 +835,7 @@ def _unsplit_axis(shapes, after, counts, degree):
 
 
 def check_token_axes(tr: ForwardTrace, streams: Streams, run: DryRun, degree: int) -> dict:
-    """Raise ``TokenAxisError`` for the first block input of a split list with a full-length
-    token axis that the dry run did not divide by ``degree``. Returns {list: checked arguments}."""
+    """Raise ``TokenAxisError`` for a full-length token axis left unsplit; returns the checked arguments."""
     problems, checked = [], {}
     for lname in streams.lists:
         full, got = tr.lists[lname].inputs, run.inputs.get(lname)
@@ -978,9 +869,7 @@ def check_token_axes(tr: ForwardTrace, streams: Streams, run: DryRun, degree: in
 
 def verify_before_launch(transformer, args, kwargs, plan: dict, tr: ForwardTrace, streams: Streams,
                          degree: int, uneven: bool = False) -> dict:
-    """All three checks; returns a summary for the plan's facts (``uneven_splits``: the splits the
-    degree does not divide, simulated with ``tensor_split``'s shares when ``uneven``: the launch must
-    then enable cache-dit's ``ulysses_anything``). Raises a ``PlanCheckError``."""
+    """All checks; returns a summary for the plan's facts, raises a ``PlanCheckError``."""
     check_grid_reshape(transformer, tr, streams)
     try:
         run = dry_run(transformer, args, kwargs, plan, degree, streams.lists, uneven=uneven)

@@ -1,21 +1,8 @@
-"""Attention masks under Ulysses: fitted to what each rank's attention holds after the all-to-all.
-
-cache-dit's Ulysses attention passes the mask to the attention as it is, while the all-to-all gives
-every rank all the ranks' queries and keys (in rank order) for ``1/degree`` of the heads. A mask the
-model built for the attention as one rank sees it before the all-to-all does not fit:
-
-- a mask with a heads axis of all ``H`` heads (diffusers' ``prepare_attention_mask`` repeats a mask
-  per head): each rank keeps the heads the all-to-all gives it (rank ``r``: heads
-  ``[r*H/P, (r+1)*H/P)``, the all-to-all's head chunks in rank order);
-- a mask whose query rows (``dim -2``) or keys (``dim -1``) are the rank's own tokens (built from
-  its local sequence length): every rank's rows / keys, gathered in rank order (the order in which
-  the all-to-all joins the ranks' tokens); an axis of length 1 broadcasts and is left alone.
-
-``fit_mask`` does that for one call; ``install_mask_fit`` wraps cache-dit's native CP attention entry
-(``cache_dit.attention.backends.native._context_parallel_attention``, what the launch's "native"
-backend calls, through ``ditbook.hooks``) so every CP attention call of the process fits its mask
-first. Ulysses alone (no ring); the dry run (``cp_dryrun``) re-enacts the same rules.
-"""
+"""Attention masks under Ulysses, fitted to what each rank's attention holds after the all-to-all (every rank's queries
+and keys in rank order, for ``1/degree`` of the heads): a mask over all ``H`` heads keeps the rank's head chunk;
+query rows or keys of the rank's own tokens are gathered from every rank; a length-1 axis broadcasts. ``fit_mask``
+does it for one call; ``install_mask_fit`` wraps cache-dit's native CP attention entry so every call fits its mask
+first. Ulysses alone; ``cp.dryrun`` re-enacts the same rules."""
 
 from __future__ import annotations
 
@@ -37,9 +24,7 @@ def _gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 
 def fit_mask(mask, query: torch.Tensor, key: torch.Tensor, rank: int, degree: int, gather) -> torch.Tensor:
-    """``mask`` as the Ulysses attention of rank ``rank`` (of ``degree``) needs it. ``query`` and
-    ``key`` are the rank's own, before the all-to-all, in diffusers' ``[B, S, H, D]`` layout;
-    ``gather(x, dim)`` joins every rank's ``x`` along ``dim`` in rank order."""
+    """``mask`` as rank ``rank``'s Ulysses attention needs it (``query`` / ``key``: the rank's own)."""
     if not torch.is_tensor(mask) or mask.dim() < 2 or degree < 2:
         return mask
     s_q, heads, s_k = query.shape[1], query.shape[2], key.shape[1]
@@ -64,8 +49,7 @@ def _fitting(original, query, key, value, attn_mask=None, *args, **kwargs):
 
 
 def install_mask_fit(undo: WrapGroup | None = None):
-    """Wrap cache-dit's native CP attention entry so each call's mask is fitted (``fit_mask``);
-    returns the handle (kept in ``undo`` when given). Idempotent per process."""
+    """Wrap cache-dit's native CP attention entry to fit each mask; idempotent."""
     from cache_dit.attention.backends import native
 
     from ..hooks import is_wrapped, wrap_method

@@ -1,60 +1,8 @@
-"""Context-parallel plans in diffusers' ``_cp_plan`` format: registered ones where they exist,
-otherwise derived from a traced forward of the transformer; every plan is checked against the
-trace (``check_plan_sites``) and written out as code.
-
-A plan maps module names to ``ContextParallelInput`` (split an input, or with
-``split_output=True`` an output, along the sequence) and ``ContextParallelOutput`` (gather the
-sequence back). A plan is only useful if the blocks run on a shard of the sequence, so every
-split happens **before the first block** and the gather after the last one; what the blocks
-really received is measured on every run (``cp.sharding``).
-
-Derivation, in named steps (no model names anywhere):
-
-1. ``trace_forward``: one forward call, recording in call order every module outside the block
-   lists (shapes of what it takes and returns) and every block call of every block list (a
-   ``nn.ModuleList`` whose elements the forward calls, not inside a block of another list),
-   the integer arguments of each list's first block, and which modules took the transformer's
-   own inputs; then a second forward with the image input perturbed tells which lists *see
-   the image* (their first block's input changes).
-2. ``find_streams``: what enters the first block of each list — image tokens ``[B, S_img, D]``
-   (the input named like the image, else the first not named like text), text tokens
-   ``[B, S_txt, W]``, positional tables (tensors or tuples of tensors with an axis of length
-   ``S_img``), masks. The *main* lists (where the tokens are split) are the lists that see the
-   image — a later list may take text and image concatenated; a list that never sees it (a text
-   token refiner, a guidance MLP stack over a fixed table) stays whole on every rank, and so
-   does its attention (``cp_scope``). Without the probe: the lists with the longest image stream.
-3. split sites (``_split_token_streams``, ``_split_block_inputs``), all before the first block
-   of the first main list: each stream is split at the module that produced exactly that tensor
-   (called once, before the blocks; ``split_output``), else at the first block's input (or,
-   ``at_input``, at the transformer's own ``[B, S, C]`` input it is made from: tried when the
-   first variant fails the checks of step 6, e.g. the forward cuts the text off by the length of
-   its text input). Joint attention (the blocks update the text): the text is
-   split with the image, so each rank holds a matching slice of the joint sequence; cross
-   attention: the text stays whole on every rank (when that plan fails the checks of step 6 —
-   an attention that joins the text's keys to the image's inside a CP attention — plans
-   splitting the text with the image are tried). A stream split at a block (no module makes it)
-   is split at every block of its list when every block takes the very same tensor (the trace
-   compares the first and second block's arguments), else once where it enters; a later main
-   list that takes that same whole tensor gets it split where it enters too. Positional tables
-   are split on their image-length axis, at their producer or at every block of every main list
-   (``<list>.*``; a carried one once, at ``<list>.0``); a
-   table whose axis covers text and image together cannot be split in one piece (a rank holds
-   [text shard, image shard]): the transformer's separate text and image position inputs are
-   split instead (each rank then builds the table of its own tokens), or it is refused.
-4. gather (``_gather_site``): the first module called after the last block of the last main
-   list that takes and returns ``[B, S_img, ...]`` (the final norm, typically), gathered on
-   dim 1; everything after it runs on the whole sequence.
-5. ``check_plan_sites``: every split site of a plan — derived, registered or read from a file —
-   is a block or runs before the first block; a split at a module after the blocks, or a plan
-   that splits nothing, raises ``PlanSiteError``.
-6. before any launch (``resolve_cp_plan``, ``cp.dryrun``): blocks that reshape the
-   tokens into the full grid are refused; a one-process dry run of the plan shows what every
-   main list's blocks would receive, and every input with a full-length token axis must be
-   split with the tokens, the output must come back whole, and every rank simulated in one
-   process must give the plain forward's output — or the plan is refused with the argument, the
-   axis and the split (or where the simulated ranks part from one process) named (a registered
-   plan that fails is noted and a derived one tried).
-"""
+"""Context-parallel plans in diffusers' ``_cp_plan`` format: registered ones where they exist, else derived from a
+traced forward (no model names): 1. ``trace_forward`` records module and block calls and which lists see the image;
+2. ``find_streams`` finds the image / text tokens and tables of the main lists; 3. every split lands before the first
+block (producer, first block, or transformer input); 4. ``_gather_site`` after the last block; 5.
+``check_plan_sites``; 6. ``resolve_cp_plan`` keeps the first variant ``cp.dryrun`` passes."""
 
 from __future__ import annotations
 
@@ -81,15 +29,13 @@ class PlanDerivationError(RuntimeError):
 
 
 class PlanCheckError(PlanDerivationError):
-    """A plan that would crash or compute the wrong thing on the ranks, found before launch
-    (``cp.dryrun``). ``final``: no other plan can help (the model itself is the reason)."""
+    """A plan found before launch to crash or compute wrongly (``final``: no plan can help)."""
 
     final = False
 
 
 class PlanSiteError(PlanDerivationError):
-    """A plan splits at a module that runs after the blocks (or splits nothing): every rank would
-    run the blocks on the whole sequence."""
+    """A plan splits after the blocks (or splits nothing): every rank would run the whole sequence."""
 
 
 @dataclass
@@ -131,10 +77,7 @@ class RegisteredPlanError(RuntimeError):
 
 
 def registered_cp_plan(transformer, degree: int = 2) -> CPPlan | None:
-    """diffusers' class ``_cp_plan``, or cache-dit's registered planner called with this very
-    transformer (planners read its config: heads, RoPE, text length); None when neither exists.
-
-    A planner that exists but fails raises ``RegisteredPlanError`` (never a silent fallback)."""
+    """diffusers' ``_cp_plan`` or cache-dit's registered planner's plan; None when neither exists."""
     cls = type(transformer)
     plan = getattr(cls, "_cp_plan", None)
     if plan:
@@ -159,17 +102,12 @@ def registered_cp_plan(transformer, degree: int = 2) -> CPPlan | None:
     return CPPlan(dict(plan), f"cache-dit:{planner.__name__}")
 
 
-# ---------------------------------------------------------------------------------------------
-# capturing a real transformer call and tracing it
-
-
 class _Captured(Exception):
     pass
 
 
 def capture_transformer_call(pipe, card, **render_overrides) -> tuple[tuple, dict]:
-    """The (args, kwargs) of the transformer's first call in a real pipeline run (1 step, first
-    prompt and seed); the run stops right there."""
+    """The (args, kwargs) of the transformer's first call in a real pipeline run (stopped there)."""
     from ..render import call_kwargs, make_generator
 
     box: dict = {}
@@ -217,9 +155,7 @@ class ListTrace:
     sequences: set[str] = field(default_factory=set)  # parameters given as a tuple/list of tensors
     scalars: dict[str, int] = field(default_factory=dict)  # integer arguments (grid sizes, ...)
     sees_image: bool | None = None  # its input changes with the transformer's image input (None: not probed)
-    # arguments the second block receives as the very tensors the first one did (every block gets
-    # the same tensor, not the previous block's output); None: the list has no second block call
-    unchanged: set[str] | None = None
+    unchanged: set[str] | None = None  # arguments every block takes as the same tensor (None: one block call)
 
 
 @dataclass
@@ -233,7 +169,6 @@ class ForwardTrace:
     image_root: str | None = None  # which of them is the image (perturbed to find the lists that see it)
     consumers: dict[int, list[str]] = field(default_factory=dict)  # id(root input) -> modules that took it
     output_shape: list[int] | None = None  # of the transformer's main output
-    # the main output itself, before any planner patched the model (the simulated ranks' reference)
     output: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     def first_call(self, name: str) -> int | None:
@@ -287,17 +222,15 @@ def _hook_block(mod, lname: str, rec: _TraceState, index: int = 0) -> list:
 
 
 def _hook_module(mod, name: str, rec: _TraceState) -> list:
-    """Hooks on one module outside the blocks: its call, shapes in and out, which root inputs it
-    took, and (before any block) which tensors it made."""
+    """Hooks on one module outside the blocks: its call, shapes, root inputs taken, tensors made before any block."""
     def pre(m, a, kw, _n=name):
         rec.counts[_n] = rec.counts.get(_n, 0) + 1
         ins = []
         for v in list(a) + list(kw.values()):
             ins += [list(t.shape) for t in (_tensors(v) or [])]
-            if True:  # root inputs stay alive: their ids are unique for the whole call
-                for t in _tensors(v) or []:
-                    if id(t) in rec.root_set:
-                        rec.consumers.setdefault(id(t), []).append(_n)
+            for t in _tensors(v) or []:  # root inputs stay alive: their ids are unique for the whole call
+                if id(t) in rec.root_set:
+                    rec.consumers.setdefault(id(t), []).append(_n)
         rec.calls.append(ModuleCall(_n, rec.tick(), ins, None))
         m.__dict__.setdefault("_ditbook_trace_calls", []).append(rec.calls[-1])
 
@@ -312,8 +245,7 @@ def _hook_module(mod, name: str, rec: _TraceState) -> list:
 
 
 def _install_trace_hooks(transformer, lists, rec: _TraceState) -> list:
-    """Hooks on every named module: block hooks on the elements of the block lists, module hooks
-    on everything else."""
+    """Block hooks on the block lists' elements, module hooks on everything else."""
     element_of = {}
     for lname in lists:
         for i, blk in enumerate(transformer.get_submodule(lname)):
@@ -384,9 +316,7 @@ def trace_forward(transformer, args, kwargs) -> ForwardTrace:
 
 
 def _main_output(out) -> torch.Tensor | None:
-    """The transformer's main output: the tensor, or the first tensor of a tuple or ModelOutput,
-    looking into nested tuples/lists (a ModelOutput whose ``sample`` is a list of per-sample
-    tensors gives the first sample's)."""
+    """The transformer's main output: the tensor, else the first tensor in a tuple / ModelOutput."""
     if isinstance(out, torch.Tensor):
         return out
     if hasattr(out, "to_tuple"):
@@ -419,16 +349,13 @@ def _fingerprint(named: dict) -> dict[str, tuple]:
 
 
 def _image_root(transformer, root_named: dict) -> str | None:
-    """The transformer's image input: the floating tensor input named like the image (or
-    ``sample``), else its first floating tensor input."""
+    """The transformer's floating input named like the image, else its first floating input."""
     floats = [k for k, v in root_named.items() if isinstance(v, torch.Tensor) and v.is_floating_point()]
     return next((k for k in floats if _IMAGE_NAMES.match(k) or k == "sample"), floats[0] if floats else None)
 
 
 def perturbation_like(base: torch.Tensor, seed: int) -> torch.Tensor:
-    """Seeded noise of ``base``'s shape at its scale (std, at least 1), on ``base``'s device and in
-    its dtype: drawn from a CPU generator (the same numbers on every device) with the device named,
-    then moved, so no CPU tensor meets a CUDA one (issue 24)."""
+    """Seeded CPU noise of ``base``'s shape and scale, on ``base``'s device and dtype."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     noise = torch.randn(tuple(base.shape), generator=g, device="cpu", dtype=torch.float32)
     scale = float(base.detach().float().std().clamp_min(1.0)) if base.numel() > 1 else 1.0
@@ -436,27 +363,16 @@ def perturbation_like(base: torch.Tensor, seed: int) -> torch.Tensor:
 
 
 def _lists_that_see(transformer, args, kwargs, image_root: str | None, prints: dict) -> dict[str, bool] | None:
-    """Which block lists' first block input changes when the image input changes (one more
-    forward with the image input perturbed): a list that does not see the image (a text token
-    refiner, a guidance MLP stack over a fixed-length table) is not where the tokens are split."""
+    """Which block lists' first block input changes when the image input is perturbed (None: not probed)."""
     if image_root is None:
         return None
-    params = list(bind_inputs(transformer, args, kwargs))
-    args = list(args)
-    if image_root in kwargs:
-        base = kwargs[image_root]
-    else:
-        base = args[params.index(image_root)]
-    moved = base + perturbation_like(base, seed=1234)
-    kw = dict(kwargs)
-    if image_root in kw:
-        kw[image_root] = moved
-    else:
-        args[params.index(image_root)] = moved
+    args, kw = list(args), dict(kwargs)
+    at = kw if image_root in kw else args
+    key = image_root if at is kw else list(bind_inputs(transformer, args, kwargs)).index(image_root)
+    at[key] = at[key] + perturbation_like(at[key], seed=1234)
     seen: dict[str, dict] = {}
     handles = []
-    lists = block_lists(transformer)
-    for lname in lists:
+    for lname in block_lists(transformer):
         first = transformer.get_submodule(lname)[0]
 
         def bpre(m, a, k, _l=lname):
@@ -509,9 +425,7 @@ def _image_of(lt: ListTrace, tr: ForwardTrace | None = None) -> str | None:
         return named
     unnamed = [k for k in three if not _TEXT_NAMES.search(k)]
     if len(unnamed) > 1 and tr is not None:
-        # streams passed without names (``block(context, x)`` into ``forward(self, *args, **kwargs)``: SD3.5's
-        # joint blocks bind them as args[0], args[1]): the image stream is the one the first module
-        # after the list takes on (the final layer), not the first one passed
+        # unnamed streams (bound from *args as args[0], args[1]): the image is the one the module after the list takes
         after = next((c for c in tr.calls if c.order > lt.last_order
                       and any(three[k] in c.inputs for k in unnamed)), None)
         taken = [k for k in unnamed if after is not None and three[k] in after.inputs]
@@ -531,9 +445,7 @@ def find_streams(tr: ForwardTrace, attention_kind: str | None = None) -> Streams
         raise PlanDerivationError(f"no block list takes [batch, sequence, width] image tokens: {desc}")
     seeing = [n for n in tr.lists if n in lengths and tr.lists[n].sees_image]
     if seeing:
-        # every list whose input follows the image tokens: their blocks must all get a shard (a
-        # list may see text and image concatenated, longer than the first one's image stream)
-        main = seeing
+        main = seeing  # every list whose input follows the image tokens gets a shard
     else:  # not probed (or nothing changed): the lists with the longest image stream
         s_main = max(lengths.values())
         main = [n for n in tr.lists if lengths.get(n) == s_main]
@@ -554,8 +466,7 @@ def find_streams(tr: ForwardTrace, attention_kind: str | None = None) -> Streams
 
 
 def expected_lengths(tr: ForwardTrace, streams: Streams) -> dict[str, dict]:
-    """Per main block list: its image-token argument and that argument's full (unsplit) length,
-    what ``sharding.check_sharding`` holds each rank's record against."""
+    """Per main list: its image-token argument and full length (what ``check_sharding`` expects)."""
     out = {}
     for name in streams.lists:
         lt = tr.lists[name]
@@ -578,10 +489,7 @@ def _producer(tr: ForwardTrace, ids: list[int], before: int) -> tuple[str, list[
 
 
 def _position_inputs(tr: ForwardTrace, st: Streams, first: ListTrace, before: int) -> dict[str, tuple[int, int]] | None:
-    """The transformer's own inputs that hold image positions (an axis of ``S_img``) and text
-    positions (an axis of ``S_txt``) and are not the token streams (not the image input, not
-    what the token streams' producers take, not passed to the blocks as a stream):
-    {input: (axis, dims)}, or None unless both kinds are there."""
+    """The transformer's separate image and text position inputs: {input: (axis, dims)}, or None."""
     stream_ids = set(first.input_ids.get(st.image, [])) | set(first.input_ids.get(st.text, []) if st.text else [])
     # modules that make a token stream (their output has a stream's shape): their inputs are streams
     shapes_of = [st.image_shape] + ([st.text_shape] if st.text_shape else [])
@@ -607,8 +515,7 @@ def _position_inputs(tr: ForwardTrace, st: Streams, first: ListTrace, before: in
 
 
 def _stream_root(tr: ForwardTrace, first: ListTrace, param: str, before: int) -> str | None:
-    """The transformer input ``[B, S, C]`` that a token stream of the first block is made from
-    (passed as is, or taken by a module that returns the stream's shape before the blocks)."""
+    """The transformer input ``[B, S, C]`` a first-block token stream is made from (None: none)."""
     shape = first.inputs[param][0]
     makers = {c.name for c in tr.calls if c.order < before and c.outputs and shape in c.outputs}
     for name, shapes in tr.roots.items():
@@ -628,18 +535,12 @@ class _Draft:
     st: Streams
     at_input: bool
     plan: dict[str, Any] = field(default_factory=dict)
-    # cross attention with the text split too (tried when the text kept whole fails the checks:
-    # an attention that joins the text's keys to the image's inside a CP attention needs it)
-    split_text: bool = False
+    split_text: bool = False  # cross attention with the text split too
     notes: list[str] = field(default_factory=list)
     covered: set[int] = field(default_factory=set)  # ids of block inputs already split at their producer
-    # id of a tensor split by a pre-hook at a block -> its split: the same whole tensor entering a
-    # later list is split there too
     at_blocks: dict[int, Any] = field(default_factory=dict)
     whole_masks: list[str] = field(default_factory=list)  # "<list>:<param>": masks over the image kept whole
-    # every split where the first block takes it (never at a producer or an input): what the forward
-    # makes before the blocks (rotary tables from the token count) is made whole, then split once
-    at_block: bool = False
+    at_block: bool = False  # every split where the first block takes it (never a producer or input)
 
     @property
     def first(self) -> ListTrace:
@@ -665,9 +566,7 @@ def _stream_notes(st: Streams) -> list[str]:
 
 
 def _check_shards_divide(st: Streams, degree: int | None, uneven: bool = False) -> list[str]:
-    """Refuse a degree that does not divide the image tokens (and the text, for joint attention);
-    with ``uneven`` (the launch enables cache-dit's ``ulysses_anything``) such counts are split into
-    ``torch.tensor_split``'s shares instead, when every rank gets a token: returns the notes."""
+    """Refuse a degree that does not divide the tokens (``uneven``: tensor_split shares, noted)."""
     if not degree:
         return []
     s_img, s_txt = st.s_img, st.s_txt
@@ -688,8 +587,7 @@ def _check_shards_divide(st: Streams, degree: int | None, uneven: bool = False) 
 
 
 def _split_stream(d: _Draft, param: str, dim: int, what: str) -> None:
-    """Step 3 for one token stream: split it at the transformer's input (``at_input``), else at the
-    module that made it, else where it enters the first block."""
+    """Split one token stream at the transformer's input (``at_input``), else its producer, else the first block."""
     tr, first, plan = d.tr, d.first, d.plan
     ids, shapes = first.input_ids[param], first.inputs[param]
     root = _stream_root(tr, first, param, d.before) if d.at_input else None
@@ -743,16 +641,12 @@ def _split_mask(d: _Draft, lname: str, param: str, shapes: list[list[int]]) -> N
             d.notes.append(f"text mask '{param}' {s} kept whole (cross attention)")
         return
     if d.at_block and len(shapes) == 1 and len(s) == 2 and s[0] == st.image_shape[0] and s[1] == s_img:
-        # one flag per token [B, S]: split with the tokens at every block, so a block that applies it
-        # to its tokens gets the rank's; an attention that reads it gets every rank's flags back
-        # (the launch gathers a mask's keys of the rank's own tokens: ``cp_mask``)
+        # one flag per token [B, S]: split with the tokens (the launch gathers a mask's keys: ``cp.mask``)
         d.plan.setdefault(f"{lname}.*", {})[param] = ContextParallelInput(split_dim=1, expected_dims=2)
         d.notes.append(f"token mask '{param}' {s} split with the tokens at every block of '{lname}'")
         return
     if len(s) >= 2 and any(L in (s_img, s_img + (s_txt or 0)) for L in s[1:]):
-        # Ulysses: after the all-to-all each rank's attention holds the whole sequence (for a
-        # share of the heads), so a mask that only the attention reads stays whole; one applied
-        # to the split tokens outside the attention fails the dry run or the simulated ranks
+        # under Ulysses the attention sees the whole sequence: a mask only the attention reads stays whole
         d.notes.append(f"mask '{param}' {s} of '{lname}' covers the image sequence: kept whole (under Ulysses "
                        f"the attention sees the whole sequence; the dry run and the simulated ranks judge "
                        f"whether only the attention reads it)")
@@ -760,8 +654,7 @@ def _split_mask(d: _Draft, lname: str, param: str, shapes: list[list[int]]) -> N
 
 
 def _is_concatenated_stream(d: _Draft, lname: str, shapes: list[list[int]]) -> bool:
-    """Text and image tokens concatenated by the model from the split streams, entering a later
-    main list: each rank holds [text shard, image shard] (what the dry run checks)."""
+    """Text and image tokens the model concatenated from the split streams, entering a later main list."""
     st = d.st
     s_txt = st.s_txt
     return bool(s_txt and len(shapes) == 1 and len(shapes[0]) == 3 and shapes[0][0] == st.image_shape[0]
@@ -769,8 +662,7 @@ def _is_concatenated_stream(d: _Draft, lname: str, shapes: list[list[int]]) -> b
 
 
 def _split_joint_table(d: _Draft, lname: str, param: str, shapes: list[list[int]], ids: list[int]) -> None:
-    """A positional table over text and image in one axis: split the transformer's separate text
-    and image position inputs instead, or refuse."""
+    """A positional table over text and image: split the separate position inputs instead, or refuse."""
     if not d.st.joint:
         raise PlanDerivationError(
             f"positional table '{param}' {shapes} of '{lname}' covers text and image in one axis, "
@@ -798,8 +690,7 @@ def _dims_note(dims: list) -> str:
 
 
 def _split_image_table(d: _Draft, lt: ListTrace, param: str, shapes: list[list[int]], ids: list[int]) -> None:
-    """An input with an image-length axis (positions, a second image stream): split on that axis
-    at its producer, else at every block of the list; one without such an axis stays whole."""
+    """An input with an image-length axis: split on it at its producer, else at the list's blocks."""
     st, plan, lname = d.st, d.plan, lt.name
     s_img = st.s_img
     if len(shapes) == 1 and len(shapes[0]) == 3 and shapes[0][0] == st.image_shape[0] \
@@ -807,12 +698,10 @@ def _split_image_table(d: _Draft, lt: ListTrace, param: str, shapes: list[list[i
         # a second [B, S_img, .] stream (e.g. a skip input): split like the image
         dims = [1]
     else:
-        # the position axis, never the last (feature) axis: a [B, D] embedding whose width
-        # happens to equal the token count is not a table of positions
+        # the position axis, never the last (feature) axis
         dims = [next((dd for dd, L in enumerate(s[:-1]) if L == s_img), None) for s in shapes]
         if len(shapes) > 1 and any(dd is not None for dd in dims):
-            # a list of tables, some over the image (image and text rotary tables): the others
-            # follow the text (split with it, else whole), or stay whole when no axis is the text's
+            # a list of tables, some over the image: the others follow the text, or stay whole
             text_split = bool(st.s_txt) and (st.joint or d.split_text)
             dims = [dd if dd is not None else next((k for k, L in enumerate(s[:-1]) if text_split and L == st.s_txt),
                                                     _WHOLE) for s, dd in zip(shapes, dims)]
@@ -828,8 +717,7 @@ def _split_image_table(d: _Draft, lt: ListTrace, param: str, shapes: list[list[i
         d.notes.append(f"split positional table(s) of '{prod[0]}' {shapes} on dims {_dims_note(dims)} (image "
                        f"positions), before the first block")
     else:
-        # a table kept whole inside a list: an entry marked split_output, which cache-dit's input hook
-        # (and the dry run) pass through as they are
+        # a table kept whole: marked split_output, which the input hooks pass through
         cps = [ContextParallelInput(split_dim=0, expected_dims=len(s), split_output=True) if dd is _WHOLE
                else ContextParallelInput(split_dim=dd, expected_dims=len(s)) for s, dd in zip(shapes, dims)]
         spec = cps if param in lt.sequences else cps[0]
@@ -845,10 +733,7 @@ def _split_image_table(d: _Draft, lt: ListTrace, param: str, shapes: list[list[i
 
 
 def _block_key(lt: ListTrace, param: str, unknown_every: bool) -> str:
-    """Where the plan splits block input ``param`` of list ``lt``: at every block (``<list>.*``)
-    when each block takes the same whole tensor, once where it enters (``<list>.0``) when the
-    blocks carry it from one to the next; ``unknown_every`` decides when the trace did not record
-    which (``lt.unchanged`` None)."""
+    """``<list>.*`` when every block takes the same tensor, ``<list>.0`` when the blocks carry it."""
     if lt.unchanged is None:
         every = unknown_every
     else:
@@ -857,9 +742,7 @@ def _block_key(lt: ListTrace, param: str, unknown_every: bool) -> str:
 
 
 def _split_again(d: _Draft, lt: ListTrace, param: str, ids: list[int]) -> None:
-    """A later main list takes a tensor the plan splits at the blocks of an earlier list (a
-    pre-hook splits only what that call receives): the whole tensor reaches it too, so it is
-    split where it enters this list (at every block when each block takes it unchanged)."""
+    """A later main list takes the whole tensor an earlier list's blocks split: split it where it enters too."""
     spec = d.at_blocks[ids[0]]
     key = _block_key(lt, param, unknown_every=True)
     d.plan.setdefault(key, {})[param] = spec
@@ -893,9 +776,7 @@ def _split_block_inputs(d: _Draft) -> None:
 
 
 def _gather_site(tr: ForwardTrace, st: Streams, at_block: bool = False) -> tuple[ModuleCall, str]:
-    """Step 4: where the image tokens are gathered (the first module after the last main block
-    that takes and returns them, else the last block itself; ``at_block``: the last block when it
-    returns them) and a phrase saying which."""
+    """Step 4: where the image tokens are gathered, and a phrase saying which."""
     s_img = st.s_img
     end = max(tr.lists[n].last_order for n in st.lists)
     site = None
@@ -911,8 +792,7 @@ def _gather_site(tr: ForwardTrace, st: Streams, at_block: bool = False) -> tuple
             site = c
             break
     if site is None:
-        # the forward reshapes the tokens right after the blocks (no module takes them as tokens):
-        # gather at the output of the last block itself
+        # the forward reshapes the tokens right after the blocks: gather at the last block
         last = tr.lists[st.lists[-1]]
         if not any(len(o) >= 2 and o[1] == s_img for o in last.outputs):
             raise PlanDerivationError("no module after the blocks takes and returns the image tokens, and the last "
@@ -947,17 +827,10 @@ def _plan_facts(d: _Draft, site: ModuleCall) -> dict:
 def derive_cp_plan(transformer, args, kwargs, attention_kind: str | None = None, degree: int | None = None,
                    trace: ForwardTrace | None = None, at_input: bool = False, split_text: bool = False,
                    uneven: bool = False, at_block: bool = False, streams: Streams | None = None) -> CPPlan:
-    """A CP plan for a transformer nobody has planned, from one traced forward call (steps 1-4
-    of the module docstring); checked by ``check_plan_sites`` (step 5) before it is returned.
-    ``at_input``: split the token streams at the transformer's own inputs where they are
-    ``[B, S, C]`` inputs (so that a token count the forward reads from them is the shard's), else
-    where they are made (the module that returns them, or the first block). ``split_text``: under
-    cross attention, split the text with the image instead of keeping it whole. ``uneven``: token
-    counts the degree does not divide are split into ``tensor_split``'s shares (the launch must
-    enable cache-dit's ``ulysses_anything``), else refused. ``at_block``: every split where the first
-    block takes it (tables the forward makes from the token count before the blocks are then whole,
-    split once, with the positions of the rank's share). ``streams``: the streams to split (default:
-    ``find_streams``'s)."""
+    """A CP plan from one traced forward call (steps 1-4), checked by ``check_plan_sites``. ``at_input``: split at the
+    transformer's ``[B, S, C]`` inputs; ``split_text``: split cross-attention text too; ``uneven``: ``tensor_split``
+    shares for counts the degree does not divide; ``at_block``: every split where the first block takes it;
+    ``streams``: default ``find_streams``'s."""
     tr = trace if trace is not None else trace_forward(transformer, args, kwargs)
     st = streams if streams is not None else find_streams(tr, attention_kind)
     d = _Draft(tr, st, at_input and not at_block, notes=_stream_notes(st),
@@ -976,10 +849,7 @@ def derive_cp_plan(transformer, args, kwargs, attention_kind: str | None = None,
 
 
 def _through_module_dicts(transformer, key: str) -> str:
-    """``key`` as cache-dit's plan lookup can reach it: that lookup takes a ModuleDict only as the
-    last atom (and then hooks every entry), so ``dict.entry`` becomes ``dict`` (the entries the
-    forward does not call never fire their hooks); a key deeper inside an entry cannot be named
-    and is refused."""
+    """``key`` as cache-dit's lookup reaches it (a ModuleDict only as the last atom)."""
     atoms, mod = key.split(".") if key else [], transformer
     for i, atom in enumerate(atoms):
         if isinstance(mod, torch.nn.ModuleDict):
@@ -994,9 +864,7 @@ def _through_module_dicts(transformer, key: str) -> str:
 
 
 def check_plan_sites(plan: dict, tr: ForwardTrace, streams: Streams | None = None) -> list[str]:
-    """Step 5: every split of ``plan`` happens at the transformer's input, at a block, or at a
-    module that runs before the first block of the first main list. Returns the split sites;
-    raises ``PlanSiteError`` for a split after the blocks or a plan without any split."""
+    """Step 5: every split runs before the first block, and something is split; returns the sites."""
     streams = streams or find_streams(tr)
     first = tr.lists[streams.lists[0]].first_order
     sites = []
@@ -1021,8 +889,7 @@ def check_plan_sites(plan: dict, tr: ForwardTrace, streams: Streams | None = Non
 
 
 def _given_plan(transformer, plan_file, degree: int) -> tuple[CPPlan | None, list[str]]:
-    """The plan of ``plan_file``, else the registered plan (None when there is none); a failing
-    registered planner is noted."""
+    """The plan of ``plan_file``, else the registered plan (a failing planner is noted)."""
     if plan_file is not None:
         return load_plan_code(plan_file), []
     try:
@@ -1033,8 +900,7 @@ def _given_plan(transformer, plan_file, degree: int) -> tuple[CPPlan | None, lis
 
 def _checked_registered(reg: CPPlan, transformer, args, kwargs, tr: ForwardTrace, st: Streams, degree: int,
                         check) -> tuple[CPPlan | None, list[str]]:
-    """A registered (or file) plan with its sites checked and the trace's facts added; with
-    ``check``, judged before launch: the plan if it passes, else None and a note saying why."""
+    """A registered or file plan checked against the trace and judged by ``check`` (None: refused)."""
     check_plan_sites(reg.plan, tr, st)
     reg.facts.update({"block_lists": st.lists, "image_seq_len": st.s_img, "text_seq_len": st.s_txt,
                       "image_input": st.image, "text_input": st.text,
@@ -1051,17 +917,13 @@ def _checked_registered(reg: CPPlan, transformer, args, kwargs, tr: ForwardTrace
 
 
 def _last_list_streams(tr: ForwardTrace, st: Streams) -> Streams | None:
-    """The streams of a plan that splits the last main list alone, where that list takes a longer
-    stream than the first (the model joins the text to the image tokens after refiner lists): its
-    whole token stream is split where its first block takes it and gathered where its last block
-    returns it; every list before it runs whole on every rank. None when there is no such list."""
+    """The streams of a plan splitting the last main list alone, where it takes the longest stream."""
     if len(st.lists) < 2:
         return None
     last = max(st.lists, key=lambda n: tr.lists[n].last_order)
     if any(sum(v[2] == st.image_shape[2] for v in _token_inputs(tr.lists[n]).values()) >= 2
            for n in st.lists if n != last):
-        return None  # an earlier list takes image and text tokens (a dual-stream main list), not a refiner
-    # of one stream: left whole on every rank, it would be main work no rank splits
+        return None  # an earlier list is a dual-stream main list, not a refiner: it must be split
     lt = tr.lists[last]
     img = _image_of(lt, tr)
     shape = _token_inputs(lt).get(img) if img else None
@@ -1072,12 +934,7 @@ def _last_list_streams(tr: ForwardTrace, st: Streams) -> Streams | None:
 
 def _derive_checked(transformer, args, kwargs, tr: ForwardTrace, st: Streams, attention_kind, degree: int,
                     check, notes: list[str], uneven: bool = False) -> CPPlan:
-    """The derived plan splitting where the streams are made, else the one splitting at the
-    transformer's inputs; with ``check`` then the one splitting every stream where the first block
-    takes it (gathered where the last returns it); under cross attention then the same with the text
-    split too (an attention that joins the text's keys to the image's needs every rank to hold a slice
-    of the text); last the one splitting the last main list alone (``_last_list_streams``): the first
-    that passes ``check``; else the ``PlanDerivationError`` naming every variant's reason."""
+    """The first derived plan variant that passes ``check``, else the error naming every variant's reason."""
     variants = [(False, False, "", st), (True, False, "the plan splitting at the transformer's inputs", st)]
     if check is not None:
         variants += [("block", False, "the plan splitting at the first block", st)]
@@ -1095,10 +952,8 @@ def _derive_checked(transformer, args, kwargs, tr: ForwardTrace, st: Streams, at
                                 split_text=split_text, uneven=uneven, at_block=at_input == "block",
                                 streams=streams if streams is not st else None)
         except PlanDerivationError as exc:
-            if split_text or (check is not None and failures):  # a variant tried after others failed
-                failures.append((label, exc, {}))
-                continue
-            if check is None or len(variants) == 1:
+            first_try = not (split_text or (check is not None and failures))  # not a variant after others failed
+            if first_try and (check is None or len(variants) == 1):
                 if notes:
                     raise type(exc)(f"{exc}; and {notes[0]}") from exc
                 raise
@@ -1126,19 +981,10 @@ def _derive_checked(transformer, args, kwargs, tr: ForwardTrace, st: Streams, at
 
 def resolve_cp_plan(transformer, capture=None, attention_kind: str | None = None, degree: int = 2,
                     plan_file: str | Path | None = None, check=None, uneven: bool = False) -> CPPlan:
-    """The plan of ``plan_file`` if given, else the registered plan when there is one (a failing
-    planner is noted, never silently replaced), else a derived one. With ``capture()`` (giving
-    the transformer call's (args, kwargs)) the plan is checked against a traced forward
-    (``check_plan_sites``) and ``facts["sharding_expected"]`` says what each main block list must
-    receive (``cp.sharding``). ``check(transformer, args, kwargs, plan, trace, streams,
-    degree) -> dict`` (``cp_dryrun.verify_before_launch``) judges the plan before any launch: a
-    registered plan that fails it is noted and a derived one tried; the derived plan splitting the
-    streams where they are made, then the one splitting them at the transformer's inputs; the
-    first that passes is the plan (``facts["prelaunch"]``: what the check saw), else the
-    ``PlanCheckError`` names why. A ``plan_file`` is run as given (only its sites are checked).
-    ``uneven``: the launch can enable cache-dit's ``ulysses_anything`` (Ulysses alone, no ring), so a
-    token count the degree does not divide is split into ``tensor_split``'s shares (derived plans and
-    ``check(..., uneven=True)``); ``needs_ulysses_anything(plan)`` then tells the launch to enable it."""
+    """The plan of ``plan_file``, else the registered plan, else a derived one. With ``capture()`` the plan is checked
+    against a traced forward; ``check`` (``cp.dryrun.verify_before_launch``) judges it before launch (a failing
+    registered plan is noted and derived variants tried). ``uneven``: the launch can enable cache-dit's
+    ``ulysses_anything``, so uneven token counts are split into ``tensor_split`` shares."""
     cp = _resolve(transformer, capture, attention_kind, degree, plan_file,
                   functools.partial(check, uneven=True) if check is not None and uneven else check, uneven)
     cp.facts["ulysses_anything"] = bool((cp.facts.get("prelaunch") or {}).get("uneven_splits"))
@@ -1146,15 +992,13 @@ def resolve_cp_plan(transformer, capture=None, attention_kind: str | None = None
 
 
 def needs_ulysses_anything(cp: CPPlan) -> bool:
-    """The plan splits a token count its degree does not divide (found by the check before launch):
-    cache-dit's config must then enable ``ulysses_anything`` (uneven split, gather and all-to-all)."""
+    """The plan splits a token count its degree does not divide: cache-dit needs ``ulysses_anything``."""
     return bool(cp.facts.get("ulysses_anything"))
 
 
 def _resolve(transformer, capture, attention_kind, degree: int, plan_file, check, uneven: bool) -> CPPlan:
     """``resolve_cp_plan`` without the last fact."""
-    # the unsplit trace first: some registered planners change the attention processors of the
-    # model (cache-dit's patch a processor class to read a CP config the runtime sets later)
+    # the unsplit trace first: some registered planners patch the attention processors
     traced = None
     if capture is not None:
         args, kwargs = capture()
@@ -1173,10 +1017,6 @@ def _resolve(transformer, capture, attention_kind, degree: int, plan_file, check
         if chosen is not None:
             return chosen
     return _derive_checked(transformer, args, kwargs, tr, st, attention_kind, degree, check, notes, uneven)
-
-
-# ---------------------------------------------------------------------------------------------
-# plans as code
 
 
 def _code(v) -> str:
@@ -1210,8 +1050,7 @@ def plan_code(cp: CPPlan, model: str, transformer_class: str) -> str:
         "",
         "CP_PLAN = {",
     ]
-    for k, v in cp.plan.items():
-        lines.append(f"    {k!r}: {_code(v)},")
+    lines += [f"    {k!r}: {_code(v)}," for k, v in cp.plan.items()]
     lines += ["}", "", f"SOURCE = {cp.source!r}", ""]
     return "\n".join(lines)
 

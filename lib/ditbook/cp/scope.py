@@ -1,13 +1,7 @@
-"""Which attention runs as context-parallel attention: only the attention inside the block lists
-whose tokens the plan splits.
-
-cache-dit's ``_enable_context_parallelism`` gives its CP config to every attention processor of
-the model, and ``attention.route_attention`` routes every module's own SDPA call; a module that
-runs on whole sequences on every rank (a text token refiner before the blocks, an attention pool
-over the text) then does a Ulysses all-to-all over sequences that were never split: the ranks
-exchange copies of the same tokens and the attention sees each key ``degree`` times (or the
-shapes no longer match its mask and it raises). ``limit_cp_to`` confines CP to the split region.
-"""
+"""Only the attention inside the split block lists runs as context-parallel attention. cache-dit gives its CP config to
+every attention processor, and ``attention.route_attention`` routes every SDPA call; a module running on whole
+sequences on every rank (a text refiner) would then all-to-all unsplit tokens. ``limit_cp_to`` confines CP to the
+split region."""
 
 from __future__ import annotations
 
@@ -19,11 +13,7 @@ def _inside(name: str, prefixes) -> bool:
 
 
 def limit_cp_to(transformer, lists: list[str] | None, route=None, undo=None) -> list[str]:
-    """After CP is enabled: attention processors outside ``lists`` (module-name prefixes) lose the
-    CP config cache-dit gave them, and ``route`` (an ``AttentionRoute``) sends only the SDPA calls
-    of modules inside ``lists`` through the CP attention. A processor object shared with a module
-    inside ``lists`` keeps its config. Returns the attention modules taken out of CP; ``undo`` (a
-    ``hooks.WrapGroup``, optional) keeps the handles that give the configs back exactly."""
+    """After CP is enabled: attention outside ``lists`` loses its CP config; returns the modules taken out."""
     if not lists:
         return []
     if route is not None:
@@ -39,9 +29,7 @@ def limit_cp_to(transformer, lists: list[str] | None, route=None, undo=None) -> 
             outside.append((name, proc))
     taken = []
     for name, proc in outside:
-        if id(proc) in inside:
-            continue
-        if getattr(proc, "_parallel_config", None) is None and getattr(proc, "_cp_config", None) is None:
+        if id(proc) in inside or all(getattr(proc, a, None) is None for a in ("_parallel_config", "_cp_config")):
             continue
         for attr in ("_parallel_config", "_cp_config"):
             if hasattr(proc, attr):

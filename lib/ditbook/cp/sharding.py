@@ -1,15 +1,7 @@
-"""What each rank's blocks really received, and the check that a parallel plan split the
-sequence (parity alone cannot see a plan that splits nothing: every rank then computes the
-whole image, and the images agree at 100 dB).
-
-``BlockInputRecorder`` wraps every block of every block list (``ditbook.hooks``), installed
-*before* the plan's own hooks so that it sees what the block's forward gets after any split,
-and records per list the sequence length (dim 1) of each ``[B, S, ...]`` tensor argument.
-``check_sharding(record, expected, degree)`` raises ``ShardingError`` unless, on every rank,
-the image stream of every main block list had its share of the tokens in every block call:
-``full // degree``, or where the degree does not divide them the uneven shares of
-``torch.tensor_split`` (``shard_sizes``: what cache-dit's ``ulysses_anything`` gives each rank).
-"""
+"""What each rank's blocks really received, and the check that a parallel plan split the sequence (parity alone cannot
+see a plan that splits nothing). ``BlockInputRecorder`` wraps every block, before the plan's hooks, and records per
+list the sequence lengths of ``[B, S, ...]`` arguments; ``check_sharding`` raises ``ShardingError`` unless every
+rank's main lists got their share (``shard_sizes``)."""
 
 from __future__ import annotations
 
@@ -54,14 +46,12 @@ def bind_inputs(module, args, kwargs) -> dict[str, Any]:
 
 
 def block_lists(transformer) -> list[str]:
-    """Names of every non-empty ``nn.ModuleList`` of the transformer, outermost first (which of
-    them the forward really calls as blocks is what ``trace_forward`` finds)."""
+    """Names of every non-empty ``nn.ModuleList`` of the transformer, outermost first."""
     return [n for n, m in transformer.named_modules() if n and isinstance(m, torch.nn.ModuleList) and len(m)]
 
 
 class ShardingError(RuntimeError):
-    """A parallel plan's blocks did not run on ``full length / degree`` tokens (it split nothing,
-    split too late, or split twice)."""
+    """A parallel plan's blocks did not run on their share of the tokens."""
 
 
 class BlockInputRecorder:
@@ -84,9 +74,7 @@ class BlockInputRecorder:
                     signature = None
                 self.handles.append(wrap_method(block, WRAP_NAME, self._wrapper(name, block, signature,
                                                                                 first=block is transformer.get_submodule(name)[0])))
-                if signature is not None:
-                    # libraries read a block's forward signature (cache-dit matches its forward
-                    # pattern by parameter names): the wrapped forward keeps the block's
+                if signature is not None:  # cache-dit matches forward patterns by parameter names
                     block.forward.__signature__ = signature
 
     def _wrapper(self, lname: str, block, signature, first: bool = False):
@@ -112,9 +100,7 @@ class BlockInputRecorder:
         return record
 
     def to_dict(self) -> dict:
-        """{list: {"calls": n, "rows": batch rows evaluated, "entries"/"entry_calls": batch rows and
-        calls of its first block, "seq_lens": {argument: [lengths]}}} for the
-        lists that were called."""
+        """Per called list: calls, rows, entries, entry_calls and ``seq_lens`` per argument."""
         return {n: {"calls": self.calls[n], "rows": self.rows.get(n, 0), "entries": self.entries.get(n, 0),
                     "entry_calls": self.entry_calls.get(n, 0),
                     "seq_lens": {p: sorted(v) for p, v in self.lengths.get(n, {}).items()}}
@@ -133,16 +119,12 @@ class BlockInputRecorder:
 
 
 def shard_sizes(n: int, degree: int) -> list[int]:
-    """Each rank's share of ``n`` tokens: ``torch.tensor_split``'s sizes (equal where ``degree``
-    divides ``n``; else the first ``n % degree`` ranks hold one more), as cache-dit's uneven
-    sharder and ``cp_dryrun`` split them."""
+    """Each rank's share of ``n`` tokens, as ``torch.tensor_split`` gives them."""
     return [n // degree + (1 if r < n % degree else 0) for r in range(degree)]
 
 
 def check_sharding(ranks: list[dict], expected: dict[str, dict], degree: int) -> dict:
-    """``ranks``: each rank's ``BlockInputRecorder.to_dict()``, in global rank order (under cfg x CP
-    the world holds several CP groups of ``degree`` ranks each). Returns a summary; raises
-    ``ShardingError`` when a main list's blocks did not get the rank's share of the tokens."""
+    """Raise ``ShardingError`` unless every rank's main lists got the rank's share of the tokens."""
     if not expected:
         raise ShardingError("no block list with [batch, sequence, width] inputs to check the split on")
     problems, seen = [], {}
@@ -153,8 +135,7 @@ def check_sharding(ranks: list[dict], expected: dict[str, dict], degree: int) ->
         for r, rec in enumerate(ranks):
             got = rec.get(name, {}).get("seq_lens", {}).get(e["argument"])
             seen.setdefault(name, []).append(got)
-            # the (cfg, ring, ulysses) mesh is laid out row-major: a rank's place in its CP group
-            # is its global rank modulo the CP degree (with CFG alone in the world, the rank itself)
+            # the (cfg, ring, ulysses) mesh is row-major: a rank's place in its CP group is rank % degree
             want = sizes[r % degree]
             if not got:
                 problems.append(f"rank {r}: the blocks of '{name}' never received '{e['argument']}'")
@@ -167,17 +148,11 @@ def check_sharding(ranks: list[dict], expected: dict[str, dict], degree: int) ->
 
 
 class CfgSplitError(RuntimeError):
-    """A CFG-parallel plan whose ranks did not divide the guidance branches between them (every
-    rank evaluated about as many block rows as the one-process run)."""
+    """A CFG-parallel plan whose ranks did not divide the guidance branches between them."""
 
 
 def check_cfg_split(ranks: list[dict], reference: dict, degree: int) -> dict:
-    """``ranks``: each rank's ``BlockInputRecorder.to_dict()`` under a CFG-parallel plan;
-    ``reference``: the same record of the one-process run of the same renders. Counted are the
-    batch rows that enter each block list (its first block: a block cache always computes it, so
-    caching decisions do not change the count). Each rank may enter at most ``reference / degree``
-    rows plus one transformer call's rows (the call a rank computes once per new input shape to
-    learn its output's shape); raises ``CfgSplitError`` otherwise, or when a rank entered nothing."""
+    """Raise ``CfgSplitError`` unless each rank entered the lists with about 1 / degree of the rows."""
     if not reference:
         raise CfgSplitError("no one-process block record to compare the ranks' work with")
     problems, per_list = [], {}

@@ -1,14 +1,8 @@
 """Uneven context-parallel shares (cache-dit's ``ulysses_anything``) on every process-group backend.
 
-A token count that the degree does not divide is split into ``torch.tensor_split``'s shares
-(``cp_plan.resolve_cp_plan(uneven=True)``; ``needs_ulysses_anything(plan)`` tells the launch to set
-``ulysses_anything`` in cache-dit's config, whose split hooks, Ulysses all-to-all and gathers then
-take unequal shares). cache-dit's uneven gather is one ``dist.all_gather`` of unequal tensors, which
-NCCL takes but gloo refuses ("ProcessGroupGloo::allgather: invalid tensor size"): on a backend other
-than NCCL ``gather_unevenly`` makes each of cache-dit's gather hooks gather by padding every share
-to the largest, one equal all-gather, and cutting each rank's padding off again before the shares are
-joined (the padding never reaches a block or an attention: it exists only inside the collective).
-"""
+A token count the degree does not divide is split into ``torch.tensor_split``'s shares. cache-dit's uneven gather is one
+``dist.all_gather`` of unequal tensors, which NCCL takes but gloo refuses: elsewhere ``gather_unevenly`` makes each
+gather hook pad every share to the largest, all-gather, and cut the padding off (it never reaches a block)."""
 
 from __future__ import annotations
 
@@ -19,8 +13,7 @@ from ..hooks import WrapGroup, swap_attribute
 
 
 def padded_all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    """Every rank's ``x`` joined along ``dim`` in rank order, the ranks' lengths on ``dim`` unequal:
-    each share padded to the longest, one all-gather of equal tensors, each share cut back."""
+    """Every rank's ``x`` joined along ``dim`` in rank order, lengths unequal: padded, gathered, cut back."""
     world = dist.get_world_size(group)
     size = torch.tensor([x.shape[dim]], dtype=torch.long, device=x.device)
     sizes = [torch.zeros_like(size) for _ in range(world)]
@@ -38,7 +31,7 @@ def padded_all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 
 def _gather_post(hook, original):
-    """The replacement of one cache-dit gather hook's ``post_forward`` (its checks, this gather)."""
+    """One cache-dit gather hook's ``post_forward`` gathering by ``padded_all_gather``."""
     def post(module, output):
         cfg = hook.parallel_config
         if not getattr(cfg, "ulysses_anything", False):
@@ -56,9 +49,7 @@ def _gather_post(hook, original):
 
 
 def _around_none_post(hook, original):
-    """The replacement of one cache-dit gather hook's ``post_forward`` for an output tuple with
-    ``None`` entries (a block returning ``(tensor, None)``), which cache-dit's gather refuses: the
-    hook's metadata applies to the output's tensors in order, the ``None`` entries pass through."""
+    """A gather hook's ``post_forward`` gathering an output's tensors around its ``None`` entries."""
     def post(module, output):
         if not isinstance(output, (list, tuple)) or all(o is not None for o in output):
             return original(module, output)
@@ -74,9 +65,7 @@ def _around_none_post(hook, original):
 
 
 def _passing_none_post(original):
-    """The replacement of a cache-dit split hook's ``post_forward`` when the hook splits no output:
-    an output with ``None`` entries passes as it is (cache-dit refuses it, though it has nothing to
-    split there)."""
+    """A split hook's ``post_forward`` letting an output with ``None`` entries pass (it splits no output)."""
     def post(module, output):
         if isinstance(output, (list, tuple)) and any(o is None for o in output):
             return output
@@ -84,52 +73,50 @@ def _passing_none_post(original):
     return post
 
 
-def gather_around_none(transformer, undo: WrapGroup | None = None) -> list[str]:
-    """After CP is enabled: every cache-dit gather hook on ``transformer``'s modules also gathers an
-    output tuple with ``None`` entries (``_around_none_post``; a plan made for such an output names
-    its tensors only), and a split hook that splits no output lets such an output pass. Returns the
-    modules whose hooks changed; ``undo`` keeps the handles."""
-    from cache_dit.distributed.core._context_parallel import _ContextParallelGatherHook, _ContextParallelSplitHook
-
-    changed = []
+def _cp_hooks(transformer):
+    """(module name, hook) of every cache-dit hook on ``transformer``'s modules."""
     for name, module in transformer.named_modules():
         registry = getattr(module, "_cache_dit_hook", None)
         for hook in list(getattr(registry, "hooks", {}).values()):
-            ref = getattr(hook, "fn_ref", None)
-            if isinstance(hook, _ContextParallelSplitHook) and ref is not None and not any(
-                    getattr(c, "split_output", False) for c in hook.metadata.values()):
-                handle = swap_attribute(ref, "post_forward", _passing_none_post(ref.post_forward))
-                if undo is not None:
-                    undo.track(handle)
-                changed.append(name or "<transformer>")
-            elif isinstance(hook, _ContextParallelGatherHook):
-                handle = swap_attribute(ref, "post_forward", _around_none_post(hook, ref.post_forward))
-                if undo is not None:
-                    undo.track(handle)
-                changed.append(name or "<transformer>")
+            yield name or "<transformer>", hook
+
+
+def _swap_post(ref, post, undo: WrapGroup | None) -> None:
+    """Replace the ``post_forward`` cache-dit's registry calls (kept in the hook's function reference)."""
+    handle = swap_attribute(ref, "post_forward", post)
+    if undo is not None:
+        undo.track(handle)
+
+
+def gather_around_none(transformer, undo: WrapGroup | None = None) -> list[str]:
+    """After CP is enabled: cache-dit's split and gather hooks let outputs with ``None`` entries pass."""
+    from cache_dit.distributed.core._context_parallel import _ContextParallelGatherHook, _ContextParallelSplitHook
+
+    changed = []
+    for name, hook in _cp_hooks(transformer):
+        ref = getattr(hook, "fn_ref", None)
+        if isinstance(hook, _ContextParallelSplitHook) and ref is not None and not any(
+                getattr(c, "split_output", False) for c in hook.metadata.values()):
+            _swap_post(ref, _passing_none_post(ref.post_forward), undo)
+        elif isinstance(hook, _ContextParallelGatherHook):
+            _swap_post(ref, _around_none_post(hook, ref.post_forward), undo)
+        else:
+            continue
+        changed.append(name)
     return changed
 
 
 def gather_unevenly(transformer, undo: WrapGroup | None = None) -> list[str]:
-    """After CP is enabled with ``ulysses_anything``: on a process group other than NCCL, every
-    cache-dit gather hook on ``transformer``'s modules gathers unequal shares by padding
-    (``padded_all_gather``). Returns the modules whose gather changed; ``undo`` keeps the handles
-    (``hooks.WrapGroup``) that give the hooks back exactly."""
+    """After CP is enabled with ``ulysses_anything`` off NCCL: gathers pad unequal shares."""
     from cache_dit.distributed.core._context_parallel import _ContextParallelGatherHook
 
     changed = []
-    for name, module in transformer.named_modules():
-        registry = getattr(module, "_cache_dit_hook", None)
-        for hook in list(getattr(registry, "hooks", {}).values()):
-            if not isinstance(hook, _ContextParallelGatherHook):
-                continue
-            cfg = hook.parallel_config
-            if not getattr(cfg, "ulysses_anything", False) or dist.get_backend(cfg._flattened_mesh.get_group()) == "nccl":
-                continue
-            # cache-dit's registry calls the post_forward it kept in the hook's function reference
-            ref = hook.fn_ref
-            handle = swap_attribute(ref, "post_forward", _gather_post(hook, ref.post_forward))
-            if undo is not None:
-                undo.track(handle)
-            changed.append(name or "<transformer>")
+    for name, hook in _cp_hooks(transformer):
+        if not isinstance(hook, _ContextParallelGatherHook):
+            continue
+        cfg = hook.parallel_config
+        if not getattr(cfg, "ulysses_anything", False) or dist.get_backend(cfg._flattened_mesh.get_group()) == "nccl":
+            continue
+        _swap_post(hook.fn_ref, _gather_post(hook, hook.fn_ref.post_forward), undo)
+        changed.append(name)
     return changed
