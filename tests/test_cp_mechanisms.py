@@ -89,6 +89,26 @@ def test_a_mask_built_from_a_ranks_own_tokens_is_gathered_and_runs():
     assert r["outcome"] == "correct", r
 
 
+def test_the_probe_spawns_where_cuda_is_present(monkeypatch):
+    """On a CUDA host the probe's processes are spawned, never forked (a fork after CUDA was
+    initialised crashed 11 plans there): the model, its inputs and the plan travel pickled, and the
+    spawned ranks reach the same verdict."""
+    from ditbook.coverage import cp as probe
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("DITBOOK_START_METHOD", raising=False)
+    assert probe.start_method() == "spawn"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert probe.start_method() == "fork"
+    monkeypatch.setenv("DITBOOK_START_METHOD", "spawn")
+    torch.manual_seed(0)
+    m = RowMaskDiT().eval()
+    keep = torch.ones(1, 16, dtype=torch.bool)
+    keep[:, 5] = False
+    r = coverage_cp(m, (), {"hidden_states": torch.randn(1, 16, 4), "keep": keep}, timeout=90)
+    assert r["outcome"] == "correct", r
+
+
 # ---------------------------------------------------------------------------------------------
 # rotary tables
 

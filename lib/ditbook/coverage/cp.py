@@ -1,7 +1,7 @@
 """``coverage_cp``: does context parallel really work on a bare transformer? For the coverage
 table: the registered or derived plan (``cp.plan.resolve_cp_plan``), checked before launch
-(``cp.dryrun.verify_before_launch``; a caller's plan runs as given), is EXECUTED on 2 forked gloo
-processes on the CPU (file rendezvous, CP attention only inside the split block lists), each rank
+(``cp.dryrun.verify_before_launch``; a caller's plan runs as given), is EXECUTED on 2 gloo
+processes on the CPU (spawned where CUDA is present, ``start_method``) (file rendezvous, CP attention only inside the split block lists), each rank
 recording what its blocks received; rank 0's output is compared with the one-process output.
 All-zero parameters are filled first, so zero-initialised gates cannot make the parity vacuous.
 
@@ -99,16 +99,23 @@ def _rank(rank, world, init_file, transformer, args, kwargs, plan, queue, scope=
                                       f"({_where(exc)})", traceback.format_exc()[-2000:]))
 
 
+def start_method() -> str:
+    """How the probe starts its processes: ``spawn`` where CUDA is present (a process forked after
+    CUDA was initialised cannot use it: "Cannot re-initialize CUDA in forked subprocess"), else
+    ``fork`` (no re-import). ``DITBOOK_START_METHOD`` overrides."""
+    return os.environ.get("DITBOOK_START_METHOD") or ("spawn" if torch.cuda.is_available() else "fork")
+
+
 def execute_cp_plan(transformer, args, kwargs, plan: dict, expected: dict, degree: int = 2,
                     timeout: float = 120.0, reference: torch.Tensor | None = None, uneven: bool = False) -> dict:
-    """Run ``plan`` on ``degree`` forked gloo ranks; judge the split and the output. ``uneven``: the
-    plan splits a token count the degree does not divide (cache-dit's ``ulysses_anything``)."""
+    """Run ``plan`` on ``degree`` gloo ranks (``start_method``); judge the split and the output.
+    ``uneven``: the plan splits a token count the degree does not divide (``ulysses_anything``)."""
     from ..cp.sharding import ShardingError, check_sharding
 
     if reference is None:
         with torch.no_grad():
             reference = _output(transformer(*args, **kwargs)).detach().float().clone()
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context(start_method())
     queue = ctx.Queue()
     folder = tempfile.mkdtemp(prefix="ditbook-cp-")
     init_file = os.path.join(folder, "rendezvous")
@@ -161,20 +168,12 @@ def execute_cp_plan(transformer, args, kwargs, plan: dict, expected: dict, degre
 
 def coverage_cp(transformer, args, kwargs, degree: int = 2, plan: dict | None = None,
                 timeout: float = 120.0) -> dict:
-    """Like ``_coverage_cp`` (below), run in a forked process: registered planners may patch
-    library classes process-wide (cache-dit's PixArt planner patches diffusers'
+    """Like ``_coverage_cp`` (below), run in a process of its own (``start_method``): registered
+    planners may patch library classes process-wide (cache-dit's PixArt planner patches diffusers'
     ``AttnProcessor2_0.__call__``), which must not leak into the caller's next model."""
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context(start_method())
     queue = ctx.Queue()
-
-    def driver():
-        try:
-            torch.set_num_threads(1)  # an OpenMP pool inherited through fork must not be used
-            queue.put(_coverage_cp(transformer, args, kwargs, degree, plan, timeout))
-        except BaseException as exc:  # noqa: BLE001
-            queue.put(_failed("crash", f"{type(exc).__name__}: {exc}"))
-
-    proc = ctx.Process(target=driver)
+    proc = ctx.Process(target=_drive, args=(queue, transformer, args, kwargs, degree, plan, timeout))
     proc.start()
     try:
         result = queue.get(timeout=timeout * 2 + 60)
@@ -185,6 +184,14 @@ def coverage_cp(transformer, args, kwargs, degree: int = 2, plan: dict | None = 
         proc.kill()
         proc.join()
     return result
+
+
+def _drive(queue, transformer, args, kwargs, degree, plan, timeout) -> None:
+    try:
+        torch.set_num_threads(1)  # an OpenMP pool inherited through fork must not be used
+        queue.put(_coverage_cp(transformer, args, kwargs, degree, plan, timeout))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        queue.put(_failed("crash", f"{type(exc).__name__}: {exc}"))
 
 
 def _coverage_cp(transformer, args, kwargs, degree: int = 2, plan: dict | None = None,
