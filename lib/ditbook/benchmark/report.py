@@ -600,12 +600,14 @@ def _verdict_html(run: RunFolder, v: Verdict, res: BenchmarkResults | None, cach
     ups = runners_up(v, res, cache)
     items = "".join(f"<li><b>{html.escape(u['words'])}</b> — {html.escape(u['speed'])}, {html.escape(u['quality'])}: "
                     f"{html.escape(str(u['why_not']))} <code class=key>{name_html(u['name'])}</code></li>" for u in ups)
+    out = not_chosen(v, cache)
     refused = "".join(f"<li><b>{html.escape(r['words'])}</b>: {html.escape(r['why_not'])} "
-                      f"<code class=key>{name_html(r['name'])}</code></li>" for r in not_chosen(v, cache))
+                      f"<code class=key>{name_html(r['name'])}</code></li>" for r in out)
     rule = (f"The ship rule (ditbook.ship): {html.escape(v.rule or 'see benchmark/results.json')}."
             + ((" Runners-up" if len(ups) > 1 else " Runner-up") + f" (passing on held-out seeds and every check, "
                f"not chosen):<ul>{items}</ul>" if ups else "")
-            + (f" Not eligible:<ul id=refused>{refused}</ul>" if refused else ""))
+            + (f'<details id="refused"><summary>Not eligible: {len(out)} configuration{"s" if len(out) > 1 else ""} '
+               f"(open for why each)</summary><ul>{refused}</ul></details>" if refused else ""))
     box = (f'<div class="verdict{"" if v.ship else " no"}" id="verdict"><b id="headline">'
            f"{html.escape(headline(v, words))}</b>{key}"
            f'<div id="gates">Gates (cache, on held-out seeds): worst-image PSNR &gt; {g.psnr:g} dB and '
