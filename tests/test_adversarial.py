@@ -1222,7 +1222,8 @@ def test_signal_handlers_are_restored_after_a_command(capsys):
 
 
 def _env(tmp_path: Path, **extra) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(LIB) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    # the synthetic card's classes live in tests/synthetic_run.py: the child imports them from there
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(LIB), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
            "HF_HUB_OFFLINE": "1", "DITBOOK_OUTPUTS": str(tmp_path / "outputs")}
     env.pop("DITBOOK_GPUS", None)
     env.update(extra)
