@@ -78,8 +78,7 @@ def _shown(metric: str, d: dict) -> bool:
 
 
 def _metric_text(metric: str, d: dict) -> str:
-    """One metric, A -> B, each side's figure with what it is measured on; a delta only between
-    figures measured alike."""
+    """One metric, A -> B, each side labelled; a delta only between figures measured alike."""
     from .shown import ON_TEXT, PARITY
 
     if metric == "speedup" and d.get("parity_only"):
@@ -149,8 +148,7 @@ def _verdict(run: RunFolder) -> str:
 
 
 def _source_only(nb) -> None:
-    """Keep what a person wrote: sources and tags; drop outputs, counts, and notebook/cell
-    metadata (ipywidgets state, papermill timings)."""
+    """Keep what a person wrote: sources and tags; drop outputs, counts and metadata."""
     nb.metadata = {k: v for k, v in nb.metadata.items() if k in ("kernelspec",)}
     for i, cell in enumerate(nb.cells):
         if "id" in cell:
@@ -163,8 +161,7 @@ def _source_only(nb) -> None:
 
 
 def notebook_diff(path_a: Path, path_b: Path, outputs: bool = False) -> str:
-    """nbdime's diff of two notebooks, pretty-printed without colour; only the sources (and tags)
-    unless ``outputs`` (images and timings differ on every run; widget state is noise)."""
+    """nbdime's diff of two notebooks without colour; only sources and tags unless ``outputs``."""
     import nbdime
     import nbformat
     from nbdime.prettyprint import PrettyPrintConfig, pretty_print_diff
@@ -203,11 +200,9 @@ def compare_runs(run_a: str | Path, run_b: str | Path, outputs: bool = False) ->
     for name in [n for n in ra if n in rb]:
         d = {"name": name, "words": rb[name].get("words")}
         for m in METRICS:
-            va, vb = ra[name].get(m), rb[name].get(m)
-            on_a = ra[name].get(LABELLED.get(m) or "") if LABELLED.get(m) else None
-            on_b = rb[name].get(LABELLED.get(m) or "") if LABELLED.get(m) else None
-            alike = on_a == on_b
-            delta = vb - va if alike and isinstance(va, (int, float)) and isinstance(vb, (int, float)) else None
+            va, vb, label = ra[name].get(m), rb[name].get(m), LABELLED.get(m)
+            on_a, on_b = (ra[name].get(label), rb[name].get(label)) if label else (None, None)
+            delta = vb - va if on_a == on_b and isinstance(va, (int, float)) and isinstance(vb, (int, float)) else None
             d[m] = {"a": va, "b": vb, "delta": None if delta is None else round(float(delta), 6),
                     "on_a": on_a, "on_b": on_b}
         d["speedup"]["parity_only"] = bool(ra[name].get("parity_only") or rb[name].get("parity_only"))

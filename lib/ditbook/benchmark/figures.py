@@ -15,9 +15,8 @@ STAGE = "benchmark"
 
 
 def plotted_rows(run, results: BenchmarkResults, rows: list[dict]) -> list[dict]:
-    """The rows as the speed plot draws them (``benchmark.shown``): each configuration's one
-    quality figure (held-out where the cache stage confirmed it), and no speed-up for a parallel
-    plan run as CPU processes (so it is not drawn)."""
+    """The rows as the speed plot draws them (``benchmark.shown``): one quality figure each, no
+    speed-up for a parallel plan run as CPU processes."""
     from .shown import shown_rows
 
     return [dict(r, speedup=r["speedup_shown"], psnr_min=r["psnr"], ssim_min=r["ssim"],
@@ -26,10 +25,8 @@ def plotted_rows(run, results: BenchmarkResults, rows: list[dict]) -> list[dict]
 
 
 def holdout_figure(run, d: Path) -> dict | None:
-    """The worst held-out image of the cache stage's chosen configuration beside its uncached
-    reference (``cache/images/holdout``, saved by the cache stage), drawn to
-    ``plots/holdout_worst.png``: ``{plot, key, psnr, ssim, name}``; None when the cache stage
-    saved no held-out images."""
+    """The worst held-out image of the chosen configuration beside its uncached reference, drawn to
+    ``plots/holdout_worst.png``: ``{plot, key, psnr, ssim, name}``; None without held-out images."""
     from .plots import worst_image_figure
     from .verdict import chosen_row_name
 
@@ -47,15 +44,13 @@ def holdout_figure(run, d: Path) -> dict | None:
         f = int(per.get("frames", {}).get("worst_frame") or 0)
         ref, img = ref[f], img[f]
     name = chosen_row_name(chosen)
-    # the figures (labelled held-out) are in the report's caption, where they read at the page's size
     path = worst_image_figure(ref, img, d / "plots" / "holdout_worst.png")
     return {"plot": str(Path(path).relative_to(d)), "key": key, "psnr": per.get("psnr"), "ssim": per.get("ssim"),
             "name": name}
 
 
 def grid_cases(run, results: BenchmarkResults, d: Path) -> tuple[dict, dict, dict]:
-    """The image grid's columns, one case per prompt (its first seed): the baseline images, each
-    configuration's images of those cases, and each case's prompt text."""
+    """The image grid's columns, one case per prompt: baseline images, each row's images, prompts."""
     images = results.images
     per_prompt: dict[str, dict] = {}
     for r in images.get("baseline", []):
@@ -78,10 +73,8 @@ def grid_cases(run, results: BenchmarkResults, d: Path) -> tuple[dict, dict, dic
 
 
 def make_figures(run, results: BenchmarkResults | None = None) -> BenchmarkResults:
-    """The speed-vs-quality plot and the image grid (plus residual and scaling plots) from
-    ``benchmark/results.json`` and the stored images; updates ``plots``, ``grid``, ``labels`` and
-    ``holdout_worst`` in the record. Rebuildable at any time
-    (``ditbook report``)."""
+    """The speed-vs-quality plot, the image grid, residual and scaling plots from the record and the
+    stored images; updates ``plots``, ``grid``, ``labels`` and ``holdout_worst`` in the record."""
     from ..render import is_video
     from .plots import image_grid, plot_residuals, plot_scaling, plot_tradeoff, row_id, short_labels
     from .shown import is_cpu_run
@@ -98,7 +91,6 @@ def make_figures(run, results: BenchmarkResults | None = None) -> BenchmarkResul
     drawn = plotted_rows(run, results, rows)
     plots["tradeoff_psnr"] = plot_tradeoff(drawn, "psnr_min", d / "plots" / "tradeoff_psnr.png",
                                            cache_gate.psnr, labels=labels, highlight=results.verdict.name)
-    # what the speed axis carries, and the parity results left off it (CPU processes)
     results.plot_points = [row_id(r) for r in drawn if r["speedup"] is not None and r["psnr_min"] is not None]
     results.parity_only = [row_id(r) for r in drawn if r.get("parity_only")]
     if results.residual_changes:

@@ -1,13 +1,7 @@
-"""What the benchmark reads from the earlier stages (their records, ``ditbook.records``), and the
-configurations it measures.
-
-The benchmark works with whatever subset of the earlier stages exists; the intake baseline is the
-minimum. From the cache stage's record it takes every configuration that passed on held-out seeds
-(the chosen one first) and the fp8 composition when one was found, and applies each through the
-adapter module the cache stage verified and shipped (``CacheTechnique.apply_with_file``), measured
-side by side with the baseline in this process; the card's ``benchmark.configs`` add diffusers'
-own hooks (``{hook: first_block_cache, threshold: 0.08}``). The parallel stage's plans ran under
-torchrun there; their figures are shown as that stage recorded them.
+"""What the benchmark reads from the earlier stages' records, and the configurations it measures:
+every configuration the cache stage confirmed on held-out seeds (and its fp8 composition), applied
+through the adapter module it shipped, and the card's diffusers hooks (``benchmark.configs``). The
+parallel stage's plans are shown as that stage recorded them.
 """
 
 from __future__ import annotations
@@ -73,9 +67,8 @@ def parallel_rows(parallel: ParallelResults | None) -> list[dict]:
 
 # -- configurations ---------------------------------------------------------------------------
 def hook_config(spec: dict) -> Config:
-    """A configuration from diffusers' own cache hooks, e.g. ``{hook: first_block_cache,
-    threshold: 0.08}`` or ``{hook: pyramid_attention_broadcast, spatial_attention_block_skip_range: 2}``.
-    Applied with ``transformer.enable_cache`` and undone with ``disable_cache``."""
+    """A configuration from diffusers' own cache hooks, e.g. ``{hook: first_block_cache, threshold: 0.08}``,
+    applied with ``transformer.enable_cache``."""
     spec = dict(spec)
     hook = spec.pop("hook")
     name = spec.pop("name", None) or f"{hook}-" + "-".join(f"{v}" for v in spec.values())
@@ -98,8 +91,7 @@ def hook_config(spec: dict) -> Config:
 
 def _recorded_config(ctx, cache: CacheResults, name: str, family: str, config: dict, skipped: float | None,
                      fp8_layers: list | None = None, candidates: int | None = None) -> Config:
-    """One configuration of the cache stage's record, applied through the adapter file it shipped
-    (with ``fp8_layers``: those block linears in fp8 first)."""
+    """A cache stage configuration applied through its shipped adapter file (``fp8_layers`` first)."""
     technique = accel.get(name)
     files = {"adapter_file": ctx.run.stage_dir("cache") / cache.adapter_module,
              "arch_file": ctx.run.stage_dir("inspect") / "arch.json", "used": cache.adapter.get("used", "ditbook")}
@@ -136,8 +128,7 @@ def _recorded_config(ctx, cache: CacheResults, name: str, family: str, config: d
 
 
 def cache_configs(ctx, cache: CacheResults | None) -> list[Config]:
-    """The cache stage's chosen configuration, every other one that passed on held-out seeds, and
-    its fp8 composition when it found one, each timed beside the baseline."""
+    """The cache stage's held-out-passing configurations (the chosen first) and its fp8 composition."""
     if cache is None:
         return []
     rows = cache.holdout_rows()

@@ -38,8 +38,7 @@ class FlopEstimate:
 
 
 def count_transformer_flops(pipe, call: Callable[[], Any], steps: int | None = None) -> FlopEstimate:
-    """Capture the inputs of the first transformer call of ``call()``, then count the FLOPs of
-    re-running the transformer on them under ``FlopCounterMode``."""
+    """FLOPs of the transformer re-run on the inputs of ``call()``'s first transformer call."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -122,10 +121,6 @@ class ConfigResult:
     images: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
     error: str | None = None
     notes: str = ""
-
-    @property
-    def gate_family(self) -> str:
-        return self.family.split("/")[0]
 
     def to_dict(self) -> dict:
         q = self.quality or {}
@@ -223,8 +218,7 @@ def _measure_config(pipe, cfg: Config, render, cases, call: Callable[[], Any], w
 
 
 def _compare_to_baseline(res: ConfigResult, baseline: ConfigResult, flops, peak_tflops, gates) -> None:
-    """A configuration's speedups, memory ratio and efficiency against the baseline, and its
-    images' quality under ``gates``."""
+    """A configuration's speedups, memory ratio, efficiency and quality against the baseline."""
     from ..quality import compare_sets
 
     if res.timing is not None:
@@ -238,9 +232,8 @@ def _compare_to_baseline(res: ConfigResult, baseline: ConfigResult, flops, peak_
 
 
 def timing_record(drift: float | None, limit: float, warmup: int, repeats: int, verdict_rows) -> dict:
-    """Whether the timings are stable: the baseline re-timed at the end against its first timing
-    (``drift``, 1.0 = the same) within ``limit`` (a share, ``benchmark.timing_drift``); and the
-    warm-up and repeats the baseline and the verdict's rows got."""
+    """Whether the baseline re-timed at the end (``drift``, 1.0 = the same) stayed within ``limit``,
+    with the warm-up and repeats the baseline and the verdict's rows got."""
     stable = None if drift is None else bool(abs(drift - 1.0) <= limit)
     return {"drift": None if drift is None else round(drift, 4), "limit": limit, "stable": stable,
             "warmup": warmup, "repeats": repeats, "verdict_rows": sorted(verdict_rows)}
@@ -255,13 +248,9 @@ def benchmark(pipe, configs: list[Config], render: Callable[[str, int], np.ndarr
               drift_limit: float | None = None) -> BenchmarkReport:
     """Measure the baseline, then each configuration, then the baseline again, in this process.
 
-    ``render(prompt, seed) -> image`` runs the pipeline once; ``cases`` are (key, prompt, seed).
-    Timing repeats use the first case; quality uses every case against the baseline images
-    rendered here. A configuration that raises is recorded with its error, undone, and skipped.
-    The baseline, its re-timing and the configurations named in ``verdict_rows`` get at least
-    ``settings.VERDICT_MIN_WARMUP`` warm-up calls and ``VERDICT_MIN_REPEATS`` repeats whatever
-    ``warmup`` / ``repeats`` say; ``drift_limit`` (default ``BenchmarkSettings.timing_drift``)
-    judges the re-timed baseline (``BenchmarkReport.timing``).
+    ``render(prompt, seed) -> image``; ``cases``: (key, prompt, seed), timed on the first, judged on
+    all. A configuration that raises is recorded with its error. The baseline and ``verdict_rows``
+    get at least ``VERDICT_MIN_WARMUP`` / ``VERDICT_MIN_REPEATS``; ``drift_limit`` judges the re-timing.
     """
     # long: one measuring sequence (baseline, FLOPs, noise floor, each configuration, baseline again)
     from ..quality import Gates, compare_sets

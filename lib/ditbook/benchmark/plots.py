@@ -1,7 +1,5 @@
 """Benchmark plots as PNG files (matplotlib, Agg backend): trade-offs with the Pareto frontier,
-residual change per step, parallel scaling with the ideal line, the image grid (configurations x
-prompts, one difference scale) and per-prompt contact sheets with
-difference maps."""
+residual change per step, parallel scaling, the image grid and per-prompt contact sheets."""
 
 from __future__ import annotations
 
@@ -31,8 +29,7 @@ def _num(v) -> float | None:
 
 
 def pareto_frontier(points: list[tuple[float, float]]) -> list[int]:
-    """Indices of the points no other point beats on both axes (higher is better on both),
-    ordered by the first axis."""
+    """Indices of the points no other point beats on both axes, ordered by the first axis."""
     idx = []
     for i, (x, y) in enumerate(points):
         dominated = any((x2 >= x and y2 >= y) and (x2 > x or y2 > y) for j, (x2, y2) in enumerate(points) if j != i)
@@ -59,9 +56,7 @@ def diff_map(image, reference, gain: float = 10.0) -> np.ndarray:
 
 
 def wrap_name(name: str, width: int) -> list[str]:
-    """A configuration's name in lines of about ``width`` characters, broken only after its
-    separators (``[ , + space``), every setting kept (a row's label must tell it apart from its
-    neighbours, and the setting that does is often the last one)."""
+    """A name in lines of about ``width`` characters, broken only after ``[ , +`` and spaces."""
     import re
 
     lines, line = [], ""
@@ -74,15 +69,13 @@ def wrap_name(name: str, width: int) -> list[str]:
 
 
 def row_id(r: dict) -> str:
-    """A row's name, with its process count when it ran on more than one (a plan appears once per
-    world size)."""
+    """A row's name, with its process count when it ran on more than one."""
     n = int(r.get("nproc") or 1)
     return str(r.get("name")) + (f" ×{n} proc" if n > 1 else "")
 
 
 def short_labels(rows: list[dict]) -> dict[str, str]:
-    """A short key per configuration (A, B, ..., Z, AA, ...) in row order, the baseline excepted,
-    keyed by :func:`row_id`: the plot carries the keys, a table beside it the full names."""
+    """A short key (A, B, ..., AA, ...) per configuration in row order, baseline excepted, by row id."""
     out: dict[str, str] = {}
     for r in rows:
         name = row_id(r)
@@ -100,13 +93,9 @@ def short_labels(rows: list[dict]) -> dict[str, str]:
 
 def plot_tradeoff(rows: list[dict], metric: str, path: str | Path, gate: float | None = None,
                   labels: dict[str, str] | None = None, highlight: str | None = None) -> Path:
-    """Speedup (x) against ``metric`` (``psnr_min`` or ``ssim_min``, y), one marker per family,
-    each point labelled with its short key (:func:`short_labels`) and, where a row has
-    ``speedup_range`` (the min-max timings), a horizontal bar over it; the Pareto front drawn and
-    its points ringed; ``highlight`` (the verdict's configuration) starred. The baseline is a
-    dashed vertical line at 1×; identical images (PSNR at the cap) sit on a band at the top whose
-    tick says "identical", never on a made-up number. Saved at 2x resolution with the legend
-    outside the axes, nothing clipped."""
+    """Speedup (x) against ``metric`` (y), one marker per family, each point with its short key and
+    its ``speedup_range`` bar; the Pareto front ringed, ``highlight`` starred, the baseline a dashed
+    line at 1×; identical images (PSNR at the cap) on a band whose tick says "identical"."""
     # long: one figure drawn layer by layer (baseline, points, bars, front, highlight, gate, labels, legend)
     plt = _plt()
     labels = labels if labels is not None else short_labels(rows)
@@ -138,7 +127,6 @@ def plot_tradeoff(rows: list[dict], metric: str, path: str | Path, gate: float |
                         ecolor="0.35", elinewidth=1.0, capsize=3, zorder=2)
     for k, fam in enumerate(families):
         sel = [(r, x, y) for r, x, y in pts if str(r.get("family", "?")) == fam]
-        # a figure on the calibration seeds (no held-out record) is drawn hollow: the two are not alike
         hollow = [r.get("quality_on") == "calibration" for r, _, _ in sel]
         held = [(x, y) for (_, x, y), h in zip(sel, hollow) if not h]
         calib = [(x, y) for (_, x, y), h in zip(sel, hollow) if h]
@@ -220,8 +208,7 @@ def plot_scaling(rows: list[dict], path: str | Path) -> Path:
 
 def contact_sheet(key: str, baseline: np.ndarray, images: dict[str, np.ndarray], path: str | Path,
                   quality: dict[str, dict] | None = None, gain: float = 10.0) -> Path:
-    """One prompt's sheet: a row per configuration with baseline, configuration and difference
-    map (×``gain``); the row title carries its PSNR/SSIM against the baseline."""
+    """One prompt's sheet: per configuration the baseline, its image and the difference map."""
     plt = _plt()
     names = list(images)
     nrows = max(1, len(names))
@@ -229,15 +216,13 @@ def contact_sheet(key: str, baseline: np.ndarray, images: dict[str, np.ndarray],
     for i in range(nrows):
         for ax in axes[i]:
             ax.axis("off")
+        axes[i][0].imshow(np.clip(baseline, 0, 1))
+        axes[i][0].set_title("baseline", fontsize=8)
         if not names:
-            axes[i][0].imshow(np.clip(baseline, 0, 1))
-            axes[i][0].set_title("baseline", fontsize=8)
             continue
         name = names[i]
         img = images[name]
         q = (quality or {}).get(name) or {}
-        axes[i][0].imshow(np.clip(baseline, 0, 1))
-        axes[i][0].set_title("baseline", fontsize=8)
         axes[i][1].imshow(np.clip(np.nan_to_num(img), 0, 1))
         title = name
         if q.get("psnr") is not None:
@@ -249,23 +234,30 @@ def contact_sheet(key: str, baseline: np.ndarray, images: dict[str, np.ndarray],
     return _save(fig, path)
 
 
-# the grid's and the worst-image figure's text size (pt): about 11 px where the report shows them
-FONT = 9.5
-# one gain for every difference map in the report, the cache stage's ×10 (cache.plots.image_grid):
-# |difference| of 1/DIFF_GAIN or more is full scale
-DIFF_GAIN = 10.0
+FONT = 9.5  # the grid's and the worst-image figure's text size (pt): about 11 px in the report
+DIFF_GAIN = 10.0  # one gain for every difference map: |difference| of 1/DIFF_GAIN or more is full scale
+
+
+def _abs_diff(image, reference) -> np.ndarray:
+    """|image - reference|, averaged over channels."""
+    d = np.abs(np.asarray(image, dtype=np.float64) - np.asarray(reference, dtype=np.float64))
+    return d.mean(axis=-1) if d.ndim == 3 else d
+
+
+def _row_label(name: str, labels: dict | None, words: dict | None, width: int) -> str:
+    """A configuration's row label: its short key and its name in words, wrapped."""
+    short = (labels or {}).get(name)
+    said = (words or {}).get(name) or name
+    return "\n".join(wrap_name(f"{short}: {said}" if short else said, width))
 
 
 def image_grid(baseline: dict[str, np.ndarray], images: dict[str, dict[str, np.ndarray]], path: str | Path,
                prompts: dict[str, str] | None = None, labels: dict[str, str] | None = None,
                gain: float = DIFF_GAIN, words: dict[str, str] | None = None) -> Path:
-    """Configurations as rows, prompts as columns: the baseline once (first row), then per
-    configuration its image and, beside it, its difference map against the baseline, all maps
-    on one fixed scale (``gain``) with one colour bar. ``baseline``/``images[name]`` map a case
-    key to an image; ``prompts`` maps a case key to its prompt text (the column titles); ``words``
-    a configuration to its name in words (the row labels, after its key). The cases are the card's
-    seeds (calibration): every title and PSNR says so. Text is 9.5 pt on a figure about 13 in wide,
-    about 11 px where the report shows it 1,140 px wide. Videos: :func:`video_grid`."""
+    """Configurations as rows, prompts as columns: the baseline once, then per configuration its image
+    and its difference map, all maps on one scale (``gain``) with one colour bar. ``baseline`` /
+    ``images[name]``: case key -> image; ``prompts``: column titles; ``words``: row labels. Videos:
+    :func:`video_grid`."""
     # long: one figure drawn cell by cell (column titles, row labels, images, maps, one colour bar)
     import textwrap
 
@@ -297,10 +289,7 @@ def image_grid(baseline: dict[str, np.ndarray], images: dict[str, dict[str, np.n
         axes[0][2 * j + 1].axis("off")
     axes[0][0].set_ylabel("baseline\n(uncached)", fontsize=FONT)
     for i, name in enumerate(names, start=1):
-        short = (labels or {}).get(name)
-        said = (words or {}).get(name) or name
-        rowname = "\n".join(wrap_name(f"{short}: {said}" if short else said, 17))
-        axes[i][0].set_ylabel(rowname, fontsize=FONT)
+        axes[i][0].set_ylabel(_row_label(name, labels, words, 17), fontsize=FONT)
         for j, key in enumerate(keys):
             img = images[name].get(key)
             if img is None:
@@ -308,8 +297,7 @@ def image_grid(baseline: dict[str, np.ndarray], images: dict[str, dict[str, np.n
                 axes[i][2 * j + 1].axis("off")
                 continue
             axes[i][2 * j].imshow(np.clip(np.nan_to_num(img), 0, 1))
-            d = np.abs(np.asarray(img, dtype=np.float64) - np.asarray(baseline[key], dtype=np.float64))
-            d = d.mean(axis=-1) if d.ndim == 3 else d
+            d = _abs_diff(img, baseline[key])
             mappable = axes[i][2 * j + 1].imshow(np.nan_to_num(d, nan=vmax, posinf=vmax), cmap="magma", vmin=0,
                                                  vmax=vmax)
             p = psnr(img, baseline[key])
@@ -326,10 +314,8 @@ def image_grid(baseline: dict[str, np.ndarray], images: dict[str, dict[str, np.n
 def video_grid(baseline: dict[str, np.ndarray], images: dict[str, dict[str, np.ndarray]], path: str | Path,
                prompts: dict[str, str] | None = None, labels: dict[str, str] | None = None,
                gain: float = DIFF_GAIN, words: dict[str, str] | None = None) -> Path:
-    """The image grid for videos: per case the baseline's frames in a row, then per configuration
-    its frames and, below them, their difference maps against the baseline (one fixed scale,
-    ``gain``), each row labelled with the video's worst-frame PSNR and SSIM
-    (``quality.compare``, frame by frame)."""
+    """The image grid for videos: per case the baseline's frames in a row, then per configuration its
+    frames (labelled with the worst frame's PSNR and SSIM) and their difference maps below."""
     import textwrap
 
     from ..quality import compare
@@ -351,9 +337,7 @@ def video_grid(baseline: dict[str, np.ndarray], images: dict[str, dict[str, np.n
         picked = pick_frames(base, shown)
         rows.append(("\n".join(textwrap.wrap(f"{key} baseline: {text}", 34)[:2]), picked))
         for _, name, img, q in (j for j in judged if j[0] == key):
-            short = (labels or {}).get(name)
-            said = (words or {}).get(name) or name
-            head = "\n".join(wrap_name(f"{short}: {said}" if short else said, 60))
+            head = _row_label(name, labels, words, 60)
             fig_q = (f"worst frame {q.frames['worst_frame']}: {q.psnr:.1f} dB, SSIM {q.ssim:.3f} (calibration seed)"
                      if q.frames and q.frames.get("worst_frame") is not None else "; ".join(q.reasons)[:60])
             rows.append((f"{head}\n{fig_q}", pick_frames(img, shown)))
@@ -369,15 +353,11 @@ def video_grid(baseline: dict[str, np.ndarray], images: dict[str, dict[str, np.n
 
 def worst_image_figure(reference: np.ndarray, image: np.ndarray, path: str | Path, title: str | None = None,
                        gain: float = DIFF_GAIN) -> Path:
-    """The image behind a worst-case figure: the uncached reference, the configuration's image
-    and their difference (one scale, ``gain``) side by side, small enough that its text (``FONT``)
-    reads at about 11 px where the report shows it, 380 px wide beside the verdict (a video: its
-    worst frame, chosen by the caller). ``title`` above it, if given (the report's caption says
-    the figures)."""
+    """The image behind a worst-case figure: the uncached reference, the configuration's image and
+    their difference (one scale, ``gain``) side by side; ``title`` above it, if given."""
     plt = _plt()
     fig, axes = plt.subplots(1, 3, figsize=(4.6, 1.95), dpi=200)
-    d = np.abs(np.asarray(image, dtype=np.float64) - np.asarray(reference, dtype=np.float64))
-    d = d.mean(axis=-1) if d.ndim == 3 else d
+    d = _abs_diff(image, reference)
     for ax, img, label in ((axes[0], np.clip(reference, 0, 1), "uncached\n(held-out seed)"),
                            (axes[1], np.clip(np.nan_to_num(image), 0, 1), "chosen\nconfiguration"),
                            (axes[2], None, f"|difference|\n×{gain:g} (full {1 / gain:g})")):
@@ -398,7 +378,6 @@ def _save(fig, path, tight: bool = True) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     if tight:
         fig.tight_layout()
-    # bbox_inches="tight": labels and the legend outside the axes are never cut off
     fig.savefig(path, format="png", bbox_inches="tight", pad_inches=0.08)
     import matplotlib.pyplot as plt
 

@@ -1,12 +1,6 @@
-"""The reviewer's documents of a run: ``result.md`` and a self-contained ``report.html``.
-
-Both are built from files only — ``run.json``, ``benchmark/results.json`` and the executed
-notebooks in the run folder — so ``ditbook report RUN_DIR`` rebuilds them at any time, and a run
-whose stage failed still gets a report that names the failed stage and its error.
-
-``report.html`` is one file: every image is a ``data:`` URI, the notebooks are converted with
-nbconvert's ``HTMLExporter`` (``basic`` template, images embedded), the style is inline, and no
-script or stylesheet is loaded from anywhere.
+"""The reviewer's documents of a run: ``result.md`` and a self-contained ``report.html``, built from
+the run folder's files only (``ditbook report RUN_DIR`` rebuilds them; a failed stage is named).
+``report.html`` embeds every image and notebook and loads nothing from anywhere.
 """
 
 from __future__ import annotations
@@ -32,12 +26,9 @@ _NB_RE = re.compile(r"^(\d+)_([a-z0-9_]+)\.ipynb$")
 
 # -- reading a run --------------------------------------------------------------------------
 def stage_rows(meta: dict) -> list[dict]:
-    rows = []
-    for name, st in (meta.get("stages") or {}).items():
-        rows.append({"stage": name, "status": st.get("status", "?"), "seconds": st.get("seconds"),
-                     "notebook": st.get("notebook"), "error": st.get("error"),
-                     "failing_cell": st.get("failing_cell")})
-    return rows
+    return [{"stage": name, "status": st.get("status", "?"), "seconds": st.get("seconds"),
+             "notebook": st.get("notebook"), "error": st.get("error"), "failing_cell": st.get("failing_cell")}
+            for name, st in (meta.get("stages") or {}).items()]
 
 
 def failures(meta: dict) -> list[dict]:
@@ -55,9 +46,8 @@ def notebooks(run: RunFolder) -> list[Path]:
 
 
 def relative_path(path: str | Path, meta: dict) -> str:
-    """``path`` relative to the directory the run was started from (``run.json`` ``cwd``), else
-    to the checkout that made it (``source.root``), else to the current directory; unchanged
-    when it lies outside all of them."""
+    """``path`` relative to the run's ``cwd``, else its checkout, else the current directory;
+    unchanged when it lies outside all of them."""
     roots = [r for r in [meta.get("cwd"), ((meta.get("source") or {}).get("root")), str(Path.cwd())] if r]
     for root in roots:
         try:
@@ -172,9 +162,7 @@ def _repeats(res: BenchmarkResults | None, name: str) -> int | None:
 
 
 def runners_up(v: Verdict, res: BenchmarkResults | None, cache: CacheResults | None) -> list[dict]:
-    """The verdict's runners-up as the report lists them: words, key, speed (with range and
-    repeats), quality (labelled) and why not chosen; a runner-up timed with other repeats than
-    the verdict says so."""
+    """The verdict's runners-up as the report lists them: words, key, speed, quality, why not."""
     from .shown import HELD_OUT, config_words, quality_text
     from .verdict import speed_range
 
@@ -287,8 +275,7 @@ MD_COLUMNS = ("configuration", "key", "family", "from", "proc.", "repeats", "spe
 
 
 def summary_markdown(rows: list[dict]) -> str:
-    """The summary as a markdown table: each quality figure with what it is measured on, parity
-    apart, CPU parallel plans without a speed figure."""
+    """The summary as a markdown table (the same figures as :func:`summary_html`)."""
     from .shown import PARITY, quality_text, speed_text
 
     def x(v):
@@ -358,10 +345,8 @@ LABEL_KEYS = ("quality_on", "parity_only")  # what a row says about its own figu
 
 
 def table_html(rows: list[dict], columns: list[str] | None = None, table_id: str | None = None) -> str:
-    """Rows of dicts as an HTML table in its own scrolling box (the notebooks display it; there is
-    no pandas here). A row that says what its quality figures are measured on (``quality_on``:
-    held-out / calibration / parity) has that label in its ``psnr_min`` / ``ssim_min`` cells; a
-    row marked ``parity_only`` (a parallel plan run as CPU processes) shows no speed figure."""
+    """Rows of dicts as an HTML table in its own scrolling box; ``quality_on`` labels a row's
+    ``psnr_min`` / ``ssim_min`` cells, ``parity_only`` drops its speed figure."""
     from .shown import ON_TEXT
 
     columns = columns or [k for k in dict.fromkeys(k for r in rows for k in r) if k not in LABEL_KEYS]
@@ -384,9 +369,7 @@ def table_html(rows: list[dict], columns: list[str] | None = None, table_id: str
 
 
 def _alt_text(nb) -> None:
-    """Give every image output an alt text (output metadata ``alt``, which nbconvert's template
-    writes) from the nearest heading above it, so the exported page is accessible and nbconvert
-    has no missing alt text to warn about."""
+    """Give every image output an alt text (output metadata ``alt``) from the nearest heading above it."""
     heading = nb.metadata.get("title") or ""
     for cell in nb.cells:
         if cell.cell_type == "markdown":
@@ -404,9 +387,8 @@ def _alt_text(nb) -> None:
 
 
 def notebook_html(path: Path, run_dir: Path, known_images: dict[str, tuple[str, str]] | None = None) -> str:
-    """One executed notebook as an HTML fragment, images embedded, nothing loaded remotely. An
-    image output identical to one in ``known_images`` (base64 PNG -> (anchor, label)) is
-    replaced by a link to it, so no image appears twice in the report."""
+    """One executed notebook as an HTML fragment, images embedded; an image already in ``known_images``
+    (base64 PNG -> (anchor, label)) becomes a link to it."""
     import nbformat
     from nbconvert import HTMLExporter
 
@@ -444,26 +426,20 @@ def _checklist_html(items: list[dict]) -> str:
 
 
 def name_html(name) -> str:
-    """A configuration's name, escaped, with line-break opportunities only after its separators
-    (``[ , +`` and spaces), so a narrow cell wraps between settings, never inside one."""
+    """A configuration's name, escaped, with line-break opportunities only after ``[ , +`` and spaces."""
     pieces = re.findall(r"[^\[,+ ]*[\[,+ ]?", "-" if name is None else str(name))
     return "<wbr>".join(f"<span class=tok>{html.escape(p)}</span>" for p in pieces if p)
 
 
 def config_html(words, key) -> str:
-    """A configuration as the tables write it: its words, and below them its full key (small,
-    wrapped between settings) when the two differ."""
+    """A configuration's words, with its full key below when the two differ."""
     if not key or str(words) == str(key):
         return name_html(words)
     return f'{html.escape(str(words))}<br><code class="key">{name_html(key)}</code>'
 
 
-def _psnr(x) -> str:
-    return "-" if not isinstance(x, (int, float)) or isinstance(x, bool) else f"{x:.2f}"
-
-
-def _ssim(x) -> str:
-    return "-" if not isinstance(x, (int, float)) or isinstance(x, bool) else f"{x:.4f}"
+def _fixed(x, nd: int) -> str:
+    return "-" if not isinstance(x, (int, float)) or isinstance(x, bool) else f"{x:.{nd}f}"
 
 
 REFERENCE = "the reference (uncached)"
@@ -492,10 +468,7 @@ def _speed_html(r: dict) -> str:
 
 
 def _key_table(rows: list[dict], labels: dict[str, str], chosen: str | None) -> str:
-    """The plot's key: per configuration on the plot its key, name in words, speed-up (with its
-    range) and its one quality figure against the uncached baseline, labelled with the seeds it is
-    measured on; what the plot does not draw (a parity run of CPU processes, a configuration not
-    timed here) is in the summary table only."""
+    """The plot's key: per configuration on the plot its key, words, speed-up and quality figure."""
     from .plots import row_id
 
     body = []
@@ -513,22 +486,20 @@ def _key_table(rows: list[dict], labels: dict[str, str], chosen: str | None) -> 
 
 
 def _holdout_worst_html(run: RunFolder, res: BenchmarkResults | None, words: str | None = None) -> str:
-    """The worst held-out image of the chosen configuration (``benchmark.holdout_worst``) as a
-    figure with its key and figures; '' when none was drawn."""
+    """The worst held-out image of the chosen configuration as a figure; '' when none was drawn."""
     w = res.holdout_worst if res is not None else None
     path = run.stage_dir("benchmark", create=False) / str(w["plot"]) if w else None
     if path is None or not path.is_file():
         return ""
     cap = (f"Worst held-out image of {html.escape(words or str(w.get('name')))} (case {html.escape(str(w.get('key')))}): "
-           f"PSNR {_psnr(w.get('psnr'))} dB, SSIM {_ssim(w.get('ssim'))} (held-out seeds), against the uncached render "
-           "of the same seed.")
+           f"PSNR {_fixed(w.get('psnr'), 2)} dB, SSIM {_fixed(w.get('ssim'), 4)} (held-out seeds), "
+           "against the uncached render of the same seed.")
     return (f'<figure id="holdout-worst"><img alt="the worst held-out image of the chosen configuration, its uncached '
             f'reference and their difference" src="{_data_uri(path)}"><figcaption>{cap}</figcaption></figure>')
 
 
 def _off_axis(rows: list[dict], parallel: ParallelResults | None = None) -> str:
-    """The caption's note of the parallel plans left off the speed axis (CPU processes) and of
-    those not run."""
+    """The caption's note of the parallel plans left off the speed axis and of those not run."""
     from .shown import display_name
 
     names = [display_name(r) for r in rows if r.get("parity_only")]
@@ -551,9 +522,8 @@ SUMMARY_HEAD = ("configuration", "from", "proc.", "repeats", "speed-up (min–ma
 
 
 def summary_html(rows: list[dict], parallel: ParallelResults | None = None) -> str:
-    """The summary table: each configuration once, its quality figure against the uncached
-    baseline labelled with the seeds it is measured on, a parallel plan's parity apart, the
-    speed-up with its range, per-part speed-ups and peak memory; no speed for CPU processes."""
+    """The summary table: each configuration once with its labelled quality figure, parity, speed-up
+    with its range, per-part speed-ups and peak memory."""
     from .shown import PARITY
 
     def passed(v):
@@ -591,8 +561,7 @@ def summary_html(rows: list[dict], parallel: ParallelResults | None = None) -> s
 
 def _verdict_html(run: RunFolder, v: Verdict, res: BenchmarkResults | None, cache: CacheResults | None,
                   f8: str) -> str:
-    """The verdict box: the headline naming the configuration in words, its full key below,
-    the gates, the rule and the runners-up as a list; beside it the worst held-out image."""
+    """The verdict box (headline, key, gates, rule, runners-up), beside it the worst held-out image."""
     words = verdict_words(v, cache)
     g = v.gates
     key = (f'<div class="key" id="verdict-key">configuration key: <code>{name_html(v.name)}</code></div>'
@@ -618,8 +587,7 @@ def _verdict_html(run: RunFolder, v: Verdict, res: BenchmarkResults | None, cach
 
 
 def _use_html(run: RunFolder, v: Verdict, stage_results: dict, meta: dict) -> str:
-    """The "use it" box: the files the cache stage wrote, the lines to paste, what to expect, what
-    held-out means here, and why there is no perceptual figure."""
+    """The "use it" box: files, lines to paste, what to expect, what held-out means here."""
     from .shown import LPIPS_NOTE, holdout_meaning, usage
 
     use = usage(run, v, stage_results)

@@ -1,8 +1,5 @@
-"""Residual change per denoising step at the first transformer block.
-
-The relative L1 change of the first block's residual (output minus input, image stream) between
-consecutive transformer calls is what first-block caches threshold on; trained models sit near
-0.05-0.2, random ones near 0.5. Hooks are per instance and removed afterwards.
+"""Residual change per denoising step at the first transformer block: the relative L1 change of
+its residual between consecutive transformer calls, what first-block caches threshold on.
 """
 
 from __future__ import annotations
@@ -11,9 +8,7 @@ from typing import Any, Callable
 
 
 def first_block(transformer):
-    """The first block of the outermost non-empty ``nn.ModuleList`` of the transformer: a direct
-    child, else one level further down (a network held as an attribute of a ModelMixin wrapper,
-    ``self.net.blocks``), the first in registration order at the smallest depth."""
+    """The first block of the transformer's outermost non-empty ``nn.ModuleList``."""
     import torch.nn as nn
 
     lists = [(name.count("."), name, m) for name, m in transformer.named_modules()

@@ -1,16 +1,10 @@
 """The README's screenshots of ``report.html``, taken from a run by a command, with a manifest that
 says what they show (``ditbook screenshots [--run RUN_DIR]``, ``make screenshots``).
 
-Headless Chromium renders the run's ``report.html`` four times with ``--screenshot``: its first
-screen (the verdict and the checklist) at 1280x800 and at 1024x768, then the speed-vs-quality plot
-(``#plot``) and the image grid (``#grid``), each alone at the top of a copy of the page, 1280 wide.
-Written to ``docs/report_first_screen.png``, ``docs/report_first_screen_1024.png``,
-``docs/report_plot.png``, ``docs/report_grid.png`` and ``docs/screenshots.json``: the run id,
-model, card, the run's git revision, its date, the day the screenshots were taken, each PNG's
-sha256, and the first screen as read from the DOM (``first_screen``: the verdict line, the gates
-and rule lines, the checklist rows, and the ids of the report's parts that start inside the first
-screen). ``staleness`` compares a manifest with the files, the README and what the current report
-code renders (``tests/test_screenshots.py``): a changed first screen, image or caption shows.
+Headless Chromium shoots the run's ``report.html``: its first screen at 1280x800 and 1024x768, the
+plot (``#plot``) and the grid (``#grid``) alone, into ``docs/`` with ``docs/screenshots.json`` (the
+run, each PNG's sha256 and the first screen as read from the DOM). ``staleness`` compares a manifest
+with the files, the README and what the current report code renders.
 """
 
 from __future__ import annotations

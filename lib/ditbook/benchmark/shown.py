@@ -1,28 +1,11 @@
 """What the report shows per configuration, decided once for the page, the plot and ``result.md``.
 
-- **One quality figure per configuration.** A configuration the cache stage confirmed on
-  held-out seeds is shown with that held-out figure (``quality_on: "held-out"``) wherever it
-  appears; the benchmark's own re-measurement on the card's seeds (the calibration seeds) is not
-  shown beside it. A configuration with no held-out record (a parallel plan, an attention
-  backend, a card hook) is shown with its figure on the card's seeds, labelled
-  ``"calibration"``. The summary's two column pairs never mix: held-out figures in one pair,
-  calibration figures in the other.
-- **No CPU processes on the speed axis.** Parallel plans (``nproc`` > 1) run on a CPU host are
-  parity results (PSNR/SSIM, sharding verified) only: their speed-up is not shown and they are
-  left off the speed plot. On GPUs their speed-up is the parallel stage's, against the
-  single-process run on the same device, labelled with the device count.
-- **Speed figures carry their spread**: the speed-up range from the end-to-end timings' min and
-  max (``baseline.min / config.max`` to ``baseline.max / config.min``).
-- **Timing stable**: the benchmark's timing record (``verdict.timing_state``: the baseline
-  re-timed at the end against the start, within the card's ``benchmark.timing_drift``).
-- **Every figure says what it is measured on** (:data:`ON_TEXT`): held-out seeds, calibration
-  seeds (the card's), or parity against one process. A parallel plan carries two figures, each
-  labelled: against the uncached baseline (``psnr``/``ssim``, calibration seeds; for a ``+cache``
-  plan the parallel stage's ``baseline_quality``, for a plan without cache its parity, whose
-  one-process reference is the uncached baseline) and its parity against one process
-  (``psnr_parity``/``ssim_parity``).
-- **Names in words** (:func:`config_words`): a configuration's family and the settings its
-  strategy's search varied, the full key kept beside it for the record.
+- One quality figure per configuration: the cache stage's held-out figure where it has one, else
+  the benchmark's on the calibration seeds; a parallel plan also its parity against one process.
+  Every figure says what it is measured on (:data:`ON_TEXT`).
+- Parallel plans run as CPU processes are parity results only: no speed-up, off the speed plot.
+- Speed figures carry their range from the end-to-end timings' min and max.
+- Names in words (:func:`config_words`), the full key kept beside them.
 """
 
 from __future__ import annotations
@@ -52,8 +35,8 @@ def is_parallel(row: dict) -> bool:
 
 def holdout_records(cache: CacheResults | None) -> dict[str, dict]:
     """``{benchmark row name: {psnr_min, ssim_min, n, passed, skipped_fraction}}`` of every
-    configuration the cache stage ran on held-out seeds (the chosen one's own record last, so it
-    wins), and the fp8 composition's (``cache.fp8``) under its own row name."""
+    configuration the cache stage ran on held-out seeds (the chosen one's record wins), and the fp8
+    composition's under its own row name."""
     out: dict[str, dict] = {}
 
     def put(name, q, passed, skipped):
@@ -71,11 +54,8 @@ def holdout_records(cache: CacheResults | None) -> dict[str, dict]:
 
 
 def plan_quality(row: dict, plan) -> dict:
-    """A parallel plan's two figures: ``baseline`` (PSNR/SSIM against the uncached baseline, or
-    None when not recorded) and ``parity`` (against one process). A ``+cache`` plan's figure
-    against the uncached baseline is the parallel stage's ``baseline_quality``; a plan without
-    cache is compared with the one-process run of the uncached model, so its parity is that
-    figure too."""
+    """A parallel plan's two figures: ``baseline`` (against the uncached baseline, None when not
+    recorded; a plan without cache: its parity) and ``parity`` (against one process)."""
     parity = {"psnr": row.get("psnr_min"), "ssim": row.get("ssim_min")}
     bq = plan.baseline_quality if plan is not None else None
     if bq is not None:
@@ -89,8 +69,7 @@ def plan_quality(row: dict, plan) -> dict:
 
 
 def _timing_extras(config) -> dict:
-    """Per measured row (a ``records.ConfigRow``): the repeats its end-to-end figure is the median
-    of, the per-part speed-ups that matter to a user (one transformer step, the decode) and peak memory."""
+    """A measured row's repeats, per-part speed-ups (transformer step, decode) and peak memory."""
     if config is None or not config.timing:
         return {}
     t, parts = config.timing, config.part_speedups
@@ -103,14 +82,10 @@ def _timing_extras(config) -> dict:
 
 def shown_rows(rows: list[dict], benchmark: BenchmarkResults | None, cache: CacheResults | None,
                parallel: ParallelResults | None = None) -> list[dict]:
-    """Each summary row with the figures the report shows: ``psnr_holdout``/``ssim_holdout`` or
-    ``psnr_calibration``/``ssim_calibration`` (never both), ``quality_on``, ``psnr``/``ssim`` (the
-    one figure, against the uncached baseline), ``passed_shown`` (the gate result on the seeds of
-    that figure), ``speedup_shown`` (None for a parallel plan on a CPU host), ``speedup_range``,
-    ``parity_only`` and ``devices``; a parallel plan also ``psnr_parity``/``ssim_parity`` (against
-    one process; ``parallel``: the parallel stage's results, for its figure against the uncached
-    baseline); ``words`` and ``family_shown`` (the name in words, one family name per strategy);
-    measured rows ``repeats``, ``step_speedup``, ``decode_speedup`` and ``peak_mb``."""
+    """Each summary row with the figures the report shows: the one quality figure (``psnr``/``ssim``,
+    ``quality_on``, held-out or calibration columns, never both), ``passed_shown``, ``speedup_shown``,
+    ``speedup_range``, ``parity_only``, ``devices``, a parallel plan's parity, the names in words,
+    and the measured rows' timing extras."""
     # long: one pass over the rows, each figure decided once (quality, parity, speed, names, timings)
     held = holdout_records(cache)
     cpu = is_cpu_run(benchmark)
@@ -121,8 +96,7 @@ def shown_rows(rows: list[dict], benchmark: BenchmarkResults | None, cache: Cach
         name = str(r.get("name"))
         rec = held.get(name)
         if rec is None and name.endswith("+compile") and cache is not None and cache.compiled.ok is True:
-            # the cache stage's compiled check found compiling leaves the images as they were: the
-            # compiled twin's held-out figure is its uncompiled configuration's
+            # compiling leaves the images as they were: the twin's held-out figure is the uncompiled one's
             rec = held.get(name.removesuffix("+compile"))
         if rec is None and r.get("quality_on") == HELD_OUT:  # a recorded cache row taken from the held-out split
             rec = {"psnr_min": r.get("psnr_min"), "ssim_min": r.get("ssim_min"), "passed": r.get("passed")}
@@ -170,8 +144,7 @@ def strategy_families(cache: CacheResults | None) -> dict[str, str]:
 
 
 def tuned_settings(cache: CacheResults | None) -> dict[str, list[str]]:
-    """``{strategy: [setting, ...]}``: the scalar settings whose value the cache stage's search
-    varied for that strategy (what tells its configurations apart), in the order it names them."""
+    """``{strategy: [setting, ...]}``: the scalar settings the cache stage's search varied."""
     values: dict[str, dict[str, set]] = {}
     for e in _entries(cache):
         for k, v in e.config.items():
@@ -181,8 +154,7 @@ def tuned_settings(cache: CacheResults | None) -> dict[str, list[str]]:
 
 
 def _config_of(base: str, cache: CacheResults | None) -> dict:
-    """The configuration of the row ``base`` (no suffix): the cache stage's record, else the
-    ``k=v`` settings of its name."""
+    """The configuration of row ``base``: the cache stage's record, else its name's ``k=v`` settings."""
     for e in _entries(cache):
         if row_name(e.name, e.config) == base:
             return dict(e.config)
@@ -191,11 +163,9 @@ def _config_of(base: str, cache: CacheResults | None) -> dict:
 
 
 def config_words(name, cache: CacheResults | None) -> str:
-    """A configuration as a reviewer reads it: its family and the few settings that tell it
-    apart (those its strategy's search varied), e.g. ``cache-dit DBCache+TaylorSeer, threshold
-    0.24``; ``, compiled`` and ``, 12 of 42 block linears in fp8`` for the twins. A name that is
-    not a cache stage configuration (the baseline, a parallel plan, an attention backend) is its
-    own words."""
+    """A configuration as a reviewer reads it: its family and the settings its search varied, e.g.
+    ``cache-dit DBCache+TaylorSeer, threshold 0.24`` (``, compiled``, ``, 12 of 42 block linears in
+    fp8`` for the twins); a name that is not a cache stage configuration is its own words."""
     m = _SUFFIX.match(str(name))
     base = m.group("base")
     strategy = base.split("[", 1)[0]
@@ -216,8 +186,7 @@ def config_words(name, cache: CacheResults | None) -> str:
 
 
 def family_name(row: dict, cache: CacheResults | None) -> str:
-    """One family name per strategy: the cache stage's (``cache-dit DBCache+TaylorSeer``) for a
-    measured ``cache/<strategy>`` row and a recorded one alike."""
+    """One family name per strategy: the cache stage's, for measured and recorded rows alike."""
     fam = str(row.get("family") or "-")
     strategy = str(row.get("name") or "").split("[", 1)[0]
     if fam.startswith("cache/"):
@@ -226,8 +195,7 @@ def family_name(row: dict, cache: CacheResults | None) -> str:
 
 
 def quality_text(psnr, ssim, on: str | None, unit: bool = True) -> str:
-    """``33.31 dB / 0.9875 (held-out seeds)``: one PSNR/SSIM pair with what it is measured on;
-    ``-`` when neither was recorded."""
+    """``33.31 dB / 0.9875 (held-out seeds)``; ``-`` when neither was recorded."""
     if not _is_num(psnr) and not _is_num(ssim):
         return "-"
     p = f"{psnr:.2f}{' dB' if unit else ''}" if _is_num(psnr) else "-"
@@ -240,8 +208,7 @@ def _is_num(x) -> bool:
 
 
 def timing_counts(benchmark: BenchmarkResults) -> str:
-    """How the speed figures were timed, in one phrase that agrees with every row: the warm-up and
-    repeats of the baseline and of the rows the verdict compares, and the card's for the rest."""
+    """How the speed figures were timed, in one phrase that agrees with every row."""
     t = benchmark.timing
     w, n = benchmark.warmup, benchmark.repeats
     if t is None or t.repeats is None:
@@ -254,8 +221,7 @@ def timing_counts(benchmark: BenchmarkResults) -> str:
 
 
 def speed_text(row: dict) -> str:
-    """The speed figure as the report writes it: ``1.31× (1.25–1.36)``; ``parity only`` for a
-    parallel plan on a CPU host; ``-`` when not measured."""
+    """``1.31× (1.25–1.36)``; ``parity only`` for a CPU parallel plan; ``-`` when not measured."""
     if row.get("parity_only"):
         return "parity only (CPU processes)"
     sp = row.get("speedup_shown", row.get("speedup"))
@@ -267,8 +233,7 @@ def speed_text(row: dict) -> str:
 
 
 def display_name(row: dict) -> str:
-    """A row's name as the report's tables write it: a parallel plan with its device count
-    (``ulysses (2 GPUs)``, ``ulysses (2 CPU processes)``)."""
+    """A row's name with a parallel plan's device count (``ulysses (2 GPUs)``)."""
     return f"{row.get('name')} ({row['devices']})" if row.get("devices") else str(row.get("name"))
 
 # -- how to use the result --------------------------------------------------------------------
@@ -278,8 +243,7 @@ LPIPS_NOTE = ("No perceptual figure (LPIPS) beside PSNR/SSIM: the lpips package 
 
 
 def holdout_meaning(card: dict) -> str:
-    """What "held-out" means for this run's card (its snapshot in ``run.json``): other seeds, same
-    prompts, unless ``generation.holdout_prompts`` is set."""
+    """What "held-out" means for this run's card (its snapshot in ``run.json``)."""
     from ..settings import CacheSettings, Generation
 
     gen = {**Generation().__dict__, **card.get("generation", {})}
@@ -293,8 +257,7 @@ def holdout_meaning(card: dict) -> str:
 
 
 def _example_lines(path) -> list[str]:
-    """The adapter import and the ``cache_dit.enable_cache(...)`` call of the cache stage's example
-    file, as a user pastes them."""
+    """The adapter import and the ``cache_dit.enable_cache(...)`` call of the example file."""
     lines = ["import cache_dit"]
     text = path.read_text() if path.is_file() else ""
     for ln in text.splitlines():
@@ -308,10 +271,8 @@ def _example_lines(path) -> list[str]:
 
 
 def usage(run, v, results: dict) -> dict | None:
-    """How to use the verdict's configuration: the ``files`` the cache stage wrote (the adapter
-    module, the same under its import name, a script applying it), ``how`` and the ``lines`` to
-    paste, what to ``expect`` (speed, per part, memory, quality, each labelled) and ``notes``; None
-    when nothing was chosen. ``results``: every stage's record (``verdict.read_stage_results``)."""
+    """How to use the verdict's configuration: ``files``, ``how`` and the ``lines`` to paste, what to
+    ``expect`` and ``notes``; None when nothing was chosen. ``results``: every stage's record."""
     # long: one box's facts gathered from the cache stage's files and the benchmark's figures
     cache, bench = results.get("cache"), results.get("benchmark")
     if v.name in ("baseline", "none") or cache is None or cache.chosen is None:

@@ -1,12 +1,6 @@
-"""The benchmark stage's steps, each one call from ``notebooks/05_benchmark.ipynb``.
-
-Every configuration the earlier stages hand over (``inputs``: the cache stage's confirmed ones
-through its shipped adapter, the card's hook specs) and the rows the pipeline-wide techniques add
-(``variants``) are timed beside the baseline in this process (``measure``: end to end and per part,
-warm and repeated, the baseline re-timed at the end); their images judged against the baseline's.
-``save`` writes ``benchmark/results.json`` (``records.BenchmarkResults``) with the verdict
-(``verdict``: the one ship rule over the measured candidates); ``make_figures`` draws the plot and
-the grid; ``report`` writes ``result.md`` and ``report.html``.
+"""The benchmark stage's steps, each one call from ``notebooks/05_benchmark.ipynb``: every
+configuration the earlier stages hand over (``inputs``, ``variants``) timed beside the baseline in
+this process and judged against its images; ``save`` writes ``benchmark/results.json`` with the verdict.
 """
 
 from __future__ import annotations
@@ -37,8 +31,7 @@ def _slug(name: str) -> str:
 
 
 def gate_overrides(card) -> dict:
-    """Per-family gates from the card: ``cache.gates`` for cache and cache+parallel rows,
-    ``parallel.gates`` for parallel rows (``summary.family_gates``)."""
+    """Per-family gates from the card (``summary.family_gates``)."""
     return family_gates(card)
 
 
@@ -74,10 +67,8 @@ def measure(ctx, pipe, configs: list[Config], *, warmup: int | None = None, repe
 
 
 def verdict_rows(ctx) -> set[str]:
-    """The benchmark rows the verdict reads (the cache stage's chosen configuration, its fp8
-    composition when ``cache.fp8`` found one, the other configurations that passed on held-out
-    seeds — its possible runners-up, compared with it like for like — and their compiled twins):
-    timed warm and repeated whatever the card's ``benchmark`` section says."""
+    """The benchmark rows the verdict reads (every candidate and its compiled twin): timed warm and
+    repeated whatever the card's ``benchmark`` section says."""
     from .verdict import candidates
 
     cache = ctx.run.results_or_none("cache")
@@ -135,7 +126,6 @@ def save(ctx, report: BenchmarkReport, inputs: StageInputs,
             agree = compare_sets(report.baseline.images, stored, Gates()).to_dict()
             results.intake_agreement = {k: agree[k] for k in ("psnr_min", "ssim_min", "max_abs", "passed")}
     results.summary = summary_rows(results)
-    # what ships: the one rule over every configuration the cache stage confirmed, as timed here (verdict.py)
     from .verdict import verdict
 
     results.verdict = verdict(results, inputs.cache)
@@ -144,8 +134,7 @@ def save(ctx, report: BenchmarkReport, inputs: StageInputs,
 
 
 def summary_table(ctx, results: BenchmarkResults) -> str:
-    """The summary table as the report shows it (one quality figure per configuration, each
-    labelled; no speed for CPU processes), as HTML."""
+    """The summary table as the report shows it, as HTML."""
     from .report import summary_html
     from .shown import shown_rows
 
@@ -154,8 +143,7 @@ def summary_table(ctx, results: BenchmarkResults) -> str:
 
 
 def video_note(images: dict) -> dict | None:
-    """For video cases: their frame count and how a video's frames make its PSNR/SSIM (every
-    frame compared, the worst one counts: ``quality.FRAME_REDUCE``); None for images."""
+    """For video cases: their frame count and how a video's frames make its PSNR/SSIM; None for images."""
     from ..quality import FRAME_REDUCE
     from ..render import is_video
 

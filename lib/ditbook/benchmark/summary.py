@@ -10,17 +10,14 @@ COLUMNS = ("name", "family", "source", "nproc", "speedup", "e2e_ms", "psnr_min",
 
 
 def family_gates(card=None) -> dict[str, Gates]:
-    """The gates of each benchmark family, from the card's sections that judge quality (the
-    settings' defaults without a card): cache and cache+parallel rows by ``cache.gates``,
-    parallel rows by ``parallel.gates``."""
+    """The gates of each benchmark family from the card's sections (the defaults without a card)."""
     return {fam: (getattr(card, sec) if card is not None else SECTIONS[sec]()).gates
             for fam, sec in FAMILY_SECTION.items()}
 
 
 def gates_for_family(family: str, gates: dict | None = None) -> Gates:
-    """A family's gates from ``family_gates`` (or a mapping like it, whose values may be Gates
-    or ``{psnr, ssim}`` mappings over the defaults); a sub-family (``cache/dbcache``) takes its
-    family's gates."""
+    """A family's gates from ``family_gates`` or a mapping like it (values Gates or ``{psnr, ssim}``
+    over the defaults); a sub-family (``cache/dbcache``) takes its family's gates."""
     fam = family.split("/")[0]
     defaults = family_gates()
     base = defaults.get(fam, defaults["cache"])
@@ -36,8 +33,7 @@ def gates_dict(gates: dict | None = None) -> dict:
 
 
 def summary_rows(results) -> list[dict]:
-    """One row per configuration of a ``records.BenchmarkResults``: measured here first, then the
-    figures recorded by the cache and parallel stages that were not re-measured here."""
+    """One row per configuration: measured here first, then the earlier stages' recorded rows."""
     rows = []
     for c in [results.baseline, *results.configs]:
         e2e = c.timing["end_to_end"]["median"] if c.timing else None

@@ -19,8 +19,7 @@ def pipeline_techniques() -> list:
 
 def derived_configs(ctx, pipe, configs: list[Config], *, log: Callable[[str], None] = print,
                     **measure_kw) -> list[Config]:
-    """``configs`` followed by the rows each requested pipeline-wide technique adds;
-    ``measure_kw`` reach the techniques that measure before they choose (the attention backend)."""
+    """``configs`` followed by the rows each requested pipeline-wide technique adds."""
     out = list(configs)
     for technique in pipeline_techniques():
         settings = technique.requested(ctx.card)

@@ -1,14 +1,8 @@
 """The verdict of a run and its acceptance checklist, read from the stages' records.
 
-What ships is decided by one rule, ``ditbook.ship.decide``: here over every configuration the cache
-stage confirmed on held-out seeds, in every form the benchmark timed (plain, compiled, the fp8
-composition), each with its measured speed-up and range, its held-out figures and its checks (its
-images in the benchmark against the gates, the cache stage's compiled check, the fresh-process rerun
-of the fp8 composition). The verdict is that decision as every page shows it
-(``records.Verdict``); ``headline``, ``result.md`` and the report only read it.
-
-The checklist reads what each stage recorded; an item a stage does not record is ``None`` ("not
-recorded"), never a green check.
+What ships is decided by one rule, ``ditbook.ship.decide``, over every configuration the cache stage
+confirmed on held-out seeds, in every form the benchmark timed (plain, compiled, fp8), with its
+checks. An item of the checklist a stage does not record is ``None`` ("not recorded").
 """
 
 from __future__ import annotations
@@ -19,7 +13,6 @@ from ..settings import CacheSettings
 from ..ship import Candidate, decide
 
 NOT_RECORDED = "not recorded"
-HELD_OUT_CASES = "held-out seeds"
 
 
 def _f(v, nd: int = 2) -> str:
@@ -39,8 +32,7 @@ def fp8_row_name(cache: CacheResults | None) -> str | None:
 
 
 def speed_range(bench: BenchmarkResults | None, name: str) -> list[float] | None:
-    """``[low, high]``: the speed-up range ``name``'s end-to-end timings allow against the baseline's
-    (baseline min / its max, baseline max / its min)."""
+    """``[low, high]``: the speed-up range ``name``'s end-to-end min/max timings allow."""
     row = bench.row(name) if bench is not None else None
     base = bench.baseline.timing["end_to_end"] if bench is not None and bench.baseline.timing else None
     t = row.timing["end_to_end"] if row is not None and row.timing else None
@@ -156,8 +148,7 @@ def _cases(h: Holdout) -> str:
 
 
 def runner_up_text(v: Verdict, shown: int = 3) -> str:
-    """One sentence: the rule, and the (``shown`` first) runners-up with why they were not chosen
-    (the report lists them itself, each in words: ``report.runners_up``)."""
+    """One sentence: the rule, and the (``shown`` first) runners-up with why they were not chosen."""
     ups = v.runner_ups
     text = f"Chosen by the ship rule: {v.rule}."
     if not ups:
@@ -172,7 +163,7 @@ def runner_up_text(v: Verdict, shown: int = 3) -> str:
 
 def headline(v: Verdict, words: str | None = None) -> str:
     """One sentence: what to ship, how much faster, at what held-out quality against the gates
-    (``words``: the configuration as a reviewer reads it, in place of its key)."""
+    (``words``: the configuration in words, in place of its key)."""
     g, h = v.gates, v.holdout
     name = words or v.name
     q = (f"held-out worst PSNR {_f(h.psnr_min)} dB (gate > {g.psnr:g}), SSIM {_f(h.ssim_min, 4)} (gate > {g.ssim:g})"
@@ -329,8 +320,7 @@ def _holdout_item(v: Verdict, cache: CacheResults | None) -> dict:
 
 
 def _timing_item(bench: BenchmarkResults | None) -> dict:
-    """Whether the baseline's speed held through the benchmark (re-timed at the end against the
-    start), with the drift figure, the bound it was held to and the warm-up / repeats it got."""
+    """Whether the baseline's speed held through the benchmark (re-timed at the end against the start)."""
     t = bench.timing if bench is not None else None
     if t is None or t.drift is None:
         return _item("timing stable", None, NOT_RECORDED if bench is None else "baseline drift " + NOT_RECORDED)
@@ -342,8 +332,7 @@ def _timing_item(bench: BenchmarkResults | None) -> dict:
 
 
 def checklist(meta: dict, results: dict, v: Verdict | None = None) -> list[dict]:
-    """The acceptance checklist: ``[{item, ok (True/False/None), figure}]``. ``results`` maps a
-    stage name to its record (None when absent)."""
+    """The acceptance checklist ``[{item, ok (True/False/None), figure}]`` from each stage's record."""
     v = v or verdict(results.get("benchmark"), results.get("cache"))
     return [
         _gate_item(meta, results.get("intake")),

@@ -1,37 +1,17 @@
 """The cache schedule tuned with the block linears in fp8 (card ``cache.fp8``).
 
-fp8 and caching each change the images; their errors add. A schedule tuned without fp8 and then
-run with it can fail the gates that each alone passes (on the reference model: cache alone 31.2 dB
-held-out, fp8 alone 32.0 dB, the two together 27.3 dB against a 30 dB gate). So the stage tunes
-again with fp8 applied, and every figure of that search is the combined error:
-
-1. which layers: each block linear fp8 can take, ranked by how much it alone changes the
-   transformer's output (``accel.fp8.layer_sensitivity``, on the transformer calls of one
-   calibration case) — measured on the model, never chosen by name; measured only when a share
-   that keeps layers is tried (at the FLUX.1-dev shape the ranking of its 494 block linears took
-   about two minutes of an H200, and with every layer in fp8 the first share often passes);
-2. for each share of ``cache.fp8_keep`` (0, 0.25, 0.5 by default): that share of the layers, the
-   most sensitive first, stays in the model's dtype, the rest go to fp8, and the chosen strategy's
-   grid is searched again on the calibration cases (split ``fp8-calibration``) and confirmed on the
-   held-out seeds (``fp8-holdout``) exactly as the plain search is;
-3. the first share whose schedule passes on held-out seeds is the fp8 composition: its
-   calibration images are saved (``images/chosen_fp8``) for the fresh-process reproduction, and
-   ``results.json`` ``fp8.chosen`` names the strategy, its configuration and the quantized layers.
-
-The cache stage does not decide between the plain choice and the fp8 one: speed is the
-benchmark's to measure. The benchmark times both (``cache.benchmark_configs``), and the verdict
-ships the fp8 composition only when it is faster, passed on held-out seeds, passed its gates on
-the benchmark's images and reproduced in the fresh process (``benchmark.verdict.fp8_choice``).
-
-Where fp8 cannot run (no CUDA GPU of capability 8.9 or newer, no torchao) the search is refused
-before anything changes, with the reason; the stage goes on with its plain choice.
+fp8's and caching's errors add: a schedule tuned without fp8 can fail the gates once fp8 is on, so
+the chosen strategy is tuned again with fp8 applied and every figure is the combined error. Block
+linears are ranked by how much each alone changes the transformer's output (measured, only when a
+share keeping layers is tried); for each share of ``cache.fp8_keep`` the most sensitive layers stay
+in the model's dtype, the grid is searched on calibration cases and confirmed on held-out seeds.
+The first share that passes is the fp8 composition (images saved for the fresh-process
+reproduction). Speed is the benchmark's to judge. Where fp8 cannot run the search is refused.
 """
 
 from __future__ import annotations
 
 from typing import Callable
-
-import numpy as np
 
 from ..records import Fp8Search, decode
 
@@ -48,8 +28,7 @@ def torchao_fp8(transformer, layers: list) -> Callable[[], None]:
 
 
 def rank_layers(session, names: list, quantize: Quantize) -> list[dict]:
-    """``names`` ranked by their effect alone on the transformer's output (most sensitive first),
-    replaying the transformer calls of the first calibration case (about four of its steps)."""
+    """``names`` ranked by their effect alone on the transformer's output, most sensitive first."""
     from ..accel.fp8 import capture_calls, layer_sensitivity
     from .verify import render_set
 
@@ -71,8 +50,8 @@ def _quality(r) -> dict:
 
 
 def fp8_tune(session, progress=None, quantize: Quantize | None = None) -> Fp8Search:
-    """Tune the chosen strategy again with fp8 applied (module docstring); returns the record
-    ``results.json`` keeps as ``fp8``. ``quantize`` stands in for torchao's fp8 (tests on the CPU)."""
+    """Tune the chosen strategy again with fp8 applied (module docstring); ``quantize`` stands in for
+    torchao's fp8 (tests on the CPU)."""
     return decode(Fp8Search, _search(session, progress, quantize), "cache.fp8")
 
 
@@ -131,8 +110,8 @@ def _search(session, progress, quantize: Quantize | None) -> dict:
 
 def _try_share(session, out: dict, name: str, names: list, kept: list, share: float, quantize: Quantize,
                progress) -> dict | None:
-    """The strategy's search with every layer of ``names`` but ``kept`` in fp8; its try recorded
-    in ``out["tries"]``; the best held-out-passing composition, or None."""
+    """The strategy's search with every layer but ``kept`` in fp8 (recorded in ``out["tries"]``); the
+    best held-out-passing composition, or None."""
     layers = [n for n in names if n not in set(kept)]
     start = len(session.results)
     undo = quantize(session.pipe.transformer, layers)
@@ -156,10 +135,9 @@ def _try_share(session, out: dict, name: str, names: list, kept: list, share: fl
 
 
 def _save_chosen(session, chosen: dict, quantize: Quantize) -> str:
-    """Render the fp8 composition on the calibration cases and save the images the fresh-process
-    reproduction is compared with; returns their folder, relative to the stage's."""
+    """Render and save the fp8 composition's calibration images; returns their folder."""
     from .. import accel
-    from .verify import evaluate
+    from .verify import evaluate, save_images
 
     gen = session.card.generation
     cfg = accel.get(chosen["name"]).settings(**chosen["config"])
@@ -174,10 +152,7 @@ def _save_chosen(session, chosen: dict, quantize: Quantize) -> str:
     r.fp8 = {"kept": len(chosen["kept"]), "quantized": len(chosen["layers"])}
     session.results.append(r)
     chosen["calibration_quality"] = r.quality
-    folder = session.ctx.dir / FP8_IMAGES
-    folder.mkdir(parents=True, exist_ok=True)
-    for key, img in images.items():
-        np.save(folder / f"{key}.npy", np.asarray(img, dtype=np.float32))
+    save_images(session.ctx.dir / FP8_IMAGES, images)
     return FP8_IMAGES
 
 

@@ -1,17 +1,10 @@
 """Rerun a chosen cache configuration from the generated adapter module, in a fresh process.
 
-``python -m ditbook.cache.reproduce SPEC.json`` (written by ``CacheSession.reproduce``): loads
-the card's pipeline, imports ``cache/adapter_<model>.py`` from the run folder (which registers it
-with cache-dit), applies the chosen strategy through it, renders the calibration cases and prints one
-JSON line with the largest absolute difference from the images the stage verified; with the spec's
-``fp8`` (the composition ``cache.fp8`` tuned), that composition too, as ``fp8`` of the same line.
-
-``python -m ditbook.cache.reproduce --wait [PACKAGE] [--device=DEVICE]`` is the same process
-started ahead (``Ahead``, by ``CacheSession.open``): it imports the libraries (torch, diffusers,
-cache-dit: 15-20 s on a GPU host) and the pipeline's package, and starts the stage's device,
-while the stage works, then reads the spec's path from its
-standard input and runs as above. Nothing of the run (the card's files, the adapter module) is
-imported before the spec arrives; an end of input without a path ends it doing nothing.
+``python -m ditbook.cache.reproduce SPEC.json``: load the pipeline, import the run's adapter module,
+apply the chosen strategy (and the spec's ``fp8`` composition), render the calibration cases and
+print one JSON line with the largest absolute difference from the images the stage verified.
+``--wait [PACKAGE] [--device=DEVICE]`` starts it ahead (``Ahead``): it imports the libraries and
+warms the device, then reads the spec's path from standard input (an empty input ends it).
 """
 
 from __future__ import annotations
@@ -24,8 +17,7 @@ import numpy as np
 
 
 def _warm(package: str | None, device: str | None = None) -> None:
-    """The imports a reproduction starts with, then its device (``loading.warm_device``: CUDA's
-    context and libraries); a failure is left for the run itself to meet."""
+    """The imports a reproduction starts with, then its device; a failure is left for the run itself."""
     import importlib
 
     for name in ("torch", "diffusers", "cache_dit", "ditbook.adapter.build", "ditbook.accel",
@@ -84,8 +76,7 @@ def _diffs(images: dict, folder: Path) -> dict:
 
 
 def _fp8_rerun(pipe, card, adapter, f8: dict) -> dict:
-    """The fp8 composition rerun (torchao float8 on the recorded layers, the strategy through the
-    generated module), against the images the stage saved; an error is the record, not a crash."""
+    """The fp8 composition rerun against the images the stage saved; an error is the record."""
     from .. import accel
     from .fp8_tune import torchao_fp8
     from .verify import render_set

@@ -1,16 +1,9 @@
 """The cache stage as a sequence of library calls (the notebook calls one per cell).
 
-``CacheSession.open(ctx, report)`` loads the pipeline and builds the adapter (writing the
-generated module to ``cache/adapter_<model>.py``); then ``noise_floor``, ``adapter_checks``,
-``calibrate``, ``tune``, ``choose``, ``fp8_tune`` (card ``cache.fp8``), ``reproduce`` and
-``write_results``. Calibration cases are
-the card's prompts x seeds, compared with the intake baseline; held-out cases are
-``generation.holdout_prompts`` / ``holdout_seeds`` (or the seeds shifted by ``cache.holdout_shift``), compared with
-an uncached render made here.
-
-Card knobs: the typed ``cache:`` section (``ditbook.settings.CacheSettings``): ``gates``,
-``strategies``, ``max_configs``, ``confirm_tries``, ``holdout_shift``, ``reproduce``, ``reproduce_tolerance``,
-``fp8``, ``fp8_keep``; and ``runtime.compile`` (the chosen configuration checked compiled).
+``CacheSession.open(ctx, report)`` loads the pipeline and builds the adapter; then ``noise_floor``,
+``adapter_checks``, ``calibrate``, ``tune``, ``choose``, ``fp8_tune``, ``reproduce`` and
+``write_results``. Calibration cases (the card's prompts x seeds) are compared with the intake
+baseline, held-out cases with an uncached render made here. Card knobs: the ``cache:`` section.
 """
 
 from __future__ import annotations
@@ -20,9 +13,6 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass, field, replace
-from pathlib import Path
-
-import numpy as np
 
 from .. import accel
 from ..quality import Gates
@@ -30,7 +20,7 @@ from ..records import CacheResults, ChosenDetail, CompiledCheck, Fp8Search, Repr
 from ..adapter.build import CacheAdapter, CacheRefused, build_cache_adapter
 from ..adapter.loopfold import FoldError
 from .verify import (OrderDependentCache, StrategyRow, check_cases, counted_render, disabled_check,  # noqa: F401
-                     evaluate, max_abs, noise_floor, order_check)
+                     evaluate, max_abs, noise_floor, order_check, save_images)
 # the 03_cache notebook imports this module (and the display helpers) only: the other names it uses
 from ..context import open_stage  # noqa: F401
 from ..arch.report import ArchReport  # noqa: F401
@@ -43,8 +33,7 @@ class NoiseFloorError(RuntimeError):
 
 
 class AdapterCheckFailed(RuntimeError):
-    """A strategy with caching turned off does not reproduce the baseline: the adapter changes
-    the model's output, so no result of it can be trusted; the cache stage stops."""
+    """A strategy with caching turned off does not reproduce the baseline: the cache stage stops."""
 
 
 def gates_from_card(card) -> Gates:
@@ -113,7 +102,6 @@ class CacheSession:
         try:
             adapter = build_cache_adapter(pipe, report, ctx.card.name, write_to=ctx.dir, **adapter_kwargs)
         except (CacheRefused, FoldError) as exc:
-            # no safe adapter: record the named reason and let the run go on without caching
             refused = f"{type(exc).__name__}: {exc}"
             adapter = CacheAdapter.refused(pipe, report, ctx.card.name, refused, write_to=ctx.dir)
         return cls(ctx=ctx, report=report, pipe=pipe, adapter=adapter, gates=gates_from_card(ctx.card),
@@ -160,10 +148,9 @@ class CacheSession:
         return self.floor
 
     def adapter_checks(self) -> list[dict]:
-        """Every runnable strategy with caching turned off must reproduce the baseline: a hard
-        gate. A strategy that cannot run at all is skipped (named); one that runs but changes the
-        output stops the stage (``AdapterCheckFailed``) — after falling back from cache-dit's
-        registered adapter to ditbook's generated one when the failure was cache-dit's."""
+        """Every runnable strategy with caching turned off must reproduce the baseline (a hard gate,
+        ``AdapterCheckFailed``, after falling back from cache-dit's adapter to ditbook's); one that
+        cannot run is skipped, named."""
         if self.refused:
             self.checks = []
             return self.checks
@@ -198,9 +185,8 @@ class CacheSession:
         return self.checks
 
     def calibrate(self) -> dict:
-        """Constants each runnable technique measures on this model (its ``calibrate``, given
-        ``run(cases=None)``, which renders the first ``cases`` calibration cases, or all):
-        ``{technique: {setting: value}}``, or ``{technique: {"error": ...}}`` when it failed."""
+        """Constants each runnable technique measures on this model: ``{technique: {setting: value}}``,
+        or ``{technique: {"error": ...}}`` when it failed."""
         self.calibration = {}
         if self.refused:
             return {}
@@ -228,18 +214,15 @@ class CacheSession:
 
     # -- tuning --------------------------------------------------------------------------
     def tune(self, progress=None) -> list[dict]:
-        """Search every runnable strategy's grid on the calibration cases; confirm the best
-        passing configuration of each family on the held-out cases."""
+        """Search every runnable strategy's grid, each confirmed on the held-out cases."""
         self.confirm_tries = self.confirm_tries or self.card.cache.confirm_tries
         for name in self.runnable():
             self.tune_strategy(name, progress=progress)
         return self.table()
 
     def tune_strategy(self, name: str, progress=None, split_prefix: str = "", keep: bool = True) -> list:
-        """One strategy's grid on the calibration cases (split ``<split_prefix>calibration``), then
-        held-out confirmations from the most compute saved down (``<split_prefix>holdout``); returns
-        the held-out results. ``keep``: the best passing held-out images are kept for the report
-        (the plain search; the fp8 search, :mod:`.fp8_tune`, keeps none)."""
+        """One strategy's grid on the calibration cases, then held-out confirmations from the most
+        compute saved down; returns the held-out results. ``keep``: keep the best held-out images."""
         gen = self.card.generation
         limit = self.max_configs or self.card.cache.max_configs
         tries = self.confirm_tries or self.card.cache.confirm_tries
@@ -262,8 +245,6 @@ class CacheSession:
                 progress(r)
             if r.error:
                 break
-        # confirm on held-out cases, from the most compute saved down: the edge of what
-        # passed on calibration prompts often fails on new seeds
         passing = sorted([(r, c) for r, c in family if r.passed],
                          key=lambda rc: (-rc[0].skipped_fraction, -rc[0].quality.psnr_min))
         tried = set()
@@ -309,23 +290,18 @@ class CacheSession:
         return (r.skipped_fraction, r.quality.psnr_min)
 
     def _keep_holdout(self, result, images: dict) -> None:
-        """Keep the held-out images of the best passing held-out result so far (the one
-        :meth:`choose` will pick), and only those: one set in memory."""
+        """Keep only the held-out images of the best passing held-out result so far."""
         best = self.holdout_kept.get("result")
         if result.passed and result.quality and (best is None or self._rank(result) > self._rank(best)):
             self.holdout_kept = {"result": result, "images": images}
 
     def _save_holdout(self, best) -> dict | None:
-        """Save the chosen configuration's held-out images and their uncached references
-        (``images/holdout/chosen``, ``images/holdout/baseline``, ``.npy``), so the report can show
-        the image behind the held-out worst figure; ``{folder, baseline, keys, worst}`` or None."""
+        """Save the chosen configuration's held-out images and their uncached references for the
+        report; ``{folder, baseline, keys, worst}`` or None."""
         if self.holdout_kept.get("result") is not best or not self.holdout_refs:
             return None
-        root = self.ctx.dir / "images" / "holdout"
         for sub, images in (("chosen", self.holdout_kept["images"]), ("baseline", self.holdout_refs)):
-            (root / sub).mkdir(parents=True, exist_ok=True)
-            for key, img in images.items():
-                np.save(root / sub / f"{key}.npy", np.asarray(img, dtype=np.float32))
+            save_images(self.ctx.dir / "images" / "holdout" / sub, images)
         per = best.quality.per_image if best.quality else {}
         worst = min(per, key=lambda k: per[k].get("psnr", float("inf"))) if per else None
         return {"folder": "images/holdout/chosen", "baseline": "images/holdout/baseline",
@@ -342,10 +318,8 @@ class CacheSession:
                 for r in self.results if r.split == "holdout" and not r.error]
 
     def choose(self) -> ChosenDetail | None:
-        """The configuration the ship rule keeps before anything is timed (``ship.decide``: the most
-        work skipped among those passing on held-out seeds); its cases rendered again, and its last
-        case alone against it after the others (``order_check``: ``OrderDependentCache`` stops the
-        stage when they differ)."""
+        """The configuration the ship rule keeps before anything is timed, rendered again, with its
+        order check (``OrderDependentCache`` stops the stage)."""
         from ..ship import decide
 
         self.decision = decide(self.candidates(), self.gates, timed=False)
@@ -362,13 +336,9 @@ class CacheSession:
         images: dict = {}
         evaluate(self.pipe, self.card, self.adapter, best.name, cfg, self.baseline, self.baseline_counts, self.gates,
                  gen.prompts, gen.seeds, split="chosen", keep_images=images)
-        # a case alone must render as it does after another: else state outlives a generation
         self.order = order_check(self.pipe, self.card, self.adapter, best.name, cfg, images, gen.prompts, gen.seeds)
         self.chosen_images = images
-        folder = self.ctx.dir / "images" / "chosen"
-        folder.mkdir(parents=True, exist_ok=True)
-        for key, img in images.items():
-            np.save(folder / f"{key}.npy", img.astype(np.float32))
+        save_images(self.ctx.dir / "images" / "chosen", images)
         return self.chosen
 
     def passing_at(self, min_skipped: float = 0.4) -> list[dict]:
@@ -378,10 +348,8 @@ class CacheSession:
                 for r in self.results if r.split == "holdout" and r.passed and r.skipped_fraction >= min_skipped]
 
     def compiled_check(self, settings=None) -> CompiledCheck:
-        """The chosen configuration again with the blocks compiled (``accel.compile``, the card's
-        ``runtime.compile`` unless ``settings`` is given): its images against the uncompiled ones
-        (parallel gates: compile must not change the result), its render time against the
-        uncompiled one, and the one-time compile cost (first compiled render minus the second)."""
+        """The chosen configuration again with the blocks compiled: its images against the uncompiled
+        ones (parallel gates), its render time, and the one-time compile cost."""
         import time
 
         from ..accel.compile import Compile, compile_settings
@@ -429,8 +397,7 @@ class CacheSession:
         return self.compiled
 
     def fp8_tune(self, progress=None, quantize=None) -> Fp8Search:
-        """With card ``cache.fp8``: the chosen strategy tuned again with the block linears in fp8,
-        judged on held-out seeds (:mod:`.fp8_tune`); the record, also kept as ``self.fp8``."""
+        """With card ``cache.fp8``: the chosen strategy tuned again in fp8 (:mod:`.fp8_tune`)."""
         from .fp8_tune import fp8_tune
 
         self.fp8 = fp8_tune(self, progress=progress, quantize=quantize)
@@ -438,9 +405,7 @@ class CacheSession:
 
     # -- the generated module, in a fresh process ------------------------------------------
     def release_pipeline(self) -> None:
-        """Let go of the pipeline (and the cached images made with it stay on disk): the fresh
-        process of :meth:`reproduce` loads its own, and at a 12B model two copies at once would need
-        twice the model's memory on the device. Everything after it reads files only."""
+        """Let go of the pipeline: :meth:`reproduce`'s fresh process loads its own."""
         import gc
 
         import torch
@@ -453,10 +418,8 @@ class CacheSession:
             torch.cuda.empty_cache()
 
     def start_reproduction(self) -> None:
-        """Start :meth:`reproduce`'s fresh process now, so its library imports overlap the stage's
-        work (``reproduce.Ahead``; the stage notebook calls it right after opening the session). It
-        is used or ended by :meth:`reproduce`; a stage that never gets there ends it when the
-        session goes (its input closes when the stage's kernel ends, too)."""
+        """Start :meth:`reproduce`'s fresh process now, so its imports overlap the stage's work; ended
+        when the session goes if never used."""
         import weakref
 
         from .reproduce import Ahead
@@ -473,9 +436,7 @@ class CacheSession:
         weakref.finalize(self, self._ahead.close)
 
     def reproduce(self, timeout: float = 600) -> Reproduction:
-        """Import the generated adapter module in a fresh Python process (started ahead by
-        :meth:`start_reproduction` where it could be), rerun the chosen configuration and compare
-        with the images verified here."""
+        """Rerun the chosen configuration from the generated module in a fresh process; compare."""
         ahead, self._ahead = self._ahead, None
         if not self.chosen:
             if ahead is not None:

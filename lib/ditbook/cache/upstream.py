@@ -1,24 +1,12 @@
 """Code a cache-dit maintainer can merge: for the model of a cache stage, three plain files under
 ``cache/upstream/`` of the run folder, in the layouts cache-dit 1.5 uses for its own models.
 
-- ``<model>_adapter.py`` — the adapter module the cache stage ran (``cache/adapter_<model>.py``),
-  copied byte for byte: like ``cache_dit/caching/block_adapters/adapters.py``, a registration
-  function decorated with ``BlockAdapterRegister.register("<PipelineClass>")`` that returns the
-  ``BlockAdapter`` (block lists, forward patterns, separate-CFG flag), and, when the inspection
-  found loop work that cache-dit's cached blocks would skip, the patch functor as a
-  ``PatchFunctor`` class (like ``cache_dit/caching/patch_functors/functor_*.py``) whose loop-body
-  modules and folded forward are ordinary ``def``s — no ``exec``, no source strings, no generated
-  module names (``adapter_source`` writes it); the names the model's code uses are imported from
-  the modules that define it.
-- ``<model>_cp_planner.py`` — like ``cache_dit/distributed/transformers/<model>.py``: a
-  ``ContextParallelismPlanner`` subclass whose ``_apply`` returns the context-parallel plan with
-  cache-dit's ``_ContextParallelInput`` / ``_ContextParallelOutput``, and ``register_cp_planner()``
-  (cache-dit's registry refuses a name twice, so registering is a call, not an import effect).
-- ``<model>_example.py`` — like cache-dit's examples: load the pipeline, enable the cache with the
-  configuration the stage chose (or the best passing cache-dit one), render, save.
+- ``<model>_adapter.py`` — the adapter module the cache stage ran, copied byte for byte (a
+  ``BlockAdapterRegister`` registration and, where needed, a ``PatchFunctor``).
+- ``<model>_cp_planner.py`` — a ``ContextParallelismPlanner`` subclass and ``register_cp_planner()``.
+- ``<model>_example.py`` — load the pipeline, enable the cache with the chosen configuration, render.
 
-They need diffusers, cache-dit and the model's own code, never ditbook. ``write_upstream`` copies
-the text the stage's adapter was imported from and reads the stage's ``AdapterInfo`` and ``CPPlan``.
+They need diffusers, cache-dit and the model's own code, never ditbook.
 """
 
 from __future__ import annotations
@@ -50,13 +38,8 @@ class UpstreamFiles:
 
 
 def importable_module(cls) -> tuple[str, str | None]:
-    """The name a plain interpreter imports ``cls``'s module by, and the folder that must be on
-    ``sys.path`` for it (None when the module is importable by its own name, e.g. diffusers')."""
+    """(the module name a plain interpreter imports ``cls`` by, the folder it needs on sys.path)."""
     return importable_module_name(cls.__module__)
-
-
-# --------------------------------------------------------------------------------------------
-# the CP planner
 
 
 def _cp_code(v) -> str:
@@ -111,14 +94,9 @@ def cp_planner_source(plan: dict, source: str, notes: list, transformer_class: s
     return "\n".join(lines)
 
 
-# --------------------------------------------------------------------------------------------
-# the example
-
-
 def cache_dit_call(session, name: str, config: dict) -> dict | None:
-    """The ``cache_dit.enable_cache`` keyword arguments a strategy configuration really passes
-    (recorded by applying it once and undoing it; nothing is rendered), or None when the
-    strategy does not go through cache-dit."""
+    """The ``cache_dit.enable_cache`` keyword arguments a strategy configuration passes (recorded by
+    applying and undoing it), or None when the strategy does not go through cache-dit."""
     import cache_dit
 
     from .. import accel
@@ -188,8 +166,7 @@ def _enable_lines(call: dict, adapter_expr: str) -> list[str]:
 
 
 def _findable(module: str) -> bool:
-    """Whether a fresh interpreter finds ``module`` on its path (modules only in this process's
-    ``sys.modules``, e.g. loaded from a file under another name, are not)."""
+    """Whether a fresh interpreter finds ``module`` on its path (not only in this ``sys.modules``)."""
     import importlib.machinery
 
     return importlib.machinery.PathFinder.find_spec(module.split(".")[0]) is not None
@@ -323,9 +300,6 @@ def example_source(session, info: AdapterInfo, strategy: dict) -> str:
     return "\n".join(lines)
 
 
-# --------------------------------------------------------------------------------------------
-
-
 def write_upstream(session, folder: str | Path | None = None) -> UpstreamFiles:
     """Write the three files for the session's model under ``cache/upstream/`` (or ``folder``)."""
     from copy import deepcopy
@@ -338,7 +312,6 @@ def write_upstream(session, folder: str | Path | None = None) -> UpstreamFiles:
     base = safe_name(info.model)
     adapter_path = folder / f"{base}_adapter.py"
     refused = getattr(session, "refused", None)  # the cache stage refused caching: no adapter to ship, no example
-    # the very text the stage's adapter was imported from (a refusal: the note saying why there is none)
     adapter_path.write_text(refused_module_source(info) if refused else session.adapter.source)
     out = UpstreamFiles(folder=str(folder), adapter_module=adapter_path.name, example="")
     try:

@@ -1,10 +1,6 @@
-"""Verification of a cache strategy against baseline images, with counted savings.
-
-``evaluate`` applies one strategy configuration, renders the cases, removes it again, and
-returns a ``StrategyRow``: the quality of the set (``bench.metrics.compare_sets``: PSNR in
-float, SSIM, max abs, NaN/Inf/blank, worst tile), the fraction of block (and attention)
-evaluations really skipped against the uncached count, and cached steps. ``noise_floor``
-measures what is achievable at all: the baseline re-run, and against another attention backend.
+"""Verification of a cache strategy against baseline images, with counted savings: ``evaluate``
+(one configuration's quality and skipped evaluations) and ``noise_floor`` (the baseline re-run,
+and under another attention backend).
 """
 
 from __future__ import annotations
@@ -26,6 +22,13 @@ def render_set(pipe, card, prompts, seeds, **overrides) -> dict:
     return {r.key: r.image for r in render_all(pipe, card, prompts=prompts, seeds=seeds, **overrides)}
 
 
+def save_images(folder, images: dict) -> None:
+    """Each image as ``<folder>/<key>.npy`` (float32)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for key, img in images.items():
+        np.save(folder / f"{key}.npy", np.asarray(img, dtype=np.float32))
+
+
 def counted_render(pipe, card, adapter, prompts, seeds, **overrides) -> tuple[dict, dict]:
     """Render with every original block and attention module counted."""
     counter = EvalCounter(pipe.transformer, adapter.counted_blocks())
@@ -41,9 +44,8 @@ class _CaseFailed(Exception):
 
 
 def render_until_failure(pipe, card, prompts, seeds, references: dict, gates: Gates) -> tuple[dict, str | None]:
-    """Render the cases in order, each compared with its reference as it comes; stop at the first
-    that fails a gate. Every gate holds per image, so one failing case fails the set: the cases
-    left would not change the verdict. Returns (images rendered, why it stopped or None)."""
+    """Render the cases in order, stopping at the first that fails a gate (one failing case fails the
+    set). Returns (images rendered, why it stopped or None)."""
     images: dict = {}
 
     def check(done: int, total: int, r) -> None:
@@ -69,8 +71,8 @@ def _partial(baseline_counts: dict, rendered: int, total: int) -> dict:
 def evaluate(pipe, card, adapter, name: str, config, references: dict, baseline_counts: dict,
              gates: Gates, prompts, seeds, split: str = "calibration", keep_images: dict | None = None,
              stop_at_failure: bool = False) -> StrategyRow:
-    """``stop_at_failure``: stop rendering at the first case that fails a gate (the verdict of the
-    set is then known); the search's rows use it, the checks that need every image do not."""
+    """One configuration applied, the cases rendered and compared, the configuration removed.
+    ``stop_at_failure``: stop at the first case that fails a gate."""
     strat = accel.get(name)
     start = time.perf_counter()
     handle, stopped = None, None
@@ -107,10 +109,7 @@ def max_abs(images: dict, references: dict) -> float:
 
 
 def other_attention_backend(pipe) -> str:
-    """The attention backend the noise floor compares with: on a GPU torch's memory-efficient
-    kernel (another kernel than the default flash / cuDNN pick, in O(tokens) memory: math SDPA
-    holds every head's tokens x tokens scores, 26 GB per call at a Wan-1.3B 480p video's 32,760
-    tokens); on the CPU math SDPA (the default there is the flash-style CPU kernel)."""
+    """The backend the noise floor compares with: memory-efficient on a GPU, math SDPA on the CPU."""
     device = next((p.device for p in pipe.transformer.parameters()), None)
     return "_native_efficient" if device is not None and device.type == "cuda" else "_native_math"
 
@@ -147,18 +146,15 @@ def noise_floor(pipe, card, adapter, intake: dict, gates: Gates, other_backend: 
 
 
 class OrderDependentCache(RuntimeError):
-    """A cache configuration renders a case differently alone than after another case: its state
-    outlives a generation (one render's residuals reused in the next), so its quality and savings
-    depend on the order of the renders; the cache stage stops."""
+    """A cache configuration renders a case differently alone than after another case (its state
+    outlives a generation); the cache stage stops."""
 
 
 def order_check(pipe, card, adapter, name: str, config, in_order: dict, prompts, seeds,
                 tolerance: float | None = None) -> dict:
-    """The last of ``in_order``'s cases (rendered in that order with one application of the
-    strategy) rendered again alone, with the strategy applied afresh: the two must agree within
-    ``tolerance`` (default the card's ``cache.reproduce_tolerance``). With one case, that case is
-    rendered after the next seed's, in one application. Raises ``OrderDependentCache``; returns
-    the record."""
+    """The last of ``in_order``'s cases rendered again alone with the strategy applied afresh (with one
+    case: after the next seed's): the two must agree within ``tolerance`` (default the card's
+    ``cache.reproduce_tolerance``), else ``OrderDependentCache``. Returns the record."""
     from ..render import cases
 
     tolerance = card.cache.reproduce_tolerance if tolerance is None else tolerance
@@ -192,8 +188,7 @@ def order_check(pipe, card, adapter, name: str, config, in_order: dict, prompts,
 
 
 def check_cases(prompts: list, seeds: list, n: int | None) -> tuple[list, list]:
-    """The first ``n`` cases (None: all) as a (prompts, seeds) product that keeps the cases' keys:
-    the first prompt with the seeds in order, then the next prompt's, and so on."""
+    """The first ``n`` cases (None: all) as a (prompts, seeds) product that keeps the cases' keys."""
     if n is None or n >= len(prompts) * len(seeds):
         return list(prompts), list(seeds)
     b = min(len(seeds), n)
@@ -202,10 +197,8 @@ def check_cases(prompts: list, seeds: list, n: int | None) -> tuple[list, list]:
 
 def disabled_check(pipe, card, adapter, name: str, references: dict, baseline_counts: dict, gates: Gates,
                    prompts, seeds, tolerance: float | None = None) -> dict:
-    """The strategy with caching turned off by its threshold must reproduce the baseline
-    (within ``tolerance``, default the card's ``cache.reproduce_tolerance``) on the given cases,
-    a subset of ``references`` (``check_cases``: the check is of the adapter's wiring, which one
-    case runs as every case does; the cached renders are judged on every case elsewhere)."""
+    """The strategy with caching turned off must reproduce the baseline within ``tolerance`` (default
+    the card's ``cache.reproduce_tolerance``) on the given cases, a subset of ``references``."""
     tolerance = card.cache.reproduce_tolerance if tolerance is None else tolerance
     strat = accel.get(name)
     cfg = strat.disabled(adapter, card.generation.steps)

@@ -1,10 +1,6 @@
 """Which parallel plans a model admits at world sizes 1, 2, 4, 8, and why not where it doesn't:
-each parallel technique of ``ditbook.accel`` judges itself (its ``judge(facts, n)``) on the facts
-gathered here once.
-
-Read from the inspection report (heads, KV heads, fused QKV, attention kind, masks, sequence
-lengths, CFG style, registered planners) and the card (guidance settings, model folder's
-component classes). Nothing here runs the model.
+each ``ditbook.accel`` technique judges itself on facts gathered here once from the inspection
+report and the card (nothing runs the model).
 """
 
 from __future__ import annotations
@@ -74,11 +70,7 @@ def model_components(card: ModelCard) -> dict[str, str]:
 
 
 def _cache_dit_registered(folder: str, registry: str) -> set[str]:
-    """Class names cache-dit registers planners for in ``distributed/<folder>``.
-
-    Read from the source files' ``@<Registry>.register("Name")`` lines, because importing the
-    planners themselves pulls in optional dependencies (einops) that a CPU install may lack.
-    """
+    """Class names cache-dit registers planners for in ``distributed/<folder>``, from its source."""
     try:
         import cache_dit
     except ImportError:
@@ -109,8 +101,7 @@ def _cfg_active(report: ArchReport, card: ModelCard) -> tuple[bool, str]:
 
 @dataclass
 class ModelFacts:
-    """What the kind judges read: the inspection's attention facts, the CFG verdict, the
-    registered planners and the device, gathered once per table."""
+    """What the kind judges read, gathered once per table."""
 
     att: AttentionFacts
     heads: int | None

@@ -1,15 +1,8 @@
 """Launching plans under torchrun and judging them against the single-process baseline.
 
-``launch`` starts ``python -m torch.distributed.run --nproc_per_node N -m ditbook.parallel.worker``
-(gloo on CPU, NCCL on GPU) in its own process group, waits at most ``total_timeout`` seconds
-and kills the whole group after that; a failing rank makes torchrun end the others, and
-``launch`` raises ``ParallelRunError`` naming the rank and its error.
-
-``run_plans`` is the entry point for the stage and for the benchmark stage: it launches the
-single-process baseline and the plans in one torchrun (so every figure comes from the same
-processes), compares each plan's images with the baseline's (the card's ``parallel.gates``; a
-+cache plan also against the uncached baseline with ``cache.gates``) and returns one
-``records.PlanRow`` per plan with its seconds and speedup.
+``launch`` runs ``ditbook.parallel.worker`` under torchrun in its own process group and kills the
+group after ``total_timeout``; ``run_plans`` launches the baseline and the plans together and
+returns one ``records.PlanRow`` per plan, judged with the card's gates.
 """
 
 from __future__ import annotations
@@ -22,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -63,10 +56,8 @@ class LaunchResult:
 
 @dataclass
 class Nodes:
-    """Where the ranks run. One host: torchrun's standalone rendezvous. Several hosts: the same
-    command on each, with ``node_rank`` 0..count-1 and the address of node 0 (``host:port``);
-    torchrun's static rendezvous then gives node 0 global rank 0, which writes the images and
-    ``worker.json``. The world size is ``count`` x ``--nproc``."""
+    """Where the ranks run: one host (standalone rendezvous), or ``count`` hosts each given its
+    ``node_rank`` and node 0's ``host:port`` (node 0 holds global rank 0 and ``worker.json``)."""
 
     count: int = 1
     node_rank: int = 0
@@ -130,13 +121,9 @@ def _rank_lines(log: str, local_rank: int | None, last: int = 6) -> list[str]:
 
 
 def _failure_message(log: str, rc: int | None) -> str:
-    """Name the rank that caused the failure, with its last lines of output.
-
-    torchrun stops the other ranks with SIGTERM once one fails, so a rank that ended by SIGTERM
-    is never the cause (unless every rank did: then the run was stopped from outside). A rank
-    killed by another signal (SIGKILL: out of memory, a crash) is the cause even when torchrun
-    observes a peer's error first (the peer fails *because* its partner died); then the rank of
-    torchrun's "Root Cause" block; then any other rank that exited non-zero."""
+    """Name the rank that caused the failure, with its last lines of output: a rank killed by a
+    signal other than SIGTERM (torchrun's stop) first, then torchrun's "Root Cause", then any
+    other rank that exited non-zero."""
     blocks: dict[str, tuple[int, int | None]] = {}  # global rank -> (exit code, local rank)
     for rank, local, code in _BLOCK_RE.findall(log):
         blocks.setdefault(rank, (int(code), int(local) if local else None))
@@ -225,9 +212,7 @@ def launch(card: str | Path, plans: list[str], nproc: int, out_dir: str | Path, 
 
 
 def _kill_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
-    """End torchrun's process group (its own session: torchrun and every rank) — SIGTERM, then
-    SIGKILL for what is left after ``grace`` seconds. Ranks that left the group are ended too
-    (found as torchrun's descendants before anything is signalled)."""
+    """End torchrun's process group (and ranks that left it) — SIGTERM, then SIGKILL after ``grace``."""
     try:
         from ..processes import descendants
 
@@ -252,9 +237,8 @@ def _kill_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
 
 def judge(result: LaunchResult, plans: list[str], gates: Gates | None = None,
           cache_gates: Gates | None = None) -> list[PlanRow]:
-    """Compare each plan with its single-process reference from the same launch, with ``gates``
-    (a card's ``parallel.gates``); a +cache plan also with the uncached baseline, with
-    ``cache_gates`` (a card's ``cache.gates``). None: the settings' defaults."""
+    """Compare each plan with its single-process reference from the same launch (``gates``); a
+    +cache plan also with the uncached baseline (``cache_gates``). None: the settings' defaults."""
     from ..settings import CacheSettings, ParallelSettings
 
     gates = gates or ParallelSettings().gates
@@ -276,30 +260,26 @@ def judge(result: LaunchResult, plans: list[str], gates: Gates | None = None,
         details["reference_seconds"] = ref_s
         details["baseline_seconds"] = base_s
         bq = compare_sets(result.images(name), base, cache_gates) if spec.cache and base is not None else None
-        quality = q
         sharding, ref_sharding = result.sharding(name), result.sharding(ref_name)
         sharding_problem = sharding_failure(spec, sharding) or cfg_split_failure(spec, sharding, ref_sharding) \
             or cache_skip_failure(spec, entry)
         if sharding is not None:
             details["sharding"] = sharding
         if sharding_problem:  # parity cannot see a plan that splits nothing: this can
-            quality.reasons = [*quality.reasons, sharding_problem]
+            q.reasons = [*q.reasons, sharding_problem]
         elif not q.passed:  # the plan ran and its output is not the reference's: a named error too
             sharding_problem = f"ParityError: against {ref_name}: " + "; ".join(
-                (quality.reasons or ["the quality gates failed"])[:2])
+                (q.reasons or ["the quality gates failed"])[:2])
         out.append(PlanRow(name=name, world_size=spec.world_size, passed=q.passed and not sharding_problem,
-                              quality=quality,
-                              seconds=s, speedup=(ref_s / s) if ref_s and s else None, reference=ref_name,
+                              quality=q, seconds=s, speedup=(ref_s / s) if ref_s and s else None, reference=ref_name,
                               baseline_quality=bq, details=details, error=sharding_problem,
                               gates={"quality": gates.to_dict(), "baseline_quality": cache_gates.to_dict()}))
     return out
 
 
 def cache_skip_failure(spec, entry: dict) -> str | None:
-    """Why a ``+cache`` plan's record shows its cache skipped nothing (None when it skipped, and for
-    plans without a cache): no cached step (``cached_steps``, cache-dit's record of the last
-    generation) and no skip agreed across the ranks (``cache_agreement.skips``). Such a plan is the
-    uncached plan under another name; its parity and timing say nothing about caching."""
+    """Why a ``+cache`` plan's record shows its cache skipped nothing (no cached step, no skip agreed
+    across the ranks); None when it skipped, and for plans without a cache."""
     if not spec.cache:
         return None
     steps = entry.get("cached_steps")
@@ -312,10 +292,8 @@ def cache_skip_failure(spec, entry: dict) -> str | None:
 
 
 def sharding_failure(spec, sharding: Sharding | None) -> str | None:
-    """Why the plan's recorded block inputs show it did not split (None when they show it did).
-    A CP plan without a record fails too: it cannot show that it split anything. Tensor, VAE and
-    text-encoder parallel and ditbook's ring (each kind that ``records`` on the ranks) are judged by
-    their own per-rank records (``sharding.kinds``)."""
+    """Why the plan's records show it did not split (None when they show it did; a CP plan without a
+    record fails). Each kind that ``records`` on the ranks is judged by its own record."""
     for technique in spec.kinds():
         if not technique.records(spec):
             continue
@@ -336,9 +314,8 @@ def sharding_failure(spec, sharding: Sharding | None) -> str | None:
 
 
 def cfg_split_failure(spec, sharding: Sharding | None, reference: Sharding | None) -> str | None:
-    """Why the recorded block rows show that a CFG-parallel plan's ranks did not divide the
-    branches (None when they show they did, and for plans without CFG parallelism). The record
-    goes into ``sharding.cfg_check``."""
+    """Why the block rows show a CFG-parallel plan's ranks did not divide the branches (None when
+    they did, or without CFG parallelism); the record goes into ``sharding.cfg_check``."""
     from ..cp.sharding import CfgSplitError, check_cfg_split
 
     if spec.cfg <= 1:
@@ -355,9 +332,7 @@ def cfg_split_failure(spec, sharding: Sharding | None, reference: Sharding | Non
 
 
 def ranks_present(device: str | None) -> int | None:
-    """How many ranks this machine can give a device of their own: ``$DITBOOK_GPUS`` when set
-    (a GPU count to assume, e.g. to try the one-GPU machine on a CPU), else the CUDA devices
-    torch sees when the model runs on CUDA; None when ranks run on the CPU (gloo, any number)."""
+    """Ranks with a device of their own: ``$DITBOOK_GPUS``, else the CUDA devices; None on the CPU."""
     env = os.environ.get("DITBOOK_GPUS", "").strip()
     if env:
         try:
@@ -379,17 +354,13 @@ def _cuda_available() -> bool:
 
 def run_plans(card: str | Path, plans: list[str], nproc: int, out_dir: str | Path, *, gates: Gates | None = None,
               cache_gates: Gates | None = None, **launch_opts) -> tuple[list[PlanRow], LaunchResult]:
-    """Launch the baseline(s) and ``plans`` together and judge each plan against its baseline,
-    with the card's ``parallel.gates`` and ``cache.gates`` (after its overrides) unless given.
+    """Launch the baseline(s) and ``plans`` together and judge each plan against its baseline, with
+    the card's gates unless given. ``PlanRow.seconds``: median seconds per image after warm-up."""
+    from ..card import load_card
 
-    This is what the benchmark stage calls to time a plan: ``PlanRow.seconds`` is the median
-    seconds per image (after ``warmup`` renders), ``speedup`` the ratio to the single-process
-    run in the same launch; ``LaunchResult.worker`` holds every per-image time.
-    """
     graphed = [p for p in plans if parse_plan(p).graph]
     cached_graphs = [p for p in graphed if parse_plan(p).cache]
     if cached_graphs:  # +cache+graph: only a static cache schedule has a fixed call pattern
-        from ..card import load_card
         from ..accel.graphs import cache_graph_refusal
 
         c = load_card(card, launch_opts.get("overrides"))
@@ -400,8 +371,6 @@ def run_plans(card: str | Path, plans: list[str], nproc: int, out_dir: str | Pat
         raise ValueError(f"plans {', '.join(graphed)} replay CUDA graphs and this machine has no CUDA GPU; "
                          "run them on a GPU host or drop +graph")
     if gates is None or cache_gates is None:
-        from ..card import load_card
-
         c = load_card(card, launch_opts.get("overrides"))
         gates, cache_gates = gates or c.parallel.gates, cache_gates or c.cache.gates
     judged, result = launch_each_plan(card, plans, nproc, out_dir, gates, cache_gates, **launch_opts)
@@ -415,12 +384,9 @@ def _refs(plans: list[str]) -> list[str]:
 
 def launch_each_plan(card, plans: list[str], nproc: int, out_dir: str | Path, gates: Gates, cache_gates: Gates,
                      **launch_opts) -> tuple[list[PlanRow], LaunchResult]:
-    """Launch the references and ``plans`` in one torchrun; when a plan fails in the ranks (its
-    error, a dead or stalled rank), torchrun ends every rank, so the plans that finished are judged
-    from rank 0's progress record, the failed plan is recorded with its named error
-    (``failed_plan``), and the plans after it run in a new launch (with their references again, so
-    every figure still comes from the processes that made it). A failure of a reference is the
-    launch's: it raises ``ParallelRunError``. ``LaunchResult.attempts`` lists every launch."""
+    """Launch the references and ``plans`` in one torchrun. When a plan fails in the ranks, the
+    finished plans are judged from rank 0's progress record, the failed one recorded with its
+    named error, and the rest relaunched with their references; a reference failing raises."""
     out_dir = Path(out_dir)
     judged: list[PlanRow] = []
     attempts: list[dict] = []
@@ -493,8 +459,7 @@ def _failed_plan(out_dir: Path, refs: list[str], todo: list[str]) -> tuple[str |
 
 
 def _rank_error(out_dir: Path, plan: str) -> str | None:
-    """The named error the first rank to fail recorded for ``plan`` (its peers fail after it, in the
-    collective it left: "connection closed by peer"), or None."""
+    """The named error the first rank to fail recorded for ``plan`` (its peers fail after it), or None."""
     recs = []
     for f in out_dir.glob("worker.failed.rank*.json"):
         try:

@@ -1,27 +1,12 @@
 """Parallel plans by name: what a plan asks for, parsed from names like ``ulysses2`` or
 ``cfg2_ulysses2+cache``.
 
-A plan is one degree per parallel technique (``ditbook.accel``, each naming its plan token: ``cfg``,
-``ulysses``, ``ring``, ``usp`` (R x U: ring R, ulysses U), ``tp``, ``vae``, ``te``), joined by ``_``,
-plus options after ``+``; ``single`` is the one-process baseline. The world size is the product of
-the degrees of the kinds that take ranks of their own, or the degree of a kind that rides on the
-plan's ranks (``vae<N>``, ``te<N>``: on any plan of the same world size). The grammar is the
-registry's: a technique module that names a new token makes it parseable.
-
-    ...+cache       (cache-dit DBCache on top, skip decision agreed across ranks; through cache-dit's
-                     adapter where it registers the pipeline, else ditbook's generated one)
-    ...+compile     (regional torch.compile of the repeated blocks, after the parallel hooks)
-    ...+graph       (each transformer call replayed as a CUDA graph, ``accel.graphs``; GPU only;
-                     with +cache: graphs of the computed steps only, and only for a static cache
-                     schedule, ``parallel.cache`` with a ``steps_computation_mask`` and
-                     ``steps_computation_policy: static`` — a dynamic cache is refused before launch
-                     by ``graphs.cache_graph_refusal``, naming why)
-
-Compositions: the options combine, e.g. ``ulysses2+cache+compile``, ``cfg2+cache+compile``; each
-is judged like every plan, against the one-process run of the same cache (``single+cache``) with
-``parallel.gates`` and against the uncached baseline with ``cache.gates``. A technique refuses the
-plans it does not run (``refusal``: tensor parallel composed with CP; a ring of cache-dit's on the
-CPU), before any process starts.
+A plan is one degree per parallel technique (each ``ditbook.accel`` kind names its token: ``cfg``,
+``ulysses``, ``ring``, ``usp`` (ring R x ulysses U), ``tp``, ``vae``, ``te``), joined by ``_``, plus
+options after ``+`` (``cache``: cache-dit DBCache, decisions agreed across ranks; ``compile``: regional
+torch.compile; ``graph``: CUDA graphs, with +cache only for a static schedule). ``single`` is the
+one-process baseline. The world size is the product of the degrees of the kinds that take ranks of
+their own, or the degree of a kind that rides on the plan's ranks (``vae<N>``, ``te<N>``).
 """
 
 from __future__ import annotations
@@ -131,8 +116,7 @@ def parse_plan(name: str) -> PlanSpec:
 
 
 def refusal(spec: PlanSpec, device: str | None = None) -> str | None:
-    """Why ditbook will not launch this plan (on ``device``, when given); None when it can. Each
-    technique of the plan is asked; checked before any process starts."""
+    """Why ditbook will not launch this plan (on ``device``, when given; each technique is asked); None when it can."""
     for technique in spec.kinds():
         why = technique.refusal(spec, device)
         if why:

@@ -1,10 +1,5 @@
 """What the ``04_parallel`` notebook calls: choose plans, time the GQA paths, run, and write
-``parallel/results.json``.
-
-``parallel/results.json`` is ``records.ParallelResults``: each plan's row (parity against its
-one-process reference, speed-up, named error), the plans not run and why, the GQA timing, the
-launch attempts, and per plan the split each rank received (``records.ShardingSummary``; the
-whole per-rank record is in the plan's ``details.sharding``).
+``parallel/results.json`` (``records.ParallelResults``).
 """
 
 from __future__ import annotations
@@ -25,15 +20,9 @@ from .feasibility import feasibility  # noqa: F401
 def choose_plans(table: FeasibilityTable, nproc: int, wanted: list[str] | None = None,
                  with_cache: bool = False, with_graph: bool = False,
                  present: int | None = None, cache_refused: str | None = None) -> tuple[list[str], list[dict]]:
-    """Plans to launch at ``nproc`` processes, and those ruled out with their reason.
-
-    ``cache_refused``: why the cache stage refused caching on this model (``cache_refusal``);
-    every ``+cache`` plan is then listed as not run with that reason, and the others go on.
-
-    ``with_graph`` adds each feasible plan again as ``+compile+graph`` (regional compile, each
-    transformer call replayed as a CUDA graph: GPU only, see ``accel.graphs``). ``present``
-    is the number of GPUs the ranks can use (``launch.ranks_present``; None on the CPU): a plan
-    needing more is listed as not run, "needs 2 GPUs, 1 present", and never launched."""
+    """Plans to launch at ``nproc`` processes, and those ruled out with their reason. ``with_graph``
+    adds each feasible plan as ``+compile+graph``; ``present``: the GPUs the ranks can use (None on
+    the CPU); ``cache_refused``: why the cache stage refused caching (every ``+cache`` plan not run)."""
     run, skipped = _choose_plans(table, nproc, wanted, with_cache, with_graph)
     if present is not None and nproc > present:
         skipped += [{"name": p, "reason": f"not run: needs {parse_plan(p).world_size} GPUs, {present} present"}
@@ -75,20 +64,22 @@ def _choose_plans(table: FeasibilityTable, nproc: int, wanted: list[str] | None,
             else:
                 run.append(p)
         return run, skipped
-    base = [p for p in table.feasible_plans(nproc) if p != "single"]
-    skipped = [{"name": p, "reason": refusal(parse_plan(p))} for p in base if refusal(parse_plan(p))]
-    base = [p for p in base if not refusal(parse_plan(p))]
+    base, skipped = _refused([p for p in table.feasible_plans(nproc) if p != "single"])
     run = list(base)
     if with_cache:
         cached = [f"{p}+cache" for p in base if parse_plan(p).uses_cp or parse_plan(p).cfg > 1]
-        skipped += [{"name": p, "reason": refusal(parse_plan(p), table.facts.get("device"))}
-                    for p in cached if refusal(parse_plan(p), table.facts.get("device"))]
-        run += [p for p in cached if not refusal(parse_plan(p), table.facts.get("device"))]
+        ok, no = _refused(cached, table.facts.get("device"))
+        run, skipped = run + ok, skipped + no
     if with_graph:
-        graphed = [f"{p}+compile+graph" for p in base]
-        skipped += [{"name": p, "reason": refusal(parse_plan(p))} for p in graphed if refusal(parse_plan(p))]
-        run += [p for p in graphed if not refusal(parse_plan(p))]
+        ok, no = _refused([f"{p}+compile+graph" for p in base])
+        run, skipped = run + ok, skipped + no
     return run, skipped
+
+
+def _refused(plans: list[str], device: str | None = None) -> tuple[list[str], list[dict]]:
+    """(the plans ``refusal`` lets run, the others with their reason)."""
+    why = {p: refusal(parse_plan(p), device) for p in plans}
+    return [p for p in plans if not why[p]], [{"name": p, "reason": why[p]} for p in plans if why[p]]
 
 
 def graph_plans_apply(ctx) -> bool:

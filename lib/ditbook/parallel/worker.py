@@ -1,17 +1,8 @@
 """One rank of a parallel run: ``python -m torch.distributed.run ... -m ditbook.parallel.worker``.
 
-Each rank loads the model the normal way (``ditbook.loading.load_pipeline``), applies the plan,
-renders every case of the card (``render.cases`` keys), and rank 0 saves the images and a
-``worker.json`` with the timings. Plans of world size 1 (the baseline) run replicated on every
-rank, rank 0's figures reported.
-
-Failure handling: the process group has a timeout (``--timeout``); a stall watchdog ends a rank
-that makes no progress for that long; torchrun's agent ends the other ranks as soon as one
-exits non-zero. ``DITBOOK_PARALLEL_FAULT=RANK:CALL[:PLAN]`` kills rank RANK at its CALL-th transformer
-call, ``DITBOOK_PARALLEL_RAISE`` raises there (used by the tests to prove a dead rank ends the run,
-and that one plan failing in the ranks is recorded while the others run). Rank 0 keeps
-``worker.progress.json`` (the plans finished, the plan running) and a failing rank writes
-``worker.failed.rank<R>.json`` (its plan and named error) for ``launch.run_plans``.
+Each rank loads the model, applies the plan and renders every case; rank 0 saves the images and
+``worker.json``. World-size-1 plans (the baseline) run replicated, rank 0's figures reported. A stall
+watchdog and the process group's ``--timeout`` end a stuck rank; torchrun ends the rest.
 """
 
 from __future__ import annotations
@@ -73,8 +64,7 @@ class InjectedFault(RuntimeError):
 
 def _fault_hook(transformer, rank: int, plan: str = ""):
     """``DITBOOK_PARALLEL_FAULT=RANK:CALL[:PLAN]`` kills rank RANK at its CALL-th transformer call
-    (of plan PLAN only, when named); ``DITBOOK_PARALLEL_RAISE=RANK:CALL[:PLAN]`` raises
-    ``InjectedFault`` there instead, while the other ranks wait in their collectives."""
+    (of plan PLAN only, when named); ``DITBOOK_PARALLEL_RAISE`` raises ``InjectedFault`` there."""
     for var, kill in (("DITBOOK_PARALLEL_FAULT", True), ("DITBOOK_PARALLEL_RAISE", False)):
         spec = os.environ.get(var)
         if not spec:
@@ -100,13 +90,8 @@ def _fault(rank: int, call: int, kill: bool):
     return hook
 
 
-def _sync(device: str):
-    return torch.cuda.synchronize if device.startswith("cuda") else None
-
-
 def _cfg_groups(tr, spec):
-    """(the CFG process group, the CP device mesh or None) of a plan: with CFG and CP together one
-    (cfg, ring, ulysses) mesh, with CFG alone the whole world."""
+    """(the CFG process group, the CP device mesh or None) of a plan."""
     cfg_group = cp_mesh = None
     if spec.cfg > 1 and spec.uses_cp:
         from torch.distributed.device_mesh import init_device_mesh
@@ -121,9 +106,8 @@ def _cfg_groups(tr, spec):
 
 
 def _resolve_plan(pipe, card, spec, *, attention_kind, cp_plan_file, out_dir, info: dict, check=None):
-    """The CP plan for this transformer (``cp_plan.resolve_cp_plan``), recorded in ``info`` and,
-    on rank 0, written as code to ``out_dir``. Ulysses alone (no ring; checked before launch) may
-    split token counts the degree does not divide: the launch then enables ``ulysses_anything``."""
+    """The CP plan for this transformer, recorded in ``info`` and (rank 0) written as code to
+    ``out_dir``. Ulysses alone may split token counts unevenly (``ulysses_anything``)."""
     from ..cp.plan import capture_transformer_call, resolve_cp_plan, write_plan_code
 
     tr = pipe.transformer
@@ -137,10 +121,9 @@ def _resolve_plan(pipe, card, spec, *, attention_kind, cp_plan_file, out_dir, in
 
 
 def _enable_cp_on_mesh(tr, spec, cp, cache_cfg, target, cp_mesh, info: dict) -> None:
-    """cfg x CP (the CP mesh is one slice of a (cfg, ring, ulysses) mesh, which cache-dit's
-    public ParallelismConfig cannot take), or ditbook's cache adapter: the cache first, then
-    cache-dit's runtime CP entry with an explicit mesh; splits at a block list's first block move
-    onto cache-dit's cached unit of that list (cache_sync)."""
+    """cfg x CP (a mesh slice cache-dit's ParallelismConfig cannot take) or ditbook's cache adapter:
+    the cache first, then cache-dit's runtime CP entry on an explicit mesh (splits moved onto the
+    cached units, ``cp.cache_sync``)."""
     import cache_dit
     from cache_dit.attention import _maybe_register_custom_attn_backends
     from cache_dit.distributed.core import _ContextParallelConfig, _enable_context_parallelism
@@ -175,23 +158,23 @@ def _enable_cp_on_mesh(tr, spec, cp, cache_cfg, target, cp_mesh, info: dict) -> 
 
 
 def _pipeline_entry_fits(pipe) -> bool:
-    """cache-dit's pipeline-level entry (``enable_cache(pipe, parallelism_config=...)``) resolves the
-    pipeline's registration by its class-name prefix: it fits where no registration matches or the
-    matching one builds on this pipeline; a third-party pipeline named like a registered one
-    (``FluxReference...`` whose transformer has other block lists) takes the transformer-level entry."""
+    """cache-dit's pipeline-level entry matches registrations by class-name prefix: it fits where
+    none matches or the matching one builds on this pipeline."""
     from ..adapter.build import cache_dit_adapter_builds, cache_dit_registered
 
     return cache_dit_registered(pipe) is None or cache_dit_adapter_builds(pipe)
 
 
 def _apply_library_cp(pipe, card, spec, cp, cp_mesh, route, info: dict) -> None:
-    """Context parallelism through cache-dit / diffusers (with the plan's cache, if any); the
-    attention outside the split block lists stays local; cache decisions agreed across ranks."""
+    """Context parallelism through cache-dit (with the plan's cache, if any); attention outside the
+    split block lists stays local; cache decisions agreed across ranks."""
     import cache_dit
 
     from ..accel.dbcache import dbcache_config
     from ..cp.cache_sync import agree_cache_decisions
+    from ..cp.plan import needs_ulysses_anything
     from ..cp.scope import limit_cp_to
+    from ..cp.uneven import gather_around_none, gather_unevenly
 
     tr = pipe.transformer
     cache_cfg = dbcache_config(spec.options.get("cache")) if spec.cache else None
@@ -199,37 +182,26 @@ def _apply_library_cp(pipe, card, spec, cp, cp_mesh, route, info: dict) -> None:
     if cp_mesh is None and target is pipe and _pipeline_entry_fits(pipe):
         from cache_dit import ParallelismConfig
 
-        from ..cp.plan import needs_ulysses_anything
-
         pc = ParallelismConfig(ulysses_size=spec.ulysses if spec.ulysses > 1 else None,
                                ring_size=spec.ring if spec.ring > 1 else None, cp_plan=cp.plan,
                                ulysses_anything=needs_ulysses_anything(cp))
         cache_dit.enable_cache(pipe, cache_config=cache_cfg, parallelism_config=pc)
     else:
         _enable_cp_on_mesh(tr, spec, cp, cache_cfg, target, cp_mesh, info)
-    from ..cp.plan import needs_ulysses_anything
-
     if needs_ulysses_anything(cp):  # uneven shares: cache-dit's gather needs NCCL; padded elsewhere (gloo)
-        from ..cp.uneven import gather_unevenly
-
         info["cp_uneven_gathers"] = gather_unevenly(tr)
-    from ..cp.uneven import gather_around_none
-
     info["cp_gathers_around_none"] = gather_around_none(tr)  # a gather at a block returning (tensor, None)
     if spec.ring == 1:  # masks fitted to what each rank's Ulysses attention holds (heads, rows, keys)
         from ..cp.mask import install_mask_fit
 
         install_mask_fit()
-    # attention outside the split block lists (a text refiner) stays local on every rank
     info["cp_local_attention"] = limit_cp_to(tr, cp.facts.get("block_lists"), route)
     if spec.cache:
         info["cache_agreement"] = agree_cache_decisions(pipe)
 
 
 def _apply_graphs(pipe, card, spec, info: dict) -> None:
-    """CUDA graphs of the transformer's steps (of the computed steps' block work, with a cache; the
-    cache's decisions and buffers stay eager). Inside the CFG wrapper: each rank replays its own
-    branch's transformer call."""
+    """CUDA graphs of the transformer's steps (with a cache: of the computed steps' block work)."""
     if spec.graph:
         from ..accel.graphs import CudaGraphs, GraphsSettings
 
@@ -260,9 +232,6 @@ def apply_plan(pipe, card, spec, *, cfg_style: str | None, cp_plan_file: str | N
     handles: dict = {}
     own_ring = Ring.own(spec)
     if own_ring:  # ditbook's ring: the CP plan's split/gather hooks, attention sent round the ring
-        # checked before launch like Ulysses' plans: the one-process simulation gives every rank's
-        # attention all the keys, which is what the ring computes (a table the plan leaves whole or
-        # splits twice is refused with its reason, not met as a reshape error in the ranks)
         cp = _resolve_plan(pipe, card, spec, check=verify_before_launch, **plan_args)
         info["ring_modules"], recorder = apply_own_ring(tr, cp.plan, spec, noop=Ring.token in noop_kinds())
         handles[Ring.token] = Handle(recorder.remove, recorder.record)
@@ -295,9 +264,8 @@ def apply_plan(pipe, card, spec, *, cfg_style: str | None, cp_plan_file: str | N
 
 
 def noop_kinds() -> set[str]:
-    """``DITBOOK_PARALLEL_NOOP=tp,vae,te,ring`` (fault injection for the tests): those kinds (plan
-    tokens) are planned and recorded but not applied, so every rank runs the whole part; the
-    per-rank record must then fail the run."""
+    """``DITBOOK_PARALLEL_NOOP=tp,vae,te,ring`` (test fault injection): kinds recorded but not
+    applied, which the per-rank record must then fail."""
     return {k for k in os.environ.get("DITBOOK_PARALLEL_NOOP", "").split(",") if k}
 
 
@@ -306,9 +274,8 @@ class CacheRefused(RuntimeError):
 
 
 def cache_target(pipe, card):
-    """What ``cache_dit.enable_cache`` is given: the pipeline where cache-dit's registered adapter
-    builds on it (``adapter.build.cache_dit_adapter_builds``), else ditbook's generated adapter (``cache.build_cache_adapter`` on an inspection of
-    this pipeline) as a ``BlockAdapter``. Returns (target, which)."""
+    """(target, which) for ``cache_dit.enable_cache``: the pipeline where cache-dit's adapter builds
+    on it, else ditbook's generated adapter as a ``BlockAdapter``."""
     from ..adapter.build import build_cache_adapter, cache_dit_adapter_builds
 
     if cache_dit_adapter_builds(pipe):
@@ -324,12 +291,7 @@ def cache_target(pipe, card):
 
 
 def compile_repeated_blocks(tr, backend: str = "inductor") -> str:
-    """Regional torch.compile of the repeated blocks, after the parallel hooks (which stay outside
-    the compiled regions): diffusers' ``compile_repeated_blocks`` where the class names its blocks,
-    else every block of the block lists the inspection finds (``arch.static.find_block_lists``),
-    compiled in place. ``backend``: the card's ``runtime.compile`` backend (inductor; a CPU check
-    may name ``aot_eager``, which traces the same graphs without generating kernels). Returns which
-    of the two it used, with the backend when it is not inductor."""
+    """Regional torch.compile of the repeated blocks, after the parallel hooks; the method used."""
     from ..accel.compile import compile_regions
 
     try:
@@ -355,8 +317,7 @@ def _init_group(card, args, local: int):
 
 
 def _checked_spec(name: str, card, world: int):
-    """The plan named ``name``, with the card's cache settings; refused (RuntimeError) when it
-    cannot run here."""
+    """The plan named ``name`` with the card's cache settings; RuntimeError when it cannot run here."""
     from .plans import parse_plan, refusal
 
     spec = parse_plan(name)
@@ -376,24 +337,21 @@ def _checked_spec(name: str, card, world: int):
 
 
 def _fresh_pipeline(card, placement, pristine):
-    """(an untouched pipeline for the next plan, the new ``pristine``): loaded once per rank and
-    copied per plan (small models), or loaded again (models above REUSE_LIMIT parameters;
-    ``pristine`` is then False)."""
+    """(an untouched pipeline, the new ``pristine``): loaded once and copied per plan, or reloaded
+    for models above REUSE_LIMIT parameters (``pristine`` then False)."""
     from ..loading import load_pipeline
 
     if pristine is None:
         pristine = load_pipeline(card, placement)
         if sum(p.numel() for p in pristine.transformer.parameters()) > REUSE_LIMIT:
             return pristine, False
-        return _copied(pristine), pristine
-    if pristine is False:
+    elif pristine is False:
         return load_pipeline(card, placement), False
     return _copied(pristine), pristine
 
 
 def _copied(pipe):
-    """A deep copy of ``pipe`` whose transformer's entry routes call the copy (a deep copy keeps the
-    original's, bound to the original: ``loading.route_entries``)."""
+    """A deep copy of ``pipe`` whose transformer's entry routes call the copy."""
     from ..loading import route_entries
 
     out = copy.deepcopy(pipe)
@@ -402,8 +360,7 @@ def _copied(pipe):
 
 
 def _finish_info(info: dict, pipe, spec) -> dict:
-    """What was applied, made JSON-ready after the renders: the attention routing's call counts,
-    the stats objects as dicts, the cached steps; the graphs removed. Returns the kind recorders."""
+    """Make ``info`` JSON-ready after the renders (graphs removed); returns the kind recorders."""
     kinds = info.pop("kinds", {})
     info["attention"] = info.pop("route").record().to_dict()
     graphs = info.get("graphs")
@@ -419,8 +376,7 @@ def _finish_info(info: dict, pipe, spec) -> dict:
 
 
 def _run_plan(pipe, card, spec, name: str, args, rank: int, dog: Watchdog, out_dir: Path, entry: dict) -> None:
-    """Apply one plan to ``pipe``, render every case, and fill ``entry`` with the times, what was
-    applied, the sharding record and (rank 0) the saved images."""
+    """Apply one plan, render every case, fill ``entry`` (times, what was applied, sharding, images)."""
     from ..render import render_all, save_renders
     from ..cp.sharding import BlockInputRecorder
 
@@ -471,12 +427,8 @@ def run(args) -> int:
             if rank == 0:  # which plan runs now, and what finished: the launcher relaunches the rest
                 write_progress(out_dir, results, name)
             spec = _checked_spec(name, card, world)
-            # a world-size-1 plan (the baseline) runs replicated on every rank: collectives that
-            # libraries issue whenever a process group exists (cache-dit's diff all-reduce) then
-            # still pair up; rank 0's images and times are the ones reported
             dog.beat(f"plan {name}")
             entry: dict = {"world_size": spec.world_size}
-            # every plan starts from an untouched pipeline
             pipe, pristine = _fresh_pipeline(card, placement, pristine)
             _run_plan(pipe, card, spec, name, args, rank, dog, out_dir, entry)
             del pipe
@@ -502,9 +454,7 @@ FAILURE_FILE = "worker.failed.rank{rank}.json"  # a rank that failed: its plan a
 
 
 def write_progress(out_dir: Path, results: dict, running: str | None) -> None:
-    """Rank 0's record of the plans finished so far (``worker.json``'s shape) and the plan now
-    running: when a plan fails in the ranks, torchrun ends every rank; this tells the launcher which
-    plan it was and which results stand (``launch.run_plans`` relaunches the plans after it)."""
+    """Rank 0's record of the plans finished and the one running, for the launcher to relaunch the rest."""
     text = json.dumps({**results, "running": running}, indent=2, default=str) + "\n"
     tmp = out_dir / (PROGRESS_FILE + ".tmp")
     tmp.write_text(text)
@@ -512,8 +462,7 @@ def write_progress(out_dir: Path, results: dict, running: str | None) -> None:
 
 
 def write_failure(out_dir: Path, rank: int, plan: str | None, exc: BaseException) -> None:
-    """A failing rank's plan and named error (``Type: message``), with the time it failed (the first
-    rank to fail is the cause; its peers fail after it, in the collective it left), for the launcher."""
+    """A failing rank's plan, named error and time (the first rank to fail is the cause)."""
     try:
         (out_dir / FAILURE_FILE.format(rank=rank)).write_text(
             json.dumps({"rank": rank, "plan": plan, "error": f"{type(exc).__name__}: {exc}", "time": time.time()})
@@ -523,10 +472,8 @@ def write_failure(out_dir: Path, rank: int, plan: str | None, exc: BaseException
 
 
 def sharding_record(transformer, recorder, spec, cp_plan: dict | None, kinds: dict[str, object]) -> Sharding:
-    """Every rank's block input lengths and sharded parameters, gathered on every rank; for a CP
-    plan, ``check_sharding`` against the unsplit trace (``error`` names a ``ShardingError``); for
-    each kind that records on the ranks (``kinds``: token -> this rank's record), its check over
-    every rank's record (``error`` naming the ``ShardingError`` subclass)."""
+    """Every rank's block input lengths and sharded parameters, gathered; checked for a CP plan and
+    for each kind recorded on the ranks (``error`` names the ``ShardingError``)."""
     from ..cp.sharding import ShardingError, check_sharding
 
     mine = RankSplit(recorder.to_dict(), [n for n, p in transformer.named_parameters()
