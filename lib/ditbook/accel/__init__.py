@@ -1,10 +1,7 @@
-"""Acceleration techniques, one module each, found by the registry itself.
-
-Every module of this package whose name does not start with ``_`` is imported on first use; each
-registers its technique class with :func:`register` (``ditbook.accel.technique``: settings,
-``applicable``, ``apply`` -> ``Handle`` with an exact undo and a typed record, ``check``). Adding a
-technique is adding a module here: no list to edit, no stage to touch. Stages ask
-``techniques(kind)`` and each module; nothing outside this package names a technique's module.
+"""Acceleration techniques, one module each, found by the registry itself: every module of this
+package whose name does not start with ``_`` is imported on first use and registers its technique
+class with :func:`register` (``ditbook.accel.technique``). Adding a technique is adding a module
+here: no list to edit, no stage to touch; stages ask ``techniques(kind)``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
-"""What diffusers' cache hooks need on any model, shared by the diffusers_* strategies:
-block classes registered while a strategy is on (``install_block_hooks``), our block-list names known to
-the hook while it is applied, the current timestep for hooks that skip by timestep, and removal
-through the hook registry (the same calls as diffusers' ``CacheMixin.disable_cache``)."""
+"""What diffusers' cache hooks need on any model, shared by the diffusers_* strategies: block classes
+registered while a strategy is on, our block-list names known to the hook, the current timestep,
+and removal through the hook registry (as diffusers' ``CacheMixin.disable_cache``)."""
 
 from __future__ import annotations
 
@@ -25,37 +24,42 @@ def timestep_callback(pipe, transformer):
     return (lambda: state["t"]), handle
 
 
+def _registry(module):
+    """``module``'s diffusers ``HookRegistry``, or None."""
+    from diffusers.hooks import HookRegistry
+
+    reg = getattr(module, "_diffusers_hook", None)
+    return reg if isinstance(reg, HookRegistry) else None
+
+
+def _registries(transformer) -> list:
+    """(module, its registry) of the transformer and every submodule that has one."""
+    return [(m, reg) for m in transformer.modules() if (reg := _registry(m)) is not None]
+
+
 def refresh_registry(transformer):
     """diffusers caches the list of child hook registries on the transformer's registry the
     first time a cache context is set; hooks added to blocks later would never get a context.
     Drop that cache after hooks are added or removed."""
-    from diffusers.hooks import HookRegistry
-
-    for module in transformer.modules():
-        registry = getattr(module, "_diffusers_hook", None)
-        if isinstance(registry, HookRegistry):
-            registry._child_registries_cache = None
+    for _, registry in _registries(transformer):
+        registry._child_registries_cache = None
 
 
 def remove_hooks(transformer, *names):
-    from diffusers.hooks import HookRegistry
-
-    registry = getattr(transformer, "_diffusers_hook", None)
-    if isinstance(registry, HookRegistry):
+    registry = _registry(transformer)
+    if registry is not None:
         for name in names:
             registry.remove_hook(name, recurse=True)
     refresh_registry(transformer)
     # leave no empty registries behind: cache-dit skips its pattern checks on modules that have one
-    for module in transformer.modules():
-        reg = getattr(module, "_diffusers_hook", None)
-        if isinstance(reg, HookRegistry) and not reg.hooks:
+    for module, reg in _registries(transformer):
+        if not reg.hooks:
             del module._diffusers_hook
 
 
 def finish_install(pipe, adapter, hook_names, *handles):
-    """After a diffusers ``apply_*`` call: refresh the hook registry, give the hooks a cache
-    context when the pipeline sets none, and return the undo (context, hooks by name, the
-    per-instance ``handles``, then the adapter's patch), the same for every diffusers strategy."""
+    """After a diffusers ``apply_*`` call: refresh the hook registry, give the hooks a cache context
+    when the pipeline sets none; the undo takes off the context, hooks, ``handles``, adapter patch."""
     refresh_registry(pipe.transformer)
     context_undo = ensure_context(pipe.transformer, 2 if adapter.info.has_separate_cfg else 1, pipe=pipe)
 
@@ -71,10 +75,8 @@ def finish_install(pipe, adapter, hook_names, *handles):
 
 def install_block_hooks(pipe, adapter, module, hook_names, apply):
     """The diffusers block-hook strategies (FirstBlockCache, MagCache): patch the adapter, register
-    the block classes in diffusers' ``TransformerBlockRegistry`` (``hooks.set_item`` handles), run
-    ``apply()`` with our block-list names known to ``module``, and return the undo that also takes
-    the registry entries out, so the registry is exactly as before once the strategy is off. A
-    failure half-way undoes what went on and re-raises."""
+    the block classes in diffusers' ``TransformerBlockRegistry``, run ``apply()`` with our block-list
+    names known to ``module``; the undo (also on a failure half-way) takes the registry entries out."""
     adapter.patch()
     entries = adapter.register_diffusers_blocks()
     try:
@@ -112,40 +114,27 @@ def needs_top_level(adapter) -> str | None:
 
 
 def reset_hook_states(transformer) -> None:
-    """Every stateful diffusers hook on the transformer and its submodules back to its initial
-    state (``HookRegistry.reset_stateful_hooks``: what diffusers' ``CacheMixin`` pipelines do
-    through ``maybe_free_model_hooks`` after a call, which a transformer without ``CacheMixin`` or a
-    third-party pipeline never gets)."""
-    from diffusers.hooks import HookRegistry
-
-    registry = getattr(transformer, "_diffusers_hook", None)
-    if isinstance(registry, HookRegistry):
+    """Every stateful diffusers hook on the transformer and its submodules back to its initial state
+    (what diffusers' ``CacheMixin`` pipelines do after a call through ``maybe_free_model_hooks``)."""
+    registry = _registry(transformer)
+    if registry is not None:
         registry.reset_stateful_hooks(recurse=True)
     else:
-        for module in transformer.modules():
-            reg = getattr(module, "_diffusers_hook", None)
-            if isinstance(reg, HookRegistry):
-                reg.reset_stateful_hooks(recurse=False)
+        for _, reg in _registries(transformer):
+            reg.reset_stateful_hooks(recurse=False)
 
 
 def ensure_context(transformer, slots: int = 1, pipe=None):
-    """Pipelines outside diffusers do not wrap their transformer call in
-    ``transformer.cache_context(...)``; set a default context for that call when none is set.
-    With separate CFG (``slots`` = 2 calls per step) the calls alternate between two contexts so
-    conditional and unconditional states never mix. With ``pipe``, every pipeline call starts from
-    a clean state (``reset_hook_states``, the alternation from its first slot): no state of one
-    generation reaches the next (``ditbook.hooks.wrap_call``). Returns an undo callable."""
-    from diffusers.hooks import HookRegistry
+    """A default cache context for each transformer call that has none (pipelines outside diffusers
+    set none); with separate CFG (``slots`` = 2) the calls alternate between two contexts so the
+    branches' states never mix. With ``pipe``, every pipeline call starts from a clean state
+    (``reset_hook_states``, the first slot). Returns an undo callable."""
     from diffusers.hooks.hooks import CacheContext, StateManager, _set_cache_context
 
     def managers():
-        for module in transformer.modules():
-            registry = getattr(module, "_diffusers_hook", None)
-            if isinstance(registry, HookRegistry):
-                for hook in registry.hooks.values():
-                    for attr in vars(hook).values():
-                        if isinstance(attr, StateManager):
-                            yield attr
+        for _, registry in _registries(transformer):
+            for hook in registry.hooks.values():
+                yield from (a for a in vars(hook).values() if isinstance(a, StateManager))
 
     state = {"set": False, "calls": 0}
 

@@ -1,16 +1,8 @@
-"""What the step-level forecasting strategies (MeanCache, Cubic) share: one wrap on the
-transformer's ``forward`` (``ditbook.hooks``) that, per call, either runs the transformer and
-remembers its output, or returns a forecast of that output built from the outputs of earlier
-computed calls, without running a single block.
-
-The decision is calibrated on the model while it runs: every computed call measures how much the
-output changed since the previous computed call (relative L1); a strategy's error estimate for a
-forecast is compared with ``threshold`` times the median of those changes measured so far in the
-same generation. No constant of any model is written here.
-
-Separate CFG (two transformer calls per step) keeps one history per call slot; a new generation
-is detected when the timestep goes up again and starts from a clean history. Written by hand:
-neither cache-dit nor diffusers offers these two forecasts for an arbitrary transformer.
+"""What ditbook's own step-level caches share. The forecasters (MeanCache, Cubic) wrap the
+transformer's ``forward``: per call it either runs and remembers its output, or returns a forecast
+built from earlier computed calls, running no block, while the strategy's error estimate stays below
+``threshold`` times the median relative L1 change between computed calls so far. Separate CFG keeps
+one history per call slot; a new generation (the timestep goes up again) starts a clean history.
 """
 
 from __future__ import annotations
@@ -113,7 +105,7 @@ class CallForecaster:
     def _forward(self, original, *args, **kwargs):
         t = self.read_t(args, kwargs)
         if t is not None and self.last_t is not None and t > self.last_t + 1e-9 and self.call % self.slots == self.slots - 1:
-            self.reset()  # a new generation
+            self.reset()
         self.call += 1
         st = self.state[self.call % self.slots]
         tt = float(st.calls) if t is None else t
@@ -155,22 +147,30 @@ def calls_per_step(adapter) -> int:
     return 2 if adapter.info.has_separate_cfg else 1
 
 
-def apply_forecaster(pipe, adapter, config, forecast, name: str):
-    """Patch the adapter and skip transformer calls by ``forecast``; returns the undo (with the
-    ``CallForecaster`` as ``undo.forecaster``). A failure on the way leaves the model as it was."""
+def install_patched(adapter, build):
+    """Patch the adapter and install ``build()`` (an object with ``remove()``); the undo removes it and
+    unpatches (the object as ``undo.installed``). A failure on the way leaves the model as it was."""
     adapter.patch()
     try:
-        forecaster = CallForecaster(pipe.transformer, config, calls_per_step(adapter), forecast, name)
+        installed = build()
     except BaseException:
         adapter.unpatch()
         raise
 
     def undo():
         try:
-            forecaster.remove()
+            installed.remove()
         finally:
             adapter.unpatch()
 
-    undo.forecaster = forecaster
+    undo.installed = installed
+    return undo
+
+
+def apply_forecaster(pipe, adapter, config, forecast, name: str):
+    """Skip transformer calls by ``forecast``; the undo carries the ``CallForecaster`` as ``undo.forecaster``."""
+    undo = install_patched(adapter, lambda: CallForecaster(pipe.transformer, config, calls_per_step(adapter),
+                                                           forecast, name))
+    undo.forecaster = undo.installed
     return undo
 

@@ -1,31 +1,16 @@
 """The attention backend per model and device: measure what diffusers' dispatcher offers, keep
-the correct ones, apply the fastest (with an exact undo).
+the correct ones, apply the fastest (with an exact undo of each processor's ``_attention_backend``).
 
-diffusers routes the attention of its dispatch-aware processors through
-``diffusers.models.attention_dispatch.dispatch_attention_fn``; which kernel runs is the
-processor's ``_attention_backend`` (set by ``ModelMixin.set_attention_backend``), else the
-registry's active backend (``DIFFUSERS_ATTN_BACKEND``, ``native`` by default). This module:
+1. diffusers' own checks say whether each registered backend can run here (package requirements,
+   its constraints on sample q/k/v of this model's shapes, dtype and device); hub kernels
+   (``*_hub``) download code and are not tried unless ``allow_hub=True``;
+2. each backend that passed is checked against the default one on one attention call (where a
+   wrong kernel shows at once) and on the whole transformer output (PSNR), then timed on one
+   transformer call; a backend that fails either check, or raises, is rejected with the reason;
+3. a second, interleaved timing round of the correct backends confirms the pick.
 
-1. lists the registered backends and asks diffusers' own checks whether each can run here:
-   ``_check_attention_backend_requirements`` (packages) and the backend's registered constraints
-   run on sample query/key/value tensors of this model's head count, key/value heads (GQA), head
-   dimension, dtype and device. Hub kernels (``*_hub``) download code at first use and are listed
-   as not tried unless ``allow_hub=True``;
-2. checks each backend that passed against the default backend twice: on the attention call
-   itself (random query/key/value of the model's shape, GQA included: a wrong kernel shows at
-   once here, while inside a small model the residual stream can dilute it to a few percent of
-   the output) and on the whole transformer output (PSNR over the reference's value range,
-   max-abs, relative error); then times one transformer call under it (warm-up, repeats, median;
-   CUDA events on a GPU, ``perf_counter`` on the CPU). A backend that fails either check, or that
-   raises, is rejected with the reason — it can never be picked;
-3. confirms the choice with a second, interleaved timing round of the correct backends (an
-   independent measurement), and reports the pick against the fastest of that round;
-4. applies the pick per instance (each processor's ``_attention_backend``) and returns an undo
-   that puts back exactly what each processor held.
-
-A model whose attention does not go through the dispatcher (its attention modules call
-``scaled_dot_product_attention`` themselves) gets ``applicable=False`` with the reason: setting a
-backend would change nothing, so nothing is measured or applied.
+A model whose attention does not go through the dispatcher (it calls
+``scaled_dot_product_attention`` itself) gets ``applicable=False`` with the reason.
 """
 
 from __future__ import annotations
@@ -42,13 +27,11 @@ import torch
 from ..settings import FAMILY_SECTION, SECTIONS, Gates, ParallelSettings
 from ..timing import Clock
 from . import register
+from ._forecast import main_tensor
 from .technique import Handle, NothingDone, PipelineTechnique, Record
 
-# another attention backend must not change the result, so both checks use the parallel gates'
-# PSNR (bf16 kernels differ by ~1e-3 relative, i.e. > 50 dB; zeros or swapped heads give < 20 dB):
-# the transformer output against the default backend's, and one attention call's output against
-# the default backend's on the same inputs. These are the defaults of a direct call; the benchmark
-# stage passes the card's gates (``variants.backend_gate``)
+# another backend must not change the result: both checks default to the parallel gates' PSNR
+# (bf16 kernels agree to > 50 dB; zeros or swapped heads give < 20 dB); the benchmark passes the card's
 DEFAULT_OUTPUT_PSNR = ParallelSettings().gates.psnr
 DEFAULT_KERNEL_PSNR = ParallelSettings().gates.psnr
 
@@ -113,10 +96,8 @@ def _backend_in_effect(transformer) -> str:
 def sample_qkv(heads: int, kv_heads: int, head_dim: int, device, dtype, seq_len: int = 16, seed: int = 0):
     """Random query/key/value in the dispatcher's layout (batch, seq, heads, head_dim)."""
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(1, seq_len, heads, head_dim, generator=g, device="cpu").to(device, dtype)
-    k = torch.randn(1, seq_len, kv_heads, head_dim, generator=g, device="cpu").to(device, dtype)
-    v = torch.randn(1, seq_len, kv_heads, head_dim, generator=g, device="cpu").to(device, dtype)
-    return q, k, v
+    return tuple(torch.randn(1, seq_len, h, head_dim, generator=g, device="cpu").to(device, dtype)
+                 for h in (heads, kv_heads, kv_heads))
 
 
 def kernel_output(name: str, q, k, v) -> torch.Tensor:
@@ -171,37 +152,26 @@ def apply_backend(transformer, name: str) -> Callable[[], None]:
     if not saved:
         raise ValueError("no processor of this model reads _attention_backend: " + applicability(transformer)[1])
     active = reg._active_backend
+
+    def undo() -> None:
+        for proc, before in saved:
+            proc._attention_backend = before
+        reg.set_active_backend(active)
+
     quiet = logging.getLogger("diffusers.models.modeling_utils")
     level = quiet.level
     quiet.setLevel(logging.ERROR)  # set_attention_backend warns "experimental" on every call
     try:
         transformer.set_attention_backend(name)
     except BaseException:
-        _restore(saved, reg, active)
+        undo()
         raise
     finally:
         quiet.setLevel(level)
-
-    def undo() -> None:
-        _restore(saved, reg, active)
     return undo
 
 
-def _restore(saved, reg, active) -> None:
-    for proc, before in saved:
-        proc._attention_backend = before
-    reg.set_active_backend(active)
-
-
 # -- measuring ---------------------------------------------------------------------------------
-def _first_tensor(out) -> torch.Tensor:
-    if isinstance(out, torch.Tensor):
-        return out
-    if hasattr(out, "sample"):
-        return out.sample
-    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
-        return out[0]
-    raise TypeError(f"cannot find the output tensor in {type(out).__name__}")
 
 
 @dataclass
@@ -274,12 +244,6 @@ class BackendTable:
     def to_dict(self) -> dict:
         return asdict(self)
 
-    def table(self) -> list[dict]:
-        return [{"backend": r.name, "status": r.status, "ms": None if r.median_s is None else round(r.median_s * 1e3, 3),
-                 "confirm_ms": None if r.confirm_median_s is None else round(r.confirm_median_s * 1e3, 3),
-                 "psnr": r.psnr, "kernel_psnr": r.kernel_psnr, "max_abs": r.max_abs, "picked": r.name == self.pick, "reason": r.reason}
-                for r in self.rows]
-
 
 def _time_calls(call: Callable[[], Any], clock: Clock, n: int) -> list[float]:
     out = []
@@ -294,8 +258,7 @@ def _time_calls(call: Callable[[], Any], clock: Clock, n: int) -> list[float]:
 
 def _empty_table(transformer, report, seq_len: int | None, min_psnr: float, min_kernel_psnr: float,
                  confirm_tolerance: float) -> BackendTable:
-    """The table before any measurement: device, dtype, head shapes, applicability, the backend in
-    effect and the sequence length the kernels are compared at."""
+    """The table before any measurement: device, dtype, head shapes, applicability, backend in effect."""
     p = next(transformer.parameters())
     device, dtype = p.device, p.dtype
     ok, why = applicability(transformer)
@@ -316,12 +279,9 @@ def _empty_table(transformer, report, seq_len: int | None, min_psnr: float, min_
 def _backends_to_try(table: BackendTable, backends: list[str] | None, reg) -> list[str]:
     """The backends to measure, the default one first."""
     todo = [b.value if hasattr(b, "value") else str(b) for b in (backends or reg.list_backends())]
-    if table.default not in todo:
-        todo.insert(0, table.default)
-    else:
+    if table.default in todo:
         todo.remove(table.default)
-        todo.insert(0, table.default)
-    return todo
+    return [table.default] + todo
 
 
 def _judge_agreement(row: BackendRow, kagree, agree, min_kernel_psnr: float, min_psnr: float) -> None:
@@ -339,8 +299,7 @@ def _judge_agreement(row: BackendRow, kagree, agree, min_kernel_psnr: float, min
 
 def _measure_backend(transformer, row: BackendRow, call: Callable[[], Any], qkv, kernel_ref, ref, clock: Clock, *,
                      allow_hub: bool, warmup: int, repeats: int, min_psnr: float, min_kernel_psnr: float) -> bool:
-    """Fill ``row`` for its backend: unavailable, an error, rejected, or correct with its times.
-    True when the backend is correct (a candidate for the pick)."""
+    """Fill ``row``: unavailable, an error, rejected, or correct with its times (then True)."""
     name = row.name
     q, k, v = qkv
     problem = backend_problem(name, q, k, v, allow_hub=allow_hub)
@@ -356,7 +315,7 @@ def _measure_backend(transformer, row: BackendRow, call: Callable[[], Any], qkv,
     try:
         kagree = output_agreement(kernel_output(name, q, k, v), kernel_ref)
         row.kernel_psnr, row.kernel_rel_err = kagree.psnr, kagree.rel_err
-        out = _first_tensor(call())
+        out = main_tensor(call())
         agree = output_agreement(out, ref)
         row.psnr, row.max_abs, row.rel_err = agree.psnr, agree.max_abs, agree.rel_err
         _judge_agreement(row, kagree, agree, min_kernel_psnr, min_psnr)
@@ -378,15 +337,14 @@ def _confirm_pick(transformer, table: BackendTable, runnable: list[str], call: C
                   rounds: int, confirm_tolerance: float) -> None:
     """An independent, interleaved confirmation round: is the pick still the fastest?"""
     times: dict[str, list[float]] = {n: [] for n in runnable}
-    undos = {}
     for _ in range(rounds):
         for name in runnable:
-            undos[name] = apply_backend(transformer, name)
+            undo = apply_backend(transformer, name)
             try:
                 call()  # settle after the switch
                 times[name] += _time_calls(call, clock, 1)
             finally:
-                undos[name]()
+                undo()
     for name in runnable:
         table.row(name).confirm_median_s = statistics.median(times[name])
     conf = {n: table.row(n).confirm_median_s for n in runnable}
@@ -405,13 +363,10 @@ def measure_backends(transformer, call: Callable[[], Any], *, report=None, backe
                      seq_len: int | None = None, allow_hub: bool = False, gqa: bool = True,
                      confirm_tolerance: float = 0.03, clock: Clock | None = None, log: Callable[[str], None] = print) -> BackendTable:
     """Time ``call()`` (one transformer call) under each backend diffusers offers here, check each
-    output against the default backend's, pick the fastest correct one (not applied).
-
-    ``clock``: anything with ``mark()``, ``sync()`` and ``seconds(a, b)`` (default: CUDA events on
-    a GPU, ``perf_counter`` on the CPU). The pick is ``confirmed`` only when the independent
-    confirmation round finds it within ``confirm_tolerance`` of the fastest correct backend;
-    otherwise the timings disagree (a noisy device) and :mod:`ditbook.benchmark.variants` applies
-    nothing, naming the reason."""
+    output against the default backend's, pick the fastest correct one (not applied). ``clock``:
+    ``mark()``, ``sync()``, ``seconds(a, b)`` (default: CUDA events on a GPU, else ``perf_counter``).
+    The pick is ``confirmed`` only when the confirmation round finds it within ``confirm_tolerance``
+    of the fastest correct backend; otherwise the device is too noisy and nothing is applied."""
     table = _empty_table(transformer, report, seq_len, min_psnr, min_kernel_psnr, confirm_tolerance)
     if not table.applicable:
         log(f"attention backends: {table.reason}")
@@ -425,8 +380,8 @@ def measure_backends(transformer, call: Callable[[], Any], *, report=None, backe
     todo = _backends_to_try(table, backends, reg)
 
     with torch.inference_mode():
-        ref = _first_tensor(call()).clone()
-        again = _first_tensor(call())
+        ref = main_tensor(call()).clone()
+        again = main_tensor(call())
         table.noise_floor = asdict(output_agreement(again, ref))
         kernel_ref = kernel_output(table.default, q, k, v).clone()
         runnable: list[str] = []
@@ -551,8 +506,8 @@ class AttentionBackend(PipelineTechnique):
     @classmethod
     def variants(cls, ctx, pipe, configs: list, settings: AttentionBackendSettings, log=print, **measure_kw) -> list:
         """A named backend: its row. ``auto``: the backends measured on the pipeline's first
-        transformer call (the table written to ``benchmark/attention_backends.json``); the fastest correct one gets a row when an independent confirmation round
-        agrees with the pick (within 3%) and it is not the default already."""
+        transformer call (written to ``benchmark/attention_backends.json``); the fastest correct one
+        gets a row when the confirmation round agrees with the pick and it is not the default."""
         if settings.backend != "auto":
             return [backend_config(settings.backend)]
         from ..render import call_kwargs, cases, make_generator

@@ -1,20 +1,12 @@
-"""BlockDance: in the later, structure-settled steps, reuse the output of the first (shallow,
-structure-focused) blocks from the last fully computed step and compute only the blocks after
-them.
+"""BlockDance (Zhang et al., CVPR 2025): in the later, structure-settled steps, reuse the output of
+the first (shallow, structure-focused) blocks from the last fully computed step and compute only
+the blocks after them.
 
-BlockDance (Zhang et al., CVPR 2025) observes that the features of the shallow blocks become
-structurally similar between adjacent steps once the layout of the image has formed, while the
-deep blocks still refine detail. It alternates *cache steps* (every block runs, their outputs
-are kept) with up to ``interval`` *reuse steps* (the first ``depth`` blocks are not run: the
-output of block ``depth - 1`` is taken from the cache step, the rest run on it).
-
-``depth`` is calibrated on the model, per generation: on each cache step every block's output is
-compared with its output on the previous cache step (relative L1); the leading blocks whose
-change is below ``threshold`` times the median change measured so far in this generation are
-the settled ones. Early steps change a lot, so nothing is reused there; ``threshold = 0`` never
-reuses and reproduces the uncached output exactly. Only the first block list is used (the
-structure-focused blocks are the shallow ones), and its last block always runs. The blocks'
-``forward`` and the transformer's are wrapped per instance (``ditbook.hooks``).
+*Cache steps* (every block runs, outputs kept) alternate with up to ``interval`` *reuse steps*
+(the first ``depth`` blocks do not run). ``depth`` is calibrated per generation: the leading blocks
+whose output changed (relative L1, between cache steps) less than ``threshold`` times the median
+change so far; ``threshold = 0`` never reuses. Only the first block list is used, its last block
+always runs.
 """
 
 from __future__ import annotations
@@ -24,10 +16,10 @@ from dataclasses import dataclass, field
 
 from .. import hooks
 from ..adapter.build import PATTERN_OUTPUT_INDEX
-from ._forecast import calls_per_step, rel_l1, timestep_reader
+from ._forecast import calls_per_step, install_patched, rel_l1, timestep_reader
 from . import register
 from .technique import CacheTechnique
-from .teacache_fitted import _split_inputs
+from .teacache_fitted import _pack, _split_inputs
 
 
 @dataclass
@@ -50,12 +42,10 @@ class BlockReuser:
     def __init__(self, adapter, config: BlockDanceSettings, slots: int):
         self.config = config
         self.slots = max(1, slots)
-        self.state = [_Slot() for _ in range(self.slots)]
-        self.call = -1
+        self.reset()
         self.last_t = None
         self.mode = "cache"
         self.depth = 0
-        self.reused_calls = 0
         self.depths: list[int] = []
         transformer = adapter.pipe.transformer
         self.read_t = timestep_reader(transformer)
@@ -66,21 +56,17 @@ class BlockReuser:
         for bi, block in enumerate(blocks):
             self.handles.append(hooks.wrap_method(block, "ditbook-blockdance", self._block(bi)))
 
+    def reset(self):
+        self.state = [_Slot() for _ in range(self.slots)]
+        self.call = -1
+
     def _hidden(self, out):
         return out if self.ehs_i is None else out[self.hs_i]
-
-    def _pack(self, h, e):
-        if self.ehs_i is None:
-            return h
-        out = [None, None]
-        out[self.hs_i], out[self.ehs_i] = h, e
-        return tuple(out)
 
     def _on_call(self, original, *args, **kwargs):
         t = self.read_t(args, kwargs)
         if t is not None and self.last_t is not None and t > self.last_t + 1e-9 and self.call % self.slots == self.slots - 1:
-            self.state = [_Slot() for _ in range(self.slots)]
-            self.call = -1
+            self.reset()
         self.last_t = t
         self.call += 1
         st = self.state[self.call % self.slots]
@@ -90,7 +76,6 @@ class BlockReuser:
                 and st.reuse_run < cfg.interval):
             self.mode, self.depth = "reuse", st.depth
             st.reuse_run += 1
-            self.reused_calls += 1
         else:
             self.mode, self.depth = "cache", 0
             st.reuse_run = 0
@@ -102,7 +87,7 @@ class BlockReuser:
             st = self.state[self.call % self.slots]
             if self.mode == "reuse" and bi < self.depth:
                 if bi < self.depth - 1:
-                    return self._pack(*_split_inputs(args, kwargs))  # not run: replaced below
+                    return _pack(*_split_inputs(args, kwargs), self.hs_i, self.ehs_i)  # not run: replaced below
                 return st.outputs[bi]
             out = original(*args, **kwargs)
             if self.mode == "cache":
@@ -155,23 +140,12 @@ class BlockDance(CacheTechnique):
 
     @classmethod
     def enable(cls, pipe, adapter, config, steps=None):
-        adapter.patch()
-        try:
-            reuser = BlockReuser(adapter, config, calls_per_step(adapter))
-        except Exception:
-            adapter.unpatch()
-            raise
-
-        def undo():
-            reuser.remove()
-            adapter.unpatch()
-
-        undo.reuser = reuser
+        undo = install_patched(adapter, lambda: BlockReuser(adapter, config, calls_per_step(adapter)))
+        undo.reuser = undo.installed
         return undo
 
     @classmethod
     def grid(cls, adapter, steps):
-        # most promising first, so a max_configs budget keeps a spread of thresholds and intervals
         return [BlockDanceSettings(threshold=t, interval=k, warmup_steps=2)
                 for t, k in ((1.0, 1), (2.0, 1), (2.0, 2), (4.0, 1), (1.0, 2), (4.0, 2), (0.5, 1), (0.5, 2))]
 

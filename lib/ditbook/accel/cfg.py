@@ -1,25 +1,16 @@
-"""CFG parallel: the two classifier-free-guidance branches of each step on two ranks.
+"""CFG parallel: the two classifier-free-guidance branches of each step on two ranks, by a
+per-instance wrapper around ``pipe.transformer.forward`` (``ditbook.hooks``; ``CfgStats.remove()``
+undoes it exactly):
 
-cache-dit has no CFG parallelism, so ditbook does it with a per-instance wrapper around
-``pipe.transformer.forward`` (through ``ditbook.hooks``: the class is untouched and
-``CfgStats.remove()`` undoes it exactly):
+- **separate** (two transformer calls per step, cond then uncond): the rank whose CFG index equals
+  the call's parity computes it, the other returns a placeholder of the output's shape. At the
+  second call both ranks ``all_gather`` their branch, the first call's placeholder is filled in
+  place, and every rank continues with identical outputs. The pipeline must not copy the first
+  output before the second call (views are fine) — the parity test catches one that does.
+- **batched** (one call with cond and uncond concatenated): each rank runs its half of every tensor
+  argument batched like the input, and the halves are all-gathered along the batch.
 
-- **separate** (the pipeline calls the transformer twice per step, cond then uncond — QwenImage,
-  Flux with ``true_cfg_scale > 1``): calls are counted; the rank whose CFG index equals the call's
-  parity (call index mod 2) computes it, the other returns a placeholder. At the second call of
-  the pair both ranks ``all_gather`` their branch over the CFG group, the placeholder returned at
-  the first call is filled in place, and the second call returns the gathered result. Every rank
-  then continues with identical outputs, so identical latents. The placeholder needs the output's
-  shape: on the first pair of a new input shape the rank computes its partner's branch too (one
-  extra forward per run), later pairs reuse the recorded shape. This relies on the pipeline not
-  copying the first output before the second call (it may take views, e.g. a slice) — the parity
-  test catches a pipeline that does.
-- **batched** (one call with a batch of two, cond and uncond concatenated): each rank runs its
-  half of the batch (every tensor argument whose first dimension is the batch), and the halves
-  are all-gathered along the batch.
-
-With context parallelism on top, the CFG group pairs the ranks holding the same sequence shard
-(mesh ``cfg x ring x ulysses``); CP hooks run inside each branch.
+With context parallelism, the CFG group pairs the ranks holding the same sequence shard.
 """
 
 from __future__ import annotations
@@ -31,6 +22,7 @@ import torch.distributed as dist
 
 from ..hooks import WrapHandle, wrap_method
 from . import plan_name, register
+from ._forecast import main_tensor, replace_tensor
 from .technique import Feasibility, NoSettings, ParallelTechnique
 
 WRAP = "ditbook.cfg-parallel"
@@ -61,28 +53,14 @@ class CfgStats:
         self.undo = []
 
 
-def _first_tensor(out):
-    if isinstance(out, torch.Tensor):
-        return out
-    if isinstance(out, (tuple, list)):
-        return out[0]
-    return out.sample
-
-
-def _wrap_like(template, tensor):
-    if isinstance(template, torch.Tensor):
-        return tensor
-    if isinstance(template, tuple):
-        return (tensor,) + tuple(template[1:])
-    if isinstance(template, list):
-        return [tensor] + list(template[1:])
-    return type(template)(sample=tensor)
+def _hidden_input(args, kwargs):
+    """The call's image input: ``hidden_states``, else its first positional tensor (None without one)."""
+    t = kwargs.get("hidden_states")
+    return t if t is not None else next((a for a in args if isinstance(a, torch.Tensor)), None)
 
 
 def _input_key(args, kwargs) -> tuple:
-    t = kwargs.get("hidden_states")
-    if t is None:
-        t = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    t = _hidden_input(args, kwargs)
     return tuple(t.shape) if t is not None else ()
 
 
@@ -94,19 +72,15 @@ def _gather(local: torch.Tensor, group, size: int) -> list[torch.Tensor]:
 
 
 class CfgShapeError(RuntimeError):
-    """Under CFG parallel with a cache, a rank answers the other branch's first call with a
-    placeholder shaped like the transformer's input; the transformer's output was shaped (or
-    wrapped) otherwise."""
+    """Under CFG parallel with a cache, the transformer's output was shaped (or wrapped) unlike the
+    input-shaped placeholder a rank answered the other branch's first call with."""
 
 
 def _placeholder_like_input(args, kwargs, takes_return_dict: bool = True):
     """(placeholder output, its tensor): an empty tensor shaped like the image input, wrapped the
-    way the call asks (``return_dict=False``: a tuple; otherwise diffusers' output class). A
-    forward without a ``return_dict`` parameter (``takes_return_dict`` False) is not a diffusers
-    forward that wraps on request: its placeholder is the bare tensor."""
-    t = kwargs.get("hidden_states")
-    if t is None:
-        t = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    way the call asks (``return_dict=False``: a tuple; else diffusers' output class; a forward
+    without ``return_dict``, ``takes_return_dict`` False: the bare tensor)."""
+    t = _hidden_input(args, kwargs)
     if t is None:
         # the input as a list of one tensor per sample (the Wan2.1 reference code's WanModel takes and
         # returns ``[C, F, H, W]`` tensors in a list): the placeholder is a list of the same shape
@@ -168,7 +142,7 @@ class _SeparateState:
             self.stats.computed += 1
             if self.me != 0:
                 self.stats.extra_forwards += 1
-            t = _first_tensor(out)
+            t = main_tensor(out)
             self.template = out
             self.shapes[key] = (tuple(t.shape), t.dtype, t.device)
             self.own0 = t
@@ -179,7 +153,7 @@ class _SeparateState:
         self.stats.skipped += 1
         self.own0 = None
         self.pending = ph
-        return _wrap_like(self.template, ph)
+        return replace_tensor(self.template, ph)
 
     def second(self, orig, key, args, kwargs):
         """The second call of a pair: rank 1 computes, rank 0 contributes its first-call result;
@@ -188,7 +162,7 @@ class _SeparateState:
             out = orig(*args, **kwargs)
             self.stats.computed += 1
             self.template = out
-            mine = _first_tensor(out)
+            mine = main_tensor(out)
             if self.guessed is not None:
                 self._check_guess(out, mine, key)
         else:
@@ -200,7 +174,7 @@ class _SeparateState:
         self.pending.copy_(parts[0])  # fills the first call's placeholder (or rewrites it equal)
         if self.me == 1:
             return out
-        return _wrap_like(self.template, parts[1])
+        return replace_tensor(self.template, parts[1])
 
     def _check_guess(self, out, mine: torch.Tensor, key) -> None:
         """Refuse an output shaped (or wrapped) unlike the input-shaped placeholder; else learn it."""
@@ -215,14 +189,10 @@ class _SeparateState:
 
 
 def _separate(stats: CfgStats, me: int, group, heartbeat, shape_from_input: bool = False, wraps: bool = True):
-    """The wrapper for a pipeline that calls the transformer twice per step (cond, uncond).
-
-    A rank that does not compute a call returns a placeholder of the output's shape, learnt the
-    first time a new input shape comes: by one extra forward (default), or — with a cache,
+    """The wrapper for a pipeline that calls the transformer twice per step (cond, uncond). The
+    placeholder's shape is learnt for a new input shape by one extra forward, or — with a cache,
     ``shape_from_input`` — from the input's shape, checked against the rank's own output in the
-    same step. An extra forward would advance that rank's cache (its step count, and cache-dit's
-    world-wide all-reduce of the residual difference) one call ahead of the other rank's, and the
-    ranks' collectives would no longer pair (a hang)."""
+    same step: an extra forward would put that rank's cache (and its collectives) one call ahead."""
     state = _SeparateState(stats, me, group, wraps)
 
     def separate(orig, *args, **kwargs):
@@ -247,9 +217,7 @@ def _batched(stats: CfgStats, me: int, group, heartbeat):
         stats.calls += 1
         if heartbeat:
             heartbeat()
-        t = kwargs.get("hidden_states")
-        if t is None:
-            t = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        t = _hidden_input(args, kwargs)
         b = t.shape[0] if t is not None else 0
         if b < 2 or b % 2:
             stats.notes.append(f"call {stats.calls}: batch {b} not splittable, computed whole")
@@ -262,21 +230,18 @@ def _batched(stats: CfgStats, me: int, group, heartbeat):
             return v
         out = orig(*[half(a) for a in args], **{k: half(v) for k, v in kwargs.items()})
         stats.computed += 1
-        parts = _gather(_first_tensor(out), group, 2)
+        parts = _gather(main_tensor(out), group, 2)
         stats.exchanges += 1
-        return _wrap_like(out, torch.cat(parts, dim=0))
+        return replace_tensor(out, torch.cat(parts, dim=0))
 
     return batched
 
 
 def one_branch_per_step(transformer) -> list:
-    """Under separate-calls CFG parallel each rank makes one transformer call per step, all of
-    one branch. A cache-dit cache set up for separate CFG (``enable_separate_cfg``) counts a step
-    per two calls and takes every other call for the other branch: on a rank that doubles the
-    warmup (in steps) and compares each call's residual with its own branch's call two steps back,
-    so the rank computes the blocks the one-process run skips, and the ranks' block work is not
-    half of it (``CfgSplitError``). The rank's cache is its one branch's cache: every cache context
-    of the transformer is set to one call per step here; returns the handles that put it back."""
+    """Every cache context of the transformer set to one call per step; returns the handles that put
+    it back. Under separate-calls CFG parallel a rank sees one branch only: a cache set for separate
+    CFG (``enable_separate_cfg``) would count a step per two calls and compare each call with its
+    branch's call two steps back, computing blocks the one-process run skips (``CfgSplitError``)."""
     from ..hooks import swap_attribute
 
     configs = {}
@@ -295,9 +260,8 @@ def one_branch_per_step(transformer) -> list:
 
 
 def apply_cfg_parallel(transformer, style: str, group=None, heartbeat=None, cached: bool = False) -> CfgStats:
-    """Wrap ``transformer.forward`` (this instance) for CFG parallel over ``group`` (2 ranks);
-    the returned stats' ``remove()`` undoes it. ``cached``: a cache runs inside the forward, so no
-    rank may make a call the other does not (see ``_separate``)."""
+    """Wrap ``transformer.forward`` (this instance) for CFG parallel over ``group`` (2 ranks); the
+    returned stats' ``remove()`` undoes it. ``cached``: a cache runs inside (see ``_separate``)."""
     if style not in ("separate", "batched"):
         raise ValueError(f"CFG parallel needs a 'separate' or 'batched' CFG style, got {style!r}")
     size = dist.get_world_size(group)
@@ -322,9 +286,7 @@ def detect_cfg_style(pipe, card) -> str:
     seen: list[int] = []
 
     def hook(module, args, kwargs):
-        t = kwargs.get("hidden_states")
-        if t is None:
-            t = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        t = _hidden_input(args, kwargs)
         seen.append(int(t.shape[0]) if t is not None else 0)
 
     h = pipe.transformer.register_forward_pre_hook(hook, with_kwargs=True)

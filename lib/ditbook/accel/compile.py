@@ -1,24 +1,16 @@
 """Regional ``torch.compile``: the transformer's repeated blocks compiled in place, optionally the image
-decoder too; the one compile every stage uses (the cache stage's check of its choice, the parallel
-stage's ``+compile`` plans, the benchmark's compiled rows), configured by one card key,
-``runtime.compile`` (:class:`CompileSettings`).
+decoder too; the one compile every stage uses, configured by ``runtime.compile`` (:class:`CompileSettings`).
 
-diffusers' ``ModelMixin.compile_repeated_blocks`` where the model class names its repeated blocks
-(``_repeated_blocks``), else ``nn.Module.compile`` of every block of the block lists the facts name
-(``ditbook.arch.static.find_block_lists``). Both set each block's ``_compiled_call_impl``; the undo
-puts back exactly what every module held. ``decoder``: ``pipe.vae.decoder`` compiled the same way
-(diffusers' autoencoder layout; with a cache that computes few steps the decode is a visible share
-of the run, about 8% of a cached FLUX.1-dev image on an H200); a pipeline without that module keeps
-its blocks compiled and the record says why.
+diffusers' ``ModelMixin.compile_repeated_blocks`` where the class names its ``_repeated_blocks``,
+else ``nn.Module.compile`` of every block of the block lists. Both set each block's
+``_compiled_call_impl``; the undo puts back exactly what every module held. ``decoder``:
+``pipe.vae.decoder`` compiled the same way (a pipeline without one keeps its blocks compiled).
 
-The record (:class:`CompileRecord`) holds how the blocks were compiled, how many regions, and the
-one-time compile cost: the first ``probe_calls`` transformer calls are timed (synchronized), the cost
-is the first call's time above the median of the others (a cache's cheap steps make a minimum too
-low); later calls far above that median are ``slow_later_calls`` (recompiles). The decoder compiles
-at its first decode, so its cost is timed there (a probe on ``vae.decode``) and added to
-``compile_s``. Each application resets dynamo's caches first (process-wide): every compiled
-configuration pays, and reports, its own compile cost, and none can hit the recompile limit an
-earlier one left (past it torch silently runs the blocks eagerly).
+The record (:class:`CompileRecord`) holds the one-time compile cost: the first call's time above
+the median of the next ``probe_calls`` (later calls far above it: ``slow_later_calls``,
+recompiles), plus the decoder's, timed at its first decode. Each application resets dynamo's
+caches first (process-wide), so every configuration reports its own compile cost and none hits the
+recompile limit an earlier one left (past it torch silently runs the blocks eagerly).
 """
 
 from __future__ import annotations
@@ -117,8 +109,7 @@ class DecoderUnavailable(RuntimeError):
 
 
 def decoder_module(pipe):
-    """``pipe.vae.decoder`` when it is a module (diffusers' autoencoders), else raise
-    :class:`DecoderUnavailable` naming what is missing."""
+    """``pipe.vae.decoder`` when it is a module, else raise :class:`DecoderUnavailable` naming what is missing."""
     import torch
 
     vae = getattr(pipe, "vae", None)
@@ -254,11 +245,8 @@ class Compile(PipelineTechnique):
             raise
 
         def record() -> CompileRecord:
-            if "blocks" in probes:
-                blocks = probes["blocks"].summary()
-                rec.compile_s, rec.first_call_s = blocks["compile_s"], blocks["first_call_s"]
-                rec.steady_call_s, rec.probe_calls = blocks["steady_call_s"], blocks["probe_calls"]
-                rec.slow_later_calls = blocks.get("slow_later_calls", 0)
+            if "blocks" in probes:  # the summary's keys are the record's fields
+                vars(rec).update({"slow_later_calls": 0, **probes["blocks"].summary()})
             if "decoder" in probes:
                 dec = probes["decoder"].summary()
                 rec.decoder.update(compile_s=dec["compile_s"], first_decode_s=dec["first_call_s"],
@@ -296,9 +284,8 @@ def _undo_all(undos: list) -> None:
 
 def compiled_config(cfg, settings: CompileSettings | None = None, *, reset: bool = True, **values):
     """``cfg`` with its transformer blocks compiled (name ``<cfg.name>+compile``, same family and
-    gates; the bare baseline's twin is family ``compile``), its record in ``params["compile"]``
-    (filled in place while the configuration runs, so the benchmark's row carries it). ``values``:
-    :class:`CompileSettings` fields, in place of ``settings``."""
+    gates; the bare baseline's twin is family ``compile``), its record filled into
+    ``params["compile"]`` as it runs. ``values``: :class:`CompileSettings` fields, for ``settings``."""
     from ..configuration import Config
 
     settings = settings or Compile.settings(**values)

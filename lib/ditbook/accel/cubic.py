@@ -1,15 +1,8 @@
 """Cubic: forecast a skipped step's transformer output with a cubic through the outputs of the
 last four computed steps (Lagrange interpolation in the timestep, evaluated beyond the last one).
 
-The output is the residual the sampler adds to the latents; between computed steps it moves
-smoothly enough that a third-order fit follows it where reusing it (zeroth order) or a line
-(first order) drifts. The forecast's error is estimated the usual way for embedded methods: the
-difference between the cubic and the quadratic through the last three points. A step is
-forecast while that estimate, accumulated over consecutive forecasts, stays below ``threshold``
-times the median change measured between computed steps of this very run (``_forecast``), so
-the threshold is calibrated on the model; ``threshold = 0`` computes every step. The
-transformer's ``forward`` is wrapped per instance (``ditbook.hooks``); a forecast step runs no
-block.
+The error estimate is the difference between the cubic and the quadratic through the last three
+points, accumulated under the ``_forecast`` budget (``threshold = 0`` computes every step).
 """
 
 from __future__ import annotations
@@ -61,9 +54,7 @@ class Cubic(CacheTechnique):
 
     @classmethod
     def grid(cls, adapter, steps):
-        # most promising first, so a max_configs budget keeps a spread of thresholds and run lengths;
-        # on the reference model the cubic-vs-quadratic disagreement is 1.2-1.7x the median step
-        # change, so thresholds below ~1.5 never forecast there (REFERENCE.md)
+        # the cubic-vs-quadratic disagreement is 1.2-1.7x the median step change (REFERENCE.md)
         return [CubicSettings(threshold=t, warmup_steps=4, max_consecutive=k)
                 for t, k in ((2.0, 1), (3.0, 2), (1.5, 1), (2.0, 2), (3.0, 1), (4.0, 2), (1.0, 1), (0.5, 1))]
 

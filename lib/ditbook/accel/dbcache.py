@@ -21,10 +21,8 @@ class DBCacheSettings:
 
 def cfg_from_adapter(cache_config, target):
     """``cache_config`` with ``enable_separate_cfg`` set from ``target``'s own ``has_separate_cfg``
-    when ``target`` is a BlockAdapter and the config leaves it unset. Left unset, cache-dit looks
-    it up in its registry of adapters matched by pipeline-class-name prefix: a third-party pipeline
-    whose name begins like a registered one (``FluxReferencePipeline``) gets that adapter built on
-    its model, which fails on block lists the model does not have."""
+    when ``target`` is a BlockAdapter and the config leaves it unset (else cache-dit matches its
+    adapters by pipeline-class-name prefix, wrong for e.g. ``FluxReferencePipeline``)."""
     from cache_dit import BlockAdapter
 
     if isinstance(target, BlockAdapter) and getattr(cache_config, "enable_separate_cfg", None) is None:
@@ -40,8 +38,7 @@ def enable_dbcache(pipe, adapter, cache_config_kwargs: dict, calibrator=None):
 
     transformer = adapter.owner_module() if hasattr(adapter, "owner_module") else pipe.transformer
     order = list(transformer._modules)
-    # cache-dit's registered patch functors replace forward on the transformer and on blocks and
-    # mark it _is_patched, and disable_cache leaves them: put the instances back exactly
+    # disable_cache leaves cache-dit's patch functors on the instances: put them back exactly
     restore_instances = snapshot_instance_attrs(transformer)
     block_adapter = adapter.block_adapter()
     cache_dit.enable_cache(block_adapter, cache_config=cfg_from_adapter(cache_dit.DBCacheConfig(**cache_config_kwargs),
@@ -50,8 +47,7 @@ def enable_dbcache(pipe, adapter, cache_config_kwargs: dict, calibrator=None):
 
     def undo():
         cache_dit.disable_cache(block_adapter)
-        # cache-dit swaps block lists in with unittest.mock, which re-inserts them at the end of
-        # the module's child order; diffusers' block hooks rely on that order: restore it
+        # cache-dit's swap moves block lists to the end of the child order diffusers' hooks rely on
         modules = transformer._modules
         transformer._modules = type(modules)((k, modules[k]) for k in order + [k for k in modules if k not in order])
         adapter.unpatch()

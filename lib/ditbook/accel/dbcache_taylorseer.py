@@ -39,8 +39,7 @@ class DBCacheTaylorSeer(CacheTechnique):
     def grid(cls, adapter, steps):
         n = min_list_length(adapter)
         fns = sorted({f for f in (1, 2, 4) if f < n} or {1})
-        # most promising first (second-order extrapolation tolerates larger thresholds), so a
-        # max_configs budget keeps the useful part of the grid
+        # second-order extrapolation tolerates larger thresholds
         return [DBCacheTaylorSeerSettings(Fn=f, threshold=t, taylorseer_order=o, max_warmup_steps=2)
                 for o in (2, 1) for f in fns[:1] for t in (0.24, 0.32, 0.16, 0.48)]
 

@@ -21,16 +21,14 @@ class FasterCacheSettings:
 
 
 def tensor_layout(rank: int) -> str:
-    """FasterCache's layout of the transformer's output, by its rank (the rank of the latents the
-    transformer is called with): a 5-d video latent is batch x frames x channels x height x width,
-    anything else batch x channels x height x width."""
+    """FasterCache's layout of the transformer's output by the rank of its latents: a 5-d video
+    latent is batch x frames x channels x height x width, anything else batch x channels x height x width."""
     return "BFCHW" if rank == 5 else "BCHW"
 
 
 class LayoutByRank:
-    """A forward pre-hook on the transformer that gives FasterCache's denoiser hook the layout of
-    the latents of the first call (``tensor_layout``), before that hook reads it; ``remove()``
-    takes the pre-hook off and the layout back."""
+    """A forward pre-hook giving FasterCache's denoiser hook the layout of the first call's latents
+    (``tensor_layout``) before it reads it; ``remove()`` takes the pre-hook off and the layout back."""
 
     def __init__(self, transformer, denoiser):
         self.denoiser, self.swap = denoiser, None

@@ -1,6 +1,5 @@
 """diffusers MagCache: skips blocks while the accumulated magnitude-ratio error stays under
-``threshold``. Its magnitude ratios are calibrated on this model first (MagCache's own
-``calibrate=True`` mode), never taken from another model."""
+``threshold``; its magnitude ratios are calibrated on this model first (``calibrate=True``)."""
 
 from __future__ import annotations
 
@@ -9,7 +8,7 @@ from dataclasses import dataclass, field
 from ..hooks import WrapGroup
 from . import register
 from .technique import CacheTechnique
-from ._diffusers_hooks import install_block_hooks, needs_top_level
+from ._diffusers_hooks import _registries, install_block_hooks, needs_top_level
 
 
 @dataclass
@@ -55,9 +54,8 @@ class DiffusersMagCache(CacheTechnique):
             ratios.append(float(state.calibration_ratios[-1]))
 
         try:
-            for m in pipe.transformer.modules():
-                reg = getattr(m, "_diffusers_hook", None)
-                for hook in (reg.hooks.values() if reg is not None else []):
+            for _, reg in _registries(pipe.transformer):
+                for hook in reg.hooks.values():
                     if hasattr(hook, "_perform_calibration_step"):
                         records.wrap(hook, record, attr="_perform_calibration_step")
             run(1)

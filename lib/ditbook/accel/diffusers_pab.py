@@ -1,14 +1,8 @@
 """diffusers Pyramid Attention Broadcast: inside a timestep window, attention outputs are
-reused for ``skip_range`` - 1 steps out of ``skip_range``.
-
-diffusers' ``apply_pyramid_attention_broadcast`` only looks at its own attention classes and
-finds them by name patterns; its docs invite custom layers to be hooked the same way. Here the
-attention modules are the ones the inspection finds in the blocks
-(``arch.static.attention_modules``: modules with q/k/v or fused qkv projections, or
-``nn.MultiheadAttention``), of any class, and each gets diffusers' own
-``PyramidAttentionBroadcastHook`` through its ``HookRegistry`` — the same hook diffusers
-registers on its ``Attention``. Cross-attention modules (``is_cross_attention``) are left alone,
-as diffusers does for the spatial setting used here.
+reused for ``skip_range`` - 1 steps out of ``skip_range``. diffusers finds only its own attention
+classes by name; here every self-attention module the inspection finds in the blocks
+(``arch.static.attention_modules``), of any class, gets diffusers' own
+``PyramidAttentionBroadcastHook`` through its ``HookRegistry``.
 """
 
 from __future__ import annotations

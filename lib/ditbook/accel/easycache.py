@@ -1,20 +1,18 @@
 """EasyCache-style runtime-adaptive step cache: no calibration, nothing fitted, decided per call.
 
 After Zhou et al., "Less is Enough: Training-Free Video Diffusion Acceleration via Runtime-Adaptive
-Cache" (2025), written here from the paper's description, not its code. A flow model's
-transformer maps its input ``x_t`` to an output ``v_t``; across steps the *transformation rate*
-``k = |v_t - v_s| / |x_t - x_s|`` between two computed steps stays nearly constant after the first
-few steps. So after a computed step the cache keeps the transformation vector ``d = v - x`` and
-``k``; at each later call it adds the output change ``k |x_t - x_{t-1}| / |v|`` the input change
-predicts, and while that accumulated estimate stays below ``threshold`` the call returns
-``x_t + d`` without running a block; past it the call is computed and the estimate starts again.
-The first ``warmup_steps`` calls always compute. Everything it needs is read at run time from the
-call itself, so it applies to any transformer whose output has its input's shape (a call whose
-shapes differ is always computed: the record then shows nothing skipped, and ``check`` says so).
+Cache" (2025). A flow model's transformer maps its input ``x_t`` to an output ``v_t``; the
+*transformation rate* ``k = |v_t - v_s| / |x_t - x_s|`` between two computed steps stays nearly
+constant after the first few steps. After a computed step the cache keeps ``d = v - x`` and ``k``;
+each later call adds the output change ``k |x_t - x_{t-1}| / |v|`` the input change predicts, and
+while that accumulated estimate stays below ``threshold`` the call returns ``x_t + d`` without
+running a block; past it the call is computed and the estimate starts again.
+The first ``warmup_steps`` calls always compute. It applies to any transformer whose output has its
+input's shape (a call whose shapes differ is always computed).
 
-Per instance: one wrapper on ``pipe.transformer.forward`` (``ditbook.hooks``, undone exactly); with
-CFG as two calls per step, each branch keeps its own state; a new generation (the timestep going
-up again) starts from a clean state, so a case renders alone as it does after another.
+One wrapper on ``pipe.transformer.forward`` (``ditbook.hooks``, undone exactly); with CFG as two
+calls per step each branch keeps its own state; a new generation (the timestep going up again)
+starts from a clean state.
 """
 
 from __future__ import annotations

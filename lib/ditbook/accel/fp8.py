@@ -1,29 +1,13 @@
 """fp8 as a measured configuration: torchao's float8 dynamic activation + float8 weight
-quantization of the transformer's linear layers, judged by the same gates as every other row.
+quantization (e4m3, per-row scales, ``torch._scaled_mm``, through ``torchao.quantization.quantize_``)
+of the ``nn.Linear`` layers inside the transformer's repeated blocks whose features are multiples of
+16; the embedders and the final projection stay in the model's dtype (small, and the most sensitive
+to precision). ``apply_fp8(..., layers=...)`` quantizes only some, chosen by
+:func:`layer_sensitivity` on the model itself, never by name.
 
-What is quantized: the ``nn.Linear`` layers inside the transformer's repeated blocks (the block
-lists of ``ditbook.arch.static.find_block_lists`` — nearly all of a DiT's matmul work); the
-embedders and the final projection stay in the model's dtype (they are small and the most
-sensitive to precision). A layer whose in/out features are not multiples of 16 (what fp8 matmuls
-need) is left out. Each chosen layer gets torchao's
-``Float8DynamicActivationFloat8WeightConfig`` (e4m3 weights and activations, per-row scales, the
-kernel choice of cache-dit's ``float8_per_row``: ``torch._scaled_mm``) through
-``torchao.quantization.quantize_`` — the maintained library, used as its authors intend.
-
-Fewer layers: ``apply_fp8(..., layers=...)`` quantizes only the named ones of that choice, and
-:func:`layer_sensitivity` measures which layers the model's output is most sensitive to (each alone
-in low precision, its recorded transformer calls rerun, the output's relative error), so the layers
-kept in the model's dtype when the error budget does not allow them all are chosen on the model
-itself, never by their names (``benchmarks/fp8_quality.py`` measures the options).
-
-Undo, exactly: ``quantize_`` replaces each layer's ``weight`` Parameter (and may set attributes on
-the instance); before quantizing, each chosen layer's instance ``__dict__`` and ``_parameters`` are
-copied (shallow), and the undo puts those back, so the original Parameter objects return untouched
-(their values were never changed).
-
-Where fp8 cannot run it is refused before anything is changed, with the reason
-(:func:`fp8_refusal`): a transformer not on CUDA, a GPU below compute capability 8.9 (fp8 tensor
-cores: Ada, Hopper and later), or torchao missing.
+Undo, exactly: each chosen layer's instance ``__dict__`` and ``_parameters`` are copied (shallow)
+before quantizing and put back, so the original Parameter objects return untouched. Where fp8
+cannot run it is refused before anything changes (:func:`fp8_refusal`).
 """
 
 from __future__ import annotations
@@ -34,6 +18,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from . import register
+from ._forecast import main_tensor
 from .technique import Handle, NothingDone, PipelineTechnique, Record
 
 FP8_MIN_CAPABILITY = (8, 9)
@@ -100,10 +85,9 @@ def float8_config():
 
 def apply_fp8(transformer: torch.nn.Module, *, config: Any = None, check_device: bool = True,
               layers: Iterable[str] | None = None) -> tuple[Callable[[], None], dict]:
-    """Quantize the chosen linear layers in place; returns (undo, record). ``layers``: only these
-    of :func:`fp8_layers`' choice (the rest stay in the model's dtype; a name it did not choose is
-    an error); None: all of them. ``config``: another torchao config (tests on the CPU use one
-    torchao runs there); ``check_device=False`` only with such a config."""
+    """Quantize the chosen linear layers in place; returns (undo, record). ``layers``: only these of
+    :func:`fp8_layers`' choice (another name is an error); None: all. ``config``: another torchao
+    config (tests on the CPU use one); ``check_device=False`` only with such a config."""
     if check_device:
         why = fp8_refusal_for(transformer)
         if why:
@@ -145,8 +129,7 @@ def apply_fp8(transformer: torch.nn.Module, *, config: Any = None, check_device:
 
 def capture_calls(transformer: torch.nn.Module, run: Callable[[], Any], every: int = 1) -> list[dict]:
     """The transformer's inputs (keyword form, tensors detached and copied) at every ``every``-th
-    of its calls while ``run()`` runs: the inputs a sensitivity measurement replays. The hook is
-    this instance's and is removed when ``run`` returns or raises."""
+    of its calls while ``run()`` runs: the inputs a sensitivity measurement replays."""
     import inspect
 
     names = list(inspect.signature(transformer.forward).parameters)
@@ -169,32 +152,19 @@ def capture_calls(transformer: torch.nn.Module, run: Callable[[], Any], every: i
     return calls
 
 
-def _first_tensor(out) -> torch.Tensor:
-    if torch.is_tensor(out):
-        return out
-    if isinstance(out, dict):
-        out = list(out.values())
-    for v in out if isinstance(out, (list, tuple)) else [getattr(out, "sample", None)]:
-        if torch.is_tensor(v):
-            return v
-    raise TypeError(f"no tensor in the transformer's output ({type(out).__name__})")
-
-
 def layer_sensitivity(transformer: torch.nn.Module, calls: list[dict], layers: list[str],
                       quantize: Callable[[str], Callable[[], None]]) -> list[dict]:
-    """How much each layer alone changes the transformer's output: for each name in ``layers``,
-    ``quantize(name)`` (which returns its undo) puts that one layer in low precision, the
-    transformer reruns the recorded ``calls`` (:func:`capture_calls`), and the error is the
-    output's relative L2 distance to the unquantized output, the worst over the calls. Returns one
-    record per layer, most sensitive first: what decides which layers stay in the model's dtype
-    when the error budget does not allow them all (measured on the model, never by name)."""
+    """How much each layer alone changes the transformer's output: ``quantize(name)`` (returning its
+    undo) puts that one layer in low precision, the recorded ``calls`` (:func:`capture_calls`) are
+    rerun, and the error is the output's relative L2 distance to the unquantized output, the worst
+    over the calls. One record per layer, most sensitive first."""
     with torch.inference_mode():
-        ref = [_first_tensor(transformer(**c)).float() for c in calls]
+        ref = [main_tensor(transformer(**c)).float() for c in calls]
         out = []
         for name in layers:
             undo = quantize(name)
             try:
-                errs = [float((_first_tensor(transformer(**c)).float() - r).norm() / r.norm().clamp_min(1e-12))
+                errs = [float((main_tensor(transformer(**c)).float() - r).norm() / r.norm().clamp_min(1e-12))
                         for c, r in zip(calls, ref)]
             finally:
                 undo()

@@ -1,9 +1,8 @@
 """The attention route and its GQA path: a model's own ``scaled_dot_product_attention`` calls sent
-through diffusers' dispatcher (``ditbook.cp.attention.route_attention``), with grouped-query
-attention taking SDPA's ``enable_gqa`` or K/V repeated to the query heads, whichever the parallel
-stage measured faster on this device (``cp.attention.time_gqa``, the stage's ``gqa`` record). The
-route is also what lets context parallelism reach attention written outside diffusers, so every
-parallel plan applies it; its check holds only where the model has grouped-query attention."""
+through diffusers' dispatcher (``ditbook.cp.attention.route_attention``), grouped-query attention
+taking SDPA's ``enable_gqa`` or K/V repeated, whichever the parallel stage measured faster
+(``cp.attention.time_gqa``). Every parallel plan applies the route (it lets context parallelism
+reach attention written outside diffusers); its check holds only where the model has GQA."""
 
 from __future__ import annotations
 

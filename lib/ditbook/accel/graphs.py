@@ -1,43 +1,20 @@
-"""Replay each transformer call as a CUDA graph (``+graph`` plans).
+"""Replay each transformer call as a CUDA graph (``+graph`` plans): a step split over GPUs can
+become host-bound (the host still launches every kernel, hook and collective); a graph of the whole
+call (parallel hooks, compiled blocks, all-to-alls) takes the host out of the step.
 
-Why: once a plan splits the sequence across GPUs, each rank's GPU work per step halves but the
-host still launches every kernel, runs every hook and every collective call in Python. On the
-FLUX.1-dev shape with Ulysses-2 the eager step became host-bound (0.111–0.155 s per step on two
-H200s against ~0.087 s of GPU work, docs/benchmarks.md), and how host-bound depended on the
-host. A CUDA graph takes the host out of the step: the whole transformer call (the parallel
-hooks, the regional-compiled blocks, the all-to-alls) is captured once per input signature
-and replayed.
+The forward is wrapped on the instance (``ditbook.hooks``, undone exactly), so hooks already
+installed are captured too. Calls are keyed by their signature (tensor shapes, dtypes, devices,
+non-tensor values, inference mode): the first ``warmup`` calls of a signature run eagerly, the next
+is captured on static copies of its tensors, later ones copy their tensors in and replay. Outputs
+are cloned out of the static buffers (true CFG's two calls share a signature). A call that cannot
+be keyed, or more than ``max_graphs`` signatures, falls back to eager for good (``stats`` says why).
+The replayed call must not change its work outside its tensor inputs, and every rank must capture
+the same collectives in the same order.
 
-How (the recipe of the PyTorch CUDA-graphs notes, applied to a module's forward):
-
-- the forward is wrapped on the instance (``ditbook.hooks``, undone exactly); hooks that are already installed (diffusers'
-  context-parallel split/gather hooks, cache-dit's) are inside the wrapper and so are captured;
-- calls are keyed by their signature (tensor shapes, dtypes, devices, the non-tensor values
-  and whether inference mode is on); the first ``warmup`` calls of a signature run eagerly
-  (torch.compile compiles, autotuning and NCCL set-up happen there), the next one is captured
-  with its own tensors copied to static buffers, later ones copy their tensors into those
-  buffers and replay;
-- outputs are cloned out of the graph's static buffers, so two calls in one step (true CFG's
-  two branches share a signature) never overwrite each other;
-- a call the wrapper cannot key (a non-tensor value it cannot compare), or more than
-  ``max_graphs`` signatures, falls back to eager for good and says why in ``stats``.
-
-Requirements a user must know: the replayed call must not change its work from call to call
-outside its tensor inputs, and every rank must capture the same collectives in the same order
-(they do: every rank makes the same calls with the same signatures).
-
-With a cache (``+cache+graph``): a cache decides in Python, per step, which blocks run and keeps
-its buffers in Python, so the whole transformer call cannot be replayed. What can be: the work of
-a *computed* step inside each of cache-dit's cached units — ``call_Mn_blocks``, the loop over the
-blocks after the first ``Fn`` ones, pure tensor work with no decision in it — one graph per unit
-and signature ("graphs of the computed steps only"); the decision, the buffers and the cheap
-cached steps stay eager (``install_cached_step_graphs``). This is only offered for a cache whose
-schedule is fixed before the run (a static step mask, ``static_cache_mask``): with a dynamic
-threshold the set of computed steps depends on the run, and the plan is refused with the reason
-(``cache_graph_refusal``).
-
-The capture itself is a ``Capturer`` (``CudaCapturer`` on GPUs); tests hand in a recording
-capturer to check the keying, the static buffers and the output copies on a CPU.
+With a cache (``+cache+graph``) only the work of a *computed* step inside each of cache-dit's cached
+units (``call_Mn_blocks``) is replayed (``install_cached_step_graphs``), and only for a schedule
+fixed before the run (``static_cache_mask``), else the plan is refused (``cache_graph_refusal``).
+The capture itself is a ``Capturer`` (``CudaCapturer`` on GPUs; tests hand in a recording one).
 """
 
 from __future__ import annotations
@@ -141,7 +118,6 @@ class StepGraphs:
         self._seen: dict[tuple, int] = {}
         self._handle = wrap_method(module, self.WRAP, self._call, attr=attr)
 
-    # -- the wrapper ------------------------------------------------------------------------
     def _eager(self, original, args, kwargs):
         self.stats.eager_calls += 1
         return original(*args, **kwargs)
@@ -195,7 +171,6 @@ class StepGraphs:
     def to_dict(self) -> dict:
         return self.stats.to_dict()
 
-    # -- undo -------------------------------------------------------------------------------
     def remove(self) -> None:
         self._handle.remove()
         self._graphs.clear()
@@ -206,14 +181,17 @@ def _module_device(module: torch.nn.Module) -> torch.device:
     return p.device if p is not None else torch.device("cpu")
 
 
+def _require_gpu(module: torch.nn.Module, capturer: Capturer | None) -> None:
+    dev = _module_device(module)
+    if capturer is None and (dev.type != "cuda" or not torch.cuda.is_available()):
+        raise GraphUnavailable(f"+graph replays CUDA work, and the transformer is on {dev.type}; "
+                               "run the plan on a GPU or drop +graph")
+
+
 def install_step_graphs(module: torch.nn.Module, *, warmup: int = 2, max_graphs: int = 4,
                         capturer: Capturer | None = None) -> StepGraphs:
     """Replay ``module``'s calls as CUDA graphs; raises ``GraphUnavailable`` off the GPU."""
-    if capturer is None:
-        dev = _module_device(module)
-        if dev.type != "cuda" or not torch.cuda.is_available():
-            raise GraphUnavailable(f"+graph replays CUDA work, and the transformer is on {dev.type}; "
-                                   "run the plan on a GPU or drop +graph")
+    _require_gpu(module, capturer)
     return StepGraphs(module, warmup=warmup, max_graphs=max_graphs, capturer=capturer)
 
 
@@ -255,15 +233,10 @@ class CachedStepGraphs:
 
     @property
     def stats(self) -> GraphStats:
-        out = GraphStats()
-        for g in self.graphs.values():
-            s = g.stats
-            out.captured += s.captured
-            out.replays += s.replays
-            out.eager_calls += s.eager_calls
-            out.capture_seconds += s.capture_seconds
-            out.disabled = out.disabled or s.disabled
-        return out
+        stats = [g.stats for g in self.graphs.values()]
+        return GraphStats(sum(s.captured for s in stats), sum(s.replays for s in stats),
+                          sum(s.eager_calls for s in stats), sum((s.capture_seconds for s in stats), 0.0),
+                          next((s.disabled for s in stats if s.disabled), None))
 
     def to_dict(self) -> dict:
         return {**self.stats.to_dict(), "scope": f"computed steps: {GRAPHED_CACHE_METHOD} of each cached unit",
@@ -278,17 +251,12 @@ class CachedStepGraphs:
 def install_cached_step_graphs(transformer: torch.nn.Module, cache_options: dict | None, *, steps: int | None = None,
                                warmup: int = 2, max_graphs: int = 4, capturer: Capturer | None = None
                                ) -> CachedStepGraphs:
-    """Replay the computed steps' block work of a static cache schedule as CUDA graphs (the cache
-    must already be enabled on ``transformer``); raises ``GraphUnavailable`` off the GPU, with a
-    dynamic cache, or when cache-dit's cached units cannot be found."""
+    """Replay the computed steps' block work of a static cache schedule (already enabled) as CUDA
+    graphs; raises ``GraphUnavailable`` off the GPU, with a dynamic cache, or without cached units."""
     reason = cache_graph_refusal(cache_options, steps)
     if reason:
         raise GraphUnavailable(reason)
-    if capturer is None:
-        dev = _module_device(transformer)
-        if dev.type != "cuda" or not torch.cuda.is_available():
-            raise GraphUnavailable(f"+graph replays CUDA work, and the transformer is on {dev.type}; "
-                                   "run the plan on a GPU or drop +graph")
+    _require_gpu(transformer, capturer)
     from ..cp.cache_sync import CacheSplitError, cached_block_units
 
     try:

@@ -1,18 +1,9 @@
-"""MeanCache: on a skipped step, use the *average* velocity over the step's interval instead of
-the instantaneous velocity of the last computed step.
+"""MeanCache (Gao et al., ICLR 2026): on a skipped step, use the *average* velocity over the step's
+interval instead of the instantaneous velocity of the last computed step.
 
-Flow-matching samplers integrate the transformer's output (a velocity) over each step's
-interval. Reusing the last computed velocity as it is drifts; MeanCache (Gao et al., ICLR 2026)
-corrects it with the velocity's rate of change (a Jacobian-vector product along the trajectory)
-and uses the mean of the velocity over the interval [s, s + h] being integrated. Here the rate
-of change is the finite difference of the last two computed outputs (no extra model call), so
-the forecast for a call at timestep ``s`` with spacing ``h`` is ``v_t + d * ((s - t) + h / 2)``.
-
-When to skip is calibrated on the model while it runs (see ``_forecast``): the drift the linear
-model predicts away from ``v_t`` (in units of the measured change between computed steps) must
-stay below ``threshold`` times the median change measured so far; ``threshold = 0`` computes
-every step and reproduces the uncached output exactly. The transformer's ``forward`` is wrapped
-per instance (``ditbook.hooks``); a skipped step runs no block at all.
+The velocity's rate of change ``d`` is the finite difference of the last two computed outputs, so
+the forecast for a call at timestep ``s`` with spacing ``h`` is ``v_t + d * ((s - t) + h / 2)``,
+skipped while its predicted drift stays under the ``_forecast`` budget (``threshold = 0``: never).
 """
 
 from __future__ import annotations
@@ -60,7 +51,6 @@ class MeanCache(CacheTechnique):
 
     @classmethod
     def grid(cls, adapter, steps):
-        # most promising first, so a max_configs budget keeps a spread of thresholds and run lengths
         return [MeanCacheSettings(threshold=t, warmup_steps=2, max_consecutive=k)
                 for t, k in ((2.0, 1), (3.0, 2), (1.0, 1), (1.0, 2), (2.0, 2), (3.0, 1), (0.5, 1), (0.5, 2))]
 

@@ -10,28 +10,20 @@ and over one block ``b`` alone ``out_b = sum_{j in b} exp(s_j - lse_b) v_j``. Tw
 
     lse = log(exp(lse_a) + exp(lse_b)),   out = exp(lse_a - lse) out_a + exp(lse_b - lse) out_b
 
-which is exact (each block's weights are rescaled to the whole softmax's denominator), in any
-order, so ``n - 1`` exchanges of the key/value block with the ring neighbours give each rank the
-attention of its queries over the whole sequence. Each block's partial attention and its
-log-sum-exp come from a fused kernel where one returns them (CUDA, half precision, no mask:
-torch's flash kernel, else its memory-efficient one — ``fused_partial``), checked once per
-process against the float32 path before it is used; elsewhere (the CPU, a mask) from ``q k^T`` in
-float32, which materialises the whole score matrix (at Wan-1.3B's shape 36 GiB, issue 24 item 5).
+which is exact in any order, so ``n - 1`` exchanges of the key/value block with the ring
+neighbours give each rank the attention of its queries over the whole sequence. Each block's
+partial attention and log-sum-exp come from a fused kernel where one applies (CUDA, half
+precision, no mask: ``fused_partial``, checked once per process against the float32 path), else
+from ``q k^T`` in float32, which materialises the whole score matrix.
 
-Routing: the sequence is split at the transformer's inputs and gathered at its outputs by the
-model's context-parallel plan (the same plan Ulysses uses, ``cp_plan``: cache-dit's split/gather
-hooks, without its attention backends), and the attention calls are sent to the ring per
-attention module: each module's forward is wrapped (``ditbook.hooks``) to enter a
-``TorchFunctionMode`` that turns its ``scaled_dot_product_attention`` calls into ring attention —
-diffusers' processors reach it through their native backend, third-party code directly. Nothing
-is rebound globally. A mask over the keys (boolean or additive, SDPA's convention) travels round
-the ring with its keys; a causal flag, dropout, or a mask that does not cover the local keys is
-refused by name (``RingAttentionRefused``).
+The sequence is split and gathered by the model's context-parallel plan (cache-dit's split/gather
+hooks); each attention module's forward enters a ``TorchFunctionMode`` that turns its SDPA calls
+into ring attention. A mask over the keys travels round the ring with its keys; a causal flag,
+dropout, or a mask not over the local keys is refused by name (``RingAttentionRefused``).
 
-``RingRecorder`` records per rank each attention call's local query/key lengths (measured inside
-the module, before the ring) and the ring's own counts (blocks merged, key length merged);
-``check_ring_sharding`` fails with ``RingShardingError`` when no call went round the ring or a
-call merged fewer than ``degree`` blocks.
+``RingRecorder`` records per rank each attention call's local query/key lengths and the ring's own
+counts; ``check_ring_sharding`` fails with ``RingShardingError`` when no call went round the ring
+or a call merged fewer than ``degree`` blocks.
 """
 
 from __future__ import annotations
@@ -65,9 +57,8 @@ class RingShardingError(ShardingError):
 def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                       mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` over one key/value block: (out, lse), lse float32 of shape q[..., 0].
-    ``mask`` (SDPA's convention: boolean True = attend, or a float added to the scores) covers this
-    block's keys; a row with every key of the block masked has lse -inf and out 0. A fused kernel
-    computes it where one applies (``fused_partial``), else ``reference_partial``."""
+    ``mask`` (SDPA's convention) covers this block's keys; a row with every key masked has lse -inf
+    and out 0. A fused kernel where one applies (``fused_partial``), else ``reference_partial``."""
     if mask is None:
         fused = fused_partial(q, k, v, scale)
         if fused is not None:
@@ -89,8 +80,7 @@ def reference_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 
 
 def _flash(q, k, v, scale):
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scale)[:2]
-    return out, lse
+    return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scale)[:2]
 
 
 def _efficient(q, k, v, scale):
@@ -105,8 +95,7 @@ _CHOSEN: dict[tuple, str | None] = {}  # (device, dtype, head dim) -> kernel nam
 
 def _kernel_agrees(kernel, device, dtype, head_dim: int) -> bool:
     """One small problem through ``kernel`` and through ``reference_partial``: the kernel is used
-    only if its output and log-sum-exp agree (what torch's private ops return is checked, not
-    assumed: their signatures and the lse's layout have changed between releases)."""
+    only if its output and log-sum-exp agree (torch's private ops change between releases)."""
     g = torch.Generator(device="cpu").manual_seed(0)
     q, k, v = (torch.randn(1, 2, 80, head_dim, generator=g, device="cpu").to(device, dtype) for _ in range(3))
     scale = head_dim ** -0.5
@@ -120,9 +109,8 @@ def _kernel_agrees(kernel, device, dtype, head_dim: int) -> bool:
 
 
 def fused_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
-    """(out, lse) of one block from the first fused kernel that applies and agrees with the float32
-    path on this device, dtype and head dim; None where none does (the CPU, float32 inputs, other
-    head counts for keys than for queries)."""
+    """(out, lse) of one block from the first fused kernel that agrees with the float32 path on this
+    device, dtype and head dim; None where none does (the CPU, float32, GQA)."""
     if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16) or k.shape[-3] != q.shape[-3]:
         return None
     key = (str(q.device), q.dtype, q.shape[-1])
@@ -261,9 +249,8 @@ def route_ring_attention(transformer, group=None) -> tuple[WrapGroup, RingStats,
 
 
 class RingRecorder:
-    """Per rank: the local query/key lengths each attention module's SDPA calls had (a spy mode
-    entered inside the module, installed before the ring route so it sees the calls first), and
-    the ring's counts."""
+    """Per rank: the local query/key lengths of each attention module's SDPA calls (seen before the
+    ring route), and the ring's counts."""
 
     def __init__(self, transformer, stats: RingStats | None = None):
         self.stats = stats
@@ -350,9 +337,8 @@ def ring_check(f, n: int, own: bool = False) -> tuple[bool, str]:
 
 def apply_own_ring(tr, plan: dict, spec, noop: bool = False) -> tuple[list[str], RingRecorder]:
     """ditbook's ring attention on a plain ring<N> plan: cache-dit's split/gather hooks of the CP
-    plan (no cache-dit attention backend: ``tr._parallel_config`` stays unset, so attention runs
-    locally) and every attention module routed round the ring. Returns the routed modules and the
-    recorder (installed first, so it sees each call's local lengths). ``noop``: record only."""
+    plan (without its attention backend) and every attention module routed round the ring. Returns
+    the routed modules and the recorder (installed first). ``noop``: record only."""
     from torch.distributed.device_mesh import init_device_mesh
 
     dev_type = "cuda" if str(tr.device).startswith("cuda") else "cpu"
@@ -383,9 +369,8 @@ def apply_own_ring(tr, plan: dict, spec, noop: bool = False) -> tuple[list[str],
 
 @register
 class Ring(ParallelTechnique):
-    """Ring attention. A plain ``ring<N>`` runs ditbook's own (this module: any device, key masks
-    travel with their keys, judged by every rank's ``RingRecorder`` record); rings inside USP, CFG x
-    ring or +cache plans are cache-dit's (CUDA only)."""
+    """Ring attention. A plain ``ring<N>`` runs ditbook's own (any device, key masks travel, judged by
+    every rank's ``RingRecorder`` record); rings inside USP, CFG x ring or +cache are cache-dit's."""
 
     name = "ring"
     token = "ring"

@@ -1,14 +1,10 @@
 """cache-dit step computation masks (SCM): a fixed list of which steps compute (1) and which
 reuse the cache (0); "static" always reuses on masked steps, "dynamic" still checks the DBCache
 threshold there. TaylorSeer (``taylorseer_order`` 1 or 2) extrapolates the cached residual across
-the skipped steps instead of holding it constant.
-
-The grid places the computed steps where a flow model changes most (:func:`spaced_mask`): a short
-warm-up, then computed steps whose gap grows towards the end, the last step always computed —
-from half the steps computed down to a quarter, each with TaylorSeer order 2 and without. On the
-shipped reference model at 28 steps this family's ``w2c7`` with order 2 holds 32.7 dB on held-out
-seeds (``benchmarks/schedule_quality.py``, ``docs/schedule_quality.json``), where evenly spaced
-masks of the same budget fail."""
+the skipped steps. The grid places the computed steps where a flow model changes most
+(:func:`spaced_mask`), from half the steps computed down to a quarter, each with TaylorSeer order 2
+and without (``benchmarks/schedule_quality.py`` measures them against evenly spaced masks).
+"""
 
 from __future__ import annotations
 
@@ -24,25 +20,17 @@ def spaced_mask(steps: int, warmup: int, computed: int) -> tuple[int, ...]:
     grows linearly towards the end, the last step always computed."""
     if computed > steps or warmup >= computed:
         raise ValueError(f"need warmup < computed <= steps, got {warmup}, {computed}, {steps}")
-    mask = [0] * steps
-    for i in range(warmup):
-        mask[i] = 1
+    mask = [1] * warmup + [0] * (steps - warmup)
     mask[-1] = 1
     rest = computed - warmup - 1  # computed steps strictly between the warm-up and the last step
     span = steps - 1 - warmup  # steps warmup .. steps-2 available
-    if rest > 0:
-        # gaps grow linearly: weights 1, 2, ..., rest+1 partition the span
-        weights = list(range(1, rest + 2))
-        total = sum(weights)
-        pos, acc = [], 0.0
-        for w in weights[:-1]:
-            acc += w * span / total
-            pos.append(warmup - 1 + max(1, round(acc)))
-        for p in pos:
-            p = min(max(p, warmup), steps - 2)
-            while mask[p] and p < steps - 2:
-                p += 1
-            mask[p] = 1
+    total, acc = sum(range(1, rest + 2)), 0.0  # gaps grow linearly: weights 1, 2, ..., rest+1 partition the span
+    for w in range(1, rest + 1):
+        acc += w * span / total
+        p = min(max(warmup - 1 + max(1, round(acc)), warmup), steps - 2)
+        while mask[p] and p < steps - 2:
+            p += 1
+        mask[p] = 1
     return tuple(mask)
 
 
@@ -80,8 +68,7 @@ class SCM(CacheTechnique):
 
     @classmethod
     def grid(cls, adapter, steps):
-        # the gentlest budget first, so a max_configs budget keeps the configurations most likely to pass;
-        # only masks that skip a step (a run of 3 steps or fewer has none: the grid is empty)
+        # the gentlest budget first; only masks that skip a step (none for 3 steps or fewer)
         warm = 2 if steps >= 6 else 1
         budgets = sorted({max(warm + 2, round(steps * f)) for f in (0.5, 0.35, 0.25)}, reverse=True)
         return [SCMSettings(mask=list(spaced_mask(steps, warm, c)), policy="static", taylorseer_order=order)

@@ -1,19 +1,9 @@
-"""Text-encoder parallel: the pipeline's text-encoder calls are spread over the ranks.
-
-Every call of any text-encoder component (the pipeline's ``text_encoder*`` modules: CLIP and T5 of
-FLUX, the prompt and the negative prompt of a true-CFG pipeline) gets the next call number ``i``;
-rank ``i % degree`` runs it and sends the result to the others, which do not run the encoder at
-all. The result travels as its structure (a ``ModelOutput`` or tuple with the tensors taken out,
-through ``broadcast_object_list``) plus each tensor by ``broadcast`` into a tensor allocated on the
-receiving rank's own device, so NCCL ranks never unpickle another GPU's tensors.
-
-Every rank must call the encoders in the same order (they run the same pipeline on the same
-prompts), which is what makes the call numbers agree.
-
-``TextEncoderRecorder`` counts every call at the module (a forward pre-hook) and marks the calls
-that really ran the encoder on this rank (a wrap installed *before* the parallel one, so it sits
-inside it); ``check_text_encoder_sharding`` fails with ``TextEncoderShardingError`` when a call
-ran on more than one rank (every rank ran the whole encoder) or on none.
+"""Text-encoder parallel: call ``i`` of any ``text_encoder*`` component runs on rank ``i % degree``
+only (every rank calls the encoders in the same order, so the numbers agree) and its result is
+shared: its structure by ``broadcast_object_list``, each tensor by ``broadcast`` into a tensor on the
+receiving rank's own device (NCCL ranks never unpickle another GPU's tensors).
+``check_text_encoder_sharding`` fails with ``TextEncoderShardingError`` when a call ran on more than
+one rank or on none (``TextEncoderRecorder``).
 """
 
 from __future__ import annotations
@@ -48,50 +38,35 @@ def text_encoders(pipe) -> dict[str, nn.Module]:
     return dict(sorted(found.items()))
 
 
-def _take_tensors(obj, tensors: list):
-    """``obj`` with every tensor replaced by its index in ``tensors`` (shape, dtype kept)."""
-    if isinstance(obj, torch.Tensor):
-        tensors.append(obj)
-        return ("__tensor__", len(tensors) - 1, tuple(obj.shape), str(obj.dtype).replace("torch.", ""))
+def _is_marker(obj) -> bool:
+    return isinstance(obj, tuple) and len(obj) == 4 and obj[0] == "__tensor__"
+
+
+def _map_tensors(obj, leaf):
+    """``obj`` rebuilt with ``leaf(x)`` in place of every tensor and tensor marker."""
+    if isinstance(obj, torch.Tensor) or _is_marker(obj):
+        return leaf(obj)
     if isinstance(obj, dict):  # transformers' ModelOutput is an OrderedDict subclass
-        items = {k: _take_tensors(v, tensors) for k, v in obj.items()}
+        items = {k: _map_tensors(v, leaf) for k, v in obj.items()}
         try:
             return type(obj)(**items)
         except TypeError:
             return type(obj)(items)
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(_take_tensors(v, tensors) for v in obj)
+        return tuple(_map_tensors(v, leaf) for v in obj)
     if isinstance(obj, list):
-        return [_take_tensors(v, tensors) for v in obj]
+        return [_map_tensors(v, leaf) for v in obj]
     return obj
 
 
-def _put_tensors(obj, tensors: list):
-    if isinstance(obj, tuple) and len(obj) == 4 and obj[0] == "__tensor__":
-        return tensors[obj[1]]
-    if isinstance(obj, dict):
-        items = {k: _put_tensors(v, tensors) for k, v in obj.items()}
-        try:
-            return type(obj)(**items)
-        except TypeError:
-            return type(obj)(items)
-    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(_put_tensors(v, tensors) for v in obj)
-    if isinstance(obj, list):
-        return [_put_tensors(v, tensors) for v in obj]
-    return obj
-
-
-def _shape_specs(obj, out: list) -> list:
-    if isinstance(obj, tuple) and len(obj) == 4 and obj[0] == "__tensor__":
-        out.append((obj[1], obj[2], obj[3]))
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            _shape_specs(v, out)
-    elif isinstance(obj, (tuple, list)):
-        for v in obj:
-            _shape_specs(v, out)
-    return out
+def _take_tensors(obj, tensors: list):
+    """``obj`` with every tensor replaced by a marker of its index in ``tensors`` (shape, dtype kept)."""
+    def take(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        tensors.append(t)
+        return ("__tensor__", len(tensors) - 1, tuple(t.shape), str(t.dtype).replace("torch.", ""))
+    return _map_tensors(obj, take)
 
 
 def share_result(result, src: int, device, group=None):
@@ -103,12 +78,14 @@ def share_result(result, src: int, device, group=None):
     dist.broadcast_object_list(box, src=src, group=group)
     skeleton = box[0]
     if dist.get_rank(group) != src:
-        tensors = [None] * len(_shape_specs(skeleton, []))
-        for i, shape, dtype in _shape_specs(skeleton, []):
+        markers: list = []
+        _map_tensors(skeleton, lambda m: markers.append(m) or m)
+        tensors = [None] * len(markers)
+        for _, i, shape, dtype in markers:
             tensors[i] = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
     for t in tensors:
         dist.broadcast(t.contiguous() if dist.get_rank(group) == src else t, src=src, group=group)
-    return result if dist.get_rank(group) == src else _put_tensors(skeleton, tensors)
+    return result if dist.get_rank(group) == src else _map_tensors(skeleton, lambda m: tensors[m[1]])
 
 
 class TextEncoderRecorder:

@@ -1,13 +1,9 @@
 """A TeaCache-style step-level cache whose rescale polynomial is fitted on this model.
 
-TeaCache skips a whole transformer call when the accumulated, rescaled relative L1 change of
-the first block's input since the last computed step stays below a threshold, and reuses the
-transformer's residual instead. Its polynomial maps "input change" to "output residual change"
-and is normally a per-model constant; here ``calibrate`` measures both on a run of *this* model
-(block 0's inputs: hidden states and conditioning embeddings; the residual of every block list)
-and fits the polynomial with ``numpy.polyfit``. No peer offers this for an arbitrary model, so
-the hooks are ours: per-instance ``forward`` wrappers on the block-list entries, put on and
-taken off through ``ditbook.hooks``.
+TeaCache skips a whole transformer call (reusing its residual) while the accumulated, rescaled
+relative L1 change of the first block's input since the last computed step stays below a
+threshold. ``calibrate`` fits the rescale polynomial ("input change" -> "output residual change")
+on a run of *this* model with ``numpy.polyfit``.
 """
 
 from __future__ import annotations
@@ -18,6 +14,7 @@ import numpy as np
 import torch
 
 from . import register
+from ._forecast import calls_per_step, install_patched, rel_l1
 from .technique import CacheTechnique
 from ..adapter.build import PATTERN_OUTPUT_INDEX
 from ..hooks import WrapGroup
@@ -31,14 +28,19 @@ class TeaCacheSettings:
     max_consecutive: int = 3  # never skip more than this many calls in a row
 
 
-def _rel_l1(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().mean() / b.abs().mean().clamp_min(1e-12))
-
-
 def _split_inputs(args, kwargs):
     hidden = kwargs.get("hidden_states", args[0] if args else None)
     enc = kwargs.get("encoder_hidden_states", args[1] if len(args) > 1 and torch.is_tensor(args[1]) else None)
     return hidden, enc
+
+
+def _pack(h, e, hs_i: int, ehs_i: int | None):
+    """A block's output from its hidden and encoder streams, in the pattern's order."""
+    if ehs_i is None:
+        return h
+    out = [None, None]
+    out[hs_i], out[ehs_i] = h, e
+    return tuple(out)
 
 
 def _signal_tensors(args, kwargs) -> list[torch.Tensor]:
@@ -60,16 +62,14 @@ class StepSkipper:
         self.slots = max(1, calls_per_step)
         self.record = record
         self.records: list[dict] = []
-        self.state = [dict(prev=None, acc=0.0, residuals=None, calls=0, skipped_run=0) for _ in range(self.slots)]
-        self.call = -1
-        self.skip = False
+        self.reset()
         self.lists = adapter.block_lists()
         self._inputs = {}
         self._outputs = {}
         self.poly = np.poly1d(config.coefficients) if config.coefficients else None
         self._last_t = None
         self._wraps = WrapGroup("ditbook.teacache-fitted")
-        with self._wraps.applying():  # all or nothing: a failure half-way leaves every block as it was
+        with self._wraps.applying():  # all or nothing
             # a new pipeline run starts when the timestep goes up again: start from a clean state
             self._wraps.track(adapter.pipe.transformer.register_forward_pre_hook(self._on_call, with_kwargs=True))
             for li, (_, blocks, pattern) in enumerate(self.lists):
@@ -79,13 +79,6 @@ class StepSkipper:
     def _wrapper(self, li, bi, n, pattern):
         hs_i, ehs_i = PATTERN_OUTPUT_INDEX[pattern]
 
-        def pack(h, e):
-            if ehs_i is None:
-                return h
-            out = [None, None]
-            out[hs_i], out[ehs_i] = h, e
-            return tuple(out)
-
         def forward(original, *args, **kwargs):
             if li == 0 and bi == 0:
                 self._begin_call(args, kwargs)
@@ -94,16 +87,16 @@ class StepSkipper:
                 self._inputs[li] = (h, e)
             if self.skip:
                 if bi < n - 1:
-                    return pack(h, e)
+                    return _pack(h, e, hs_i, ehs_i)
                 rh, re_ = self.state[self.call % self.slots]["residuals"][li]
                 h_in, e_in = self._inputs[li]
-                return pack(h_in + rh, e_in + re_ if (re_ is not None and e_in is not None) else e_in)
+                return _pack(h_in + rh, e_in + re_ if (re_ is not None and e_in is not None) else e_in, hs_i, ehs_i)
             out = original(*args, **kwargs)
             if self.record and li == 0 and bi == 0:
                 ho0 = out if ehs_i is None else out[hs_i]
                 st = self.state[self.call % self.slots]
                 r0 = (ho0 - h).detach().float()
-                self._first_change = _rel_l1(r0, st["rec_r0"]) if st.get("rec_r0") is not None else None
+                self._first_change = rel_l1(r0, st["rec_r0"]) if st.get("rec_r0") is not None else None
                 st["rec_r0"] = r0
             if bi == n - 1:
                 if ehs_i is None:
@@ -125,7 +118,7 @@ class StepSkipper:
         sig = [t.detach().float() for t in _signal_tensors(args, kwargs)]
         change = None
         if st["prev"] is not None and all(a.shape == b.shape for a, b in zip(sig, st["prev"])):
-            change = float(np.mean([_rel_l1(a, b) for a, b in zip(sig, st["prev"])]))
+            change = float(np.mean([rel_l1(a, b) for a, b in zip(sig, st["prev"])]))
         st["prev"] = sig
         self._change = change
         cfg = self.config
@@ -150,7 +143,7 @@ class StepSkipper:
             prev = st.get("rec_res")
             if prev is not None and self._change is not None:
                 self.records.append({"call": self.call, "x": self._change,
-                                     "y": _rel_l1(residuals[-1][0], prev[-1][0]),
+                                     "y": rel_l1(residuals[-1][0], prev[-1][0]),
                                      "first_block": getattr(self, "_first_change", None)})
             st["rec_res"] = residuals
         st["residuals"] = residuals
@@ -181,25 +174,11 @@ def fit_polynomial(records: list[dict], degree: int = 2) -> list[float]:
     return [float(c) for c in np.polyfit(x, y, degree)]
 
 
-def calls_per_step(adapter) -> int:
-    return 2 if adapter.info.has_separate_cfg else 1
-
-
-def _skipper(adapter, config: TeaCacheSettings, record: bool = False) -> StepSkipper:
-    """Patch the adapter and wrap its blocks; a failure on the way leaves the model as it was."""
-    adapter.patch()
-    try:
-        return StepSkipper(adapter, config, calls_per_step(adapter), record=record)
-    except BaseException:
-        adapter.unpatch()
-        raise
-
-
-def _undo(skipper: StepSkipper, adapter) -> None:
-    try:
-        skipper.remove()
-    finally:
-        adapter.unpatch()
+def _install(adapter, config: TeaCacheSettings, record: bool = False):
+    """The undo of a ``StepSkipper`` on the patched adapter (``undo.skipper``)."""
+    undo = install_patched(adapter, lambda: StepSkipper(adapter, config, calls_per_step(adapter), record=record))
+    undo.skipper = undo.installed
+    return undo
 
 
 @register
@@ -210,14 +189,13 @@ class TeaCacheFitted(CacheTechnique):
 
     @classmethod
     def fit(cls, adapter, run_once, degree: int = 2) -> tuple[list[float], list[dict]]:
-        """Run ``run_once()`` recording input and output changes; the fitted coefficients and the
-        (x, y) records."""
-        skipper = _skipper(adapter, TeaCacheSettings(), record=True)
+        """Run ``run_once()`` recording input and output changes; the fitted coefficients and records."""
+        undo = _install(adapter, TeaCacheSettings(), record=True)
         try:
             run_once()
         finally:
-            _undo(skipper, adapter)
-        return fit_polynomial(skipper.records, degree), skipper.records
+            undo()
+        return fit_polynomial(undo.skipper.records, degree), undo.skipper.records
 
     @classmethod
     def calibrate(cls, pipe, adapter, run, steps) -> dict:
@@ -226,13 +204,7 @@ class TeaCacheFitted(CacheTechnique):
 
     @classmethod
     def enable(cls, pipe, adapter, config, steps=None):
-        skipper = _skipper(adapter, config)
-
-        def undo():
-            _undo(skipper, adapter)
-
-        undo.skipper = skipper
-        return undo
+        return _install(adapter, config)
 
     @classmethod
     def grid(cls, adapter, steps):

@@ -1,14 +1,10 @@
 """What every acceleration technique is: a settings dataclass, ``applicable(facts)``, ``apply(...)``
 returning a :class:`Handle` (an exact undo, and a typed :class:`Record` of what it did, read from the
-model or the run, never from what it meant to do), and ``check(record)``, which raises
-:class:`NothingDone` when the technique changed nothing (a cache that skipped no step, a split that
-split nothing, no layer quantized, no graph replayed). The shape of diffusers' ``hooks/``: one file
-per technique, its config dataclass and its apply function on a small core.
-
-Kinds (``Technique.kind``): ``cache`` (step and block caches; :class:`CacheTechnique`), ``parallel``
-(plans over processes; ``ditbook.accel.parallel_kind``), and the pipeline-wide ones ``compile``,
-``quantize``, ``graphs``, ``attention``. A stage asks the registry (``ditbook.accel``) for the
-techniques of a kind and asks each module; it never branches on a technique's name.
+model or the run), and ``check(record)``, which raises :class:`NothingDone` when the technique
+changed nothing. Kinds (``Technique.kind``): ``cache`` (:class:`CacheTechnique`), ``parallel``
+(:class:`ParallelTechnique`), and the pipeline-wide ``compile``, ``quantize``, ``graphs``,
+``attention``. A stage asks the registry (``ditbook.accel``) for the techniques of a kind; it never
+branches on a technique's name.
 """
 
 from __future__ import annotations
@@ -93,10 +89,9 @@ class Technique:
 
 
 class PipelineTechnique(Technique):
-    """A technique on the whole loaded pipeline (compile, quantize, graphs, attention):
-    ``apply(pipe, settings) -> Handle``. The benchmark asks each one, in ``order``, what the card asks
-    of it (``requested(card)``: its settings, None when off) and which rows it adds beside the others
-    (``variants(ctx, pipe, configs, settings, log)``: e.g. a compiled twin of each)."""
+    """A technique on the whole loaded pipeline: ``apply(pipe, settings) -> Handle``. The benchmark
+    asks each one, in ``order``, for its settings from the card (``requested``, None when off) and
+    the rows it adds beside the others (``variants``: e.g. a compiled twin of each)."""
 
     order: ClassVar[int] = 50
 
@@ -131,15 +126,11 @@ class Feasibility:
 
 class ParallelTechnique(Technique):
     """One way to spread a generation over processes, named in plan names by its ``token`` (``tp``
-    in ``tp2``). ``judge(facts, n)``: its feasibility rows at world size ``n`` (``facts``: the parallel
-    stage's model facts: heads, sequence lengths, CFG style, components, device). A kind that
-    ``multiplies`` the world takes its own ranks (world = the product of those degrees); otherwise it
-    rides on the ranks of any plan of its world size (the VAE, the text encoders). ``on_rank``: the
-    worker applies it on each rank with ``apply_on_rank(pipe, card, spec, degree, noop) -> Handle``,
-    whose record is this rank's own (read from the model); ``check(records, degree)`` judges every
-    rank's record and raises a ``ShardingError`` naming what was not split. Kinds without ``on_rank``
-    (CFG, Ulysses, USP) are composed by the worker into one device mesh with cache-dit's context
-    parallelism; their split is judged from the block inputs every rank recorded."""
+    in ``tp2``); ``judge(facts, n)``: its feasibility rows at world size ``n``. A kind that
+    ``multiplies`` the world takes its own ranks, else it rides on any plan's ranks (VAE, text
+    encoders). ``on_rank``: the worker applies it on each rank (``apply_on_rank``) and
+    ``check(records, degree)`` judges every rank's record; the others (CFG, Ulysses, USP) are composed
+    into one device mesh with cache-dit's context parallelism, judged from every rank's block inputs."""
 
     kind = "parallel"
     token: ClassVar[str]
@@ -151,7 +142,6 @@ class ParallelTechnique(Technique):
     def judge(cls, facts, n: int) -> list[Feasibility]:
         raise NotImplementedError
 
-    # -- its part of a plan name ------------------------------------------------------------
     @classmethod
     def grammar(cls) -> str:
         """How the kind's part of a plan name is written, for messages."""
@@ -226,12 +216,10 @@ class CacheRecord(Record):
 
 
 class CacheTechnique(Technique):
-    """A step or block cache on the adapter's block lists (``ditbook.adapter``). A module defines
-    ``enable(pipe, adapter, settings, steps) -> undo``, ``grid(adapter, steps)`` (the settings the
-    cache stage tries, most promising first), ``disabled(adapter, steps)`` (settings that turn the
-    skipping off, so the adapter alone must reproduce the baseline), and where it has one
-    ``calibrate(pipe, adapter, run, steps) -> {setting: value}`` (constants measured on this model,
-    filled into settings that leave them empty)."""
+    """A step or block cache on the adapter's block lists: ``enable(pipe, adapter, settings, steps)
+    -> undo``, ``grid(adapter, steps)`` (the settings the cache stage tries, most promising first),
+    ``disabled(adapter, steps)`` (skipping off: the adapter alone must reproduce the baseline), and
+    optionally ``calibrate(pipe, adapter, run, steps) -> {setting: value}`` (measured on this model)."""
 
     kind = "cache"
     calibrate: ClassVar[Callable | None] = None

@@ -1,49 +1,23 @@
 """Tensor parallel of the transformer: shard its linear layers over the ranks with
 ``torch.distributed.tensor.parallel.parallelize_module`` (DTensor; gloo on the CPU, NCCL on GPUs).
 
-The plan says, per linear layer, ``colwise`` (output features split: each rank computes some of
-the heads / some of the hidden units) or ``rowwise`` (input features split: each rank multiplies
-its slice, the partial sums are all-reduced). It comes from
+The plan says, per linear layer, ``colwise`` (output features split) or ``rowwise`` (input features
+split, partial sums all-reduced). It is the class's diffusers ``_tp_plan`` where it has one (applied
+with torch's own styles: diffusers' ``apply_tensor_parallel`` accepts CUDA-like devices only), else
+it is derived from one traced call's data flow (``derive_plan``), run in one process with the ranks
+as threads (``simulate_tensor_plan``) and refused (``TensorParallelRefused``) unless every simulated
+rank reproduces the plain forward. Packed layers are permuted so that each rank's contiguous chunk
+is its slice of every block (``_permute``); every integer ``*heads*`` attribute of a sharded
+attention module holding a global head count is set to the local count on that instance.
 
-- the class's diffusers ``_tp_plan`` (globs over block lists; ``PackedRowwiseParallel`` for a
-  linear layer whose input concatenates two separately column-split streams, with the block
-  sizes on the layer as ``_tp_packed_row_blocks``) where the class has one — applied here with
-  torch's own styles, since diffusers' ``apply_tensor_parallel`` accepts CUDA-like devices only;
-- otherwise a plan derived from one traced call and its data flow (every tensor carries the
-  linear layers and attention calls its values came from since the last linear layer): inside
-  every module that calls attention (SDPA), the linear layers whose output reaches the query, key
-  or value are colwise — split per chunk (``packed_colwise``) where one layer's output feeds
-  several of them (a fused ``qkv``) — and those whose input is the attention's output rowwise; a
-  layer called there whose output reaches no attention (an adaLN modulation ``Linear(d, k*d)``
-  whose chunks shift/scale/gate the whole stream) stays whole. Two linear calls of a block where
-  the first widens ``d -> h``, the second narrows ``h -> d`` and only the first's output reaches
-  the second are an MLP: colwise then rowwise. An attention whose projections or output reach
-  anything else stays whole. The derived plan is then run in one process with the ranks as threads
-  (``simulate_tensor_plan``: each planned layer computes only its rank's rows or columns, the
-  partial sums added between threads, the head counts local) and refused
-  (``TensorParallelRefused``, naming the rank's error or its distance) unless every simulated rank
-  reproduces the plain forward — e.g. model code that reshapes the attention with the stream's
-  width (``d // self.heads``) cannot run on a rank's heads.
-
-A packed rowwise layer is sharded without private torch API: its input columns are permuted (on
-every rank alike) so that the contiguous column chunk of rank r is rank r's slice of every block,
-which is what that rank's concatenated input holds; ``RowwiseParallel`` then splits it normally.
-
-Attention code that reads the head count from the module (``attn.heads``, ``self.num_heads``)
-would reshape local projections with the global count: every integer attribute of a sharded
-attention module whose name says ``heads`` and whose value is the global query or KV head count is
-set to the local count on that instance, and ``TensorParallelApplied.undo_heads()`` puts it back.
-
-What each rank holds is recorded (``TensorRecorder.record()``, read from the model: every planned
-parameter with its local and global shape, the local width of every colwise activation, the head
-counts of the attention modules) and
-``check_tensor_sharding`` fails with ``TensorShardingError`` when a rank holds a whole weight (the
-plan sharded nothing, every rank ran the whole model) or a shard that is not 1/degree of it.
+``TensorRecorder.record()`` reads what each rank holds from the model; ``check_tensor_sharding``
+fails with ``TensorShardingError`` when a rank holds a whole weight or a shard not 1/degree of it.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import math
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -104,8 +78,7 @@ def expand_globs(model: nn.Module, flat: dict) -> dict[str, object]:
                 blocks = getattr(style, "blocks", None) or getattr(module, "_tp_packed_row_blocks", None)
                 if not blocks:
                     raise TensorParallelRefused(f"_tp_plan: '{path}' is packed rowwise without block sizes")
-                total = module.in_features
-                unit = total // sum(blocks)
+                unit = module.in_features // sum(blocks)
                 out[path] = ("packed_rowwise", [b * unit for b in blocks])
             else:
                 raise TensorParallelRefused(f"_tp_plan: style {type(style).__name__} of '{path}' is not applied "
@@ -115,12 +88,10 @@ def expand_globs(model: nn.Module, flat: dict) -> dict[str, object]:
 
 @dataclass
 class LinearTrace:
-    """One traced call: the events in order, ("linear", path) for every ``nn.Linear`` call and
-    ("sdpa", path of the innermost running module) for every attention call, and where each
-    linear layer's output went. ``inputs[path]``: the producers whose outputs reach that linear
-    layer's input without passing another linear layer (a linear layer path, or ``sdpa#i`` for
-    the output of the i-th attention call); ``operands[i]``: the same for the query, key and value
-    of the i-th attention call."""
+    """One traced call: the events in order (("linear", path) per ``nn.Linear`` call, ("sdpa", the
+    innermost running module) per attention call). ``inputs[path]``: the producers (a linear layer
+    path, or ``sdpa#i`` for the i-th attention call's output) reaching that linear layer's input
+    without passing another linear layer; ``operands[i]``: the same for the i-th call's q, k, v."""
     events: list[tuple[str, str]]
     inputs: dict[str, set] = field(default_factory=dict)
     operands: list[list[set]] = field(default_factory=list)
@@ -131,11 +102,8 @@ class LinearTrace:
 def _tensors(obj):
     if isinstance(obj, torch.Tensor):
         yield obj
-    elif isinstance(obj, (list, tuple)):
-        for o in obj:
-            yield from _tensors(o)
-    elif isinstance(obj, dict):
-        for o in obj.values():
+    elif isinstance(obj, (list, tuple, dict)):
+        for o in (obj.values() if isinstance(obj, dict) else obj):
             yield from _tensors(o)
     elif hasattr(obj, "__dataclass_fields__") or hasattr(obj, "to_tuple"):
         for o in (vars(obj).values() if hasattr(obj, "__dict__") else ()):
@@ -145,9 +113,8 @@ def _tensors(obj):
 # long: the hooks, the tag table and the function mode share one trace and are removed together
 def trace_linear_order(transformer: nn.Module, call: tuple[tuple, dict]) -> LinearTrace:
     """One forward with (args, kwargs), recording the order of linear and attention calls and the
-    data flow between them: every tensor carries the producers (linear layers, attention calls)
-    its values came from since the last linear layer; any other op passes on the union of its
-    inputs' producers."""
+    data flow between them: every tensor carries the producers its values came from since the last
+    linear layer; any other op passes on the union of its inputs' producers."""
     from torch.overrides import TorchFunctionMode
 
     import torch.nn.functional as F
@@ -212,19 +179,14 @@ def trace_linear_order(transformer: nn.Module, call: tuple[tuple, dict]) -> Line
 
 
 def derive_plan(transformer: nn.Module, trace: "LinearTrace", grouped: bool = True) -> TensorPlan:
-    """Colwise/rowwise styles from the traced data flow (see the module docstring); refuses when
-    nothing can be sharded.
+    """Colwise/rowwise styles from the traced data flow; refuses when nothing can be sharded.
 
     Inside a module that calls attention, colwise are the linear layers whose output reaches the
-    query, key or value (directly: no other linear layer between), rowwise those whose input is the
-    attention's output. A linear layer called before the attention whose output does not reach it
-    — an adaLN modulation ``Linear(dim, k*dim)`` whose shift/scale/gate chunks multiply the
-    full-width stream — stays whole: split by columns, each rank would hold the wrong chunks at
-    half the stream's width. A layer whose output feeds several of the query/key/value (a fused
-    ``qkv``, ``kv``) is split per chunk (``grouped``): rank r holds its slice of each."""
-    events = trace.events if isinstance(trace, LinearTrace) else trace
-    inputs = trace.inputs if isinstance(trace, LinearTrace) else {}
-    operands = trace.operands if isinstance(trace, LinearTrace) else []
+    query, key or value directly, rowwise those whose input is the attention's output. A layer
+    whose output does not reach the attention (an adaLN modulation whose chunks scale the whole
+    stream) stays whole. A layer feeding several of q/k/v (a fused ``qkv``) is split per chunk
+    (``grouped``): rank r holds its slice of each."""
+    events, inputs, operands = trace.events, trace.inputs, trace.operands
     linears = {n: m for n, m in transformer.named_modules() if isinstance(m, nn.Linear)}
     styles: dict[str, object] = {}
     notes: list[str] = []
@@ -247,8 +209,7 @@ def derive_plan(transformer: nn.Module, trace: "LinearTrace", grouped: bool = Tr
         before = sorted({p for i in idx for op in operands[i] for p in op})
         after = sorted(p for p, src in inputs.items() if src and src <= {f"sdpa#{i}" for i in idx})
         for w in before:
-            reached = {(i, j) for i in idx for j, op in enumerate(operands[i]) if w in op}
-            groups = len({j for _, j in reached})
+            groups = len({j for i in idx for j, op in enumerate(operands[i]) if w in op})
             styles[w] = ("packed_colwise", [linears[w].out_features // groups] * groups) \
                 if grouped and groups > 1 and linears[w].out_features % groups == 0 else "colwise"
         for w in after:
@@ -340,8 +301,7 @@ def _block_of(model: nn.Module, path: str) -> str | None:
 
 
 def attention_of(styles: dict[str, object], transformer: nn.Module) -> list[str]:
-    """For a ``_tp_plan``: the modules holding colwise layers and a rowwise or packed layer below
-    them or beside them — taken as the parent module of each colwise layer."""
+    """For a ``_tp_plan``: the attention modules, taken as the parent module of each colwise layer."""
     return sorted({p.rsplit(".", 1)[0] for p, s in styles.items() if s == "colwise" and "." in p})
 
 
@@ -451,16 +411,13 @@ def _first_tensor(out):
 # long: the ranks' layer forwards, the threads and the comparison share the one set of swaps to undo
 def simulate_tensor_plan(transformer: nn.Module, plan: TensorPlan, degree: int, call: tuple[tuple, dict],
                          heads: int | None, kv_heads: int | None) -> str | None:
-    """Run ``plan`` in this process with ``degree`` threads standing for the ranks — each planned
-    layer computes only its rank's rows or columns (the rowwise partial sums added between the
-    threads), the attention modules' head counts set to the local count — and compare each
-    thread's output with the plain forward. None when every rank reproduces it, else why not
-    (the error a rank raised, or how far its output was)."""
+    """Run ``plan`` in this process with ``degree`` threads standing for the ranks (each planned
+    layer computes only its rank's rows or columns, partial sums added between the threads, head
+    counts local) and compare each thread's output with the plain forward: None when every rank
+    reproduces it, else why not."""
     import threading
 
     import torch.nn.functional as F
-
-    from ..hooks import swap_attribute
 
     with torch.no_grad():
         ref = _first_tensor(transformer(*call[0], **call[1]))
@@ -528,28 +485,22 @@ def simulate_tensor_plan(transformer: nn.Module, plan: TensorPlan, degree: int, 
 
 # -- applying it ------------------------------------------------------------------------------
 
-def _permute_packed(layer: nn.Linear, blocks: list[int], degree: int) -> None:
-    """Reorder the input columns so that contiguous chunk r = rank r's slice of every block."""
-    starts = [sum(blocks[:i]) for i in range(len(blocks))]
-    order = []
-    for r in range(degree):
-        for s, b in zip(starts, blocks):
-            c = b // degree
-            order.extend(range(s + r * c, s + (r + 1) * c))
-    idx = torch.tensor(order, device=layer.weight.device)
-    with torch.no_grad():
-        layer.weight.data = layer.weight.data.index_select(1, idx).contiguous()
+def _is_colwise(style) -> bool:
+    return style == "colwise" or (isinstance(style, tuple) and style[0] == "packed_colwise")
 
 
-def _permute_chunks(layer: nn.Linear, chunks: list[int], degree: int) -> None:
-    """Reorder the output rows so that contiguous chunk r = rank r's slice of every output chunk
-    (a fused qkv's q, k and v each split by heads), which ``ColwiseParallel`` then splits."""
-    idx = torch.cat([_rank_rows(("packed_colwise", chunks), layer, degree, r)[1] for r in range(degree)])
-    idx = idx.to(layer.weight.device)
+def _permute(layer: nn.Linear, style: tuple, degree: int) -> None:
+    """Reorder a packed layer's output rows (packed colwise: a fused qkv's q, k and v each split by
+    heads) or input columns (packed rowwise) so that contiguous chunk r is rank r's slice of every
+    chunk or block, which ``ColwiseParallel`` / ``RowwiseParallel`` then split."""
+    idx = torch.cat([_rank_rows(style, layer, degree, r)[1] for r in range(degree)]).to(layer.weight.device)
     with torch.no_grad():
-        layer.weight.data = layer.weight.data.index_select(0, idx).contiguous()
-        if layer.bias is not None:
-            layer.bias.data = layer.bias.data.index_select(0, idx).contiguous()
+        if _is_colwise(style):
+            layer.weight.data = layer.weight.data.index_select(0, idx).contiguous()
+            if layer.bias is not None:
+                layer.bias.data = layer.bias.data.index_select(0, idx).contiguous()
+        else:
+            layer.weight.data = layer.weight.data.index_select(1, idx).contiguous()
 
 
 @dataclass
@@ -580,14 +531,9 @@ def apply_tensor_parallel(transformer: nn.Module, plan: TensorPlan, degree: int,
     styles = {}
     for path, style in plan.styles.items():
         layer = transformer.get_submodule(path)
-        if isinstance(style, tuple) and style[0] == "packed_colwise":
-            _permute_chunks(layer, style[1], degree)
-            styles[path] = ColwiseParallel()
-        elif isinstance(style, tuple):
-            _permute_packed(layer, style[1], degree)
-            styles[path] = RowwiseParallel()
-        else:
-            styles[path] = ColwiseParallel() if style == "colwise" else RowwiseParallel()
+        if isinstance(style, tuple):
+            _permute(layer, style, degree)
+        styles[path] = ColwiseParallel() if _is_colwise(style) else RowwiseParallel()
     for attn_path in plan.attention:
         module = transformer.get_submodule(attn_path)
         for attr, value in head_attributes(module, *plan.head_counts(attn_path, heads, kv_heads)).items():
@@ -598,9 +544,8 @@ def apply_tensor_parallel(transformer: nn.Module, plan: TensorPlan, degree: int,
 
 
 class TensorRecorder:
-    """What this rank really holds and computes under a tensor plan, read from the model (not from
-    what ``apply_tensor_parallel`` meant to do): every planned parameter's local and global shape,
-    and the width of each colwise layer's output activation in the first call."""
+    """What this rank really holds under a tensor plan, read from the model: every planned
+    parameter's local and global shape, and each colwise layer's output width in the first call."""
 
     def __init__(self, transformer: nn.Module, plan: TensorPlan, degree: int):
         import torch.distributed as dist
@@ -610,7 +555,7 @@ class TensorRecorder:
         self.activations: dict[str, dict] = {}
         self.handles = []
         for path, style in plan.styles.items():
-            if style != "colwise" and not (isinstance(style, tuple) and style[0] == "packed_colwise"):
+            if not _is_colwise(style):
                 continue
             layer = transformer.get_submodule(path)
 
@@ -644,9 +589,8 @@ class TensorRecorder:
 
 
 def check_tensor_sharding(ranks: list[dict], degree: int) -> dict:
-    """Each rank's ``TensorRecorder.record()``. Every rowwise/colwise weight must be
-    held as 1/degree of its global shape on every rank, and the colwise activations must have been
-    1/degree wide; raises ``TensorShardingError`` naming what was whole."""
+    """Each rank's ``TensorRecorder.record()``: every planned weight and colwise activation must be
+    1/degree of its global shape on every rank; raises ``TensorShardingError`` naming what was whole."""
     problems = []
     totals = []
     for r, rec in enumerate(ranks):
@@ -661,7 +605,7 @@ def check_tensor_sharding(ranks: list[dict], degree: int) -> dict:
             problems.append(f"rank {r}: {len(whole)} of {len(weights)} planned weights are whole (e.g. '{whole[0]}'): "
                             f"this rank runs the unsharded layers")
         wrong = [s["name"] for s in weights if s["local"] != s["global"] and
-                 _numel(s["local"]) * degree != _numel(s["global"])]
+                 math.prod(s["local"]) * degree != math.prod(s["global"])]
         if wrong:
             problems.append(f"rank {r}: '{wrong[0]}' holds a shard that is not 1/{degree} of it")
         acts = rec.get("activations", {})
@@ -671,22 +615,14 @@ def check_tensor_sharding(ranks: list[dict], degree: int) -> dict:
         if fat:
             problems.append(f"rank {r}: activation of '{fat[0]}' was {acts[fat[0]]['local']} wide, expected "
                             f"{acts[fat[0]]['global']} / {degree}")
-        totals.append(sum(_numel(s["local"]) for s in weights))
+        totals.append(sum(math.prod(s["local"]) for s in weights))
     if problems:
         raise TensorShardingError("tensor parallel did not shard the transformer: " + "; ".join(problems))
     first = ranks[0]
-    return {"degree": degree, "source": first["plan"]["source"],
-            "sharded_weights": len([s for s in first["sharded"] if s["name"].endswith("weight")]),
-            "local_weight_elements": totals,
-            "global_weight_elements": sum(_numel(s["global"]) for s in first["sharded"] if s["name"].endswith("weight")),
+    weights = [s for s in first["sharded"] if s["name"].endswith("weight")]
+    return {"degree": degree, "source": first["plan"]["source"], "sharded_weights": len(weights),
+            "local_weight_elements": totals, "global_weight_elements": sum(math.prod(s["global"]) for s in weights),
             "local_heads": first.get("heads", {})}
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
 
 
 @register

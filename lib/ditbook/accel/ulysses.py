@@ -1,9 +1,7 @@
 """Ulysses (all-to-all) context parallelism: every rank holds a slice of the sequence; around each
-attention the heads are exchanged so that each rank attends over the whole sequence for its
-share of the heads (cache-dit's context parallelism, with the CP plan ditbook derives from the
-traced call conventions, ``ditbook.cp.plan``). Composed by the worker with CFG, ring and the
-cache into one device mesh; the split is judged from the block inputs every rank recorded
-(``cp.sharding.check_sharding``: every main block list at 1/degree of its unsplit length)."""
+attention the heads are exchanged so each rank attends over the whole sequence for its share of
+the heads (cache-dit's, with the CP plan of ``ditbook.cp.plan``). The split is judged from the
+block inputs every rank recorded (``cp.sharding.check_sharding``)."""
 
 from __future__ import annotations
 

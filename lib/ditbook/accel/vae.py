@@ -1,29 +1,15 @@
 """Patch-parallel VAE decode: the latent's rows are split over the ranks, each rank decodes its band
-of rows, and the bands are gathered into the whole image on every rank.
+of rows, and the bands are gathered into the whole image on every rank. To compute exactly what one
+process does: a ``k x k`` convolution gets ``k // 2`` halo rows from the neighbouring bands (zeros
+at the image's edges) and runs without row padding; a GroupNorm all-reduces its sums (sum, sum of
+squares, count, in float64); self-attention keeps its band's queries and all-gathers the keys and
+values (a ``TorchFunctionMode`` entered around the decoder's forward only). Everything else must be
+per-pixel or a nearest-neighbour upsampling by a whole factor: ``plan_vae_decode`` refuses, naming
+the module, anything else (a strided or transposed convolution, Conv3d, another normalization)
+and a latent height that does not divide by the degree; other interpolation is refused when met.
 
-Written here (not cache-dit's VAE planner: in our GPU runs it broke parity, 16 dB). A decoder
-mixes rows in three ways, and each gets what it needs to compute exactly what one process does:
-
-- a convolution with a ``k x k`` kernel reads ``k // 2`` rows beyond its band: before each such
-  convolution the ranks exchange those halo rows with their neighbours (zeros at the image's top
-  and bottom, as the convolution's own zero padding), and the convolution runs without row padding;
-- a GroupNorm normalizes over the whole image: each rank sums its band (sum, sum of squares,
-  count, in float64), the sums are all-reduced, and every rank normalizes with the global mean and
-  variance;
-- self-attention over the pixels (the VAE mid block): each rank keeps its band's queries and
-  all-gathers the keys and values (every SDPA call inside the decoder, sent there by a
-  ``TorchFunctionMode`` entered around the decoder's forward only — nothing is rebound).
-
-Everything else in a decoder must be per-pixel (activations, 1x1 convolutions, linear layers,
-dropout) or a nearest-neighbour upsampling by a whole factor (rows stay within their band).
-``plan_vae_decode`` refuses, naming the module, a decoder with anything else (a strided or
-transposed convolution, Conv3d, another normalization), and a latent height that does not divide
-by the degree; interpolation other than nearest is refused when it is met.
-
-``VaeRecorder`` records per rank what the decoder really received (the full latent height at the
-decoder, the rows its first convolution saw, the halo exchanges, all-reduced norms and gathered
-attention calls); ``check_vae_sharding`` fails with ``VaeShardingError`` when a rank decoded the
-whole latent (the plan split nothing) or the bands do not tile the latent.
+``VaeRecorder`` records per rank what the decoder really received; ``check_vae_sharding`` fails
+with ``VaeShardingError`` when a rank decoded the whole latent or the bands do not tile it.
 """
 
 from __future__ import annotations
@@ -227,9 +213,8 @@ def apply_vae_parallel(vae, degree: int, group=None) -> tuple[WrapGroup, VaeStat
 
 
 class VaeRecorder:
-    """What the decoder really received on this rank, read by hooks that do not depend on the patch
-    decode: the latent height handed to the decoder (a forward pre-hook, before any split), and the
-    rows its first convolution saw."""
+    """What the decoder really received on this rank (hooks independent of the patch decode): the
+    latent height handed to the decoder, and the rows its first convolution saw."""
 
     def __init__(self, vae, stats: VaeStats | None = None):
         self.dec = decoder_of(vae)
@@ -300,9 +285,8 @@ def check_vae_sharding(ranks: list[dict], degree: int) -> dict:
 
 def vae_facts(model_path, height: int | None) -> tuple[str | None, int | None]:
     """Before any launch: (why the model folder's VAE cannot be decoded patch-parallel, or None;
-    the latent height at ``height`` pixels, or None when unknown). The VAE is built on the meta
-    device from its ``vae/config.json`` (no weights read); a VAE class that is not diffusers' is
-    left to the launch (None, None)."""
+    the latent height at ``height`` pixels, or None). The VAE is built on the meta device from its
+    ``vae/config.json``; a VAE class that is not diffusers' is left to the launch (None, None)."""
     import json
     from pathlib import Path
 
