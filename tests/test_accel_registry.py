@@ -128,3 +128,42 @@ def test_the_contracts_technique_table_is_generated_from_the_registry():
     assert m, "docs/CONTRACTS.md lost its generated technique table"
     assert m.group(1) == accel.table_markdown(), "paste python -m ditbook.accel into docs/CONTRACTS.md"
     assert all(f"`{name}`" in m.group(1) or name in m.group(1) for name in accel.names())
+
+
+def test_every_cache_technique_applied_then_undone_without_a_run_leaves_the_model_as_it_was():
+    """Apply and undo with no call between (as ``cache.upstream`` records a cache-dit call): the
+    diffusers block hooks sit on the blocks only, with no registry on the transformer until a call
+    sets a context; their undo must still take them off (batchcfg's cache stage failed on it)."""
+    import contextlib
+    import io
+
+    from cache_harness import StepsPipeline
+    from novel.batchcfg.transformer import RegisterDiT  # blocks called as they are: nothing folded
+
+    from ditbook.adapter.build import build_cache_adapter
+    from ditbook.arch.static import inspect_transformer
+    from ditbook.arch.trace import trace_calls
+
+    def built():
+        torch.manual_seed(0)
+        model = RegisterDiT().eval()
+        kwargs = {"hidden_states": torch.randn(1, 4, 8, 8), "encoder_hidden_states": torch.arange(8)[None],
+                  "timestep": torch.tensor([0.5]), "return_dict": False}
+        with contextlib.redirect_stdout(io.StringIO()):
+            report = trace_calls(model, lambda: model(**kwargs), report=inspect_transformer(model, None, support=False))
+        pipe = type("StepsUndoCheck", (StepsPipeline,), {})(model, kwargs)
+        return model, pipe, build_cache_adapter(pipe, report, "undo_check")
+
+    def state(model):
+        return [(name, sorted(k for k in vars(m) if k in ("forward", "_diffusers_hook"))) for name, m in model.named_modules()]
+
+    tried = []
+    for t in accel.techniques("cache"):
+        model, pipe, adapter = built()  # a fresh model each: no earlier technique leaves a registry behind
+        if t.applicable(adapter):
+            continue
+        before = state(model)
+        t.apply(pipe, t.Settings(), adapter=adapter, steps=6).undo()
+        assert state(model) == before, t.name
+        tried.append(t.name)
+    assert {"diffusers_fbc", "diffusers_magcache", "dbcache"} <= set(tried), tried

@@ -46,10 +46,12 @@ def refresh_registry(transformer):
 
 
 def remove_hooks(transformer, *names):
-    registry = _registry(transformer)
-    if registry is not None:
+    """Take hooks ``names`` off every registry under the transformer: the block hooks' registries
+    hang on the blocks, and the transformer has none of its own until a call sets a context."""
+    for _, registry in _registries(transformer):
         for name in names:
-            registry.remove_hook(name, recurse=True)
+            if name in registry.hooks:
+                registry.remove_hook(name, recurse=False)
     refresh_registry(transformer)
     # leave no empty registries behind: cache-dit skips its pattern checks on modules that have one
     for module, reg in _registries(transformer):
