@@ -56,11 +56,12 @@ test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow"
 
 # on a GPU host, after `. .gpu-wheels/install.sh` (docs/gpu.md): both shipped cards through the five
-# stages and the composed FLUX-shape benchmark; writes docs/gpu-check.json (commit it). A copy without
-# its git folder names the commit: make gpu-check GPU_CHECK_ARGS="--revision <commit>"
+# stages with the novel-model suite beside them, then the composed FLUX-shape benchmark alone; writes
+# docs/gpu-check.json (commit it). A copy without its git folder names the commit:
+# make gpu-check GPU_CHECK_ARGS="--revision <commit>"
 GPU_CHECK_ARGS ?=
 gpu-check:
-	python3 benchmarks/gpu_check.py --record docs/gpu-check.json $(GPU_CHECK_ARGS)
+	python3 benchmarks/gpu_check.py --record docs/gpu-check.json --novel all $(GPU_CHECK_ARGS)
 
 # the novel-model suite: all ten third-party DiTs of tests/novel/ through `ditbook run` with the
 # card's defaults (make test runs two of them); outcomes in docs/novel_models.md

@@ -18,6 +18,11 @@ each stage's seconds, its notebook's slowest cells, the wait for its kernel and 
 the stages (``phases``: the command's start before the first stage, the gaps between stages, the
 report after the last). A card that fails or runs past
 ``--card-timeout`` is recorded with its status and the run's error; the check goes on.
+
+``--novel all`` (``make gpu-check`` passes it) runs the novel-model suite (``tests/novel/``, each model
+as ``make novel`` runs it: ``ditbook run`` → ``approve`` → ``run --resume`` with the card's defaults)
+while the cards run, ``--novel-jobs`` at once; the record's ``novel`` keeps each model's status per
+stage, cache decision, plans and problems, and the check passes only if every model finished clean.
 """
 
 from __future__ import annotations
@@ -194,6 +199,59 @@ def run_benchmark(out: Path, repeats: int, timeout: float, tiny: bool) -> dict:
     return rec
 
 
+def novel_command(name: str, root: Path) -> list[str]:
+    """One novel model as ``make novel`` runs it (the card's defaults), its outcome one JSON line."""
+    return [sys.executable, "-m", "tests.novel.runs", name, "--root", str(root / name)]
+
+
+def start_novel(names, root: Path, log_dir: Path, jobs: int, timeout: float, command=novel_command):
+    """A generator-free scheduler: returns ``poll()``, which starts up to ``jobs`` models at once and,
+    called until it returns the rows, one row per model: its outcome line (``tests/novel/runs.py``:
+    status per stage, cache decision, plans, problems), or its status when it failed or ran past
+    ``timeout`` seconds. The models run while the cards run (CPU threads capped at 2 each)."""
+    waiting, running, rows = list(names), {}, {}
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONPATH": os.pathsep.join(
+        [str(REPO), str(REPO / "lib"), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
+
+    def poll(block: bool = False) -> list[dict] | None:
+        while True:
+            for name, (proc, t0, log) in list(running.items()):
+                rc = proc.poll()
+                late = time.perf_counter() - t0 > timeout
+                if rc is None and not late:
+                    continue
+                if rc is None:
+                    os.killpg(proc.pid, 15)
+                    proc.wait()
+                log.close()
+                text = (log_dir / f"novel-{name}.log").read_text(errors="replace")
+                line = next((ln for ln in reversed(text.splitlines()) if ln.startswith("{")), None)
+                row = {"model": name, "seconds": round(time.perf_counter() - t0, 1)}
+                if late:
+                    row["status"] = f"timeout after {timeout:.0f} s"
+                elif line is None:
+                    row.update(status=f"failed (exit {rc})", tail=text[-1500:])
+                else:
+                    out = json.loads(line)
+                    row.update(status="finished" if set(out.get("stages", {}).values()) == {"passed"}
+                               else "not finished", **{k: out.get(k) for k in ("stages", "errors", "cache", "plans",
+                                                                               "not_run", "problems")})
+                rows[name] = row
+                del running[name]
+            while waiting and len(running) < jobs:
+                name = waiting.pop(0)
+                log = open(log_dir / f"novel-{name}.log", "w")  # noqa: SIM115 - closed above
+                proc = subprocess.Popen(command(name, root), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                        env=env, start_new_session=True)
+                running[name] = (proc, time.perf_counter(), log)
+            if not running:
+                return [rows[n] for n in names]
+            if not block:
+                return None
+            time.sleep(1.0)
+    return poll
+
+
 GAP_KEYS = ("computed_step_s", "at_bf16_peak_s", "of_bf16_peak", "at_fp8_peak_s", "of_fp8_peak")
 
 
@@ -235,6 +293,10 @@ def main(argv=None) -> int:
     ap.add_argument("--no-bench", action="store_true", help="the cards only (a profile of the stages, not a record to commit)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tiny", action="store_true", help="the benchmark at a tiny FLUX shape (for a CPU try-out)")
+    ap.add_argument("--novel", default="", help="the novel-model suite beside the cards: 'all' or names "
+                    "(tests/novel/; each as `make novel` runs it); their outcomes go in the record")
+    ap.add_argument("--novel-jobs", type=int, default=4, help="novel models run at once")
+    ap.add_argument("--novel-timeout", type=float, default=420.0, help="seconds per novel model")
     args = ap.parse_args(argv)
     rev, dirty = git_revision()
     if args.revision is None:
@@ -252,8 +314,22 @@ def main(argv=None) -> int:
     if args.side_by_side and args.one_at_a_time:
         ap.error("--side-by-side or --one-at-a-time, not both")
     record["cards_run"] = "side by side" if args.side_by_side else "one at a time"
+    novel = None
+    if args.novel:
+        sys.path.insert(0, str(REPO / "tests"))
+        from novel import suite
+
+        names = list(suite.MODELS) if args.novel == "all" else args.novel.split(",")
+        novel = start_novel(names, work / "novel", work / "logs", args.novel_jobs, args.novel_timeout)
+        novel()  # the first models start beside the cards
     record["cards"] = run_cards(args.cards.split(","), work / "outputs", work / "logs", args.card_timeout,
                                 not args.side_by_side)
+    if novel is not None:
+        rows = novel(block=True)
+        record["novel"] = {"command": f"--novel {args.novel} --novel-jobs {args.novel_jobs} "
+                                      f"--novel-timeout {args.novel_timeout:.0f} (python -m tests.novel.runs NAME)",
+                           "models": rows, "passed": all(r["status"] == "finished" and not r.get("problems")
+                                                         for r in rows)}
     write_record(args.record, record)  # the cards' part kept even if the benchmark never returns
     if args.no_bench:  # a profile of the stages: never a record that passes
         record["benchmark"] = {"status": "not run (--no-bench)"}
@@ -261,11 +337,14 @@ def main(argv=None) -> int:
         record["benchmark"] = {"shape": "FLUX.1-dev, 1024x1024, 28 steps, bf16, random weights" if not args.tiny else "tiny",
                                "repeats": args.repeats, **run_benchmark(work / "compose", args.repeats, args.bench_timeout, args.tiny)}
     record["seconds"] = round(time.perf_counter() - t0, 1)
-    record["passed"] = all(c["status"] == "finished" for c in record["cards"]) and record["benchmark"]["status"] == "passed"
+    record["passed"] = (all(c["status"] == "finished" for c in record["cards"]) and record["benchmark"]["status"] == "passed"
+                        and (record.get("novel") or {}).get("passed", True))
     write_record(args.record, record)
     print(json.dumps({k: record[k] for k in ("revision", "device", "seconds", "passed")}))
     for c in record["cards"]:
         print(c["card"], c["status"], c["seconds"], {k: (v["status"], v["seconds"]) for k, v in c["stages"].items()})
+    for r in (record.get("novel") or {}).get("models", []):
+        print("novel", r["model"], r["status"], r["seconds"], r.get("problems") or "")
     return 0 if record["passed"] or args.no_bench else 1
 
 

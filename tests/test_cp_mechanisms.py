@@ -258,3 +258,24 @@ def test_the_last_list_over_joined_tokens_is_split_alone():
     r = coverage_cp(m, (), kw, timeout=60)
     assert r["outcome"] == "correct", r
     assert r["seq_lens"]["layers"] == [{"hidden_states": [12]}] * 2
+
+
+def test_gqa_through_diffusers_dispatch_is_refused_before_launch_with_the_reason():
+    # ACE-Step's processor asks dispatch_attention_fn for enable_gqa when its kv heads are fewer than its
+    # query heads; diffusers' templated CP attention raises on that in every rank: refuse, name why
+    from diffusers import AceStepTransformer1DModel
+
+    from ditbook.coverage.inputs import _first_running
+    from ditbook.cp.attention import templated_attention_refusal
+
+    def tiny(kv):
+        m, _, kw = _first_running(AceStepTransformer1DModel, [(32, None), (16, None)],
+                                  {"num_attention_heads": 4, "num_key_value_heads": kv}, [])
+        return m, kw
+
+    m, kw = tiny(2)
+    row = coverage_cp(m, (), kw)
+    assert row["outcome"] == "refused", row
+    assert "GQA (in 'layers.0.self_attn')" in row["reason"] and "templated" in row["reason"]
+    m, kw = tiny(4)  # same class, one kv head per query head: nothing to refuse
+    assert templated_attention_refusal(m, (), kw) is None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -117,3 +118,18 @@ def test_python_files_count_as_their_text_without_comments(tmp_path):
                  '    return {"k": f"{x!r:>4}"}\n')
     assert gpu_check.code_bytes(f) == ('x = f"{a} # not a comment"\ndef g():\n    """doc\n\n    more"""\n'
                                        '    return {"k": f"{x!r:>4}"}').encode()
+
+
+def test_novel_models_run_beside_the_cards_and_each_gets_a_row(tmp_path):
+    # three stand-ins for `python -m tests.novel.runs NAME`: one finishes, one crashes, one hangs
+    line = json.dumps({"stages": dict.fromkeys(("intake", "inspect", "cache", "parallel", "benchmark"), "passed"),
+                       "cache": {"chosen": "x"}, "plans": {}, "not_run": {}, "problems": []})
+    scripts = {"ok": f"print('progress'); print({line!r})", "bad": "import sys; sys.exit(3)",
+               "slow": "import time; time.sleep(30)"}
+    command = lambda name, root: [sys.executable, "-c", scripts[name]]  # noqa: E731
+    poll = gpu_check.start_novel(["ok", "bad", "slow"], tmp_path, tmp_path, jobs=2, timeout=4.0, command=command)
+    assert poll() is None  # two started, the third waits for a free slot
+    rows = {r["model"]: r for r in poll(block=True)}
+    assert rows["ok"]["status"] == "finished" and rows["ok"]["problems"] == [] and rows["ok"]["cache"] == {"chosen": "x"}
+    assert rows["bad"]["status"] == "failed (exit 3)"
+    assert rows["slow"]["status"] == "timeout after 4 s" and rows["slow"]["seconds"] < 15

@@ -70,6 +70,21 @@ def test_sharding_check_fails_unsplit_and_double_split_records():
         check_sharding([ok, {}], expected, 2)
 
 
+def test_sharding_check_fails_when_the_big_list_ran_whole_beside_a_split_small_one():
+    # a refiner list split as planned while the main list (more blocks, the whole 16-token sequence on
+    # both ranks) was never split: each listed list looks right, and the split is vacuous
+    expected = {"refiner": {"argument": "x", "full": 16}}
+    rank = {"refiner": {"calls": 2, "seq_lens": {"x": [8]}},
+            "blocks": {"calls": 12, "seq_lens": {"hidden_states": [16], "temb": [1]}},
+            "blocks.0.inner": {"calls": 12, "seq_lens": {"h": [16]}}}  # nested in a block: not its own list
+    with pytest.raises(ShardingError, match=r"\['blocks'\] \(12 block calls\).*whole 16-token"):
+        check_sharding([rank, rank], expected, 2)
+    few = dict(rank, blocks={"calls": 1, "seq_lens": {"hidden_states": [16]}})  # a small whole list is fine
+    assert check_sharding([few, few], expected, 2)["per_rank"] == {"refiner": [[8], [8]]}
+    split = dict(rank, blocks={"calls": 12, "seq_lens": {"hidden_states": [8]}})  # shorter on one rank: split
+    assert check_sharding([rank, split], expected, 2)
+
+
 def test_judge_fails_a_cp_plan_without_a_verified_split():
     from ditbook.parallel.launch import sharding_failure
     from ditbook.records import Sharding

@@ -288,3 +288,65 @@ def model_gqa_shapes(transformer, report=None, seq_len: int | None = None) -> di
     if not (heads and kv and hd) or heads == kv:
         return None
     return {"heads": int(heads), "kv_heads": int(kv), "head_dim": int(hd), "seq_len": int(seq_len or 256)}
+
+
+_TEMPLATED_REFUSES = ("enable_gqa", "is_causal")  # what diffusers' templated CP attention raises on
+
+
+def _asks_templated_refusal(module) -> bool:
+    """A dispatch-aware processor whose ``__call__`` code names an argument templated CP attention refuses."""
+    proc = getattr(module, "processor", None)
+    fn = getattr(type(proc), "__call__", None) if proc is not None else None
+    try:
+        src = inspect.getsource(getattr(fn, "__code__", fn)) if fn is not None else ""
+    except (OSError, TypeError):
+        return False
+    return any(k in src for k in _TEMPLATED_REFUSES)
+
+
+class _RefusedArgs(TorchFunctionMode):
+    """Notes SDPA calls made with ``enable_gqa`` or ``is_causal`` set while a watched module runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.inside: list[str] = []
+        self.found: dict[str, str] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _SDPA and self.inside:
+            q = args[0] if args else kwargs.get("query")
+            k = args[1] if len(args) > 1 else kwargs.get("key")
+            if kwargs.get("enable_gqa") and q is not None and k is not None and q.shape[-3] != k.shape[-3]:
+                self.found.setdefault("GQA", self.inside[-1])
+            if kwargs.get("is_causal") or (len(args) > 5 and args[5]):
+                self.found.setdefault("causal attention", self.inside[-1])
+        return func(*args, **kwargs)
+
+
+def templated_attention_refusal(transformer, args, kwargs) -> str | None:
+    """Why context parallelism cannot run this model's attention: diffusers' templated CP attention (what
+    ``dispatch_attention_fn`` takes under a parallel config) raises on GQA and on causal attention, so a
+    dispatch-aware processor that asks for either would crash every rank. One forward, SDPA calls watched
+    inside those processors' modules; None when no such call happens."""
+    watched = [(n, m) for n, m in transformer.named_modules()
+               if _dispatch_aware(m) and not _processor_calls_sdpa(m) and _asks_templated_refusal(m)]
+    if not watched:
+        return None
+    mode, handles = _RefusedArgs(), []
+    for name, module in watched:
+        handles.append(module.register_forward_pre_hook(lambda *_a, n=name: mode.inside.append(n) and None))
+        handles.append(module.register_forward_hook(lambda *_a: mode.inside.pop() and None))  # None: output kept
+    try:
+        with torch.no_grad(), mode:
+            transformer(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    if not mode.found:
+        return None
+    what = ", ".join(f"{k} (in '{m}')" for k, m in mode.found.items())
+    said = " / ".join(f"'{'GQA' if k == 'GQA' else 'Causal attention'} is not yet supported for templated attention'"
+                      for k in mode.found)
+    return (f"the attention processors ask dispatch_attention_fn for {what}, which diffusers' templated "
+            f"context-parallel attention refuses ({said}): context parallelism would crash every rank")

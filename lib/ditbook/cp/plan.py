@@ -1004,6 +1004,11 @@ def _resolve(transformer, capture, attention_kind, degree: int, plan_file, check
         args, kwargs = capture()
         tr = trace_forward(transformer, args, kwargs)
         traced = (args, kwargs, tr, find_streams(tr, attention_kind))
+        from .attention import templated_attention_refusal
+
+        why = templated_attention_refusal(transformer, args, kwargs)
+        if why:
+            raise PlanCheckError(why)
     reg, notes = _given_plan(transformer, plan_file, degree)
     if plan_file is not None:
         check = None  # the user's explicit plan: it runs, and the ranks' sharding check judges it

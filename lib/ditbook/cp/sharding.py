@@ -144,7 +144,28 @@ def check_sharding(ranks: list[dict], expected: dict[str, dict], degree: int) ->
                                 f"expected {want} (rank {r}'s share of {e['full']} over {degree})")
     if problems:
         raise ShardingError("the plan did not split the blocks' sequence: " + "; ".join(problems))
+    whole = _whole_lists(ranks, expected)
+    if whole:
+        raise ShardingError(whole)
     return {"degree": degree, "expected": expected, "per_rank": seen}
+
+
+def _whole_lists(ranks: list[dict], expected: dict[str, dict]) -> str | None:
+    """Why the split is mostly vacuous: the lists outside ``expected`` that took the whole sequence
+    (a ``[B, S, D]`` input at least as long as the longest split one) on every rank ran more block
+    calls than the split lists did. None when the split lists carry most of the blocks."""
+    longest = max(e["full"] for e in expected.values())
+    first = ranks[0] if ranks else {}
+    nested = {n for n in first if any(n.startswith(o + ".") for o in first)}  # lists inside a block
+    whole = [n for n in first if n not in expected and n not in nested and all(
+        any(max(v, default=0) >= longest for v in rec.get(n, {}).get("seq_lens", {}).values()) for rec in ranks)]
+    split_calls = sum(first.get(n, {}).get("calls", 0) for n in expected)
+    whole_calls = sum(first[n].get("calls", 0) for n in whole)
+    if whole_calls <= split_calls:
+        return None
+    return (f"the plan split {sorted(expected)} ({split_calls} block calls a rank) while {whole} "
+            f"({whole_calls} block calls) ran on the whole {longest}-token sequence on every rank: "
+            f"most of the blocks are not split")
 
 
 class CfgSplitError(RuntimeError):
