@@ -323,6 +323,9 @@ def main(argv=None) -> int:
         from novel import suite
 
         names = list(suite.MODELS) if args.novel == "all" else args.novel.split(",")
+        unknown = [n for n in names if n not in suite.MODELS]
+        if unknown:
+            ap.error(f"--novel: no novel model {', '.join(unknown)} (tests/novel/ has {', '.join(suite.MODELS)})")
         novel = start_novel(names, work / "novel", work / "logs", args.novel_jobs, args.novel_timeout)
         novel()  # the first models start beside the cards
     bench = None
