@@ -165,22 +165,34 @@ def _dispatch_aware(module) -> bool:
     return proc is not None and hasattr(proc, "_attention_backend")
 
 
-_PROC_CALLS_SDPA: dict = {}  # processor __call__ function -> whether its own code calls SDPA
+_PROC_SOURCE: dict = {}  # processor __call__ function -> its source ("" where it has none)
+_PROC_CALLS_SDPA: dict = {}  # processor __call__ function -> whether its own code calls SDPA (asked per call)
+
+
+def _processor_call(module):
+    proc = getattr(module, "processor", None)
+    return getattr(type(proc), "__call__", None) if proc is not None else None
+
+
+def _processor_source(fn) -> str:
+    """The source of a processor's ``__call__`` ("" where it has none)."""
+    if fn not in _PROC_SOURCE:
+        try:
+            # the code object: getsource of a functools.wraps patch would show the original it wraps
+            _PROC_SOURCE[fn] = inspect.getsource(getattr(fn, "__code__", fn))
+        except (OSError, TypeError):
+            _PROC_SOURCE[fn] = ""
+    return _PROC_SOURCE[fn]
 
 
 def _processor_calls_sdpa(module) -> bool:
     """A processor whose ``__call__`` calls SDPA itself, never a dispatch function: to be routed."""
-    proc = getattr(module, "processor", None)
-    fn = getattr(type(proc), "__call__", None) if proc is not None else None
+    fn = _processor_call(module)
     if fn is None:
         return False
     if fn not in _PROC_CALLS_SDPA:
-        try:
-            # the code object: getsource of a functools.wraps patch would show the original it wraps
-            src = inspect.getsource(getattr(fn, "__code__", fn))
-            _PROC_CALLS_SDPA[fn] = "scaled_dot_product_attention" in src and "dispatch_attention_fn" not in src
-        except (OSError, TypeError):
-            _PROC_CALLS_SDPA[fn] = False
+        src = _processor_source(fn)
+        _PROC_CALLS_SDPA[fn] = "scaled_dot_product_attention" in src and "dispatch_attention_fn" not in src
     return _PROC_CALLS_SDPA[fn]
 
 
@@ -295,13 +307,8 @@ _TEMPLATED_REFUSES = ("enable_gqa", "is_causal")  # what diffusers' templated CP
 
 def _asks_templated_refusal(module) -> bool:
     """A dispatch-aware processor whose ``__call__`` code names an argument templated CP attention refuses."""
-    proc = getattr(module, "processor", None)
-    fn = getattr(type(proc), "__call__", None) if proc is not None else None
-    try:
-        src = inspect.getsource(getattr(fn, "__code__", fn)) if fn is not None else ""
-    except (OSError, TypeError):
-        return False
-    return any(k in src for k in _TEMPLATED_REFUSES)
+    fn = _processor_call(module)
+    return fn is not None and any(k in _processor_source(fn) for k in _TEMPLATED_REFUSES)
 
 
 class _RefusedArgs(TorchFunctionMode):
