@@ -111,6 +111,15 @@ def git_revision(root: Path = REPO) -> tuple[str | None, bool | None]:
     return rev["revision"], rev["dirty"]
 
 
+def _cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # noqa: BLE001 - no torch here: no GPU either
+        return False
+
+
 def environment() -> dict:
     """The run's environment record (``ditbook.environment.environment``: versions and
     hardware), with the GPU named as the record's ``device`` and counted as ``gpus``."""
@@ -199,17 +208,21 @@ def run_benchmark(out: Path, repeats: int, timeout: float, tiny: bool) -> dict:
     return rec
 
 
-def novel_command(name: str, root: Path) -> list[str]:
-    """One novel model as ``make novel`` runs it (the card's defaults), its outcome one JSON line."""
-    return [sys.executable, "-m", "tests.novel.runs", name, "--root", str(root / name)]
+def novel_command(name: str, root: Path, device: str | None = None) -> list[str]:
+    """One novel model as ``make novel`` runs it (the card's defaults, on ``device`` when one is
+    named: the GPU check runs them on the GPU), its outcome one JSON line."""
+    return [sys.executable, "-m", "tests.novel.runs", name, "--root", str(root / name),
+            *(["--device", device] if device else [])]
 
 
-def start_novel(names, root: Path, log_dir: Path, jobs: int, timeout: float, command=novel_command):
+def start_novel(names, root: Path, log_dir: Path, jobs: int, timeout: float, command=None,
+                device: str | None = None):
     """A generator-free scheduler: returns ``poll()``, which starts up to ``jobs`` models at once and,
     called until it returns the rows, one row per model: its outcome line (``tests/novel/runs.py``:
     status per stage, cache decision, plans, problems), or its status when it failed or ran past
     ``timeout`` seconds. The models run while the cards run (CPU threads capped at 2 each)."""
     waiting, running, rows = list(names), {}, {}
+    command = command or novel_command
     env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONPATH": os.pathsep.join(
         [str(REPO), str(REPO / "lib"), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
 
@@ -228,7 +241,9 @@ def start_novel(names, root: Path, log_dir: Path, jobs: int, timeout: float, com
                 line = next((ln for ln in reversed(text.splitlines()) if ln.startswith("{")), None)
                 row = {"model": name, "seconds": round(time.perf_counter() - t0, 1)}
                 if late:
+                    progress = [ln for ln in text.splitlines() if ln.startswith("[novel ")]
                     row["status"] = f"timeout after {timeout:.0f} s"
+                    row["reached"] = progress[-1] if progress else "nothing finished"
                 elif line is None:
                     row.update(status=f"failed (exit {rc})", tail=text[-1500:])
                 else:
@@ -241,7 +256,7 @@ def start_novel(names, root: Path, log_dir: Path, jobs: int, timeout: float, com
             while waiting and len(running) < jobs:
                 name = waiting.pop(0)
                 log = open(log_dir / f"novel-{name}.log", "w")  # noqa: SIM115 - closed above
-                proc = subprocess.Popen(command(name, root), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                proc = subprocess.Popen(command(name, root, device), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                         env=env, start_new_session=True)
                 running[name] = (proc, time.perf_counter(), log)
             if not running:
@@ -250,6 +265,55 @@ def start_novel(names, root: Path, log_dir: Path, jobs: int, timeout: float, com
                 return None
             time.sleep(1.0)
     return poll
+
+
+def novel_names(ap, spec: str) -> list[str]:
+    sys.path.insert(0, str(REPO / "tests"))
+    from novel import suite
+
+    names = list(suite.MODELS) if spec == "all" else spec.split(",")
+    unknown = [n for n in names if n not in suite.MODELS]
+    if unknown:
+        ap.error(f"--novel: no novel model {', '.join(unknown)} (tests/novel/ has {', '.join(suite.MODELS)})")
+    return names
+
+
+def novel_part(args, rows: list[dict]) -> dict:
+    return {"command": f"--novel {args.novel} --novel-jobs {args.novel_jobs} --novel-timeout "
+                       f"{args.novel_timeout:.0f}" + (f" --novel-device {args.novel_device}" if args.novel_device else "")
+                       + " (python -m tests.novel.runs NAME)",
+            "device": args.novel_device or "the cards' own (cpu)",
+            "models": rows, "passed": all(r["status"] == "finished" and not r.get("problems") for r in rows)}
+
+
+def novel_only(ap, args, rev) -> int:
+    """``--novel-only``: the novel suite alone on the machine (all its cores), its outcomes added to a
+    record made on this same code. A record of other code is refused: the parts would not agree."""
+    if not args.novel:
+        ap.error("--novel-only needs --novel (all, or names)")
+    if not args.record.is_file():
+        ap.error(f"--novel-only adds to a record: there is none at {args.record}; run the check first")
+    record = json.loads(args.record.read_text())
+    if record.get("tree_digest") != tree_digest():
+        ap.error(f"{args.record} was made on other code than this tree (its digest differs): run the whole "
+                 "check here, with --novel, instead")
+    names = novel_names(ap, args.novel)
+    work = args.work or args.record.parent / "gpu-check-work"
+    (work / "logs").mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    rows = start_novel(names, work / "novel", work / "logs", args.novel_jobs, args.novel_timeout,
+                       device=args.novel_device)(block=True)
+    env = environment()
+    record["novel"] = {**novel_part(args, rows), "run": "alone, after the cards and the benchmark (--novel-only)",
+                       "revision": args.revision or rev,
+                       "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                       "machine": env.get("device"), "seconds": round(time.perf_counter() - t0, 1)}
+    record["passed"] = (all(c["status"] == "finished" for c in record.get("cards", []))
+                        and (record.get("benchmark") or {}).get("status") == "passed" and record["novel"]["passed"])
+    write_record(args.record, record)
+    for r in rows:
+        print("novel", r["model"], r["status"], r["seconds"], r.get("reached") or r.get("problems") or "")
+    return 0 if record["novel"]["passed"] else 1
 
 
 GAP_KEYS = ("computed_step_s", "at_bf16_peak_s", "of_bf16_peak", "at_fp8_peak_s", "of_fp8_peak")
@@ -300,6 +364,13 @@ def main(argv=None) -> int:
                     "(tests/novel/; each as `make novel` runs it); their outcomes go in the record")
     ap.add_argument("--novel-jobs", type=int, default=4, help="novel models run at once")
     ap.add_argument("--novel-timeout", type=float, default=420.0, help="seconds per novel model")
+    ap.add_argument("--novel-device", default="cuda" if _cuda() else None,
+                    help="runtime.device of the novel models (default: cuda where torch sees a GPU, else the "
+                         "cards' own, cpu)")
+    ap.add_argument("--novel-only", action="store_true",
+                    help="run only the novel suite and add its outcomes to the record at --record, which must "
+                         "have been made on this same code (its tree digest); the cards' and the benchmark's "
+                         "parts stay as they were")
     args = ap.parse_args(argv)
     rev, dirty = git_revision()
     if args.revision is None:
@@ -307,6 +378,8 @@ def main(argv=None) -> int:
             ap.error("no git folder here: name the commit checked with --revision (or DITBOOK_REVISION)")
         if dirty:
             ap.error(f"the tree has uncommitted changes to tracked files: commit them first (HEAD {rev})")
+    if args.novel_only:
+        return novel_only(ap, args, rev)
     work = args.work or args.record.parent / "gpu-check-work"
     (work / "logs").mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -319,14 +392,9 @@ def main(argv=None) -> int:
     record["cards_run"] = "side by side" if args.side_by_side else "one at a time"
     novel = None
     if args.novel:
-        sys.path.insert(0, str(REPO / "tests"))
-        from novel import suite
-
-        names = list(suite.MODELS) if args.novel == "all" else args.novel.split(",")
-        unknown = [n for n in names if n not in suite.MODELS]
-        if unknown:
-            ap.error(f"--novel: no novel model {', '.join(unknown)} (tests/novel/ has {', '.join(suite.MODELS)})")
-        novel = start_novel(names, work / "novel", work / "logs", args.novel_jobs, args.novel_timeout)
+        names = novel_names(ap, args.novel)
+        novel = start_novel(names, work / "novel", work / "logs", args.novel_jobs, args.novel_timeout,
+                            device=args.novel_device)
         novel()  # the first models start beside the cards
     bench = None
     if args.bench_beside_cards and not args.no_bench:
@@ -338,10 +406,7 @@ def main(argv=None) -> int:
                                 not args.side_by_side)
     if novel is not None:
         rows = novel(block=True)
-        record["novel"] = {"command": f"--novel {args.novel} --novel-jobs {args.novel_jobs} "
-                                      f"--novel-timeout {args.novel_timeout:.0f} (python -m tests.novel.runs NAME)",
-                           "models": rows, "passed": all(r["status"] == "finished" and not r.get("problems")
-                                                         for r in rows)}
+        record["novel"] = novel_part(args, rows)
     write_record(args.record, record)  # the cards' part kept even if the benchmark never returns
     if args.no_bench:  # a profile of the stages: never a record that passes
         record["benchmark"] = {"status": "not run (--no-bench)"}
@@ -359,7 +424,7 @@ def main(argv=None) -> int:
     for c in record["cards"]:
         print(c["card"], c["status"], c["seconds"], {k: (v["status"], v["seconds"]) for k, v in c["stages"].items()})
     for r in (record.get("novel") or {}).get("models", []):
-        print("novel", r["model"], r["status"], r["seconds"], r.get("problems") or "")
+        print("novel", r["model"], r["status"], r["seconds"], r.get("reached") or r.get("problems") or "")
     return 0 if record["passed"] or args.no_bench else 1
 
 

@@ -125,11 +125,34 @@ def test_novel_models_run_beside_the_cards_and_each_gets_a_row(tmp_path):
     line = json.dumps({"stages": dict.fromkeys(("intake", "inspect", "cache", "parallel", "benchmark"), "passed"),
                        "cache": {"chosen": "x"}, "plans": {}, "not_run": {}, "problems": []})
     scripts = {"ok": f"print('progress'); print({line!r})", "bad": "import sys; sys.exit(3)",
-               "slow": "import time; time.sleep(30)"}
-    command = lambda name, root: [sys.executable, "-c", scripts[name]]  # noqa: E731
+               "slow": "import sys, time; print('[novel slow] ditbook run: exit 0 at 1 s', file=sys.stderr, "
+                       "flush=True); time.sleep(30)"}
+    command = lambda name, root, device: [sys.executable, "-c", scripts[name]]  # noqa: E731
     poll = gpu_check.start_novel(["ok", "bad", "slow"], tmp_path, tmp_path, jobs=2, timeout=4.0, command=command)
     assert poll() is None  # two started, the third waits for a free slot
     rows = {r["model"]: r for r in poll(block=True)}
     assert rows["ok"]["status"] == "finished" and rows["ok"]["problems"] == [] and rows["ok"]["cache"] == {"chosen": "x"}
     assert rows["bad"]["status"] == "failed (exit 3)"
     assert rows["slow"]["status"] == "timeout after 4 s" and rows["slow"]["seconds"] < 15
+    assert rows["slow"]["reached"] == "[novel slow] ditbook run: exit 0 at 1 s"  # how far it got
+
+
+def test_novel_only_adds_to_a_record_of_this_code_and_refuses_another(tmp_path, monkeypatch):
+    line = json.dumps({"stages": dict.fromkeys(("intake", "inspect", "cache", "parallel", "benchmark"), "passed"),
+                       "problems": []})
+    monkeypatch.setattr(gpu_check, "novel_command", lambda name, root, device: [sys.executable, "-c", f"print({line!r})"])
+    record = tmp_path / "rec.json"
+    base = {"tree_digest": gpu_check.tree_digest(), "cards": [{"status": "finished"}],
+            "benchmark": {"status": "passed"}, "passed": True}
+    record.write_text(json.dumps({**base, "tree_digest": "0" * 64}))
+    argv = ["--novel-only", "--novel", "fluxref,batchcfg", "--record", str(record), "--work", str(tmp_path / "w"),
+            "--revision", "a" * 40, "--novel-device", "cuda"]
+    with pytest.raises(SystemExit) as stop:
+        gpu_check.main(argv)
+    assert stop.value.code == 2 and "novel" not in json.loads(record.read_text())
+    record.write_text(json.dumps(base))
+    assert gpu_check.main(argv) == 0
+    rec = json.loads(record.read_text())
+    assert [r["model"] for r in rec["novel"]["models"]] == ["fluxref", "batchcfg"]
+    assert rec["novel"]["passed"] and rec["passed"] and rec["benchmark"] == {"status": "passed"}
+    assert "--novel-device cuda" in rec["novel"]["command"] and rec["novel"]["revision"] == "a" * 40

@@ -37,13 +37,21 @@ def run_model(name: str, root: Path, env=None, params: tuple[str, ...] = ()) -> 
     outputs = root / "outputs"
     log = []
     flags = [x for p in params for x in ("-p", p)]
-    first = _ditbook("run", card, "--run-id", "novel", "--outputs", outputs, *flags, env=env)
-    log.append(first.stdout[-3000:] + first.stderr[-3000:])
+    t0 = time.perf_counter()
+
+    def step(what, *args, keep=3000):
+        done = _ditbook(*args, env=env)
+        log.append(done.stdout[-keep:] + done.stderr[-3000:])
+        # progress on stderr: a run stopped from outside (a timeout) shows how far it got
+        print(f"[novel {name}] {what}: exit {done.returncode} at {time.perf_counter() - t0:.0f} s",
+              file=sys.stderr, flush=True)
+        return done
+
     run = outputs / f"novel-{name}" / "novel"
-    approve = _ditbook("approve", card, "--run", run, "--yes", env=env)
-    log.append(approve.stdout[-2000:] + approve.stderr[-2000:])
-    rest = _ditbook("run", "--resume", run, env=env)
-    log.append(rest.stdout[-6000:] + rest.stderr[-3000:])
+    step("ditbook run (intake, inspect; stops at the approval gate)", "run", card, "--run-id", "novel",
+         "--outputs", outputs, *flags)
+    step("ditbook approve --yes", "approve", card, "--run", run, "--yes", keep=2000)
+    step("ditbook run --resume (cache, parallel, benchmark)", "run", "--resume", run, keep=6000)
     return run, log
 
 
@@ -141,12 +149,15 @@ def main() -> int:
     ap.add_argument("names", nargs="*")
     ap.add_argument("--root", default="/tmp/novel-models")
     ap.add_argument("--light", action="store_true", help="make test's lighter cache search")
+    ap.add_argument("--device", default=None, help="runtime.device for every model (cpu, cuda, auto; "
+                    "default: the card's, cpu); the GPU check passes cuda on a GPU host")
     args = ap.parse_args()
     root = Path(args.root)
     bad = 0
     for name in args.names or list(suite.MODELS):
         t = time.time()
-        run, _log = run_model(name, root, params=LIGHT if args.light else ())
+        params = (LIGHT if args.light else ()) + ((f"device={args.device}",) if args.device else ())
+        run, _log = run_model(name, root, params=params)
         row = {"model": name, "seconds": round(time.time() - t, 1), **outcome(run)}
         bad += bool(row["problems"])
         print(json.dumps(row), flush=True)
