@@ -54,7 +54,7 @@ class RegisterDiT(ModelMixin, ConfigMixin):
         x = torch.cat([self.register_tokens.expand(b, -1, -1), x], dim=1)
         ctx = self.caption(encoder_hidden_states)
         half = self.config.dim // 2
-        f = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32) / half)
+        f = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=timestep.device) / half)
         a = timestep.float()[:, None] * 1000 * f[None]
         temb = self.t_embed(torch.cat([a.cos(), a.sin()], dim=-1))
         for block in self.transformer_blocks:

@@ -47,7 +47,7 @@ class DepthScaledDiT(ModelMixin, ConfigMixin):
         x = self.x_in(x)
         ctx = self.txt_in(text_ids)
         half = self.config.dim // 2
-        f = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32) / half)
+        f = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=timestep.device) / half)
         a = timestep.float()[:, None] * 1000 * f[None]
         temb = self.t_in(torch.cat([a.cos(), a.sin()], dim=-1))
         skip_scale = 1.0 / math.sqrt(len(self.blocks))

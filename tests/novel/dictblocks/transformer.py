@@ -50,7 +50,7 @@ class DictOutputDiT(ModelMixin, ConfigMixin):
         img = self.patchify(hidden_states).flatten(2).transpose(1, 2)
         txt = self.embed_text(encoder_ids)
         half = self.config.dim // 2
-        f = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32) / half)
+        f = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=timestep.device) / half)
         a = timestep.float()[:, None] * 1000 * f[None]
         cond = self.embed_t(torch.cat([a.cos(), a.sin()], dim=-1))
         for block in self.blocks:

@@ -24,7 +24,8 @@ def prepare(txt: Tensor, vec: Tensor, img: Tensor) -> dict[str, Tensor]:
     img_ids[..., 2] = img_ids[..., 2] + torch.arange(w // 2)[None, :]
     img_ids = repeat(img_ids, "h w c -> b (h w) c", b=bs)
     txt_ids = torch.zeros(bs, txt.shape[1], 3)
-    return {"img": img, "img_ids": img_ids, "txt": txt, "txt_ids": txt_ids, "vec": vec}
+    return {"img": img, "img_ids": img_ids.to(img.device), "txt": txt.to(img.device),
+            "txt_ids": txt_ids.to(img.device), "vec": vec.to(img.device)}
 
 
 def denoise(model, img: Tensor, img_ids: Tensor, txt: Tensor, txt_ids: Tensor, vec: Tensor,

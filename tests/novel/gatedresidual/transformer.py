@@ -43,7 +43,7 @@ class GatedResidualDiT(ModelMixin, ConfigMixin):
         b, c, h, w = latents.shape
         x = self.inp(latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, h * w // 4, 4 * c))
         half = self.config.dim // 2
-        f = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32) / half)
+        f = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=timestep.device) / half)
         a = timestep.float()[:, None] * 1000 * f[None]
         t = self.tm(torch.cat([a.cos(), a.sin()], dim=-1)) + self.txt(text_ids).mean(dim=1)
         for i, blk in enumerate(self.blocks):

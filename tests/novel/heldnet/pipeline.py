@@ -6,7 +6,7 @@ from diffusers.utils import BaseOutput
 
 
 def denoise(model, img, tokens, steps):
-    sigmas = torch.linspace(1.0, 0.0, steps + 1)
+    sigmas = torch.linspace(1.0, 0.0, steps + 1, device=img.device)
     for s, s_next in zip(sigmas[:-1], sigmas[1:]):
         img = img + (s_next - s) * model(img=img, tokens=tokens, t=s.expand(img.shape[0]))
     return img
@@ -25,10 +25,10 @@ class HeldNetPipeline(DiffusionPipeline):
     def __call__(self, prompt, height=16, width=16, num_inference_steps=3, generator=None):
         cfg = self.transformer.config
         ids = [(ord(ch) * 7) % cfg.vocab for ch in prompt][:6]
-        tokens = torch.tensor([ids + [0] * (6 - len(ids))])
+        tokens = torch.tensor([ids + [0] * (6 - len(ids))], device=self.device)
         h, w = height // 4, width // 4
-        img = torch.randn((1, h * w, cfg.in_channels), generator=generator)
+        img = torch.randn((1, h * w, cfg.in_channels), generator=generator).to(self.device)
         img = denoise(self.transformer, img, tokens, num_inference_steps)
         x = img.view(1, h, w, cfg.in_channels).permute(0, 3, 1, 2)[:, :3]
         x = torch.nn.functional.interpolate(x, scale_factor=4, mode="nearest")
-        return HeldNetOutput(images=(x.tanh() * 0.5 + 0.5).permute(0, 2, 3, 1).numpy())
+        return HeldNetOutput(images=(x.tanh() * 0.5 + 0.5).permute(0, 2, 3, 1).cpu().numpy())

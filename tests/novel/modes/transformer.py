@@ -47,7 +47,7 @@ class MultiModeDiT(ModelMixin, ConfigMixin):
 
     def embed_time(self, t):
         half = self.config.dim // 2
-        f = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32) / half)
+        f = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
         a = t.float()[:, None] * 1000 * f[None]
         return self.temb(torch.cat([a.cos(), a.sin()], dim=-1))
 

@@ -46,7 +46,7 @@ class OddShapeDiT(ModelMixin, ConfigMixin):
         x = self.patch(hidden_states.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, h * w // 4, 4 * c))
         ctx = self.text(encoder_ids)
         half = self.config.dim // 2
-        f = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32) / half)
+        f = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=timestep.device) / half)
         a = timestep.float()[:, None] * 1000 * f[None]
         temb = self.temb(torch.cat([a.cos(), a.sin()], dim=-1))
         for block in self.transformer_blocks:

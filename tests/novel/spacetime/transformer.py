@@ -60,7 +60,7 @@ class SpaceTimeDiT(ModelMixin, ConfigMixin):
         x = (self.patch(x) + self.frame_pos[:, :f]).reshape(b, f * h * w // 4, -1)
         ctx = self.text(text_ids)
         half = self.config.dim // 2
-        fr = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32) / half)
+        fr = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=timestep.device) / half)
         a = timestep.float()[:, None] * 1000 * fr[None]
         temb = self.temb(torch.cat([a.cos(), a.sin()], dim=-1))
         for block in self.blocks:

@@ -55,7 +55,7 @@ class StagedDiT(ModelMixin, ConfigMixin):
 
     def time_embedding(self, t):
         half = self.config.dim // 2
-        f = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32) / half)
+        f = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
         a = t.float()[:, None] * 1000 * f[None]
         return self.t_proj(torch.cat([a.sin(), a.cos()], dim=-1))
 

@@ -35,17 +35,17 @@ class TextFirstPipeline(DiffusionPipeline):
         cfg = self.transformer.config
         table = torch.randn(128, cfg.text_dim, generator=torch.Generator().manual_seed(7))
         ids = ([ord(ch) % 128 for ch in prompt or ""] + [0] * 6)[:6]
-        return table[torch.tensor(ids)][None]
+        return table[torch.tensor(ids)][None].to(self.device)
 
     @torch.no_grad()
     def __call__(self, prompt, negative_prompt="", height=16, width=16, num_inference_steps=3, guidance_scale=3.0,
                  generator=None):
         cfg = self.transformer.config
         h, w = height // 4, width // 4
-        x = torch.randn((1, h * w, cfg.channels), generator=generator)
+        x = torch.randn((1, h * w, cfg.channels), generator=generator).to(self.device)
         sigmas = torch.linspace(1.0, 0.02, num_inference_steps).tolist() + [0.0]
         x = sample_euler(CFGDenoiser(self.transformer), x, sigmas, cond=self.embed(prompt),
                          uncond=self.embed(negative_prompt), scale=guidance_scale)
         img = x.view(1, h, w, cfg.channels).permute(0, 3, 1, 2)[:, :3]
         img = torch.nn.functional.interpolate(img, scale_factor=4, mode="nearest")
-        return TextFirstOutput(images=(img.tanh() * 0.5 + 0.5).permute(0, 2, 3, 1).numpy())
+        return TextFirstOutput(images=(img.tanh() * 0.5 + 0.5).permute(0, 2, 3, 1).cpu().numpy())
