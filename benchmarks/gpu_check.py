@@ -7,7 +7,7 @@ machine whether the record was made on the code being submitted.
 
 On a GPU host with the wheel bundle (``../shared/gpu/README.md``), from the repository root::
 
-    . .gpu-wheels/install.sh && make gpu-check                 # ~8 minutes on one H200
+    . .gpu-wheels/install.sh && make gpu-check                 # ~12 minutes on one GPU
     . .gpu-wheels/install.sh && python3 benchmarks/gpu_check.py --record docs/gpu-check.json \\
         --revision <commit>                                    # a host without the git folder
 
@@ -21,8 +21,11 @@ report after the last). A card that fails or runs past
 
 ``--novel all`` (``make gpu-check`` passes it) runs the novel-model suite (``tests/novel/``, each model
 as ``make novel`` runs it: ``ditbook run`` → ``approve`` → ``run --resume`` with the card's defaults)
-while the cards run, ``--novel-jobs`` at once; the record's ``novel`` keeps each model's status per
-stage, cache decision, plans and problems, and the check passes only if every model finished clean.
+after the cards (their times stay those of a user's run) and before the benchmark, ``--novel-jobs``
+at once, on the GPU (``--novel-device``); the record's ``novel`` keeps each model's status per stage,
+cache decision, plans and problems, and the check passes only if every model finished clean.
+``--novel-beside-cards`` starts them with the cards (shorter; the cards then share the host's CPUs);
+``--novel-only`` runs the suite alone and adds its part to a record made on the same code.
 """
 
 from __future__ import annotations
@@ -281,6 +284,7 @@ def novel_names(ap, spec: str) -> list[str]:
 def novel_part(args, rows: list[dict]) -> dict:
     return {"command": f"--novel {args.novel} --novel-jobs {args.novel_jobs} --novel-timeout "
                        f"{args.novel_timeout:.0f}" + (f" --novel-device {args.novel_device}" if args.novel_device else "")
+                       + (" --novel-beside-cards" if getattr(args, "novel_beside_cards", False) else "")
                        + " (python -m tests.novel.runs NAME)",
             "device": args.novel_device or "the cards' own (cpu)",
             "models": rows, "passed": all(r["status"] == "finished" and not r.get("problems") for r in rows)}
@@ -363,6 +367,9 @@ def main(argv=None) -> int:
     ap.add_argument("--novel", default="", help="the novel-model suite beside the cards: 'all' or names "
                     "(tests/novel/; each as `make novel` runs it); their outcomes go in the record")
     ap.add_argument("--novel-jobs", type=int, default=4, help="novel models run at once")
+    ap.add_argument("--novel-beside-cards", action="store_true",
+                    help="start the novel models with the cards, not after them (shorter; the cards' times then "
+                         "include the shared CPUs: at 13 jobs on 16 cores the models ran past 250 s)")
     ap.add_argument("--novel-timeout", type=float, default=420.0, help="seconds per novel model")
     ap.add_argument("--novel-device", default="cuda" if _cuda() else None,
                     help="runtime.device of the novel models (default: cuda where torch sees a GPU, else the "
@@ -393,9 +400,10 @@ def main(argv=None) -> int:
     novel = None
     if args.novel:
         names = novel_names(ap, args.novel)
-        novel = start_novel(names, work / "novel", work / "logs", args.novel_jobs, args.novel_timeout,
-                            device=args.novel_device)
-        novel()  # the first models start beside the cards
+        if args.novel_beside_cards:
+            novel = start_novel(names, work / "novel", work / "logs", args.novel_jobs, args.novel_timeout,
+                                device=args.novel_device)
+            novel()  # the first models start beside the cards
     bench = None
     if args.bench_beside_cards and not args.no_bench:
         import concurrent.futures as cf
@@ -404,9 +412,13 @@ def main(argv=None) -> int:
                                                 args.tiny)
     record["cards"] = run_cards(args.cards.split(","), work / "outputs", work / "logs", args.card_timeout,
                                 not args.side_by_side)
-    if novel is not None:
+    if args.novel:
+        if novel is None:  # after the cards: their times are not shared with the suite's
+            novel = start_novel(names, work / "novel", work / "logs", args.novel_jobs, args.novel_timeout,
+                                device=args.novel_device)
         rows = novel(block=True)
-        record["novel"] = novel_part(args, rows)
+        record["novel"] = {**novel_part(args, rows),
+                           "run": "beside the cards" if args.novel_beside_cards else "after the cards"}
     write_record(args.record, record)  # the cards' part kept even if the benchmark never returns
     if args.no_bench:  # a profile of the stages: never a record that passes
         record["benchmark"] = {"status": "not run (--no-bench)"}

@@ -156,3 +156,30 @@ def test_novel_only_adds_to_a_record_of_this_code_and_refuses_another(tmp_path, 
     assert [r["model"] for r in rec["novel"]["models"]] == ["fluxref", "batchcfg"]
     assert rec["novel"]["passed"] and rec["passed"] and rec["benchmark"] == {"status": "passed"}
     assert "--novel-device cuda" in rec["novel"]["command"] and rec["novel"]["revision"] == "a" * 40
+
+
+@pytest.mark.parametrize("beside", [False, True])
+def test_novel_models_start_after_the_cards_unless_asked_beside_them(tmp_path, monkeypatch, beside):
+    """The cards' times are a user's wait: by default the novel suite starts when they are done."""
+    line = json.dumps({"stages": dict.fromkeys(("intake", "inspect", "cache", "parallel", "benchmark"), "passed"),
+                       "problems": []})
+    flag = tmp_path / "novel-started"
+    monkeypatch.setattr(gpu_check, "novel_command", lambda name, root, device: [
+        sys.executable, "-c", f"import pathlib; pathlib.Path({str(flag)!r}).touch(); print({line!r})"])
+    seen = {}
+
+    def cards(names, outputs, log_dir, timeout, one_at_a_time):
+        import time
+
+        time.sleep(3.0)  # long enough for a model started beside the cards to have begun
+        seen["novel_during_cards"] = flag.exists()
+        return [{"card": c, "status": "finished", "seconds": 3.0, "stages": {}} for c in names]
+
+    monkeypatch.setattr(gpu_check, "run_cards", cards)
+    monkeypatch.setattr(gpu_check, "run_benchmark", lambda *a, **k: {"status": "passed", "rows": []})
+    argv = ["--record", str(tmp_path / "r.json"), "--work", str(tmp_path / "w"), "--revision", "b" * 40,
+            "--novel", "fluxref", "--novel-device", "cpu"] + (["--novel-beside-cards"] if beside else [])
+    assert gpu_check.main(argv) == 0
+    rec = json.loads((tmp_path / "r.json").read_text())
+    assert seen["novel_during_cards"] is beside
+    assert rec["novel"]["run"] == ("beside the cards" if beside else "after the cards") and rec["novel"]["passed"]
