@@ -279,3 +279,20 @@ def test_gqa_through_diffusers_dispatch_is_refused_before_launch_with_the_reason
     assert "GQA (in 'layers.0.self_attn')" in row["reason"] and "templated" in row["reason"]
     m, kw = tiny(4)  # same class, one kv head per query head: nothing to refuse
     assert templated_attention_refusal(m, (), kw) is None
+
+
+def test_spawned_ranks_get_the_instance_from_before_a_registered_planner_patched_it(monkeypatch):
+    # on a CUDA host the probe spawns its processes (a fork after CUDA is initialised cannot use it):
+    # the ranks then receive the transformer pickled; cache-dit's AnyFlow planner patches the instance
+    # with a local function, which does not pickle ("Can't pickle local object
+    # '_patch_anyflow_unpack_for_cp.<locals>.patched_unpack'"): the ranks get the instance from before
+    # the planner and run the planner on their copy
+    from diffusers import AnyFlowTransformer3DModel
+
+    from ditbook.coverage.inputs import tiny_with_inputs
+
+    monkeypatch.setenv("DITBOOK_START_METHOD", "spawn")
+    m, _f, kw = tiny_with_inputs(AnyFlowTransformer3DModel)
+    row = coverage_cp(m, (), kw, timeout=90)
+    assert row["outcome"] == "correct", row
+    assert row["source"].startswith("cache-dit:"), row  # the registered planner's plan, patches and all
