@@ -223,7 +223,7 @@ def start_novel(names, root: Path, log_dir: Path, jobs: int, timeout: float, com
     """A generator-free scheduler: returns ``poll()``, which starts up to ``jobs`` models at once and,
     called until it returns the rows, one row per model: its outcome line (``tests/novel/runs.py``:
     status per stage, cache decision, plans, problems), or its status when it failed or ran past
-    ``timeout`` seconds. The models run while the cards run (CPU threads capped at 2 each)."""
+    ``timeout`` seconds. CPU threads are capped at 2 per model (they may share the host with the cards)."""
     waiting, running, rows = list(names), {}, {}
     command = command or novel_command
     env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONPATH": os.pathsep.join(
@@ -281,10 +281,28 @@ def novel_names(ap, spec: str) -> list[str]:
     return names
 
 
+def novel_runner(args, names: list[str], work: Path):
+    """``start_novel`` for the models ``names`` with the command line's settings."""
+    return start_novel(names, work / "novel", work / "logs", args.novel_jobs, args.novel_timeout,
+                       device=args.novel_device)
+
+
+def record_passed(record: dict) -> bool:
+    """Every card finished, the benchmark passed, and the novel suite (where run) finished clean."""
+    return (all(c["status"] == "finished" for c in record.get("cards", []))
+            and (record.get("benchmark") or {}).get("status") == "passed"
+            and (record.get("novel") or {}).get("passed", True))
+
+
+def print_novel(rows: list[dict]) -> None:
+    for r in rows:
+        print("novel", r["model"], r["status"], r["seconds"], r.get("reached") or r.get("problems") or "")
+
+
 def novel_part(args, rows: list[dict]) -> dict:
     return {"command": f"--novel {args.novel} --novel-jobs {args.novel_jobs} --novel-timeout "
                        f"{args.novel_timeout:.0f}" + (f" --novel-device {args.novel_device}" if args.novel_device else "")
-                       + (" --novel-beside-cards" if getattr(args, "novel_beside_cards", False) else "")
+                       + (" --novel-beside-cards" if args.novel_beside_cards else "")
                        + " (python -m tests.novel.runs NAME)",
             "device": args.novel_device or "the cards' own (cpu)",
             "models": rows, "passed": all(r["status"] == "finished" and not r.get("problems") for r in rows)}
@@ -305,18 +323,15 @@ def novel_only(ap, args, rev) -> int:
     work = args.work or args.record.parent / "gpu-check-work"
     (work / "logs").mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    rows = start_novel(names, work / "novel", work / "logs", args.novel_jobs, args.novel_timeout,
-                       device=args.novel_device)(block=True)
+    rows = novel_runner(args, names, work)(block=True)
     env = environment()
     record["novel"] = {**novel_part(args, rows), "run": "alone, after the cards and the benchmark (--novel-only)",
                        "revision": args.revision or rev,
                        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                        "machine": env.get("device"), "seconds": round(time.perf_counter() - t0, 1)}
-    record["passed"] = (all(c["status"] == "finished" for c in record.get("cards", []))
-                        and (record.get("benchmark") or {}).get("status") == "passed" and record["novel"]["passed"])
+    record["passed"] = record_passed(record)
     write_record(args.record, record)
-    for r in rows:
-        print("novel", r["model"], r["status"], r["seconds"], r.get("reached") or r.get("problems") or "")
+    print_novel(rows)
     return 0 if record["novel"]["passed"] else 1
 
 
@@ -364,7 +379,7 @@ def main(argv=None) -> int:
     ap.add_argument("--bench-beside-cards", action="store_true",
                     help="start the benchmark with the cards, not after them (a shorter check on little device "
                          "time; its timings share the GPU with the cards' tiny models and are marked so)")
-    ap.add_argument("--novel", default="", help="the novel-model suite beside the cards: 'all' or names "
+    ap.add_argument("--novel", default="", help="the novel-model suite, after the cards: 'all' or names "
                     "(tests/novel/; each as `make novel` runs it); their outcomes go in the record")
     ap.add_argument("--novel-jobs", type=int, default=4, help="novel models run at once")
     ap.add_argument("--novel-beside-cards", action="store_true",
@@ -401,8 +416,7 @@ def main(argv=None) -> int:
     if args.novel:
         names = novel_names(ap, args.novel)
         if args.novel_beside_cards:
-            novel = start_novel(names, work / "novel", work / "logs", args.novel_jobs, args.novel_timeout,
-                                device=args.novel_device)
+            novel = novel_runner(args, names, work)
             novel()  # the first models start beside the cards
     bench = None
     if args.bench_beside_cards and not args.no_bench:
@@ -413,10 +427,8 @@ def main(argv=None) -> int:
     record["cards"] = run_cards(args.cards.split(","), work / "outputs", work / "logs", args.card_timeout,
                                 not args.side_by_side)
     if args.novel:
-        if novel is None:  # after the cards: their times are not shared with the suite's
-            novel = start_novel(names, work / "novel", work / "logs", args.novel_jobs, args.novel_timeout,
-                                device=args.novel_device)
-        rows = novel(block=True)
+        # after the cards (unless beside them): their times are not shared with the suite's
+        rows = (novel or novel_runner(args, names, work))(block=True)
         record["novel"] = {**novel_part(args, rows),
                            "run": "beside the cards" if args.novel_beside_cards else "after the cards"}
     write_record(args.record, record)  # the cards' part kept even if the benchmark never returns
@@ -429,14 +441,12 @@ def main(argv=None) -> int:
                                **(bench.result() if bench is not None else
                                   run_benchmark(work / "compose", args.repeats, args.bench_timeout, args.tiny))}
     record["seconds"] = round(time.perf_counter() - t0, 1)
-    record["passed"] = (all(c["status"] == "finished" for c in record["cards"]) and record["benchmark"]["status"] == "passed"
-                        and (record.get("novel") or {}).get("passed", True))
+    record["passed"] = record_passed(record)
     write_record(args.record, record)
     print(json.dumps({k: record[k] for k in ("revision", "device", "seconds", "passed")}))
     for c in record["cards"]:
         print(c["card"], c["status"], c["seconds"], {k: (v["status"], v["seconds"]) for k, v in c["stages"].items()})
-    for r in (record.get("novel") or {}).get("models", []):
-        print("novel", r["model"], r["status"], r["seconds"], r.get("reached") or r.get("problems") or "")
+    print_novel((record.get("novel") or {}).get("models", []))
     return 0 if record["passed"] or args.no_bench else 1
 
 

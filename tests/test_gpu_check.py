@@ -120,10 +120,15 @@ def test_python_files_count_as_their_text_without_comments(tmp_path):
                                        '    return {"k": f"{x!r:>4}"}').encode()
 
 
+def _finished_line(**extra) -> str:
+    """The outcome line of a novel model whose five stages passed, as ``tests.novel.runs`` prints it."""
+    return json.dumps({"stages": dict.fromkeys(("intake", "inspect", "cache", "parallel", "benchmark"), "passed"),
+                       **extra, "problems": []})
+
+
 def test_novel_models_run_beside_the_cards_and_each_gets_a_row(tmp_path):
     # three stand-ins for `python -m tests.novel.runs NAME`: one finishes, one crashes, one hangs
-    line = json.dumps({"stages": dict.fromkeys(("intake", "inspect", "cache", "parallel", "benchmark"), "passed"),
-                       "cache": {"chosen": "x"}, "plans": {}, "not_run": {}, "problems": []})
+    line = _finished_line(cache={"chosen": "x"}, plans={}, not_run={})
     scripts = {"ok": f"print('progress'); print({line!r})", "bad": "import sys; sys.exit(3)",
                "slow": "import sys, time; print('[novel slow] ditbook run: exit 0 at 1 s', file=sys.stderr, "
                        "flush=True); time.sleep(30)"}
@@ -138,8 +143,7 @@ def test_novel_models_run_beside_the_cards_and_each_gets_a_row(tmp_path):
 
 
 def test_novel_only_adds_to_a_record_of_this_code_and_refuses_another(tmp_path, monkeypatch):
-    line = json.dumps({"stages": dict.fromkeys(("intake", "inspect", "cache", "parallel", "benchmark"), "passed"),
-                       "problems": []})
+    line = _finished_line()
     monkeypatch.setattr(gpu_check, "novel_command", lambda name, root, device: [sys.executable, "-c", f"print({line!r})"])
     record = tmp_path / "rec.json"
     base = {"tree_digest": gpu_check.tree_digest(), "cards": [{"status": "finished"}],
@@ -161,8 +165,7 @@ def test_novel_only_adds_to_a_record_of_this_code_and_refuses_another(tmp_path, 
 @pytest.mark.parametrize("beside", [False, True])
 def test_novel_models_start_after_the_cards_unless_asked_beside_them(tmp_path, monkeypatch, beside):
     """The cards' times are a user's wait: by default the novel suite starts when they are done."""
-    line = json.dumps({"stages": dict.fromkeys(("intake", "inspect", "cache", "parallel", "benchmark"), "passed"),
-                       "problems": []})
+    line = _finished_line()
     flag = tmp_path / "novel-started"
     monkeypatch.setattr(gpu_check, "novel_command", lambda name, root, device: [
         sys.executable, "-c", f"import pathlib; pathlib.Path({str(flag)!r}).touch(); print({line!r})"])
