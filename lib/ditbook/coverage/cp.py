@@ -143,9 +143,9 @@ def execute_cp_plan(transformer, args, kwargs, plan: dict, expected: dict, degre
     queue, folder = ctx.Queue(), tempfile.mkdtemp(prefix="ditbook-cp-")
     init_file = os.path.join(folder, "rendezvous")
     scope = list(expected)  # CP attention only inside the lists whose tokens are split
-    sent = pristine if pristine is not None and start_method() != "fork" else transformer
+    sent = transformer if pristine is None else pristine  # the caller pickles it only where ranks are not forked
     procs = [ctx.Process(target=_rank, args=(r, degree, init_file, sent, args, kwargs, plan, queue, scope, uneven,
-                                             replan and sent is pristine), daemon=True) for r in range(degree)]
+                                             replan and pristine is not None), daemon=True) for r in range(degree)]
     for p in procs:
         p.start()
     got = {}
