@@ -253,6 +253,15 @@ def test_checklist_reads_the_stages_and_says_not_recorded():
     assert bad["parity per plan, sharding verified"] is False and bad["held-out confirmation"] is False
     meta["stages"]["intake"]["status"] = "failed"
     assert checklist(meta, results)[0]["ok"] is False
+    # a strategy whose caching-off check raised is named with its error, not as a difference of 0
+    checks = results["cache"].adapter_checks = [
+        {"name": "dbcache", "checked": True, "reproduces": True, "max_abs": 0.0},
+        {"name": "fbc", "checked": True, "reproduces": False, "error": "TypeError: x"}]
+    off = {c["item"]: c for c in checklist(meta, results)}["caching off reproduces the baseline"]
+    assert off["ok"] is False and off["figure"] == "fbc could not run with caching off (TypeError: x)"
+    checks.append({"name": "pab", "checked": True, "reproduces": False, "max_abs": 0.5})
+    off = {c["item"]: c for c in checklist(meta, results)}["caching off reproduces the baseline"]
+    assert off["figure"] == "differs for pab (max abs diff 0.5); fbc could not run with caching off (TypeError: x)"
 
 
 def test_short_labels_distinguish_process_counts_and_the_plot_is_2x(tmp_path):

@@ -7,6 +7,7 @@ code before these mechanisms (refused before launch); the ones that run go throu
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -90,14 +91,15 @@ def test_a_mask_built_from_a_ranks_own_tokens_is_gathered_and_runs():
 
 
 def test_the_probe_spawns_where_cuda_is_present(monkeypatch):
-    """On a CUDA host the probe's processes are spawned, never forked (a fork after CUDA was
-    initialised crashed 11 plans there): the model, its inputs and the plan travel pickled, and the
-    spawned ranks reach the same verdict."""
+    """On a CUDA host the probe's processes come from a clean fork server, never forked from the
+    caller (a fork after CUDA was initialised crashed 11 plans there): the model, its inputs and the
+    plan travel pickled, and the spawned ranks reach the same verdict."""
     from ditbook.coverage import cp as probe
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.delenv("DITBOOK_START_METHOD", raising=False)
-    assert probe.start_method() == "spawn"
+    monkeypatch.setattr(probe.mp, "set_forkserver_preload", lambda names: None)  # no server in this process
+    assert probe.start_method() == "forkserver"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert probe.start_method() == "fork"
     monkeypatch.setenv("DITBOOK_START_METHOD", "spawn")
@@ -279,3 +281,38 @@ def test_gqa_through_diffusers_dispatch_is_refused_before_launch_with_the_reason
     assert "GQA (in 'layers.0.self_attn')" in row["reason"] and "templated" in row["reason"]
     m, kw = tiny(4)  # same class, one kv head per query head: nothing to refuse
     assert templated_attention_refusal(m, (), kw) is None
+
+
+PATCHED_PLANNER_RUN = """
+from diffusers import AnyFlowTransformer3DModel
+from ditbook.coverage.cp import coverage_cp
+from ditbook.coverage.inputs import tiny_with_inputs
+if __name__ == "__main__":
+    m, _f, kw = tiny_with_inputs(AnyFlowTransformer3DModel)
+    row = coverage_cp(m, (), kw, timeout=90)
+    print(row["outcome"], row["source"], row["reason"])
+"""
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_spawned_ranks_get_the_instance_from_before_a_registered_planner_patched_it(tmp_path, method):
+    # on a CUDA host the probe spawns its processes (a fork after CUDA is initialised cannot use it):
+    # the ranks then receive the transformer pickled; cache-dit's AnyFlow planner patches the instance
+    # with a local function, which does not pickle ("Can't pickle local object
+    # '_patch_anyflow_unpack_for_cp.<locals>.patched_unpack'"): the ranks get the instance from before
+    # the planner and run the planner on their copy
+    # (in a process of its own: a fork server must not outlive this test's temporary folder)
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "run.py"
+    script.write_text(PATCHED_PLANNER_RUN)
+    lib = str(Path(__file__).resolve().parents[1] / "lib")
+    env = {**os.environ, "DITBOOK_START_METHOD": method, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([lib, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=400)
+    outcome, source, *_ = (done.stdout.strip().splitlines() or ["? ?"])[-1].split(" ", 2) + [""]
+    assert outcome == "correct", done.stdout[-1500:] + done.stderr[-1500:]
+    assert source.startswith("cache-dit:"), done.stdout  # the registered planner's plan, patches and all

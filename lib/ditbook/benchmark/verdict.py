@@ -242,10 +242,13 @@ def _caching_off_item(cache: CacheResults | None) -> dict:
         return _item(name, None, NOT_RECORDED)
     if not checked:
         return _item(name, None, "no strategy could be checked")
-    bad = [c["name"] for c in checked if not c.get("reproduces")]
+    failed = [f"{c['name']} could not run with caching off ({c['error']})" for c in checked if c.get("error")]
+    bad = [c for c in checked if not c.get("reproduces") and not c.get("error")]
+    if failed or bad:  # a check that raised has no difference to show: it is named with its error
+        worst = max(c.get("max_abs") or 0.0 for c in bad) if bad else None
+        differs = [f"differs for {', '.join(c['name'] for c in bad)} (max abs diff {worst:.3g})"] if bad else []
+        return _item(name, False, "; ".join(differs + failed))
     worst = max(c.get("max_abs") or 0.0 for c in checked)
-    if bad:
-        return _item(name, False, f"differs for {', '.join(bad)} (max abs diff {worst:.3g})")
     cases = {c.get("cases") for c in checked} - {None}
     on = f" on {min(cases)} cases each" if cases else ""
     return _item(name, True, f"{len(checked)} strategies{on}, max abs diff {worst:.3g}")

@@ -1,7 +1,7 @@
 """``coverage_cp``: does context parallel really work on a bare transformer? For the coverage
 table: the registered or derived plan (``cp.plan.resolve_cp_plan``), checked before launch
 (``cp.dryrun.verify_before_launch``; a caller's plan runs as given), is EXECUTED on 2 gloo
-processes on the CPU (spawned where CUDA is present, ``start_method``) (file rendezvous, CP attention only inside the split block lists), each rank
+processes on the CPU (from a fork server where CUDA is present, ``start_method``) (file rendezvous, CP attention only inside the split block lists), each rank
 recording what its blocks received; rank 0's output is compared with the one-process output.
 All-zero parameters are filled first, so zero-initialised gates cannot make the parity vacuous.
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import re
 import shutil
 import tempfile
@@ -48,9 +49,25 @@ def _where(exc: BaseException) -> str:
     return f"{tb[-1].filename.split('site-packages/')[-1].split('lib/')[-1]}:{tb[-1].lineno}" if tb else ""
 
 
-def _rank(rank, world, init_file, transformer, args, kwargs, plan, queue, scope=None, uneven=False) -> None:
+def _received(transformer, world: int, replan: bool):
+    """The rank's transformer: bytes when spawned (the instance as it was before any planner touched
+    it: a planner's patches, local functions on the instance, do not survive pickling), then, with
+    ``replan``, patched by the registered planner here (its instance and classes)."""
+    if not isinstance(transformer, bytes):
+        return transformer
+    transformer = pickle.loads(transformer)  # noqa: S301 - our own bytes, from the parent
+    if replan:
+        from ..cp.plan import registered_cp_plan
+
+        registered_cp_plan(transformer, world)
+    return transformer
+
+
+def _rank(rank, world, init_file, transformer, args, kwargs, plan, queue, scope=None, uneven=False,
+          replan=False) -> None:
     reported = False
     try:
+        transformer = _received(transformer, world, replan)
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -100,28 +117,35 @@ def _rank(rank, world, init_file, transformer, args, kwargs, plan, queue, scope=
 
 
 def start_method() -> str:
-    """How the probe starts its processes: ``spawn`` where CUDA is present (a process forked after
-    CUDA was initialised cannot use it: "Cannot re-initialize CUDA in forked subprocess"), else
-    ``fork`` (no re-import). ``DITBOOK_START_METHOD`` overrides."""
-    return os.environ.get("DITBOOK_START_METHOD") or ("spawn" if torch.cuda.is_available() else "fork")
+    """How the probe starts its processes: ``forkserver`` where CUDA is present (a process forked after
+    CUDA was initialised cannot use it: "Cannot re-initialize CUDA in forked subprocess"; the server
+    starts clean, imports torch, diffusers and cache-dit once and forks each process from there:
+    half of ``spawn``'s time, which re-imports them in every process), else ``fork`` (no re-import).
+    ``DITBOOK_START_METHOD`` overrides."""
+    method = os.environ.get("DITBOOK_START_METHOD") or ("forkserver" if torch.cuda.is_available() else "fork")
+    if method == "forkserver":  # the server imports these once; each process forks from it
+        mp.set_forkserver_preload(["torch", "diffusers", "cache_dit", "ditbook.coverage.cp"])
+    return method
 
 
 def execute_cp_plan(transformer, args, kwargs, plan: dict, expected: dict, degree: int = 2,
-                    timeout: float = 120.0, reference: torch.Tensor | None = None, uneven: bool = False) -> dict:
+                    timeout: float = 120.0, reference: torch.Tensor | None = None, uneven: bool = False,
+                    pristine: bytes | None = None, replan: bool = False) -> dict:
     """Run ``plan`` on ``degree`` gloo ranks (``start_method``); judge the split and the output.
-    ``uneven``: the plan splits a token count the degree does not divide (``ulysses_anything``)."""
+    ``uneven``: the plan splits a token count the degree does not divide (``ulysses_anything``).
+    ``pristine``/``replan``: what spawned ranks get, ``_received``; forked ranks share the instance."""
     from ..cp.sharding import ShardingError, check_sharding
 
     if reference is None:
         with torch.no_grad():
             reference = _output(transformer(*args, **kwargs)).detach().float().clone()
     ctx = mp.get_context(start_method())
-    queue = ctx.Queue()
-    folder = tempfile.mkdtemp(prefix="ditbook-cp-")
+    queue, folder = ctx.Queue(), tempfile.mkdtemp(prefix="ditbook-cp-")
     init_file = os.path.join(folder, "rendezvous")
     scope = list(expected)  # CP attention only inside the lists whose tokens are split
-    procs = [ctx.Process(target=_rank, args=(r, degree, init_file, transformer, args, kwargs, plan, queue, scope, uneven),
-                         daemon=True) for r in range(degree)]
+    sent = transformer if pristine is None else pristine  # the caller pickles it only where ranks are not forked
+    procs = [ctx.Process(target=_rank, args=(r, degree, init_file, sent, args, kwargs, plan, queue, scope, uneven,
+                                             replan and pristine is not None), daemon=True) for r in range(degree)]
     for p in procs:
         p.start()
     got = {}
@@ -202,7 +226,8 @@ def _coverage_cp(transformer, args, kwargs, degree: int = 2, plan: dict | None =
     from ..cp.plan import (PlanDerivationError, RegisteredPlanError, check_plan_sites, expected_lengths, find_streams,
                            needs_ulysses_anything, resolve_cp_plan, trace_forward)
 
-    filled = fill_zero_parameters(transformer)  # this is the forked driver's copy
+    filled = fill_zero_parameters(transformer)  # this is the driver's copy
+    pristine = _pickled(transformer) if start_method() != "fork" else None  # before any planner patches it
     try:
         with torch.no_grad():  # before any planner touches the model
             reference = _output(transformer(*args, **kwargs)).detach().float().clone()
@@ -223,10 +248,19 @@ def _coverage_cp(transformer, args, kwargs, degree: int = 2, plan: dict | None =
         return _failed("refused", f"{type(exc).__name__}: {exc}", filled_zero_parameters=len(filled))
     except Exception as exc:  # noqa: BLE001 - a crash of the derivation is a crash row
         return _failed("crash", f"{type(exc).__name__}: {exc}")
-    result = execute_cp_plan(transformer, args, kwargs, plan, expected, degree, timeout, reference, uneven=uneven)
+    result = execute_cp_plan(transformer, args, kwargs, plan, expected, degree, timeout, reference, uneven=uneven,
+                             pristine=pristine, replan=str(source).startswith("cache-dit:"))
     result["source"] = source
     result["filled_zero_parameters"] = len(filled)
     return result
+
+
+def _pickled(transformer) -> bytes | None:
+    """The instance as bytes, or None where it does not pickle (the ranks then get it as it is)."""
+    try:
+        return pickle.dumps(transformer)
+    except Exception:  # noqa: BLE001 - an unpicklable model: sending it fails with its own reason
+        return None
 
 
 def fill_zero_parameters(transformer, scale: float = 0.1) -> list[str]:
