@@ -287,3 +287,28 @@ def test_cached_units_of_a_held_network_are_found_for_cp_with_a_cache(inspected)
         assert set(cached_block_units(pipe.transformer)) == {"net.dual", "net.joined"}
     finally:
         undo()
+
+
+def test_first_block_cache_is_refused_where_head_and_tail_blocks_return_different_streams(inspected, tmp_path):
+    # diffusers' FirstBlockCache takes the tail block's residual against the head block's output:
+    # fluxref's head (double_blocks.0) returns img and txt, its tail (single_blocks.1) one tensor, so
+    # the hook fails inside the render (TypeError: Tensor - list). The strategy says so before it runs;
+    # where head and tail return the same streams it stays applicable.
+    from ditbook import accel
+    from ditbook.adapter.build import build_cache_adapter
+    from ditbook.cache.verify import render_set
+
+    fbc = accel.get("diffusers_fbc")
+    pipe, report = inspected("fluxref")
+    adapter = build_cache_adapter(pipe, report, "fluxref-fbc")
+    reason = fbc.applicable(adapter)
+    assert reason and "double_blocks" in reason and "single_blocks" in reason
+    card = load_card(suite.build("fluxref", tmp_path))
+    undo = fbc.apply(pipe, fbc.settings(), adapter=adapter, steps=card.generation.steps)
+    try:  # the reason is true: run anyway, the hook cannot form the residual
+        with pytest.raises(TypeError):
+            render_set(pipe, card, card.generation.prompts, [0])
+    finally:
+        undo()
+    same_pipe, same_report = inspected("dualstream")
+    assert fbc.applicable(build_cache_adapter(same_pipe, same_report, "dualstream-fbc")) is None

@@ -115,6 +115,28 @@ def needs_top_level(adapter) -> str | None:
     return None
 
 
+def hook_order(adapter) -> list[tuple[str, str]]:
+    """(path, pattern) of our block lists in the order diffusers' block hooks walk them: the
+    order of the transformer's children, not the order of the calls."""
+    order = {name: i for i, (name, _) in enumerate(adapter.pipe.transformer.named_children())}
+    return sorted(((p.path, p.pattern) for p in adapter.info.block_lists), key=lambda x: order.get(x[0], len(order)))
+
+
+def head_and_tail_differ(adapter) -> str | None:
+    """diffusers' FirstBlockCache subtracts the head block's output (the first block of the first list)
+    from the tail block's (the last block of the last list) and adds the difference back to the head's
+    output: both must return the same streams. Returns why not, or None."""
+    from ..adapter.source import PATTERN_OUTPUT_INDEX
+
+    lists = hook_order(adapter)
+    (head, hp), (tail, tp) = lists[0], lists[-1]
+    streams = [2 if PATTERN_OUTPUT_INDEX.get(p, (0, None))[1] is not None else 1 for p in (hp, tp)]
+    if streams[0] != streams[1]:
+        return (f"FirstBlockCache takes the tail block's residual against the head block's output: {head} "
+                f"returns {streams[0]} stream(s) ({hp}), {tail} returns {streams[1]} ({tp})")
+    return None
+
+
 def reset_hook_states(transformer) -> None:
     """Every stateful diffusers hook on the transformer and its submodules back to its initial state
     (what diffusers' ``CacheMixin`` pipelines do after a call through ``maybe_free_model_hooks``)."""

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from . import register
 from .technique import CacheTechnique
-from ._diffusers_hooks import install_block_hooks, needs_top_level
+from ._diffusers_hooks import head_and_tail_differ, install_block_hooks, needs_top_level
 
 
 @dataclass
@@ -25,7 +25,7 @@ class DiffusersFirstBlockCache(CacheTechnique):
     def applicable(cls, adapter):
         if sum(p.length for p in adapter.info.block_lists) < 2:
             return "needs at least two blocks"
-        return needs_top_level(adapter)
+        return needs_top_level(adapter) or head_and_tail_differ(adapter)
 
     @classmethod
     def enable(cls, pipe, adapter, config, steps=None):
