@@ -294,6 +294,46 @@ if __name__ == "__main__":
 """
 
 
+FORK_SERVER_ENV = """
+import os
+
+
+def report(queue):
+    import torch
+    queue.put((os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.is_available()))
+
+
+if __name__ == "__main__":
+    from ditbook.coverage import cp as probe
+
+    ctx = probe._context()
+    queue = ctx.Queue()
+    p = ctx.Process(target=report, args=(queue,))
+    p.start()
+    print(probe.start_method(), queue.get(timeout=120), os.environ.get("CUDA_VISIBLE_DEVICES"))
+    p.join()
+"""
+
+
+def test_the_probes_fork_server_starts_with_no_gpu_visible(tmp_path):
+    # the probe runs on the CPU; a process forked from a server whose imports initialised CUDA cannot
+    # use CUDA, and a forward that asks (torch.compile inside AnyFlowFARTransformer3DModel's) crashed
+    # with "Cannot re-initialize CUDA in forked subprocess" on an H100 host: the server starts with
+    # CUDA_VISIBLE_DEVICES empty, and the caller's own setting is left as it was
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "env.py"
+    script.write_text(FORK_SERVER_ENV)
+    lib = str(Path(__file__).resolve().parents[1] / "lib")
+    env = {**os.environ, "DITBOOK_START_METHOD": "forkserver", "CUDA_VISIBLE_DEVICES": "0", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([lib, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.stdout.strip().splitlines()[-1:] == ["forkserver ('', False) 0"], done.stdout[-800:] + done.stderr[-1500:]
+
+
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])
 def test_spawned_ranks_get_the_instance_from_before_a_registered_planner_patched_it(tmp_path, method):
     # on a CUDA host the probe spawns its processes (a fork after CUDA is initialised cannot use it):

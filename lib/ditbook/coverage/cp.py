@@ -128,6 +128,29 @@ def start_method() -> str:
     return method
 
 
+def _context():
+    """The multiprocessing context of ``start_method``. A fork server is started with no GPU visible:
+    the probe runs on the CPU, and a process forked from a server whose imports initialised CUDA
+    cannot use CUDA at all: a model whose forward asks CUDA anything (torch.compile inside it does)
+    then fails with "Cannot re-initialize CUDA in forked subprocess" (AnyFlowFARTransformer3DModel on
+    an H100 host). The caller's own environment is as it was afterwards."""
+    method = start_method()
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        from multiprocessing import forkserver
+
+        before = os.environ.get("CUDA_VISIBLE_DEVICES")
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        try:
+            forkserver.ensure_running()  # the server takes this environment; a running one is kept
+        finally:
+            if before is None:
+                del os.environ["CUDA_VISIBLE_DEVICES"]
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = before
+    return ctx
+
+
 def execute_cp_plan(transformer, args, kwargs, plan: dict, expected: dict, degree: int = 2,
                     timeout: float = 120.0, reference: torch.Tensor | None = None, uneven: bool = False,
                     pristine: bytes | None = None, replan: bool = False) -> dict:
@@ -139,7 +162,7 @@ def execute_cp_plan(transformer, args, kwargs, plan: dict, expected: dict, degre
     if reference is None:
         with torch.no_grad():
             reference = _output(transformer(*args, **kwargs)).detach().float().clone()
-    ctx = mp.get_context(start_method())
+    ctx = _context()
     queue, folder = ctx.Queue(), tempfile.mkdtemp(prefix="ditbook-cp-")
     init_file = os.path.join(folder, "rendezvous")
     scope = list(expected)  # CP attention only inside the lists whose tokens are split
@@ -195,7 +218,7 @@ def coverage_cp(transformer, args, kwargs, degree: int = 2, plan: dict | None = 
     """Like ``_coverage_cp`` (below), run in a process of its own (``start_method``): registered
     planners may patch library classes process-wide (cache-dit's PixArt planner patches diffusers'
     ``AttnProcessor2_0.__call__``), which must not leak into the caller's next model."""
-    ctx = mp.get_context(start_method())
+    ctx = _context()
     queue = ctx.Queue()
     proc = ctx.Process(target=_drive, args=(queue, transformer, args, kwargs, degree, plan, timeout))
     proc.start()
