@@ -334,6 +334,49 @@ def test_the_probes_fork_server_starts_with_no_gpu_visible(tmp_path):
     assert done.stdout.strip().splitlines()[-1:] == ["forkserver ('', False) 0"], done.stdout[-800:] + done.stderr[-1500:]
 
 
+MANY_TENSORS_RUN = """
+import torch
+from torch import nn
+
+from ditbook.coverage.cp import coverage_cp
+from test_cp_mechanisms import RowMaskDiT
+
+
+class ManyTensors(RowMaskDiT):
+    def __init__(self):
+        super().__init__()
+        self.extra = nn.ParameterList([nn.Parameter(torch.randn(2)) for _ in range(300)])
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    m = ManyTensors().eval()
+    keep = torch.ones(1, 16, dtype=torch.bool)
+    keep[:, 5] = False
+    for _ in range(2):  # the second model meets the same fork server
+        print(coverage_cp(m, (), {"hidden_states": torch.randn(1, 16, 4), "keep": keep}, timeout=90)["outcome"])
+"""
+
+
+def test_a_model_of_many_tensors_reaches_the_fork_servers_processes(tmp_path):
+    # multiprocessing's pickler sends each tensor's storage as a file descriptor of its own: a model of
+    # more than ~250 tensors overflowed one message to the fork server ("too many fds"; on the H100 host
+    # Kandinsky6Transformer3DModel: OSError Invalid argument, and the next two classes of its shard met
+    # a dead server, ConnectionRefusedError). The instance travels as plain pickle bytes.
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "many.py"
+    script.write_text(MANY_TENSORS_RUN)
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "DITBOOK_START_METHOD": "forkserver", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(root / "lib"), str(root / "tests"), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=400)
+    assert done.stdout.split() == ["correct", "correct"], done.stdout[-800:] + done.stderr[-1500:]
+
+
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])
 def test_spawned_ranks_get_the_instance_from_before_a_registered_planner_patched_it(tmp_path, method):
     # on a CUDA host the probe spawns its processes (a fork after CUDA is initialised cannot use it):

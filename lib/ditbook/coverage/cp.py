@@ -220,7 +220,11 @@ def coverage_cp(transformer, args, kwargs, degree: int = 2, plan: dict | None = 
     ``AttnProcessor2_0.__call__``), which must not leak into the caller's next model."""
     ctx = _context()
     queue = ctx.Queue()
-    proc = ctx.Process(target=_drive, args=(queue, transformer, args, kwargs, degree, plan, timeout))
+    # not forked: the instance travels as plain pickle bytes. multiprocessing's own pickler would pass
+    # every tensor's storage as a file descriptor of its own, and a model of more than ~250 tensors
+    # overflows one message ("too many fds"; OSError: Invalid argument, and the fork server died)
+    sent = transformer if ctx.get_start_method() == "fork" else (_pickled(transformer) or transformer)
+    proc = ctx.Process(target=_drive, args=(queue, sent, args, kwargs, degree, plan, timeout))
     proc.start()
     try:
         result = queue.get(timeout=timeout * 2 + 60)
@@ -236,6 +240,7 @@ def coverage_cp(transformer, args, kwargs, degree: int = 2, plan: dict | None = 
 def _drive(queue, transformer, args, kwargs, degree, plan, timeout) -> None:
     try:
         torch.set_num_threads(1)  # an OpenMP pool inherited through fork must not be used
+        transformer = _received(transformer, 0, replan=False)
         queue.put(_coverage_cp(transformer, args, kwargs, degree, plan, timeout))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         queue.put(_failed("crash", f"{type(exc).__name__}: {exc}"))
