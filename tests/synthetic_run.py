@@ -205,8 +205,10 @@ def _failing(n: int, psnr: float, ssim: float):
 
 
 def make_synthetic_run(root: str | Path, *, failed_stage: str | None = None, benchmark: bool = True,
-                       repeats: int = 2, parallel: bool = True, frames: int = 0) -> Path:
-    """Write a run folder under ``root`` and return its path (``frames``: of a video pipeline)."""
+                       repeats: int = 2, parallel: bool = True, frames: int = 0, step_scale: float = 1.0) -> Path:
+    """Write a run folder under ``root`` and return its path (``frames``: of a video pipeline;
+    ``step_scale``: the benchmark's waits per step multiplied, for a test that reads the order of the
+    speed-ups: a stall of the host then moves a timing by a smaller share)."""
     # long: one run folder written stage by stage, as the real stages would, so a reader can follow it
     from ditbook.card import load_card
     from ditbook.environment import environment
@@ -269,9 +271,10 @@ def make_synthetic_run(root: str | Path, *, failed_stage: str | None = None, ben
         ctx = SimpleNamespace(card=card, run=run)
         # the baseline waits 20 ms a step, "gentle" 7 ms (about 2.5x), "brisk" 14 ms (about 1.4x): the
         # waits dominate, so the timings are stable and their order is known
-        pipe.step_seconds = 0.02
-        configs = [noise_config("gentle", 0.0005, step_seconds=0.007), noise_config("brisk", 0.0004, step_seconds=0.014),
-                   noise_config("rough", 0.3, step_seconds=0.007),
+        pipe.step_seconds = 0.02 * step_scale
+        configs = [noise_config("gentle", 0.0005, step_seconds=0.007 * step_scale),
+                   noise_config("brisk", 0.0004, step_seconds=0.014 * step_scale),
+                   noise_config("rough", 0.3, step_seconds=0.007 * step_scale),
                    failing_config()]
         report = measure(ctx, pipe, configs, warmup=1, repeats=repeats)
         from ditbook.benchmark.stage import measure_residuals

@@ -13,7 +13,7 @@ from ditbook.cli import main
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
-    ok = make_synthetic_run(root / "a")
+    ok = make_synthetic_run(root / "a", step_scale=4.0)  # the runner-up order rests on its timings
     failed = make_synthetic_run(root / "b", failed_stage="cache")
     no_bench = make_synthetic_run(root / "c", failed_stage="cache", benchmark=False, parallel=False)
     return ok, failed, no_bench
