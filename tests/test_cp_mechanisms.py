@@ -294,6 +294,22 @@ if __name__ == "__main__":
 """
 
 
+def _run_probe_script(tmp_path, text: str, method: str, timeout: float = 400, **env):
+    """``text`` run as a script in a process of its own (a fork server must not outlive the test's
+    temporary folder), the probe's start method ``method``, lib/ and tests/ on the path."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "probe_script.py"
+    script.write_text(text)
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "DITBOOK_START_METHOD": method, "OMP_NUM_THREADS": "1", **env,
+           "PYTHONPATH": os.pathsep.join([str(root / "lib"), str(root / "tests"), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=timeout)
+
+
 FORK_SERVER_ENV = """
 import os
 
@@ -320,17 +336,7 @@ def test_the_probes_fork_server_starts_with_no_gpu_visible(tmp_path):
     # use CUDA, and a forward that asks (torch.compile inside AnyFlowFARTransformer3DModel's) crashed
     # with "Cannot re-initialize CUDA in forked subprocess" on an H100 host: the server starts with
     # CUDA_VISIBLE_DEVICES empty, and the caller's own setting is left as it was
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = tmp_path / "env.py"
-    script.write_text(FORK_SERVER_ENV)
-    lib = str(Path(__file__).resolve().parents[1] / "lib")
-    env = {**os.environ, "DITBOOK_START_METHOD": "forkserver", "CUDA_VISIBLE_DEVICES": "0", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([lib, os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    done = _run_probe_script(tmp_path, FORK_SERVER_ENV, "forkserver", timeout=300, CUDA_VISIBLE_DEVICES="0")
     assert done.stdout.strip().splitlines()[-1:] == ["forkserver ('', False) 0"], done.stdout[-800:] + done.stderr[-1500:]
 
 
@@ -363,17 +369,7 @@ def test_a_model_of_many_tensors_reaches_the_fork_servers_processes(tmp_path):
     # more than ~250 tensors overflowed one message to the fork server ("too many fds"; on the H100 host
     # Kandinsky6Transformer3DModel: OSError Invalid argument, and the next two classes of its shard met
     # a dead server, ConnectionRefusedError). The instance travels as plain pickle bytes.
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = tmp_path / "many.py"
-    script.write_text(MANY_TENSORS_RUN)
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "DITBOOK_START_METHOD": "forkserver", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(root / "lib"), str(root / "tests"), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=400)
+    done = _run_probe_script(tmp_path, MANY_TENSORS_RUN, "forkserver")
     assert done.stdout.split() == ["correct", "correct"], done.stdout[-800:] + done.stderr[-1500:]
 
 
@@ -384,18 +380,7 @@ def test_spawned_ranks_get_the_instance_from_before_a_registered_planner_patched
     # with a local function, which does not pickle ("Can't pickle local object
     # '_patch_anyflow_unpack_for_cp.<locals>.patched_unpack'"): the ranks get the instance from before
     # the planner and run the planner on their copy
-    # (in a process of its own: a fork server must not outlive this test's temporary folder)
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = tmp_path / "run.py"
-    script.write_text(PATCHED_PLANNER_RUN)
-    lib = str(Path(__file__).resolve().parents[1] / "lib")
-    env = {**os.environ, "DITBOOK_START_METHOD": method, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([lib, os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=400)
+    done = _run_probe_script(tmp_path, PATCHED_PLANNER_RUN, method)
     outcome, source, *_ = (done.stdout.strip().splitlines() or ["? ?"])[-1].split(" ", 2) + [""]
     assert outcome == "correct", done.stdout[-1500:] + done.stderr[-1500:]
     assert source.startswith("cache-dit:"), done.stdout  # the registered planner's plan, patches and all
