@@ -120,14 +120,15 @@ def test_tensor_plan_applied_over_two_gloo_ranks_matches(tmp_path):
 
 
 def _gloo_rank(rank: int, folder: str) -> None:
-    import os
-
     import torch.distributed as dist
 
     from ditbook.accel.tp import apply_tensor_parallel, resolve_tensor_plan
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getppid() % 1000))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    # a file store, not a TCP port: a port derived from the parent's pid can meet another process's
+    # (CI once saw a rank abort in gloo's teardown); the barrier lets neither rank leave while the
+    # other still talks to it
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=2)
     try:
         model = _Tiny(fused=True).eval()
         model.load_state_dict(torch.load(f"{folder}/w.pt"))
@@ -141,6 +142,7 @@ def _gloo_rank(rank: int, folder: str) -> None:
         out = out.full_tensor() if hasattr(out, "full_tensor") else out
         with open(f"{folder}/err{rank}", "w") as f:
             f.write(str(float((out - ref).abs().max())))
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
