@@ -180,7 +180,6 @@ def test_card_source_file_raising_on_import(tmp_path, capsys):
 def test_card_source_file_that_never_finishes_importing(tmp_path, body):
     (tmp_path / "forever.py").write_text(body)
     card = synthetic_card(tmp_path, lambda d: d["transformer"].update({"class": "X", "source": "forever.py"}))
-    start = time.time()
     done = subprocess.run([sys.executable, "-m", "ditbook", "check", str(card)], capture_output=True, text=True,
                           # 10 s, not less: the card's pipeline source (synthetic_run, which imports torch and
                           # diffusers) is imported first under the same limit; on a loaded 2-core machine that
@@ -188,7 +187,7 @@ def test_card_source_file_that_never_finishes_importing(tmp_path, body):
                           timeout=90, env=_env(tmp_path, DITBOOK_IMPORT_TIMEOUT="10"))  # old code: waits forever
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert "forever.py" in done.stderr and "did not finish within 10s" in done.stderr
-    assert "transformer.source" in done.stderr and time.time() - start < 60
+    assert "transformer.source" in done.stderr  # and it ended: subprocess.run's timeout (90 s) did not fire
 
 
 def test_card_yaml_alias_bomb_is_refused(tmp_path, capsys):
@@ -654,8 +653,9 @@ def test_latest_run_skips_an_unreadable_run_json(tmp_path):
     good = make_run(tmp_path, card, run_id="a")
     bad = make_run(tmp_path, card, run_id="b")
     bad.meta_path.write_text("{")
-    assert latest_run(tmp_path / "outputs", "synthetic") in (good, bad) or True  # no exception is the point
-    assert latest_run(tmp_path / "outputs", "synthetic", with_stage="intake") is not None
+    # the newer run's run.json is unreadable: it neither raises nor hides the readable one
+    assert latest_run(tmp_path / "outputs", "synthetic").path == good.path
+    assert latest_run(tmp_path / "outputs", "synthetic", with_stage="intake").path == good.path
 
 
 def test_compare_with_a_truncated_run_json(tmp_path, capsys):

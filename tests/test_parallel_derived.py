@@ -4,6 +4,8 @@ fused qkv is split per chunk, the plan is simulated before it runs) and CFG para
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -117,6 +119,10 @@ def test_tensor_plan_applied_over_two_gloo_ranks_matches(tmp_path):
     mp.spawn(_gloo_rank, args=(str(tmp_path),), nprocs=2, join=True)
     errs = [float((tmp_path / f"err{r}").read_text()) for r in range(2)]
     assert max(errs) < 1e-4, errs
+    # parity alone would pass a plan that sharded nothing: each rank holds half of every planned layer
+    for r in range(2):
+        held = json.loads((tmp_path / f"held{r}").read_text())
+        assert held and all(local == whole // 2 for local, whole in held.values()), held
 
 
 def _gloo_rank(rank: int, folder: str) -> None:
@@ -142,6 +148,14 @@ def _gloo_rank(rank: int, folder: str) -> None:
         out = out.full_tensor() if hasattr(out, "full_tensor") else out
         with open(f"{folder}/err{rank}", "w") as f:
             f.write(str(float((out - ref).abs().max())))
+        held = {}
+        for path, style in plan.styles.items():
+            w = model.get_submodule(path).weight
+            axis = 1 if style == "rowwise" or (isinstance(style, tuple) and style[0] == "packed_rowwise") else 0
+            local = w.to_local() if hasattr(w, "to_local") else w
+            held[path] = [int(local.shape[axis]), int(w.shape[axis])]
+        with open(f"{folder}/held{rank}", "w") as f:
+            json.dump(held, f)
         dist.barrier()
     finally:
         dist.destroy_process_group()

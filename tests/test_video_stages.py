@@ -194,13 +194,30 @@ def test_intake_and_cache_sheets_draw_a_row_of_frames_per_video(tmp_path):
     plt.close(fig)
 
 
-def test_benchmark_video_grid_labels_worst_frame(tmp_path):
+def test_benchmark_video_grid_labels_worst_frame(tmp_path, monkeypatch):
+    """Each configuration's row is labelled with its worst frame's number, PSNR and SSIM, and that
+    frame is among the frames drawn."""
+    from ditbook import render_sheet
     from ditbook.benchmark.plots import image_grid
 
+    seen = {}
+    sheet = render_sheet.video_sheet
+
+    def spy(rows, title, path, frame_numbers=None, **kw):
+        seen["labels"], seen["frames"] = [label for label, _ in rows], list(frame_numbers)
+        return sheet(rows, title, path, frame_numbers=frame_numbers, **kw)
+
+    monkeypatch.setattr(render_sheet, "video_sheet", spy)
     base = {"p0_s0": clip()}
     path = image_grid(base, {"scm[x]": {"p0_s0": _swapped(clip())}, "same": {"p0_s0": clip()}},
                       tmp_path / "grid.png", {"p0_s0": "a red circle moving right"}, {"scm[x]": "C1"})
     assert Path(path).is_file()
+    q = compare(_swapped(clip()), clip())
+    assert q.frames["worst_frame"] in (3, 5), q.frames  # frames 3 and 5 were swapped
+    swapped = [label for label in seen["labels"] if "scm[x]" in label or "C1" in label]
+    expected = f"worst frame {q.frames['worst_frame']}: {q.psnr:.1f} dB, SSIM {q.ssim:.3f}"
+    assert len(swapped) == 1 and expected in swapped[0], seen["labels"]
+    assert q.frames["worst_frame"] in seen["frames"], seen["frames"]
     from PIL import Image
 
     w, h = Image.open(path).size
