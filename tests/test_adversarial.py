@@ -1122,8 +1122,17 @@ def test_failed_noise_floor_stops_the_cache_stage(monkeypatch):
 
 
 def test_passing_noise_floor_goes_on(monkeypatch):
-    s, _ = _cache_session(monkeypatch, passed=True)
-    assert s.noise_floor()["rerun_vs_intake"]["passed"]
+    """A passing floor goes on to render the held-out references (the card's seeds shifted by
+    ``cache.holdout_shift``, every later quality claim is judged on them) and keeps them."""
+    s, cs = _cache_session(monkeypatch, passed=True)
+    asked, refs = [], {"p0_s1000": "held-out image"}
+    monkeypatch.setattr(cs, "counted_render", lambda pipe, card, adapter, prompts, seeds: (
+        asked.append((list(prompts), list(seeds))), (refs, {"p0_s1000": 3}))[1])
+    floor = s.noise_floor()
+    assert floor["rerun_vs_intake"]["passed"] and s.floor is floor
+    shift = s.card.cache.holdout_shift
+    assert shift and asked == [(["a"], [0 + shift])], asked
+    assert s.holdout_refs is refs and s.holdout_counts == {"p0_s1000": 3}
 
 
 # ---------------------------------------------------------------------------------------------

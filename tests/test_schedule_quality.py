@@ -28,13 +28,15 @@ def test_the_cheapest_schedule_passing_held_out_seeds_is_chosen(tmp_path, monkey
     assert all(len(r["mask"]) == 8 and r["mask"].endswith("1") for r in rows)
     held = [r for r in rows if "holdout" in r]
     assert all(r["passed_calibration"] for r in held)  # only calibration passes go on to held-out seeds
-    if rc == 0:
-        chosen = res["chosen"]
-        assert chosen["passed_holdout"] and chosen["holdout"]["psnr_min"] > res["gates"]["psnr"]
-        # nothing cheaper passed both
-        assert not any(r.get("passed_holdout") and r["computed"] < chosen["computed"] for r in rows)
-    else:
-        assert res["chosen"] is None and not any(r.get("passed_holdout") for r in rows)
+    # on the CPU the reference model is deterministic: a 4-of-8 schedule passes both gates on the
+    # held-out seed (measured: cache-dit-ultra+TS1, 36.6 dB / 0.994) and 3 of 8 fails calibration
+    assert rc == 0, res["chosen"]
+    chosen = res["chosen"]
+    assert chosen["passed_holdout"] and chosen["computed"] <= 5
+    assert chosen["holdout"]["psnr_min"] > res["gates"]["psnr"] and chosen["holdout"]["ssim_min"] > res["gates"]["ssim"]
+    # nothing cheaper passed both; the cheaper ones failed calibration and were never held out
+    assert not any(r.get("passed_holdout") and r["computed"] < chosen["computed"] for r in rows)
+    assert all(not r["passed_calibration"] and "holdout" not in r for r in rows if r["computed"] < chosen["computed"])
 
 
 def test_fp8_on_a_cpu_is_refused_before_the_model_loads(capsys):

@@ -1,5 +1,6 @@
 """MeanCache, Cubic and BlockDance on the tiny third-party model: each skips block evaluations
-(counted, not inferred) at cache quality, its disabled config reproduces the baseline exactly,
+(counted, not inferred) at cache quality on the calibration and on held-out seeds, its disabled
+config reproduces the baseline exactly,
 its undo leaves the transformer and its blocks with their own forward; and the quality check
 sees a forecast that is wrong."""
 
@@ -31,10 +32,14 @@ def session(tmp_path_factory):
     return s
 
 
-def _eval(s, name, cfg):
+def _eval(s, name, cfg, holdout: bool = False):
+    from ditbook.cache.stage import holdout_cases
     from ditbook.cache.verify import evaluate
 
     gen = s.card.generation
+    if holdout:  # the held-out references the noise floor rendered
+        prompts, seeds = holdout_cases(s.card)
+        return evaluate(s.pipe, s.card, s.adapter, name, cfg, s.holdout_refs, s.holdout_counts, s.gates, prompts, seeds)
     return evaluate(s.pipe, s.card, s.adapter, name, cfg, s.baseline, s.baseline_counts, s.gates, gen.prompts,
                     gen.seeds)
 
@@ -62,6 +67,11 @@ def test_strategy_skips_blocks_and_disabled_reproduces(session, name):
     best = _eval(s, name, strat.Settings(**SKIPPING[name]))
     assert best.error is None and best.skipped_fraction > 0.2, best
     assert best.passed and best.quality.psnr_min > 30, best
+    _untouched(s)
+    # the quality claim on seeds the setting was not picked on: PSNR and SSIM against the gates
+    held = _eval(s, name, strat.Settings(**SKIPPING[name]), holdout=True)
+    assert held.error is None and held.skipped_fraction > 0.2, held
+    assert held.passed and held.quality.psnr_min > s.gates.psnr and held.quality.ssim_min > s.gates.ssim, held
     _untouched(s)
 
 
