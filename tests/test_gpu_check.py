@@ -131,14 +131,15 @@ def test_novel_models_run_beside_the_cards_and_each_gets_a_row(tmp_path):
     line = _finished_line(cache={"chosen": "x"}, plans={}, not_run={})
     scripts = {"ok": f"print('progress'); print({line!r})", "bad": "import sys; sys.exit(3)",
                "slow": "import sys, time; print('[novel slow] ditbook run: exit 0 at 1 s', file=sys.stderr, "
-                       "flush=True); time.sleep(30)"}
+                       "flush=True); time.sleep(120)"}
     command = lambda name, root, device: [sys.executable, "-c", scripts[name]]  # noqa: E731
-    poll = gpu_check.start_novel(["ok", "bad", "slow"], tmp_path, tmp_path, jobs=2, timeout=4.0, command=command)
+    # 10 s: time for a Python to start and print on a loaded 2-core machine; "slow" never ends by itself
+    poll = gpu_check.start_novel(["ok", "bad", "slow"], tmp_path, tmp_path, jobs=2, timeout=10.0, command=command)
     assert poll() is None  # two started, the third waits for a free slot
     rows = {r["model"]: r for r in poll(block=True)}
     assert rows["ok"]["status"] == "finished" and rows["ok"]["problems"] == [] and rows["ok"]["cache"] == {"chosen": "x"}
     assert rows["bad"]["status"] == "failed (exit 3)"
-    assert rows["slow"]["status"] == "timeout after 4 s" and rows["slow"]["seconds"] < 15
+    assert rows["slow"]["status"] == "timeout after 10 s" and rows["slow"]["seconds"] < 60
     assert rows["slow"]["reached"] == "[novel slow] ditbook run: exit 0 at 1 s"  # how far it got
 
 
@@ -168,14 +169,20 @@ def test_novel_models_start_after_the_cards_unless_asked_beside_them(tmp_path, m
     line = _finished_line()
     flag = tmp_path / "novel-started"
     monkeypatch.setattr(gpu_check, "novel_command", lambda name, root, device: [
-        sys.executable, "-c", f"import pathlib; pathlib.Path({str(flag)!r}).touch(); print({line!r})"])
+        sys.executable, "-c", f"import pathlib, time; pathlib.Path({str(flag)!r}).write_text(repr(time.time())); "
+                              f"print({line!r})"])
     seen = {}
 
     def cards(names, outputs, log_dir, timeout, one_at_a_time):
         import time
 
-        time.sleep(3.0)  # long enough for a model started beside the cards to have begun
+        # beside: the model's process starts while the cards run (waited for, however loaded the
+        # machine); after: it has not started when the cards end, and starts after that (below)
+        deadline = time.time() + (60 if beside else 1)
+        while not flag.exists() and time.time() < deadline:
+            time.sleep(0.05)
         seen["novel_during_cards"] = flag.exists()
+        seen["cards_end"] = time.time()
         return [{"card": c, "status": "finished", "seconds": 3.0, "stages": {}} for c in names]
 
     monkeypatch.setattr(gpu_check, "run_cards", cards)
@@ -185,4 +192,6 @@ def test_novel_models_start_after_the_cards_unless_asked_beside_them(tmp_path, m
     assert gpu_check.main(argv) == 0
     rec = json.loads((tmp_path / "r.json").read_text())
     assert seen["novel_during_cards"] is beside
+    if not beside:
+        assert float(flag.read_text()) >= seen["cards_end"]
     assert rec["novel"]["run"] == ("beside the cards" if beside else "after the cards") and rec["novel"]["passed"]

@@ -126,12 +126,14 @@ def test_unknown_stage_rejected(stages_dir, card_path):
 
 
 # each probe notebook records whether its stage's package was imported before its first cell ran,
-# in which process, and the names its namespace holds
+# in which process, when that process started, and the names its namespace holds. The start time
+# comes from /proc to 1/CLK_TCK s on time.time()'s clock (psutil's create_time adds a boot time
+# rounded to whole seconds: up to 1 s early, against the stages' time.time() stamps)
 _PROBE = """
-import json, os, pathlib, sys
-import psutil
+import json, os, pathlib, sys, time
+_since_boot = int(open(f"/proc/{os.getpid()}/stat").read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
 seen = {"warm": "ditbook.%s.stage" in sys.modules, "pid": os.getpid(), "cwd": os.getcwd(),
-        "born": psutil.Process().create_time(),
+        "born": time.time() - float(open("/proc/uptime").read().split()[0]) + _since_boot,
         "names": sorted(k for k in globals() if not k.startswith("_") and k not in ("In", "Out", "exit", "quit", "get_ipython", "open"))}
 (pathlib.Path(RUN_DIR) / "%s.json").write_text(json.dumps(seen))
 if pathlib.Path(os.environ["DITBOOK_TEST_FLAG"]).exists() and "%s" == "intake":
