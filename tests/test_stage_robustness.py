@@ -218,7 +218,9 @@ def test_a_drifting_baseline_gives_timing_unstable_instead_of_a_speedup():
             r.speedup, r.psnr_min, r.ssim_min, r.passed = 1.9, 40.0, 0.99, True
     bench = BenchmarkResults(device="cpu", warmup=0, repeats=1, baseline=decode(ConfigRow, data["baseline"], "b"),
                              configs=rows, timing=decode(TimingState, data["timing"], "timing"))
-    row = holdout_row("chosen", {"x": 1}, 40.0, 0.99, 0.5)
+    # skipping 0.9 of the block work is consistent with the 1.9x claimed below (half of it could not
+    # give 1.9x at this baseline's denoising share)
+    row = holdout_row("chosen", {"x": 1}, 40.0, 0.99, 0.9)
     cache = cache_record([row], chosen=row)
     v = verdict(bench, cache)
     assert not v.ship and v.speedup is None and "timing unstable" in v.reason
