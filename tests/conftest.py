@@ -15,6 +15,22 @@ def write_card(path: Path, text: str) -> Path:
 
 
 @pytest.fixture
+def no_launch(monkeypatch):
+    """No process group may start: ``ditbook.parallel.launch`` starts its ranks through
+    ``subprocess.Popen``, which here raises. For tests of refusals that must come before a launch."""
+    import importlib
+    import subprocess
+    from types import SimpleNamespace
+
+    launching = importlib.import_module("ditbook.parallel.launch")  # the module (the package exports a function of that name)
+
+    def launched(*a, **kw):
+        raise AssertionError("a process group was launched for a plan refused before launch")
+
+    monkeypatch.setattr(launching, "subprocess", SimpleNamespace(**{**vars(subprocess), "Popen": launched}))
+
+
+@pytest.fixture
 def model_dir(tmp_path):
     d = tmp_path / "model"
     d.mkdir()

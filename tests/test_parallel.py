@@ -6,7 +6,6 @@ baseline and several plans in the same processes, so a launch costs one start-up
 
 from __future__ import annotations
 
-import importlib
 import json
 import time
 from pathlib import Path
@@ -86,19 +85,9 @@ def test_feasibility_reasons(root):
     assert odd.feasible and "18 image tokens" in odd.reason and "split unevenly" in odd.reason  # ulysses_anything
 
 
-def test_infeasible_plan_is_refused_not_launched(root, tmp_path, capsys, monkeypatch):
-    import subprocess
-    from types import SimpleNamespace
-
+def test_infeasible_plan_is_refused_not_launched(root, tmp_path, capsys, no_launch):
     from ditbook.cli import main
 
-    launching = importlib.import_module("ditbook.parallel.launch")  # the module (the package exports a function of that name)
-
-    def launched(*a, **kw):
-        raise AssertionError("a process group was launched for plans refused as infeasible")
-
-    # the ranks start in launch()'s subprocess.Popen: a refusal must come before it
-    monkeypatch.setattr(launching, "subprocess", SimpleNamespace(**{**vars(subprocess), "Popen": launched}))
     card = models.tiny_flux(root)
     arch = tmp_path / "arch.json"
     _report(heads=3, kv=3, style="none").save(arch)

@@ -4,7 +4,6 @@ split fail, tensor parallel (not implemented) is refused before launch."""
 
 from __future__ import annotations
 
-import importlib
 import time
 from pathlib import Path
 
@@ -160,22 +159,12 @@ def test_registered_planner_is_called_with_the_transformer():
     assert cp.source == "cache-dit:Planner" and cp.plan["_n"] == 4
 
 
-def test_tp_plan_is_refused_before_launch(tmp_path, capsys, monkeypatch):
+def test_tp_plan_is_refused_before_launch(tmp_path, capsys, no_launch):
     """Tensor parallel runs alone (tests/test_parallel_kinds.py); composed with CFG it is refused
     before any process starts."""
-    import subprocess
-    from types import SimpleNamespace
-
     from ditbook.cli import main
     from ditbook.parallel.launch import PlanRefused, run_plans
 
-    launching = importlib.import_module("ditbook.parallel.launch")  # the module (the package exports a function of that name)
-
-    def launched(*a, **kw):
-        raise AssertionError("a process group was launched for a plan refused before launch")
-
-    # the ranks start in launch()'s subprocess.Popen: a refusal must come before it
-    monkeypatch.setattr(launching, "subprocess", SimpleNamespace(**{**vars(subprocess), "Popen": launched}))
     card = models.tiny_thirdparty(tmp_path)
     with pytest.raises(PlanRefused, match="composition with CFG or context parallel"):
         run_plans(card, ["cfg2_tp2"], 4, tmp_path / "run")
